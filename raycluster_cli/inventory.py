@@ -1,0 +1,236 @@
+"""The inventory: YAML → a frozen, validated model. Errors name the YAML path and line and say the fix.
+
+Only this module reads the inventory file; nothing here touches the network.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+from ipaddress import IPv4Address
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from .errors import InventoryError
+
+DEFAULT_INVENTORY = "inventory.yaml"
+INVENTORY_ENV = "RAYCLUSTER_INVENTORY"
+_NAME = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,62}$")
+_SIZE = re.compile(r"^\d+(\.\d+)?[bkmg]?$", re.IGNORECASE)
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class SSHConfig(_Model):
+    """How raycluster logs in to every host (per-host `ssh:` overrides single keys)."""
+
+    user: str = "root"
+    key: str | None = "~/.ssh/id_ed25519"
+    port: int = Field(22, ge=1, le=65535)
+    known_hosts: Literal["strict", "accept-new"] = "strict"
+    known_hosts_file: str = "~/.ssh/known_hosts"
+    connect_timeout_s: float = Field(10.0, gt=0)
+
+
+class HostSSH(_Model):
+    user: str | None = None
+    key: str | None = None
+    port: int | None = Field(None, ge=1, le=65535)
+
+
+class DockerConfig(_Model):
+    """Container settings: cluster-wide under `docker:`, per host under `hosts[].docker`."""
+
+    shm_size: str | None = None
+    run_options: list[str] = Field(default_factory=list)
+
+    @field_validator("shm_size")
+    @classmethod
+    def _size(cls, value: str | None) -> str | None:
+        if value is not None and not _SIZE.match(value):
+            raise ValueError("use a Docker size such as 2g or 512m")
+        return value
+
+
+class RayConfig(_Model):
+    port: int = Field(6379, ge=1, le=65535)
+    dashboard_port: int = Field(8265, ge=1, le=65535)
+    client_port: int = Field(10001, ge=1, le=65535)
+    object_store_memory: int | None = Field(None, gt=0, description="bytes; default: Ray's own choice")
+    auth: Literal["token", "none"] = "token"
+
+
+class HeadConfig(_Model):
+    address: IPv4Address
+
+
+class HostConfig(_Model):
+    address: IPv4Address
+    role: Literal["head", "worker"] = "worker"
+    hostname: str | None = Field(
+        None, description="hostname of the Ray container; default: the host's own hostname"
+    )
+    num_cpus: float | None = Field(None, gt=0)
+    num_gpus: int | None = Field(None, ge=0)
+    ssh: HostSSH = Field(default_factory=HostSSH)
+    docker: DockerConfig = Field(default_factory=DockerConfig)
+
+
+class Inventory(_Model):
+    cluster: str
+    image: str
+    ssh: SSHConfig = Field(default_factory=SSHConfig)
+    head: HeadConfig | None = None
+    ray: RayConfig = Field(default_factory=RayConfig)
+    docker: DockerConfig = Field(default_factory=lambda: DockerConfig(shm_size="2g"))
+    hosts: list[HostConfig] = Field(min_length=1)
+
+    @field_validator("cluster")
+    @classmethod
+    def _cluster_name(cls, value: str) -> str:
+        if not _NAME.match(value):
+            raise ValueError("use lower-case letters, digits, '-', '_' or '.' (at most 63), e.g. demo")
+        return value
+
+    @model_validator(mode="after")
+    def _roles(self) -> Inventory:
+        heads = [h for h in self.hosts if h.role == "head"]
+        if len(heads) != 1:
+            raise ValueError(f"exactly one host needs role: head (found {len(heads)})")
+        seen: set[IPv4Address] = set()
+        for host in self.hosts:
+            if host.address in seen:
+                raise ValueError(f"host {host.address} is listed twice")
+            seen.add(host.address)
+        return self
+
+    # Derived views -------------------------------------------------------------------------------
+
+    @property
+    def head_host(self) -> HostConfig:
+        return next(h for h in self.hosts if h.role == "head")
+
+    @property
+    def workers(self) -> list[HostConfig]:
+        return [h for h in self.hosts if h.role == "worker"]
+
+    @property
+    def head_address(self) -> str:
+        """The IP that workers use to reach the head (default: the head host's own address)."""
+        return str(self.head.address if self.head else self.head_host.address)
+
+    def node_ip(self, host: HostConfig) -> str:
+        """The IP the Ray node on `host` registers with."""
+        return self.head_address if host.role == "head" else str(host.address)
+
+    def docker_for(self, host: HostConfig) -> DockerConfig:
+        """Cluster-wide docker settings with the host's own on top (run_options are appended)."""
+        return DockerConfig(
+            shm_size=host.docker.shm_size or self.docker.shm_size,
+            run_options=[*self.docker.run_options, *host.docker.run_options],
+        )
+
+    def ssh_for(self, host: HostConfig) -> SSHConfig:
+        override = {k: v for k, v in host.ssh.model_dump().items() if v is not None}
+        return self.ssh.model_copy(update=override)
+
+
+@dataclass(frozen=True)
+class LoadedInventory:
+    inventory: Inventory
+    path: Path
+
+
+def resolve_path(explicit: str | os.PathLike[str] | None) -> Path:
+    """`-i/--inventory`, else `$RAYCLUSTER_INVENTORY`, else ./inventory.yaml."""
+    if explicit:
+        return Path(explicit)
+    from_env = os.environ.get(INVENTORY_ENV)
+    return Path(from_env) if from_env else Path(DEFAULT_INVENTORY)
+
+
+def load(explicit: str | os.PathLike[str] | None = None) -> LoadedInventory:
+    path = resolve_path(explicit)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise InventoryError(
+            f"inventory {path} not found",
+            f"pass -i FILE, set ${INVENTORY_ENV}, or copy inventory.example.yaml to {DEFAULT_INVENTORY}",
+        ) from None
+    except OSError as exc:
+        raise InventoryError(f"inventory {path}: {exc.strerror}", "check the path and its permissions") from None
+    return LoadedInventory(parse(text, str(path)), path.resolve())
+
+
+def parse(text: str, source: str = "<inventory>") -> Inventory:
+    """Parse and validate inventory YAML; raise InventoryError naming `source:line` and the field."""
+    try:
+        root = yaml.compose(text)
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f"{source}:{mark.line + 1}" if mark else source
+        problem = getattr(exc, "problem", None) or str(exc)
+        raise InventoryError(f"{where}: invalid YAML ({problem})", "fix the YAML syntax at that line") from None
+    if not isinstance(data, dict):
+        raise InventoryError(f"{source}: the inventory must be a mapping", "see inventory.example.yaml")
+    try:
+        return Inventory.model_validate(data)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        loc = tuple(first["loc"])
+        field = _dotted(loc) or "(top level)"
+        line = _line_of(root, loc)
+        where = f"{source}:{line}" if line else source
+        raise InventoryError(f"{where}: {field}: {_message(first)}", _hint(first, field)) from None
+
+
+def _dotted(loc: tuple[Any, ...]) -> str:
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out
+
+
+def _message(error: Any) -> str:
+    msg = str(error["msg"])
+    return msg.removeprefix("Value error, ")
+
+
+def _hint(error: Any, field: str) -> str:
+    kind = error["type"]
+    if kind == "extra_forbidden":
+        return f"remove {field} or check its spelling (see inventory.example.yaml)"
+    if kind == "missing":
+        return f"add {field} (see inventory.example.yaml)"
+    if "ip" in kind:
+        return "use an IPv4 address such as 192.0.2.11"
+    return "see inventory.example.yaml for the accepted values"
+
+
+def _walk(node: yaml.Node | None, loc: tuple[Any, ...]) -> Iterator[yaml.Node]:
+    """Yield the nodes along `loc` as far as the YAML goes."""
+    for part in loc:
+        if isinstance(node, yaml.MappingNode):
+            node = next((v for k, v in node.value if getattr(k, "value", None) == part), None)
+        elif isinstance(node, yaml.SequenceNode) and isinstance(part, int) and part < len(node.value):
+            node = node.value[part]
+        else:
+            return
+        if node is None:
+            return
+        yield node
+
+
+def _line_of(root: yaml.Node | None, loc: tuple[Any, ...]) -> int | None:
+    nodes = list(_walk(root, loc))
+    node = nodes[-1] if nodes else root
+    return node.start_mark.line + 1 if node is not None else None

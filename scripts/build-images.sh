@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# Build raycluster's images offline: a Debian base (debootstrap + docker import), the lab host image
+# and the Ray node image (from a wheelhouse made on this machine). Each step is skipped when done.
+set -euo pipefail
+here=$(cd "$(dirname "$0")/.." && pwd)
+cd "$here"
+DOCKER=${DOCKER:-$(command -v /usr/bin/docker || command -v docker)}
+BASE_IMAGE=${BASE_IMAGE:-raycluster/debian-base:bookworm}
+NODE_IMAGE=${NODE_IMAGE:-raycluster/node:0.1.0}
+LAB_IMAGE=${LAB_IMAGE:-raycluster/labhost:0.1.0}
+PYTHON=${PYTHON:-python3}
+log() { echo "[build-images] $*" >&2; }
+
+if ! "$DOCKER" image inspect "$BASE_IMAGE" >/dev/null 2>&1; then
+  command -v debootstrap >/dev/null || { apt-get update -qq && apt-get install -y -qq debootstrap; }
+  rootfs=$(mktemp -d /tmp/raycluster-rootfs.XXXXXX)
+  log "debootstrap bookworm into $rootfs"
+  debootstrap --variant=minbase bookworm "$rootfs" http://deb.debian.org/debian >/tmp/raycluster-debootstrap.log 2>&1 \
+    || { tail -20 /tmp/raycluster-debootstrap.log >&2; exit 1; }
+  tar -C "$rootfs" -c . | "$DOCKER" import - "$BASE_IMAGE" >/dev/null
+  rm -rf "$rootfs"
+  log "imported $BASE_IMAGE"
+fi
+
+mkdir -p .cache/wheelhouse
+if ! ls .cache/wheelhouse/ray-2.60.0-*.whl .cache/wheelhouse/torch-2.13.0*.whl >/dev/null 2>&1; then
+  log "downloading the wheelhouse"
+  "$PYTHON" -m pip download -q "ray[default]==2.60.0" "torch==2.13.0" numpy -d .cache/wheelhouse
+fi
+
+build() {  # build IMAGE DOCKERFILE
+  log "building $1"
+  DOCKER_BUILDKIT=0 "$DOCKER" build -q --network host --build-arg BASE_IMAGE="$BASE_IMAGE" \
+    -t "$1" -f "$2" . >/dev/null
+}
+"$DOCKER" image inspect "$LAB_IMAGE" >/dev/null 2>&1 && [ "${REBUILD_LAB:-0}" != 1 ] \
+  || build "$LAB_IMAGE" docker/labhost/Dockerfile
+# The node image carries raycluster's code: always rebuild (cached layers make this quick when unchanged).
+build "$NODE_IMAGE" docker/node/Dockerfile
+log "images ready: $LAB_IMAGE $NODE_IMAGE"
