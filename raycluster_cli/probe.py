@@ -1,0 +1,51 @@
+"""Runs inside the head's container: wait until the expected node IPs are alive Ray nodes, print JSON.
+
+`raycluster up` and `status` call `docker exec <head> python -m raycluster_cli.probe --expect IP,...`.
+One `ray.init` per call keeps polling cheap.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m raycluster_cli.probe")
+    parser.add_argument("--address", default="auto", help="the head's GCS address, HOST:PORT")
+    parser.add_argument("--expect", default="", help="comma-separated node IPs to wait for")
+    parser.add_argument("--timeout", type=float, default=0.0, help="seconds to wait for them")
+    args = parser.parse_args(argv)
+    expected = {ip for ip in args.expect.split(",") if ip}
+
+    import ray
+
+    try:
+        ray.init(address=args.address, logging_level="ERROR", log_to_driver=False)
+    except Exception as exc:
+        print(json.dumps({"ok": False, "error": f"{type(exc).__name__}: {exc}".splitlines()[0]}))
+        return 1
+    deadline = time.monotonic() + args.timeout
+    while True:
+        nodes = ray.nodes()
+        alive = {n["NodeManagerAddress"] for n in nodes if n.get("Alive")}
+        if expected <= alive or time.monotonic() >= deadline:
+            break
+        time.sleep(0.5)
+    report = [
+        {
+            "node_ip": n["NodeManagerAddress"],
+            "node_id": n["NodeID"],
+            "alive": bool(n.get("Alive")),
+            "resources": {k: v for k, v in n.get("Resources", {}).items() if not k.startswith("node:")},
+        }
+        for n in nodes
+    ]
+    print(json.dumps({"ok": expected <= alive, "nodes": report}))
+    return 0 if expected <= alive else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,5 @@
+"""Ways to run commands on a host: over SSH (paramiko), locally, or from a table (tests)."""
+
+from .base import CommandResult, Transport, quote
+
+__all__ = ["CommandResult", "Transport", "quote"]

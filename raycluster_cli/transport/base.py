@@ -1,0 +1,57 @@
+"""The one protocol every transport implements."""
+
+from __future__ import annotations
+
+import shlex
+from dataclasses import dataclass
+from typing import Protocol
+
+
+@dataclass(frozen=True)
+class CommandResult:
+    rc: int
+    stdout: str
+    stderr: str
+
+    @property
+    def ok(self) -> bool:
+        return self.rc == 0
+
+    def first_line(self) -> str:
+        """The first non-empty line of stderr (else stdout): what to show a user on failure."""
+        for text in (self.stderr, self.stdout):
+            for line in text.splitlines():
+                if line.strip():
+                    return line.strip()[:300]
+        return f"exit status {self.rc}"
+
+
+class Transport(Protocol):
+    """A host we can run shell commands on."""
+
+    host: str
+
+    def run(self, command: str, *, stdin: bytes | None = None, timeout: float | None = 120.0) -> CommandResult:
+        """Run `command` in a POSIX shell; never raises for a non-zero exit (only for a lost host)."""
+        ...
+
+    def put(self, data: bytes, path: str, mode: int = 0o600) -> None:
+        """Write `data` to `path` atomically with `mode`, creating parent folders (mode 0700)."""
+        ...
+
+    def close(self) -> None: ...
+
+
+def quote(*parts: object) -> str:
+    """Join arguments into a shell command line, each quoted."""
+    return " ".join(shlex.quote(str(p)) for p in parts)
+
+
+def put_command(path: str, mode: int) -> str:
+    """The shell command that `put` runs with the data on stdin (data never on a command line)."""
+    directory = path.rsplit("/", 1)[0] or "/"
+    tmp = f"{path}.raycluster-tmp"
+    return (
+        f"umask 077 && mkdir -p -- {quote(directory)} && cat > {quote(tmp)} && "
+        f"chmod {mode:o} {quote(tmp)} && mv -f -- {quote(tmp)} {quote(path)}"
+    )

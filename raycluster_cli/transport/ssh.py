@@ -1,0 +1,174 @@
+"""SSH transport over paramiko with host keys verified.
+
+`strict` refuses a host whose key is not in known_hosts; `accept-new` records an unknown key (and still
+refuses a changed one). Every failure becomes a TransportError that names the host and the fix.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+from pathlib import Path
+
+import paramiko
+
+from ..errors import AuthError, HostKeyError, TransportError
+from .base import CommandResult, put_command
+
+
+class _AcceptNewPolicy(paramiko.MissingHostKeyPolicy):
+    """Record an unknown host key in the known_hosts file (like OpenSSH's accept-new)."""
+
+    def __init__(self, known_hosts_file: Path) -> None:
+        self.known_hosts_file = known_hosts_file
+        self.lock = threading.Lock()
+
+    def missing_host_key(self, client: paramiko.SSHClient, hostname: str, key: paramiko.PKey) -> None:
+        with self.lock:
+            self.known_hosts_file.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+            with self.known_hosts_file.open("a") as handle:
+                handle.write(f"{hostname} {key.get_name()} {key.get_base64()}\n")
+        client.get_host_keys().add(hostname, key.get_name(), key)
+
+
+class SSHTransport:
+    def __init__(
+        self,
+        host: str,
+        *,
+        user: str = "root",
+        port: int = 22,
+        key_file: str | None = None,
+        known_hosts: str = "strict",
+        known_hosts_file: str = "~/.ssh/known_hosts",
+        connect_timeout: float = 10.0,
+    ) -> None:
+        self.host = host
+        self.user = user
+        self.port = port
+        self.key_file = os.path.expanduser(key_file) if key_file else None
+        self.known_hosts = known_hosts
+        self.known_hosts_file = Path(os.path.expanduser(known_hosts_file))
+        self.connect_timeout = connect_timeout
+        self._client: paramiko.SSHClient | None = None
+
+    @property
+    def _target(self) -> str:
+        return self.host if self.port == 22 else f"[{self.host}]:{self.port}"
+
+    def connect(self) -> None:
+        if self._client is not None:
+            return
+        if self.key_file and not os.path.exists(self.key_file):
+            raise AuthError(self.host, f"SSH key {self.key_file} does not exist", "fix ssh.key in the inventory")
+        client = paramiko.SSHClient()
+        if self.known_hosts_file.exists():
+            client.load_host_keys(str(self.known_hosts_file))
+        if self.known_hosts == "accept-new":
+            client.set_missing_host_key_policy(_AcceptNewPolicy(self.known_hosts_file))
+        else:
+            client.set_missing_host_key_policy(paramiko.RejectPolicy())
+        try:
+            client.connect(
+                self.host,
+                port=self.port,
+                username=self.user,
+                key_filename=self.key_file,
+                timeout=self.connect_timeout,
+                banner_timeout=self.connect_timeout,
+                auth_timeout=self.connect_timeout,
+                allow_agent=self.key_file is None,
+                look_for_keys=self.key_file is None,
+            )
+        except paramiko.BadHostKeyException:
+            client.close()
+            raise HostKeyError(
+                self.host,
+                "SSH host key has CHANGED since it was recorded (possible man-in-the-middle)",
+                f"if the host was reinstalled: ssh-keygen -f {self.known_hosts_file} -R '{self._target}'",
+            ) from None
+        except paramiko.AuthenticationException:
+            client.close()
+            raise AuthError(
+                self.host,
+                f"SSH authentication failed (user={self.user}, key={self.key_file or 'agent/default keys'})",
+                f"install the public key in ~{self.user}/.ssh/authorized_keys on {self.host}, or fix ssh.user/ssh.key",
+            ) from None
+        except paramiko.SSHException as exc:
+            client.close()
+            if "known_hosts" in str(exc):
+                raise HostKeyError(
+                    self.host,
+                    f"SSH host key is not in {self.known_hosts_file} (ssh.known_hosts: strict)",
+                    f"verify and record it: ssh-keyscan -p {self.port} {self.host} >> {self.known_hosts_file}, "
+                    "or set ssh.known_hosts: accept-new",
+                ) from None
+            raise TransportError(self.host, f"SSH failed: {exc}", "check sshd on the host") from None
+        except (TimeoutError, socket.timeout):
+            client.close()
+            raise TransportError(
+                self.host,
+                f"no answer on port {self.port} within {self.connect_timeout:.0f}s (host down or filtered)",
+                "check the address, that the host is up, and firewalls between here and it",
+            ) from None
+        except paramiko.ssh_exception.NoValidConnectionsError:
+            client.close()
+            raise TransportError(
+                self.host, f"connection refused on port {self.port}", "start sshd on the host or fix ssh.port"
+            ) from None
+        except OSError as exc:
+            client.close()
+            raise TransportError(
+                self.host, f"cannot connect: {exc.strerror or exc}", "check the address and the route to it"
+            ) from None
+        self._client = client
+
+    def run(self, command: str, *, stdin: bytes | None = None, timeout: float | None = 120.0) -> CommandResult:
+        self.connect()
+        assert self._client is not None
+        transport = self._client.get_transport()
+        if transport is None or not transport.is_active():
+            raise TransportError(self.host, "SSH connection was lost", "check the host and retry")
+        channel = transport.open_session()
+        try:
+            channel.exec_command(command)
+            if stdin is not None:
+                channel.sendall(stdin)
+            channel.shutdown_write()
+            return self._collect(channel, timeout)
+        finally:
+            channel.close()
+
+    def _collect(self, channel: paramiko.Channel, timeout: float | None) -> CommandResult:
+        out, err = bytearray(), bytearray()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        channel.settimeout(0.2)
+        while True:
+            got = False
+            if channel.recv_ready():
+                out += channel.recv(65536)
+                got = True
+            if channel.recv_stderr_ready():
+                err += channel.recv_stderr(65536)
+                got = True
+            if not got:
+                if channel.exit_status_ready() and not channel.recv_ready() and not channel.recv_stderr_ready():
+                    break
+                if deadline is not None and time.monotonic() > deadline:
+                    raise TransportError(self.host, f"a command ran past {timeout:.0f}s", "see --debug for it")
+                time.sleep(0.01)
+        return CommandResult(
+            channel.recv_exit_status(), out.decode(errors="replace"), err.decode(errors="replace")
+        )
+
+    def put(self, data: bytes, path: str, mode: int = 0o600) -> None:
+        result = self.run(put_command(path, mode), stdin=data)
+        if not result.ok:
+            raise TransportError(self.host, f"cannot write {path}: {result.first_line()}", "check disk and permissions")
+
+    def close(self) -> None:
+        if self._client is not None:
+            self._client.close()
+            self._client = None
