@@ -305,7 +305,8 @@ def down(inventory: Inventory, connect: Connect, *, progress: Progress = _quiet)
             result = transport.run("docker rm -f " + quote(container.id), timeout=120)
             if not result.ok:
                 raise OperationError(
-                    f"{host.address}: cannot remove {container.name}: {result.first_line()}", "check Docker there"
+                    f"{host.address}: cannot remove {container.name}: {result.first_line()}",
+                    "check Docker there",
                 )
             names.append(container.name)
         return names

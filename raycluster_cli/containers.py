@@ -37,7 +37,12 @@ def ray_start_args(inventory: Inventory, host: HostConfig) -> list[str]:
             f"--ray-client-server-port={ray.client_port}",
         ]  # fmt: skip
     else:
-        args = ["ray", "start", f"--address={inventory.head_address}:{ray.port}", f"--node-ip-address={node_ip}"]
+        args = [
+            "ray",
+            "start",
+            f"--address={inventory.head_address}:{ray.port}",
+            f"--node-ip-address={node_ip}",
+        ]
     if host.num_cpus is not None:
         args.append(f"--num-cpus={host.num_cpus:g}")
     if host.num_gpus is not None:
@@ -87,8 +92,10 @@ class Container:
 
 
 def list_command(inventory: Inventory) -> str:
-    return "docker ps --all --no-trunc --filter " + quote(f"label={LABEL_CLUSTER}={inventory.cluster}") + (
-        " --format '{{json .}}'"
+    return (
+        "docker ps --all --no-trunc --filter "
+        + quote(f"label={LABEL_CLUSTER}={inventory.cluster}")
+        + (" --format '{{json .}}'")
     )
 
 

@@ -74,21 +74,19 @@ class HeadConfig(_Model):
 class HostConfig(_Model):
     address: IPv4Address
     role: Literal["head", "worker"] = "worker"
-    hostname: str | None = Field(
-        None, description="hostname of the Ray container; default: the host's own hostname"
-    )
+    hostname: str | None = Field(None, description="hostname of the Ray container; default: the host's own hostname")
     num_cpus: float | None = Field(None, gt=0)
     num_gpus: int | None = Field(None, ge=0)
-    ssh: HostSSH = Field(default_factory=HostSSH)
-    docker: DockerConfig = Field(default_factory=DockerConfig)
+    ssh: HostSSH = HostSSH()
+    docker: DockerConfig = DockerConfig()
 
 
 class Inventory(_Model):
     cluster: str
     image: str
-    ssh: SSHConfig = Field(default_factory=SSHConfig)
+    ssh: SSHConfig = SSHConfig()
     head: HeadConfig | None = None
-    ray: RayConfig = Field(default_factory=RayConfig)
+    ray: RayConfig = RayConfig()
     docker: DockerConfig = Field(default_factory=lambda: DockerConfig(shm_size="2g"))
     hosts: list[HostConfig] = Field(min_length=1)
 

@@ -33,13 +33,45 @@ LAB_IMAGE = "raycluster/labhost:0.1.0"
 NODE_IMAGE = "raycluster/node:0.1.0"
 # Every capability Docker 20.10 knows but CAP_SYS_RESOURCE, which this kind of sandbox withholds
 # (so --privileged fails there).
-_CAPS = (
-    "AUDIT_CONTROL AUDIT_READ AUDIT_WRITE BLOCK_SUSPEND CHOWN DAC_OVERRIDE "
-    "DAC_READ_SEARCH FOWNER FSETID IPC_LOCK IPC_OWNER KILL LEASE LINUX_IMMUTABLE MAC_ADMIN MAC_OVERRIDE "
-    "MKNOD NET_ADMIN NET_BIND_SERVICE NET_BROADCAST NET_RAW SETFCAP SETGID SETPCAP SETUID "
-    "SYS_ADMIN SYS_BOOT SYS_CHROOT SYS_MODULE SYS_NICE SYS_PACCT SYS_PTRACE SYS_RAWIO SYS_TIME "
-    "SYS_TTY_CONFIG SYSLOG WAKE_ALARM"
-).split()
+_CAPS = [
+    "AUDIT_CONTROL",
+    "AUDIT_READ",
+    "AUDIT_WRITE",
+    "BLOCK_SUSPEND",
+    "CHOWN",
+    "DAC_OVERRIDE",
+    "DAC_READ_SEARCH",
+    "FOWNER",
+    "FSETID",
+    "IPC_LOCK",
+    "IPC_OWNER",
+    "KILL",
+    "LEASE",
+    "LINUX_IMMUTABLE",
+    "MAC_ADMIN",
+    "MAC_OVERRIDE",
+    "MKNOD",
+    "NET_ADMIN",
+    "NET_BIND_SERVICE",
+    "NET_BROADCAST",
+    "NET_RAW",
+    "SETFCAP",
+    "SETGID",
+    "SETPCAP",
+    "SETUID",
+    "SYS_ADMIN",
+    "SYS_BOOT",
+    "SYS_CHROOT",
+    "SYS_MODULE",
+    "SYS_NICE",
+    "SYS_PACCT",
+    "SYS_PTRACE",
+    "SYS_RAWIO",
+    "SYS_TIME",
+    "SYS_TTY_CONFIG",
+    "SYSLOG",
+    "WAKE_ALARM",
+]
 
 Progress = Callable[[str], None]
 
@@ -98,8 +130,7 @@ def lab_hosts(count: int, subnet: str = DEFAULT_SUBNET) -> list[LabHost]:
     if count < 1 or count > 50:
         raise UsageError(f"--hosts {count} is out of range", "use 1 to 50 lab hosts")
     return [
-        LabHost(f"raycluster-lab-h{i}", f"lab-h{i}", str(net.network_address + 10 + i))
-        for i in range(1, count + 1)
+        LabHost(f"raycluster-lab-h{i}", f"lab-h{i}", str(net.network_address + 10 + i)) for i in range(1, count + 1)
     ]
 
 
@@ -283,7 +314,10 @@ def _start_host(client: Any, host: LabHost, image: str, public_key: str, progres
             init=True,
             cap_add=_CAPS,
             security_opt=["seccomp=unconfined", "apparmor=unconfined"],
-            volumes={"/sys/fs/cgroup": {"bind": "/sys/fs/cgroup", "mode": "rw"}, volume: {"bind": "/var/lib/docker"}},
+            volumes={
+                "/sys/fs/cgroup": {"bind": "/sys/fs/cgroup", "mode": "rw"},
+                volume: {"bind": "/var/lib/docker"},
+            },
             environment={"LAB_CGROUP_PARENT": host.name},
             labels={LAB_LABEL: "1"},
             network=NETWORK,

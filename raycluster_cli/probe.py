@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 import time
 
@@ -23,7 +24,7 @@ def main(argv: list[str] | None = None) -> int:
     import ray
 
     try:
-        ray.init(address=args.address, logging_level="ERROR", log_to_driver=False)
+        ray.init(address=args.address, logging_level=logging.ERROR, log_to_driver=False)
     except Exception as exc:
         print(json.dumps({"ok": False, "error": f"{type(exc).__name__}: {exc}".splitlines()[0]}))
         return 1

@@ -4,4 +4,13 @@ from .base import Check, CheckContext, CheckResult, Finding, Status
 from .catalog import ALL_CHECKS
 from .runner import ignore_ids, run_checks
 
-__all__ = ["ALL_CHECKS", "Check", "CheckContext", "CheckResult", "Finding", "Status", "ignore_ids", "run_checks"]
+__all__ = [
+    "ALL_CHECKS",
+    "Check",
+    "CheckContext",
+    "CheckResult",
+    "Finding",
+    "Status",
+    "ignore_ids",
+    "run_checks",
+]

@@ -43,7 +43,9 @@ def _image(rc: int, out: str, err: str, ctx: CheckContext) -> Finding:
 def _head_nic(rc: int, out: str, err: str, ctx: CheckContext) -> Finding:
     head = ctx.inventory.head_address
     if rc != 0:
-        return Finding(Status.FAIL, f"cannot list interfaces ({err.strip() or rc})", "install iproute2 on the head host")
+        return Finding(
+            Status.FAIL, f"cannot list interfaces ({err.strip() or rc})", "install iproute2 on the head host"
+        )
     interfaces = parse_ip_addr(out)
     match = next((i for i in interfaces if i.address == head), None)
     if match:

@@ -48,7 +48,9 @@ def ignore_ids(text: str | None) -> frozenset[str]:
     return ids
 
 
-def _check_host(inventory: Inventory, host: HostConfig, connect: Connect, checks: tuple[Check, ...]) -> list[CheckResult]:
+def _check_host(
+    inventory: Inventory, host: HostConfig, connect: Connect, checks: tuple[Check, ...]
+) -> list[CheckResult]:
     address = str(host.address)
     try:
         transport = connect(host)

@@ -11,7 +11,9 @@ from .base import CommandResult
 class FakeTransport:
     def __init__(self, host: str, table: Mapping[str, CommandResult | str]) -> None:
         self.host = host
-        self.table = [(re.compile(k), v if isinstance(v, CommandResult) else CommandResult(0, v, "")) for k, v in table.items()]
+        self.table = [
+            (re.compile(k), v if isinstance(v, CommandResult) else CommandResult(0, v, "")) for k, v in table.items()
+        ]
         self.commands: list[str] = []
         self.files: dict[str, tuple[bytes, int]] = {}
 

@@ -14,12 +14,12 @@ class LocalTransport:
 
     def run(self, command: str, *, stdin: bytes | None = None, timeout: float | None = 120.0) -> CommandResult:
         try:
-            done = subprocess.run(
-                ["/bin/sh", "-c", command], input=stdin or b"", capture_output=True, timeout=timeout
-            )
+            done = subprocess.run(["/bin/sh", "-c", command], input=stdin or b"", capture_output=True, timeout=timeout)
         except subprocess.TimeoutExpired:
             raise TransportError(self.host, f"a command ran past {timeout}s", "see --debug for it") from None
-        return CommandResult(done.returncode, done.stdout.decode(errors="replace"), done.stderr.decode(errors="replace"))
+        return CommandResult(
+            done.returncode, done.stdout.decode(errors="replace"), done.stderr.decode(errors="replace")
+        )
 
     def put(self, data: bytes, path: str, mode: int = 0o600) -> None:
         result = self.run(put_command(path, mode), stdin=data)

@@ -7,7 +7,6 @@ refuses a changed one). Every failure becomes a TransportError that names the ho
 from __future__ import annotations
 
 import os
-import socket
 import threading
 import time
 from pathlib import Path
@@ -106,7 +105,7 @@ class SSHTransport:
                     "or set ssh.known_hosts: accept-new",
                 ) from None
             raise TransportError(self.host, f"SSH failed: {exc}", "check sshd on the host") from None
-        except (TimeoutError, socket.timeout):
+        except TimeoutError:
             client.close()
             raise TransportError(
                 self.host,
@@ -159,9 +158,7 @@ class SSHTransport:
                 if deadline is not None and time.monotonic() > deadline:
                     raise TransportError(self.host, f"a command ran past {timeout:.0f}s", "see --debug for it")
                 time.sleep(0.01)
-        return CommandResult(
-            channel.recv_exit_status(), out.decode(errors="replace"), err.decode(errors="replace")
-        )
+        return CommandResult(channel.recv_exit_status(), out.decode(errors="replace"), err.decode(errors="replace"))
 
     def put(self, data: bytes, path: str, mode: int = 0o600) -> None:
         result = self.run(put_command(path, mode), stdin=data)

@@ -1,0 +1,50 @@
+# The two commands of the README: `make demo` (set up and run the main job) and `make test`.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+LAB_HOSTS ?= 3
+
+.PHONY: demo test venv docker images lab lab-down lint unit clean
+
+venv: $(VENV)/.installed
+$(VENV)/.installed: pyproject.toml
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --disable-pip-version-check -e ".[dev,bench]"
+	@touch $@
+
+docker:
+	bash scripts/ensure-docker.sh
+
+images: docker
+	PYTHON=$(PYTHON) bash scripts/build-images.sh
+
+lab: venv images
+	$(BIN)/raycluster lab up --hosts $(LAB_HOSTS)
+
+lab-down: venv
+	$(BIN)/raycluster lab down
+
+# The main job: a 3-host lab, then doctor → up → bench → down against it.
+demo: lab
+	@inv=$$($(BIN)/raycluster lab up --hosts $(LAB_HOSTS) --json | $(BIN)/python -c 'import json,sys; print(json.load(sys.stdin)["inventory"])'); \
+	set -e; \
+	echo "== raycluster doctor -i $$inv"; $(BIN)/raycluster doctor -i $$inv; \
+	echo "== raycluster up -i $$inv"; $(BIN)/raycluster up -i $$inv; \
+	echo "== raycluster bench -i $$inv --check-output"; $(BIN)/raycluster bench -i $$inv --check-output; \
+	echo "== raycluster down -i $$inv"; $(BIN)/raycluster down -i $$inv
+
+lint: venv
+	$(BIN)/ruff check raycluster_cli tests
+	$(BIN)/ruff format --check raycluster_cli tests
+	$(BIN)/mypy
+
+unit: venv
+	$(BIN)/pytest -q tests/unit tests/cli
+
+# Everything: lint, types, unit and CLI tests, and the lab tests on a real 3-host lab.
+test: lint images
+	RAYCLUSTER_REQUIRE_LAB=1 $(BIN)/pytest -ra --junitxml=test-results/junit.xml tests
+
+clean:
+	rm -rf $(VENV) test-results .pytest_cache .mypy_cache .ruff_cache

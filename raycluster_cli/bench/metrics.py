@@ -1,0 +1,66 @@
+"""Balance and latency maths for the benchmark.  Pure Python, no torch.
+
+``busy`` values are per-stage compute times (seconds spent inside forward passes) over the same
+wall-clock window; their spread says how well the pipeline is balanced.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+
+def _checked(values: Sequence[float], what: str) -> list[float]:
+    out = [float(v) for v in values]
+    if not out:
+        raise ValueError(f"{what} needs at least one value")
+    if any(math.isnan(v) or v < 0 for v in out):
+        raise ValueError(f"{what} values must be non-negative numbers, got {out}")
+    return out
+
+
+def imbalance(busy: Sequence[float]) -> float:
+    """(Tmax - Tmin) / Tmean: 0 for a perfectly balanced pipeline; 0 when nothing ran at all."""
+    values = _checked(busy, "imbalance")
+    mean = sum(values) / len(values)
+    if mean == 0:
+        return 0.0
+    return (max(values) - min(values)) / mean
+
+
+def spread(busy: Sequence[float]) -> float:
+    """Tmax - Tmin in the units of ``busy``."""
+    values = _checked(busy, "spread")
+    return max(values) - min(values)
+
+
+def utilisation(busy: Sequence[float]) -> float:
+    """sum(T_i) / (N * Tmax): the fraction of the slowest stage's time the average stage is busy.
+
+    1.0 means every stage works as long as the bottleneck; 0 when nothing ran at all.
+    """
+    values = _checked(busy, "utilisation")
+    peak = max(values)
+    if peak == 0:
+        return 0.0
+    return sum(values) / (len(values) * peak)
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The q-th percentile (0..100) with linear interpolation between closest ranks (numpy's default)."""
+    if not 0 <= q <= 100:
+        raise ValueError(f"percentile q must be in [0, 100], got {q}")
+    data = sorted(float(v) for v in values)
+    if not data:
+        raise ValueError("percentile of an empty sequence")
+    rank = (len(data) - 1) * q / 100.0
+    low = math.floor(rank)
+    high = min(low + 1, len(data) - 1)
+    return data[low] + (data[high] - data[low]) * (rank - low)
+
+
+def latency_summary(values: Sequence[float]) -> dict[str, float | None]:
+    """``{"p50", "p90", "p99"}`` of the values; all None when there are none (JSON has no NaN)."""
+    if not values:
+        return {"p50": None, "p90": None, "p99": None}
+    return {"p50": percentile(values, 50), "p90": percentile(values, 90), "p99": percentile(values, 99)}

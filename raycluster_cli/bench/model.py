@@ -1,0 +1,268 @@
+"""A small GPT-style decoder that can be cut into pipeline stages.
+
+The model is addressed in *units*: unit 0 is the token + position embedding, units 1..L are the
+transformer blocks and unit L+1 is the final LayerNorm + LM head.  The weights of every unit are
+drawn from a generator seeded only by ``(seed, unit)``, so a stage that builds units [a, b) on
+another machine gets bit-for-bit the same weights as the whole model built in one place.  Nothing
+is downloaded; every node builds its own share.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import asdict, dataclass
+from typing import Any, Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+Emit = Literal["logits", "tokens"]
+
+_LINEAR_STD = 0.02
+_EMBED_STD = 0.5
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shape of the decoder.  ``max_seq`` bounds prompt + generated tokens (position table, KV cache)."""
+
+    vocab: int = 4096
+    d_model: int = 256
+    heads: int = 4
+    layers: int = 12
+    max_seq: int = 128
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("vocab", "d_model", "heads", "layers", "max_seq"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"ModelConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.d_model % self.heads:
+            raise ValueError(f"d_model ({self.d_model}) must be divisible by heads ({self.heads})")
+
+    @property
+    def num_units(self) -> int:
+        """Embedding + blocks + head."""
+        return self.layers + 2
+
+    @property
+    def head_unit(self) -> int:
+        return self.layers + 1
+
+    def to_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ModelConfig:
+        return cls(**{k: int(data[k]) for k in ("vocab", "d_model", "heads", "layers", "max_seq", "seed")})
+
+
+def unit_seed(seed: int, unit: int) -> int:
+    """A 63-bit seed that depends only on (seed, unit), stable across processes and platforms."""
+    digest = hashlib.sha256(f"raycluster-bench:{seed}:{unit}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+@torch.no_grad()
+def _init_unit(module: nn.Module, seed: int, unit: int) -> None:
+    """Overwrite every parameter of ``module`` from the (seed, unit) generator, in definition order."""
+    gen = torch.Generator(device="cpu").manual_seed(unit_seed(seed, unit))
+    for name, param in module.named_parameters():
+        if isinstance(module, _Embedding) or name.startswith(("tok", "pos")):
+            param.normal_(0.0, _EMBED_STD, generator=gen)
+        elif param.dim() >= 2:
+            param.normal_(0.0, _LINEAR_STD, generator=gen)
+        elif name.endswith("weight"):  # LayerNorm gain
+            param.fill_(1.0)
+        else:  # biases: small but non-zero so they matter
+            param.normal_(0.0, _LINEAR_STD, generator=gen)
+
+
+class _Embedding(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(cfg.vocab, cfg.d_model)
+        self.pos = nn.Embedding(cfg.max_seq, cfg.d_model)
+
+    def forward(self, ids: torch.Tensor, start: int) -> torch.Tensor:
+        positions = torch.arange(start, start + ids.shape[1], dtype=torch.long)
+        out: torch.Tensor = self.tok(ids) + self.pos(positions)[None, :, :]
+        return out
+
+
+class _LayerCache:
+    """Preallocated K/V for one block and one micro-batch: [B, heads, max_seq, head_dim]."""
+
+    def __init__(self, batch: int, cfg: ModelConfig) -> None:
+        head_dim = cfg.d_model // cfg.heads
+        self.k = torch.zeros(batch, cfg.heads, cfg.max_seq, head_dim)
+        self.v = torch.zeros(batch, cfg.heads, cfg.max_seq, head_dim)
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: causal self-attention (with KV cache) + GELU MLP."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        d = cfg.d_model
+        self.heads = cfg.heads
+        self.ln1 = nn.LayerNorm(d)
+        self.qkv = nn.Linear(d, 3 * d)
+        self.proj = nn.Linear(d, d)
+        self.ln2 = nn.LayerNorm(d)
+        self.fc1 = nn.Linear(d, 4 * d)
+        self.fc2 = nn.Linear(4 * d, d)
+
+    def forward(self, x: torch.Tensor, cache: _LayerCache, start: int) -> torch.Tensor:
+        batch, steps, d = x.shape
+        head_dim = d // self.heads
+        q, k, v = self.qkv(self.ln1(x)).split(d, dim=-1)
+        q = q.view(batch, steps, self.heads, head_dim).transpose(1, 2)
+        k = k.view(batch, steps, self.heads, head_dim).transpose(1, 2)
+        v = v.view(batch, steps, self.heads, head_dim).transpose(1, 2)
+        end = start + steps
+        cache.k[:, :, start:end] = k
+        cache.v[:, :, start:end] = v
+        keys, values = cache.k[:, :, :end], cache.v[:, :, :end]
+        mask = None
+        if steps > 1:  # query i sits at absolute position start+i and may see keys 0..start+i
+            mask = torch.arange(end)[None, :] <= torch.arange(start, end)[:, None]
+        att = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
+        x = x + self.proj(att.transpose(1, 2).reshape(batch, steps, d))
+        out: torch.Tensor = x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
+        return out
+
+
+class _Head(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.ln_f = nn.LayerNorm(cfg.d_model)
+        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.lm_head(self.ln_f(x))
+        return out
+
+
+class Stage(nn.Module):
+    """Units [start, end) of the model, with per-micro-batch KV caches kept inside.
+
+    ``forward(x, cache_id, positions)``: ``x`` is int64 token ids [B, T] when the stage holds the
+    embedding, otherwise float32 hidden states [B, T, d_model].  ``positions`` is the absolute
+    position of ``x[:, 0]``, i.e. how many tokens of this micro-batch are already cached: 0 means
+    prefill (the cache for ``cache_id`` is (re)created), anything else is a decode step that must
+    continue exactly where the cache ends.  A stage holding the head returns logits [B, T, vocab]
+    (``emit="logits"``) or the greedy next token of each row, int64 [B] (``emit="tokens"``, which
+    only runs the head on the last position).
+    """
+
+    def __init__(self, cfg: ModelConfig, start: int, end: int, emit: Emit = "tokens") -> None:
+        super().__init__()
+        if not 0 <= start < end <= cfg.num_units:
+            raise ValueError(f"bad unit range [{start}, {end}) for a model with {cfg.num_units} units")
+        if emit not in ("logits", "tokens"):
+            raise ValueError(f"emit must be 'logits' or 'tokens', got {emit!r}")
+        self.cfg = cfg
+        self.start = start
+        self.end = end
+        self.emit: Emit = emit
+        self.embedding: _Embedding | None = None
+        self.head: _Head | None = None
+        self.blocks = nn.ModuleList()
+        for unit in range(start, end):
+            module: nn.Module
+            if unit == 0:
+                module = self.embedding = _Embedding(cfg)
+            elif unit == cfg.head_unit:
+                module = self.head = _Head(cfg)
+            else:
+                module = Block(cfg)
+                self.blocks.append(module)
+            _init_unit(module, cfg.seed, unit)
+        self.eval()
+        self.requires_grad_(False)
+        self._caches: dict[Any, tuple[int, list[_LayerCache]]] = {}
+
+    @property
+    def has_embedding(self) -> bool:
+        return self.embedding is not None
+
+    @property
+    def has_head(self) -> bool:
+        return self.head is not None
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    def forward(self, x: torch.Tensor, cache_id: Any, positions: int) -> torch.Tensor:
+        with torch.inference_mode():
+            return self._forward(x, cache_id, int(positions))
+
+    def _forward(self, x: torch.Tensor, cache_id: Any, start: int) -> torch.Tensor:
+        steps = x.shape[1]
+        if start + steps > self.cfg.max_seq:
+            raise ValueError(f"sequence of {start + steps} tokens exceeds max_seq={self.cfg.max_seq}")
+        if self.embedding is not None:
+            if x.dtype != torch.long or x.dim() != 2:
+                raise ValueError(f"first stage expects int64 token ids [B, T], got {x.dtype} {tuple(x.shape)}")
+            x = self.embedding(x, start)
+        elif x.dim() != 3 or x.shape[-1] != self.cfg.d_model:
+            raise ValueError(f"stage expects hidden states [B, T, {self.cfg.d_model}], got {tuple(x.shape)}")
+        if self.blocks:
+            caches = self._cache_for(cache_id, x.shape[0], start)
+            for block, cache in zip(self.blocks, caches, strict=True):
+                x = block(x, cache, start)
+            self._caches[cache_id] = (start + steps, caches)
+        if self.head is None:
+            return x
+        if self.emit == "logits":
+            return self.head(x)
+        return self.head(x[:, -1:, :])[:, 0, :].argmax(dim=-1)
+
+    def _cache_for(self, cache_id: Any, batch: int, start: int) -> list[_LayerCache]:
+        if start == 0:
+            return [_LayerCache(batch, self.cfg) for _ in self.blocks]
+        if cache_id not in self._caches:
+            raise KeyError(f"no KV cache for micro-batch {cache_id!r}: decode before prefill?")
+        length, caches = self._caches[cache_id]
+        if length != start:
+            raise ValueError(f"micro-batch {cache_id!r} has {length} cached tokens, got position {start}")
+        if caches[0].k.shape[0] != batch:
+            raise ValueError(f"micro-batch {cache_id!r} batch size changed: {caches[0].k.shape[0]} -> {batch}")
+        return caches
+
+    def release(self, cache_id: Any) -> bool:
+        """Free the KV cache of a finished micro-batch; False if there was none."""
+        return self._caches.pop(cache_id, None) is not None
+
+    def cached_ids(self) -> list[Any]:
+        return list(self._caches)
+
+
+def full_model_stage(cfg: ModelConfig, emit: Emit = "tokens") -> Stage:
+    """One stage holding every unit: the unsharded reference model."""
+    return Stage(cfg, 0, cfg.num_units, emit=emit)
+
+
+def greedy_generate(
+    stages: list[Stage], prompts: torch.Tensor, max_new_tokens: int, cache_id: Any = "greedy"
+) -> torch.Tensor:
+    """Greedy decoding through ``stages`` in order (the last must emit tokens); returns int64 [B, N]."""
+    if max_new_tokens < 1:
+        raise ValueError("max_new_tokens must be >= 1")
+    x: torch.Tensor = prompts
+    position = 0
+    out: list[torch.Tensor] = []
+    try:
+        for _ in range(max_new_tokens):
+            for stage in stages:
+                x = stage(x, cache_id, position)
+            position += prompts.shape[1] if position == 0 else 1
+            out.append(x)
+            x = x[:, None]
+    finally:
+        for stage in stages:
+            stage.release(cache_id)
+    return torch.stack(out, dim=1)

@@ -1,0 +1,268 @@
+"""The thin command-line layer: parse → call one library function → render → exit code."""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from . import __version__, inventory, lab
+from .checks import Status, ignore_ids, run_checks
+from .cluster import PreflightFailed, SSHPool, bench, down, state_dir, up
+from .errors import ExitCode, RayclusterError
+from .report import Output, render_bench, render_checks, render_down, render_lab, render_up
+
+app = typer.Typer(
+    name="raycluster",
+    help="Ray clusters in Docker on your own machines: doctor, up, bench, down (and a local lab to try it).",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+)
+lab_app = typer.Typer(help="A local multi-host lab (Docker-in-Docker) to try raycluster on one machine.")
+app.add_typer(lab_app, name="lab")
+
+InventoryOpt = Annotated[
+    str | None,
+    typer.Option("--inventory", "-i", help="inventory YAML (default: $RAYCLUSTER_INVENTORY, else ./inventory.yaml)"),
+]
+JsonOpt = Annotated[bool, typer.Option("--json", help="print one JSON document on stdout; logs go to stderr")]
+DebugOpt = Annotated[bool, typer.Option("--debug", help="show tracebacks")]
+IgnoreOpt = Annotated[
+    str | None, typer.Option("--ignore", help="demote these failing checks to warnings: ID[,ID...] or all")
+]
+
+
+def _execute(json_mode: bool, debug: bool, action: Callable[[Output], int]) -> None:
+    output = Output(json_mode)
+    try:
+        code = action(output)
+    except KeyboardInterrupt:
+        output.error("interrupted", "re-run the command; `raycluster down` removes a half-started cluster")
+        code = ExitCode.INTERRUPTED
+    except RayclusterError as exc:
+        if debug:
+            raise
+        output.error(exc.message, exc.hint)
+        if json_mode:
+            body: dict[str, Any] = {"error": {"message": exc.message, "hint": exc.hint}}
+            if isinstance(exc, PreflightFailed):
+                body["checks"] = [r.to_dict() for r in exc.results]
+            output.document(False, body)
+        code = exc.exit_code
+    except Exception as exc:
+        if debug:
+            raise
+        output.error(f"unexpected {type(exc).__name__}: {exc}", "re-run with --debug and report it")
+        if json_mode:
+            output.document(False, {"error": {"message": str(exc), "hint": "re-run with --debug"}})
+        code = ExitCode.FAILED
+    raise typer.Exit(int(code))
+
+
+@app.command()
+def doctor(
+    inventory_path: InventoryOpt = None,
+    ignore: IgnoreOpt = None,
+    json_mode: JsonOpt = False,
+    debug: DebugOpt = False,
+) -> None:
+    """Preflight every host over SSH; each finding names the host and the fix. Exit 1 on any failure."""
+
+    def action(output: Output) -> int:
+        ignored = ignore_ids(ignore)
+        inv = inventory.load(inventory_path).inventory
+        pool = SSHPool(inv)
+        try:
+            results = run_checks(inv, pool, ignore=ignored)
+        finally:
+            pool.close()
+        ok = not any(r.status == Status.FAIL for r in results)
+        if json_mode:
+            output.document(ok, {"cluster": inv.cluster, "checks": [r.to_dict() for r in results]})
+        else:
+            render_checks(output, results)
+        return ExitCode.OK if ok else ExitCode.FAILED
+
+    _execute(json_mode, debug, action)
+
+
+@app.command("up")
+def up_command(
+    inventory_path: InventoryOpt = None,
+    ignore: IgnoreOpt = None,
+    timeout: Annotated[float, typer.Option(help="seconds to wait for the head and for every node")] = 180.0,
+    json_mode: JsonOpt = False,
+    debug: DebugOpt = False,
+) -> None:
+    """Start Ray in Docker: the head first, then every worker in parallel; wait until all joined."""
+
+    def action(output: Output) -> int:
+        ignored = ignore_ids(ignore)
+        inv = inventory.load(inventory_path).inventory
+        pool = SSHPool(inv)
+        try:
+            result = up(inv, pool, ignore=ignored, timeout_s=timeout, progress=output.progress())
+        finally:
+            pool.close()
+        body = {
+            "cluster": inv.cluster,
+            "head": result.head,
+            "dashboard_url": result.dashboard_url,
+            "auth_token_file": str(state_dir(inv) / "auth-token") if inv.ray.auth == "token" else None,
+            "seconds": round(result.seconds, 2),
+            "nodes": [n.to_dict() for n in result.nodes],
+            "checks": [r.to_dict() for r in result.checks if r.status != Status.OK],
+        }
+        if json_mode:
+            output.document(result.ok, body)
+        else:
+            render_up(output, body)
+        return ExitCode.OK if result.ok else ExitCode.FAILED
+
+    _execute(json_mode, debug, action)
+
+
+@app.command("down")
+def down_command(inventory_path: InventoryOpt = None, json_mode: JsonOpt = False, debug: DebugOpt = False) -> None:
+    """Remove the containers that `up` started (found by this cluster's labels), and nothing else."""
+
+    def action(output: Output) -> int:
+        inv = inventory.load(inventory_path).inventory
+        pool = SSHPool(inv)
+        try:
+            result = down(inv, pool, progress=output.progress())
+        finally:
+            pool.close()
+        body = {"cluster": inv.cluster, "removed": result.removed, "errors": result.errors}
+        if json_mode:
+            output.document(result.ok, body)
+        else:
+            render_down(output, body)
+        return ExitCode.OK if result.ok else ExitCode.FAILED
+
+    _execute(json_mode, debug, action)
+
+
+@app.command("bench")
+def bench_command(
+    inventory_path: InventoryOpt = None,
+    layers: Annotated[int, typer.Option(min=1, help="transformer blocks")] = 12,
+    d_model: Annotated[int, typer.Option(min=8, help="model width")] = 256,
+    heads: Annotated[int, typer.Option(min=1, help="attention heads")] = 4,
+    vocab: Annotated[int, typer.Option(min=16, help="vocabulary size")] = 4096,
+    requests: Annotated[int, typer.Option(min=1, help="generation requests")] = 32,
+    prompt_len: Annotated[int, typer.Option(min=1, help="prompt tokens per request")] = 32,
+    max_new_tokens: Annotated[int, typer.Option(min=1, help="tokens generated per request")] = 16,
+    micro_batch: Annotated[int, typer.Option(min=1, help="requests per micro-batch")] = 4,
+    seed: Annotated[int, typer.Option(help="seed for weights and prompts")] = 0,
+    partition: Annotated[str, typer.Option(help="even | manual:4,4,4")] = "even",
+    check_output: Annotated[bool, typer.Option(help="also compare greedy tokens with the unsharded model")] = False,
+    save_result: Annotated[Path | None, typer.Option(help="also write the JSON result to this file")] = None,
+    json_mode: JsonOpt = False,
+    debug: DebugOpt = False,
+) -> None:
+    """Pipeline-parallel inference across the nodes: throughput, latency and each node's busy time."""
+
+    def action(output: Output) -> int:
+        inv = inventory.load(inventory_path).inventory
+        args = [
+            f"--layers={layers}", f"--d-model={d_model}", f"--heads={heads}", f"--vocab={vocab}",
+            f"--requests={requests}", f"--prompt-len={prompt_len}", f"--max-new-tokens={max_new_tokens}",
+            f"--micro-batch={micro_batch}", f"--seed={seed}", f"--partition={partition}",
+        ]  # fmt: skip
+        if check_output:
+            args.append("--check-output")
+        pool = SSHPool(inv)
+        try:
+            output.progress()(f"running the benchmark on {len(inv.hosts)} node(s)")
+            document = bench(inv, pool, args)
+        finally:
+            pool.close()
+        document.pop("schema_version", None)
+        ok = bool(document.pop("ok", True))
+        if save_result:
+            save_result.write_text(json.dumps({"schema_version": 1, "ok": ok, **document}, indent=2) + "\n")
+        if json_mode:
+            output.document(ok, document)
+        else:
+            render_bench(output, document)
+        return ExitCode.OK if ok else ExitCode.FAILED
+
+    _execute(json_mode, debug, action)
+
+
+@lab_app.command("up")
+def lab_up_command(
+    hosts: Annotated[int, typer.Option("--hosts", min=1, max=50, help="how many lab hosts")] = 3,
+    lab_dir: Annotated[Path | None, typer.Option("--dir", help="where the lab keeps its key and inventory")] = None,
+    subnet: Annotated[str, typer.Option(help="the lab network's IPv4 subnet")] = lab.DEFAULT_SUBNET,
+    image: Annotated[str, typer.Option(help="node image to load into every lab host")] = lab.NODE_IMAGE,
+    cpus: Annotated[
+        list[str] | None, typer.Option(help="CPU quota of a host's Ray container, HOSTNAME=CPUS (repeatable)")
+    ] = None,
+    json_mode: JsonOpt = False,
+    debug: DebugOpt = False,
+) -> None:
+    """Start N lab hosts (sshd + dockerd each), load the node image, write their inventory."""
+
+    def action(output: Output) -> int:
+        options: dict[str, list[str]] = {}
+        for item in cpus or []:
+            name, sep, value = item.partition("=")
+            if not sep:
+                raise RayclusterError(f"--cpus {item!r} is not HOSTNAME=CPUS", "e.g. --cpus lab-h2=0.5")
+            options[name] = [f"--cpus={value}"]
+        info = lab.lab_up(
+            hosts,
+            lab_dir=lab_dir,
+            node_image=image,
+            subnet=subnet,
+            host_options=options,
+            progress=output.progress(),
+        )
+        if json_mode:
+            output.document(True, info.to_dict())
+        else:
+            render_lab(output, info.to_dict())
+            print(info.inventory_path, file=sys.stderr)
+        return ExitCode.OK
+
+    _execute(json_mode, debug, action)
+
+
+@lab_app.command("down")
+def lab_down_command(
+    lab_dir: Annotated[Path | None, typer.Option("--dir", help="the lab's folder")] = None,
+    keep_volumes: Annotated[bool, typer.Option(help="keep the hosts' Docker volumes (images) for next time")] = False,
+    json_mode: JsonOpt = False,
+    debug: DebugOpt = False,
+) -> None:
+    """Remove every lab host, the lab network and (unless kept) their volumes."""
+
+    def action(output: Output) -> int:
+        removed = lab.lab_down(lab_dir=lab_dir, keep_volumes=keep_volumes, progress=output.progress())
+        if json_mode:
+            output.document(True, {"removed": removed})
+        else:
+            render_lab(output, {"removed": removed})
+        return ExitCode.OK
+
+    _execute(json_mode, debug, action)
+
+
+@app.command()
+def version() -> None:
+    """Print raycluster's version."""
+    print(__version__)
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

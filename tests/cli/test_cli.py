@@ -1,0 +1,142 @@
+"""Exit codes, one-line errors and the JSON document of every verb, without a lab.
+
+The only connections made are to 127.0.0.1 on a port nobody listens on (refused at once).
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from raycluster_cli import cli
+from raycluster_cli.errors import ExitCode
+
+runner = CliRunner()
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@pytest.fixture
+def refused_inventory(tmp_path: Path) -> Path:
+    """A one-host inventory whose SSH port refuses connections."""
+    path = tmp_path / "inventory.yaml"
+    path.write_text(
+        "cluster: t\nimage: raycluster/node:0.1.0\n"
+        f"ssh: {{port: {free_port()}, key: null, known_hosts_file: {tmp_path / 'kh'}, connect_timeout_s: 3}}\n"
+        "hosts:\n  - {address: 127.0.0.1, role: head}\n"
+    )
+    return path
+
+
+def invoke(*args: str) -> tuple[int, str, str]:
+    result = runner.invoke(cli.app, list(args))
+    return result.exit_code, result.stdout, result.stderr
+
+
+@pytest.mark.parametrize("verb", ["doctor", "up", "down", "bench"])
+def test_missing_inventory_is_a_usage_error(verb: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("RAYCLUSTER_INVENTORY", raising=False)
+    code, out, err = invoke(verb)
+    assert code == ExitCode.USAGE
+    assert out == ""
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and "inventory.yaml not found" in lines[0] and "fix:" in lines[0]
+    assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("verb", ["doctor", "up", "down", "bench"])
+def test_json_error_document(verb: str, tmp_path: Path) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("cluster: t\nimage: x\nhosts:\n  - {address: 192.0.2.1, role: head, typo: 1}\n")
+    code, out, _ = invoke(verb, "-i", str(bad), "--json")
+    assert code == ExitCode.USAGE
+    doc = json.loads(out)
+    assert doc["schema_version"] == 1 and doc["ok"] is False
+    assert "hosts[0].typo" in doc["error"]["message"]
+    assert doc["error"]["hint"]
+
+
+def test_unknown_flag_is_a_usage_error() -> None:
+    code, _, _ = invoke("doctor", "--no-such-flag")
+    assert code == ExitCode.USAGE
+
+
+def test_unknown_ignore_id_is_a_usage_error(refused_inventory: Path) -> None:
+    code, _, err = invoke("doctor", "-i", str(refused_inventory), "--ignore", "nosuch")
+    assert code == ExitCode.USAGE
+    assert "nosuch" in err
+
+
+def test_doctor_unreachable_host_fails_with_json(refused_inventory: Path) -> None:
+    code, out, _ = invoke("doctor", "-i", str(refused_inventory), "--json")
+    assert code == ExitCode.FAILED
+    doc = json.loads(out)
+    assert doc["ok"] is False and doc["schema_version"] == 1
+    ssh = next(c for c in doc["checks"] if c["id"] == "ssh")
+    assert set(ssh) >= {"id", "host", "status", "message", "hint"}
+    assert ssh["host"] == "127.0.0.1" and ssh["status"] == "fail"
+    assert "refused" in ssh["message"] and ssh["hint"]
+
+
+def test_doctor_ignore_all_turns_failure_into_warning(refused_inventory: Path) -> None:
+    code, out, _ = invoke("doctor", "-i", str(refused_inventory), "--json", "--ignore", "all")
+    assert code == ExitCode.OK
+    assert json.loads(out)["ok"] is True
+
+
+def test_up_refuses_on_failed_preflight(refused_inventory: Path) -> None:
+    code, out, _ = invoke("up", "-i", str(refused_inventory), "--json")
+    assert code == ExitCode.FAILED
+    doc = json.loads(out)
+    assert doc["ok"] is False and "preflight" in doc["error"]["message"]
+    assert any(c["status"] == "fail" for c in doc["checks"])
+
+
+def test_down_unreachable_host_reports_it(refused_inventory: Path) -> None:
+    code, out, _ = invoke("down", "-i", str(refused_inventory), "--json")
+    assert code == ExitCode.FAILED
+    doc = json.loads(out)
+    assert doc["removed"] == [] and doc["errors"][0]["host"] == "127.0.0.1"
+
+
+def test_interrupt_exits_130(refused_inventory: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def interrupted(*args: object, **kwargs: object) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "run_checks", interrupted)
+    code, _, err = invoke("doctor", "-i", str(refused_inventory))
+    assert code == ExitCode.INTERRUPTED
+    assert "interrupted" in err
+
+
+def test_unexpected_error_is_one_line_without_debug(refused_inventory: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def broken(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(cli, "run_checks", broken)
+    code, _, err = invoke("doctor", "-i", str(refused_inventory))
+    assert code == ExitCode.FAILED
+    assert "boom" in err and "Traceback" not in err
+    result = runner.invoke(cli.app, ["doctor", "-i", str(refused_inventory), "--debug"])
+    assert isinstance(result.exception, RuntimeError)
+
+
+def test_env_var_inventory(refused_inventory: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RAYCLUSTER_INVENTORY", str(refused_inventory))
+    code, out, _ = invoke("doctor", "--json")
+    assert code == ExitCode.FAILED
+    assert json.loads(out)["cluster"] == "t"
+
+
+def test_version() -> None:
+    code, out, _ = invoke("version")
+    assert code == 0 and out.strip() == "0.1.0"

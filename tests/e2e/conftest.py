@@ -1,0 +1,80 @@
+"""The real lab: 3 hosts (sshd + dockerd each) on a private Docker network made by the tests."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from raycluster_cli import lab
+
+REQUIRE = os.environ.get("RAYCLUSTER_REQUIRE_LAB") == "1"
+
+
+@dataclass
+class Lab:
+    info: lab.LabInfo
+
+    @property
+    def inventory(self) -> str:
+        return str(self.info.inventory_path)
+
+    def host(self, hostname: str) -> lab.LabHost:
+        return next(h for h in self.info.hosts if h.hostname == hostname)
+
+    def cli(self, *args: str, timeout: float = 600) -> tuple[int, dict[str, Any], str]:
+        """Run `raycluster ARGS -i <lab inventory> --json` as a real process."""
+        command = [sys.executable, "-m", "raycluster_cli.cli", *args, "-i", self.inventory, "--json"]
+        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
+        try:
+            document = json.loads(done.stdout)
+        except ValueError:
+            pytest.fail(f"no JSON document from {args}: rc={done.returncode}\n{done.stdout}\n{done.stderr}")
+        return done.returncode, document, done.stderr
+
+    def sh(self, hostname: str, script: str) -> str:
+        """Run a shell script on a lab host (as its administrator would), return stdout."""
+        done = subprocess.run(
+            [lab.docker_cli(), "exec", self.host(hostname).name, "sh", "-c", script],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert done.returncode == 0, done.stderr
+        return done.stdout
+
+
+def _engine_answers() -> bool:
+    try:
+        lab.docker_client()
+        return True
+    except Exception:
+        return False
+
+
+@pytest.fixture(scope="session")
+def lab_hosts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Lab]:
+    if not _engine_answers():
+        if REQUIRE:
+            pytest.fail("RAYCLUSTER_REQUIRE_LAB=1 but no Docker engine answers (run scripts/ensure-docker.sh)")
+        pytest.skip("no Docker engine: lab tests skipped")
+    lab_dir = Path(tmp_path_factory.mktemp("lab"))
+    info = lab.lab_up(3, lab_dir=lab_dir, progress=lambda m: print(f"[lab] {m}", file=sys.stderr))
+    # The lab must exist before anything dials it.
+    for host in info.hosts:
+        assert lab.docker_client().containers.get(host.name).status == "running"
+    the_lab = Lab(info)
+    yield the_lab
+    subprocess.run(
+        [sys.executable, "-m", "raycluster_cli.cli", "down", "-i", the_lab.inventory],
+        capture_output=True,
+        timeout=300,
+    )
+    lab.lab_down(lab_dir=lab_dir, keep_volumes=os.environ.get("RAYCLUSTER_LAB_PURGE") != "1")

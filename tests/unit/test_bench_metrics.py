@@ -1,0 +1,45 @@
+"""Balance and latency maths on numbers worked out by hand."""
+
+from __future__ import annotations
+
+import pytest
+
+from raycluster_cli.bench.metrics import imbalance, latency_summary, percentile, spread, utilisation
+
+
+def test_imbalance_and_utilisation() -> None:
+    busy = [2.0, 3.0, 4.0]
+    assert imbalance(busy) == pytest.approx((4 - 2) / 3)
+    assert utilisation(busy) == pytest.approx(9 / (3 * 4))
+    assert spread(busy) == pytest.approx(2.0)
+    assert imbalance([5.0, 5.0]) == 0.0 and utilisation([5.0, 5.0]) == 1.0
+    assert imbalance([0.0, 0.0]) == 0.0 and utilisation([0.0]) == 0.0
+    assert imbalance([1.0]) == 0.0 and utilisation([1.0]) == 1.0
+
+
+def test_percentile_linear_interpolation() -> None:
+    values = [10.0, 1.0, 4.0, 2.0, 3.0]  # sorted: 1 2 3 4 10
+    assert percentile(values, 0) == 1.0
+    assert percentile(values, 50) == 3.0
+    assert percentile(values, 100) == 10.0
+    assert percentile(values, 90) == pytest.approx(4 + 0.6 * 6)
+    assert percentile([1.0, 2.0], 25) == pytest.approx(1.25)
+    assert percentile([7.0], 99) == 7.0
+
+
+def test_summary() -> None:
+    values = [float(i) for i in range(1, 101)]
+    s = latency_summary(values)
+    assert s == pytest.approx({"p50": 50.5, "p90": 90.1, "p99": 99.01})
+    assert latency_summary([]) == {"p50": None, "p90": None, "p99": None}
+
+
+def test_bad_input() -> None:
+    with pytest.raises(ValueError):
+        percentile([], 50)
+    with pytest.raises(ValueError):
+        percentile([1.0], 101)
+    with pytest.raises(ValueError):
+        imbalance([])
+    with pytest.raises(ValueError):
+        utilisation([1.0, -1.0])

@@ -1,0 +1,157 @@
+"""Checks × hosts through the runner, with hosts faked by a table of command → output."""
+
+from pathlib import Path
+
+import pytest
+
+from raycluster_cli import inventory
+from raycluster_cli.checks import Status, ignore_ids, run_checks
+from raycluster_cli.errors import TransportError, UsageError
+from raycluster_cli.inventory import HostConfig
+from raycluster_cli.transport.base import CommandResult
+from raycluster_cli.transport.fake import FakeTransport
+
+RECORDED = Path(__file__).parent / "recorded"
+IMAGE_ID = "sha256:" + "ab" * 32
+
+
+def healthy(address: str, name: str, **overrides: CommandResult | str) -> dict[str, CommandResult | str]:
+    table: dict[str, CommandResult | str] = {
+        r"^true$": "",
+        r"^docker info": "24.0.7\n",
+        r"^docker image inspect": IMAGE_ID + "\n",
+        r"^ip -o -4 addr show": f"2: eth0    inet {address}/24 brd 192.0.2.255 scope global eth0\n",
+        r"^ip route get": f"192.0.2.11 dev eth0 src {address} uid 0\n    cache\n",
+        r"^hostname": f"{name}\n---\n127.0.0.1 localhost\n{address} {name}\n",
+    }
+    table.update(overrides)
+    return table
+
+
+def run(example_yaml: str, tables: dict[str, dict[str, CommandResult | str]], ignore: str | None = None) -> list:
+    inv = inventory.parse(example_yaml)
+
+    def connect(host: HostConfig) -> FakeTransport:
+        address = str(host.address)
+        if address not in tables:
+            raise TransportError(address, "connection refused on port 22", "start sshd on the host")
+        return FakeTransport(address, tables[address])
+
+    return run_checks(inv, connect, ignore=ignore_ids(ignore))
+
+
+def fleet(**per_host: dict[str, CommandResult | str]) -> dict[str, dict[str, CommandResult | str]]:
+    tables = {f"192.0.2.1{i}": healthy(f"192.0.2.1{i}", f"node-{i}") for i in (1, 2, 3)}
+    for address, table in per_host.items():
+        tables[address] = table
+    return tables
+
+
+def failures(results: list) -> list[tuple[str, str]]:
+    return [(r.host, r.id) for r in results if r.status == Status.FAIL]
+
+
+def test_healthy_fleet_passes(example_yaml: str) -> None:
+    results = run(example_yaml, fleet())
+    assert failures(results) == []
+    assert {(r.host, r.id) for r in results} >= {
+        ("192.0.2.11", "head-address"),
+        ("192.0.2.12", "route-to-head"),
+    }
+    assert not any(r.id == "head-address" and r.host != "192.0.2.11" for r in results)
+
+
+def test_loopback_hostname_fails_on_that_host_only(example_yaml: str) -> None:
+    debian = (RECORDED / "etc_hosts_debian_default.txt").read_text()
+    tables = fleet(
+        **{"192.0.2.12": healthy("192.0.2.12", "gpu-node-2", **{r"^hostname": f"gpu-node-2\n---\n{debian}"})}
+    )
+    results = run(example_yaml, tables)
+    assert failures(results) == [("192.0.2.12", "etc-hosts")]
+    bad = next(r for r in results if r.status == Status.FAIL)
+    assert "127.0.1.1" in bad.message
+    assert "192.0.2.12 gpu-node-2" in bad.hint
+
+
+def test_missing_and_wrong_hostname(example_yaml: str) -> None:
+    tables = fleet(
+        **{
+            "192.0.2.12": healthy("192.0.2.12", "n2", **{r"^hostname": "n2\n---\n127.0.0.1 localhost\n"}),
+            "192.0.2.13": healthy("192.0.2.13", "n3", **{r"^hostname": "n3\n---\n192.0.2.99 n3\n"}),
+        }
+    )
+    results = {(r.host, r.id): r for r in run(example_yaml, tables)}
+    assert "does not name n2" in results[("192.0.2.12", "etc-hosts")].message
+    assert "to 192.0.2.99, not 192.0.2.13" in results[("192.0.2.13", "etc-hosts")].message
+
+
+def test_head_address_not_on_head(example_yaml: str) -> None:
+    ip_out = (RECORDED / "ip_addr_multi_nic.txt").read_text().replace("192.0.2.11", "192.0.2.111")
+    tables = fleet(**{"192.0.2.11": healthy("192.0.2.11", "node-1", **{r"^ip -o -4 addr show": ip_out})})
+    results = run(example_yaml, tables)
+    assert failures(results) == [("192.0.2.11", "head-address")]
+    message = next(r.message for r in results if r.status == Status.FAIL)
+    assert "198.51.100.11 (ib0)" in message
+
+
+def test_worker_leaves_from_another_nic(example_yaml: str) -> None:
+    route = "192.0.2.11 via 198.51.100.1 dev ib0 src 198.51.100.13 uid 0\n"
+    tables = fleet(**{"192.0.2.13": healthy("192.0.2.13", "node-3", **{r"^ip route get": route})})
+    results = run(example_yaml, tables)
+    assert failures(results) == [("192.0.2.13", "route-to-head")]
+
+
+def test_docker_down_and_permission(example_yaml: str) -> None:
+    down = CommandResult(1, "", "Cannot connect to the Docker daemon at unix:///var/run/docker.sock.")
+    denied = CommandResult(1, "", "permission denied while trying to connect to the Docker daemon socket")
+    tables = fleet(
+        **{
+            "192.0.2.12": healthy("192.0.2.12", "node-2", **{r"^docker info": down}),
+            "192.0.2.13": healthy("192.0.2.13", "node-3", **{r"^docker info": denied}),
+        }
+    )
+    results = {(r.host, r.id): r for r in run(example_yaml, tables)}
+    assert "systemctl start docker" in results[("192.0.2.12", "docker")].hint
+    assert "usermod -aG docker" in results[("192.0.2.13", "docker")].hint
+
+
+def test_image_missing_and_different(example_yaml: str) -> None:
+    missing = CommandResult(1, "", "Error: No such image: raycluster/node:0.1.0")
+    tables = fleet(
+        **{
+            "192.0.2.12": healthy("192.0.2.12", "node-2", **{r"^docker image inspect": missing}),
+            "192.0.2.13": healthy("192.0.2.13", "node-3", **{r"^docker image inspect": "sha256:" + "cd" * 32}),
+        }
+    )
+    results = run(example_yaml, tables)
+    assert sorted(failures(results)) == [("192.0.2.12", "image"), ("192.0.2.13", "image-same")]
+
+
+def test_unreachable_host_does_not_hide_others(example_yaml: str) -> None:
+    tables = fleet()
+    del tables["192.0.2.12"]
+    results = run(example_yaml, tables)
+    assert failures(results) == [("192.0.2.12", "ssh")]
+    assert all(r.status == Status.SKIP for r in results if r.host == "192.0.2.12" and r.id != "ssh")
+    assert any(r.host == "192.0.2.13" and r.id == "etc-hosts" and r.status == Status.OK for r in results)
+
+
+def test_ignore_demotes_named_failures(example_yaml: str) -> None:
+    tables = fleet()
+    del tables["192.0.2.12"]
+    results = run(example_yaml, tables, ignore="ssh")
+    assert failures(results) == []
+    assert any(r.status == Status.WARN and r.id == "ssh" for r in results)
+    assert failures(run(example_yaml, tables, ignore="all")) == []
+
+
+def test_ignore_rejects_unknown_ids() -> None:
+    with pytest.raises(UsageError, match="nosuch"):
+        ignore_ids("etc-hosts,nosuch")
+    assert ignore_ids(None) == frozenset()
+
+
+def test_a_crashing_check_becomes_a_failure(example_yaml: str) -> None:
+    tables = fleet(**{"192.0.2.12": healthy("192.0.2.12", "node-2", **{r"^hostname": CommandResult(0, "", "")})})
+    results = run(example_yaml, tables)
+    assert ("192.0.2.12", "etc-hosts") in failures(results)

@@ -1,0 +1,53 @@
+import shlex
+
+from raycluster_cli import inventory
+from raycluster_cli.containers import (
+    LABEL_CLUSTER,
+    TOKEN_IN_CONTAINER,
+    container_name,
+    docker_run_command,
+    parse_ps,
+)
+
+
+def test_head_run_command(example_yaml: str) -> None:
+    inv = inventory.parse(example_yaml)
+    argv = shlex.split(docker_run_command(inv, inv.head_host))
+    assert argv[:2] == ["docker", "run"]
+    assert "--network=host" in argv
+    assert f"--label={LABEL_CLUSTER}=demo" in argv
+    assert "--name=raycluster-demo-head" in argv
+    ray = argv[argv.index("raycluster/node:0.1.0") + 1 :]
+    assert ray[:4] == ["ray", "start", "--head", "--port=6379"]
+    assert "--node-ip-address=192.0.2.11" in ray
+    assert "--dashboard-host=192.0.2.11" in ray
+    assert ray[-1] == "--block"
+    assert f"--env=RAY_AUTH_TOKEN_PATH={TOKEN_IN_CONTAINER}" in argv
+    assert any(a.startswith("--volume=/etc/raycluster/demo/auth-token:") and a.endswith(":ro") for a in argv)
+
+
+def test_worker_run_command_has_host_options(example_yaml: str) -> None:
+    inv = inventory.parse(example_yaml)
+    worker = inv.hosts[2]
+    argv = shlex.split(docker_run_command(inv, worker))
+    assert "--cpus=0.5" in argv
+    assert argv.index("--cpus=0.5") < argv.index("raycluster/node:0.1.0")
+    assert "--address=192.0.2.11:6379" in argv
+    assert "--node-ip-address=192.0.2.13" in argv
+    assert container_name(inv, worker) == "raycluster-demo-worker"
+
+
+def test_no_token_when_auth_none(example_yaml: str) -> None:
+    inv = inventory.parse(example_yaml + "ray: {auth: none}\n")
+    assert "RAY_AUTH" not in docker_run_command(inv, inv.head_host)
+
+
+def test_parse_ps() -> None:
+    line = (
+        '{"ID":"abc","Names":"raycluster-demo-head","State":"running","Image":"raycluster/node:0.1.0",'
+        '"Labels":"io.raycluster.cluster=demo,io.raycluster.role=head,org.opencontainers.image.title=raycluster node"}'
+    )
+    (container,) = parse_ps(line + "\n\n")
+    assert container.running
+    assert container.labels["io.raycluster.role"] == "head"
+    assert container.labels["org.opencontainers.image.title"] == "raycluster node"
