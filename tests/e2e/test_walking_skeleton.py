@@ -66,7 +66,7 @@ def test_bench_runs_one_stage_per_host(lab_hosts: Lab) -> None:
     assert len({s["host"] for s in stages}) == 3
     assert {s["host"] for s in stages} == {h.address for h in lab_hosts.info.hosts}
     assert all(s["busy_s"] > 0 for s in stages)
-    assert sum(s["layers"] for s in stages) == doc["config"]["layers"]
+    assert sum(s["layers"] for s in stages) == doc["config"]["model"]["layers"]
     assert doc["completed"] == doc["requests"]
     assert doc["tokens_per_s"] > 0
     assert doc["imbalance"] >= 0
