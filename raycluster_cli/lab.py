@@ -258,6 +258,17 @@ def load_image(container: str, image: str, progress: Progress = _quiet) -> bool:
     return True
 
 
+def start_engine(container: str, timeout_s: float = 60.0) -> None:
+    """(Re)start a lab host's own dockerd and wait until it answers."""
+    docker = docker_cli()
+    subprocess.run([docker, "exec", container, "/usr/local/sbin/labhost-start-dockerd"], check=True)
+    deadline = time.monotonic() + timeout_s
+    while subprocess.run([docker, "exec", container, "docker", "info"], capture_output=True).returncode != 0:
+        if time.monotonic() > deadline:
+            raise OperationError(f"{container}: dockerd did not start", f"see `docker exec {container} cat /var/log/dockerd.log`")
+        time.sleep(0.5)
+
+
 def _run(argv: list[str]) -> str:
     result = subprocess.run(argv, capture_output=True, text=True)
     if result.returncode:
@@ -300,6 +311,10 @@ def _start_host(client: Any, host: LabHost, image: str, public_key: str, progres
 
     try:
         container = client.containers.get(host.name)
+        if container.image.id != client.images.get(image).id:
+            progress(f"lab host {host.hostname} runs an older lab image: recreating it")
+            container.remove(force=True)
+            raise docker.errors.NotFound(host.name)
         if container.status != "running":
             container.start()
     except docker.errors.NotFound:

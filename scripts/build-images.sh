@@ -33,8 +33,7 @@ build() {  # build IMAGE DOCKERFILE
   DOCKER_BUILDKIT=0 "$DOCKER" build -q --network host --build-arg BASE_IMAGE="$BASE_IMAGE" \
     -t "$1" -f "$2" . >/dev/null
 }
-"$DOCKER" image inspect "$LAB_IMAGE" >/dev/null 2>&1 && [ "${REBUILD_LAB:-0}" != 1 ] \
-  || build "$LAB_IMAGE" docker/labhost/Dockerfile
-# The node image carries raycluster's code: always rebuild (cached layers make this quick when unchanged).
+# Always build: cached layers make an unchanged image a no-op, and a changed one is rebuilt.
+build "$LAB_IMAGE" docker/labhost/Dockerfile
 build "$NODE_IMAGE" docker/node/Dockerfile
 log "images ready: $LAB_IMAGE $NODE_IMAGE"

@@ -4,7 +4,14 @@ from __future__ import annotations
 
 from ..transport import quote
 from .base import Check, CheckContext, Finding, Status
-from .parsers import is_loopback, parse_etc_hosts, parse_ip_addr, parse_route_source, resolve_in_hosts
+from .parsers import (
+    is_loopback,
+    parse_etc_hosts,
+    parse_ip_addr,
+    parse_listening_ports,
+    parse_route_source,
+    resolve_in_hosts,
+)
 
 IMAGE_ID_CHECK = "image"
 
@@ -93,6 +100,35 @@ def _etc_hosts(rc: int, out: str, err: str, ctx: CheckContext) -> Finding:
     return Finding(Status.OK, f"{name} → {address} in /etc/hosts")
 
 
+def _ports_command(ctx: CheckContext) -> str:
+    head_filter = quote(f"label=io.raycluster.cluster={ctx.inventory.cluster}")
+    return (
+        "ss -ltnH; echo ---; docker ps --quiet --filter "
+        + head_filter
+        + " --filter label=io.raycluster.role=head --filter status=running"
+    )
+
+
+def _ports_free(rc: int, out: str, err: str, ctx: CheckContext) -> Finding:
+    listening_text, _, ours = out.partition("\n---\n")
+    ray = ctx.inventory.ray
+    wanted = {ray.port: "GCS (ray.port)", ray.dashboard_port: "dashboard", ray.client_port: "Ray client"}
+    if rc == 127 or "not found" in err:
+        return Finding(Status.WARN, "cannot list listening ports (no `ss`)", "install iproute2 on the head host")
+    if ours.strip():
+        return Finding(Status.OK, "Ray ports are held by this cluster's running head")
+    taken = sorted(p for p in parse_listening_ports(listening_text) if p in wanted)
+    if not taken:
+        return Finding(Status.OK, "ports " + ", ".join(str(p) for p in sorted(wanted)) + " are free")
+    names = ", ".join(f"{p} ({wanted[p]})" for p in taken)
+    return Finding(
+        Status.FAIL,
+        f"port(s) {names} already in use on the head host",
+        f"find the process with `ss -ltnp | grep :{taken[0]}` on {ctx.address} and stop it, "
+        "or choose other ports under ray: in the inventory",
+    )
+
+
 ALL_CHECKS: tuple[Check, ...] = (
     Check("docker", "Docker daemon", lambda ctx: "docker info --format '{{.ServerVersion}}'", _docker),
     Check(
@@ -114,6 +150,13 @@ ALL_CHECKS: tuple[Check, ...] = (
         lambda ctx: "ip route get " + quote(ctx.inventory.head_address),
         _route_to_head,
         applies=lambda ctx: ctx.host.role == "worker",
+    ),
+    Check(
+        "ports-free",
+        "Ray ports free on the head",
+        _ports_command,
+        _ports_free,
+        applies=lambda ctx: ctx.host.role == "head",
     ),
     Check("etc-hosts", "hostname in /etc/hosts", lambda ctx: "hostname; echo ---; cat /etc/hosts", _etc_hosts),
 )

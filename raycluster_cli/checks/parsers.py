@@ -63,3 +63,16 @@ def _is_ipv4(text: str) -> bool:
         return isinstance(ipaddress.ip_address(text), ipaddress.IPv4Address)
     except ValueError:
         return False
+
+
+def parse_listening_ports(text: str) -> set[int]:
+    """TCP ports in LISTEN state from `ss -ltnH` (IPv4, IPv6 and wildcard local addresses)."""
+    ports = set()
+    for line in text.splitlines():
+        fields = line.split()
+        if len(fields) >= 4 and fields[0] == "LISTEN":
+            local = fields[3]
+            port = local.rsplit(":", 1)[-1]
+            if port.isdigit():
+                ports.add(int(port))
+    return ports

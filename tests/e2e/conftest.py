@@ -6,12 +6,13 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from raycluster_cli import lab
 
@@ -29,15 +30,22 @@ class Lab:
     def host(self, hostname: str) -> lab.LabHost:
         return next(h for h in self.info.hosts if h.hostname == hostname)
 
-    def cli(self, *args: str, timeout: float = 600) -> tuple[int, dict[str, Any], str]:
+    def cli(self, *args: str, timeout: float = 600, inventory: str | None = None) -> tuple[int, dict[str, Any], str]:
         """Run `raycluster ARGS -i <lab inventory> --json` as a real process."""
-        command = [sys.executable, "-m", "raycluster_cli.cli", *args, "-i", self.inventory, "--json"]
+        command = [sys.executable, "-m", "raycluster_cli.cli", *args, "-i", inventory or self.inventory, "--json"]
         done = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
         try:
             document = json.loads(done.stdout)
         except ValueError:
             pytest.fail(f"no JSON document from {args}: rc={done.returncode}\n{done.stdout}\n{done.stderr}")
         return done.returncode, document, done.stderr
+
+    def variant(self, path: Path, edit: Callable[[dict[str, Any]], None]) -> str:
+        """Write a copy of the lab inventory changed by `edit` to `path`."""
+        data = yaml.safe_load(self.info.inventory_path.read_text())
+        edit(data)
+        path.write_text(yaml.safe_dump(data, sort_keys=False))
+        return str(path)
 
     def sh(self, hostname: str, script: str) -> str:
         """Run a shell script on a lab host (as its administrator would), return stdout."""

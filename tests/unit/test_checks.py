@@ -23,6 +23,7 @@ def healthy(address: str, name: str, **overrides: CommandResult | str) -> dict[s
         r"^ip -o -4 addr show": f"2: eth0    inet {address}/24 brd 192.0.2.255 scope global eth0\n",
         r"^ip route get": f"192.0.2.11 dev eth0 src {address} uid 0\n    cache\n",
         r"^hostname": f"{name}\n---\n127.0.0.1 localhost\n{address} {name}\n",
+        r"^ss -ltnH": "LISTEN 0 128 0.0.0.0:22 0.0.0.0:*\n---\n",
     }
     table.update(overrides)
     return table
@@ -155,3 +156,18 @@ def test_a_crashing_check_becomes_a_failure(example_yaml: str) -> None:
     tables = fleet(**{"192.0.2.12": healthy("192.0.2.12", "node-2", **{r"^hostname": CommandResult(0, "", "")})})
     results = run(example_yaml, tables)
     assert ("192.0.2.12", "etc-hosts") in failures(results)
+
+
+def test_port_taken_on_head(example_yaml: str) -> None:
+    taken = "LISTEN 0 4096 0.0.0.0:6379 0.0.0.0:*\n---\n"
+    tables = fleet(**{"192.0.2.11": healthy("192.0.2.11", "node-1", **{r"^ss -ltnH": taken})})
+    results = run(example_yaml, tables)
+    assert failures(results) == [("192.0.2.11", "ports-free")]
+    bad = next(r for r in results if r.status == Status.FAIL)
+    assert "6379 (GCS" in bad.message and "ss -ltnp" in bad.hint
+
+
+def test_ports_held_by_our_running_head_are_fine(example_yaml: str) -> None:
+    ours = "LISTEN 0 4096 0.0.0.0:6379 0.0.0.0:*\n---\n3f2a9c\n"
+    tables = fleet(**{"192.0.2.11": healthy("192.0.2.11", "node-1", **{r"^ss -ltnH": ours})})
+    assert failures(run(example_yaml, tables)) == []

@@ -6,6 +6,7 @@ from raycluster_cli.checks.parsers import (
     is_loopback,
     parse_etc_hosts,
     parse_ip_addr,
+    parse_listening_ports,
     parse_route_source,
     resolve_in_hosts,
 )
@@ -48,3 +49,15 @@ def test_route_source() -> None:
     assert parse_route_source("192.0.2.11 dev eth0 src 192.0.2.12 uid 0 \n    cache \n") == "192.0.2.12"
     assert parse_route_source("192.0.2.11 via 198.51.100.1 dev ib0 src 198.51.100.12 uid 0") == "198.51.100.12"
     assert parse_route_source("RTNETLINK answers: Network is unreachable") is None
+
+
+def test_listening_ports_ipv4_ipv6_wildcards() -> None:
+    text = (
+        "LISTEN 0      4096      10.77.0.11:6379       0.0.0.0:*\n"
+        "LISTEN 0      128          0.0.0.0:22         0.0.0.0:*\n"
+        "LISTEN 0      128             [::]:8265          [::]:*\n"
+        "LISTEN 0      511                *:10001            *:*\n"
+        "ESTAB  0      0         10.77.0.11:22     10.77.0.1:5050\n"
+    )
+    assert parse_listening_ports(text) == {6379, 22, 8265, 10001}
+    assert parse_listening_ports("") == set()

@@ -1,0 +1,180 @@
+"""Break one lab host at a time, run `doctor`, expect the right check to fail on the right host, repair."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from raycluster_cli import lab
+
+from .conftest import Lab
+
+pytestmark = pytest.mark.lab
+
+
+def failed(doc: dict[str, Any]) -> list[tuple[str, str]]:
+    return sorted((c["host"], c["id"]) for c in doc["checks"] if c["status"] == "fail")
+
+
+def finding(doc: dict[str, Any], host: str, check: str) -> dict[str, Any]:
+    return next(c for c in doc["checks"] if c["host"] == host and c["id"] == check)
+
+
+@pytest.fixture
+def hosts_file(lab_hosts: Lab) -> Iterator[Lab]:
+    """Lets a test rewrite lab-h3's /etc/hosts; puts the original back afterwards."""
+    original = lab_hosts.sh("lab-h3", "cat /etc/hosts")
+    yield lab_hosts
+    lab_hosts.sh("lab-h3", f"cat > /etc/hosts <<'EOF'\n{original}EOF")
+
+
+@pytest.mark.parametrize(
+    ("content", "expected"),
+    [
+        ("127.0.0.1 localhost\n", "does not name lab-h3"),
+        ("127.0.0.1 localhost\n10.77.0.99 lab-h3\n", "maps lab-h3 to 10.77.0.99, not 10.77.0.13"),
+    ],
+    ids=["hostname-missing", "hostname-wrong-ip"],
+)
+def test_etc_hosts_broken(hosts_file: Lab, content: str, expected: str) -> None:
+    hosts_file.sh("lab-h3", f"printf '{content}' > /etc/hosts")
+    code, doc, _ = hosts_file.cli("doctor")
+    assert code == 1
+    assert failed(doc) == [("10.77.0.13", "etc-hosts")]
+    bad = finding(doc, "10.77.0.13", "etc-hosts")
+    assert expected in bad["message"]
+    assert "10.77.0.13 lab-h3" in bad["hint"]
+
+
+def test_container_hostname_differs_from_hosts_entry(lab_hosts: Lab, tmp_path: Path) -> None:
+    def rename(data: dict[str, Any]) -> None:
+        data["hosts"][1]["hostname"] = "ray-worker-2"
+
+    code, doc, _ = lab_hosts.cli("doctor", inventory=lab_hosts.variant(tmp_path / "inv.yaml", rename))
+    assert code == 1
+    assert failed(doc) == [("10.77.0.12", "etc-hosts")]
+    assert "does not name ray-worker-2" in finding(doc, "10.77.0.12", "etc-hosts")["message"]
+
+
+def test_head_address_not_on_head(lab_hosts: Lab, tmp_path: Path) -> None:
+    def elsewhere(data: dict[str, Any]) -> None:
+        data["head"]["address"] = "10.77.0.99"  # in the lab subnet, on no host: never answers
+
+    code, doc, _ = lab_hosts.cli("doctor", inventory=lab_hosts.variant(tmp_path / "inv.yaml", elsewhere))
+    assert code == 1
+    assert ("10.77.0.11", "head-address") in failed(doc)
+    bad = finding(doc, "10.77.0.11", "head-address")
+    assert "10.77.0.11 (eth0)" in bad["message"] and bad["hint"]
+
+
+def test_port_taken_on_head(lab_hosts: Lab) -> None:
+    squatter = "docker run -d --name squatter --network host raycluster/node:0.1.0 python -m http.server 6379"
+    lab_hosts.sh("lab-h1", squatter)
+    try:
+        lab_hosts.sh("lab-h1", "for i in $(seq 50); do ss -ltnH | grep -q ':6379 ' && exit 0; sleep 0.2; done; exit 1")
+        code, doc, _ = lab_hosts.cli("doctor")
+        assert code == 1
+        assert failed(doc) == [("10.77.0.11", "ports-free")]
+        assert "6379" in finding(doc, "10.77.0.11", "ports-free")["message"]
+    finally:
+        lab_hosts.sh("lab-h1", "docker rm -f squatter")
+
+
+def test_docker_daemon_stopped(lab_hosts: Lab) -> None:
+    lab_hosts.sh("lab-h2", "pkill -x dockerd; while pgrep -x dockerd >/dev/null; do sleep 0.2; done")
+    try:
+        code, doc, _ = lab_hosts.cli("doctor")
+        assert code == 1
+        assert ("10.77.0.12", "docker") in failed(doc)
+        assert "systemctl start docker" in finding(doc, "10.77.0.12", "docker")["hint"]
+    finally:
+        lab.start_engine(lab_hosts.host("lab-h2").name)
+
+
+def test_image_missing_on_one_host(lab_hosts: Lab) -> None:
+    lab_hosts.sh("lab-h3", "docker tag raycluster/node:0.1.0 raycluster/node:stash && docker rmi raycluster/node:0.1.0")
+    try:
+        code, doc, _ = lab_hosts.cli("doctor")
+        assert code == 1
+        assert failed(doc) == [("10.77.0.13", "image")]
+        assert "docker load" in finding(doc, "10.77.0.13", "image")["hint"]
+    finally:
+        lab_hosts.sh(
+            "lab-h3", "docker tag raycluster/node:stash raycluster/node:0.1.0 && docker rmi raycluster/node:stash"
+        )
+
+
+def test_image_differs_on_one_host(lab_hosts: Lab) -> None:
+    rebuild = (
+        "docker tag raycluster/node:0.1.0 raycluster/node:stash && "
+        "printf 'FROM raycluster/node:0.1.0\\nLABEL changed=yes\\n' | DOCKER_BUILDKIT=0 docker build -q -t raycluster/node:0.1.0 -"
+    )
+    lab_hosts.sh("lab-h2", rebuild)
+    try:
+        code, doc, _ = lab_hosts.cli("doctor")
+        assert code == 1
+        assert failed(doc) == [("10.77.0.12", "image-same")]
+    finally:
+        lab_hosts.sh(
+            "lab-h2",
+            "docker tag raycluster/node:stash raycluster/node:0.1.0 && docker rmi raycluster/node:stash && docker image prune -f",
+        )
+
+
+def test_wrong_ssh_key(lab_hosts: Lab, tmp_path: Path) -> None:
+    key = tmp_path / "other_key"
+    pem = Ed25519PrivateKey.generate().private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.OpenSSH, serialization.NoEncryption()
+    )
+    key.write_bytes(pem)
+    key.chmod(0o600)
+
+    def other_key(data: dict[str, Any]) -> None:
+        data["ssh"]["key"] = str(key)
+
+    code, doc, _ = lab_hosts.cli("doctor", inventory=lab_hosts.variant(tmp_path / "inv.yaml", other_key))
+    assert code == 1
+    assert failed(doc) == [(h.address, "ssh") for h in lab_hosts.info.hosts]
+    bad = finding(doc, "10.77.0.11", "ssh")
+    assert "authentication failed" in bad["message"] and "authorized_keys" in bad["hint"]
+
+
+def test_unknown_host_key_strict_then_accept_new(lab_hosts: Lab, tmp_path: Path) -> None:
+    known = tmp_path / "known_hosts"
+
+    def empty_known_hosts(mode: str) -> Any:
+        def edit(data: dict[str, Any]) -> None:
+            data["ssh"]["known_hosts_file"] = str(known)
+            data["ssh"]["known_hosts"] = mode
+
+        return edit
+
+    code, doc, _ = lab_hosts.cli(
+        "doctor", inventory=lab_hosts.variant(tmp_path / "s.yaml", empty_known_hosts("strict"))
+    )
+    assert code == 1
+    assert failed(doc) == [(h.address, "ssh") for h in lab_hosts.info.hosts]
+    assert "ssh-keyscan" in finding(doc, "10.77.0.12", "ssh")["hint"]
+    assert not known.exists()
+
+    inv = lab_hosts.variant(tmp_path / "a.yaml", empty_known_hosts("accept-new"))
+    code, doc, _ = lab_hosts.cli("doctor", inventory=inv)
+    assert code == 0, failed(doc)
+    recorded = known.read_text()
+    assert all(h.address in recorded for h in lab_hosts.info.hosts)
+
+    # A changed key is refused even under accept-new: record lab-h1's key for lab-h2.
+    keys = {line.split()[0]: line.split(maxsplit=1)[1] for line in recorded.splitlines() if line.strip()}
+    h1, h2 = lab_hosts.info.hosts[0].address, lab_hosts.info.hosts[1].address
+    keys[h2] = keys[h1]
+    known.write_text("".join(f"{host} {key}\n" for host, key in keys.items()))
+    code, doc, _ = lab_hosts.cli("doctor", inventory=inv)
+    assert code == 1
+    assert failed(doc) == [(h2, "ssh")]
+    assert "CHANGED" in finding(doc, h2, "ssh")["message"]
+    assert "ssh-keygen" in finding(doc, h2, "ssh")["hint"]
