@@ -159,7 +159,7 @@ def bench_command(
     max_new_tokens: Annotated[int, typer.Option(min=1, help="tokens generated per request")] = 16,
     micro_batch: Annotated[int, typer.Option(min=1, help="requests per micro-batch")] = 4,
     seed: Annotated[int, typer.Option(help="seed for weights and prompts")] = 0,
-    partition: Annotated[str, typer.Option(help="even | manual:4,4,4")] = "even",
+    partition: Annotated[str, typer.Option(help="even | balanced (by measured speed) | manual:4,4,4")] = "even",
     check_output: Annotated[bool, typer.Option(help="also compare greedy tokens with the unsharded model")] = False,
     save_result: Annotated[Path | None, typer.Option(help="also write the JSON result to this file")] = None,
     json_mode: JsonOpt = False,

@@ -152,12 +152,16 @@ def up(
     _wait_head(head_transport, inventory, timeout_s)
     progress(f"head ready; starting {len(inventory.workers)} worker(s)")
     force = head_action != "running"  # a new head means every worker must join it again
+    # With the head kept, nodes of workers about to be replaced may linger in its GCS: note their IDs.
+    before = [] if force else _probe(head_transport, inventory, [], 0)
     actions = fanout(inventory.workers, lambda h: _ensure_node(connect(h), inventory, h, force=force))
     _raise_first(actions)
+    replaced = {inventory.node_ip(h) for h, o in actions if o.value != "running"}
+    stale = [n["node_id"] for n in before if n["alive"] and n["node_ip"] in replaced]
     progress("waiting for every node to join")
     expected = {inventory.node_ip(h): h for h in inventory.hosts}
-    reported = _probe(head_transport, inventory, sorted(expected), timeout_s)
-    alive = {n["node_ip"]: n for n in reported if n["alive"]}
+    reported = _probe(head_transport, inventory, sorted(expected), timeout_s, stale)
+    alive = {n["node_ip"]: n for n in reported if n["alive"] and n["node_id"] not in stale}
     action_of = {str(head.address): head_action} | {str(h.address): o.value or "" for h, o in actions}
     nodes = [
         NodeState(
@@ -250,12 +254,15 @@ def _wait_head(transport: Transport, inventory: Inventory, timeout_s: float) -> 
         time.sleep(1.0)
 
 
-def _probe(transport: Transport, inventory: Inventory, expect: list[str], timeout_s: float) -> list[dict[str, Any]]:
+def _probe(
+    transport: Transport, inventory: Inventory, expect: list[str], timeout_s: float, stale: list[str] | None = None
+) -> list[dict[str, Any]]:
+    """The cluster's nodes, after waiting (up to `timeout_s`) for `expect` to be live and `stale` dead."""
     name = container_name(inventory, inventory.head_host)
     gcs = f"{inventory.head_address}:{inventory.ray.port}"
     command = (
         f"docker exec {quote(name)} python -m raycluster_cli.probe --address {quote(gcs)} "
-        f"--expect {quote(','.join(expect))}"
+        f"--expect {quote(','.join(expect))} --stale-ids {quote(','.join(stale or []))}"
     )
     result = transport.run(f"{command} --timeout {timeout_s:.0f}", timeout=timeout_s + 60)
     try:

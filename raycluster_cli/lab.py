@@ -265,7 +265,9 @@ def start_engine(container: str, timeout_s: float = 60.0) -> None:
     deadline = time.monotonic() + timeout_s
     while subprocess.run([docker, "exec", container, "docker", "info"], capture_output=True).returncode != 0:
         if time.monotonic() > deadline:
-            raise OperationError(f"{container}: dockerd did not start", f"see `docker exec {container} cat /var/log/dockerd.log`")
+            raise OperationError(
+                f"{container}: dockerd did not start", f"see `docker exec {container} cat /var/log/dockerd.log`"
+            )
         time.sleep(0.5)
 
 

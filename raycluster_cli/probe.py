@@ -18,8 +18,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--address", default="auto", help="the head's GCS address, HOST:PORT")
     parser.add_argument("--expect", default="", help="comma-separated node IPs to wait for")
     parser.add_argument("--timeout", type=float, default=0.0, help="seconds to wait for them")
+    parser.add_argument(
+        "--stale-ids", default="", help="comma-separated node IDs whose containers were replaced: wait until dead"
+    )
     args = parser.parse_args(argv)
     expected = {ip for ip in args.expect.split(",") if ip}
+    stale = {node_id for node_id in args.stale_ids.split(",") if node_id}
 
     import ray
 
@@ -31,8 +35,14 @@ def main(argv: list[str] | None = None) -> int:
     deadline = time.monotonic() + args.timeout
     while True:
         nodes = ray.nodes()
-        alive = {n["NodeManagerAddress"] for n in nodes if n.get("Alive")}
-        if expected <= alive or time.monotonic() >= deadline:
+        live = [n for n in nodes if n.get("Alive")]
+        fresh_ips = [n["NodeManagerAddress"] for n in live if n["NodeID"] not in stale]
+        alive = set(fresh_ips)
+        # A node whose container was killed stays "alive" in the GCS until its health checks fail. The
+        # cluster is settled when every expected IP has a fresh live node, each IP only one, and every
+        # replaced node is dead, so that no work can be scheduled on a ghost.
+        settled = expected <= alive and len(fresh_ips) == len(alive) and not any(n["NodeID"] in stale for n in live)
+        if settled or time.monotonic() >= deadline:
             break
         time.sleep(0.5)
     report = [
@@ -44,8 +54,8 @@ def main(argv: list[str] | None = None) -> int:
         }
         for n in nodes
     ]
-    print(json.dumps({"ok": expected <= alive, "nodes": report}))
-    return 0 if expected <= alive else 1
+    print(json.dumps({"ok": settled, "nodes": report}))
+    return 0 if settled else 1
 
 
 if __name__ == "__main__":

@@ -48,15 +48,18 @@ class Lab:
         return str(path)
 
     def sh(self, hostname: str, script: str) -> str:
-        """Run a shell script on a lab host (as its administrator would), return stdout."""
-        done = subprocess.run(
+        """Run a shell script on a lab host (as its administrator would); it must succeed; return stdout."""
+        done = self.sh_result(hostname, script)
+        assert done.returncode == 0, done.stderr
+        return done.stdout
+
+    def sh_result(self, hostname: str, script: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
             [lab.docker_cli(), "exec", self.host(hostname).name, "sh", "-c", script],
             capture_output=True,
             text=True,
-            timeout=120,
+            timeout=180,
         )
-        assert done.returncode == 0, done.stderr
-        return done.stdout
 
 
 def _engine_answers() -> bool:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -58,6 +59,43 @@ def test_second_up_changes_nothing(lab_hosts: Lab) -> None:
     assert [n["action"] for n in doc["nodes"]] == ["running"] * 3
 
 
+CONNECT = "python -c \"import ray; ray.init(address='10.77.0.11:6379'); print('nodes', len(ray.nodes()))\""
+
+
+def test_ray_refuses_a_client_with_the_wrong_token(lab_hosts: Lab) -> None:
+    head = "raycluster-lab-head"
+    lab_hosts.sh("lab-h1", f"docker exec {head} sh -c 'echo not-the-token > /tmp/wrong-token'")
+    refused = lab_hosts.sh_result(
+        "lab-h1", f"docker exec -e RAY_AUTH_TOKEN_PATH=/tmp/wrong-token {head} timeout 120 {CONNECT}"
+    )
+    assert refused.returncode != 0
+    assert "ConnectionError" in refused.stderr or "Authentication" in refused.stderr
+    accepted = lab_hosts.sh("lab-h1", f"docker exec {head} timeout 120 {CONNECT}")
+    assert "nodes 3" in accepted
+
+
+def test_token_is_not_in_docker_inspect_or_command_lines(lab_hosts: Lab) -> None:
+    token = (Path.home() / ".local/state/raycluster/lab/auth-token").read_text().strip()
+    assert len(token) >= 32
+    for host in lab_hosts.info.hosts:
+        inspect = lab_hosts.sh(host.hostname, "docker inspect $(docker ps -q --filter label=io.raycluster.cluster=lab)")
+        assert token not in inspect
+        assert "RAY_AUTH_TOKEN_PATH" in inspect
+        processes = lab_hosts.sh(host.hostname, "ps -eo args")
+        assert token not in processes
+        mode = lab_hosts.sh(host.hostname, "stat -c %a /etc/raycluster/lab/auth-token").strip()
+        assert mode == "600"
+
+
+def test_up_heals_only_a_dead_worker(lab_hosts: Lab) -> None:
+    lab_hosts.sh("lab-h3", "docker rm -f raycluster-lab-worker")
+    code, doc, err = lab_hosts.cli("up")
+    assert code == 0, err
+    actions = {n["host"]: n["action"] for n in doc["nodes"]}
+    assert actions == {"10.77.0.11": "running", "10.77.0.12": "running", "10.77.0.13": "started"}
+    assert all(n["alive"] for n in doc["nodes"])
+
+
 def test_bench_runs_one_stage_per_host(lab_hosts: Lab) -> None:
     code, doc, err = lab_hosts.cli("bench", "--check-output", timeout=900)
     assert code == 0, err
@@ -83,3 +121,19 @@ def test_down_removes_everything_and_is_idempotent(lab_hosts: Lab) -> None:
     code, doc, err = lab_hosts.cli("down")
     assert code == 0, err
     assert doc["removed"] == []
+
+
+def test_a_foreign_container_named_like_ours_is_never_touched(lab_hosts: Lab) -> None:
+    lab_hosts.sh("lab-h2", "docker create --name raycluster-lab-worker raycluster/node:0.1.0 sleep 1")
+    try:
+        code, doc, _ = lab_hosts.cli("down")
+        assert code == 0 and doc["removed"] == []
+        assert lab_hosts.sh("lab-h2", "docker ps -aq --filter name=raycluster-lab-worker").strip()
+        code, doc, _ = lab_hosts.cli("up")
+        assert code == 1
+        assert "10.77.0.12" in doc["error"]["message"] and "did not start" in doc["error"]["message"]
+        assert "docker rm -f raycluster-lab-worker" in doc["error"]["hint"]
+        assert lab_hosts.sh("lab-h2", "docker ps -aq --filter name=raycluster-lab-worker").strip()
+    finally:
+        lab_hosts.sh("lab-h2", "docker rm -f raycluster-lab-worker")
+        lab_hosts.cli("down")
