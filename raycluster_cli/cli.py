@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import json
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -14,6 +15,7 @@ from . import __version__, inventory, lab
 from .checks import Status, ignore_ids, run_checks
 from .cluster import PreflightFailed, SSHPool, bench, down, state_dir, up
 from .errors import ExitCode, RayclusterError
+from .inventory import Inventory
 from .report import Output, render_bench, render_checks, render_down, render_lab, render_up
 
 app = typer.Typer(
@@ -63,6 +65,26 @@ def _execute(json_mode: bool, debug: bool, action: Callable[[Output], int]) -> N
     raise typer.Exit(int(code))
 
 
+@contextmanager
+def _cluster(inventory_path: str | None) -> Iterator[tuple[Inventory, SSHPool]]:
+    """The loaded inventory and an SSH pool to its hosts, closed afterwards."""
+    inv = inventory.load(inventory_path).inventory
+    pool = SSHPool(inv)
+    try:
+        yield inv, pool
+    finally:
+        pool.close()
+
+
+def _emit(output: Output, ok: bool, body: dict[str, Any], render: Callable[[Output, dict[str, Any]], None]) -> int:
+    """The JSON document with --json, else the human rendering; the exit code for `ok`."""
+    if output.json_mode:
+        output.document(ok, body)
+    else:
+        render(output, body)
+    return ExitCode.OK if ok else ExitCode.FAILED
+
+
 @app.command()
 def doctor(
     inventory_path: InventoryOpt = None,
@@ -74,18 +96,11 @@ def doctor(
 
     def action(output: Output) -> int:
         ignored = ignore_ids(ignore)
-        inv = inventory.load(inventory_path).inventory
-        pool = SSHPool(inv)
-        try:
+        with _cluster(inventory_path) as (inv, pool):
             results = run_checks(inv, pool, ignore=ignored)
-        finally:
-            pool.close()
         ok = not any(r.status == Status.FAIL for r in results)
-        if json_mode:
-            output.document(ok, {"cluster": inv.cluster, "checks": [r.to_dict() for r in results]})
-        else:
-            render_checks(output, results)
-        return ExitCode.OK if ok else ExitCode.FAILED
+        body = {"cluster": inv.cluster, "checks": [r.to_dict() for r in results]}
+        return _emit(output, ok, body, lambda out, _: render_checks(out, results))
 
     _execute(json_mode, debug, action)
 
@@ -102,12 +117,8 @@ def up_command(
 
     def action(output: Output) -> int:
         ignored = ignore_ids(ignore)
-        inv = inventory.load(inventory_path).inventory
-        pool = SSHPool(inv)
-        try:
+        with _cluster(inventory_path) as (inv, pool):
             result = up(inv, pool, ignore=ignored, timeout_s=timeout, progress=output.progress())
-        finally:
-            pool.close()
         body = {
             "cluster": inv.cluster,
             "head": result.head,
@@ -117,11 +128,7 @@ def up_command(
             "nodes": [n.to_dict() for n in result.nodes],
             "checks": [r.to_dict() for r in result.checks if r.status != Status.OK],
         }
-        if json_mode:
-            output.document(result.ok, body)
-        else:
-            render_up(output, body)
-        return ExitCode.OK if result.ok else ExitCode.FAILED
+        return _emit(output, result.ok, body, render_up)
 
     _execute(json_mode, debug, action)
 
@@ -131,18 +138,10 @@ def down_command(inventory_path: InventoryOpt = None, json_mode: JsonOpt = False
     """Remove the containers that `up` started (found by this cluster's labels), and nothing else."""
 
     def action(output: Output) -> int:
-        inv = inventory.load(inventory_path).inventory
-        pool = SSHPool(inv)
-        try:
+        with _cluster(inventory_path) as (inv, pool):
             result = down(inv, pool, progress=output.progress())
-        finally:
-            pool.close()
         body = {"cluster": inv.cluster, "removed": result.removed, "errors": result.errors}
-        if json_mode:
-            output.document(result.ok, body)
-        else:
-            render_down(output, body)
-        return ExitCode.OK if result.ok else ExitCode.FAILED
+        return _emit(output, result.ok, body, render_down)
 
     _execute(json_mode, debug, action)
 
@@ -168,7 +167,6 @@ def bench_command(
     """Pipeline-parallel inference across the nodes: throughput, latency and each node's busy time."""
 
     def action(output: Output) -> int:
-        inv = inventory.load(inventory_path).inventory
         args = [
             f"--layers={layers}", f"--d-model={d_model}", f"--heads={heads}", f"--vocab={vocab}",
             f"--requests={requests}", f"--prompt-len={prompt_len}", f"--max-new-tokens={max_new_tokens}",
@@ -176,21 +174,14 @@ def bench_command(
         ]  # fmt: skip
         if check_output:
             args.append("--check-output")
-        pool = SSHPool(inv)
-        try:
+        with _cluster(inventory_path) as (inv, pool):
             output.progress()(f"running the benchmark on {len(inv.hosts)} node(s)")
             document = bench(inv, pool, args)
-        finally:
-            pool.close()
         document.pop("schema_version", None)
         ok = bool(document.pop("ok", True))
         if save_result:
             save_result.write_text(json.dumps({"schema_version": 1, "ok": ok, **document}, indent=2) + "\n")
-        if json_mode:
-            output.document(ok, document)
-        else:
-            render_bench(output, document)
-        return ExitCode.OK if ok else ExitCode.FAILED
+        return _emit(output, ok, document, render_bench)
 
     _execute(json_mode, debug, action)
 
