@@ -177,11 +177,11 @@ def up(
     missing = [n for n in nodes if not n.alive]
     if missing:
         names = ", ".join(n.host for n in missing)
-        tail = _log_tail(connect, inventory, next(h for h in inventory.hosts if str(h.address) == missing[0].host))
+        first = next(h for h in inventory.hosts if str(h.address) == missing[0].host)
+        tail = _log_tail(connect, inventory, first)
         raise OperationError(
-            f"{len(missing)} node(s) did not join within {timeout_s:.0f}s: {names} (last log: {tail})",
-            f"see `docker logs {container_name(inventory, inventory.workers[0]) if inventory.workers else ''}` "
-            f"on {missing[0].host} and run `raycluster doctor`",
+            f"{len(missing)} node(s) did not join within {timeout_s:.0f}s: {names} (last log on {first.address}: {tail})",
+            f"see `docker logs {container_name(inventory, first)}` on {first.address} and run `raycluster doctor`",
         )
     return UpResult(
         inventory.head_address,
