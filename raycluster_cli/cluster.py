@@ -148,16 +148,19 @@ def up(
     head = inventory.head_host
     head_transport = connect(head)
     progress(f"starting the head on {head.address}")
-    head_action = _ensure_node(head_transport, inventory, head)
+    head_action = _apply_node(head_transport, inventory, head, _plan_node(head_transport, inventory, head))
     _wait_head(head_transport, inventory, timeout_s)
     progress(f"head ready; starting {len(inventory.workers)} worker(s)")
     force = head_action != "running"  # a new head means every worker must join it again
+    plans = fanout(inventory.workers, lambda h: _plan_node(connect(h), inventory, h, force=force))
+    _raise_first(plans)
+    plan_of = {str(h.address): o.value or "" for h, o in plans}
+    replaced = {inventory.node_ip(h) for h in inventory.workers if plan_of[str(h.address)] != "running"}
     # With the head kept, nodes of workers about to be replaced may linger in its GCS: note their IDs.
-    before = [] if force else _probe(head_transport, inventory, [], 0)
-    actions = fanout(inventory.workers, lambda h: _ensure_node(connect(h), inventory, h, force=force))
-    _raise_first(actions)
-    replaced = {inventory.node_ip(h) for h, o in actions if o.value != "running"}
+    before = _probe(head_transport, inventory, [], 0) if replaced and not force else []
     stale = [n["node_id"] for n in before if n["alive"] and n["node_ip"] in replaced]
+    actions = fanout(inventory.workers, lambda h: _apply_node(connect(h), inventory, h, plan_of[str(h.address)]))
+    _raise_first(actions)
     progress("waiting for every node to join")
     expected = {inventory.node_ip(h): h for h in inventory.hosts}
     reported = _probe(head_transport, inventory, sorted(expected), timeout_s, stale)
@@ -198,29 +201,36 @@ def _raise_first(outcomes: list[Any]) -> None:
             raise outcome.error
 
 
-def _ensure_node(transport: Transport, inventory: Inventory, host: HostConfig, force: bool = False) -> str:
-    """Start the node's container unless ours is already running the right image."""
+def _plan_node(transport: Transport, inventory: Inventory, host: HostConfig, force: bool = False) -> str:
+    """What `up` must do on `host`: "running" (keep), "start" or "restart"; refuse a foreign container."""
     name = container_name(inventory, host)
     found = parse_ps(transport.run(inspect_name_command(name)).stdout)
-    action = "started"
-    if found:
-        existing = found[0]
-        if existing.labels.get(LABEL_CLUSTER) != inventory.cluster or existing.labels.get(LABEL_ROLE) != host.role:
-            raise OperationError(
-                f"{host.address}: a container named {name} exists that this cluster did not start",
-                f"remove or rename it on {host.address} (docker rm -f {name}) if it is not needed",
-            )
-        if existing.running and not force and _same_image(transport, existing.id, inventory.image):
-            return "running"
-        transport.run("docker rm -f " + quote(name))
-        action = "restarted"
+    if not found:
+        return "start"
+    existing = found[0]
+    if existing.labels.get(LABEL_CLUSTER) != inventory.cluster or existing.labels.get(LABEL_ROLE) != host.role:
+        raise OperationError(
+            f"{host.address}: a container named {name} exists that this cluster did not start",
+            f"remove or rename it on {host.address} (docker rm -f {name}) if it is not needed",
+        )
+    if existing.running and not force and _same_image(transport, existing.id, inventory.image):
+        return "running"
+    return "restart"
+
+
+def _apply_node(transport: Transport, inventory: Inventory, host: HostConfig, plan: str) -> str:
+    """Carry out a plan of `_plan_node`; return the action taken (running / started / restarted)."""
+    if plan == "running":
+        return "running"
+    if plan == "restart":
+        transport.run("docker rm -f " + quote(container_name(inventory, host)))
     result = transport.run(docker_run_command(inventory, host), timeout=120)
     if not result.ok:
         raise OperationError(
             f"{host.address}: docker run failed: {result.first_line()}",
             "check the image and docker.run_options in the inventory",
         )
-    return action
+    return "started" if plan == "start" else "restarted"
 
 
 def _same_image(transport: Transport, container_id: str, image: str) -> bool:

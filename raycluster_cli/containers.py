@@ -10,6 +10,7 @@ import json
 import shlex
 from dataclasses import dataclass
 
+from .errors import OperationError
 from .inventory import HostConfig, Inventory
 from .transport import Transport, quote
 
@@ -121,7 +122,5 @@ def parse_ps(text: str) -> list[Container]:
 def list_cluster_containers(transport: Transport, inventory: Inventory) -> list[Container]:
     result = transport.run(list_command(inventory))
     if not result.ok:
-        from .errors import OperationError
-
         raise OperationError(f"{transport.host}: docker ps failed: {result.first_line()}", "check Docker on the host")
     return [c for c in parse_ps(result.stdout) if c.labels.get(LABEL_CLUSTER) == inventory.cluster]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Iterable
 
 from ..errors import RayclusterError, UsageError
@@ -85,10 +86,7 @@ def _same_image_everywhere(inventory: Inventory, results: list[CheckResult]) -> 
     ids = {r.host: r.data["image_id"][7:19] for r in results if r.id == IMAGE_ID_CHECK and "image_id" in r.data}
     if len(set(ids.values())) <= 1:
         return []
-    counts: dict[str, int] = {}
-    for image_id in ids.values():
-        counts[image_id] = counts.get(image_id, 0) + 1
-    majority = max(counts, key=lambda k: counts[k])
+    majority = Counter(ids.values()).most_common(1)[0][0]
     return [
         CheckResult(
             "image-same",
