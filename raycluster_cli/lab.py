@@ -27,10 +27,13 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from .errors import OperationError, UsageError
 
 LAB_LABEL = "io.raycluster.lab"
-NETWORK = "raycluster-lab"
-DEFAULT_SUBNET = "10.77.0.0/24"
-LAB_IMAGE = "raycluster/labhost:0.1.0"
-NODE_IMAGE = "raycluster/node:0.1.0"
+# Several labs can live side by side on one machine (for example one per test session): each has its
+# own name (container-name prefix, network name and label value), subnet and node image.
+LAB_NAME = os.environ.get("RAYCLUSTER_LAB_NAME", "raycluster-lab")
+NETWORK = LAB_NAME
+DEFAULT_SUBNET = os.environ.get("RAYCLUSTER_LAB_SUBNET", "10.77.0.0/24")
+LAB_IMAGE = os.environ.get("RAYCLUSTER_LAB_IMAGE", "raycluster/labhost:0.1.0")
+NODE_IMAGE = os.environ.get("RAYCLUSTER_NODE_IMAGE", "raycluster/node:0.1.0")
 # Every capability Docker 20.10 knows but CAP_SYS_RESOURCE, which this kind of sandbox withholds
 # (so --privileged fails there).
 _CAPS = [
@@ -129,9 +132,7 @@ def lab_hosts(count: int, subnet: str = DEFAULT_SUBNET) -> list[LabHost]:
     net = ipaddress.ip_network(subnet)
     if count < 1 or count > 50:
         raise UsageError(f"--hosts {count} is out of range", "use 1 to 50 lab hosts")
-    return [
-        LabHost(f"raycluster-lab-h{i}", f"lab-h{i}", str(net.network_address + 10 + i)) for i in range(1, count + 1)
-    ]
+    return [LabHost(f"{LAB_NAME}-h{i}", f"lab-h{i}", str(net.network_address + 10 + i)) for i in range(1, count + 1)]
 
 
 def lab_up(
@@ -161,7 +162,7 @@ def lab_up(
     public_key = (lab_dir / "id_ed25519.pub").read_text()
     _ensure_network(client, subnet)
     hosts = lab_hosts(count, subnet)
-    for stale in client.containers.list(all=True, filters={"label": LAB_LABEL}):
+    for stale in client.containers.list(all=True, filters={"label": f"{LAB_LABEL}={LAB_NAME}"}):
         if stale.name not in {h.name for h in hosts}:
             progress(f"removing lab host {stale.name} (not part of a {count}-host lab)")
             stale.remove(force=True)
@@ -182,7 +183,7 @@ def lab_down(*, lab_dir: Path | None = None, keep_volumes: bool = False, progres
     """Remove every container, network and (unless kept) volume that the lab created."""
     client = docker_client()
     removed: list[str] = []
-    for container in client.containers.list(all=True, filters={"label": LAB_LABEL}):
+    for container in client.containers.list(all=True, filters={"label": f"{LAB_LABEL}={LAB_NAME}"}):
         progress(f"removing {container.name}")
         container.remove(force=True)
         removed.append(container.name)
@@ -190,7 +191,7 @@ def lab_down(*, lab_dir: Path | None = None, keep_volumes: bool = False, progres
         network.remove()
         removed.append(f"network {NETWORK}")
     if not keep_volumes:
-        for volume in client.volumes.list(filters={"label": LAB_LABEL}):
+        for volume in client.volumes.list(filters={"label": f"{LAB_LABEL}={LAB_NAME}"}):
             volume.remove(force=True)
             removed.append(f"volume {volume.name}")
     lab_dir = lab_dir or default_lab_dir()
@@ -300,7 +301,7 @@ def _ensure_network(client: Any, subnet: str) -> None:
         return
     ipam = docker.types.IPAMConfig(pool_configs=[docker.types.IPAMPool(subnet=subnet)])
     try:
-        client.networks.create(NETWORK, driver="bridge", ipam=ipam, labels={LAB_LABEL: "1"})
+        client.networks.create(NETWORK, driver="bridge", ipam=ipam, labels={LAB_LABEL: LAB_NAME})
     except docker.errors.APIError as exc:
         raise OperationError(
             f"cannot create the lab network {subnet}: {exc.explanation}",
@@ -322,7 +323,7 @@ def _start_host(client: Any, host: LabHost, image: str, public_key: str, progres
     except docker.errors.NotFound:
         progress(f"starting lab host {host.hostname} ({host.address})")
         volume = f"{host.name}-docker"
-        client.volumes.create(volume, labels={LAB_LABEL: "1"})
+        client.volumes.create(volume, labels={LAB_LABEL: LAB_NAME})
         container = client.containers.create(
             image,
             name=host.name,
@@ -336,7 +337,7 @@ def _start_host(client: Any, host: LabHost, image: str, public_key: str, progres
                 volume: {"bind": "/var/lib/docker"},
             },
             environment={"LAB_CGROUP_PARENT": host.name},
-            labels={LAB_LABEL: "1"},
+            labels={LAB_LABEL: LAB_NAME},
             network=NETWORK,
         )
         client.api.disconnect_container_from_network(container.id, NETWORK)

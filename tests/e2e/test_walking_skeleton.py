@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from raycluster_cli import lab
+
 from .conftest import Lab
 
 pytestmark = pytest.mark.lab
@@ -124,7 +126,7 @@ def test_down_removes_everything_and_is_idempotent(lab_hosts: Lab) -> None:
 
 
 def test_a_foreign_container_named_like_ours_is_never_touched(lab_hosts: Lab) -> None:
-    lab_hosts.sh("lab-h2", "docker create --name raycluster-lab-worker raycluster/node:0.1.0 sleep 1")
+    lab_hosts.sh("lab-h2", f"docker create --name raycluster-lab-worker {lab.NODE_IMAGE} sleep 1")
     try:
         code, doc, _ = lab_hosts.cli("down")
         assert code == 0 and doc["removed"] == []
