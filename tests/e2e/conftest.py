@@ -77,11 +77,19 @@ def lab_hosts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Lab]:
             pytest.fail("RAYCLUSTER_REQUIRE_LAB=1 but no Docker engine answers (run scripts/ensure-docker.sh)")
         pytest.skip("no Docker engine: lab tests skipped")
     lab_dir = Path(tmp_path_factory.mktemp("lab"))
+    # This session's own cluster state (the token): never shared with another lab or a user's cluster.
+    os.environ["RAYCLUSTER_STATE_DIR"] = str(tmp_path_factory.mktemp("state"))
     info = lab.lab_up(3, lab_dir=lab_dir, progress=lambda m: print(f"[lab] {m}", file=sys.stderr))
     # The lab must exist before anything dials it.
     for host in info.hosts:
         assert lab.docker_client().containers.get(host.name).status == "running"
     the_lab = Lab(info)
+    # Lab hosts keep their engines' volumes between sessions: start from no cluster at all.
+    subprocess.run(
+        [sys.executable, "-m", "raycluster_cli.cli", "down", "-i", the_lab.inventory],
+        capture_output=True,
+        timeout=300,
+    )
     yield the_lab
     subprocess.run(
         [sys.executable, "-m", "raycluster_cli.cli", "down", "-i", the_lab.inventory],
