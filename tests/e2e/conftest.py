@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
 import subprocess
@@ -17,6 +18,9 @@ import yaml
 from raycluster_cli import lab
 
 REQUIRE = os.environ.get("RAYCLUSTER_REQUIRE_LAB") == "1"
+# The lab hosts' addresses (the subnet comes from RAYCLUSTER_LAB_SUBNET, 10.77.0.0/24 by default).
+IP1, IP2, IP3 = (h.address for h in lab.lab_hosts(3))
+UNUSED_IP = str(ipaddress.ip_network(lab.DEFAULT_SUBNET).network_address + 99)  # in the subnet, on no host
 
 
 @dataclass

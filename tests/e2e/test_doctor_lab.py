@@ -12,7 +12,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from raycluster_cli import lab
 
-from .conftest import Lab
+from .conftest import IP1, IP2, IP3, UNUSED_IP, Lab
 
 pytestmark = pytest.mark.lab
 
@@ -37,7 +37,7 @@ def hosts_file(lab_hosts: Lab) -> Iterator[Lab]:
     ("content", "expected"),
     [
         ("127.0.0.1 localhost\n", "does not name lab-h3"),
-        ("127.0.0.1 localhost\n10.77.0.99 lab-h3\n", "maps lab-h3 to 10.77.0.99, not 10.77.0.13"),
+        (f"127.0.0.1 localhost\n{UNUSED_IP} lab-h3\n", f"maps lab-h3 to {UNUSED_IP}, not {IP3}"),
     ],
     ids=["hostname-missing", "hostname-wrong-ip"],
 )
@@ -45,10 +45,10 @@ def test_etc_hosts_broken(hosts_file: Lab, content: str, expected: str) -> None:
     hosts_file.sh("lab-h3", f"printf '{content}' > /etc/hosts")
     code, doc, _ = hosts_file.cli("doctor")
     assert code == 1
-    assert failed(doc) == [("10.77.0.13", "etc-hosts")]
-    bad = finding(doc, "10.77.0.13", "etc-hosts")
+    assert failed(doc) == [(IP3, "etc-hosts")]
+    bad = finding(doc, IP3, "etc-hosts")
     assert expected in bad["message"]
-    assert "10.77.0.13 lab-h3" in bad["hint"]
+    assert f"{IP3} lab-h3" in bad["hint"]
 
 
 def test_container_hostname_differs_from_hosts_entry(lab_hosts: Lab, tmp_path: Path) -> None:
@@ -57,19 +57,19 @@ def test_container_hostname_differs_from_hosts_entry(lab_hosts: Lab, tmp_path: P
 
     code, doc, _ = lab_hosts.cli("doctor", inventory=lab_hosts.variant(tmp_path / "inv.yaml", rename))
     assert code == 1
-    assert failed(doc) == [("10.77.0.12", "etc-hosts")]
-    assert "does not name ray-worker-2" in finding(doc, "10.77.0.12", "etc-hosts")["message"]
+    assert failed(doc) == [(IP2, "etc-hosts")]
+    assert "does not name ray-worker-2" in finding(doc, IP2, "etc-hosts")["message"]
 
 
 def test_head_address_not_on_head(lab_hosts: Lab, tmp_path: Path) -> None:
     def elsewhere(data: dict[str, Any]) -> None:
-        data["head"]["address"] = "10.77.0.99"  # in the lab subnet, on no host: never answers
+        data["head"]["address"] = UNUSED_IP  # in the lab subnet, on no host: never answers
 
     code, doc, _ = lab_hosts.cli("doctor", inventory=lab_hosts.variant(tmp_path / "inv.yaml", elsewhere))
     assert code == 1
-    assert ("10.77.0.11", "head-address") in failed(doc)
-    bad = finding(doc, "10.77.0.11", "head-address")
-    assert "10.77.0.11 (eth0)" in bad["message"] and bad["hint"]
+    assert (IP1, "head-address") in failed(doc)
+    bad = finding(doc, IP1, "head-address")
+    assert f"{IP1} (eth0)" in bad["message"] and bad["hint"]
 
 
 def test_port_taken_on_head(lab_hosts: Lab) -> None:
@@ -79,8 +79,8 @@ def test_port_taken_on_head(lab_hosts: Lab) -> None:
         lab_hosts.sh("lab-h1", "for i in $(seq 50); do ss -ltnH | grep -q ':6379 ' && exit 0; sleep 0.2; done; exit 1")
         code, doc, _ = lab_hosts.cli("doctor")
         assert code == 1
-        assert failed(doc) == [("10.77.0.11", "ports-free")]
-        assert "6379" in finding(doc, "10.77.0.11", "ports-free")["message"]
+        assert failed(doc) == [(IP1, "ports-free")]
+        assert "6379" in finding(doc, IP1, "ports-free")["message"]
     finally:
         lab_hosts.sh("lab-h1", "docker rm -f squatter")
 
@@ -90,8 +90,8 @@ def test_docker_daemon_stopped(lab_hosts: Lab) -> None:
     try:
         code, doc, _ = lab_hosts.cli("doctor")
         assert code == 1
-        assert ("10.77.0.12", "docker") in failed(doc)
-        assert "systemctl start docker" in finding(doc, "10.77.0.12", "docker")["hint"]
+        assert (IP2, "docker") in failed(doc)
+        assert "systemctl start docker" in finding(doc, IP2, "docker")["hint"]
     finally:
         lab.start_engine(lab_hosts.host("lab-h2").name)
 
@@ -101,8 +101,8 @@ def test_image_missing_on_one_host(lab_hosts: Lab) -> None:
     try:
         code, doc, _ = lab_hosts.cli("doctor")
         assert code == 1
-        assert failed(doc) == [("10.77.0.13", "image")]
-        assert "docker load" in finding(doc, "10.77.0.13", "image")["hint"]
+        assert failed(doc) == [(IP3, "image")]
+        assert "docker load" in finding(doc, IP3, "image")["hint"]
     finally:
         lab_hosts.sh(
             "lab-h3", "docker tag raycluster/node:stash raycluster/node:0.1.0 && docker rmi raycluster/node:stash"
@@ -118,7 +118,7 @@ def test_image_differs_on_one_host(lab_hosts: Lab) -> None:
     try:
         code, doc, _ = lab_hosts.cli("doctor")
         assert code == 1
-        assert failed(doc) == [("10.77.0.12", "image-same")]
+        assert failed(doc) == [(IP2, "image-same")]
     finally:
         lab_hosts.sh(
             "lab-h2",
@@ -140,7 +140,7 @@ def test_wrong_ssh_key(lab_hosts: Lab, tmp_path: Path) -> None:
     code, doc, _ = lab_hosts.cli("doctor", inventory=lab_hosts.variant(tmp_path / "inv.yaml", other_key))
     assert code == 1
     assert failed(doc) == [(h.address, "ssh") for h in lab_hosts.info.hosts]
-    bad = finding(doc, "10.77.0.11", "ssh")
+    bad = finding(doc, IP1, "ssh")
     assert "authentication failed" in bad["message"] and "authorized_keys" in bad["hint"]
 
 
@@ -159,7 +159,7 @@ def test_unknown_host_key_strict_then_accept_new(lab_hosts: Lab, tmp_path: Path)
     )
     assert code == 1
     assert failed(doc) == [(h.address, "ssh") for h in lab_hosts.info.hosts]
-    assert "ssh-keyscan" in finding(doc, "10.77.0.12", "ssh")["hint"]
+    assert "ssh-keyscan" in finding(doc, IP2, "ssh")["hint"]
     assert not known.exists()
 
     inv = lab_hosts.variant(tmp_path / "a.yaml", empty_known_hosts("accept-new"))

@@ -9,7 +9,7 @@ import pytest
 
 from raycluster_cli import lab
 
-from .conftest import Lab
+from .conftest import IP1, IP2, IP3, Lab
 
 pytestmark = pytest.mark.lab
 
@@ -61,7 +61,7 @@ def test_second_up_changes_nothing(lab_hosts: Lab) -> None:
     assert [n["action"] for n in doc["nodes"]] == ["running"] * 3
 
 
-CONNECT = "python -c \"import ray; ray.init(address='10.77.0.11:6379'); print('nodes', len(ray.nodes()))\""
+CONNECT = f"python -c \"import ray; ray.init(address='{IP1}:6379'); print('nodes', len(ray.nodes()))\""
 
 
 def test_ray_refuses_a_client_with_the_wrong_token(lab_hosts: Lab) -> None:
@@ -94,7 +94,7 @@ def test_up_heals_only_a_dead_worker(lab_hosts: Lab) -> None:
     code, doc, err = lab_hosts.cli("up")
     assert code == 0, err
     actions = {n["host"]: n["action"] for n in doc["nodes"]}
-    assert actions == {"10.77.0.11": "running", "10.77.0.12": "running", "10.77.0.13": "started"}
+    assert actions == {IP1: "running", IP2: "running", IP3: "started"}
     assert all(n["alive"] for n in doc["nodes"])
 
 
@@ -133,7 +133,7 @@ def test_a_foreign_container_named_like_ours_is_never_touched(lab_hosts: Lab) ->
         assert lab_hosts.sh("lab-h2", "docker ps -aq --filter name=raycluster-lab-worker").strip()
         code, doc, _ = lab_hosts.cli("up")
         assert code == 1
-        assert "10.77.0.12" in doc["error"]["message"] and "did not start" in doc["error"]["message"]
+        assert IP2 in doc["error"]["message"] and "did not start" in doc["error"]["message"]
         assert "docker rm -f raycluster-lab-worker" in doc["error"]["hint"]
         assert lab_hosts.sh("lab-h2", "docker ps -aq --filter name=raycluster-lab-worker").strip()
     finally:
