@@ -7,14 +7,15 @@ import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, cast
 
 import typer
 
 from . import __version__, inventory, lab
-from .checks import Status, ignore_ids, run_checks
+from .checks import Status, demote, ignore_ids, run_checks
+from .checks.network import Tool, measure_network
 from .cluster import PreflightFailed, SSHPool, bench, down, state_dir, up
-from .errors import ExitCode, RayclusterError
+from .errors import ExitCode, RayclusterError, UsageError
 from .inventory import Inventory
 from .report import Output, render_bench, render_checks, render_down, render_lab, render_up
 
@@ -89,6 +90,12 @@ def _emit(output: Output, ok: bool, body: dict[str, Any], render: Callable[[Outp
 def doctor(
     inventory_path: InventoryOpt = None,
     ignore: IgnoreOpt = None,
+    network: Annotated[
+        bool, typer.Option("--network", help="also measure latency, bandwidth both ways and MTU head ↔ each worker")
+    ] = False,
+    network_tool: Annotated[
+        str, typer.Option(help="bandwidth tool: auto (iperf3 when both hosts have it), iperf3 or builtin")
+    ] = "auto",
     json_mode: JsonOpt = False,
     debug: DebugOpt = False,
 ) -> None:
@@ -96,8 +103,13 @@ def doctor(
 
     def action(output: Output) -> int:
         ignored = ignore_ids(ignore)
+        if network_tool not in ("auto", "iperf3", "builtin"):
+            raise UsageError(f"--network-tool {network_tool!r} is unknown", "use auto, iperf3 or builtin")
         with _cluster(inventory_path) as (inv, pool):
             results = run_checks(inv, pool, ignore=ignored)
+            if network:
+                tool = cast(Tool, network_tool)
+                results += demote(measure_network(inv, pool, output.progress(), tool), ignored)
         ok = not any(r.status == Status.FAIL for r in results)
         body = {"cluster": inv.cluster, "checks": [r.to_dict() for r in results]}
         return _emit(output, ok, body, lambda out, _: render_checks(out, results))

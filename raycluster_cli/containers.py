@@ -50,6 +50,7 @@ def ray_start_args(inventory: Inventory, host: HostConfig) -> list[str]:
         args.append(f"--num-gpus={host.num_gpus}")
     if ray.object_store_memory:
         args.append(f"--object-store-memory={ray.object_store_memory}")
+    args += [f"--min-worker-port={ray.min_worker_port}", f"--max-worker-port={ray.max_worker_port}"]
     args.append("--block")
     return args
 

@@ -65,6 +65,18 @@ class RayConfig(_Model):
     client_port: int = Field(10001, ge=1, le=65535)
     object_store_memory: int | None = Field(None, gt=0, description="bytes; default: Ray's own choice")
     auth: Literal["token", "none"] = "token"
+    min_worker_port: int = Field(10002, ge=1024, le=65535, description="first port of Ray's worker processes")
+    max_worker_port: int = Field(19999, ge=1024, le=65535, description="last port of Ray's worker processes")
+
+    @model_validator(mode="after")
+    def _worker_ports(self) -> RayConfig:
+        if self.min_worker_port > self.max_worker_port:
+            raise ValueError(f"min_worker_port {self.min_worker_port} is above max_worker_port {self.max_worker_port}")
+        fixed = {self.port, self.dashboard_port, self.client_port}
+        inside = sorted(p for p in fixed if self.min_worker_port <= p <= self.max_worker_port)
+        if inside:
+            raise ValueError(f"port {inside[0]} lies inside the worker port range: move it or the range")
+        return self
 
 
 class HeadConfig(_Model):

@@ -2,7 +2,7 @@
 
 from .base import Check, CheckContext, CheckResult, Finding, Status
 from .catalog import ALL_CHECKS
-from .runner import ignore_ids, run_checks
+from .runner import demote, ignore_ids, run_checks
 
 __all__ = [
     "ALL_CHECKS",
@@ -11,6 +11,7 @@ __all__ = [
     "CheckResult",
     "Finding",
     "Status",
+    "demote",
     "ignore_ids",
     "run_checks",
 ]

@@ -24,7 +24,7 @@ class CheckResult:
     status: Status
     message: str
     hint: str = ""
-    data: dict[str, str] = field(default_factory=dict, compare=False)
+    data: dict[str, Any] = field(default_factory=dict, compare=False)
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
@@ -39,7 +39,7 @@ class Finding:
     status: Status
     message: str
     hint: str = ""
-    data: dict[str, str] = field(default_factory=dict)
+    data: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -54,10 +54,15 @@ class CheckContext:
 
 @dataclass(frozen=True)
 class Check:
-    """`command(ctx)` runs on the host; `parse(rc, stdout, stderr, ctx)` decides, without I/O."""
+    """`command(ctx)` runs on the host; `parse(rc, stdout, stderr, ctx)` decides, without I/O.
+
+    A `timed` check's stdout starts with a line `operator <sent> <received>`: the operator's clock
+    (epoch seconds) just before the command was sent and just after its output came back.
+    """
 
     id: str
     title: str
     command: Callable[[CheckContext], str]
     parse: Callable[[int, str, str, CheckContext], Finding]
     applies: Callable[[CheckContext], bool] = lambda ctx: True
+    timed: bool = False

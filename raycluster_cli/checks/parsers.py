@@ -76,3 +76,86 @@ def parse_listening_ports(text: str) -> set[int]:
             if port.isdigit():
                 ports.add(int(port))
     return ports
+
+
+# Interfaces that carry container or VM traffic, never a node's own address.
+_BRIDGE_PREFIXES = ("docker", "br-", "veth", "virbr", "cni", "flannel", "cali", "tunl", "weave", "podman", "kube-")
+
+
+def is_container_bridge(name: str) -> bool:
+    return name.startswith(_BRIDGE_PREFIXES) or name == "lo"
+
+
+def node_addresses(interfaces: list[Interface]) -> list[Interface]:
+    """The global IPv4 addresses that could carry Ray traffic (container bridges and loopback left out)."""
+    return [i for i in interfaces if i.scope == "global" and not is_container_bridge(i.name)]
+
+
+def parse_link_mtu(text: str) -> dict[str, int]:
+    """Interface name → MTU from `ip -o link show` (`eth0@if85` is reported as `eth0`)."""
+    found = {}
+    for line in text.splitlines():
+        match = re.match(r"^\d+:\s+([^:@\s]+)(?:@\S+)?:\s+<[^>]*>.*?\bmtu\s+(\d+)", line)
+        if match:
+            found[match.group(1)] = int(match.group(2))
+    return found
+
+
+def split_sections(text: str, count: int) -> list[str]:
+    """Split the output of `a; echo ---; b; ...` into `count` sections (missing ones are empty)."""
+    parts = re.split(r"^---$\n?", text, flags=re.MULTILINE)
+    return (parts + [""] * count)[:count]
+
+
+@dataclass(frozen=True)
+class Firewall:
+    checked: bool
+    drops: bool
+    detail: str
+
+
+def parse_input_policy(iptables: str, nft: str) -> Firewall:
+    """Whether inbound traffic is dropped by default, from `iptables -S INPUT` and `nft list ruleset`.
+
+    Best effort: without root (or without either tool) the answer is `checked=False`.
+    """
+    for line in iptables.splitlines():
+        match = re.match(r"^-P\s+INPUT\s+(\S+)", line.strip())
+        if match:
+            policy = match.group(1)
+            if policy in ("DROP", "REJECT"):
+                return Firewall(True, True, f"iptables INPUT policy {policy}")
+            checked_iptables = True
+            break
+    else:
+        checked_iptables = False
+    for line in nft.splitlines():
+        if re.search(r"\bhook\s+input\b.*\bpolicy\s+drop\b", line):
+            return Firewall(True, True, "nftables input chain policy drop")
+    checked_nft = "table " in nft
+    return Firewall(checked_iptables or checked_nft, False, "")
+
+
+@dataclass(frozen=True)
+class ClockReading:
+    skew_s: float  # host clock minus operator clock (at the midpoint of the round trip)
+    uncertainty_s: float  # half the round trip plus the host clock's resolution
+
+
+def parse_clock(text: str) -> ClockReading | None:
+    """From `operator <sent> <received>` then the host's `date +%s.%N` (busybox prints a literal %N)."""
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    if len(lines) < 2 or not lines[0].startswith("operator "):
+        return None
+    try:
+        _, sent, received = lines[0].split()
+        t0, t1 = float(sent), float(received)
+    except ValueError:
+        return None
+    match = re.match(r"^(\d+)(?:\.(\d+))?", lines[1])
+    if not match:
+        return None
+    resolution = 0.0 if match.group(2) else 1.0
+    host = float(match.group(1) + "." + (match.group(2) or "0"))
+    midpoint = (t0 + t1) / 2
+    return ClockReading(host - midpoint, (t1 - t0) / 2 + resolution)

@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
-from collections import Counter
+import time
 from collections.abc import Callable, Iterable
 
 from ..errors import RayclusterError, UsageError
 from ..inventory import HostConfig, Inventory
-from ..transport import Transport
+from ..transport import CommandResult, Transport
 from ..transport.fanout import fanout
 from .base import Check, CheckContext, CheckResult, Finding, Status
-from .catalog import ALL_CHECKS, IMAGE_ID_CHECK
+from .catalog import ALL_CHECKS, ALL_IDS
+from .cross import CROSS_CHECKS, Outputs
+from .network import NETWORK_IDS
 
 Connect = Callable[[HostConfig], Transport]
 
@@ -21,16 +23,19 @@ def run_checks(
     checks: Iterable[Check] = ALL_CHECKS,
     ignore: frozenset[str] = frozenset(),
 ) -> list[CheckResult]:
-    """Every check on every host; an unreachable host yields one `ssh` failure and skips the rest."""
+    """Every check on every host, then the cross-host ones; an unreachable host yields one `ssh` failure."""
     checks = tuple(checks)
     outcomes = fanout(inventory.hosts, lambda host: _check_host(inventory, host, connect, checks))
     results: list[CheckResult] = []
+    outputs: Outputs = {}
     for host, outcome in outcomes:
         if outcome.value is not None:
-            results.extend(outcome.value)
+            results.extend(outcome.value[0])
+            outputs[str(host.address)] = outcome.value[1]
         else:
             results.append(_error_result("ssh", str(host.address), outcome.error))
-    results.extend(_same_image_everywhere(inventory, results))
+    for cross in CROSS_CHECKS:
+        results.extend(cross(inventory, results, outputs))
     return [_demote(r, ignore) for r in results]
 
 
@@ -39,7 +44,7 @@ def ignore_ids(text: str | None) -> frozenset[str]:
     if not text:
         return frozenset()
     ids = frozenset(part.strip() for part in text.split(",") if part.strip())
-    known = {c.id for c in ALL_CHECKS} | {"ssh", "image-same"}
+    known = ALL_IDS | NETWORK_IDS
     unknown = ids - known - {"all"}
     if unknown:
         raise UsageError(
@@ -51,7 +56,7 @@ def ignore_ids(text: str | None) -> frozenset[str]:
 
 def _check_host(
     inventory: Inventory, host: HostConfig, connect: Connect, checks: tuple[Check, ...]
-) -> list[CheckResult]:
+) -> tuple[list[CheckResult], dict[str, CommandResult]]:
     address = str(host.address)
     try:
         transport = connect(host)
@@ -59,19 +64,24 @@ def _check_host(
     except Exception as exc:
         return [_error_result("ssh", address, exc)] + [
             CheckResult(c.id, address, Status.SKIP, "not checked: host unreachable") for c in checks
-        ]
+        ], {}
     results = [CheckResult("ssh", address, Status.OK, "SSH login works")]
+    outputs: dict[str, CommandResult] = {}
     ctx = CheckContext(inventory, host)
     for check in checks:
         if not check.applies(ctx):
             continue
         try:
-            out = transport.run(check.command(ctx), timeout=60)
+            sent = time.time()
+            out = transport.run(check.command(ctx), timeout=120)
+            if check.timed:
+                out = CommandResult(out.rc, f"operator {sent:.6f} {time.time():.6f}\n{out.stdout}", out.stderr)
+            outputs[check.id] = out
             finding = check.parse(out.rc, out.stdout, out.stderr, ctx)
         except Exception as exc:
             finding = Finding(Status.FAIL, f"check failed to run: {exc}", "run with --debug for details")
         results.append(CheckResult(check.id, address, finding.status, finding.message, finding.hint, finding.data))
-    return results
+    return results, outputs
 
 
 def _error_result(check_id: str, address: str, error: BaseException | None) -> CheckResult:
@@ -81,26 +91,12 @@ def _error_result(check_id: str, address: str, error: BaseException | None) -> C
     return CheckResult(check_id, address, Status.FAIL, f"{type(error).__name__}: {error}", "run with --debug")
 
 
-def _same_image_everywhere(inventory: Inventory, results: list[CheckResult]) -> list[CheckResult]:
-    """Cross-host: every host that has the image has the same image ID."""
-    ids = {r.host: r.data["image_id"][7:19] for r in results if r.id == IMAGE_ID_CHECK and "image_id" in r.data}
-    if len(set(ids.values())) <= 1:
-        return []
-    majority = Counter(ids.values()).most_common(1)[0][0]
-    return [
-        CheckResult(
-            "image-same",
-            host,
-            Status.FAIL,
-            f"{inventory.image} here is {image_id}, most hosts have {majority}",
-            f"load the same image on {host}: docker save {inventory.image} | ssh {host} docker load",
-        )
-        for host, image_id in ids.items()
-        if image_id != majority
-    ]
-
-
 def _demote(result: CheckResult, ignore: frozenset[str]) -> CheckResult:
     if result.status == Status.FAIL and ("all" in ignore or result.id in ignore):
         return CheckResult(result.id, result.host, Status.WARN, result.message + " (ignored)", result.hint, result.data)
     return result
+
+
+def demote(results: list[CheckResult], ignore: frozenset[str]) -> list[CheckResult]:
+    """Apply `--ignore` to results produced elsewhere (e.g. by the network measurement)."""
+    return [_demote(r, ignore) for r in results]

@@ -13,6 +13,9 @@ from raycluster_cli.transport.fake import FakeTransport
 
 RECORDED = Path(__file__).parent / "recorded"
 IMAGE_ID = "sha256:" + "ab" * 32
+HEAD_PORTS = r"^ss -ltnH; echo ---; docker ps .*role=head"
+WORKER_PORTS = r"^ss -ltnH; echo ---; docker ps --quiet --filter label=io.raycluster.cluster=demo --filter status"
+MEMINFO = (RECORDED / "meminfo_lab.txt").read_text()
 
 
 def healthy(address: str, name: str, **overrides: CommandResult | str) -> dict[str, CommandResult | str]:
@@ -23,7 +26,13 @@ def healthy(address: str, name: str, **overrides: CommandResult | str) -> dict[s
         r"^ip -o -4 addr show": f"2: eth0    inet {address}/24 brd 192.0.2.255 scope global eth0\n",
         r"^ip route get": f"192.0.2.11 dev eth0 src {address} uid 0\n    cache\n",
         r"^hostname": f"{name}\n---\n127.0.0.1 localhost\n{address} {name}\n",
-        r"^ss -ltnH": "LISTEN 0 128 0.0.0.0:22 0.0.0.0:*\n---\n",
+        HEAD_PORTS: "LISTEN 0 128 0.0.0.0:22 0.0.0.0:*\n---\n",
+        WORKER_PORTS: "LISTEN 0 128 0.0.0.0:22 0.0.0.0:*\n---\n---\n-P INPUT ACCEPT\n---\n",
+        r"^id=\$\(docker image inspect": "python 3.11.2\nray 2.60.0\n",
+        r"^date ": "1795986450.397486970\n",
+        r"^cat /proc/meminfo": MEMINFO,
+        r"^root=\$\(docker info": (RECORDED / "disk_lab.txt").read_text(),
+        r"^ps -eo pid=,args=": "    1 /sbin/init\n  212 sshd: /usr/sbin/sshd -D\n---\n",
     }
     table.update(overrides)
     return table
@@ -160,7 +169,7 @@ def test_a_crashing_check_becomes_a_failure(example_yaml: str) -> None:
 
 def test_port_taken_on_head(example_yaml: str) -> None:
     taken = "LISTEN 0 4096 0.0.0.0:6379 0.0.0.0:*\n---\n"
-    tables = fleet(**{"192.0.2.11": healthy("192.0.2.11", "node-1", **{r"^ss -ltnH": taken})})
+    tables = fleet(**{"192.0.2.11": healthy("192.0.2.11", "node-1", **{HEAD_PORTS: taken})})
     results = run(example_yaml, tables)
     assert failures(results) == [("192.0.2.11", "ports-free")]
     bad = next(r for r in results if r.status == Status.FAIL)
@@ -169,5 +178,5 @@ def test_port_taken_on_head(example_yaml: str) -> None:
 
 def test_ports_held_by_our_running_head_are_fine(example_yaml: str) -> None:
     ours = "LISTEN 0 4096 0.0.0.0:6379 0.0.0.0:*\n---\n3f2a9c\n"
-    tables = fleet(**{"192.0.2.11": healthy("192.0.2.11", "node-1", **{r"^ss -ltnH": ours})})
+    tables = fleet(**{"192.0.2.11": healthy("192.0.2.11", "node-1", **{HEAD_PORTS: ours})})
     assert failures(run(example_yaml, tables)) == []

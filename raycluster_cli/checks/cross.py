@@ -1,0 +1,85 @@
+"""Cross-host checks: conclusions that need every host's output at once (pure functions)."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from ..inventory import Inventory
+from ..transport import CommandResult
+from .base import CheckResult, Status
+from .parsers import is_loopback, parse_etc_hosts, resolve_in_hosts
+
+IMAGE_ID_CHECK = "image"
+HOSTS_CHECK = "etc-hosts"
+CROSS_IDS = ("image-same", "names")
+
+# host address → check id → that check's raw output on the host
+Outputs = dict[str, dict[str, CommandResult]]
+
+
+def image_same(inventory: Inventory, results: list[CheckResult], outputs: Outputs) -> list[CheckResult]:
+    """Every host that has the image has the same image ID."""
+    ids = {r.host: r.data["image_id"][7:19] for r in results if r.id == IMAGE_ID_CHECK and "image_id" in r.data}
+    if len(set(ids.values())) <= 1:
+        return []
+    majority = Counter(ids.values()).most_common(1)[0][0]
+    return [
+        CheckResult(
+            "image-same",
+            host,
+            Status.FAIL,
+            f"{inventory.image} here is {image_id}, most hosts have {majority}",
+            f"load the same image on {host}: docker save {inventory.image} | ssh {host} docker load",
+        )
+        for host, image_id in ids.items()
+        if image_id != majority
+    ]
+
+
+def names_matrix(inventory: Inventory, results: list[CheckResult], outputs: Outputs) -> list[CheckResult]:
+    """Name × host: every host's container hostname resolves, in every other host's /etc/hosts, to its node IP.
+
+    A name that another host's /etc/hosts does not list is left to DNS there (not a finding); a name it maps
+    to another address fails on the host that has the wrong line.
+    """
+    names = {r.host: r.data["name"] for r in results if r.id == HOSTS_CHECK and r.data.get("name")}
+    expected = {str(h.address): inventory.node_ip(h) for h in inventory.hosts}
+    found = []
+    for observer, by_check in outputs.items():
+        raw = by_check.get(HOSTS_CHECK)
+        if raw is None or raw.rc != 0:
+            continue
+        entries = parse_etc_hosts(raw.stdout.partition("\n---\n")[2])
+        row: dict[str, str | None] = {}
+        wrong = []
+        for host, name in names.items():
+            if host == observer:
+                continue  # its own name is the etc-hosts check's business
+            resolved = resolve_in_hosts(entries, name)
+            row[name] = resolved
+            if resolved is not None and resolved != expected[host]:
+                kind = "loopback " if is_loopback(resolved) else ""
+                wrong.append((name, host, resolved, kind))
+        if wrong:
+            shown = "; ".join(
+                f"{name} (host {host}) → {kind}{got}, should be {expected[host]}" for name, host, got, kind in wrong
+            )
+            fix = ", ".join(f"'{expected[host]} {name}'" for name, host, _, _ in wrong)
+            found.append(
+                CheckResult(
+                    "names",
+                    observer,
+                    Status.FAIL,
+                    f"/etc/hosts here resolves other nodes wrongly: {shown}",
+                    f"on {observer}, make /etc/hosts map {fix} (or drop those lines and let DNS answer)",
+                    {"resolves": row},
+                )
+            )
+        else:
+            listed = sum(v is not None for v in row.values())
+            message = f"{listed} of {len(row)} other node name(s) listed in /etc/hosts, all with the right IP"
+            found.append(CheckResult("names", observer, Status.OK, message, data={"resolves": row}))
+    return found
+
+
+CROSS_CHECKS = (image_same, names_matrix)

@@ -1,0 +1,279 @@
+"""Runtime checks on one host: Docker, the image and what is inside it, memory, disk, /dev/shm, GPUs, stale Ray."""
+
+from __future__ import annotations
+
+import shlex
+
+from ..containers import LABEL_CLUSTER
+from ..transport import quote
+from ..versions import PYTHON_VERSION, RAY_VERSION
+from .base import CheckContext, Finding, Status
+from .parsers import split_sections
+from .parsers_runtime import (
+    gib,
+    parse_df,
+    parse_docker_size,
+    parse_meminfo,
+    parse_nvidia_smi,
+    parse_ray_processes,
+    parse_runtimes,
+    parse_versions,
+)
+
+GIB = 1024**3
+DOCKER_DEFAULT_SHM = 64 * 1024**2
+OBJECT_STORE_SHARE = 0.3  # Ray's default object store: 30 % of the node's memory ...
+OBJECT_STORE_CAP = 200 * 10**9  # ... at most 200 GB
+RAY_HEADROOM = 1 * GIB  # raylet, GCS and a few workers besides the object store
+MIN_DOCKER_ROOT_FREE = 1 * GIB
+MIN_TMP_FREE = 1 * GIB
+
+
+def docker(rc: int, out: str, err: str, ctx: CheckContext) -> Finding:
+    if rc == 0 and out.strip():
+        return Finding(Status.OK, f"Docker engine {out.strip()} answers")
+    text = (err or out).strip()
+    user = ctx.inventory.ssh_for(ctx.host).user
+    if rc == 127 or "not found" in text:
+        return Finding(Status.FAIL, "docker is not installed", f"install Docker Engine on {ctx.address}")
+    if "permission denied" in text.lower():
+        return Finding(
+            Status.FAIL,
+            f"user {user} may not use Docker",
+            f"on {ctx.address}: usermod -aG docker {user} (then log in again)",
+        )
+    return Finding(
+        Status.FAIL,
+        f"Docker daemon does not answer ({text.splitlines()[-1] if text else f'exit {rc}'})",
+        f"start it on {ctx.address}: systemctl start docker",
+    )
+
+
+def image(rc: int, out: str, err: str, ctx: CheckContext) -> Finding:
+    name = ctx.inventory.image
+    if rc == 0 and out.strip().startswith("sha256:"):
+        image_id = out.strip()
+        return Finding(Status.OK, f"{name} present ({image_id[7:19]})", data={"image_id": image_id})
+    return Finding(
+        Status.FAIL,
+        f"image {name} is not on this host",
+        f"load it: docker save {name} | ssh {ctx.address} docker load",
+    )
+
+
+_VERSIONS_SCRIPT = (
+    "import sys, importlib.metadata as m; print('python', sys.version.split()[0]); print('ray', m.version('ray'))"
+)
+
+
+def versions_command(ctx: CheckContext) -> str:
+    """Ray and Python inside the image, cached on the host per image ID (a `docker run` costs a second)."""
+    run = quote("docker", "run", "--rm", "--network=none", "--entrypoint=python3", ctx.inventory.image, "-c")
+    return (
+        f"id=$(docker image inspect --format '{{{{.Id}}}}' {quote(ctx.inventory.image)} 2>/dev/null)"
+        " || { echo no-image; exit 0; }; "
+        'c="${XDG_CACHE_HOME:-$HOME/.cache}/raycluster/versions-${id#sha256:}"; '
+        'if [ ! -s "$c" ]; then mkdir -p "${c%/*}" && '
+        f'{run} {shlex.quote(_VERSIONS_SCRIPT)} > "$c.tmp" 2>&1 && mv -f "$c.tmp" "$c"'
+        ' || { cat "$c.tmp"; rm -f "$c.tmp"; exit 1; }; fi; cat "$c"'
+    )
+
+
+def image_runtime(rc: int, out: str, err: str, ctx: CheckContext) -> Finding:
+    if out.strip() == "no-image":
+        return Finding(Status.SKIP, "image absent: versions not checked (see the image check)")
+    found = parse_versions(out)
+    name = ctx.inventory.image
+    rebuild = f"rebuild {name} with ray[default]=={RAY_VERSION} on Python {PYTHON_VERSION} (docker/node/Dockerfile)"
+    if rc != 0 or "ray" not in found:
+        detail = (out or err).strip().splitlines()[-1:] or [f"exit {rc}"]
+        return Finding(Status.FAIL, f"cannot read Ray's version inside {name} ({detail[0][:120]})", rebuild)
+    data = {"ray": found["ray"], "python": found.get("python", "?")}
+    if found["ray"] != RAY_VERSION:
+        return Finding(Status.FAIL, f"{name} has Ray {found['ray']}, the CLI expects {RAY_VERSION}", rebuild, data)
+    python = found.get("python", "")
+    if ".".join(python.split(".")[:2]) != PYTHON_VERSION:
+        return Finding(Status.WARN, f"{name} has Python {python}, the CLI expects {PYTHON_VERSION}", rebuild, data)
+    return Finding(Status.OK, f"Ray {found['ray']}, Python {python} in the image", data=data)
+
+
+def _shm_bytes(ctx: CheckContext) -> tuple[int, str]:
+    """The /dev/shm size the Ray container gets (a --shm-size in run_options wins) and where it comes from."""
+    docker_cfg = ctx.inventory.docker_for(ctx.host)
+    size, source = docker_cfg.shm_size, "docker.shm_size"
+    for option in docker_cfg.run_options:
+        for part in shlex.split(option):
+            if part.startswith("--shm-size="):
+                size, source = part.split("=", 1)[1], "docker.run_options"
+    if size is None:
+        return DOCKER_DEFAULT_SHM, "Docker's default"
+    return parse_docker_size(size) or DOCKER_DEFAULT_SHM, source
+
+
+def object_store_bytes(ctx: CheckContext, mem_total: int) -> int:
+    configured = ctx.inventory.ray.object_store_memory
+    return configured if configured else min(int(mem_total * OBJECT_STORE_SHARE), OBJECT_STORE_CAP)
+
+
+def _advice_size(size: int) -> str:
+    return f"{-(-size // GIB)}g"
+
+
+def shm(rc: int, out: str, err: str, ctx: CheckContext) -> Finding:
+    mem = parse_meminfo(out)
+    if "MemTotal" not in mem:
+        return Finding(Status.WARN, "cannot read /proc/meminfo", "check the host")
+    have, source = _shm_bytes(ctx)
+    need = object_store_bytes(ctx, mem["MemTotal"])
+    data = {"shm_bytes": have, "object_store_bytes": need, "mem_total_bytes": mem["MemTotal"]}
+    origin = "ray.object_store_memory" if ctx.inventory.ray.object_store_memory else "30 % of memory, Ray's default"
+    if have < need:
+        size = _advice_size(need)
+        return Finding(
+            Status.WARN,
+            f"/dev/shm of the container ({gib(have)}, {source}) is below the object store ({gib(need)}, {origin}): "
+            "Ray falls back to /tmp, which is slow",
+            f"set docker.shm_size: {size} for this host (docker run --shm-size={size}), or lower ray.object_store_memory",
+            data,
+        )
+    return Finding(Status.OK, f"/dev/shm {gib(have)} holds the object store ({gib(need)})", data=data)
+
+
+def memory(rc: int, out: str, err: str, ctx: CheckContext) -> Finding:
+    mem = parse_meminfo(out)
+    if "MemTotal" not in mem:
+        return Finding(Status.WARN, "cannot read /proc/meminfo", "check the host")
+    available = mem.get("MemAvailable", mem.get("MemFree", 0))
+    store = object_store_bytes(ctx, mem["MemTotal"])
+    data = {"available_bytes": available, "object_store_bytes": store}
+    configured = ctx.inventory.ray.object_store_memory
+    if configured and available < configured:
+        return Finding(
+            Status.FAIL,
+            f"only {gib(available)} memory available, less than ray.object_store_memory ({gib(configured)})",
+            f"free memory on {ctx.address} or lower ray.object_store_memory below {gib(available)}",
+            data,
+        )
+    if available < store + RAY_HEADROOM:
+        return Finding(
+            Status.WARN,
+            f"{gib(available)} memory available; the object store ({gib(store)}) plus Ray itself "
+            f"(~{gib(RAY_HEADROOM)}) need {gib(store + RAY_HEADROOM)}",
+            f"free memory on {ctx.address} or set ray.object_store_memory lower",
+            data,
+        )
+    return Finding(Status.OK, f"{gib(available)} memory available (object store {gib(store)})", data=data)
+
+
+def disk_command(ctx: CheckContext) -> str:
+    return (
+        'root=$(docker info --format "{{.DockerRootDir}}" 2>/dev/null); root=${root:-/var/lib/docker}; '
+        'echo "$root"; echo ---; df -P -B1 "$root" /tmp; echo ---; cat /proc/meminfo'
+    )
+
+
+def disk(rc: int, out: str, err: str, ctx: CheckContext) -> Finding:
+    root_text, df_text, meminfo = split_sections(out, 3)
+    root = root_text.strip() or "/var/lib/docker"
+    rows = {r.path: r for r in parse_df(df_text, [root, "/tmp"])}
+    if root not in rows:
+        return Finding(Status.WARN, f"cannot read free disk space ({err.strip()[:100]})", "check `df` on the host")
+    mem = parse_meminfo(meminfo)
+    spill = object_store_bytes(ctx, mem.get("MemTotal", 0))
+    data = {path: row.available for path, row in rows.items()}
+    free_root = rows[root].available
+    if free_root < MIN_DOCKER_ROOT_FREE:
+        return Finding(
+            Status.FAIL,
+            f"only {gib(free_root)} free for Docker ({root}); containers and images need at least "
+            f"{gib(MIN_DOCKER_ROOT_FREE)}",
+            f"free space on {ctx.address}: docker system prune (or grow {rows[root].mount})",
+            data,
+        )
+    warnings = []
+    if free_root < spill + 2 * GIB:
+        warnings.append(f"{gib(free_root)} free for Docker ({root}) < object store spill {gib(spill)} + 2 GiB")
+    tmp = rows.get("/tmp")
+    if tmp is not None and tmp.available < MIN_TMP_FREE:
+        warnings.append(f"{gib(tmp.available)} free in /tmp (< {gib(MIN_TMP_FREE)})")
+    if warnings:
+        return Finding(Status.WARN, "; ".join(warnings), f"free disk space on {ctx.address}", data)
+    tmp_note = f", {gib(tmp.available)} in /tmp" if tmp else ""
+    return Finding(Status.OK, f"{gib(free_root)} free for Docker ({root}){tmp_note}", data=data)
+
+
+def gpus_command(ctx: CheckContext) -> str:
+    return (
+        'nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader 2>&1; echo "rc=$?"; echo ---; '
+        "docker info --format '{{json .Runtimes}}' 2>&1"
+    )
+
+
+def gpus(rc: int, out: str, err: str, ctx: CheckContext) -> Finding:
+    smi, runtimes_text = split_sections(out, 2)
+    wanted = ctx.host.num_gpus or 0
+    lines = smi.strip().splitlines()
+    smi_rc = lines[-1].removeprefix("rc=") if lines and lines[-1].startswith("rc=") else "?"
+    if smi_rc == "127" or "not found" in smi:
+        return Finding(
+            Status.FAIL,
+            f"num_gpus: {wanted} but nvidia-smi is not installed",
+            f"install the NVIDIA driver on {ctx.address}, or remove num_gpus for this host",
+        )
+    found = parse_nvidia_smi(smi)
+    data = {"gpus": len(found), "names": sorted({g.name for g in found})}
+    if smi_rc != "0" and not found:
+        detail = lines[0][:120] if lines else "no output"
+        return Finding(Status.FAIL, f"nvidia-smi fails ({detail})", f"check the NVIDIA driver on {ctx.address}")
+    if len(found) < wanted:
+        return Finding(
+            Status.FAIL,
+            f"num_gpus: {wanted} but nvidia-smi lists {len(found)} GPU(s)",
+            f"set num_gpus: {len(found)} for this host, or fix the driver",
+            data,
+        )
+    if "nvidia" not in parse_runtimes(runtimes_text):
+        return Finding(
+            Status.FAIL,
+            "Docker has no nvidia runtime: containers cannot see the GPUs",
+            "install nvidia-container-toolkit and run `nvidia-ctk runtime configure --runtime=docker` "
+            "then restart Docker",
+            data,
+        )
+    extra = f" (only {wanted} given to Ray)" if len(found) > wanted else ""
+    return Finding(Status.OK, f"{len(found)} GPU(s) and the nvidia runtime{extra}", data=data)
+
+
+def stale_ray_command(ctx: CheckContext) -> str:
+    label = '{{.Label "' + LABEL_CLUSTER + '"}}'
+    return (
+        "ps -eo pid=,args=; echo ---; "
+        f"docker ps --no-trunc --format '{{{{.ID}}}} {{{{.Names}}}} {label}' 2>/dev/null | "
+        'while read -r id name cluster; do echo "== $id $name $cluster"; '
+        'docker top "$id" -eo pid 2>/dev/null | tail -n +2; done'
+    )
+
+
+def stale_ray(rc: int, out: str, err: str, ctx: CheckContext) -> Finding:
+    ps_text, tops = split_sections(out, 2)
+    if not ps_text.strip():
+        return Finding(Status.WARN, f"cannot list processes ({err.strip()[:80]})", "install procps on the host")
+    processes = [p for p in parse_ray_processes(ps_text, tops) if p.container_cluster != ctx.inventory.cluster]
+    if not processes:
+        return Finding(Status.OK, "no other Ray on this host")
+    in_containers = sorted({p.container_name for p in processes if p.container_id})
+    on_host = [p for p in processes if not p.container_id]
+    parts, fixes = [], []
+    if in_containers:
+        parts.append(f"container(s) {', '.join(in_containers)} run Ray (not this cluster's)")
+        fixes.append(f"docker rm -f {' '.join(in_containers)}")
+    if on_host:
+        pids = ", ".join(f"{p.pid} {p.command.split()[0].rsplit('/', 1)[-1]}" for p in on_host[:5])
+        parts.append(f"Ray processes on the host itself ({pids})")
+        fixes.append("`ray stop --force` as their user")
+    return Finding(
+        Status.FAIL,
+        "; ".join(parts) + ": `up` would collide with their ports and resources",
+        f"on {ctx.address}: " + " and ".join(fixes) + " (if they are not needed)",
+        {"pids": [p.pid for p in processes], "containers": in_containers},
+    )

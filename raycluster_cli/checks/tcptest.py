@@ -1,0 +1,111 @@
+"""A small TCP latency and bandwidth test (stdlib only) that `doctor --network` runs on two hosts.
+
+Sent as a script on stdin (`python3 - serve ADDRESS PORT IDLE_S` on the head, `python3 - measure HEAD PORT
+SECONDS` on a worker), either with the host's python3 or inside the node image. One JSON line comes out of
+`measure`: round-trip time, and bandwidth worker → head ("up") and head → worker ("down").
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import statistics
+import sys
+import time
+
+CHUNK = 1 << 16
+PINGS = 20
+
+
+def serve(address: str, port: int, idle_s: float) -> None:
+    """Answer ping (P), upload (U) and download (D) connections until quit (Q) or `idle_s` without one."""
+    server = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    server.bind((address, port))
+    server.listen(4)
+    server.settimeout(idle_s)
+    while True:
+        try:
+            conn, _ = server.accept()
+        except OSError:  # the idle timeout (socket.timeout before Python 3.10)
+            return
+        with conn:
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            mode = conn.recv(1)
+            if mode == b"Q":
+                return
+            if mode == b"P":
+                while data := conn.recv(64):
+                    conn.sendall(data)
+            elif mode == b"U":
+                total = 0
+                while chunk := conn.recv(CHUNK):
+                    total += len(chunk)
+                conn.sendall(str(total).encode())
+            elif mode == b"D":
+                seconds = float(conn.recv(16).decode().strip())
+                payload = b"\0" * CHUNK
+                end = time.monotonic() + seconds
+                while time.monotonic() < end:
+                    conn.sendall(payload)
+
+
+def _connect(host: str, port: int, wait_s: float = 30.0) -> socket.socket:
+    """Connect, retrying while the server is still starting (it may be a `docker run` away)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            conn = socket.create_connection((host, port), timeout=10)
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            return conn
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
+
+
+def measure(host: str, port: int, seconds: float) -> dict[str, float]:
+    with _connect(host, port) as conn:
+        conn.sendall(b"P")
+        rtts = []
+        for _ in range(PINGS):
+            start = time.perf_counter()
+            conn.sendall(b"x")
+            if not conn.recv(64):
+                break
+            rtts.append((time.perf_counter() - start) * 1000)
+    with _connect(host, port) as conn:
+        conn.sendall(b"U")
+        payload = b"\0" * CHUNK
+        start = time.perf_counter()
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            conn.sendall(payload)
+        conn.shutdown(socket.SHUT_WR)
+        total = int(conn.recv(64).decode() or 0)
+        up = total * 8 / (time.perf_counter() - start)
+    with _connect(host, port) as conn:
+        conn.sendall(b"D" + f"{seconds:<15}".encode())
+        received = 0
+        start = time.perf_counter()
+        while chunk := conn.recv(CHUNK):
+            received += len(chunk)
+        down = received * 8 / (time.perf_counter() - start)
+    with _connect(host, port) as conn:
+        conn.sendall(b"Q")
+    return {"rtt_ms": statistics.median(rtts) if rtts else -1.0, "up_bps": up, "down_bps": down}
+
+
+def main(argv: list[str]) -> int:
+    if argv[:1] == ["serve"]:
+        serve(argv[1], int(argv[2]), float(argv[3]))
+        return 0
+    if argv[:1] == ["measure"]:
+        print(json.dumps(measure(argv[1], int(argv[2]), float(argv[3]))), flush=True)
+        return 0
+    print("usage: serve ADDRESS PORT IDLE_S | measure HOST PORT SECONDS", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
