@@ -15,6 +15,8 @@ from raycluster_cli import lab
 from .conftest import IP1, IP2, IP3, UNUSED_IP, Lab
 
 pytestmark = pytest.mark.lab
+IMAGE = lab.NODE_IMAGE  # what the lab loaded into every lab host and wrote into the inventory
+STASH = IMAGE.rsplit(":", 1)[0] + ":stash"
 
 
 def failed(doc: dict[str, Any]) -> list[tuple[str, str]]:
@@ -73,7 +75,7 @@ def test_head_address_not_on_head(lab_hosts: Lab, tmp_path: Path) -> None:
 
 
 def test_port_taken_on_head(lab_hosts: Lab) -> None:
-    squatter = "docker run -d --name squatter --network host raycluster/node:0.1.0 python -m http.server 6379"
+    squatter = f"docker run -d --name squatter --network host {IMAGE} python -m http.server 6379"
     lab_hosts.sh("lab-h1", squatter)
     try:
         lab_hosts.sh("lab-h1", "for i in $(seq 50); do ss -ltnH | grep -q ':6379 ' && exit 0; sleep 0.2; done; exit 1")
@@ -97,22 +99,20 @@ def test_docker_daemon_stopped(lab_hosts: Lab) -> None:
 
 
 def test_image_missing_on_one_host(lab_hosts: Lab) -> None:
-    lab_hosts.sh("lab-h3", "docker tag raycluster/node:0.1.0 raycluster/node:stash && docker rmi raycluster/node:0.1.0")
+    lab_hosts.sh("lab-h3", f"docker tag {IMAGE} {STASH} && docker rmi {IMAGE}")
     try:
         code, doc, _ = lab_hosts.cli("doctor")
         assert code == 1
         assert failed(doc) == [(IP3, "image")]
         assert "docker load" in finding(doc, IP3, "image")["hint"]
     finally:
-        lab_hosts.sh(
-            "lab-h3", "docker tag raycluster/node:stash raycluster/node:0.1.0 && docker rmi raycluster/node:stash"
-        )
+        lab_hosts.sh("lab-h3", f"docker tag {STASH} {IMAGE} && docker rmi {STASH}")
 
 
 def test_image_differs_on_one_host(lab_hosts: Lab) -> None:
     rebuild = (
-        "docker tag raycluster/node:0.1.0 raycluster/node:stash && "
-        "printf 'FROM raycluster/node:0.1.0\\nLABEL changed=yes\\n' | DOCKER_BUILDKIT=0 docker build -q -t raycluster/node:0.1.0 -"
+        f"docker tag {IMAGE} {STASH} && "
+        f"printf 'FROM {IMAGE}\\nLABEL changed=yes\\n' | DOCKER_BUILDKIT=0 docker build -q -t {IMAGE} -"
     )
     lab_hosts.sh("lab-h2", rebuild)
     try:
@@ -120,10 +120,7 @@ def test_image_differs_on_one_host(lab_hosts: Lab) -> None:
         assert code == 1
         assert failed(doc) == [(IP2, "image-same")]
     finally:
-        lab_hosts.sh(
-            "lab-h2",
-            "docker tag raycluster/node:stash raycluster/node:0.1.0 && docker rmi raycluster/node:stash && docker image prune -f",
-        )
+        lab_hosts.sh("lab-h2", f"docker tag {STASH} {IMAGE} && docker rmi {STASH} && docker image prune -f")
 
 
 def test_wrong_ssh_key(lab_hosts: Lab, tmp_path: Path) -> None:
