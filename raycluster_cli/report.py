@@ -70,10 +70,39 @@ def render_checks(output: Output, results: list[CheckResult]) -> None:
                 _escape(row.hint),
             )
         output.out.print(table)
+    _render_network(output, results)
     failed = sum(r.status == Status.FAIL for r in results)
     warned = sum(r.status == Status.WARN for r in results)
     verdict = "[bold red]FAILED[/bold red]" if failed else "[bold green]PASSED[/bold green]"
     output.line(f"doctor {verdict}: {failed} failure(s), {warned} warning(s) on {len(hosts)} host(s)")
+
+
+def _render_network(output: Output, results: list[CheckResult]) -> None:
+    """The figures of `doctor --network`, one row per worker (nothing without --network)."""
+    measured = {r.host: r.data for r in results if r.id == "network" and "to_head_bps" in r.data}
+    if not measured:
+        return
+    mtu = {r.host: r.data.get("mtu") for r in results if r.id == "mtu"}
+    path = {r.host: r for r in results if r.id == "path-mtu"}
+    table = Table(title="network: head ↔ each worker", title_justify="left")
+    for column in ("worker", "rtt (ms)", "→ head", "← head", "MTU", "path MTU", "tool"):
+        table.add_column(column)
+    for host, data in measured.items():
+        hop = path.get(host)
+        table.add_row(
+            host,
+            f"{data['rtt_ms']:.3f}" if data.get("rtt_ms", -1) >= 0 else "-",
+            _rate(data["to_head_bps"]),
+            _rate(data["from_head_bps"]),
+            str(mtu.get(host) or "?"),
+            hop.status.value if hop else "-",
+            str(data.get("tool", "")),
+        )
+    output.out.print(table)
+
+
+def _rate(bps: float) -> str:
+    return f"{bps / 1e9:.2f} Gbit/s" if bps >= 1e9 else f"{bps / 1e6:.0f} Mbit/s"
 
 
 def render_up(output: Output, body: dict[str, Any]) -> None:

@@ -140,3 +140,16 @@ def test_env_var_inventory(refused_inventory: Path, monkeypatch: pytest.MonkeyPa
 def test_version() -> None:
     code, out, _ = invoke("version")
     assert code == 0 and out.strip() == "0.1.0"
+
+
+def test_doctor_unknown_network_tool_is_a_usage_error(refused_inventory: Path) -> None:
+    code, _, err = invoke("doctor", "-i", str(refused_inventory), "--network", "--network-tool", "netperf")
+    assert code == ExitCode.USAGE
+    assert "netperf" in err and "builtin" in err
+
+
+def test_doctor_network_with_an_unreachable_host_still_answers(refused_inventory: Path) -> None:
+    code, out, _ = invoke("doctor", "-i", str(refused_inventory), "--network", "--json")
+    assert code == ExitCode.FAILED
+    doc = json.loads(out)
+    assert [c["id"] for c in doc["checks"] if c["status"] == "fail"] == ["ssh"]
