@@ -51,3 +51,12 @@ def test_parse_ps() -> None:
     assert container.running
     assert container.labels["io.raycluster.role"] == "head"
     assert container.labels["org.opencontainers.image.title"] == "raycluster node"
+
+
+def test_worker_port_range_reaches_ray_start(example_yaml: str) -> None:
+    inv = inventory.parse(
+        example_yaml.replace("\nhosts:", "\nray: {min_worker_port: 30000, max_worker_port: 30999}\nhosts:")
+    )
+    for host in inv.hosts:
+        argv = shlex.split(docker_run_command(inv, host))
+        assert "--min-worker-port=30000" in argv and "--max-worker-port=30999" in argv

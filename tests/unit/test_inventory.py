@@ -79,3 +79,13 @@ def test_path_resolution(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Non
     assert inventory.resolve_path("given.yaml") == Path("given.yaml")
     with pytest.raises(InventoryError, match="not found"):
         inventory.load(None)
+
+
+def test_worker_port_range_defaults_and_checks() -> None:
+    base = "cluster: c\nimage: i\nhosts:\n  - {address: 192.0.2.11, role: head}\n"
+    ray = inventory.parse(base).ray
+    assert (ray.min_worker_port, ray.max_worker_port) == (10002, 19999)
+    with pytest.raises(InventoryError, match="min_worker_port 20000 is above max_worker_port 19999"):
+        inventory.parse(base + "ray: {min_worker_port: 20000}\n")
+    with pytest.raises(InventoryError, match="port 12000 lies inside the worker port range"):
+        inventory.parse(base + "ray: {dashboard_port: 12000}\n")
