@@ -11,7 +11,8 @@ from .parsers import is_loopback, parse_etc_hosts, resolve_in_hosts
 
 IMAGE_ID_CHECK = "image"
 HOSTS_CHECK = "etc-hosts"
-CROSS_IDS = ("image-same", "names")
+DISK_CHECK = "disk"
+CROSS_IDS = ("image-same", "image-fits", "names")
 
 # host address → check id → that check's raw output on the host
 Outputs = dict[str, dict[str, CommandResult]]
@@ -82,4 +83,29 @@ def names_matrix(inventory: Inventory, results: list[CheckResult], outputs: Outp
     return found
 
 
-CROSS_CHECKS = (image_same, names_matrix)
+def image_fits(inventory: Inventory, results: list[CheckResult], outputs: Outputs) -> list[CheckResult]:
+    """A host that lacks the image must have room for it: its size on the hosts that have it."""
+    disks = {r.host: r.data for r in results if r.id == DISK_CHECK and "docker_root_free_bytes" in r.data}
+    sizes = [d["image_bytes"] for d in disks.values() if d.get("image_bytes")]
+    if not sizes:
+        return []
+    need = max(sizes)
+    found = []
+    for host, data in disks.items():
+        if data.get("image_bytes") is None and data["docker_root_free_bytes"] < need:
+            free = data["docker_root_free_bytes"]
+            found.append(
+                CheckResult(
+                    "image-fits",
+                    host,
+                    Status.FAIL,
+                    f"{inventory.image} ({need / 1024**3:.1f} GiB on the other hosts) is missing here and only "
+                    f"{free / 1024**3:.1f} GiB are free for Docker",
+                    f"free space on {host} (docker system prune) before the image is loaded",
+                    {"image_bytes": need, "docker_root_free_bytes": free},
+                )
+            )
+    return found
+
+
+CROSS_CHECKS = (image_same, image_fits, names_matrix)

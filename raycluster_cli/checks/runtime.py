@@ -168,20 +168,24 @@ def memory(rc: int, out: str, err: str, ctx: CheckContext) -> Finding:
 def disk_command(ctx: CheckContext) -> str:
     return (
         'root=$(docker info --format "{{.DockerRootDir}}" 2>/dev/null); root=${root:-/var/lib/docker}; '
-        'echo "$root"; echo ---; df -P -B1 "$root" /tmp; echo ---; cat /proc/meminfo'
+        'echo "$root"; echo ---; df -P -B1 "$root" /tmp; echo ---; cat /proc/meminfo; echo ---; '
+        f"docker image inspect --format '{{{{.Size}}}}' {quote(ctx.inventory.image)} 2>/dev/null || echo absent"
     )
 
 
 def disk(rc: int, out: str, err: str, ctx: CheckContext) -> Finding:
-    root_text, df_text, meminfo = split_sections(out, 3)
+    root_text, df_text, meminfo, image_size = split_sections(out, 4)
     root = root_text.strip() or "/var/lib/docker"
     rows = {r.path: r for r in parse_df(df_text, [root, "/tmp"])}
     if root not in rows:
         return Finding(Status.WARN, f"cannot read free disk space ({err.strip()[:100]})", "check `df` on the host")
     mem = parse_meminfo(meminfo)
     spill = object_store_bytes(ctx, mem.get("MemTotal", 0))
-    data = {path: row.available for path, row in rows.items()}
     free_root = rows[root].available
+    data: dict[str, int | None] = {"docker_root_free_bytes": free_root}
+    data["tmp_free_bytes"] = rows["/tmp"].available if "/tmp" in rows else None
+    size = image_size.strip()
+    data["image_bytes"] = int(size) if size.isdigit() else None
     if free_root < MIN_DOCKER_ROOT_FREE:
         return Finding(
             Status.FAIL,

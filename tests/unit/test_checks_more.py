@@ -13,7 +13,7 @@ from raycluster_cli.transport.fake import FakeTransport
 from .test_checks import HEAD_PORTS, WORKER_PORTS, fleet, healthy
 
 RECORDED = Path(__file__).parent / "recorded"
-W2, W3 = "192.0.2.12", "192.0.2.13"
+HEAD, W2, W3 = "192.0.2.11", "192.0.2.12", "192.0.2.13"
 Table = dict[str, CommandResult | str]
 
 
@@ -237,3 +237,29 @@ def test_head_ports_check_unchanged(example_yaml: str) -> None:
     taken = "LISTEN 0 4096 0.0.0.0:8265 0.0.0.0:*\n---\n"
     results = run(example_yaml, on("192.0.2.11", "node-1", **{HEAD_PORTS: taken}))
     assert results[("192.0.2.11", "ports-free")].status == Status.FAIL
+
+
+def test_image_must_fit_where_it_is_missing(example_yaml: str) -> None:
+    def disk(free: int, image: str) -> str:
+        return (
+            "/var/lib/docker\n---\nFilesystem 1-blocks Used Available Capacity Mounted on\n"
+            f"/dev/sda1 900000000000 1 {free} 1% /\n/dev/sda1 900000000000 1 {free} 1% /\n---\n"
+            f"MemTotal: 6000000 kB\n---\n{image}\n"
+        )
+
+    missing = CommandResult(1, "", "Error: No such image: raycluster/node:0.1.0")
+    tables = fleet(
+        **{
+            HEAD: healthy(HEAD, "node-1", **{r"^root=\$\(docker info": disk(500 * 10**9, "5000000000")}),
+            W2: healthy(
+                W2, "node-2", **{r"^root=\$\(docker info": disk(4 * 10**9, "absent"), r"^docker image inspect": missing}
+            ),
+            W3: healthy(W3, "node-3", **{r"^root=\$\(docker info": disk(400 * 10**9, "absent")}),
+        }
+    )
+    results = run(example_yaml, tables)
+    bad = results[(W2, "image-fits")]
+    assert bad.status == Status.FAIL
+    assert "(4.7 GiB on the other hosts) is missing here and only 3.7 GiB are free" in bad.message
+    assert (W3, "image-fits") not in results  # enough room there
+    assert results[(W2, "disk")].data["image_bytes"] is None
