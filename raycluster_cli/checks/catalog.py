@@ -43,7 +43,7 @@ def _image(rc: int, out: str, err: str, ctx: CheckContext) -> Finding:
     return Finding(
         Status.FAIL,
         f"image {image} is not on this host",
-        f"load it: docker save {image} | ssh {ctx.address} docker load",
+        f"`raycluster up` streams it from this machine over SSH (or: docker save {image} | ssh {ctx.address} docker load)",
     )
 
 
