@@ -83,18 +83,22 @@ def diagnose(
         if not evidence.image_present:
             return f"{name}: no container, and image {inventory.image} is missing on the host"
         return f"{name}: its container is gone (removed while up was waiting?)"
+    gcs_trouble = evidence.gcs_reachable is False or any(_GCS_TROUBLE.search(line) for line in evidence.log_tail)
+    unreachable = f"could not reach the head's GCS at {gcs} (firewall, route or head address?)"
     if evidence.state != "running":
         code = f", exit code {evidence.exit_code}" if evidence.exit_code is not None else ""
         last = _last_error(evidence.log_tail)
         why = "killed for lack of memory? " if evidence.exit_code == 137 else ""
+        if gcs_trouble:
+            why = f"{unreachable}; "
         return f"{name}: its container {evidence.state}{code}: {why}{last or 'no log'}"
     strangers = [n for n in nodes if n.get("alive") and n.get("node_ip") not in expected]
     same_host = [n for n in strangers if evidence.hostname and n.get("hostname") == evidence.hostname]
     if same_host or (len(strangers) == 1 and missing_count == 1):
         seen = (same_host or strangers)[0]["node_ip"]
         return f"{name} registered from {seen}, inventory says {ip}"
-    if evidence.gcs_reachable is False or any(_GCS_TROUBLE.search(line) for line in evidence.log_tail):
-        return f"{name}: could not reach the head's GCS at {gcs} (firewall, route or head address?)"
+    if gcs_trouble:
+        return f"{name}: {unreachable}"
     if any(_AUTH_TROUBLE.search(line) for line in evidence.log_tail):
         return f"{name}: the head refused its auth token (another cluster's token file on this host?)"
     last = _last_error(evidence.log_tail)
