@@ -4,6 +4,7 @@ purge test runs last and leaves the image back on every host (it re-streams it).
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import subprocess
@@ -38,7 +39,8 @@ def _up(the_lab: Lab, *args: str, inventory: str | None = None) -> dict[str, Any
 
 def _in_head(the_lab: Lab, script: str) -> Any:
     """Run a Python script as a Ray driver inside the head's container; it prints one JSON line."""
-    out = the_lab.sh("lab-h1", f"docker exec {HEAD} timeout 150 python -c {json.dumps(script)}")
+    encoded = base64.b64encode(script.encode()).decode()
+    out = the_lab.sh("lab-h1", f"echo {encoded} | base64 -d | docker exec -i {HEAD} timeout 150 python -")
     return json.loads(out.strip().splitlines()[-1])
 
 
