@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -215,8 +216,6 @@ def _stream(
     transfer: ImageTransfer,
     progress: Progress,
 ) -> ImageTransfer:
-    import time
-
     started = time.monotonic()
     total = archive.stat().st_size
     sent = 0
@@ -240,8 +239,6 @@ def _stream(
 
 
 def _pull(transport: Transport, image: str, transfer: ImageTransfer, progress: Progress) -> ImageTransfer:
-    import time
-
     started = time.monotonic()
     progress(f"{transfer.host}: docker pull {image} ({transfer.reason})")
     result = transport.run("docker pull -q " + quote(image), timeout=1800)

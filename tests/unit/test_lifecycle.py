@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from raycluster_cli import inventory
@@ -300,3 +302,54 @@ def test_diagnosis_exited_because_the_gcs_was_unreachable() -> None:
     log = ["ConnectionError: Failed to connect to GCS at 192.0.2.11:6379"]
     cause = diagnose(inv, inv.hosts[1], Evidence("h2", "exited", 1, True, None, log), [])
     assert cause.startswith("worker 192.0.2.12 (h2): its container exited, exit code 1: could not reach the head's GCS")
+
+
+# distribution with fake hosts --------------------------------------------------------------------
+
+
+def test_stream_sends_the_cached_archive_and_verifies_the_image_id(tmp_path: Path) -> None:
+    from raycluster_cli.images import distribute
+    from raycluster_cli.progress import TransferProgress
+    from raycluster_cli.transport import CommandResult
+
+    inv = _inv()
+    archive = tmp_path / "aaaaaaaaaaaa.tar.gz"
+    archive.write_bytes(b"x" * 600_000)
+    fake = FakeTransport(
+        HOSTS[2],
+        {"command -v zstd": CommandResult(1, "", ""), "docker load": "Loaded image", "docker image inspect": A},
+    )
+    events: list[object] = []
+    done = distribute(inv, lambda h: fake, [ImageTransfer(HOSTS[2], "missing", "stream")], A, tmp_path, events.append)
+    assert [(t.host, t.method, t.codec, t.bytes_sent) for t in done] == [(HOSTS[2], "stream", "gzip", 600_000)]
+    assert fake.fed == {"gzip -dc | docker load -q": archive.read_bytes()}
+    transfers = [e for e in events if isinstance(e, TransferProgress)]
+    assert transfers[-1] == TransferProgress(HOSTS[2], 600_000, 600_000, done=True)
+
+
+def test_stream_fails_when_the_loaded_image_has_another_id(tmp_path: Path) -> None:
+    from raycluster_cli.images import distribute
+    from raycluster_cli.transport import CommandResult
+
+    (tmp_path / "aaaaaaaaaaaa.tar.gz").write_bytes(b"x")
+    fake = FakeTransport(
+        HOSTS[1], {"command -v zstd": CommandResult(1, "", ""), "docker load": "", "docker image inspect": B}
+    )
+    with pytest.raises(OperationError) as info:
+        distribute(_inv(), lambda h: fake, [ImageTransfer(HOSTS[1], "missing", "stream")], A, tmp_path)
+    assert HOSTS[1] in info.value.message and "expected aaaaaaaaaaaa" in info.value.message
+
+
+def test_pull_runs_docker_pull_and_names_the_host_that_failed() -> None:
+    from raycluster_cli.images import distribute
+    from raycluster_cli.transport import CommandResult
+
+    inv = _inv("image_source: pull\n")
+    good = FakeTransport(HOSTS[1], {"docker pull": "sha256:x"})
+    bad = FakeTransport(HOSTS[2], {"docker pull": CommandResult(1, "", "denied: requested access")})
+    hosts = {HOSTS[1]: good, HOSTS[2]: bad}
+    plan = [ImageTransfer(HOSTS[1], "missing", "pull"), ImageTransfer(HOSTS[2], "missing", "pull")]
+    with pytest.raises(OperationError) as info:
+        distribute(inv, lambda h: hosts[str(h.address)], plan, None, Path("/nonexistent"))
+    assert "1 host(s)" in info.value.message and HOSTS[2] in info.value.message and "denied" in info.value.message
+    assert good.commands == ["docker pull -q raycluster/node:0.1.0"]
