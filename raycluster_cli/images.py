@@ -22,6 +22,7 @@ from .errors import OperationError
 from .inventory import HostConfig, Inventory
 from .progress import Progress, TransferProgress, quiet
 from .transport import Transport, quote
+from .transport.base import CHUNK
 from .transport.fanout import fanout
 
 Connect = Callable[[HostConfig], Transport]
@@ -190,17 +191,30 @@ def _archive(image: str, image_id: str, codec: str, archive_dir: Path, progress:
     docker = docker_here()
     assert docker is not None
     tmp = path.with_suffix(".partial")
+    size = subprocess.run(
+        [docker, "image", "inspect", "--format", "{{.Size}}", image], capture_output=True, text=True
+    ).stdout.strip()
+    total = int(size) if size.isdigit() else 0
+    label = f"docker save | {codec} (here)"
     with tmp.open("wb") as handle:
         save = subprocess.Popen([docker, "save", image], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-        compress = subprocess.run(_CODECS[codec][0], stdin=save.stdout, stdout=handle, stderr=subprocess.PIPE)
-        assert save.stdout is not None and save.stderr is not None
-        save.stdout.close()
+        compress = subprocess.Popen(_CODECS[codec][0], stdin=subprocess.PIPE, stdout=handle, stderr=subprocess.PIPE)
+        assert save.stdout is not None and save.stderr is not None and compress.stdin is not None
+        done = 0
+        while chunk := save.stdout.read(CHUNK):
+            compress.stdin.write(chunk)
+            done += len(chunk)
+            progress(TransferProgress("(compress)", done, max(total, done), label=label))
+        compress.stdin.close()
         save_err = save.stderr.read().decode(errors="replace").strip()
         save.wait()
+        compress_err = compress.stderr.read().decode(errors="replace").strip() if compress.stderr else ""
+        compress.wait()
+    progress(TransferProgress("(compress)", done, done, done=True, label=label))
     if save.returncode or compress.returncode:
         tmp.unlink(missing_ok=True)
         raise OperationError(
-            f"docker save {image} on this machine failed: {save_err[:200] or compress.stderr.decode()[:200]}",
+            f"docker save {image} on this machine failed: {save_err[:200] or compress_err[:200]}",
             f"check free disk space in {archive_dir} and that `docker save {image}` works here",
         )
     os.replace(tmp, path)

@@ -15,6 +15,7 @@ class TransferProgress:
     sent: int  # bytes sent so far
     total: int  # bytes to send
     done: bool = False
+    label: str = ""  # what to call the bar; default "image → <host>"
 
 
 Event = str | TransferProgress

@@ -45,6 +45,7 @@ class Output:
             transient=False,
         )
         tasks: dict[str, TaskID] = {}
+        finished: set[str] = set()
         lock = threading.Lock()
 
         def sink(event: Event) -> None:
@@ -54,12 +55,18 @@ class Output:
         def _show(event: Event) -> None:
             if isinstance(event, TransferProgress):
                 if event.host not in tasks:
-                    if not tasks:
+                    if not bars.live.is_started:
                         bars.start()
-                    tasks[event.host] = bars.add_task(f"image → {event.host}", total=event.total)
-                bars.update(tasks[event.host], completed=event.sent)
-                if event.done and all(bars.tasks[t].finished for t in tasks.values()):
-                    bars.stop()
+                    tasks[event.host] = bars.add_task(event.label or f"image → {event.host}", total=event.total)
+                bars.update(tasks[event.host], completed=event.sent, total=event.total)
+                if event.done:
+                    finished.add(event.host)
+                if finished >= tasks.keys():
+                    bars.stop()  # the finished bars stay on screen; a later group gets a fresh display
+                    for task in tasks.values():
+                        bars.remove_task(task)
+                    tasks.clear()
+                    finished.clear()
             else:
                 (bars.console if bars.live.is_started else self.err).print(
                     f"[dim]·[/dim] {_escape(event)}", markup=True
