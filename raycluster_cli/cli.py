@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -14,10 +15,21 @@ import typer
 from . import __version__, inventory, lab
 from .checks import Status, demote, ignore_ids, run_checks
 from .checks.network import Tool, measure_network
-from .cluster import PreflightFailed, SSHPool, bench, down, state_dir, up
+from .cluster import NodesMissing, PreflightFailed, SSHPool, bench, down, state_dir, up
 from .errors import ExitCode, RayclusterError, UsageError
 from .inventory import Inventory
-from .report import Output, render_bench, render_checks, render_down, render_lab, render_up
+from .logs import collect
+from .report import (
+    Output,
+    render_bench,
+    render_checks,
+    render_down,
+    render_lab,
+    render_logs,
+    render_status,
+    render_up,
+)
+from .status import status
 
 app = typer.Typer(
     name="raycluster",
@@ -50,10 +62,14 @@ def _execute(json_mode: bool, debug: bool, action: Callable[[Output], int]) -> N
         if debug:
             raise
         output.error(exc.message, exc.hint)
+        if isinstance(exc, NodesMissing):
+            output.details(exc.details)
         if json_mode:
             body: dict[str, Any] = {"error": {"message": exc.message, "hint": exc.hint}}
             if isinstance(exc, PreflightFailed):
                 body["checks"] = [r.to_dict() for r in exc.results]
+            if isinstance(exc, NodesMissing):
+                body["error"]["missing"] = exc.details
             output.document(False, body)
         code = exc.exit_code
     except Exception as exc:
@@ -122,38 +138,127 @@ def up_command(
     inventory_path: InventoryOpt = None,
     ignore: IgnoreOpt = None,
     timeout: Annotated[float, typer.Option(help="seconds to wait for the head and for every node")] = 180.0,
+    insecure: Annotated[
+        bool, typer.Option("--insecure", help="turn Ray token authentication off (trusted, isolated networks only)")
+    ] = False,
     json_mode: JsonOpt = False,
     debug: DebugOpt = False,
 ) -> None:
-    """Start Ray in Docker: the head first, then every worker in parallel; wait until all joined."""
+    """Start Ray in Docker: images where missing, the head first, then every worker in parallel; wait for all.
+
+    Exit 0: every node joined; 1: preflight failed, or a node did not join (each named with its cause)."""
 
     def action(output: Output) -> int:
         ignored = ignore_ids(ignore)
-        with _cluster(inventory_path) as (inv, pool):
-            result = up(inv, pool, ignore=ignored, timeout_s=timeout, progress=output.progress())
+        with _cluster(inventory_path) as (inv, pool), output.live_progress() as progress:
+            if insecure or inv.ray.auth == "none":
+                output.warning(f"Ray token authentication is OFF for cluster {inv.cluster} (--insecure / ray.auth)")
+            result = up(inv, pool, ignore=ignored, timeout_s=timeout, insecure=insecure, progress=progress)
+        auth = result.inventory.ray.auth == "token"
+        token_file = str(state_dir(inv) / "auth-token") if auth else None
         body = {
             "cluster": inv.cluster,
             "head": result.head,
             "dashboard_url": result.dashboard_url,
-            "auth_token_file": str(state_dir(inv) / "auth-token") if inv.ray.auth == "token" else None,
+            "auth": "token" if auth else "none",
+            "auth_token_file": token_file,
             "seconds": round(result.seconds, 2),
             "nodes": [n.to_dict() for n in result.nodes],
+            "images": [t.to_dict() for t in result.images],
+            "warnings": result.warnings,
             "checks": [r.to_dict() for r in result.checks if r.status != Status.OK],
+            "next": _next_steps(result.head, inv.ray.port, result.dashboard_url, token_file, inventory_path),
         }
         return _emit(output, result.ok, body, render_up)
 
     _execute(json_mode, debug, action)
 
 
+def _next_steps(
+    head: str, port: int, dashboard: str, token_file: str | None, inventory_path: str | None
+) -> dict[str, str]:
+    """Where to go after `up`: addresses and commands (the token by its file, never its value)."""
+    auth = f"RAY_AUTH_MODE=token RAY_AUTH_TOKEN_PATH={token_file} " if token_file else ""
+    inv = f" -i {inventory_path}" if inventory_path else ""
+    return {
+        "ray_address": f"{head}:{port}",
+        "dashboard_url": dashboard,
+        "submit_job": f"{auth}ray job submit --address {dashboard} --working-dir . -- python script.py",
+        "status": f"raycluster status{inv}",
+        "logs": f"raycluster logs{inv}",
+    }
+
+
 @app.command("down")
-def down_command(inventory_path: InventoryOpt = None, json_mode: JsonOpt = False, debug: DebugOpt = False) -> None:
-    """Remove the containers that `up` started (found by this cluster's labels), and nothing else."""
+def down_command(
+    inventory_path: InventoryOpt = None,
+    purge: Annotated[
+        bool,
+        typer.Option("--purge", help="also remove the image from the hosts and the token and files `up` made"),
+    ] = False,
+    json_mode: JsonOpt = False,
+    debug: DebugOpt = False,
+) -> None:
+    """Remove the containers that `up` started (found by this cluster's labels), and nothing else.
+
+    The image stays on the hosts unless --purge. Exit 0: done (also when nothing was there); 1: a host failed."""
+
+    def action(output: Output) -> int:
+        with _cluster(inventory_path) as (inv, pool), output.live_progress() as progress:
+            result = down(inv, pool, purge=purge, progress=progress)
+        body = {"cluster": inv.cluster, "removed": result.removed, "purged": result.purged, "errors": result.errors}
+        return _emit(output, result.ok, body, render_down)
+
+    _execute(json_mode, debug, action)
+
+
+@app.command("status")
+def status_command(inventory_path: InventoryOpt = None, json_mode: JsonOpt = False, debug: DebugOpt = False) -> None:
+    """Per host: container state, Ray node alive, resources, image ID, Ray version; cluster totals.
+
+    Exit 0: every host's container runs and its Ray node is alive; 1: degraded or down."""
 
     def action(output: Output) -> int:
         with _cluster(inventory_path) as (inv, pool):
-            result = down(inv, pool, progress=output.progress())
-        body = {"cluster": inv.cluster, "removed": result.removed, "errors": result.errors}
-        return _emit(output, result.ok, body, render_down)
+            result = status(inv, pool)
+        body = {
+            "cluster": inv.cluster,
+            "state": result.state,
+            "hosts": [h.to_dict() for h in result.hosts],
+            "totals": result.totals(),
+        }
+        return _emit(output, result.state == "healthy", body, render_status)
+
+    _execute(json_mode, debug, action)
+
+
+@app.command("logs")
+def logs_command(
+    inventory_path: InventoryOpt = None,
+    host: Annotated[list[str] | None, typer.Option("--host", help="only this host's address (repeatable)")] = None,
+    out: Annotated[Path | None, typer.Option("--out", help="folder to write DIR/<host>/ into")] = None,
+    json_mode: JsonOpt = False,
+    debug: DebugOpt = False,
+) -> None:
+    """Collect each node's container log and Ray session logs into DIR/<host>/, with a count of error lines.
+
+    Exit 0: every host's logs were collected; 1: some host's could not be."""
+
+    def action(output: Output) -> int:
+        with _cluster(inventory_path) as (inv, pool):
+            chosen = [h for h in inv.hosts if not host or str(h.address) in host]
+            unknown = sorted(set(host or []) - {str(h.address) for h in inv.hosts})
+            if unknown:
+                raise UsageError(
+                    f"--host {', '.join(unknown)} is not in the inventory",
+                    "use one of: " + ", ".join(str(h.address) for h in inv.hosts),
+                )
+            folder = out or Path(f"raycluster-logs-{inv.cluster}-{time.strftime('%Y%m%d-%H%M%S')}")
+            output.progress()(f"collecting logs of {len(chosen)} host(s) into {folder}")
+            results = collect(inv, pool, folder, chosen)
+        ok = all(not r.error for r in results)
+        body = {"cluster": inv.cluster, "out": str(folder), "hosts": [r.to_dict() for r in results]}
+        return _emit(output, ok, body, render_logs)
 
     _execute(json_mode, debug, action)
 

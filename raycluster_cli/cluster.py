@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import shutil
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -16,27 +17,24 @@ from typing import Any
 
 from .checks import CheckResult, Status, run_checks
 from .containers import (
-    LABEL_CLUSTER,
-    LABEL_ROLE,
     container_name,
-    docker_run_command,
+    host_state_dir,
     inspect_name_command,
     list_cluster_containers,
     parse_ps,
     token_path_on_host,
 )
+from .diagnose import diagnose, gather
 from .errors import OperationError, RayclusterError
+from .images import ImageTransfer, demote_fixed_checks, distribute, local_image_id, plan_transfers, remote_image_ids
 from .inventory import HostConfig, Inventory
+from .nodes import Plan, apply, plan_node, prepare, probe, wait_head
+from .progress import Progress, quiet
 from .transport import Transport, quote
 from .transport.fanout import fanout
 from .transport.ssh import SSHTransport
 
-Progress = Callable[[str], None]
 Connect = Callable[[HostConfig], Transport]
-
-
-def _quiet(_: str) -> None:
-    pass
 
 
 class PreflightFailed(RayclusterError):
@@ -104,6 +102,7 @@ class NodeState:
     alive: bool
     action: str = ""  # started / running / restarted
     resources: dict[str, float] = field(default_factory=dict)
+    reason: str = ""  # why a container was replaced
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -112,21 +111,50 @@ class NodeState:
             "node_ip": self.node_ip,
             "alive": self.alive,
             "action": self.action,
+            "reason": self.reason,
             "resources": self.resources,
         }
 
 
 @dataclass
 class UpResult:
-    head: str
-    dashboard_url: str
+    inventory: Inventory
     nodes: list[NodeState]
     checks: list[CheckResult]
     seconds: float
+    images: list[ImageTransfer] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
         return all(n.alive for n in self.nodes)
+
+    @property
+    def head(self) -> str:
+        return self.inventory.head_address
+
+    @property
+    def dashboard_url(self) -> str:
+        return f"http://{self.inventory.head_address}:{self.inventory.ray.dashboard_port}"
+
+
+class NodesMissing(OperationError):
+    """Some nodes did not join: one diagnosis (and log tail) per missing host in `details`."""
+
+    def __init__(self, message: str, hint: str, details: list[dict[str, Any]]) -> None:
+        super().__init__(message, hint)
+        self.details = details
+
+
+INSECURE_WARNING = (
+    "Ray token authentication is OFF: anyone who reaches the head's ports ({head}) can run code on every "
+    "node; use it only on a trusted, isolated network"
+)
+
+
+def without_auth(inventory: Inventory) -> Inventory:
+    """The inventory with ray.auth: none (for `up --insecure`)."""
+    return inventory.model_copy(update={"ray": inventory.ray.model_copy(update={"auth": "none"})})
 
 
 def up(
@@ -135,37 +163,57 @@ def up(
     *,
     ignore: frozenset[str] = frozenset(),
     timeout_s: float = 180.0,
-    progress: Progress = _quiet,
+    insecure: bool = False,
+    progress: Progress = quiet,
 ) -> UpResult:
     started = time.monotonic()
+    if insecure:
+        inventory = without_auth(inventory)
+    warnings = [INSECURE_WARNING.format(head=inventory.head_address)] if inventory.ray.auth == "none" else []
     progress("running preflight checks")
     checks = run_checks(inventory, connect, ignore=ignore)
+    local_id = local_image_id(inventory.image) if inventory.image_source == "stream" else None
+    transfers = plan_transfers(inventory, local_id, remote_image_ids(checks))
+    checks = demote_fixed_checks(checks, transfers)
     if any(r.status == Status.FAIL for r in checks):
         raise PreflightFailed(checks)
+    for transfer in transfers:
+        progress(f"{transfer.host}: image {transfer.reason}: {transfer.method}ing it")
+    images = distribute(inventory, connect, transfers, local_id, state_dir(inventory) / "images", progress)
     if inventory.ray.auth == "token":
         token = ensure_token(inventory)
         _raise_first(fanout(inventory.hosts, lambda h: connect(h).put(token, token_path_on_host(inventory))))
+    envs = fanout(inventory.hosts, lambda h: prepare(connect(h), inventory, h))
+    _raise_first(envs)
+    env_of = {str(h.address): o.value or b"" for h, o in envs}
     head = inventory.head_host
     head_transport = connect(head)
-    progress(f"starting the head on {head.address}")
-    head_action = _apply_node(head_transport, inventory, head, _plan_node(head_transport, inventory, head))
-    _wait_head(head_transport, inventory, timeout_s)
-    progress(f"head ready; starting {len(inventory.workers)} worker(s)")
-    force = head_action != "running"  # a new head means every worker must join it again
-    plans = fanout(inventory.workers, lambda h: _plan_node(connect(h), inventory, h, force=force))
+    head_plan = plan_node(head_transport, inventory, head, env_of[str(head.address)])
+    progress(
+        f"head on {head.address}: " + (head_plan.reason or {"keep": "running", "start": "starting"}[head_plan.action])
+    )
+    head_action = apply(head_transport, inventory, head, head_plan)
+    wait_head(head_transport, inventory, timeout_s)
+    progress(f"head ready; {len(inventory.workers)} worker(s) next")
+    force = "" if head_action == "running" else "the head was replaced"  # every worker must join the new head
+    plans = fanout(inventory.workers, lambda h: plan_node(connect(h), inventory, h, env_of[str(h.address)], force))
     _raise_first(plans)
-    plan_of = {str(h.address): o.value or "" for h, o in plans}
-    replaced = {inventory.node_ip(h) for h in inventory.workers if plan_of[str(h.address)] != "running"}
+    plan_of = {str(h.address): o.value or Plan("start") for h, o in plans}
+    replaced = {inventory.node_ip(h) for h in inventory.workers if plan_of[str(h.address)].action != "keep"}
     # With the head kept, nodes of workers about to be replaced may linger in its GCS: note their IDs.
-    before = _probe(head_transport, inventory, [], 0) if replaced and not force else []
+    before = probe(head_transport, inventory, [], 0) if replaced and not force else []
     stale = [n["node_id"] for n in before if n["alive"] and n["node_ip"] in replaced]
-    actions = fanout(inventory.workers, lambda h: _apply_node(connect(h), inventory, h, plan_of[str(h.address)]))
+    for address, plan in plan_of.items():
+        if plan.reason:
+            progress(f"{address}: replacing the worker container: {plan.reason}")
+    actions = fanout(inventory.workers, lambda h: apply(connect(h), inventory, h, plan_of[str(h.address)]))
     _raise_first(actions)
     progress("waiting for every node to join")
     expected = {inventory.node_ip(h): h for h in inventory.hosts}
-    reported = _probe(head_transport, inventory, sorted(expected), timeout_s, stale)
+    reported = probe(head_transport, inventory, sorted(expected), timeout_s, stale)
     alive = {n["node_ip"]: n for n in reported if n["alive"] and n["node_id"] not in stale}
     action_of = {str(head.address): head_action} | {str(h.address): o.value or "" for h, o in actions}
+    reason_of = {str(head.address): head_plan.reason} | {a: p.reason for a, p in plan_of.items()}
     nodes = [
         NodeState(
             str(h.address),
@@ -174,24 +222,35 @@ def up(
             ip in alive,
             action_of.get(str(h.address), ""),
             alive.get(ip, {}).get("resources", {}),
+            reason_of.get(str(h.address), ""),
         )
         for ip, h in expected.items()
     ]
-    missing = [n for n in nodes if not n.alive]
+    missing = [h for h in inventory.hosts if inventory.node_ip(h) not in alive]
     if missing:
-        names = ", ".join(n.host for n in missing)
-        first = next(h for h in inventory.hosts if str(h.address) == missing[0].host)
-        tail = _log_tail(connect, inventory, first)
-        raise OperationError(
-            f"{len(missing)} node(s) did not join within {timeout_s:.0f}s: {names} (last log on {first.address}: {tail})",
-            f"see `docker logs {container_name(inventory, first)}` on {first.address} and run `raycluster doctor`",
-        )
-    return UpResult(
-        inventory.head_address,
-        f"http://{inventory.head_address}:{inventory.ray.dashboard_port}",
-        nodes,
-        checks,
-        time.monotonic() - started,
+        raise _missing_error(inventory, connect, missing, reported, timeout_s)
+    return UpResult(inventory, nodes, checks, time.monotonic() - started, images, warnings)
+
+
+def _missing_error(
+    inventory: Inventory, connect: Connect, missing: list[HostConfig], nodes: list[dict[str, Any]], timeout_s: float
+) -> NodesMissing:
+    """Name each host whose node did not join, with its log tail and the likely cause."""
+    found = fanout(missing, lambda h: gather(connect(h), inventory, h))
+    details: list[dict[str, Any]] = []
+    for host, outcome in found:
+        if outcome.value is None:
+            reason = getattr(outcome.error, "message", str(outcome.error))
+            details.append({"host": str(host.address), "cause": f"{host.address}: {reason}", "log_tail": []})
+            continue
+        cause = diagnose(inventory, host, outcome.value, nodes, len(missing))
+        details.append({"host": str(host.address), "cause": cause, "log_tail": outcome.value.log_tail})
+    first = missing[0]
+    return NodesMissing(
+        f"{len(missing)} node(s) did not join within {timeout_s:.0f}s: " + "; ".join(str(d["cause"]) for d in details),
+        f"see `docker logs {container_name(inventory, first)}` on {first.address} (tail below), fix the cause, "
+        "re-run `raycluster up`",
+        details,
     )
 
 
@@ -201,119 +260,26 @@ def _raise_first(outcomes: list[Any]) -> None:
             raise outcome.error
 
 
-def _plan_node(transport: Transport, inventory: Inventory, host: HostConfig, force: bool = False) -> str:
-    """What `up` must do on `host`: "running" (keep), "start" or "restart"; refuse a foreign container."""
-    name = container_name(inventory, host)
-    found = parse_ps(transport.run(inspect_name_command(name)).stdout)
-    if not found:
-        return "start"
-    existing = found[0]
-    if existing.labels.get(LABEL_CLUSTER) != inventory.cluster or existing.labels.get(LABEL_ROLE) != host.role:
-        raise OperationError(
-            f"{host.address}: a container named {name} exists that this cluster did not start",
-            f"remove or rename it on {host.address} (docker rm -f {name}) if it is not needed",
-        )
-    if existing.running and not force and _same_image(transport, existing.id, inventory.image):
-        return "running"
-    return "restart"
-
-
-def _apply_node(transport: Transport, inventory: Inventory, host: HostConfig, plan: str) -> str:
-    """Carry out a plan of `_plan_node`; return the action taken (running / started / restarted)."""
-    if plan == "running":
-        return "running"
-    if plan == "restart":
-        transport.run("docker rm -f " + quote(container_name(inventory, host)))
-    result = transport.run(docker_run_command(inventory, host), timeout=120)
-    if not result.ok:
-        raise OperationError(
-            f"{host.address}: docker run failed: {result.first_line()}",
-            "check the image and docker.run_options in the inventory",
-        )
-    return "started" if plan == "start" else "restarted"
-
-
-def _same_image(transport: Transport, container_id: str, image: str) -> bool:
-    """Whether the container runs the image ID that the inventory's image name points to now."""
-    ids = transport.run(
-        f"docker inspect --format '{{{{.Image}}}}' {quote(container_id)} && "
-        f"docker image inspect --format '{{{{.Id}}}}' {quote(image)}"
-    ).stdout.split()
-    return len(ids) == 2 and ids[0] == ids[1]
-
-
-def _wait_head(transport: Transport, inventory: Inventory, timeout_s: float) -> None:
-    name = container_name(inventory, inventory.head_host)
-    address = f"{inventory.head_address}:{inventory.ray.port}"
-    deadline = time.monotonic() + timeout_s
-    while True:
-        state = parse_ps(transport.run(inspect_name_command(name)).stdout)
-        if not state or not state[0].running:
-            raise OperationError(
-                f"{inventory.head_host.address}: the head container exited: {_tail(transport, name)}",
-                f"see `docker logs {name}` on {inventory.head_host.address}",
-            )
-        check = transport.run(f"docker exec {quote(name)} ray health-check --address {quote(address)}", timeout=60)
-        if check.ok:
-            return
-        if time.monotonic() > deadline:
-            raise OperationError(
-                f"{inventory.head_host.address}: the head's GCS did not answer within {timeout_s:.0f}s",
-                f"see `docker logs {name}` on {inventory.head_host.address}",
-            )
-        time.sleep(1.0)
-
-
-def _probe(
-    transport: Transport, inventory: Inventory, expect: list[str], timeout_s: float, stale: list[str] | None = None
-) -> list[dict[str, Any]]:
-    """The cluster's nodes, after waiting (up to `timeout_s`) for `expect` to be live and `stale` dead."""
-    name = container_name(inventory, inventory.head_host)
-    gcs = f"{inventory.head_address}:{inventory.ray.port}"
-    command = (
-        f"docker exec {quote(name)} python -m raycluster_cli.probe --address {quote(gcs)} "
-        f"--expect {quote(','.join(expect))} --stale-ids {quote(','.join(stale or []))}"
-    )
-    result = transport.run(f"{command} --timeout {timeout_s:.0f}", timeout=timeout_s + 60)
-    try:
-        document = json.loads(result.stdout.strip().splitlines()[-1])
-    except (ValueError, IndexError):
-        raise OperationError(
-            f"{inventory.head_host.address}: cannot read the cluster's nodes: {result.first_line()}",
-            f"see `docker logs {name}`",
-        ) from None
-    if "nodes" not in document:
-        raise OperationError(f"{inventory.head_host.address}: {document.get('error')}", f"see `docker logs {name}`")
-    nodes: list[dict[str, Any]] = document["nodes"]
-    return nodes
-
-
-def _tail(transport: Transport, name: str, lines: int = 3) -> str:
-    out = transport.run(f"docker logs --tail {lines} {quote(name)} 2>&1")
-    return " | ".join(line.strip() for line in out.stdout.splitlines() if line.strip())[-300:] or "(no log)"
-
-
-def _log_tail(connect: Connect, inventory: Inventory, host: HostConfig) -> str:
-    try:
-        return _tail(connect(host), container_name(inventory, host))
-    except RayclusterError as exc:
-        return exc.message
-
-
 @dataclass
 class DownResult:
     removed: list[dict[str, str]]
     errors: list[dict[str, str]]
+    purged: list[dict[str, str]] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
         return not self.errors
 
 
-def down(inventory: Inventory, connect: Connect, *, progress: Progress = _quiet) -> DownResult:
-    """Remove this cluster's labelled containers: workers in parallel first, then the head."""
+def down(inventory: Inventory, connect: Connect, *, purge: bool = False, progress: Progress = quiet) -> DownResult:
+    """Remove this cluster's labelled containers: workers in parallel first, then the head.
+
+    With `purge`, also the image on every host, the files `up` put there (/etc/raycluster/<cluster>) and
+    the token and image archive in this machine's state dir.
+    """
     removed: list[dict[str, str]] = []
     errors: list[dict[str, str]] = []
+    purged: list[dict[str, str]] = []
 
     def remove_on(host: HostConfig) -> list[str]:
         transport = connect(host)
@@ -328,15 +294,56 @@ def down(inventory: Inventory, connect: Connect, *, progress: Progress = _quiet)
             names.append(container.name)
         return names
 
+    def record_error(host: HostConfig, error: BaseException) -> None:
+        message = error.one_line() if isinstance(error, RayclusterError) else str(error)
+        errors.append({"host": str(host.address), "error": message})
+
     for group in (inventory.workers, [inventory.head_host]):
         for host, outcome in fanout(group, remove_on):
             if outcome.error is not None:
-                message = outcome.error.one_line() if isinstance(outcome.error, RayclusterError) else str(outcome.error)
-                errors.append({"host": str(host.address), "error": message})
+                record_error(host, outcome.error)
             for name in outcome.value or []:
                 progress(f"removed {name} on {host.address}")
                 removed.append({"host": str(host.address), "container": name})
-    return DownResult(removed, errors)
+    if purge:
+        failed = {e["host"] for e in errors}
+        for host, outcome in fanout(
+            [h for h in inventory.hosts if str(h.address) not in failed], _purge_host(inventory, connect)
+        ):
+            if outcome.error is not None:
+                record_error(host, outcome.error)
+            for item in outcome.value or []:
+                progress(f"purged {item} on {host.address}")
+                purged.append({"host": str(host.address), "item": item})
+        local = state_dir(inventory)
+        if local.exists():
+            shutil.rmtree(local)
+            purged.append({"host": "localhost", "item": str(local)})
+    return DownResult(removed, errors, purged)
+
+
+def _purge_host(inventory: Inventory, connect: Connect) -> Callable[[HostConfig], list[str]]:
+    def purge(host: HostConfig) -> list[str]:
+        transport = connect(host)
+        done = []
+        present = transport.run("docker image inspect --format '{{.Id}}' " + quote(inventory.image))
+        if present.ok:
+            result = transport.run("docker rmi " + quote(inventory.image), timeout=300)
+            if not result.ok:
+                raise OperationError(
+                    f"{host.address}: cannot remove image {inventory.image}: {result.first_line()}",
+                    f"a container still uses it: see `docker ps -a` on {host.address}",
+                )
+            done.append(f"image {inventory.image}")
+        folder = host_state_dir(inventory)
+        if transport.run(f"test -e {quote(folder)}").ok:
+            result = transport.run(f"rm -rf -- {quote(folder)}")
+            if not result.ok:
+                raise OperationError(f"{host.address}: cannot remove {folder}: {result.first_line()}", "check there")
+            done.append(folder)
+        return done
+
+    return purge
 
 
 def bench(inventory: Inventory, connect: Connect, driver_args: list[str], timeout_s: float = 900.0) -> dict[str, Any]:

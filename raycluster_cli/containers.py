@@ -6,6 +6,7 @@ unit-tested without Docker; `cluster.py` runs these commands through a transport
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shlex
 from dataclasses import dataclass
@@ -17,15 +18,34 @@ from .transport import Transport, quote
 LABEL_CLUSTER = "io.raycluster.cluster"
 LABEL_ROLE = "io.raycluster.role"
 LABEL_MANAGED = "io.raycluster.managed-by"
+LABEL_CONFIG = "io.raycluster.config"
 TOKEN_IN_CONTAINER = "/run/raycluster/auth-token"
+ENV_IN_CONTAINER = "/run/raycluster/env"
+# The container's command sources the env file first, so that the Ray processes get the inventory's
+# `env` while the values stay out of `docker inspect` and every command line.
+_SOURCE_ENV = f'set -a && . {ENV_IN_CONTAINER} && set +a && exec "$@"'
 
 
 def container_name(inventory: Inventory, host: HostConfig) -> str:
     return f"raycluster-{inventory.cluster}-{host.role}"
 
 
+def host_state_dir(inventory: Inventory) -> str:
+    """The folder on each host holding this cluster's files (token, env files); only `down --purge` removes it."""
+    return f"/etc/raycluster/{inventory.cluster}"
+
+
 def token_path_on_host(inventory: Inventory) -> str:
-    return f"/etc/raycluster/{inventory.cluster}/auth-token"
+    return f"{host_state_dir(inventory)}/auth-token"
+
+
+def env_path_on_host(inventory: Inventory, host: HostConfig) -> str:
+    return f"{host_state_dir(inventory)}/{host.role}.env"
+
+
+def env_file_content(env: dict[str, str]) -> bytes:
+    """A POSIX shell file that exports `env` (values quoted), sorted so that equal envs give equal bytes."""
+    return "".join(f"{name}={shlex.quote(value)}\n" for name, value in sorted(env.items())).encode()
 
 
 def ray_start_args(inventory: Inventory, host: HostConfig) -> list[str]:
@@ -48,6 +68,8 @@ def ray_start_args(inventory: Inventory, host: HostConfig) -> list[str]:
         args.append(f"--num-cpus={host.num_cpus:g}")
     if host.num_gpus is not None:
         args.append(f"--num-gpus={host.num_gpus}")
+    if host.resources:
+        args.append("--resources=" + json.dumps(host.resources, sort_keys=True, separators=(",", ":")))
     if ray.object_store_memory:
         args.append(f"--object-store-memory={ray.object_store_memory}")
     args += [f"--min-worker-port={ray.min_worker_port}", f"--max-worker-port={ray.max_worker_port}"]
@@ -55,13 +77,28 @@ def ray_start_args(inventory: Inventory, host: HostConfig) -> list[str]:
     return args
 
 
+def config_hash(argv: list[str]) -> str:
+    """A short digest of the `docker run` arguments: a changed option, resource or image name changes it."""
+    return hashlib.sha256("\0".join(argv).encode()).hexdigest()[:16]
+
+
 def docker_run_command(inventory: Inventory, host: HostConfig) -> str:
-    """The `docker run` that starts the Ray node on `host` (host network, node IP pinned, labelled)."""
+    """The `docker run` that starts the Ray node on `host` (host network, node IP pinned, labelled).
+
+    The label io.raycluster.config carries a digest of everything else on the line, so that `up` sees
+    when the inventory asks for another container than the running one.
+    """
+    argv = run_argv(inventory, host)
+    return quote(*argv[:2], f"--label={LABEL_CONFIG}={config_hash(argv)}", *argv[2:])
+
+
+def run_argv(inventory: Inventory, host: HostConfig) -> list[str]:
     docker = inventory.docker_for(host)
     argv = [
         "docker", "run", "--detach", "--init", f"--name={container_name(inventory, host)}", "--network=host",
         f"--label={LABEL_CLUSTER}={inventory.cluster}", f"--label={LABEL_ROLE}={host.role}",
         f"--label={LABEL_MANAGED}=raycluster",
+        f"--volume={env_path_on_host(inventory, host)}:{ENV_IN_CONTAINER}:ro",
     ]  # fmt: skip
     if docker.shm_size:
         argv.append(f"--shm-size={docker.shm_size}")
@@ -75,9 +112,9 @@ def docker_run_command(inventory: Inventory, host: HostConfig) -> str:
         ]
     for option in docker.run_options:
         argv += shlex.split(option)
-    argv.append(inventory.image)
+    argv += [inventory.image, "sh", "-c", _SOURCE_ENV, "sh"]
     argv += ray_start_args(inventory, host)
-    return quote(*argv)
+    return argv
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,9 @@ DEFAULT_INVENTORY = "inventory.yaml"
 INVENTORY_ENV = "RAYCLUSTER_INVENTORY"
 _NAME = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,62}$")
 _SIZE = re.compile(r"^\d+(\.\d+)?[bkmg]?$", re.IGNORECASE)
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_RESOURCE_NAME = re.compile(r"^[A-Za-z0-9_.:/-]{1,128}$")
+_BUILTIN_RESOURCES = {"CPU", "GPU", "memory", "object_store_memory"}
 
 
 class _Model(BaseModel):
@@ -83,19 +86,49 @@ class HeadConfig(_Model):
     address: IPv4Address
 
 
+def _check_env(value: dict[str, str]) -> dict[str, str]:
+    for name in value:
+        if not _ENV_NAME.match(name):
+            raise ValueError(f"{name!r} is not an environment variable name (letters, digits, '_')")
+    return value
+
+
 class HostConfig(_Model):
     address: IPv4Address
     role: Literal["head", "worker"] = "worker"
     hostname: str | None = Field(None, description="hostname of the Ray container; default: the host's own hostname")
     num_cpus: float | None = Field(None, gt=0)
     num_gpus: int | None = Field(None, ge=0)
+    resources: dict[str, float] = Field(default_factory=dict, description="custom Ray resources of this node")
+    env: dict[str, str] = Field(default_factory=dict, description="environment of this host's Ray processes")
     ssh: HostSSH = HostSSH()
     docker: DockerConfig = DockerConfig()
+
+    @field_validator("env")
+    @classmethod
+    def _env(cls, value: dict[str, str]) -> dict[str, str]:
+        return _check_env(value)
+
+    @field_validator("resources")
+    @classmethod
+    def _resources(cls, value: dict[str, float]) -> dict[str, float]:
+        for name, amount in value.items():
+            if name in _BUILTIN_RESOURCES:
+                raise ValueError(f"{name} is set with num_cpus/num_gpus or ray settings, not resources")
+            if not _RESOURCE_NAME.match(name):
+                raise ValueError(f"{name!r} is not a usable resource name (letters, digits, '_.:/-')")
+            if amount < 0:
+                raise ValueError(f"resource {name} must not be negative")
+        return value
 
 
 class Inventory(_Model):
     cluster: str
     image: str
+    image_source: Literal["stream", "pull"] = Field(
+        "stream", description="how `up` gets the image onto a host that lacks it: stream it over SSH, or docker pull"
+    )
+    env: dict[str, str] = Field(default_factory=dict, description="environment of every host's Ray processes")
     ssh: SSHConfig = SSHConfig()
     head: HeadConfig | None = None
     ray: RayConfig = RayConfig()
@@ -108,6 +141,11 @@ class Inventory(_Model):
         if not _NAME.match(value):
             raise ValueError("use lower-case letters, digits, '-', '_' or '.' (at most 63), e.g. demo")
         return value
+
+    @field_validator("env")
+    @classmethod
+    def _env(cls, value: dict[str, str]) -> dict[str, str]:
+        return _check_env(value)
 
     @model_validator(mode="after")
     def _roles(self) -> Inventory:
@@ -146,6 +184,10 @@ class Inventory(_Model):
             shm_size=host.docker.shm_size or self.docker.shm_size,
             run_options=[*self.docker.run_options, *host.docker.run_options],
         )
+
+    def env_for(self, host: HostConfig) -> dict[str, str]:
+        """Cluster-wide `env` with the host's own on top."""
+        return {**self.env, **host.env}
 
     def ssh_for(self, host: HostConfig) -> SSHConfig:
         override = {k: v for k, v in host.ssh.model_dump().items() if v is not None}

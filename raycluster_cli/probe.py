@@ -49,6 +49,7 @@ def main(argv: list[str] | None = None) -> int:
         {
             "node_ip": n["NodeManagerAddress"],
             "node_id": n["NodeID"],
+            "hostname": n.get("NodeManagerHostname", ""),
             "alive": bool(n.get("Alive")),
             "resources": {k: v for k, v in n.get("Resources", {}).items() if not k.startswith("node:")},
         }

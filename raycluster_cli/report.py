@@ -4,13 +4,17 @@ from __future__ import annotations
 
 import json
 import sys
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any, TextIO
 
 from rich.console import Console
+from rich.progress import BarColumn, DownloadColumn, Progress, TaskID, TextColumn, TransferSpeedColumn
 from rich.table import Table
 
 from .checks import CheckResult, Status
+from .progress import Event, TransferProgress
 
 SCHEMA_VERSION = 1
 _STATUS_STYLE = {Status.FAIL: "bold red", Status.WARN: "yellow", Status.OK: "green", Status.SKIP: "dim"}
@@ -27,7 +31,61 @@ class Output:
         self.err = Console(file=stderr or sys.stderr, highlight=False, soft_wrap=True)
 
     def progress(self) -> Callable[[str], None]:
-        return lambda message: self.err.print(f"[dim]·[/dim] {message}", markup=True)
+        return lambda message: self.err.print(f"[dim]·[/dim] {_escape(message)}", markup=True)
+
+    @contextmanager
+    def live_progress(self) -> Iterator[Callable[[Event], None]]:
+        """A progress callback for lines and transfers: one bar per host receiving the image (on stderr)."""
+        bars = Progress(
+            TextColumn("[bold]{task.description}"),
+            BarColumn(),
+            DownloadColumn(),
+            TransferSpeedColumn(),
+            console=self.err,
+            transient=False,
+        )
+        tasks: dict[str, TaskID] = {}
+        finished: set[str] = set()
+        lock = threading.Lock()
+
+        def sink(event: Event) -> None:
+            with lock:
+                _show(event)
+
+        def _show(event: Event) -> None:
+            if isinstance(event, TransferProgress):
+                if event.host not in tasks:
+                    if not bars.live.is_started:
+                        bars.start()
+                    tasks[event.host] = bars.add_task(event.label or f"image → {event.host}", total=event.total)
+                bars.update(tasks[event.host], completed=event.sent, total=event.total)
+                if event.done:
+                    finished.add(event.host)
+                if finished >= tasks.keys():
+                    bars.stop()  # the finished bars stay on screen; a later group gets a fresh display
+                    for task in tasks.values():
+                        bars.remove_task(task)
+                    tasks.clear()
+                    finished.clear()
+            else:
+                (bars.console if bars.live.is_started else self.err).print(
+                    f"[dim]·[/dim] {_escape(event)}", markup=True
+                )
+
+        try:
+            yield sink
+        finally:
+            bars.stop()
+
+    def warning(self, message: str) -> None:
+        self.err.print(f"[bold yellow]warning:[/bold yellow] {_escape(message)}", markup=True)
+
+    def details(self, items: list[dict[str, Any]]) -> None:
+        """Per-host details of an error (cause and log tail), on stderr after the error line."""
+        for item in items:
+            self.err.print(f"  [bold]{_escape(str(item.get('cause', item.get('host', ''))))}[/bold]", markup=True)
+            for line in item.get("log_tail", [])[-8:]:
+                self.err.print(f"    | {_escape(line)}", markup=True)
 
     def document(self, ok: bool, body: dict[str, Any]) -> None:
         """Write the one JSON document of a --json run."""
@@ -107,26 +165,44 @@ def _rate(bps: float) -> str:
 
 def render_up(output: Output, body: dict[str, Any]) -> None:
     table = Table(title="Ray nodes", title_justify="left")
-    for column in ("host", "role", "node IP", "alive", "action", "CPU", "GPU"):
+    for column in ("host", "role", "node IP", "alive", "action", "CPU", "GPU", "other resources"):
         table.add_column(column)
     for node in body["nodes"]:
         resources = node.get("resources", {})
+        action = node.get("action", "") + (f" ({node['reason']})" if node.get("reason") else "")
         table.add_row(
             node["host"],
             node["role"],
             node["node_ip"],
             "[green]yes[/green]" if node["alive"] else "[red]no[/red]",
-            node.get("action", ""),
+            _escape(action),
             f"{resources.get('CPU', 0):g}",
             f"{resources.get('GPU', 0):g}",
+            _escape(_other_resources(resources)),
         )
     output.out.print(table)
-    output.line(f"cluster up in {body['seconds']:.1f}s: head {body['head']}, dashboard {body['dashboard_url']}")
-    if body.get("auth_token_file"):
+    for item in body.get("images", []):
         output.line(
-            f"submit jobs with: RAY_AUTH_MODE=token RAY_AUTH_TOKEN_PATH={body['auth_token_file']} "
-            f"ray job submit --address {body['dashboard_url']} -- python script.py"
+            f"image {item['method']}ed to {item['host']} ({item['reason']}): "
+            f"{item['bytes_sent'] / 1e6:.0f} MB {item['codec']} in {item['seconds']:.0f}s"
         )
+    if all(n.get("action") == "running" for n in body["nodes"]) and not body.get("images"):
+        output.line("nothing to do: every node was already running as the inventory asks")
+    for warning in body.get("warnings", []):
+        output.line(f"[bold yellow]warning:[/bold yellow] {_escape(warning)}")
+    output.line(f"cluster up in {body['seconds']:.1f}s")
+    steps = body.get("next", {})
+    if steps:
+        output.line("next:")
+        output.line(f"  Ray address     {steps['ray_address']}")
+        output.line(f"  dashboard       {steps['dashboard_url']}")
+        output.line(f"  submit a job    {_escape(steps['submit_job'])}")
+        output.line(f"  health / logs   {_escape(steps['status'])}  ·  {_escape(steps['logs'])}")
+
+
+def _other_resources(resources: dict[str, Any]) -> str:
+    skip = {"CPU", "GPU", "memory", "object_store_memory"}
+    return ", ".join(f"{k}={v:g}" for k, v in sorted(resources.items()) if k not in skip)
 
 
 def render_down(output: Output, body: dict[str, Any]) -> None:
@@ -134,8 +210,57 @@ def render_down(output: Output, body: dict[str, Any]) -> None:
         output.line("nothing to remove: no container of this cluster on any host")
     for item in body["removed"]:
         output.line(f"removed {item['container']} on {item['host']}")
+    for item in body.get("purged", []):
+        output.line(f"purged {_escape(item['item'])} on {item['host']}")
     for item in body["errors"]:
         output.line(f"[red]not removed on {item['host']}:[/red] {_escape(item['error'])}")
+
+
+def render_status(output: Output, body: dict[str, Any]) -> None:
+    table = Table(title=f"cluster {body['cluster']}: {body['state']}", title_justify="left")
+    for column in ("host", "role", "container", "Ray node", "CPU", "GPU", "other resources", "image", "Ray"):
+        table.add_column(column)
+    for host in body["hosts"]:
+        resources = host.get("resources", {})
+        good = {"running", "alive"}
+        table.add_row(
+            host["host"],
+            host["role"],
+            _mark(host["container"], host["container"] in good),
+            _mark(host["ray_node"], host["ray_node"] in good),
+            f"{resources.get('CPU', 0):g}",
+            f"{resources.get('GPU', 0):g}",
+            _escape(_other_resources(resources)),
+            host["image_id"][7:19],
+            host["ray_version"],
+        )
+    output.out.print(table)
+    totals = body["totals"]
+    summary = ", ".join(f"{k} {v:g}" for k, v in totals["resources"].items() if k in {"CPU", "GPU"})
+    output.line(f"{totals['alive_nodes']}/{totals['hosts']} nodes alive; {summary or 'no resources'}")
+    for host in body["hosts"]:
+        if host.get("error"):
+            output.line(f"[red]{host['host']}:[/red] {_escape(host['error'])}")
+
+
+def _mark(text: str, good: bool) -> str:
+    return f"[green]{text}[/green]" if good else f"[red]{text}[/red]"
+
+
+def render_logs(output: Output, body: dict[str, Any]) -> None:
+    table = Table(title=f"logs in {body['out']}", title_justify="left")
+    for column in ("host", "files", "MB", "error lines", "first error"):
+        table.add_column(column)
+    for host in body["hosts"]:
+        first = host["error"] or (host["first_errors"][0] if host["first_errors"] else "")
+        table.add_row(
+            host["host"],
+            str(host["files"]),
+            f"{host['bytes'] / 1e6:.1f}",
+            _mark(str(host["error_lines"]), host["error_lines"] == 0),
+            _escape(first[:120]),
+        )
+    output.out.print(table)
 
 
 def render_bench(output: Output, body: dict[str, Any]) -> None:

@@ -30,7 +30,7 @@ def image_same(inventory: Inventory, results: list[CheckResult], outputs: Output
             host,
             Status.FAIL,
             f"{inventory.image} here is {image_id}, most hosts have {majority}",
-            f"load the same image on {host}: docker save {inventory.image} | ssh {host} docker load",
+            f"`raycluster up` streams this machine's image to {host} (or: docker save {inventory.image} | ssh {host} docker load)",
         )
         for host, image_id in ids.items()
         if image_id != majority

@@ -57,7 +57,7 @@ def image(rc: int, out: str, err: str, ctx: CheckContext) -> Finding:
     return Finding(
         Status.FAIL,
         f"image {name} is not on this host",
-        f"load it: docker save {name} | ssh {ctx.address} docker load",
+        f"`raycluster up` streams it from this machine over SSH (or: docker save {name} | ssh {ctx.address} docker load)",
     )
 
 

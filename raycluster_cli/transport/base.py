@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import shlex
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import BinaryIO, Protocol
+
+CHUNK = 256 * 1024
 
 
 @dataclass(frozen=True)
@@ -37,6 +40,18 @@ class Transport(Protocol):
 
     def put(self, data: bytes, path: str, mode: int = 0o600) -> None:
         """Write `data` to `path` atomically with `mode`, creating parent folders (mode 0700)."""
+        ...
+
+    def feed(
+        self,
+        command: str,
+        source: BinaryIO,
+        *,
+        on_sent: Callable[[int], None] | None = None,
+        timeout: float | None = None,
+    ) -> CommandResult:
+        """Run `command` with `source` streamed to its stdin in chunks (for data too big to hold in memory);
+        `on_sent(n)` after each chunk of n bytes."""
         ...
 
     def close(self) -> None: ...

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from typing import BinaryIO
 
 from .base import CommandResult
 
@@ -16,6 +17,7 @@ class FakeTransport:
         ]
         self.commands: list[str] = []
         self.files: dict[str, tuple[bytes, int]] = {}
+        self.fed: dict[str, bytes] = {}
 
     def run(self, command: str, *, stdin: bytes | None = None, timeout: float | None = 120.0) -> CommandResult:
         self.commands.append(command)
@@ -26,6 +28,20 @@ class FakeTransport:
 
     def put(self, data: bytes, path: str, mode: int = 0o600) -> None:
         self.files[path] = (data, mode)
+
+    def feed(
+        self,
+        command: str,
+        source: BinaryIO,
+        *,
+        on_sent: Callable[[int], None] | None = None,
+        timeout: float | None = None,
+    ) -> CommandResult:
+        data = source.read()
+        self.fed[command] = data
+        if on_sent is not None:
+            on_sent(len(data))
+        return self.run(command, timeout=timeout)
 
     def close(self) -> None:
         pass

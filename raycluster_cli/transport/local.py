@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import subprocess
+from collections.abc import Callable
+from typing import BinaryIO
 
 from ..errors import TransportError
-from .base import CommandResult, put_command
+from .base import CHUNK, CommandResult, put_command
 
 
 class LocalTransport:
@@ -25,6 +27,28 @@ class LocalTransport:
         result = self.run(put_command(path, mode), stdin=data)
         if not result.ok:
             raise TransportError(self.host, f"cannot write {path}: {result.first_line()}", "check permissions")
+
+    def feed(
+        self,
+        command: str,
+        source: BinaryIO,
+        *,
+        on_sent: Callable[[int], None] | None = None,
+        timeout: float | None = None,
+    ) -> CommandResult:
+        with subprocess.Popen(
+            ["/bin/sh", "-c", command], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+        ) as process:
+            assert process.stdin is not None
+            try:
+                while chunk := source.read(CHUNK):
+                    process.stdin.write(chunk)
+                    if on_sent is not None:
+                        on_sent(len(chunk))
+            except BrokenPipeError:
+                pass  # the command ended early; its exit status says why
+            out, err = process.communicate(timeout=timeout)
+        return CommandResult(process.returncode, out.decode(errors="replace"), err.decode(errors="replace"))
 
     def close(self) -> None:
         pass

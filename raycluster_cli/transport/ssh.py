@@ -9,12 +9,14 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import BinaryIO
 
 import paramiko
 
 from ..errors import AuthError, HostKeyError, TransportError
-from .base import CommandResult, put_command
+from .base import CHUNK, CommandResult, put_command
 
 
 class _AcceptNewPolicy(paramiko.MissingHostKeyPolicy):
@@ -139,6 +141,42 @@ class SSHTransport:
             return self._collect(channel, timeout)
         finally:
             channel.close()
+
+    def feed(
+        self,
+        command: str,
+        source: BinaryIO,
+        *,
+        on_sent: Callable[[int], None] | None = None,
+        timeout: float | None = None,
+    ) -> CommandResult:
+        self.connect()
+        assert self._client is not None
+        transport = self._client.get_transport()
+        if transport is None or not transport.is_active():
+            raise TransportError(self.host, "SSH connection was lost", "check the host and retry")
+        channel = transport.open_session(window_size=8 * 1024 * 1024, max_packet_size=256 * 1024)
+        out, err = bytearray(), bytearray()
+        try:
+            channel.exec_command(command)
+            while chunk := source.read(CHUNK):
+                # Drain what the command says meanwhile, so that a chatty command never blocks the stream.
+                while channel.recv_ready():
+                    out += channel.recv(65536)
+                while channel.recv_stderr_ready():
+                    err += channel.recv_stderr(65536)
+                if channel.exit_status_ready():
+                    break  # the command ended early (it failed): stop sending
+                channel.sendall(chunk)
+                if on_sent is not None:
+                    on_sent(len(chunk))
+            channel.shutdown_write()
+            rest = self._collect(channel, timeout)
+        finally:
+            channel.close()
+        return CommandResult(
+            rest.rc, out.decode(errors="replace") + rest.stdout, err.decode(errors="replace") + rest.stderr
+        )
 
     def _collect(self, channel: paramiko.Channel, timeout: float | None) -> CommandResult:
         out, err = bytearray(), bytearray()

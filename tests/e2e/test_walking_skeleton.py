@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -77,7 +78,8 @@ def test_ray_refuses_a_client_with_the_wrong_token(lab_hosts: Lab) -> None:
 
 
 def test_token_is_not_in_docker_inspect_or_command_lines(lab_hosts: Lab) -> None:
-    token = (Path.home() / ".local/state/raycluster/lab/auth-token").read_text().strip()
+    # The session's own state dir (conftest sets it): the token `up` made for this lab.
+    token = (Path(os.environ["RAYCLUSTER_STATE_DIR"]) / "lab" / "auth-token").read_text().strip()
     assert len(token) >= 32
     for host in lab_hosts.info.hosts:
         inspect = lab_hosts.sh(host.hostname, "docker inspect $(docker ps -q --filter label=io.raycluster.cluster=lab)")

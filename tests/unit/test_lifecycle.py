@@ -1,0 +1,355 @@
+"""Pure logic of up/down/status/logs: image plans, node decisions, diagnosis, status, error counting."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from raycluster_cli import inventory
+from raycluster_cli.checks import CheckResult, Status
+from raycluster_cli.containers import LABEL_CLUSTER, LABEL_CONFIG, LABEL_ROLE, Container, config_hash, run_argv
+from raycluster_cli.diagnose import Evidence, diagnose, evidence_command, parse_evidence
+from raycluster_cli.errors import InventoryError, OperationError
+from raycluster_cli.images import ImageTransfer, demote_fixed_checks, plan_transfers, remote_image_ids
+from raycluster_cli.logs import count_errors
+from raycluster_cli.nodes import decide, node_env
+from raycluster_cli.status import HostStatus, StatusResult, host_command, merge_nodes, parse_host
+from raycluster_cli.transport.fake import FakeTransport
+
+from .conftest import EXAMPLE
+
+A = "sha256:" + "a" * 64
+B = "sha256:" + "b" * 64
+HOSTS = ("192.0.2.11", "192.0.2.12", "192.0.2.13")
+
+
+def _inv(extra: str = "") -> inventory.Inventory:
+    return inventory.parse(EXAMPLE + extra)
+
+
+def _image_checks(ids: dict[str, str | None]) -> list[CheckResult]:
+    return [
+        CheckResult("image", h, Status.OK, "present", data={"image_id": i})
+        if i
+        else CheckResult("image", h, Status.FAIL, "missing", "hint")
+        for h, i in ids.items()
+    ]
+
+
+# image distribution ------------------------------------------------------------------------------
+
+
+def test_stream_plan_names_missing_and_different_hosts_only() -> None:
+    plan = plan_transfers(_inv(), A, {HOSTS[0]: A, HOSTS[1]: None, HOSTS[2]: B})
+    assert [(t.host, t.method) for t in plan] == [(HOSTS[1], "stream"), (HOSTS[2], "stream")]
+    assert plan[0].reason == "missing"
+    assert "different image ID bbbbbbbbbbbb (here: aaaaaaaaaaaa)" in plan[1].reason
+
+
+def test_stream_plan_is_empty_when_every_host_has_this_machines_image() -> None:
+    assert plan_transfers(_inv(), A, dict.fromkeys(HOSTS, A)) == []
+
+
+def test_stream_without_a_local_image_fails_with_a_hint_only_when_needed() -> None:
+    assert plan_transfers(_inv(), None, dict.fromkeys(HOSTS, A)) == []
+    with pytest.raises(OperationError) as info:
+        plan_transfers(_inv(), None, {HOSTS[0]: A, HOSTS[1]: None, HOSTS[2]: A})
+    assert HOSTS[1] in info.value.message and "not in this machine's Docker engine" in info.value.message
+    assert "image_source: pull" in info.value.hint
+
+
+def test_pull_plan_pulls_where_missing_and_everywhere_when_hosts_disagree() -> None:
+    inv = _inv("image_source: pull\n")
+    assert [t.host for t in plan_transfers(inv, None, {HOSTS[0]: A, HOSTS[1]: None, HOSTS[2]: A})] == [HOSTS[1]]
+    assert [t.host for t in plan_transfers(inv, A, {HOSTS[0]: A, HOSTS[1]: B, HOSTS[2]: A})] == list(HOSTS)
+    assert all(t.method == "pull" for t in plan_transfers(inv, None, {HOSTS[0]: None}))
+
+
+def test_unreachable_hosts_are_not_planned() -> None:
+    assert plan_transfers(_inv(), A, {HOSTS[0]: A}) == []
+
+
+def test_up_demotes_the_image_checks_it_is_about_to_fix() -> None:
+    checks = _image_checks({HOSTS[0]: A, HOSTS[1]: None, HOSTS[2]: B})
+    checks.append(CheckResult("image-same", HOSTS[2], Status.FAIL, "differs", "hint"))
+    checks.append(CheckResult("docker", HOSTS[0], Status.FAIL, "dead", "hint"))
+    plan = plan_transfers(_inv(), A, remote_image_ids(checks))
+    after = {(r.id, r.host): r for r in demote_fixed_checks(checks, plan)}
+    assert after[("image", HOSTS[1])].status == Status.WARN
+    assert after[("image", HOSTS[1])].message.endswith("(up streams it)")
+    assert after[("image-same", HOSTS[2])].status == Status.WARN
+    assert after[("docker", HOSTS[0])].status == Status.FAIL  # not about the image: still fails
+
+
+def test_nothing_is_demoted_without_a_plan() -> None:
+    checks = _image_checks({HOSTS[0]: None})
+    assert demote_fixed_checks(checks, []) == checks
+    assert demote_fixed_checks(checks, [ImageTransfer(HOSTS[1], "missing", "stream")])[0].status == Status.FAIL
+
+
+# per-host settings and node decisions ------------------------------------------------------------
+
+IP_ADDR = (
+    "1: lo    inet 127.0.0.1/8 scope host lo\n"
+    "2: eno1    inet 192.0.2.12/24 brd 192.0.2.255 scope global eno1\n"
+    "3: docker0    inet 172.17.0.1/16 scope global docker0\n"
+)
+
+
+def test_node_env_derives_the_socket_interfaces_from_the_nic_holding_the_node_ip() -> None:
+    inv = _inv("env: {A: one, NCCL_SOCKET_IFNAME: ib0}\n")
+    env = node_env(inv, inv.hosts[1], IP_ADDR)
+    assert env == {"A": "one", "NCCL_SOCKET_IFNAME": "ib0", "GLOO_SOCKET_IFNAME": "eno1"}
+    assert "GLOO_SOCKET_IFNAME" not in node_env(inv, inv.hosts[2], IP_ADDR)  # its IP is on no NIC listed
+
+
+def test_host_env_overrides_cluster_env() -> None:
+    text = EXAMPLE.replace("- {address: 192.0.2.12, role: worker}", "- {address: 192.0.2.12, env: {A: host}}")
+    inv = inventory.parse(text + "env: {A: cluster, B: b}\n")
+    assert inv.env_for(inv.hosts[1]) == {"A": "host", "B": "b"}
+    assert inv.env_for(inv.hosts[2]) == {"A": "cluster", "B": "b"}
+
+
+@pytest.mark.parametrize(
+    ("extra", "field"),
+    [
+        ("env: {'1BAD': x}\n", "env"),
+        ("image_source: ftp\n", "image_source"),
+    ],
+)
+def test_bad_env_or_image_source_names_the_field(extra: str, field: str) -> None:
+    with pytest.raises(InventoryError) as info:
+        _inv(extra)
+    assert field in info.value.message
+
+
+def test_builtin_resources_are_refused() -> None:
+    text = EXAMPLE.replace("- {address: 192.0.2.12, role: worker}", "- {address: 192.0.2.12, resources: {CPU: 4}}")
+    with pytest.raises(InventoryError) as info:
+        inventory.parse(text)
+    assert "hosts[1].resources" in info.value.message and "num_cpus" in info.value.message
+
+
+def _ours(inv: inventory.Inventory, index: int, state: str = "running", config: str | None = None) -> Container:
+    host = inv.hosts[index]
+    labels = {LABEL_CLUSTER: inv.cluster, LABEL_ROLE: host.role}
+    labels[LABEL_CONFIG] = config if config is not None else config_hash(run_argv(inv, host))
+    return Container("id", "name", state, inv.image, labels)
+
+
+def test_decide_keeps_an_unchanged_running_container() -> None:
+    inv = _inv()
+    assert decide(_ours(inv, 1), inv, inv.hosts[1], "", (A, A), b"X=1\n", b"X=1\n") == ("keep", "")
+
+
+@pytest.mark.parametrize(
+    ("state", "force", "config", "ids", "env_seen", "reason"),
+    [
+        ("exited", "", None, (A, A), b"", "container exited"),
+        ("running", "the head was replaced", None, (A, A), b"", "the head was replaced"),
+        ("running", "", "0000", (A, A), b"", "configuration changed"),
+        ("running", "", None, (A, B), b"", "image changed (aaaaaaaaaaaa → bbbbbbbbbbbb)"),
+        ("running", "", None, (A, A), b"X=2\n", "env changed"),
+        ("running", "", None, (A, A), None, "env changed"),
+    ],
+)
+def test_decide_replaces_our_container_and_says_why(
+    state: str, force: str, config: str | None, ids: tuple[str, str], env_seen: bytes | None, reason: str
+) -> None:
+    inv = _inv()
+    action, why = decide(_ours(inv, 1, state, config), inv, inv.hosts[1], force, ids, env_seen, b"")
+    assert action == "replace"
+    assert why.startswith(reason)
+
+
+def test_plan_node_refuses_a_foreign_container_named_like_ours() -> None:
+    from raycluster_cli.nodes import plan_node
+
+    inv = _inv()
+    row = '{"ID":"f00","Names":"raycluster-demo-worker","State":"running","Image":"x","Labels":""}'
+    fake = FakeTransport(HOSTS[1], {"docker ps": row})
+    with pytest.raises(OperationError) as info:
+        plan_node(fake, inv, inv.hosts[1], b"")
+    assert "did not start" in info.value.message and "docker rm -f raycluster-demo-worker" in info.value.hint
+    assert not any("rm -f" in c for c in fake.commands)
+
+
+# diagnosis of nodes that did not join ------------------------------------------------------------
+
+
+def test_parse_evidence_of_a_running_container() -> None:
+    text = (
+        "lab-h3\n--raycluster--\nrunning 0\n--raycluster--\nyes\n--raycluster--\nno\n--raycluster--\nline 1\nline 2\n"
+    )
+    ev = parse_evidence(text)
+    assert ev == Evidence("lab-h3", "running", 0, True, False, ["line 1", "line 2"])
+
+
+def test_evidence_command_tests_the_gcs_from_inside_the_container() -> None:
+    inv = _inv()
+    command = evidence_command(inv, inv.hosts[2])
+    assert "raycluster-demo-worker" in command and "192.0.2.11" in command and "6379" in command
+
+
+def test_diagnosis_worker_registered_from_another_address() -> None:
+    inv = _inv()
+    nodes = [
+        {"node_ip": "192.0.2.11", "alive": True, "hostname": "h1"},
+        {"node_ip": "198.51.100.13", "alive": True, "hostname": "h3"},
+    ]
+    cause = diagnose(inv, inv.hosts[2], Evidence("h3", "running", 0, True, True, []), nodes)
+    assert cause == "worker 192.0.2.13 (h3) registered from 198.51.100.13, inventory says 192.0.2.13"
+
+
+def test_diagnosis_container_exited_shows_the_last_error() -> None:
+    inv = _inv()
+    logs = ["starting", "RuntimeError: could not bind", "bye"]
+    cause = diagnose(inv, inv.hosts[1], Evidence("h2", "exited", 1, True, None, logs), [])
+    assert cause == "worker 192.0.2.12 (h2): its container exited, exit code 1: RuntimeError: could not bind"
+
+
+def test_diagnosis_oom_kill() -> None:
+    inv = _inv()
+    cause = diagnose(inv, inv.hosts[1], Evidence("h2", "exited", 137, True, None, []), [])
+    assert "exit code 137: killed for lack of memory?" in cause
+
+
+def test_diagnosis_missing_image_and_missing_container() -> None:
+    inv = _inv()
+    assert "image raycluster/node:0.1.0 is missing" in diagnose(inv, inv.hosts[1], Evidence("", "", None, False), [])
+    assert "container is gone" in diagnose(inv, inv.hosts[1], Evidence("", "", None, True), [])
+
+
+def test_diagnosis_unreachable_gcs_from_the_probe_or_the_log() -> None:
+    inv = _inv()
+    by_probe = diagnose(inv, inv.hosts[1], Evidence("h2", "running", 0, True, False, ["waiting"]), [])
+    assert (
+        by_probe
+        == "worker 192.0.2.12 (h2): could not reach the head's GCS at 192.0.2.11:6379 (firewall, route or head address?)"
+    )
+    log = ["Failed to connect to GCS at address 192.0.2.11:6379 within 5 seconds."]
+    assert "could not reach the head's GCS" in diagnose(
+        inv, inv.hosts[1], Evidence("h2", "running", 0, True, None, log), []
+    )
+
+
+def test_diagnosis_still_starting() -> None:
+    inv = _inv()
+    cause = diagnose(inv, inv.hosts[1], Evidence("h2", "running", 0, True, True, ["Local node IP: 192.0.2.12"]), [])
+    assert "has not registered" in cause
+
+
+def test_two_missing_hosts_and_one_stranger_is_not_guessed() -> None:
+    inv = _inv()
+    nodes = [{"node_ip": "198.51.100.99", "alive": True, "hostname": "other"}]
+    cause = diagnose(inv, inv.hosts[1], Evidence("h2", "running", 0, True, True, []), nodes, missing_count=2)
+    assert "registered from" not in cause
+
+
+# status ------------------------------------------------------------------------------------------
+
+
+def test_parse_host_status() -> None:
+    inv = _inv()
+    text = f"running {A} demo/worker\n--raycluster--\n2.60.0\n"
+    st = parse_host(inv, inv.hosts[1], text)
+    assert (st.container, st.image_id, st.ray_version) == ("running", A, "2.60.0")
+    assert parse_host(inv, inv.hosts[1], "--raycluster--\n").container == "missing"
+    assert parse_host(inv, inv.hosts[1], f"running {A} /\n--raycluster--\n").container == "foreign"
+    assert "raycluster-demo-worker" in host_command(inv, inv.hosts[1])
+
+
+def test_status_merges_the_gcs_view_and_totals_only_healthy_nodes() -> None:
+    hosts = [
+        HostStatus(HOSTS[0], "head", HOSTS[0], "running"),
+        HostStatus(HOSTS[1], "worker", HOSTS[1], "running"),
+        HostStatus(HOSTS[2], "worker", HOSTS[2], "exited"),
+    ]
+    nodes = [
+        {"node_ip": HOSTS[0], "alive": True, "resources": {"CPU": 2.0}},
+        {"node_ip": HOSTS[1], "alive": False, "resources": {}},
+        {"node_ip": HOSTS[1], "alive": True, "resources": {"CPU": 1.0, "special": 2.0}},
+        {"node_ip": HOSTS[2], "alive": True, "resources": {"CPU": 1.0}},  # a ghost: its container is gone
+    ]
+    merge_nodes(hosts, nodes)
+    result = StatusResult(hosts)
+    assert [h.ray_node for h in hosts] == ["alive", "alive", "alive"]
+    assert [h.healthy for h in hosts] == [True, True, False]
+    assert result.state == "degraded"
+    assert result.totals() == {"hosts": 3, "alive_nodes": 2, "resources": {"CPU": 3.0, "special": 2.0}}
+
+
+def test_status_without_a_head() -> None:
+    hosts = [HostStatus(HOSTS[0], "head", HOSTS[0], "missing")]
+    merge_nodes(hosts, None)
+    assert hosts[0].ray_node == "unknown"
+    assert StatusResult(hosts).state == "down"
+
+
+# logs --------------------------------------------------------------------------------------------
+
+
+def test_count_errors() -> None:
+    text = "ok\n[2026] ERROR worker.py:1 -- boom\nTraceback (most recent call last):\nValueError: x\nfine error-free\n"
+    count, first = count_errors(text)
+    assert count == 3
+    assert first[0].endswith("boom")
+
+
+def test_diagnosis_exited_because_the_gcs_was_unreachable() -> None:
+    inv = _inv()
+    log = ["ConnectionError: Failed to connect to GCS at 192.0.2.11:6379"]
+    cause = diagnose(inv, inv.hosts[1], Evidence("h2", "exited", 1, True, None, log), [])
+    assert cause.startswith("worker 192.0.2.12 (h2): its container exited, exit code 1: could not reach the head's GCS")
+
+
+# distribution with fake hosts --------------------------------------------------------------------
+
+
+def test_stream_sends_the_cached_archive_and_verifies_the_image_id(tmp_path: Path) -> None:
+    from raycluster_cli.images import distribute
+    from raycluster_cli.progress import TransferProgress
+    from raycluster_cli.transport import CommandResult
+
+    inv = _inv()
+    archive = tmp_path / "aaaaaaaaaaaa.tar.gz"
+    archive.write_bytes(b"x" * 600_000)
+    fake = FakeTransport(
+        HOSTS[2],
+        {"command -v zstd": CommandResult(1, "", ""), "docker load": "Loaded image", "docker image inspect": A},
+    )
+    events: list[object] = []
+    done = distribute(inv, lambda h: fake, [ImageTransfer(HOSTS[2], "missing", "stream")], A, tmp_path, events.append)
+    assert [(t.host, t.method, t.codec, t.bytes_sent) for t in done] == [(HOSTS[2], "stream", "gzip", 600_000)]
+    assert fake.fed == {"gzip -dc | docker load -q": archive.read_bytes()}
+    transfers = [e for e in events if isinstance(e, TransferProgress)]
+    assert transfers[-1] == TransferProgress(HOSTS[2], 600_000, 600_000, done=True)
+
+
+def test_stream_fails_when_the_loaded_image_has_another_id(tmp_path: Path) -> None:
+    from raycluster_cli.images import distribute
+    from raycluster_cli.transport import CommandResult
+
+    (tmp_path / "aaaaaaaaaaaa.tar.gz").write_bytes(b"x")
+    fake = FakeTransport(
+        HOSTS[1], {"command -v zstd": CommandResult(1, "", ""), "docker load": "", "docker image inspect": B}
+    )
+    with pytest.raises(OperationError) as info:
+        distribute(_inv(), lambda h: fake, [ImageTransfer(HOSTS[1], "missing", "stream")], A, tmp_path)
+    assert HOSTS[1] in info.value.message and "expected aaaaaaaaaaaa" in info.value.message
+
+
+def test_pull_runs_docker_pull_and_names_the_host_that_failed() -> None:
+    from raycluster_cli.images import distribute
+    from raycluster_cli.transport import CommandResult
+
+    inv = _inv("image_source: pull\n")
+    good = FakeTransport(HOSTS[1], {"docker pull": "sha256:x"})
+    bad = FakeTransport(HOSTS[2], {"docker pull": CommandResult(1, "", "denied: requested access")})
+    hosts = {HOSTS[1]: good, HOSTS[2]: bad}
+    plan = [ImageTransfer(HOSTS[1], "missing", "pull"), ImageTransfer(HOSTS[2], "missing", "pull")]
+    with pytest.raises(OperationError) as info:
+        distribute(inv, lambda h: hosts[str(h.address)], plan, None, Path("/nonexistent"))
+    assert "1 host(s)" in info.value.message and HOSTS[2] in info.value.message and "denied" in info.value.message
+    assert good.commands == ["docker pull -q raycluster/node:0.1.0"]
