@@ -52,13 +52,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sweep", choices=("batch", "nodes"), default=None, help="micro-batch sizes, or 1..N nodes")
     p.add_argument("--sweep-max-batch", type=int, default=None, help="largest micro-batch of --sweep batch")
     p.add_argument("--references", action=argparse.BooleanOptionalAction, default=True, help="even + unsharded runs")
+    p.add_argument("--refine", type=int, default=1, help="pilot runs that correct the calibration (balanced)")
+    p.add_argument("--calibration-sample-s", type=float, default=0.25, help="least seconds per calibration sample")
     p.add_argument("--calibration-repeats", type=int, default=5, help="timed rounds per unit type (median kept)")
     p.add_argument(
         "--partition",
         default="even",
         help="even | balanced (calibrated per node) | manual:4,4,4 (blocks per stage)",
     )
-    p.add_argument("--in-flight", type=int, default=None, help="micro-batches in flight (min and default: stages+1)")
+    p.add_argument(
+        "--in-flight",
+        type=int,
+        default=None,
+        help="micro-batches in flight per replica (default 2 x stages, min stages+1)",
+    )
     p.add_argument("--threads", type=int, default=None, help="torch threads per stage (default: node CPUs)")
     p.add_argument("--allow-shared-nodes", action="store_true", help="let stages share nodes (testing)")
     p.add_argument("--check-output", action="store_true", help="compare tokens with the unsharded model")
@@ -69,6 +76,8 @@ def build_parser() -> argparse.ArgumentParser:
 def _normalise(args: argparse.Namespace) -> argparse.Namespace:
     if args.mode is None:
         args.mode = "poisson" if args.rate is not None else "offline"
+    if args.refine < 0:
+        raise ValueError(f"--refine must be >= 0, got {args.refine}")
     if args.calibration_repeats < 1:
         raise ValueError(f"--calibration-repeats must be >= 1, got {args.calibration_repeats}")
     return args

@@ -86,7 +86,7 @@ def choose_ranges(spec: str, cost_rows: list[list[float]], num_blocks: int, tran
         if len(ranges) != stages:
             raise ValueError(f"manual partition has {len(ranges)} stages but {stages} were asked for")
         return ranges
-    return partition.balanced_partition(cost_rows, transfer_s)
+    return partition.balanced_partition(cost_rows, fixed_cost=partition.boundary_costs(transfer_s, stages))
 
 
 def _check_spec(spec: str, num_blocks: int) -> None:
@@ -154,6 +154,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     params.prompt_len,
                     decode_steps,
                     args.calibration_repeats,
+                    args.calibration_sample_s,
                 ),
                 strict=True,
             )
@@ -177,6 +178,21 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             return runtime.run_workload(group, ranges, cfg, p)
 
         ranges = ranges_for(spec, replicas)
+        refinements: list[dict[str, Any]] = []
+        if spec == "balanced":
+            pilot_requests = max(params.requests // 2, params.micro_batch * 2 * num_stages * len(plan))
+            pilot_params = dataclasses.replace(params, rate=None, requests=min(params.requests, pilot_requests))
+            for _ in range(args.refine):
+                pilot = measure(replicas, ranges, pilot_params)
+                factors = _refine_costs(costs, pilot)
+                refinements.append(
+                    {
+                        "partition_ranges": [list(r) for r in ranges[0]],
+                        "imbalance": pilot.summary()["imbalance"],
+                        "factors": {calibrations[nid]["node_ip"]: f for nid, f in factors.items()},
+                    }
+                )
+                ranges = ranges_for(spec, replicas)
         result = measure(replicas, ranges, params)
         doc = {
             **result.summary(),
@@ -216,6 +232,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         {
             "calibration": {
                 "nodes": list(calibrations.values()),
+                "refinements": refinements,
                 "transfer_s_per_micro_batch": transfer_s,
             },
             "hop_overhead": {"prefill": hop_prefill, "decode": hop_decode, "per_hop_s": hop_decode["per_hop_s"]},
@@ -240,10 +257,40 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "allow_shared_nodes": bool(args.allow_shared_nodes),
         "alive_nodes": len(nodes),
         "calibration_repeats": args.calibration_repeats,
+        "calibration_sample_s": args.calibration_sample_s,
+        "refine": args.refine if spec == "balanced" else 0,
         "latency_origin": "request_arrival",
         "warmup": "one micro-batch per replica, not counted",
     }
     return {"schema_version": SCHEMA_VERSION, "ok": True, **doc}
+
+
+def _refine_costs(costs: dict[str, list[float]], pilot: Any) -> dict[str, float]:
+    """Scale each node's unit costs by measured / predicted busy time of its stage in a pilot run.
+
+    Calibration times each node alone; in the pipeline a node also runs Ray's own processes (the
+    head: the driver and the GCS) and competes with its neighbours for the physical cores.  The
+    pilot's busy times include all that.  Only a replica's busiest stage shows its node's speed
+    when saturated: a stage that waits for work stays under its CPU quota, is never throttled and
+    looks faster than it would be with more layers, so the other stages' factors may only slow
+    their node down (factor >= 1), never speed it up.
+    """
+    from raycluster_cli.bench.scheduling import predicted_busy
+
+    per_node: dict[str, list[float]] = {}
+    batches = {r.index: r.micro_batches for r in pilot.replicas}
+    busiest = {r.index: r.busiest_s for r in pilot.replicas}
+    for stage in pilot.stages:
+        predicted = predicted_busy(costs[stage.node_id], stage.units[0], stage.units[1], batches[stage.replica])
+        if predicted > 0 and stage.busy_s > 0:
+            factor = stage.busy_s / predicted
+            if stage.busy_s < busiest[stage.replica]:
+                factor = max(1.0, factor)
+            per_node.setdefault(stage.node_id, []).append(factor)
+    factors = {nid: sum(values) / len(values) for nid, values in per_node.items()}
+    for nid, factor in factors.items():
+        costs[nid] = [c * factor for c in costs[nid]]
+    return factors
 
 
 def _reference(main: Any, ref: Any, extra: dict[str, Any]) -> dict[str, Any]:

@@ -1,8 +1,10 @@
 """Ray side of the benchmark: one StageWorker actor per (replica, stage), pinned to its node.
 
 Every step of a micro-batch is a chain ``stage0.forward -> stage1.forward -> ...`` of actor calls
-whose arguments are the previous call's ObjectRef, so activations move node to node through Ray's
-object store, never through the driver (``runtime.py`` drives the chains).  Each worker times its
+whose arguments are the previous call's ObjectRef, so the driver never waits between stages
+(``runtime.py`` drives the chains).  Ray moves large activations (prefill) node to node through
+its object store; small ones (decode steps, under 100 KiB) travel inline via their owner, the
+driver, which is part of what the no-op ``hop`` measures.  Each worker times its
 own compute (busy time), measures its node's speed per unit type (``calibrate``) and offers a
 no-op ``hop`` to measure what a stage boundary costs without any compute.
 """
@@ -109,12 +111,17 @@ class _StageWorker:
             "pid": os.getpid(),
         }
 
-    def calibrate(self, batch: int, prompt_len: int, decode_steps: int, repeats: int = 5) -> dict[str, Any]:
+    def calibrate(
+        self, batch: int, prompt_len: int, decode_steps: int, repeats: int = 5, min_sample_s: float = 0.25
+    ) -> dict[str, Any]:
         """Seconds one micro-batch (prefill + decode steps) spends in each unit type on this node.
 
         Embedding, block and head are timed in turn, ``repeats`` rounds after a warm-up round, and
         the median of each is kept (robust to a neighbour stealing the CPU for one round).  A block
-        is timed as a run of up to 4 blocks divided by their number, for resolution.
+        is timed as a run of up to 4 blocks divided by their number, for resolution.  Each sample
+        repeats the pass until ``min_sample_s`` has elapsed: a container with a CPU quota runs at
+        full speed until its quota for the scheduler period (100 ms) is spent and then stalls, so
+        only samples spanning several periods see the node's sustained speed.
         """
         cfg = self.cfg
         gen = torch.Generator().manual_seed(cfg.seed)
@@ -129,14 +136,19 @@ class _StageWorker:
         samples: dict[str, list[float]] = {kind: [] for kind in subjects}
         for round_ in range(repeats + 1):  # round 0 is a warm-up
             for kind, (stage, first, units) in subjects.items():
+                passes = 0
                 began = time.perf_counter()
-                stage(first, "calibrate", 0)
-                for i in range(decode_steps):
-                    stage(first[:, :1], "calibrate", prompt_len + i)
-                elapsed = (time.perf_counter() - began) / units
+                while True:
+                    stage(first, "calibrate", 0)
+                    for i in range(decode_steps):
+                        stage(first[:, :1], "calibrate", prompt_len + i)
+                    passes += 1
+                    elapsed = time.perf_counter() - began
+                    if not round_ or elapsed >= min_sample_s:
+                        break
                 stage.release("calibrate")
                 if round_:
-                    samples[kind].append(elapsed)
+                    samples[kind].append(elapsed / (passes * units))
         medians = {kind: statistics.median(values) for kind, values in samples.items()}
         spread = {kind: (max(v) - min(v)) / medians[kind] if medians[kind] else 0.0 for kind, v in samples.items()}
         return {
@@ -196,10 +208,15 @@ def stop_workers(workers: list[Any]) -> None:
 
 
 def calibrate_workers(
-    workers: list[Any], batch: int, prompt_len: int, decode_steps: int, repeats: int = 5
+    workers: list[Any],
+    batch: int,
+    prompt_len: int,
+    decode_steps: int,
+    repeats: int = 5,
+    min_sample_s: float = 0.25,
 ) -> list[dict[str, Any]]:
     """Per-unit-type costs measured on each worker's node, one node after the other so they don't compete."""
-    return [ray.get(w.calibrate.remote(batch, prompt_len, decode_steps, repeats)) for w in workers]
+    return [ray.get(w.calibrate.remote(batch, prompt_len, decode_steps, repeats, min_sample_s)) for w in workers]
 
 
 def hop_overhead(workers: list[Any], payload: torch.Tensor, repeats: int = 20) -> dict[str, Any]:

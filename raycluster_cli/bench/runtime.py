@@ -36,7 +36,7 @@ class BenchParams:
     max_new_tokens: int = 16
     micro_batch: int = 4
     seed: int = 0
-    in_flight: int | None = None  # micro-batches in flight per replica; default and minimum: stages + 1
+    in_flight: int | None = None  # micro-batches in flight per replica; default 2 x stages, minimum stages + 1
     rate: float | None = None  # requests/s (Poisson); None: offline, all requests at once
     warmup: bool = True
 
@@ -189,7 +189,7 @@ def run_workload(
     ray.get([w.reset_stats.remote() for w in flat])
 
     stages = len(replicas[0])
-    limit = max(params.in_flight or 0, stages + 1)
+    limit = max(params.in_flight or 2 * stages, stages + 1)
     arrivals = arrival_times(params.requests, params.rate, params.seed)
     rng = random.Random(params.seed)
     tokens: list[list[int]] = [[] for _ in range(params.requests)]

@@ -36,7 +36,14 @@ def local_ray() -> Iterator[None]:
 
 
 def _args(*argv: str) -> Any:
-    base = ["--allow-shared-nodes", "--threads=1", "--calibration-repeats=1", "--vocab=97", "--d-model=32"]
+    base = [
+        "--allow-shared-nodes",
+        "--threads=1",
+        "--calibration-repeats=1",
+        "--calibration-sample-s=0.01",
+        "--vocab=97",
+        "--d-model=32",
+    ]
     return driver._normalise(driver.build_parser().parse_args([*base, *argv]))
 
 
