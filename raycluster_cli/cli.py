@@ -169,7 +169,7 @@ def bench_command(
     sweep: Annotated[str | None, typer.Option(help="batch (micro-batch sizes) | nodes (1..N nodes)")] = None,
     references: Annotated[bool, typer.Option(help="also run the even split and the unsharded model")] = True,
     calibration_repeats: Annotated[int, typer.Option(min=1, help="timed rounds per unit type (median)")] = 5,
-    refine: Annotated[int, typer.Option(min=0, help="pilot runs that correct the calibration (balanced)")] = 1,
+    refine: Annotated[int, typer.Option(min=0, help="pilot runs that correct the calibration (balanced)")] = 2,
     check_output: Annotated[bool, typer.Option(help="also compare greedy tokens with the unsharded model")] = False,
     timeout: Annotated[float, typer.Option(help="seconds the whole benchmark may take")] = 1800.0,
     save_result: Annotated[Path | None, typer.Option(help="also write the JSON result to this file")] = None,

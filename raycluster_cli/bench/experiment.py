@@ -140,7 +140,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     replicas = [flat[r * num_stages : (r + 1) * num_stages] for r in range(len(plan))]
     doc: dict[str, Any] = {}
     try:
-        # One worker per distinct node measures that node's speed, one node at a time.
+        # One worker per distinct node measures that node's speed.
         first_on_node: dict[str, Any] = {}
         for node_id, worker in zip(node_ids, flat, strict=True):
             first_on_node.setdefault(node_id, worker)

@@ -215,8 +215,12 @@ def calibrate_workers(
     repeats: int = 5,
     min_sample_s: float = 0.25,
 ) -> list[dict[str, Any]]:
-    """Per-unit-type costs measured on each worker's node, one node after the other so they don't compete."""
-    return [ray.get(w.calibrate.remote(batch, prompt_len, decode_steps, repeats, min_sample_s)) for w in workers]
+    """Per-unit-type costs measured on each worker's node, all nodes at once.
+
+    At once, because that is how they run in the pipeline: nodes that share physical cores (a lab
+    on one machine, noisy neighbours) are measured under the same contention they will meet.
+    """
+    return list(ray.get([w.calibrate.remote(batch, prompt_len, decode_steps, repeats, min_sample_s) for w in workers]))
 
 
 def hop_overhead(workers: list[Any], payload: torch.Tensor, repeats: int = 20) -> dict[str, Any]:
