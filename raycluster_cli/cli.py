@@ -266,17 +266,29 @@ def logs_command(
 @app.command("bench")
 def bench_command(
     inventory_path: InventoryOpt = None,
-    layers: Annotated[int, typer.Option(min=1, help="transformer blocks")] = 12,
-    d_model: Annotated[int, typer.Option(min=8, help="model width")] = 256,
-    heads: Annotated[int, typer.Option(min=1, help="attention heads")] = 4,
-    vocab: Annotated[int, typer.Option(min=16, help="vocabulary size")] = 4096,
+    model_path: Annotated[
+        str | None, typer.Option(help="GPT-2 checkpoint dir (config.json + model.safetensors), same path on every node")
+    ] = None,
+    layers: Annotated[int, typer.Option(min=1, help="transformer blocks (random model)")] = 12,
+    d_model: Annotated[int, typer.Option(min=8, help="model width (random model)")] = 256,
+    heads: Annotated[int, typer.Option(min=1, help="attention heads (random model)")] = 4,
+    vocab: Annotated[int, typer.Option(min=16, help="vocabulary size (random model)")] = 4096,
     requests: Annotated[int, typer.Option(min=1, help="generation requests")] = 32,
     prompt_len: Annotated[int, typer.Option(min=1, help="prompt tokens per request")] = 32,
     max_new_tokens: Annotated[int, typer.Option(min=1, help="tokens generated per request")] = 16,
     micro_batch: Annotated[int, typer.Option(min=1, help="requests per micro-batch")] = 4,
-    seed: Annotated[int, typer.Option(help="seed for weights and prompts")] = 0,
-    partition: Annotated[str, typer.Option(help="even | balanced (by measured speed) | manual:4,4,4")] = "even",
+    seed: Annotated[int, typer.Option(help="seed for weights, prompts and arrivals")] = 0,
+    partition: Annotated[str, typer.Option(help="balanced (by measured speed) | even | manual:4,4,4")] = "balanced",
+    stages: Annotated[int | None, typer.Option(min=1, help="stages per pipeline (default: one per node)")] = None,
+    replicas: Annotated[int | None, typer.Option(min=1, help="pipeline replicas (default: nodes // stages)")] = None,
+    mode: Annotated[str | None, typer.Option(help="offline (all requests at once) | poisson (needs --rate)")] = None,
+    rate: Annotated[float | None, typer.Option(min=0.0, help="Poisson arrivals, requests per second")] = None,
+    sweep: Annotated[str | None, typer.Option(help="batch (micro-batch sizes) | nodes (1..N nodes)")] = None,
+    references: Annotated[bool, typer.Option(help="also run the even split and the unsharded model")] = True,
+    calibration_repeats: Annotated[int, typer.Option(min=1, help="timed rounds per unit type (median)")] = 5,
+    refine: Annotated[int, typer.Option(min=0, help="pilot runs that correct the calibration (balanced)")] = 2,
     check_output: Annotated[bool, typer.Option(help="also compare greedy tokens with the unsharded model")] = False,
+    timeout: Annotated[float, typer.Option(help="seconds the whole benchmark may take")] = 1800.0,
     save_result: Annotated[Path | None, typer.Option(help="also write the JSON result to this file")] = None,
     json_mode: JsonOpt = False,
     debug: DebugOpt = False,
@@ -288,12 +300,19 @@ def bench_command(
             f"--layers={layers}", f"--d-model={d_model}", f"--heads={heads}", f"--vocab={vocab}",
             f"--requests={requests}", f"--prompt-len={prompt_len}", f"--max-new-tokens={max_new_tokens}",
             f"--micro-batch={micro_batch}", f"--seed={seed}", f"--partition={partition}",
+            f"--calibration-repeats={calibration_repeats}", f"--refine={refine}",
         ]  # fmt: skip
+        optional = {
+            "--model-path": model_path, "--stages": stages, "--replicas": replicas, "--mode": mode,
+            "--rate": rate, "--sweep": sweep,
+        }  # fmt: skip
+        args += [f"{flag}={value}" for flag, value in optional.items() if value is not None]
+        args.append("--references" if references else "--no-references")
         if check_output:
             args.append("--check-output")
         with _cluster(inventory_path) as (inv, pool):
             output.progress()(f"running the benchmark on {len(inv.hosts)} node(s)")
-            document = bench(inv, pool, args)
+            document = bench(inv, pool, args, timeout_s=timeout)
         document.pop("schema_version", None)
         ok = bool(document.pop("ok", True))
         if save_result:

@@ -365,6 +365,12 @@ def bench(inventory: Inventory, connect: Connect, driver_args: list[str], timeou
     if not document.get("ok"):
         raise OperationError(f"benchmark failed: {document.get('error', 'unknown error')}", "see the message")
     host_of = {inventory.node_ip(h): str(h.address) for h in inventory.hosts}
-    for stage in document.get("stages", []):
-        stage["host"] = host_of.get(stage.get("node_ip", ""), stage.get("node_ip", "?"))
+    for item in [*document.get("stages", []), *document.get("calibration", {}).get("nodes", [])]:
+        item["host"] = host_of.get(item.get("node_ip", ""), item.get("node_ip", "?"))
+    extra = [document.get("references", {}).get("unsharded", {}), *document.get("replicas", [])]
+    for item in [*extra, *document.get("sweep", {}).get("points", [])]:
+        if "node_ip" in item:
+            item["host"] = host_of.get(item["node_ip"], item["node_ip"])
+        if "node_ips" in item:
+            item["hosts"] = [host_of.get(ip, ip) for ip in item["node_ips"]]
     return document

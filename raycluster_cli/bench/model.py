@@ -5,6 +5,11 @@ transformer blocks and unit L+1 is the final LayerNorm + LM head.  The weights o
 drawn from a generator seeded only by ``(seed, unit)``, so a stage that builds units [a, b) on
 another machine gets bit-for-bit the same weights as the whole model built in one place.  Nothing
 is downloaded; every node builds its own share.
+
+With ``model_path`` set the same units are filled from a GPT-2 checkpoint in Hugging Face format
+instead (``gpt2.py``): each stage reads only the tensors of its own units from the file.  The
+architecture is GPT-2's (learned positions, pre-LN blocks, fused QKV, tanh GELU, tied LM head), so
+random and real weights run through the same code.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 Emit = Literal["logits", "tokens"]
+ACTIVATIONS = ("gelu", "gelu_new")
 
 _LINEAR_STD = 0.02
 _EMBED_STD = 0.5
@@ -33,6 +39,9 @@ class ModelConfig:
     layers: int = 12
     max_seq: int = 128
     seed: int = 0
+    activation: str = "gelu"  # "gelu" (exact) or "gelu_new" (GPT-2's tanh approximation)
+    ln_eps: float = 1e-5
+    model_path: str = ""  # a GPT-2 checkpoint directory; empty: seeded random weights
 
     def __post_init__(self) -> None:
         for name in ("vocab", "d_model", "heads", "layers", "max_seq"):
@@ -40,6 +49,8 @@ class ModelConfig:
                 raise ValueError(f"ModelConfig.{name} must be >= 1, got {getattr(self, name)}")
         if self.d_model % self.heads:
             raise ValueError(f"d_model ({self.d_model}) must be divisible by heads ({self.heads})")
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(f"activation must be one of {ACTIVATIONS}, got {self.activation!r}")
 
     @property
     def num_units(self) -> int:
@@ -50,12 +61,18 @@ class ModelConfig:
     def head_unit(self) -> int:
         return self.layers + 1
 
-    def to_dict(self) -> dict[str, int]:
+    def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> ModelConfig:
-        return cls(**{k: int(data[k]) for k in ("vocab", "d_model", "heads", "layers", "max_seq", "seed")})
+        ints = {k: int(data[k]) for k in ("vocab", "d_model", "heads", "layers", "max_seq", "seed")}
+        return cls(
+            **ints,
+            activation=str(data.get("activation", "gelu")),
+            ln_eps=float(data.get("ln_eps", 1e-5)),
+            model_path=str(data.get("model_path", "") or ""),
+        )
 
 
 def unit_seed(seed: int, unit: int) -> int:
@@ -86,7 +103,7 @@ class _Embedding(nn.Module):
         self.pos = nn.Embedding(cfg.max_seq, cfg.d_model)
 
     def forward(self, ids: torch.Tensor, start: int) -> torch.Tensor:
-        positions = torch.arange(start, start + ids.shape[1], dtype=torch.long)
+        positions = torch.arange(start, start + ids.shape[1], dtype=torch.long, device=ids.device)
         out: torch.Tensor = self.tok(ids) + self.pos(positions)[None, :, :]
         return out
 
@@ -94,10 +111,10 @@ class _Embedding(nn.Module):
 class _LayerCache:
     """Preallocated K/V for one block and one micro-batch: [B, heads, max_seq, head_dim]."""
 
-    def __init__(self, batch: int, cfg: ModelConfig) -> None:
+    def __init__(self, batch: int, cfg: ModelConfig, device: torch.device) -> None:
         head_dim = cfg.d_model // cfg.heads
-        self.k = torch.zeros(batch, cfg.heads, cfg.max_seq, head_dim)
-        self.v = torch.zeros(batch, cfg.heads, cfg.max_seq, head_dim)
+        self.k = torch.zeros(batch, cfg.heads, cfg.max_seq, head_dim, device=device)
+        self.v = torch.zeros(batch, cfg.heads, cfg.max_seq, head_dim, device=device)
 
 
 class Block(nn.Module):
@@ -107,10 +124,11 @@ class Block(nn.Module):
         super().__init__()
         d = cfg.d_model
         self.heads = cfg.heads
-        self.ln1 = nn.LayerNorm(d)
+        self.gelu_approximate = "tanh" if cfg.activation == "gelu_new" else "none"
+        self.ln1 = nn.LayerNorm(d, eps=cfg.ln_eps)
         self.qkv = nn.Linear(d, 3 * d)
         self.proj = nn.Linear(d, d)
-        self.ln2 = nn.LayerNorm(d)
+        self.ln2 = nn.LayerNorm(d, eps=cfg.ln_eps)
         self.fc1 = nn.Linear(d, 4 * d)
         self.fc2 = nn.Linear(4 * d, d)
 
@@ -127,17 +145,17 @@ class Block(nn.Module):
         keys, values = cache.k[:, :, :end], cache.v[:, :, :end]
         mask = None
         if steps > 1:  # query i sits at absolute position start+i and may see keys 0..start+i
-            mask = torch.arange(end)[None, :] <= torch.arange(start, end)[:, None]
+            mask = torch.arange(end, device=x.device)[None, :] <= torch.arange(start, end, device=x.device)[:, None]
         att = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
         x = x + self.proj(att.transpose(1, 2).reshape(batch, steps, d))
-        out: torch.Tensor = x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
+        out: torch.Tensor = x + self.fc2(F.gelu(self.fc1(self.ln2(x)), approximate=self.gelu_approximate))
         return out
 
 
 class _Head(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.ln_f = nn.LayerNorm(cfg.d_model)
+        self.ln_f = nn.LayerNorm(cfg.d_model, eps=cfg.ln_eps)
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -157,7 +175,9 @@ class Stage(nn.Module):
     only runs the head on the last position).
     """
 
-    def __init__(self, cfg: ModelConfig, start: int, end: int, emit: Emit = "tokens") -> None:
+    def __init__(
+        self, cfg: ModelConfig, start: int, end: int, emit: Emit = "tokens", device: str | torch.device = "cpu"
+    ) -> None:
         super().__init__()
         if not 0 <= start < end <= cfg.num_units:
             raise ValueError(f"bad unit range [{start}, {end}) for a model with {cfg.num_units} units")
@@ -170,6 +190,7 @@ class Stage(nn.Module):
         self.embedding: _Embedding | None = None
         self.head: _Head | None = None
         self.blocks = nn.ModuleList()
+        modules: dict[int, nn.Module] = {}
         for unit in range(start, end):
             module: nn.Module
             if unit == 0:
@@ -179,7 +200,16 @@ class Stage(nn.Module):
             else:
                 module = Block(cfg)
                 self.blocks.append(module)
-            _init_unit(module, cfg.seed, unit)
+            modules[unit] = module
+        if cfg.model_path:
+            from raycluster_cli.bench import gpt2
+
+            gpt2.load_units(cfg, modules)
+        else:
+            for unit, module in modules.items():
+                _init_unit(module, cfg.seed, unit)
+        self.device = torch.device(device)
+        self.to(self.device)
         self.eval()
         self.requires_grad_(False)
         self._caches: dict[Any, tuple[int, list[_LayerCache]]] = {}
@@ -201,6 +231,10 @@ class Stage(nn.Module):
             return self._forward(x, cache_id, int(positions))
 
     def _forward(self, x: torch.Tensor, cache_id: Any, start: int) -> torch.Tensor:
+        out = self._compute(x.to(self.device), cache_id, start)
+        return out if self.device.type == "cpu" else out.cpu()
+
+    def _compute(self, x: torch.Tensor, cache_id: Any, start: int) -> torch.Tensor:
         steps = x.shape[1]
         if start + steps > self.cfg.max_seq:
             raise ValueError(f"sequence of {start + steps} tokens exceeds max_seq={self.cfg.max_seq}")
@@ -223,7 +257,7 @@ class Stage(nn.Module):
 
     def _cache_for(self, cache_id: Any, batch: int, start: int) -> list[_LayerCache]:
         if start == 0:
-            return [_LayerCache(batch, self.cfg) for _ in self.blocks]
+            return [_LayerCache(batch, self.cfg, self.device) for _ in self.blocks]
         if cache_id not in self._caches:
             raise KeyError(f"no KV cache for micro-batch {cache_id!r}: decode before prefill?")
         length, caches = self._caches[cache_id]

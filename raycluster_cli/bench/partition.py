@@ -87,27 +87,55 @@ def _transfer_list(transfer_cost: float | Sequence[float], num_stages: int) -> l
     return [*costs, 0.0]
 
 
+def _fixed_list(fixed_cost: Sequence[float] | None, num_stages: int) -> list[float]:
+    if fixed_cost is None:
+        return [0.0] * num_stages
+    costs = [float(c) for c in fixed_cost]
+    if len(costs) != num_stages:
+        raise ValueError(f"fixed_cost needs one value per stage ({num_stages}), got {len(costs)}")
+    if any(c < 0 for c in costs):
+        raise ValueError("fixed costs must be >= 0")
+    return costs
+
+
+def boundary_costs(transfer: float, num_stages: int) -> list[float]:
+    """Per-stage share of moving activations across stage boundaries, ``transfer`` per boundary.
+
+    Both ends of a boundary work on a transfer (one serialises, the other deserialises), so each
+    pays half: the first and last stage touch one boundary, the middle ones two.
+    """
+    if transfer < 0:
+        raise ValueError("transfer cost must be >= 0")
+    return [transfer / 2 * ((s > 0) + (s < num_stages - 1)) for s in range(num_stages)]
+
+
 def stage_costs(
     unit_costs_per_stage_node: Sequence[Sequence[float]],
     ranges: Sequence[tuple[int, int]],
     transfer_cost: float | Sequence[float] = 0.0,
+    fixed_cost: Sequence[float] | None = None,
 ) -> list[float]:
-    """Modelled time of each stage: its units' cost on its own node plus sending its output."""
+    """Modelled time of each stage: its units' cost on its own node, sending its output, fixed costs."""
     transfer = _transfer_list(transfer_cost, len(ranges))
-    return [sum(unit_costs_per_stage_node[s][start:end]) + transfer[s] for s, (start, end) in enumerate(ranges)]
+    fixed = _fixed_list(fixed_cost, len(ranges))
+    return [
+        sum(unit_costs_per_stage_node[s][start:end]) + transfer[s] + fixed[s] for s, (start, end) in enumerate(ranges)
+    ]
 
 
 def balanced_partition(
     unit_costs_per_stage_node: Sequence[Sequence[float]],
     transfer_cost: float | Sequence[float] = 0.0,
     min_blocks_per_stage: int = 1,
+    fixed_cost: Sequence[float] | None = None,
 ) -> Ranges:
     """Exact min-max split of the units over S stages where stage s runs on node s.
 
     ``unit_costs_per_stage_node[s][u]`` is the cost of unit ``u`` on the node of stage ``s`` (all rows
     the same length L+2, nodes may differ in speed).  ``transfer_cost`` is one number for every
     stage boundary or a list with one value per boundary (stage s -> s+1); it is charged to the
-    sending stage.  The steady-state throughput of a pipeline is set by its slowest stage, so the
+    sending stage; ``fixed_cost`` adds one number per stage whatever it holds (e.g. its share of
+    the transfers, ``boundary_costs``).  The steady-state throughput of a pipeline is set by its slowest stage, so the
     split minimises the maximum stage cost; among the optimal splits it picks the one with the
     smallest sum of squared stage costs (the most even one), found by a second exact DP under the
     optimal bound.  O(S * U^2), trivial for any realistic model.
@@ -135,6 +163,7 @@ def balanced_partition(
     elif num_stages > num_units:
         raise ValueError(f"cannot split {num_units} units into {num_stages} non-empty stages")
     transfer = _transfer_list(transfer_cost, num_stages)
+    fixed = _fixed_list(fixed_cost, num_stages)
 
     prefix = [[0.0] for _ in range(num_stages)]
     for s in range(num_stages):
@@ -145,7 +174,7 @@ def balanced_partition(
         return max(0, min(end, num_units - 1) - max(start, 1))
 
     def cost(s: int, start: int, end: int) -> float:
-        return prefix[s][end] - prefix[s][start] + transfer[s]
+        return prefix[s][end] - prefix[s][start] + transfer[s] + fixed[s]
 
     def valid(s: int, start: int, end: int) -> bool:
         if end <= start or blocks_in(start, end) < min_blocks_per_stage:
@@ -188,7 +217,7 @@ def balanced_partition(
         return ranges
 
     optimal = solve("max", inf)
-    bound = max(stage_costs(costs, optimal, transfer[:-1]))
+    bound = max(stage_costs(costs, optimal, transfer[:-1], fixed))
     return solve("sumsq", bound * (1 + _REL_TOL) + 1e-15)
 
 

@@ -1,8 +1,10 @@
-"""End-to-end pipeline on a throwaway single-node local Ray (stages stacked on that one node)."""
+"""The benchmark end to end on a throwaway single-node local Ray (stages stacked on that one node)."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -10,7 +12,7 @@ pytestmark = [pytest.mark.slow]
 
 ray = pytest.importorskip("ray")
 
-from raycluster_cli.bench import pipeline  # noqa: E402
+from raycluster_cli.bench import driver, experiment, gpt2, pipeline, runtime  # noqa: E402
 from raycluster_cli.bench.model import ModelConfig  # noqa: E402
 from raycluster_cli.bench.partition import even_partition  # noqa: E402
 
@@ -33,17 +35,32 @@ def local_ray() -> Iterator[None]:
             ray.shutdown()
 
 
-def test_run_pipeline_completes_and_matches_unsharded_model(local_ray: None) -> None:
+def _args(*argv: str) -> Any:
+    base = [
+        "--allow-shared-nodes",
+        "--threads=1",
+        "--calibration-repeats=1",
+        "--calibration-sample-s=0.01",
+        "--vocab=97",
+        "--d-model=32",
+    ]
+    return driver._normalise(driver.build_parser().parse_args([*base, *argv]))
+
+
+def test_run_workload_completes_and_matches_unsharded_model(local_ray: None) -> None:
     cfg = ModelConfig(vocab=257, d_model=64, heads=4, layers=6, max_seq=24, seed=5)
-    params = pipeline.BenchParams(requests=10, prompt_len=8, max_new_tokens=5, micro_batch=3, seed=1)
+    params = runtime.BenchParams(requests=10, prompt_len=8, max_new_tokens=5, micro_batch=3, seed=1)
     node_id = ray.get_runtime_context().get_node_id()
     with pytest.raises(ValueError, match="own node"):
         pipeline.start_workers(cfg, [node_id, node_id])
     workers = pipeline.start_workers(cfg, [node_id] * 3, num_threads=1, allow_shared_nodes=True)
     try:
-        costs = pipeline.calibrate_workers(workers[:1], params)
-        assert len(costs[0]) == cfg.num_units and all(c > 0 for c in costs[0])
-        result = pipeline.run_pipeline(workers, even_partition(cfg.layers, 3), cfg, params)
+        cal = pipeline.calibrate_workers(workers[:1], 3, 8, 4, repeats=3)[0]
+        assert all(cal[f"{kind}_s"] > 0 for kind in pipeline.UNIT_TYPES) and cal["repeats"] == 3
+        assert len(pipeline.unit_cost_row(cal, cfg.layers)) == cfg.num_units
+        ranges = [even_partition(cfg.layers, 3)]
+        runtime.setup_replicas([workers], ranges)
+        result = runtime.run_workload([workers], ranges, cfg, params)
         stats = ray.get([w.stats.remote() for w in workers])
     finally:
         pipeline.stop_workers(workers)
@@ -54,13 +71,72 @@ def test_run_pipeline_completes_and_matches_unsharded_model(local_ray: None) -> 
     assert result.in_flight >= 3
     assert [s.layers for s in result.stages] == [2, 2, 2]
     assert result.stages[0].has_embedding and result.stages[-1].has_head
-    assert all(s.busy_s > 0 for s in result.stages)
+    assert all(s.busy_s > 0 and s.idle_s >= 0 for s in result.stages)
     # 4 micro-batches x 5 steps per stage, warm-up excluded.
     assert all(s.calls == 4 * 5 for s in result.stages)
+    assert sorted(r for g in result.groups for r in g) == list(range(10))
     assert all(s["cached_micro_batches"] == 0 for s in stats)  # every KV cache released
     assert all(0 < t <= e for t, e in zip(result.ttft_s, result.e2e_s, strict=True))
+    assert len(result.tpot_s) == 10 and all(t > 0 for t in result.tpot_s)
     assert result.tokens_per_s > 0 and result.wall_s > 0
     table_ip = next(n["NodeManagerAddress"] for n in ray.nodes() if n["NodeID"] == node_id)
     assert {(s.node_id, s.node_ip) for s in result.stages} == {(node_id, table_ip)}
-    check = pipeline.check_output(cfg, params, result, num_requests=10)
-    assert check == {"identical": True, "compared_requests": 10}
+    check = runtime.check_output(cfg, params, result, num_requests=10)
+    assert check == {"identical": True, "compared_requests": 10, "mismatched": []}
+
+
+def test_replicas_share_the_load_and_references_are_measured(local_ray: None) -> None:
+    doc = experiment.run(
+        _args("--layers=4", "--stages=1", "--replicas=3", "--requests=24", "--micro-batch=2", "--partition=balanced")
+    )
+    assert doc["config"]["replicas"] == 3 and doc["config"]["stages"] == 1
+    assert doc["completed"] == doc["requests"] == 24
+    replicas = doc["replicas"]
+    assert [r["index"] for r in replicas] == [0, 1, 2]
+    assert sum(r["requests"] for r in replicas) == 24
+    assert all(r["requests"] > 0 and r["micro_batches"] > 0 for r in replicas)  # the router used every replica
+    assert len(doc["stages"]) == 3 and all(s["predicted_s"] > 0 for s in doc["stages"])
+    refs = doc["references"]
+    assert refs["ceiling"]["tokens_per_s"] > 0 and refs["ceiling"]["ratio"] > 0
+    assert refs["unsharded"]["tokens_per_s"] > 0 and refs["unsharded"]["ratio"] > 0
+    assert refs["even"]["tokens_per_s"] > 0
+    assert doc["hop_overhead"]["per_hop_s"] > 0
+    assert {"embedding_s", "block_s", "head_s"} <= set(doc["calibration"]["nodes"][0])
+    for kind in ("ttft", "tpot", "e2e"):
+        assert doc["latency_s"][kind]["p50"] is not None
+
+
+def test_gpt2_checkpoint_sharded_equals_unsharded(local_ray: None, tmp_path: Path) -> None:
+    path = gpt2.write_random_gpt2(tmp_path / "tiny-gpt2", layers=4, d_model=64, heads=4, vocab=128, positions=64)
+    doc = experiment.run(
+        _args(
+            f"--model-path={path}",
+            "--stages=3",
+            "--requests=6",
+            "--prompt-len=5",
+            "--max-new-tokens=6",
+            "--micro-batch=2",
+            "--partition=balanced",
+            "--check-output",
+            "--check-requests=6",
+            "--no-references",
+        )
+    )
+    assert doc["config"]["model"]["layers"] == 4 and doc["config"]["model"]["activation"] == "gelu_new"
+    assert doc["config"]["model_source"].startswith("gpt2:")
+    assert sum(s["layers"] for s in doc["stages"]) == 4
+    assert doc["output_check"] == {"identical": True, "compared_requests": 6, "mismatched": []}
+
+
+def test_poisson_mode_and_sweeps(local_ray: None) -> None:
+    doc = experiment.run(
+        _args("--layers=2", "--stages=1", "--requests=8", "--rate=200", "--no-references", "--sweep=batch")
+    )
+    assert doc["config"]["mode"] == "poisson" and doc["config"]["rate"] == 200
+    assert doc["completed"] == 8
+    points = doc["sweep"]["points"]
+    assert [p["micro_batch"] for p in points] == [1, 2, 4, 8]
+    assert doc["sweep"]["best_micro_batch"] in {1, 2, 4, 8}
+    doc = experiment.run(_args("--layers=2", "--requests=4", "--no-references", "--sweep=nodes"))
+    assert [p["nodes"] for p in doc["sweep"]["points"]] == [1]
+    assert doc["sweep"]["points"][0]["efficiency"] == pytest.approx(1.0)

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from raycluster_cli.bench import driver
+from raycluster_cli.bench import driver, experiment
 
 
 def _run(capfd: pytest.CaptureFixture[str], argv: list[str]) -> tuple[int, dict[str, object], str]:
@@ -34,17 +34,28 @@ def test_impossible_manual_partition(capfd: pytest.CaptureFixture[str]) -> None:
     assert code == 1 and "holds 8 blocks" in str(doc["error"])
 
 
-def test_choose_nodes() -> None:
-    nodes = [{"node_id": "b", "node_ip": "10.0.0.2"}, {"node_id": "a", "node_ip": "10.0.0.10"}]
-    assert driver.choose_nodes(nodes, 2, False) == nodes
-    assert driver.choose_nodes(nodes, 1, False) == nodes[:1]
-    assert [n["node_id"] for n in driver.choose_nodes(nodes, 3, True)] == ["b", "a", "b"]
-    with pytest.raises(ValueError, match="allow-shared-nodes"):
-        driver.choose_nodes(nodes, 3, False)
-    with pytest.raises(RuntimeError):
-        driver.choose_nodes([], 1, False)
-
-
 def test_ip_sort_is_numeric() -> None:
     ips = ["10.0.0.10", "10.0.0.9", "192.168.1.1", "10.0.0.100"]
-    assert sorted(ips, key=driver._ip_key) == ["10.0.0.9", "10.0.0.10", "10.0.0.100", "192.168.1.1"]
+    assert sorted(ips, key=experiment._ip_key) == ["10.0.0.9", "10.0.0.10", "10.0.0.100", "192.168.1.1"]
+
+
+@pytest.mark.parametrize(
+    ("argv", "match"),
+    [
+        (["--mode", "poisson"], "needs --rate"),
+        (["--mode", "offline", "--rate", "3"], "needs --mode poisson"),
+        (["--rate", "-1"], "must be > 0"),
+        (["--calibration-repeats", "0"], "calibration-repeats"),
+        (["--model-path", "/nonexistent/gpt2"], "config.json not found"),
+    ],
+)
+def test_bad_load_flags_are_one_json_error(capfd: pytest.CaptureFixture[str], argv: list[str], match: str) -> None:
+    code, doc, _ = _run(capfd, argv)
+    assert code == 1 and doc["ok"] is False and match in str(doc["error"])
+
+
+def test_flags_parse() -> None:
+    args = driver._normalise(driver.build_parser().parse_args(["--rate", "2.5", "--sweep", "batch", "--no-references"]))
+    assert args.mode == "poisson" and args.rate == 2.5 and args.sweep == "batch" and args.references is False
+    args = driver._normalise(driver.build_parser().parse_args([]))
+    assert args.mode == "offline" and args.references is True and args.calibration_repeats == 5

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import itertools
+import random
 
 import pytest
 
 from raycluster_cli.bench.partition import (
     balanced_partition,
     blocks_held,
+    boundary_costs,
     describe,
     even_partition,
     manual_partition,
@@ -114,3 +116,34 @@ def test_balanced_may_allow_stages_without_blocks_when_asked() -> None:
     assert balanced_partition([row, row], min_blocks_per_stage=0) == [(0, 3), (3, 4)]
     assert balanced_partition([row, row]) == [(0, 2), (2, 4)]
     assert balanced_partition([row] * 4, min_blocks_per_stage=0) == [(0, 1), (1, 2), (2, 3), (3, 4)]
+
+
+def test_boundary_costs_split_each_transfer_between_its_two_ends() -> None:
+    assert boundary_costs(2.0, 1) == [0.0]
+    assert boundary_costs(2.0, 2) == [1.0, 1.0]
+    assert boundary_costs(2.0, 4) == [1.0, 2.0, 2.0, 1.0]
+    with pytest.raises(ValueError, match=">= 0"):
+        boundary_costs(-1.0, 2)
+
+
+def test_fixed_costs_move_blocks_away_from_the_middle() -> None:
+    row = [0.0] + [1.0] * 9 + [0.0]
+    # The middle stage touches two boundaries: with 3 per boundary it pays 3, the ends 1.5 each.
+    # Without transfers 3/3/3 (max 6 with them); with them 3/2/4 -> 4.5, 5, 5.5.
+    ranges = balanced_partition([row] * 3, fixed_cost=boundary_costs(3.0, 3))
+    assert [blocks_held(a, b, 9) for a, b in ranges] == [3, 2, 4]
+    assert max(stage_costs([row] * 3, ranges, fixed_cost=boundary_costs(3.0, 3))) == pytest.approx(5.5)
+    with pytest.raises(ValueError, match="one value per stage"):
+        balanced_partition([row] * 3, fixed_cost=[1.0])
+
+
+@pytest.mark.parametrize("stages", [1, 2, 3, 5, 8])
+def test_balanced_never_leaves_a_stage_empty(stages: int) -> None:
+    rng = random.Random(stages)
+    for _ in range(20):
+        rows = [
+            [rng.uniform(0, 3)] + [rng.uniform(0.1, 5) for _ in range(8)] + [rng.uniform(0, 20)] for _ in range(stages)
+        ]
+        ranges = balanced_partition(rows, fixed_cost=boundary_costs(rng.uniform(0, 2), stages))
+        _check_tiling(ranges, 8)
+        assert all(blocks_held(a, b, 8) >= 1 for a, b in ranges)

@@ -1,0 +1,179 @@
+"""GPT-2 weights in Hugging Face format (``config.json`` + ``model.safetensors``), unit by unit.
+
+The benchmark's decoder has GPT-2's architecture, so a checkpoint maps onto its units directly:
+unit 0 reads ``wte``/``wpe``, unit i reads ``h.{i-1}.*``, the head unit reads ``ln_f`` and the LM
+head (``lm_head.weight`` when present, else the tied ``wte.weight``).  GPT-2's ``Conv1D`` layers
+store weights as [in, out]; ``nn.Linear`` wants [out, in], so those are transposed on load.  A
+stage reads only its own units' tensors (the file is never loaded whole).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from raycluster_cli.bench.model import ModelConfig
+from raycluster_cli.bench.tensorfile import TensorFileError, load_tensors, read_header, save_tensors
+
+WEIGHTS_FILE = "model.safetensors"
+CONFIG_FILE = "config.json"
+_ACTIVATIONS = {"gelu_new": "gelu_new", "gelu_pytorch_tanh": "gelu_new", "gelu_fast": "gelu_new", "gelu": "gelu"}
+# block parameter -> (GPT-2 tensor suffix, transposed?)
+_BLOCK_MAP = {
+    "ln1.weight": ("ln_1.weight", False),
+    "ln1.bias": ("ln_1.bias", False),
+    "qkv.weight": ("attn.c_attn.weight", True),
+    "qkv.bias": ("attn.c_attn.bias", False),
+    "proj.weight": ("attn.c_proj.weight", True),
+    "proj.bias": ("attn.c_proj.bias", False),
+    "ln2.weight": ("ln_2.weight", False),
+    "ln2.bias": ("ln_2.bias", False),
+    "fc1.weight": ("mlp.c_fc.weight", True),
+    "fc1.bias": ("mlp.c_fc.bias", False),
+    "fc2.weight": ("mlp.c_proj.weight", True),
+    "fc2.bias": ("mlp.c_proj.bias", False),
+}
+
+
+def config_from_dir(path: str | Path, max_seq: int, seed: int = 0) -> ModelConfig:
+    """The ModelConfig of the GPT-2 checkpoint in ``path`` (KV cache and positions sized to ``max_seq``)."""
+    directory = Path(path)
+    config_file, weights_file = directory / CONFIG_FILE, directory / WEIGHTS_FILE
+    for needed in (config_file, weights_file):
+        if not needed.is_file():
+            raise ValueError(
+                f"--model-path {directory}: {needed.name} not found (needs config.json + model.safetensors)"
+            )
+    try:
+        raw: dict[str, Any] = json.loads(config_file.read_text())
+    except ValueError as exc:
+        raise ValueError(f"{config_file}: not JSON ({exc})") from None
+    model_type = raw.get("model_type", "gpt2")
+    if model_type != "gpt2":
+        raise ValueError(f"{config_file}: model_type {model_type!r} is not gpt2")
+    if raw.get("scale_attn_by_inverse_layer_idx") or raw.get("reorder_and_upcast_attn"):
+        raise ValueError(f"{config_file}: scale_attn_by_inverse_layer_idx / reorder_and_upcast_attn are not supported")
+    activation = _ACTIVATIONS.get(str(raw.get("activation_function", "gelu_new")))
+    if activation is None:
+        raise ValueError(f"{config_file}: activation_function {raw.get('activation_function')!r} is not supported")
+    positions = int(raw.get("n_positions", raw.get("n_ctx", 1024)))
+    if max_seq > positions:
+        raise ValueError(f"prompt + new tokens ({max_seq}) exceed the model's {positions} positions")
+    try:
+        return ModelConfig(
+            vocab=int(raw["vocab_size"]),
+            d_model=int(raw["n_embd"]),
+            heads=int(raw["n_head"]),
+            layers=int(raw["n_layer"]),
+            max_seq=max_seq,
+            seed=seed,
+            activation=activation,
+            ln_eps=float(raw.get("layer_norm_epsilon", 1e-5)),
+            model_path=str(directory),
+        )
+    except KeyError as exc:
+        raise ValueError(f"{config_file}: missing {exc.args[0]}") from None
+
+
+def _prefix(names: set[str]) -> str:
+    """``transformer.`` when the checkpoint was saved from GPT2LMHeadModel, else nothing."""
+    return "transformer." if "transformer.wte.weight" in names else ""
+
+
+def unit_tensors(cfg: ModelConfig, unit: int, names: set[str]) -> dict[str, tuple[str, bool]]:
+    """For one unit: our parameter name -> (tensor name in the file, transpose?)."""
+    pre = _prefix(names)
+    if unit == 0:
+        return {"tok.weight": (f"{pre}wte.weight", False), "pos.weight": (f"{pre}wpe.weight", False)}
+    if unit == cfg.head_unit:
+        head = "lm_head.weight" if "lm_head.weight" in names else f"{pre}wte.weight"
+        return {
+            "ln_f.weight": (f"{pre}ln_f.weight", False),
+            "ln_f.bias": (f"{pre}ln_f.bias", False),
+            "lm_head.weight": (head, False),
+        }
+    return {ours: (f"{pre}h.{unit - 1}.{theirs}", t) for ours, (theirs, t) in _BLOCK_MAP.items()}
+
+
+@torch.no_grad()
+def load_units(cfg: ModelConfig, modules: Mapping[int, nn.Module]) -> None:
+    """Fill each unit's module from ``cfg.model_path``, reading only the tensors those units use."""
+    weights = Path(cfg.model_path) / WEIGHTS_FILE
+    header, _ = read_header(weights)
+    names = set(header)
+    wanted = {unit: unit_tensors(cfg, unit, names) for unit in modules}
+    tensors = load_tensors(weights, sorted({src for plan in wanted.values() for src, _ in plan.values()}))
+    for unit, module in modules.items():
+        params = dict(module.named_parameters())
+        if set(params) != set(wanted[unit]):
+            raise TensorFileError(f"unit {unit}: parameters {sorted(params)} do not match the GPT-2 layout")
+        for ours, (src, transpose) in wanted[unit].items():
+            value = tensors[src].to(torch.float32)
+            if transpose:
+                value = value.t()
+            if ours == "pos.weight":
+                value = value[: cfg.max_seq]
+            if tuple(value.shape) != tuple(params[ours].shape):
+                raise TensorFileError(
+                    f"{weights}: {src} has shape {tuple(value.shape)}, unit {unit} needs {tuple(params[ours].shape)}"
+                )
+            params[ours].copy_(value)
+
+
+def write_random_gpt2(
+    path: str | Path,
+    *,
+    layers: int = 2,
+    d_model: int = 64,
+    heads: int = 4,
+    vocab: int = 128,
+    positions: int = 64,
+    seed: int = 0,
+) -> Path:
+    """Write a tiny randomly initialised GPT-2 checkpoint in Hugging Face layout (for tests and demos)."""
+    directory = Path(path)
+    directory.mkdir(parents=True, exist_ok=True)
+    gen = torch.Generator().manual_seed(seed)
+
+    def normal(*shape: int, std: float = 0.02) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen) * std
+
+    d = d_model
+    tensors: dict[str, torch.Tensor] = {"wte.weight": normal(vocab, d, std=0.5), "wpe.weight": normal(positions, d)}
+    for i in range(layers):
+        tensors |= {
+            f"h.{i}.ln_1.weight": 1 + normal(d, std=0.1),
+            f"h.{i}.ln_1.bias": normal(d),
+            f"h.{i}.attn.c_attn.weight": normal(d, 3 * d, std=0.2),
+            f"h.{i}.attn.c_attn.bias": normal(3 * d),
+            f"h.{i}.attn.c_proj.weight": normal(d, d, std=0.2),
+            f"h.{i}.attn.c_proj.bias": normal(d),
+            f"h.{i}.ln_2.weight": 1 + normal(d, std=0.1),
+            f"h.{i}.ln_2.bias": normal(d),
+            f"h.{i}.mlp.c_fc.weight": normal(d, 4 * d, std=0.2),
+            f"h.{i}.mlp.c_fc.bias": normal(4 * d),
+            f"h.{i}.mlp.c_proj.weight": normal(4 * d, d, std=0.2),
+            f"h.{i}.mlp.c_proj.bias": normal(d),
+        }
+    tensors |= {"ln_f.weight": 1 + normal(d, std=0.1), "ln_f.bias": normal(d)}
+    save_tensors(directory / WEIGHTS_FILE, tensors, {"format": "pt"})
+    config = {
+        "model_type": "gpt2",
+        "architectures": ["GPT2LMHeadModel"],
+        "vocab_size": vocab,
+        "n_positions": positions,
+        "n_ctx": positions,
+        "n_embd": d,
+        "n_layer": layers,
+        "n_head": heads,
+        "activation_function": "gelu_new",
+        "layer_norm_epsilon": 1e-5,
+        "tie_word_embeddings": True,
+    }
+    (directory / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
+    return directory

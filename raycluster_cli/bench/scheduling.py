@@ -1,0 +1,106 @@
+"""Pure-Python pieces of the runtime: arrivals, routing, placement and the derived metrics.
+
+No torch, no Ray: everything here is unit-tested with plain numbers.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+
+
+def arrival_times(requests: int, rate: float | None, seed: int) -> list[float]:
+    """Seconds after the start at which each request arrives.
+
+    ``rate`` None (offline mode): every request is there at 0.  Otherwise a Poisson process of
+    ``rate`` requests/s: exponential gaps with mean 1/rate, the first request at its first gap.
+    """
+    if requests < 0:
+        raise ValueError(f"requests must be >= 0, got {requests}")
+    if rate is None:
+        return [0.0] * requests
+    if rate <= 0:
+        raise ValueError(f"--rate must be > 0 requests/s, got {rate}")
+    rng = random.Random(seed)
+    now = 0.0
+    out = []
+    for _ in range(requests):
+        now += rng.expovariate(rate)
+        out.append(now)
+    return out
+
+
+def power_of_two_choice(candidates: Sequence[int], loads: Sequence[float], rng: random.Random) -> int:
+    """Pick two distinct candidates at random and return the less loaded (the first on a tie).
+
+    With one candidate that one; "power of two choices" keeps the maximum load close to the mean
+    without looking at every replica's queue.
+    """
+    if not candidates:
+        raise ValueError("no replica to route to")
+    if len(candidates) == 1:
+        return candidates[0]
+    first, second = rng.sample(list(candidates), 2)
+    return first if loads[first] <= loads[second] else second
+
+
+def plan_replicas(num_nodes: int, stages: int, replicas: int | None, allow_shared: bool) -> list[list[int]]:
+    """Node indices of each replica's stages: replica r, stage s on node r*stages + s.
+
+    By default as many replicas as fit with one stage per node (``num_nodes // stages``); asking for
+    more needs ``allow_shared`` (stages then wrap around the nodes, for single-machine tests).
+    """
+    if num_nodes < 1:
+        raise ValueError("no alive Ray nodes")
+    if stages < 1:
+        raise ValueError(f"--stages must be >= 1, got {stages}")
+    fit = num_nodes // stages
+    count = replicas if replicas is not None else max(1, fit)
+    if count < 1:
+        raise ValueError(f"--replicas must be >= 1, got {count}")
+    if count * stages > num_nodes and not allow_shared:
+        raise ValueError(
+            f"{count} replica(s) x {stages} stages need {count * stages} nodes but only {num_nodes} are alive; "
+            "one stage per node (use fewer --stages/--replicas, or --allow-shared-nodes for testing)"
+        )
+    return [[(r * stages + s) % num_nodes for s in range(stages)] for r in range(count)]
+
+
+def batch_sizes(requests: int, largest: int | None = None) -> list[int]:
+    """Micro-batch sizes for ``--sweep batch``: powers of two up to the number of requests (or ``largest``)."""
+    top = min(requests, largest) if largest else requests
+    sizes = []
+    size = 1
+    while size <= top:
+        sizes.append(size)
+        size *= 2
+    return sizes
+
+
+def scaling_efficiency(tokens_per_s: Sequence[float]) -> list[float]:
+    """Efficiency of each point of a 1..N node sweep against linear scaling: tps_n / (n * tps_1)."""
+    if not tokens_per_s:
+        return []
+    base = tokens_per_s[0]
+    return [(tps / (n * base) if base > 0 else 0.0) for n, tps in enumerate(tokens_per_s, start=1)]
+
+
+def predicted_busy(unit_costs: Sequence[float], start: int, end: int, micro_batches: int) -> float:
+    """Busy time a stage holding units [start, end) should accumulate over ``micro_batches`` micro-batches.
+
+    ``unit_costs`` are per micro-batch (prefill and every decode step) on the stage's node.
+    """
+    return sum(unit_costs[start:end]) * micro_batches
+
+
+def ceiling_tokens_per_s(tokens_per_replica: Sequence[int], busiest_per_replica: Sequence[float]) -> float:
+    """The pipeline ceiling: each replica's tokens over its slowest stage's busy time, summed.
+
+    A pipeline cannot produce faster than its bottleneck stage computes; this is the throughput
+    with that stage busy 100 % of the time and every transfer hidden.
+    """
+    total = 0.0
+    for tokens, busiest in zip(tokens_per_replica, busiest_per_replica, strict=True):
+        if busiest > 0:
+            total += tokens / busiest
+    return total

@@ -1,0 +1,108 @@
+"""A minimal reader/writer for the safetensors format, so a stage can read just its own tensors.
+
+The format (https://huggingface.co/docs/safetensors): an 8-byte little-endian header length N, a
+JSON header of N bytes ``{name: {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__"?}``,
+then the raw little-endian tensor bytes (offsets are relative to the end of the header).  Reading
+one tensor is a seek and a read; nothing else in the file is touched.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+import sys
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+_DTYPES: dict[str, torch.dtype] = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+_NAMES = {dtype: name for name, dtype in _DTYPES.items()}
+_MAX_HEADER = 100 * 1024 * 1024
+
+
+class TensorFileError(ValueError):
+    """The file is not a valid safetensors file, or lacks a tensor that was asked for."""
+
+
+def read_header(path: str | Path) -> tuple[dict[str, dict[str, Any]], int]:
+    """The tensor table (without ``__metadata__``) and the byte offset where tensor data begins."""
+    with open(path, "rb") as f:
+        raw = f.read(8)
+        if len(raw) != 8:
+            raise TensorFileError(f"{path}: too short for a safetensors file")
+        (length,) = struct.unpack("<Q", raw)
+        if length > _MAX_HEADER:
+            raise TensorFileError(f"{path}: header of {length} bytes is implausibly large")
+        try:
+            header = json.loads(f.read(length))
+        except ValueError as exc:
+            raise TensorFileError(f"{path}: header is not JSON ({exc})") from None
+    if not isinstance(header, dict):
+        raise TensorFileError(f"{path}: header is not a JSON object")
+    header.pop("__metadata__", None)
+    return header, 8 + length
+
+
+def load_tensors(path: str | Path, names: Iterable[str]) -> dict[str, torch.Tensor]:
+    """Read only the named tensors from ``path`` (each one seek + read)."""
+    if sys.byteorder != "little":  # pragma: no cover - every platform Ray runs on is little-endian
+        raise TensorFileError("safetensors data is little-endian; this machine is not")
+    header, data_start = read_header(path)
+    out: dict[str, torch.Tensor] = {}
+    with open(path, "rb") as f:
+        for name in names:
+            entry = header.get(name)
+            if entry is None:
+                raise TensorFileError(f"{path}: no tensor named {name!r}")
+            dtype = _DTYPES.get(str(entry.get("dtype")))
+            if dtype is None:
+                raise TensorFileError(f"{path}: tensor {name!r} has unsupported dtype {entry.get('dtype')!r}")
+            begin, end = (int(v) for v in entry["data_offsets"])
+            shape = [int(d) for d in entry["shape"]]
+            if end - begin != math.prod(shape) * torch.empty((), dtype=dtype).element_size():
+                raise TensorFileError(f"{path}: tensor {name!r} size does not match its shape {shape}")
+            f.seek(data_start + begin)
+            data = bytearray(f.read(end - begin))
+            if len(data) != end - begin:
+                raise TensorFileError(f"{path}: file ends inside tensor {name!r}")
+            tensor = torch.frombuffer(data, dtype=dtype) if data else torch.empty(0, dtype=dtype)
+            out[name] = tensor.reshape(shape)
+    return out
+
+
+def save_tensors(path: str | Path, tensors: Mapping[str, torch.Tensor], metadata: dict[str, str] | None = None) -> None:
+    """Write ``tensors`` as a safetensors file (used by tests to make a tiny model)."""
+    header: dict[str, Any] = {}
+    blobs: list[bytes] = []
+    offset = 0
+    for name, tensor in tensors.items():
+        t = tensor.detach().contiguous().cpu()
+        if t.dtype not in _NAMES:
+            raise TensorFileError(f"cannot store tensor {name!r} of dtype {t.dtype}")
+        blob = t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
+        header[name] = {"dtype": _NAMES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + len(blob)]}
+        blobs.append(blob)
+        offset += len(blob)
+    if metadata:
+        header["__metadata__"] = dict(metadata)
+    encoded = json.dumps(header, separators=(",", ":")).encode()
+    encoded += b" " * (-len(encoded) % 8)  # the format pads the header to 8-byte alignment
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(encoded)))
+        f.write(encoded)
+        for blob in blobs:
+            f.write(blob)

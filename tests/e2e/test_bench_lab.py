@@ -1,0 +1,134 @@
+"""bench on the real 3-host lab: placement, metrics, GPT-2 weights from each host's disk, and a
+partition that follows measured speed when one host gets a smaller CPU quota.
+
+The module brings the cluster up itself and leaves it as it found it (up or down, with the lab's
+own inventory).  Variant inventories (a model directory mounted read-only, CPU quotas) are applied
+with down + up and the original is restored at the end.
+"""
+
+from __future__ import annotations
+
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from raycluster_cli import lab
+from raycluster_cli.bench import gpt2
+
+from .conftest import IP3, Lab
+
+pytestmark = [pytest.mark.lab, pytest.mark.slow]
+
+MODEL_DIR = "/srv/raycluster-bench/tiny-gpt2"  # the same path on every lab host and in every container
+
+
+class Cluster:
+    """The lab's cluster and which inventory it currently runs with."""
+
+    def __init__(self, lab_hosts: Lab) -> None:
+        self.lab = lab_hosts
+        self.current = lab_hosts.inventory
+
+    def use(self, inventory: str) -> None:
+        if inventory == self.current:
+            return
+        code, _, err = self.lab.cli("down", inventory=self.current)
+        assert code == 0, err
+        code, doc, err = self.lab.cli("up", inventory=inventory)
+        assert code == 0, err
+        assert all(n["alive"] for n in doc["nodes"])
+        self.current = inventory
+
+    def bench(self, *args: str) -> dict[str, Any]:
+        code, doc, err = self.lab.cli("bench", *args, inventory=self.current, timeout=1500)
+        assert code == 0, f"{doc}\n{err[-3000:]}"
+        return doc
+
+
+@pytest.fixture(scope="module")
+def cluster(lab_hosts: Lab) -> Iterator[Cluster]:
+    code, doc, err = lab_hosts.cli("up")
+    assert code == 0, err
+    was_up = all(n.get("action") == "running" for n in doc["nodes"])
+    the_cluster = Cluster(lab_hosts)
+    yield the_cluster
+    the_cluster.use(lab_hosts.inventory)
+    if not was_up:
+        lab_hosts.cli("down")
+
+
+def _stage_metrics_present(stage: dict[str, Any]) -> None:
+    for key in ("host", "layers", "busy_s", "idle_s", "predicted_s", "calls", "num_threads", "device"):
+        assert stage.get(key) is not None, key
+    assert stage["busy_s"] > 0 and stage["predicted_s"] > 0 and stage["device"] == "cpu"
+
+
+def test_bench_three_stages_on_three_hosts_with_every_metric(cluster: Cluster) -> None:
+    doc = cluster.bench("--requests=12", "--max-new-tokens=8", "--check-output", "--calibration-repeats=3")
+    hosts = {h.address for h in cluster.lab.info.hosts}
+    stages = doc["stages"]
+    assert len(stages) == 3 and {s["host"] for s in stages} == hosts
+    assert [s["index"] for s in stages] == [0, 1, 2]
+    assert stages[0]["has_embedding"] and stages[-1]["has_head"]
+    assert sum(s["layers"] for s in stages) == doc["config"]["model"]["layers"]
+    for stage in stages:
+        _stage_metrics_present(stage)
+    assert doc["completed"] == doc["requests"] == 12
+    assert doc["generated_tokens"] == 12 * 8
+    assert doc["tokens_per_s"] > 0 and doc["requests_per_s"] > 0
+    for kind in ("ttft", "tpot", "e2e"):
+        assert all(doc["latency_s"][kind][q] > 0 for q in ("p50", "p90", "p99")), kind
+    assert doc["imbalance"] >= 0 and doc["t_max_minus_t_min_s"] >= 0 and 0 < doc["utilisation"] <= 1
+    assert doc["hop_overhead"]["per_hop_s"] > 0
+    refs = doc["references"]
+    for name in ("even", "unsharded", "ceiling"):
+        assert refs[name]["tokens_per_s"] > 0 and refs[name]["ratio"] > 0, name
+    assert refs["unsharded"]["host"] in hosts
+    assert {c["host"] for c in doc["calibration"]["nodes"]} == hosts
+    assert doc["output_check"]["identical"] is True
+
+
+def test_bench_gpt2_weights_from_each_host(cluster: Cluster, tmp_path: Path) -> None:
+    local = gpt2.write_random_gpt2(tmp_path / "tiny-gpt2", layers=6, d_model=64, heads=4, vocab=256, positions=64)
+    for host in cluster.lab.info.hosts:
+        cluster.lab.sh(host.hostname, f"rm -rf {MODEL_DIR} && mkdir -p {MODEL_DIR}")
+        subprocess.run([lab.docker_cli(), "cp", f"{local}/.", f"{host.name}:{MODEL_DIR}"], check=True, timeout=120)
+    variant = cluster.lab.variant(
+        tmp_path / "with-model.yaml",
+        lambda inv: inv["docker"].setdefault("run_options", []).append(f"--volume={MODEL_DIR}:{MODEL_DIR}:ro"),
+    )
+    cluster.use(variant)
+    doc = cluster.bench(
+        f"--model-path={MODEL_DIR}",
+        "--requests=8",
+        "--prompt-len=8",
+        "--max-new-tokens=8",
+        "--micro-batch=2",
+        "--check-output",
+        "--no-references",
+        "--calibration-repeats=2",
+    )
+    assert doc["config"]["model_source"] == f"gpt2:{MODEL_DIR}"
+    assert doc["config"]["model"]["layers"] == 6 and doc["config"]["model"]["vocab"] == 256
+    assert len({s["host"] for s in doc["stages"]}) == 3
+    assert doc["completed"] == 8
+    assert doc["output_check"]["identical"] is True and doc["output_check"]["compared_requests"] >= 8
+
+
+def test_slow_host_gets_fewer_layers_and_balanced_beats_even(cluster: Cluster, tmp_path: Path) -> None:
+    quotas = {"lab-h1": "1.0", "lab-h2": "1.0", "lab-h3": "0.2"}
+
+    def limit(inv: dict[str, Any]) -> None:
+        for index, host in enumerate(inv["hosts"]):
+            host.setdefault("docker", {})["run_options"] = [f"--cpus={quotas[f'lab-h{index + 1}']}"]
+
+    cluster.use(cluster.lab.variant(tmp_path / "unequal.yaml", limit))
+    doc = cluster.bench("--layers=24", "--requests=16", "--max-new-tokens=8", "--partition=balanced")
+    by_host = {s["host"]: s for s in doc["stages"]}
+    slow = by_host[IP3]
+    assert all(slow["layers"] < s["layers"] for host, s in by_host.items() if host != IP3), doc["partition_ranges"]
+    even = doc["references"]["even"]
+    assert doc["tokens_per_s"] > even["tokens_per_s"], (doc["tokens_per_s"], even)

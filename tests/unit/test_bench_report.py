@@ -1,0 +1,73 @@
+"""The terminal rendering of a bench result: table, bar chart, latency, references, sweeps."""
+
+from __future__ import annotations
+
+import io
+from typing import Any
+
+from raycluster_cli.report import Output, render_bench
+
+
+def _doc() -> dict[str, Any]:
+    stage = {"replica": 0, "has_embedding": False, "has_head": False, "idle_s": 0.5, "predicted_s": 1.0}
+    lat = {"p50": 0.1, "p90": 0.2, "p99": 0.3}
+    return {
+        "stages": [
+            {**stage, "index": 0, "host": "192.0.2.1", "layers": 16, "busy_s": 2.0, "has_embedding": True},
+            {**stage, "index": 1, "host": "192.0.2.2", "layers": 4, "busy_s": 1.0, "has_head": True},
+        ],
+        "replicas": [{"index": 0, "requests": 8, "micro_batches": 2}],
+        "tokens_per_s": 123.4,
+        "requests_per_s": 2.5,
+        "completed": 8,
+        "requests": 8,
+        "wall_s": 3.2,
+        "imbalance": 0.667,
+        "utilisation": 0.75,
+        "t_max_minus_t_min_s": 1.0,
+        "latency_s": {"ttft": lat, "tpot": lat, "e2e": {"p50": None, "p90": None, "p99": None}},
+        "hop_overhead": {"per_hop_s": 0.0012},
+        "references": {
+            "even": {"tokens_per_s": 80.0, "ratio": 1.54},
+            "unsharded": {"tokens_per_s": 100.0, "ratio": 1.23, "host": "192.0.2.1"},
+            "ceiling": {"tokens_per_s": 130.0, "ratio": 0.95},
+        },
+        "sweep": {"kind": "nodes", "points": [{"nodes": 1, "tokens_per_s": 50.0, "efficiency": 1.0, "imbalance": 0.0}]},
+        "output_check": {"identical": True, "compared_requests": 8},
+        "config": {"mode": "offline"},
+    }
+
+
+def test_render_bench_shows_every_part() -> None:
+    buffer = io.StringIO()
+    render_bench(Output(False, stdout=buffer, stderr=io.StringIO()), _doc())
+    text = buffer.getvalue()
+    for expected in (
+        "192.0.2.1",
+        "16+emb",
+        "4+head",
+        "█" * 30,
+        "█" * 15,
+        "123.4 tokens/s",
+        "imbalance 0.667",
+        "time per output token",
+        "1.20 ms",
+        "vs even split 1.54×",
+        "vs unsharded on 192.0.2.1 1.23×",
+        "of the pipeline ceiling 0.95×",
+        "efficiency vs linear",
+        "identical",
+    ):
+        assert expected in text, expected
+
+
+def test_render_bench_batch_sweep_names_the_best() -> None:
+    doc = _doc()
+    doc["sweep"] = {
+        "kind": "batch",
+        "best_micro_batch": 4,
+        "points": [{"micro_batch": 4, "tokens_per_s": 10.0, "latency_s": {"ttft": {"p50": 0.5}}}],
+    }
+    buffer = io.StringIO()
+    render_bench(Output(False, stdout=buffer, stderr=io.StringIO()), doc)
+    assert "best micro-batch: 4" in buffer.getvalue()

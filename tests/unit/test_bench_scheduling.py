@@ -1,0 +1,77 @@
+"""Arrivals, routing, replica placement and the derived benchmark numbers, worked out by hand."""
+
+from __future__ import annotations
+
+import random
+import statistics
+from collections import Counter
+
+import pytest
+
+from raycluster_cli.bench.scheduling import (
+    arrival_times,
+    batch_sizes,
+    ceiling_tokens_per_s,
+    plan_replicas,
+    power_of_two_choice,
+    predicted_busy,
+    scaling_efficiency,
+)
+
+
+def test_offline_arrivals_are_all_at_zero() -> None:
+    assert arrival_times(4, None, 0) == [0.0] * 4
+
+
+def test_poisson_arrivals_have_the_asked_rate() -> None:
+    times = arrival_times(4000, 20.0, seed=3)
+    assert times == sorted(times) and times[0] > 0
+    gaps = [b - a for a, b in zip([0.0, *times], times, strict=False)]
+    assert statistics.mean(gaps) == pytest.approx(1 / 20.0, rel=0.05)
+    assert arrival_times(10, 20.0, seed=3) == times[:10]  # reproducible from the seed
+    with pytest.raises(ValueError, match="must be > 0"):
+        arrival_times(3, 0.0, 0)
+
+
+def test_power_of_two_choices_picks_the_less_loaded_of_two() -> None:
+    rng = random.Random(0)
+    assert power_of_two_choice([2], [9, 9, 0], rng) == 2
+    assert all(power_of_two_choice([0, 1], [5, 1], rng) == 1 for _ in range(20))
+    # the most loaded replica is never chosen when two are sampled
+    picks = Counter(power_of_two_choice([0, 1, 2], [0, 3, 10], rng) for _ in range(300))
+    assert picks[2] == 0 and picks[0] > picks[1] > 0
+    with pytest.raises(ValueError):
+        power_of_two_choice([], [], rng)
+
+
+def test_routing_keeps_replicas_balanced() -> None:
+    rng = random.Random(1)
+    loads = [0, 0, 0, 0]
+    for _ in range(400):
+        loads[power_of_two_choice(range(4), loads, rng)] += 1
+    assert max(loads) - min(loads) <= 2
+
+
+def test_plan_replicas() -> None:
+    assert plan_replicas(3, 3, None, False) == [[0, 1, 2]]
+    assert plan_replicas(3, 1, None, False) == [[0], [1], [2]]
+    assert plan_replicas(5, 2, None, False) == [[0, 1], [2, 3]]
+    assert plan_replicas(1, 1, 3, True) == [[0], [0], [0]]
+    assert plan_replicas(2, 3, None, True) == [[0, 1, 0]]
+    with pytest.raises(ValueError, match="allow-shared-nodes"):
+        plan_replicas(2, 3, None, False)
+    with pytest.raises(ValueError, match="allow-shared-nodes"):
+        plan_replicas(3, 1, 4, False)
+    with pytest.raises(ValueError, match="no alive"):
+        plan_replicas(0, 1, None, False)
+
+
+def test_sweep_helpers_and_ceiling() -> None:
+    assert batch_sizes(10) == [1, 2, 4, 8]
+    assert batch_sizes(32, largest=4) == [1, 2, 4]
+    assert scaling_efficiency([100.0, 150.0, 240.0]) == pytest.approx([1.0, 0.75, 0.8])
+    assert scaling_efficiency([]) == []
+    assert predicted_busy([1.0, 2.0, 2.0, 0.5], 1, 3, micro_batches=4) == pytest.approx(16.0)
+    # two replicas: 100 tokens with a 2 s bottleneck, 60 with 3 s -> 50 + 20 tokens/s
+    assert ceiling_tokens_per_s([100, 60], [2.0, 3.0]) == pytest.approx(70.0)
+    assert ceiling_tokens_per_s([10], [0.0]) == 0.0
