@@ -202,25 +202,30 @@ class MeasureError(Exception):
 
 
 def _iperf3(inventory: Inventory, connect: Connect, worker: HostConfig, seconds: float) -> dict[str, Any]:
+    """One one-off iperf3 server on the head per direction (it exits after its test, even if we are killed)."""
     head_t, worker_t = connect(inventory.head_host), connect(worker)
     head = inventory.head_address
     pidfile = "/tmp/raycluster-iperf3.pid"
-    started = head_t.run(f"iperf3 -s -D -B {quote(head)} -p {TEST_PORT} -I {pidfile}")
-    if not started.ok:
-        raise MeasureError(f"iperf3 server on the head: {started.first_line()}", f"is port {TEST_PORT} free?")
-    try:
-        client = f"iperf3 -c {quote(head)} -p {TEST_PORT} -t {seconds:g} -J"
-        retry = 'for i in $(seq 1 50); do out=$({c} 2>&1) && {{ echo "$out"; exit 0; }}; sleep 0.1; done; echo "$out"; exit 1'
-        forward = parse_iperf3(worker_t.run(retry.format(c=client), timeout=seconds + 60).stdout)
-        reverse = parse_iperf3(worker_t.run(retry.format(c=client + " -R"), timeout=seconds + 60).stdout)
-    finally:
-        head_t.run(f'kill "$(cat {pidfile})" 2>/dev/null; rm -f {pidfile}')
-    if forward is None or reverse is None:
+    client = f"iperf3 -c {quote(head)} -p {TEST_PORT} -t {seconds:g} -J"
+    retry = (
+        'for i in $(seq 1 50); do out=$({c} 2>&1) && {{ echo "$out"; exit 0; }}; sleep 0.1; done; echo "$out"; exit 1'
+    )
+    figures = []
+    for reverse in ("", " -R"):
+        started = head_t.run(f"iperf3 -s -1 -D -B {quote(head)} -p {TEST_PORT} -I {pidfile}")
+        if not started.ok:
+            raise MeasureError(f"iperf3 server on the head: {started.first_line()}", f"is port {TEST_PORT} free?")
+        try:
+            figures.append(parse_iperf3(worker_t.run(retry.format(c=client + reverse), timeout=seconds + 60).stdout))
+        finally:
+            head_t.run(f'kill "$(cat {pidfile})" 2>/dev/null; rm -f {pidfile}')
+    forward, backward = figures
+    if forward is None or backward is None:
         raise MeasureError(
             f"iperf3 from {worker.address} to {head}:{TEST_PORT} failed", "check a firewall between them"
         )
     rtt = forward[1] if forward[1] is not None else -1.0
-    return {"tool": "iperf3", "rtt_ms": rtt, "to_head_bps": forward[0], "from_head_bps": reverse[0]}
+    return {"tool": "iperf3", "rtt_ms": rtt, "to_head_bps": forward[0], "from_head_bps": backward[0]}
 
 
 def _python(inventory: Inventory, net: HostNet) -> str:

@@ -103,25 +103,40 @@ def is_ray_process(args: str) -> bool:
     return bool(_RAY_PROCESS.search(head)) or args.startswith("ray::")
 
 
-def parse_ray_processes(ps_text: str, tops_text: str) -> list[RayProcess]:
+def parse_ray_processes(ps_text: str, tops_text: str, cgroups_text: str = "") -> list[RayProcess]:
     """Ray processes from `ps -eo pid=,args=`, each placed in its container.
 
     `tops_text` has, per running container, a line `== <id> <name> <cluster-label>` followed by the host PIDs
-    that `docker top <id> -eo pid` lists (the header line already removed).
+    that `docker top <id> -eo pid` lists (the header line already removed). `cgroups_text` (optional) has a line
+    `<pid> <its /proc/<pid>/cgroup on one line>` or `<pid> gone` per Ray process, read after the rest: a process
+    that is gone is dropped (a short-lived worker), and one that `docker top` missed is placed by its cgroup.
     """
     owner: dict[int, tuple[str, str, str]] = {}
+    containers: dict[str, tuple[str, str, str]] = {}
     current: tuple[str, str, str] | None = None
     for line in tops_text.splitlines():
         if line.startswith("== "):
             parts = line[3:].split()
             label = parts[2] if len(parts) > 2 and parts[2] != "<no" else ""
             current = (parts[0][:12], parts[1].lstrip("/") if len(parts) > 1 else "", label)
+            containers[parts[0]] = current
         elif current and line.strip().isdigit():
             owner[int(line.strip())] = current
+    gone: set[int] = set()
+    for line in cgroups_text.splitlines():
+        pid_text, _, cgroup = line.strip().partition(" ")
+        if not pid_text.isdigit():
+            continue
+        if cgroup.strip() == "gone":
+            gone.add(int(pid_text))
+        elif int(pid_text) not in owner:
+            placed = next((c for full, c in containers.items() if len(full) >= 12 and full in cgroup), None)
+            if placed:
+                owner[int(pid_text)] = placed
     found = []
     for line in ps_text.splitlines():
         match = re.match(r"^\s*(\d+)\s+(.*\S)", line)
-        if not match or not is_ray_process(match.group(2)):
+        if not match or not is_ray_process(match.group(2)) or int(match.group(1)) in gone:
             continue
         pid = int(match.group(1))
         container = owner.get(pid, ("", "", ""))

@@ -254,15 +254,18 @@ def stale_ray_command(ctx: CheckContext) -> str:
         "ps -eo pid=,args=; echo ---; "
         f"docker ps --no-trunc --format '{{{{.ID}}}} {{{{.Names}}}} {label}' 2>/dev/null | "
         'while read -r id name cluster; do echo "== $id $name $cluster"; '
-        'docker top "$id" -eo pid 2>/dev/null | tail -n +2; done'
+        'docker top "$id" -eo pid 2>/dev/null | tail -n +2; done; echo ---; '
+        # A second look at each Ray process: gone by now (a short-lived worker), else its cgroup names its container.
+        "for p in $(ps -eo pid=,args= | awk '$2 ~ /(^|\\/)(raylet|gcs_server)$/ || $2 ~ /^ray::/ {print $1}'); do "
+        """printf '%s ' "$p"; tr '\\n' ' ' 2>/dev/null < "/proc/$p/cgroup" || printf gone; echo; done"""
     )
 
 
 def stale_ray(rc: int, out: str, err: str, ctx: CheckContext) -> Finding:
-    ps_text, tops = split_sections(out, 2)
+    ps_text, tops, cgroups = split_sections(out, 3)
     if not ps_text.strip():
         return Finding(Status.WARN, f"cannot list processes ({err.strip()[:80]})", "install procps on the host")
-    processes = [p for p in parse_ray_processes(ps_text, tops) if p.container_cluster != ctx.inventory.cluster]
+    processes = [p for p in parse_ray_processes(ps_text, tops, cgroups) if p.container_cluster != ctx.inventory.cluster]
     if not processes:
         return Finding(Status.OK, "no other Ray on this host")
     in_containers = sorted({p.container_name for p in processes if p.container_id})

@@ -179,24 +179,7 @@ class SSHTransport:
         )
 
     def _collect(self, channel: paramiko.Channel, timeout: float | None) -> CommandResult:
-        out, err = bytearray(), bytearray()
-        deadline = None if timeout is None else time.monotonic() + timeout
-        channel.settimeout(0.2)
-        while True:
-            got = False
-            if channel.recv_ready():
-                out += channel.recv(65536)
-                got = True
-            if channel.recv_stderr_ready():
-                err += channel.recv_stderr(65536)
-                got = True
-            if not got:
-                if channel.exit_status_ready() and not channel.recv_ready() and not channel.recv_stderr_ready():
-                    break
-                if deadline is not None and time.monotonic() > deadline:
-                    raise TransportError(self.host, f"a command ran past {timeout:.0f}s", "see --debug for it")
-                time.sleep(0.01)
-        return CommandResult(channel.recv_exit_status(), out.decode(errors="replace"), err.decode(errors="replace"))
+        return collect(channel, timeout, self.host)
 
     def put(self, data: bytes, path: str, mode: int = 0o600) -> None:
         result = self.run(put_command(path, mode), stdin=data)
@@ -207,3 +190,35 @@ class SSHTransport:
         if self._client is not None:
             self._client.close()
             self._client = None
+
+
+# How long to wait for the end of the output once the command has exited: sshd may send the exit status
+# before the last of the output, and a command that leaves a daemon holding its stdout never sends EOF.
+EOF_GRACE_S = 2.0
+
+
+def collect(channel: paramiko.Channel, timeout: float | None, host: str) -> CommandResult:
+    """Read a command's stdout and stderr until its output ends (EOF), not merely until it exits."""
+    out, err = bytearray(), bytearray()
+    deadline = None if timeout is None else time.monotonic() + timeout
+    exited_at: float | None = None
+    channel.settimeout(0.2)
+    while True:
+        got = False
+        if channel.recv_ready():
+            out += channel.recv(65536)
+            got = True
+        if channel.recv_stderr_ready():
+            err += channel.recv_stderr(65536)
+            got = True
+        if got:
+            continue
+        if channel.exit_status_ready():
+            exited_at = exited_at or time.monotonic()
+            drained = not channel.recv_ready() and not channel.recv_stderr_ready()
+            if drained and (channel.eof_received or time.monotonic() - exited_at > EOF_GRACE_S):
+                break
+        if deadline is not None and time.monotonic() > deadline:
+            raise TransportError(host, f"a command ran past {timeout:.0f}s", "see --debug for it")
+        time.sleep(0.01)
+    return CommandResult(channel.recv_exit_status(), out.decode(errors="replace"), err.decode(errors="replace"))

@@ -51,6 +51,9 @@ def test_missing_ip_binary_warns_instead_of_failing(example_yaml: str) -> None:
     assert results[(W2, "route-to-head")].status == Status.WARN
     assert results[(W2, "addresses")].status == Status.WARN
     assert "iproute2" in results[(W2, "route-to-head")].hint
+    results = run(example_yaml, on(HEAD, "node-1", **{r"^ip -o -4 addr show": no_ip}))
+    assert results[(HEAD, "head-address")].status == Status.FAIL
+    assert "iproute2" in results[(HEAD, "head-address")].hint
 
 
 def test_names_matrix_flags_the_host_with_the_wrong_line(example_yaml: str) -> None:

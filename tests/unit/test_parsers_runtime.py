@@ -110,3 +110,18 @@ def test_ray_on_the_host_itself() -> None:
     ps = "  4242 /home/u/.venv/lib/python3.11/site-packages/ray/core/src/ray/raylet/raylet --x\n   1 /sbin/init\n"
     found = parse_ray_processes(ps, "")
     assert [(p.pid, p.container_id) for p in found] == [(4242, "")]
+
+
+def test_a_process_docker_top_missed_is_placed_by_its_cgroup_or_dropped_when_gone() -> None:
+    ps, tops, cgroups = (RECORDED / "stale_ray_ours_cgroups_h2.txt").read_text().split("---\n")
+    found = parse_ray_processes(ps, tops, cgroups)
+    assert found and {p.container_cluster for p in found} == {"lab"}
+    raylet = next(p for p in found if "raylet" in p.command)
+    # A worker started between `ps` and `docker top`: only its cgroup tells where it lives.
+    racy_tops = "\n".join(line for line in tops.splitlines() if line.strip() != str(raylet.pid)) + "\n"
+    assert all(p.container_cluster == "lab" for p in parse_ray_processes(ps, racy_tops, cgroups))
+    assert any(p.container_cluster == "" for p in parse_ray_processes(ps, racy_tops, ""))
+    # A short-lived worker that exited before the second look is not reported at all.
+    ps_with_ghost = ps + "  9999 ray::IDLE\n"
+    assert 9999 not in {p.pid for p in parse_ray_processes(ps_with_ghost, tops, cgroups + "9999 gone\n")}
+    assert 9999 in {p.pid for p in parse_ray_processes(ps_with_ghost, tops, cgroups)}

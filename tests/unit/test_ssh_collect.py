@@ -1,0 +1,62 @@
+"""The SSH transport reads a command's output to its end, even when sshd reports the exit status first."""
+
+from collections import deque
+
+from raycluster_cli.transport import ssh
+
+
+class ExitFirstChannel:
+    """A channel on which the exit status arrives before the second chunk of stdout (as OpenSSH may do)."""
+
+    def __init__(self, chunks: list[bytes], eof: bool = True) -> None:
+        self.pending = deque(chunks)
+        self.buffer = bytearray()
+        self.polls = 0
+        self.eof = eof
+
+    def settimeout(self, _: float) -> None:
+        pass
+
+    def _tick(self) -> None:
+        self.polls += 1
+        if self.polls % 5 == 0 and self.pending:  # data trickles in slowly
+            self.buffer += self.pending.popleft()
+
+    def recv_ready(self) -> bool:
+        self._tick()
+        return bool(self.buffer)
+
+    def recv(self, size: int) -> bytes:
+        data, self.buffer = bytes(self.buffer[:size]), self.buffer[size:]
+        return data
+
+    def recv_stderr_ready(self) -> bool:
+        return False
+
+    def recv_stderr(self, size: int) -> bytes:
+        return b""
+
+    def exit_status_ready(self) -> bool:
+        return True  # the command has exited from the start
+
+    @property
+    def eof_received(self) -> bool:
+        return self.eof and not self.pending and not self.buffer
+
+    def recv_exit_status(self) -> int:
+        return 0
+
+
+def test_output_after_the_exit_status_is_kept() -> None:
+    lines = [b"1: lo inet 127.0.0.1/8\n", b"2: eth0 inet 192.0.2.11/24\n", b"3: eth1 inet 198.51.100.1/24\n"]
+    result = ssh.collect(ExitFirstChannel(lines), 10, "192.0.2.11")  # type: ignore[arg-type]
+    assert result.stdout == b"".join(lines).decode()
+
+
+def test_no_eof_ends_after_the_grace_period() -> None:
+    ssh.EOF_GRACE_S, saved = 0.05, ssh.EOF_GRACE_S
+    try:
+        result = ssh.collect(ExitFirstChannel([b"started\n"], eof=False), 10, "192.0.2.11")  # type: ignore[arg-type]
+    finally:
+        ssh.EOF_GRACE_S = saved
+    assert result.stdout == "started\n" and result.rc == 0
