@@ -28,7 +28,7 @@ from .diagnose import diagnose, gather
 from .errors import OperationError, RayclusterError
 from .images import ImageTransfer, demote_fixed_checks, distribute, local_image_id, plan_transfers, remote_image_ids
 from .inventory import HostConfig, Inventory
-from .nodes import Plan, apply, plan_node, prepare, probe, wait_head
+from .nodes import Plan, apply, files_digest, plan_node, prepare, probe, wait_head
 from .progress import Progress, quiet
 from .transport import Transport, quote
 from .transport.fanout import fanout
@@ -180,12 +180,12 @@ def up(
     for transfer in transfers:
         progress(f"{transfer.host}: image {transfer.reason}: {transfer.method}ing it")
     images = distribute(inventory, connect, transfers, local_id, state_dir(inventory) / "images", progress)
-    if inventory.ray.auth == "token":
-        token = ensure_token(inventory)
+    token = ensure_token(inventory) if inventory.ray.auth == "token" else None
+    if token is not None:
         _raise_first(fanout(inventory.hosts, lambda h: connect(h).put(token, token_path_on_host(inventory))))
     envs = fanout(inventory.hosts, lambda h: prepare(connect(h), inventory, h))
     _raise_first(envs)
-    env_of = {str(h.address): o.value or b"" for h, o in envs}
+    env_of = {str(h.address): files_digest(o.value or b"", token) for h, o in envs}
     head = inventory.head_host
     head_transport = connect(head)
     head_plan = plan_node(head_transport, inventory, head, env_of[str(head.address)])

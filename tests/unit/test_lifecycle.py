@@ -140,25 +140,25 @@ def _ours(inv: inventory.Inventory, index: int, state: str = "running", config: 
 
 def test_decide_keeps_an_unchanged_running_container() -> None:
     inv = _inv()
-    assert decide(_ours(inv, 1), inv, inv.hosts[1], "", (A, A), b"X=1\n", b"X=1\n") == ("keep", "")
+    assert decide(_ours(inv, 1), inv, inv.hosts[1], "", (A, A), "d1", "d1") == ("keep", "")
 
 
 @pytest.mark.parametrize(
-    ("state", "force", "config", "ids", "env_seen", "reason"),
+    ("state", "force", "config", "ids", "seen", "reason"),
     [
-        ("exited", "", None, (A, A), b"", "container exited"),
-        ("running", "the head was replaced", None, (A, A), b"", "the head was replaced"),
-        ("running", "", "0000", (A, A), b"", "configuration changed"),
-        ("running", "", None, (A, B), b"", "image changed (aaaaaaaaaaaa → bbbbbbbbbbbb)"),
-        ("running", "", None, (A, A), b"X=2\n", "env changed"),
-        ("running", "", None, (A, A), None, "env changed"),
+        ("exited", "", None, (A, A), "d1", "container exited"),
+        ("running", "the head was replaced", None, (A, A), "d1", "the head was replaced"),
+        ("running", "", "0000", (A, A), "d1", "configuration changed"),
+        ("running", "", None, (A, B), "d1", "image changed (aaaaaaaaaaaa → bbbbbbbbbbbb)"),
+        ("running", "", None, (A, A), "d2", "env or auth token changed"),
+        ("running", "", None, (A, A), None, "env or auth token changed"),
     ],
 )
 def test_decide_replaces_our_container_and_says_why(
-    state: str, force: str, config: str | None, ids: tuple[str, str], env_seen: bytes | None, reason: str
+    state: str, force: str, config: str | None, ids: tuple[str, str], seen: str | None, reason: str
 ) -> None:
     inv = _inv()
-    action, why = decide(_ours(inv, 1, state, config), inv, inv.hosts[1], force, ids, env_seen, b"")
+    action, why = decide(_ours(inv, 1, state, config), inv, inv.hosts[1], force, ids, seen, "d1")
     assert action == "replace"
     assert why.startswith(reason)
 
@@ -170,7 +170,7 @@ def test_plan_node_refuses_a_foreign_container_named_like_ours() -> None:
     row = '{"ID":"f00","Names":"raycluster-demo-worker","State":"running","Image":"x","Labels":""}'
     fake = FakeTransport(HOSTS[1], {"docker ps": row})
     with pytest.raises(OperationError) as info:
-        plan_node(fake, inv, inv.hosts[1], b"")
+        plan_node(fake, inv, inv.hosts[1], "d1")
     assert "did not start" in info.value.message and "docker rm -f raycluster-demo-worker" in info.value.hint
     assert not any("rm -f" in c for c in fake.commands)
 
@@ -353,3 +353,12 @@ def test_pull_runs_docker_pull_and_names_the_host_that_failed() -> None:
         distribute(inv, lambda h: hosts[str(h.address)], plan, None, Path("/nonexistent"))
     assert "1 host(s)" in info.value.message and HOSTS[2] in info.value.message and "denied" in info.value.message
     assert good.commands == ["docker pull -q raycluster/node:0.1.0"]
+
+
+def test_files_digest_changes_with_env_and_token() -> None:
+    from raycluster_cli.nodes import files_digest
+
+    base = files_digest(b"A='1'\n", b"tok")
+    assert base != files_digest(b"A='2'\n", b"tok")
+    assert base != files_digest(b"A='1'\n", b"other")
+    assert files_digest(b"A='1'\n", None) == files_digest(b"A='1'\n", b"")
