@@ -316,7 +316,9 @@ def down(inventory: Inventory, connect: Connect, *, purge: bool = False, progres
                 progress(f"purged {item} on {host.address}")
                 purged.append({"host": str(host.address), "item": item})
         local = state_dir(inventory)
-        if local.exists():
+        # Keep this machine's token while some host still has its copy: a re-run after fixing that host
+        # finishes the purge.
+        if local.exists() and not errors:
             shutil.rmtree(local)
             purged.append({"host": "localhost", "item": str(local)})
     return DownResult(removed, errors, purged)
