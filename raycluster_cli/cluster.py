@@ -166,6 +166,11 @@ def up(
     insecure: bool = False,
     progress: Progress = quiet,
 ) -> UpResult:
+    """Checks → image where missing → token and env files → head → workers in parallel → wait for all.
+
+    Idempotent: a node whose container already runs as the inventory asks is kept; one of ours that
+    differs is replaced and its NodeState says why. Raises NodesMissing naming each node that did not join.
+    """
     started = time.monotonic()
     if insecure:
         inventory = without_auth(inventory)
