@@ -28,7 +28,7 @@ from .diagnose import diagnose, gather
 from .errors import OperationError, RayclusterError
 from .images import ImageTransfer, demote_fixed_checks, distribute, local_image_id, plan_transfers, remote_image_ids
 from .inventory import HostConfig, Inventory
-from .nodes import Plan, apply, plan_node, prepare, probe, wait_head
+from .nodes import Plan, apply, files_digest, plan_node, prepare, probe, wait_head
 from .progress import Progress, quiet
 from .transport import Transport, quote
 from .transport.fanout import fanout
@@ -166,6 +166,11 @@ def up(
     insecure: bool = False,
     progress: Progress = quiet,
 ) -> UpResult:
+    """Checks → image where missing → token and env files → head → workers in parallel → wait for all.
+
+    Idempotent: a node whose container already runs as the inventory asks is kept; one of ours that
+    differs is replaced and its NodeState says why. Raises NodesMissing naming each node that did not join.
+    """
     started = time.monotonic()
     if insecure:
         inventory = without_auth(inventory)
@@ -180,12 +185,12 @@ def up(
     for transfer in transfers:
         progress(f"{transfer.host}: image {transfer.reason}: {transfer.method}ing it")
     images = distribute(inventory, connect, transfers, local_id, state_dir(inventory) / "images", progress)
-    if inventory.ray.auth == "token":
-        token = ensure_token(inventory)
+    token = ensure_token(inventory) if inventory.ray.auth == "token" else None
+    if token is not None:
         _raise_first(fanout(inventory.hosts, lambda h: connect(h).put(token, token_path_on_host(inventory))))
     envs = fanout(inventory.hosts, lambda h: prepare(connect(h), inventory, h))
     _raise_first(envs)
-    env_of = {str(h.address): o.value or b"" for h, o in envs}
+    env_of = {str(h.address): files_digest(o.value or b"", token) for h, o in envs}
     head = inventory.head_host
     head_transport = connect(head)
     head_plan = plan_node(head_transport, inventory, head, env_of[str(head.address)])
@@ -316,7 +321,9 @@ def down(inventory: Inventory, connect: Connect, *, purge: bool = False, progres
                 progress(f"purged {item} on {host.address}")
                 purged.append({"host": str(host.address), "item": item})
         local = state_dir(inventory)
-        if local.exists():
+        # Keep this machine's token while some host still has its copy: a re-run after fixing that host
+        # finishes the purge.
+        if local.exists() and not errors:
             shutil.rmtree(local)
             purged.append({"host": "localhost", "item": str(local)})
     return DownResult(removed, errors, purged)

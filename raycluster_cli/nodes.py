@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import time
 from dataclasses import dataclass
@@ -13,6 +14,7 @@ from .containers import (
     LABEL_CLUSTER,
     LABEL_CONFIG,
     LABEL_ROLE,
+    TOKEN_IN_CONTAINER,
     Container,
     config_hash,
     container_name,
@@ -58,7 +60,13 @@ class Plan:
     reason: str = ""
 
 
-def plan_node(transport: Transport, inventory: Inventory, host: HostConfig, env: bytes, force: str = "") -> Plan:
+def files_digest(env: bytes, token: bytes | None) -> str:
+    """Digest of the files a container reads at start (env file, token file): the same digest is computed
+    inside a running container, so a changed env or token is seen without either crossing the wire."""
+    return hashlib.sha256(env + (token or b"")).hexdigest()
+
+
+def plan_node(transport: Transport, inventory: Inventory, host: HostConfig, digest: str, force: str = "") -> Plan:
     """What `up` must do on `host`; refuse a container named like ours that this cluster did not start."""
     name = container_name(inventory, host)
     found = parse_ps(transport.run(inspect_name_command(name)).stdout)
@@ -70,8 +78,8 @@ def plan_node(transport: Transport, inventory: Inventory, host: HostConfig, env:
             f"{host.address}: a container named {name} exists that this cluster did not start",
             f"remove or rename it on {host.address} (docker rm -f {name}) if it is not needed",
         )
-    image_ids, env_seen = _container_view(transport, existing, inventory.image)
-    return Plan(*decide(existing, inventory, host, force, image_ids, env_seen, env))
+    image_ids, seen = _container_view(transport, existing, inventory.image)
+    return Plan(*decide(existing, inventory, host, force, image_ids, seen, digest))
 
 
 def decide(
@@ -80,8 +88,8 @@ def decide(
     host: HostConfig,
     force: str,
     image_ids: tuple[str, str],
-    env_seen: bytes | None,
-    env_wanted: bytes | None = None,
+    files_seen: str | None,
+    files_wanted: str | None = None,
 ) -> tuple[str, str]:
     """(action, reason) for one of our own containers (pure). Our containers are replaced when what the
     inventory asks for changed; the reason says what changed."""
@@ -93,23 +101,25 @@ def decide(
         return "replace", "configuration changed (docker options, resources or Ray settings)"
     if image_ids[0] != image_ids[1]:
         return "replace", f"image changed ({image_ids[0][7:19]} → {image_ids[1][7:19]})"
-    if env_wanted is not None and env_seen != env_wanted:
-        return "replace", "env changed"
+    if files_wanted is not None and files_seen != files_wanted:
+        return "replace", "env or auth token changed"
     return "keep", ""
 
 
-def _container_view(transport: Transport, existing: Container, image: str) -> tuple[tuple[str, str], bytes | None]:
-    """The container's image ID, the image name's ID now, and the env file the container started with."""
+def _container_view(transport: Transport, existing: Container, image: str) -> tuple[tuple[str, str], str | None]:
+    """The container's image ID, the image name's ID now, and the digest of the files the container started
+    with (bind mounts keep the file a container started with, even after `up` rewrote the host's copy)."""
     sep = "--raycluster--"
+    files = f"cat {ENV_IN_CONTAINER} {TOKEN_IN_CONTAINER} 2>/dev/null | sha256sum"
     out = transport.run(
         f"docker inspect --format '{{{{.Image}}}}' {quote(existing.id)}; echo {sep}; "
         f"docker image inspect --format '{{{{.Id}}}}' {quote(image)}; echo {sep}; "
-        f"docker exec {quote(existing.id)} cat {ENV_IN_CONTAINER} && echo {sep}ok"
+        f"docker exec {quote(existing.id)} sh -c {quote(files)}"
     ).stdout
     parts = out.split(sep)
     ids = (parts[0].strip(), parts[1].strip()) if len(parts) > 1 else ("", "?")
-    env = parts[2].removeprefix("\n").encode() if len(parts) > 3 and parts[3].strip() == "ok" else None
-    return ids, env
+    digest = parts[2].split()[0] if len(parts) > 2 and parts[2].split() else None
+    return ids, digest
 
 
 def apply(transport: Transport, inventory: Inventory, host: HostConfig, plan: Plan) -> str:

@@ -41,7 +41,7 @@ def invoke(*args: str) -> tuple[int, str, str]:
     return result.exit_code, result.stdout, result.stderr
 
 
-@pytest.mark.parametrize("verb", ["doctor", "up", "down", "bench"])
+@pytest.mark.parametrize("verb", ["doctor", "up", "down", "bench", "status", "logs"])
 def test_missing_inventory_is_a_usage_error(verb: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv("RAYCLUSTER_INVENTORY", raising=False)
@@ -53,7 +53,7 @@ def test_missing_inventory_is_a_usage_error(verb: str, tmp_path: Path, monkeypat
     assert "Traceback" not in err
 
 
-@pytest.mark.parametrize("verb", ["doctor", "up", "down", "bench"])
+@pytest.mark.parametrize("verb", ["doctor", "up", "down", "bench", "status", "logs"])
 def test_json_error_document(verb: str, tmp_path: Path) -> None:
     bad = tmp_path / "bad.yaml"
     bad.write_text("cluster: t\nimage: x\nhosts:\n  - {address: 192.0.2.1, role: head, typo: 1}\n")
@@ -153,3 +153,35 @@ def test_doctor_network_with_an_unreachable_host_still_answers(refused_inventory
     assert code == ExitCode.FAILED
     doc = json.loads(out)
     assert [c["id"] for c in doc["checks"] if c["status"] == "fail"] == ["ssh"]
+
+
+def test_status_unreachable_host_is_degraded_exit_1(refused_inventory: Path) -> None:
+    code, out, _ = invoke("status", "-i", str(refused_inventory), "--json")
+    assert code == ExitCode.FAILED
+    doc = json.loads(out)
+    assert doc["ok"] is False and doc["state"] == "down"
+    (host,) = doc["hosts"]
+    assert host["container"] == "unreachable" and "refused" in host["error"]
+    assert doc["totals"] == {"hosts": 1, "alive_nodes": 0, "resources": {}}
+
+
+def test_logs_unknown_host_is_a_usage_error(refused_inventory: Path, tmp_path: Path) -> None:
+    code, out, _ = invoke(
+        "logs", "-i", str(refused_inventory), "--host", "192.0.2.99", "--out", str(tmp_path), "--json"
+    )
+    assert code == ExitCode.USAGE
+    assert "192.0.2.99" in json.loads(out)["error"]["message"]
+
+
+def test_logs_unreachable_host_fails_naming_it(refused_inventory: Path, tmp_path: Path) -> None:
+    code, out, _ = invoke("logs", "-i", str(refused_inventory), "--out", str(tmp_path / "l"), "--json")
+    assert code == ExitCode.FAILED
+    (host,) = json.loads(out)["hosts"]
+    assert host["host"] == "127.0.0.1" and "refused" in host["error"]
+
+
+def test_up_insecure_warns_on_stderr_before_anything(refused_inventory: Path) -> None:
+    code, out, err = invoke("up", "-i", str(refused_inventory), "--insecure", "--json")
+    assert code == ExitCode.FAILED  # the host refuses SSH: preflight fails
+    assert "warning" in err and "authentication is OFF" in err
+    assert json.loads(out)["ok"] is False

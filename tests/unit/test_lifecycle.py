@@ -15,6 +15,7 @@ from raycluster_cli.images import ImageTransfer, demote_fixed_checks, plan_trans
 from raycluster_cli.logs import count_errors
 from raycluster_cli.nodes import decide, node_env
 from raycluster_cli.status import HostStatus, StatusResult, host_command, merge_nodes, parse_host
+from raycluster_cli.transport import CommandResult
 from raycluster_cli.transport.fake import FakeTransport
 
 from .conftest import EXAMPLE
@@ -140,25 +141,25 @@ def _ours(inv: inventory.Inventory, index: int, state: str = "running", config: 
 
 def test_decide_keeps_an_unchanged_running_container() -> None:
     inv = _inv()
-    assert decide(_ours(inv, 1), inv, inv.hosts[1], "", (A, A), b"X=1\n", b"X=1\n") == ("keep", "")
+    assert decide(_ours(inv, 1), inv, inv.hosts[1], "", (A, A), "d1", "d1") == ("keep", "")
 
 
 @pytest.mark.parametrize(
-    ("state", "force", "config", "ids", "env_seen", "reason"),
+    ("state", "force", "config", "ids", "seen", "reason"),
     [
-        ("exited", "", None, (A, A), b"", "container exited"),
-        ("running", "the head was replaced", None, (A, A), b"", "the head was replaced"),
-        ("running", "", "0000", (A, A), b"", "configuration changed"),
-        ("running", "", None, (A, B), b"", "image changed (aaaaaaaaaaaa → bbbbbbbbbbbb)"),
-        ("running", "", None, (A, A), b"X=2\n", "env changed"),
-        ("running", "", None, (A, A), None, "env changed"),
+        ("exited", "", None, (A, A), "d1", "container exited"),
+        ("running", "the head was replaced", None, (A, A), "d1", "the head was replaced"),
+        ("running", "", "0000", (A, A), "d1", "configuration changed"),
+        ("running", "", None, (A, B), "d1", "image changed (aaaaaaaaaaaa → bbbbbbbbbbbb)"),
+        ("running", "", None, (A, A), "d2", "env or auth token changed"),
+        ("running", "", None, (A, A), None, "env or auth token changed"),
     ],
 )
 def test_decide_replaces_our_container_and_says_why(
-    state: str, force: str, config: str | None, ids: tuple[str, str], env_seen: bytes | None, reason: str
+    state: str, force: str, config: str | None, ids: tuple[str, str], seen: str | None, reason: str
 ) -> None:
     inv = _inv()
-    action, why = decide(_ours(inv, 1, state, config), inv, inv.hosts[1], force, ids, env_seen, b"")
+    action, why = decide(_ours(inv, 1, state, config), inv, inv.hosts[1], force, ids, seen, "d1")
     assert action == "replace"
     assert why.startswith(reason)
 
@@ -170,7 +171,7 @@ def test_plan_node_refuses_a_foreign_container_named_like_ours() -> None:
     row = '{"ID":"f00","Names":"raycluster-demo-worker","State":"running","Image":"x","Labels":""}'
     fake = FakeTransport(HOSTS[1], {"docker ps": row})
     with pytest.raises(OperationError) as info:
-        plan_node(fake, inv, inv.hosts[1], b"")
+        plan_node(fake, inv, inv.hosts[1], "d1")
     assert "did not start" in info.value.message and "docker rm -f raycluster-demo-worker" in info.value.hint
     assert not any("rm -f" in c for c in fake.commands)
 
@@ -310,7 +311,6 @@ def test_diagnosis_exited_because_the_gcs_was_unreachable() -> None:
 def test_stream_sends_the_cached_archive_and_verifies_the_image_id(tmp_path: Path) -> None:
     from raycluster_cli.images import distribute
     from raycluster_cli.progress import TransferProgress
-    from raycluster_cli.transport import CommandResult
 
     inv = _inv()
     archive = tmp_path / "aaaaaaaaaaaa.tar.gz"
@@ -329,7 +329,6 @@ def test_stream_sends_the_cached_archive_and_verifies_the_image_id(tmp_path: Pat
 
 def test_stream_fails_when_the_loaded_image_has_another_id(tmp_path: Path) -> None:
     from raycluster_cli.images import distribute
-    from raycluster_cli.transport import CommandResult
 
     (tmp_path / "aaaaaaaaaaaa.tar.gz").write_bytes(b"x")
     fake = FakeTransport(
@@ -342,7 +341,6 @@ def test_stream_fails_when_the_loaded_image_has_another_id(tmp_path: Path) -> No
 
 def test_pull_runs_docker_pull_and_names_the_host_that_failed() -> None:
     from raycluster_cli.images import distribute
-    from raycluster_cli.transport import CommandResult
 
     inv = _inv("image_source: pull\n")
     good = FakeTransport(HOSTS[1], {"docker pull": "sha256:x"})
@@ -353,3 +351,57 @@ def test_pull_runs_docker_pull_and_names_the_host_that_failed() -> None:
         distribute(inv, lambda h: hosts[str(h.address)], plan, None, Path("/nonexistent"))
     assert "1 host(s)" in info.value.message and HOSTS[2] in info.value.message and "denied" in info.value.message
     assert good.commands == ["docker pull -q raycluster/node:0.1.0"]
+
+
+def test_files_digest_changes_with_env_and_token() -> None:
+    from raycluster_cli.nodes import files_digest
+
+    base = files_digest(b"A='1'\n", b"tok")
+    assert base != files_digest(b"A='2'\n", b"tok")
+    assert base != files_digest(b"A='1'\n", b"other")
+    assert files_digest(b"A='1'\n", None) == files_digest(b"A='1'\n", b"")
+
+
+# down --purge with fake hosts --------------------------------------------------------------------
+
+
+def _purge_hosts(rmi: CommandResult) -> dict[str, FakeTransport]:
+    table: dict[str, CommandResult | str] = {
+        "docker ps": "",
+        "docker image inspect": A,
+        "docker rmi": rmi,
+        "test -e": "",
+        "rm -rf": "",
+    }
+    return {h: FakeTransport(h, table) for h in HOSTS}
+
+
+def test_down_purge_removes_image_host_files_and_local_state(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from raycluster_cli.cluster import down, ensure_token, state_dir
+
+    monkeypatch.setenv("RAYCLUSTER_STATE_DIR", str(tmp_path))
+    inv = _inv()
+    ensure_token(inv)
+    hosts = _purge_hosts(CommandResult(0, "Untagged", ""))
+    result = down(inv, lambda h: hosts[str(h.address)], purge=True)
+    assert result.ok and result.removed == []
+    purged = {(p["host"], p["item"]) for p in result.purged}
+    for host in HOSTS:
+        assert (host, "image raycluster/node:0.1.0") in purged and (host, "/etc/raycluster/demo") in purged
+        assert "rm -rf -- /etc/raycluster/demo" in hosts[host].commands
+    assert ("localhost", str(state_dir(inv))) in purged and not state_dir(inv).exists()
+    kept = down(inv, lambda h: _purge_hosts(CommandResult(0, "", ""))[str(h.address)])
+    assert kept.purged == []
+
+
+def test_down_purge_keeps_the_local_token_while_a_host_failed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from raycluster_cli.cluster import down, ensure_token, state_dir
+
+    monkeypatch.setenv("RAYCLUSTER_STATE_DIR", str(tmp_path))
+    inv = _inv()
+    ensure_token(inv)
+    hosts = _purge_hosts(CommandResult(1, "", "conflict: unable to remove repository reference"))
+    result = down(inv, lambda h: hosts[str(h.address)], purge=True)
+    assert not result.ok
+    assert {e["host"] for e in result.errors} == set(HOSTS) and "a container still uses it" in result.errors[0]["error"]
+    assert state_dir(inv).exists()
