@@ -211,7 +211,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             if spec != "even":
                 even_ranges = ranges_for("even", replicas)
                 even = measure(replicas, even_ranges, params)
-                references["even"] = _reference(result, even, {"partition_ranges": [[list(r) for r in even_ranges[0]]]})
+                references["even"] = _reference(result, even, {"partition_ranges": [list(r) for r in even_ranges[0]]})
             fastest = min(first_on_node, key=lambda nid: sum(costs[nid]))
             solo = [[first_on_node[fastest]]]
             whole = measure(solo, [[(0, cfg.num_units)]], params)

@@ -21,6 +21,7 @@ import torch
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from raycluster_cli.bench.model import ModelConfig, Stage
+from raycluster_cli.bench.scheduling import torch_threads
 
 # Idle OpenMP threads sleep instead of spinning: several stages may share a machine's cores (a lab on
 # one host, other tenants), and spinning threads of one stage then steal the CPU of the next.
@@ -45,10 +46,10 @@ def node_ip(node_id: str) -> str:
 
 
 def node_cpu_count(node_id: str) -> int:
-    """CPUs Ray advertises for ``node_id``, capped by the CPUs this process may run on."""
+    """Torch threads for ``node_id``: the CPUs Ray advertises (rounded up), capped by the usable cores."""
     advertised = float(_node_entry(node_id).get("Resources", {}).get("CPU", 0.0))
     usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, min(int(advertised) or usable, usable))
+    return torch_threads(advertised, usable)
 
 
 def pick_device() -> str:

@@ -5,6 +5,7 @@ No torch, no Ray: everything here is unit-tested with plain numbers.
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Sequence
 
@@ -104,3 +105,16 @@ def ceiling_tokens_per_s(tokens_per_replica: Sequence[int], busiest_per_replica:
         if busiest > 0:
             total += tokens / busiest
     return total
+
+
+def torch_threads(advertised_cpus: float, usable_cores: int) -> int:
+    """Threads for a stage: the node's CPUs in Ray, rounded up, never more than the usable cores.
+
+    A container limited to a fractional quota (``--cpus=0.25``) advertises 0.25 CPUs: that is one
+    thread, not all the cores of the machine (two threads would burn the quota twice as fast and
+    then both stall).  0 (nothing advertised) falls back to the usable cores.
+    """
+    usable = max(1, usable_cores)
+    if advertised_cpus <= 0:
+        return usable
+    return max(1, min(math.ceil(advertised_cpus - 1e-9), usable))

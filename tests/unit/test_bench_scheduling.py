@@ -16,6 +16,7 @@ from raycluster_cli.bench.scheduling import (
     power_of_two_choice,
     predicted_busy,
     scaling_efficiency,
+    torch_threads,
 )
 
 
@@ -75,3 +76,13 @@ def test_sweep_helpers_and_ceiling() -> None:
     # two replicas: 100 tokens with a 2 s bottleneck, 60 with 3 s -> 50 + 20 tokens/s
     assert ceiling_tokens_per_s([100, 60], [2.0, 3.0]) == pytest.approx(70.0)
     assert ceiling_tokens_per_s([10], [0.0]) == 0.0
+
+
+def test_torch_threads_follow_the_cpus_ray_advertises() -> None:
+    assert torch_threads(0.25, 2) == 1  # a fractional quota is one thread, not every core
+    assert torch_threads(0.6, 16) == 1
+    assert torch_threads(1.0, 16) == 1
+    assert torch_threads(2.5, 16) == 3
+    assert torch_threads(8.0, 4) == 4  # never more than the cores this process may use
+    assert torch_threads(0.0, 4) == 4  # nothing advertised: the usable cores
+    assert torch_threads(3.0, 0) == 1

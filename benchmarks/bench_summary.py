@@ -1,0 +1,60 @@
+"""Medians of repeated `raycluster bench --json` results (written by bench_quota.sh).
+
+Usage: python benchmarks/bench_summary.py DIR LABEL   (reads DIR/round-*.json)
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+
+def _flat(ranges: list[Any]) -> list[list[int]]:
+    """Ranges of replica 0 (older results nest them one level deeper)."""
+    return ranges[0] if ranges and isinstance(ranges[0][0], list) else ranges
+
+
+def main(directory: str, label: str) -> None:
+    docs = [json.loads(p.read_text()) for p in sorted(Path(directory).glob("round-*.json"))]
+    docs = [d for d in docs if d.get("ok")]
+    if not docs:
+        sys.exit(f"no successful results in {directory}")
+
+    def med(f: Any) -> float:
+        return statistics.median(f(d) for d in docs)
+
+    def ref(name: str, key: str) -> Any:
+        return lambda d: d["references"][name][key]
+
+    even_layers = [
+        b - a - (1 if a == 0 else 0) - (1 if i == 2 else 0)
+        for i, (a, b) in enumerate(_flat(docs[0]["references"]["even"]["partition_ranges"]))
+    ]
+    print(f"{label}: {len(docs)} rounds, medians")
+    print(f"  balanced layers per round: {[[s['layers'] for s in d['stages']] for d in docs]}; even: {even_layers}")
+    print(
+        f"  balanced: {med(lambda d: d['tokens_per_s']):.1f} tok/s, imbalance {med(lambda d: d['imbalance']):.3f}, "
+        f"T_max-T_min {med(lambda d: d['t_max_minus_t_min_s']):.3f} s, utilisation {med(lambda d: d['utilisation']):.2f}"
+    )
+    print(f"  even:     {med(ref('even', 'tokens_per_s')):.1f} tok/s, imbalance {med(ref('even', 'imbalance')):.3f}")
+    print(
+        f"  unsharded ({docs[0]['references']['unsharded'].get('host', '?')}): {med(ref('unsharded', 'tokens_per_s')):.1f} tok/s"
+    )
+    print(f"  ceiling:  {med(ref('ceiling', 'tokens_per_s')):.1f} tok/s")
+    print(
+        f"  ratios: balanced/even {med(ref('even', 'ratio')):.2f}x, balanced/unsharded {med(ref('unsharded', 'ratio')):.2f}x, "
+        f"balanced/ceiling {med(ref('ceiling', 'ratio')):.2f}x"
+    )
+    print(f"  per-hop overhead (no-op stages): {1000 * med(lambda d: d['hop_overhead']['per_hop_s']):.2f} ms")
+    for i, d in enumerate(docs, 1):
+        stages = ", ".join(
+            f"{s['host']} {s['layers']}L T={s['busy_s']:.2f}s pred={s['predicted_s']:.2f}s" for s in d["stages"]
+        )
+        print(f"  round {i}: {stages}; imbalance {d['imbalance']:.3f}, x even {d['references']['even']['ratio']:.2f}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else sys.argv[1])
