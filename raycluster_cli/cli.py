@@ -288,6 +288,9 @@ def bench_command(
     calibration_repeats: Annotated[int, typer.Option(min=1, help="timed rounds per unit type (median)")] = 5,
     refine: Annotated[int, typer.Option(min=0, help="pilot runs that correct the calibration (balanced)")] = 2,
     check_output: Annotated[bool, typer.Option(help="also compare greedy tokens with the unsharded model")] = False,
+    network_check: Annotated[
+        bool, typer.Option(help="measure latency, bandwidth and MTU head ↔ each worker first (as doctor --network)")
+    ] = True,
     timeout: Annotated[float, typer.Option(help="seconds the whole benchmark may take")] = 1800.0,
     save_result: Annotated[Path | None, typer.Option(help="also write the JSON result to this file")] = None,
     json_mode: JsonOpt = False,
@@ -311,8 +314,11 @@ def bench_command(
         if check_output:
             args.append("--check-output")
         with _cluster(inventory_path) as (inv, pool):
+            network = measure_network(inv, pool, output.progress(), seconds=1.0) if network_check else []
             output.progress()(f"running the benchmark on {len(inv.hosts)} node(s)")
             document = bench(inv, pool, args, timeout_s=timeout)
+        if network_check:
+            document["network"] = [r.to_dict() for r in network]
         document.pop("schema_version", None)
         ok = bool(document.pop("ok", True))
         if save_result:

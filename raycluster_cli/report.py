@@ -341,6 +341,9 @@ def render_bench(output: Output, body: dict[str, Any]) -> None:
         )
         output.line(f"replica load (power of two choices): {loads}")
     _render_sweep(output, body.get("sweep"))
+    for finding in body.get("network", []):
+        colour = "yellow" if finding["status"] != "ok" else "dim"
+        output.line(f"[{colour}]network {finding['id']} {finding['host']}: {_escape(finding['message'])}[/{colour}]")
     check = body.get("output_check")
     if check:
         verdict = "identical" if check.get("identical") else "[red]DIFFERENT[/red]"

@@ -113,6 +113,10 @@ def test_bench_runs_one_stage_per_host(lab_hosts: Lab) -> None:
     assert doc["tokens_per_s"] > 0
     assert doc["imbalance"] >= 0
     assert doc["output_check"]["identical"] is True
+    # The network between the head and each worker is measured before every bench.
+    measured = {n["host"]: n["data"] for n in doc["network"] if n["id"] == "network"}
+    assert set(measured) == {IP2, IP3}
+    assert all(m["to_head_bps"] > 0 and m["from_head_bps"] > 0 for m in measured.values())
 
 
 def test_down_removes_everything_and_is_idempotent(lab_hosts: Lab) -> None:
