@@ -9,6 +9,9 @@ BASE_IMAGE=${BASE_IMAGE:-raycluster/debian-base:bookworm}
 NODE_IMAGE=${NODE_IMAGE:-raycluster/node:0.1.0}
 LAB_IMAGE=${LAB_IMAGE:-raycluster/labhost:0.1.0}
 PYTHON=${PYTHON:-python3}
+# The Ray version lives in one place, raycluster_cli/versions.py (doctor checks images against it).
+RAY_VERSION=$(sed -n 's/^RAY_VERSION = "\(.*\)"/\1/p' raycluster_cli/versions.py)
+TORCH_VERSION=2.13.0
 log() { echo "[build-images] $*" >&2; }
 
 if ! "$DOCKER" image inspect "$BASE_IMAGE" >/dev/null 2>&1; then
@@ -23,14 +26,15 @@ if ! "$DOCKER" image inspect "$BASE_IMAGE" >/dev/null 2>&1; then
 fi
 
 mkdir -p .cache/wheelhouse
-if ! ls .cache/wheelhouse/ray-2.60.0-*.whl .cache/wheelhouse/torch-2.13.0*.whl >/dev/null 2>&1; then
+if ! ls .cache/wheelhouse/ray-"$RAY_VERSION"-*.whl .cache/wheelhouse/torch-"$TORCH_VERSION"*.whl >/dev/null 2>&1; then
   log "downloading the wheelhouse"
-  "$PYTHON" -m pip download -q "ray[default]==2.60.0" "torch==2.13.0" numpy -d .cache/wheelhouse
+  "$PYTHON" -m pip download -q "ray[default]==$RAY_VERSION" "torch==$TORCH_VERSION" numpy -d .cache/wheelhouse
 fi
 
 build() {  # build IMAGE DOCKERFILE
   log "building $1"
   DOCKER_BUILDKIT=0 "$DOCKER" build -q --network host --build-arg BASE_IMAGE="$BASE_IMAGE" \
+    --build-arg RAY_VERSION="$RAY_VERSION" --build-arg TORCH_VERSION="$TORCH_VERSION" \
     -t "$1" -f "$2" . >/dev/null
 }
 # Always build: cached layers make an unchanged image a no-op, and a changed one is rebuilt.
