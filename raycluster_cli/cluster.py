@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from .checks import CheckResult, Status, run_checks
+from .checks.catalog import ALL_CHECKS
 from .containers import (
     container_name,
     host_state_dir,
@@ -185,6 +186,8 @@ def up(
     for transfer in transfers:
         progress(f"{transfer.host}: image {transfer.reason}: {transfer.method}ing it")
     images = distribute(inventory, connect, transfers, local_id, state_dir(inventory) / "images", progress)
+    if transfers:
+        checks = _recheck_image_runtime(inventory, connect, checks, {t.host for t in transfers}, ignore)
     token = ensure_token(inventory) if inventory.ray.auth == "token" else None
     if token is not None:
         _raise_first(fanout(inventory.hosts, lambda h: connect(h).put(token, token_path_on_host(inventory))))
@@ -235,6 +238,18 @@ def up(
     if missing:
         raise _missing_error(inventory, connect, missing, reported, timeout_s)
     return UpResult(inventory, nodes, checks, time.monotonic() - started, images, warnings)
+
+
+def _recheck_image_runtime(
+    inventory: Inventory, connect: Connect, checks: list[CheckResult], fixed: set[str], ignore: frozenset[str]
+) -> list[CheckResult]:
+    """The image `up` just delivered is checked for its Ray and Python versions like any other host's."""
+    runtime = [c for c in ALL_CHECKS if c.id == "image-runtime"]
+    again = [r for r in run_checks(inventory, connect, runtime, ignore, hosts=fixed) if r.id == "image-runtime"]
+    checks = [r for r in checks if not (r.id == "image-runtime" and r.host in fixed)] + again
+    if any(r.status == Status.FAIL for r in again):
+        raise PreflightFailed(checks)
+    return checks
 
 
 def _missing_error(

@@ -22,10 +22,16 @@ def run_checks(
     connect: Connect,
     checks: Iterable[Check] = ALL_CHECKS,
     ignore: frozenset[str] = frozenset(),
+    hosts: Iterable[str] | None = None,
 ) -> list[CheckResult]:
-    """Every check on every host, then the cross-host ones; an unreachable host yields one `ssh` failure."""
+    """Every check on every host, then the cross-host ones; an unreachable host yields one `ssh` failure.
+
+    `hosts` (addresses) limits the run to those hosts and leaves the cross-host checks out.
+    """
     checks = tuple(checks)
-    outcomes = fanout(inventory.hosts, lambda host: _check_host(inventory, host, connect, checks))
+    chosen = None if hosts is None else set(hosts)
+    targets = [h for h in inventory.hosts if chosen is None or str(h.address) in chosen]
+    outcomes = fanout(targets, lambda host: _check_host(inventory, host, connect, checks))
     results: list[CheckResult] = []
     outputs: Outputs = {}
     for host, outcome in outcomes:
@@ -34,7 +40,7 @@ def run_checks(
             outputs[str(host.address)] = outcome.value[1]
         else:
             results.append(_error_result("ssh", str(host.address), outcome.error))
-    for cross in CROSS_CHECKS:
+    for cross in CROSS_CHECKS if chosen is None else ():
         results.extend(cross(inventory, results, outputs))
     return [_demote(r, ignore) for r in results]
 

@@ -56,6 +56,7 @@ def test_up_streams_the_image_to_exactly_the_host_that_lacks_it(lab_hosts: Lab) 
     assert [(t["host"], t["method"], t["reason"]) for t in doc["images"]] == [(IP3, "stream", "missing")]
     assert doc["images"][0]["bytes_sent"] > 100_000_000
     assert {c["id"] for c in doc["checks"]} == {"image"}  # the demoted check is reported as a warning
+    # ... and the image that was streamed has had its Ray and Python versions checked like the others
     assert lab_hosts.sh("lab-h3", f"docker image inspect --format '{{{{.Id}}}}' {lab.NODE_IMAGE}").strip() == (
         _local_image_id()
     )

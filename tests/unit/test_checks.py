@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from raycluster_cli import inventory
-from raycluster_cli.checks import Status, ignore_ids, run_checks
+from raycluster_cli.checks import ALL_CHECKS, Status, ignore_ids, run_checks
 from raycluster_cli.errors import TransportError, UsageError
 from raycluster_cli.inventory import HostConfig
 from raycluster_cli.transport.base import CommandResult
@@ -182,3 +182,15 @@ def test_ports_held_by_our_running_head_are_fine(example_yaml: str) -> None:
     ours = "LISTEN 0 4096 0.0.0.0:6379 0.0.0.0:*\n---\n3f2a9c\n"
     tables = fleet(**{"192.0.2.11": healthy("192.0.2.11", "node-1", **{HEAD_PORTS: ours})})
     assert failures(run(example_yaml, tables)) == []
+
+
+def test_a_run_limited_to_some_hosts_checks_only_those_and_no_cross_host_check(example_yaml: str) -> None:
+    inv = inventory.parse(example_yaml)
+    tables = fleet()
+    tables["192.0.2.12"] = healthy("192.0.2.12", "node-2", **{r"^docker image inspect": "sha256:" + "cd" * 32})
+    runtime = [c for c in ALL_CHECKS if c.id == "image-runtime"]
+    results = run_checks(
+        inv, lambda h: FakeTransport(str(h.address), tables[str(h.address)]), runtime, hosts={"192.0.2.13"}
+    )
+    assert {(r.host, r.id) for r in results} == {("192.0.2.13", "ssh"), ("192.0.2.13", "image-runtime")}
+    assert all(r.status == Status.OK for r in results)
