@@ -15,7 +15,7 @@ import typer
 from . import __version__, inventory, lab
 from .checks import Status, demote, ignore_ids, run_checks
 from .checks.network import Tool, measure_network
-from .cluster import NodesMissing, PreflightFailed, SSHPool, bench, down, state_dir, up
+from .cluster import NodesMissing, PreflightFailed, SSHPool, bench, state_dir, up
 from .errors import ExitCode, RayclusterError, UsageError
 from .inventory import Inventory
 from .logs import collect
@@ -30,6 +30,7 @@ from .report import (
     render_up,
 )
 from .status import status
+from .teardown import down
 
 app = typer.Typer(
     name="raycluster",

@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import os
 import secrets
-import shutil
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -19,9 +18,7 @@ from .checks import CheckResult, Status, run_checks
 from .checks.catalog import ALL_CHECKS
 from .containers import (
     container_name,
-    host_state_dir,
     inspect_name_command,
-    list_cluster_containers,
     parse_ps,
     token_path_on_host,
 )
@@ -218,10 +215,13 @@ def up(
     _raise_first(actions)
     progress("waiting for every node to join")
     expected = {inventory.node_ip(h): h for h in inventory.hosts}
-    reported = probe(head_transport, inventory, sorted(expected), timeout_s, stale)
+    reported, retried = _wait_nodes(inventory, connect, sorted(expected), stale, timeout_s, progress)
     alive = {n["node_ip"]: n for n in reported if n["alive"] and n["node_id"] not in stale}
     action_of = {str(head.address): head_action} | {str(h.address): o.value or "" for h, o in actions}
     reason_of = {str(head.address): head_plan.reason} | {a: p.reason for a, p in plan_of.items()}
+    for address in retried:
+        action_of[address] = "restarted"
+        reason_of[address] = "; ".join(filter(None, [reason_of.get(address, ""), RETRIED]))
     nodes = [
         NodeState(
             str(h.address),
@@ -252,6 +252,48 @@ def _recheck_image_runtime(
     return checks
 
 
+RETRIED = "its container exited while starting: started once more"
+_POLL_S = 20.0
+
+
+def _wait_nodes(
+    inventory: Inventory,
+    connect: Connect,
+    expected: list[str],
+    stale: list[str],
+    timeout_s: float,
+    progress: Progress,
+) -> tuple[list[dict[str, Any]], list[str]]:
+    """Wait until every expected node is alive; start once more a worker whose container exited meanwhile.
+
+    Ray gives a starting worker's raylet a fixed 30 s to register, which a loaded host can miss; a second
+    start usually joins. Stops early when every missing worker's container exited after its second start.
+    Returns the head's node list and the addresses started once more.
+    """
+    head = connect(inventory.head_host)
+    deadline = time.monotonic() + timeout_s
+    retried: list[str] = []
+    while True:
+        window = max(0.0, min(_POLL_S, deadline - time.monotonic()))
+        nodes = probe(head, inventory, expected, window, stale)
+        alive = {n["node_ip"] for n in nodes if n["alive"] and n["node_id"] not in stale}
+        ghosts = any(n["alive"] and n["node_id"] in stale for n in nodes)
+        if (set(expected) <= alive and not ghosts) or time.monotonic() >= deadline:
+            return nodes, retried
+        missing = [h for h in inventory.workers if inventory.node_ip(h) not in alive]
+        states = fanout(
+            missing, lambda h: parse_ps(connect(h).run(inspect_name_command(container_name(inventory, h))).stdout)
+        )
+        exited = [h for h, o in states if o.value and not o.value[0].running]
+        fresh = [h for h in exited if str(h.address) not in retried]
+        if missing and not fresh and len(exited) == len(missing):
+            return nodes, retried
+        for host in fresh:
+            progress(f"{host.address}: the worker container exited while starting; starting it once more")
+            retried.append(str(host.address))
+        _raise_first(fanout(fresh, lambda h: apply(connect(h), inventory, h, Plan("replace"))))
+
+
 def _missing_error(
     inventory: Inventory, connect: Connect, missing: list[HostConfig], nodes: list[dict[str, Any]], timeout_s: float
 ) -> NodesMissing:
@@ -278,94 +320,6 @@ def _raise_first(outcomes: list[Any]) -> None:
     for _, outcome in outcomes:
         if outcome.error is not None:
             raise outcome.error
-
-
-@dataclass
-class DownResult:
-    removed: list[dict[str, str]]
-    errors: list[dict[str, str]]
-    purged: list[dict[str, str]] = field(default_factory=list)
-
-    @property
-    def ok(self) -> bool:
-        return not self.errors
-
-
-def down(inventory: Inventory, connect: Connect, *, purge: bool = False, progress: Progress = quiet) -> DownResult:
-    """Remove this cluster's labelled containers: workers in parallel first, then the head.
-
-    With `purge`, also the image on every host, the files `up` put there (/etc/raycluster/<cluster>) and
-    the token and image archive in this machine's state dir.
-    """
-    removed: list[dict[str, str]] = []
-    errors: list[dict[str, str]] = []
-    purged: list[dict[str, str]] = []
-
-    def remove_on(host: HostConfig) -> list[str]:
-        transport = connect(host)
-        names = []
-        for container in list_cluster_containers(transport, inventory):
-            result = transport.run("docker rm -f " + quote(container.id), timeout=120)
-            if not result.ok:
-                raise OperationError(
-                    f"{host.address}: cannot remove {container.name}: {result.first_line()}",
-                    "check Docker there",
-                )
-            names.append(container.name)
-        return names
-
-    def record_error(host: HostConfig, error: BaseException) -> None:
-        message = error.one_line() if isinstance(error, RayclusterError) else str(error)
-        errors.append({"host": str(host.address), "error": message})
-
-    for group in (inventory.workers, [inventory.head_host]):
-        for host, outcome in fanout(group, remove_on):
-            if outcome.error is not None:
-                record_error(host, outcome.error)
-            for name in outcome.value or []:
-                progress(f"removed {name} on {host.address}")
-                removed.append({"host": str(host.address), "container": name})
-    if purge:
-        failed = {e["host"] for e in errors}
-        for host, outcome in fanout(
-            [h for h in inventory.hosts if str(h.address) not in failed], _purge_host(inventory, connect)
-        ):
-            if outcome.error is not None:
-                record_error(host, outcome.error)
-            for item in outcome.value or []:
-                progress(f"purged {item} on {host.address}")
-                purged.append({"host": str(host.address), "item": item})
-        local = state_dir(inventory)
-        # Keep this machine's token while some host still has its copy: a re-run after fixing that host
-        # finishes the purge.
-        if local.exists() and not errors:
-            shutil.rmtree(local)
-            purged.append({"host": "localhost", "item": str(local)})
-    return DownResult(removed, errors, purged)
-
-
-def _purge_host(inventory: Inventory, connect: Connect) -> Callable[[HostConfig], list[str]]:
-    def purge(host: HostConfig) -> list[str]:
-        transport = connect(host)
-        done = []
-        present = transport.run("docker image inspect --format '{{.Id}}' " + quote(inventory.image))
-        if present.ok:
-            result = transport.run("docker rmi " + quote(inventory.image), timeout=300)
-            if not result.ok:
-                raise OperationError(
-                    f"{host.address}: cannot remove image {inventory.image}: {result.first_line()}",
-                    f"a container still uses it: see `docker ps -a` on {host.address}",
-                )
-            done.append(f"image {inventory.image}")
-        folder = host_state_dir(inventory)
-        if transport.run(f"test -e {quote(folder)}").ok:
-            result = transport.run(f"rm -rf -- {quote(folder)}")
-            if not result.ok:
-                raise OperationError(f"{host.address}: cannot remove {folder}: {result.first_line()}", "check there")
-            done.append(folder)
-        return done
-
-    return purge
 
 
 def bench(inventory: Inventory, connect: Connect, driver_args: list[str], timeout_s: float = 900.0) -> dict[str, Any]:

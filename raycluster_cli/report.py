@@ -169,7 +169,7 @@ def render_up(output: Output, body: dict[str, Any]) -> None:
         table.add_column(column)
     for node in body["nodes"]:
         resources = node.get("resources", {})
-        action = node.get("action", "") + (f" ({node['reason']})" if node.get("reason") else "")
+        action = node.get("action", "")
         table.add_row(
             node["host"],
             node["role"],
@@ -181,6 +181,9 @@ def render_up(output: Output, body: dict[str, Any]) -> None:
             _escape(_other_resources(resources)),
         )
     output.out.print(table)
+    for node in body["nodes"]:
+        if node.get("reason"):
+            output.line(f"{node['host']}: {node['action']}: {_escape(node['reason'])}")
     for item in body.get("images", []):
         output.line(
             f"image {item['method']}ed to {item['host']} ({item['reason']}): "

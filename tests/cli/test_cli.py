@@ -185,3 +185,13 @@ def test_up_insecure_warns_on_stderr_before_anything(refused_inventory: Path) ->
     assert code == ExitCode.FAILED  # the host refuses SSH: preflight fails
     assert "warning" in err and "authentication is OFF" in err
     assert json.loads(out)["ok"] is False
+
+
+def test_next_steps_name_the_token_file_not_the_token() -> None:
+    steps = cli._next_steps("192.0.2.11", 6379, "http://192.0.2.11:8265", "/state/demo/auth-token", "inv.yaml")
+    assert steps["ray_address"] == "192.0.2.11:6379"
+    assert steps["submit_job"].startswith("RAY_AUTH_MODE=token RAY_AUTH_TOKEN_PATH=/state/demo/auth-token ray job")
+    assert "--address http://192.0.2.11:8265" in steps["submit_job"]
+    assert steps["status"] == "raycluster status -i inv.yaml"
+    insecure = cli._next_steps("192.0.2.11", 6379, "http://192.0.2.11:8265", None, None)
+    assert insecure["submit_job"].startswith("ray job submit") and insecure["logs"] == "raycluster logs"

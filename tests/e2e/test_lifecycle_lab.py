@@ -174,6 +174,7 @@ def test_up_timeout_names_the_worker_that_cannot_join_and_why(lab_hosts: Lab, gc
 
 
 def test_insecure_turns_auth_off_with_a_warning_and_up_turns_it_back_on(lab_hosts: Lab) -> None:
+    _up(lab_hosts)
     code, doc, err = lab_hosts.cli("up", "--insecure", timeout=1500)
     assert code == 0, err
     assert doc["auth"] == "none" and doc["auth_token_file"] is None

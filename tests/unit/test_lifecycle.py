@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -377,7 +378,8 @@ def _purge_hosts(rmi: CommandResult) -> dict[str, FakeTransport]:
 
 
 def test_down_purge_removes_image_host_files_and_local_state(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from raycluster_cli.cluster import down, ensure_token, state_dir
+    from raycluster_cli.cluster import ensure_token, state_dir
+    from raycluster_cli.teardown import down
 
     monkeypatch.setenv("RAYCLUSTER_STATE_DIR", str(tmp_path))
     inv = _inv()
@@ -395,7 +397,8 @@ def test_down_purge_removes_image_host_files_and_local_state(tmp_path: Path, mon
 
 
 def test_down_purge_keeps_the_local_token_while_a_host_failed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from raycluster_cli.cluster import down, ensure_token, state_dir
+    from raycluster_cli.cluster import ensure_token, state_dir
+    from raycluster_cli.teardown import down
 
     monkeypatch.setenv("RAYCLUSTER_STATE_DIR", str(tmp_path))
     inv = _inv()
@@ -405,3 +408,69 @@ def test_down_purge_keeps_the_local_token_while_a_host_failed(tmp_path: Path, mo
     assert not result.ok
     assert {e["host"] for e in result.errors} == set(HOSTS) and "a container still uses it" in result.errors[0]["error"]
     assert state_dir(inv).exists()
+
+
+# waiting for the nodes: one more start for a worker whose container exited -----------------------
+
+
+class _Host(FakeTransport):
+    """A fake host whose worker container exits on its first start and runs after the second."""
+
+    def __init__(self, host: str, exits_first: bool, exits_always: bool = False) -> None:
+        super().__init__(host, {})
+        self.starts = 1
+        self.exits_first = exits_first
+        self.exits_always = exits_always
+
+    def running(self) -> bool:
+        return not (self.exits_always or (self.exits_first and self.starts == 1))
+
+    def run(self, command: str, *, stdin: bytes | None = None, timeout: float | None = 120.0) -> CommandResult:
+        self.commands.append(command)
+        if command.startswith("docker run"):
+            self.starts += 1
+            return CommandResult(0, "id", "")
+        if command.startswith("docker ps"):
+            state = "running" if self.running() else "exited"
+            return CommandResult(0, f'{{"ID":"c","Names":"n","State":"{state}","Image":"i","Labels":""}}', "")
+        return CommandResult(0, "", "")
+
+
+class _Head(_Host):
+    def __init__(self, workers: dict[str, _Host]) -> None:
+        super().__init__(HOSTS[0], False)
+        self.workers = workers
+
+    def run(self, command: str, *, stdin: bytes | None = None, timeout: float | None = 120.0) -> CommandResult:
+        if "raycluster_cli.probe" in command:
+            nodes = [{"node_ip": HOSTS[0], "node_id": "h", "alive": True}] + [
+                {"node_ip": ip, "node_id": ip, "alive": w.running()} for ip, w in self.workers.items()
+            ]
+            return CommandResult(0, json.dumps({"nodes": nodes}), "")
+        return super().run(command, stdin=stdin, timeout=timeout)
+
+
+def _wait(workers: dict[str, _Host]) -> tuple[list[dict[str, object]], list[str], list[str]]:
+    from raycluster_cli.cluster import _wait_nodes
+
+    inv = _inv()
+    hosts: dict[str, FakeTransport] = {HOSTS[0]: _Head(workers), **workers}
+    said: list[str] = []
+    nodes, retried = _wait_nodes(inv, lambda h: hosts[str(h.address)], list(HOSTS), [], 60, said.append)  # type: ignore[arg-type]
+    return nodes, retried, said
+
+
+def test_a_worker_that_exited_while_starting_is_started_once_more() -> None:
+    workers = {HOSTS[1]: _Host(HOSTS[1], False), HOSTS[2]: _Host(HOSTS[2], True)}
+    nodes, retried, said = _wait(workers)
+    assert retried == [HOSTS[2]]
+    assert workers[HOSTS[2]].starts == 2 and workers[HOSTS[1]].starts == 1
+    assert all(n["alive"] for n in nodes)
+    assert said == [f"{HOSTS[2]}: the worker container exited while starting; starting it once more"]
+
+
+def test_a_worker_that_exits_again_stops_the_wait_early() -> None:
+    workers = {HOSTS[1]: _Host(HOSTS[1], False), HOSTS[2]: _Host(HOSTS[2], True, exits_always=True)}
+    nodes, retried, _ = _wait(workers)
+    assert retried == [HOSTS[2]] and workers[HOSTS[2]].starts == 2
+    assert {n["node_ip"]: n["alive"] for n in nodes}[HOSTS[2]] is False

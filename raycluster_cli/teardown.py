@@ -1,0 +1,106 @@
+"""`down`: remove this cluster's containers (and with --purge the image and files `up` put on the hosts).
+
+Never prints: progress goes through the callback the caller gives.
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from .cluster import Connect, state_dir
+from .containers import host_state_dir, list_cluster_containers
+from .errors import OperationError, RayclusterError
+from .inventory import HostConfig, Inventory
+from .progress import Progress, quiet
+from .transport import quote
+from .transport.fanout import fanout
+
+
+@dataclass
+class DownResult:
+    removed: list[dict[str, str]]
+    errors: list[dict[str, str]]
+    purged: list[dict[str, str]] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.errors
+
+
+def down(inventory: Inventory, connect: Connect, *, purge: bool = False, progress: Progress = quiet) -> DownResult:
+    """Remove this cluster's labelled containers: workers in parallel first, then the head.
+
+    With `purge`, also the image on every host, the files `up` put there (/etc/raycluster/<cluster>) and
+    the token and image archive in this machine's state dir.
+    """
+    removed: list[dict[str, str]] = []
+    errors: list[dict[str, str]] = []
+    purged: list[dict[str, str]] = []
+
+    def remove_on(host: HostConfig) -> list[str]:
+        transport = connect(host)
+        names = []
+        for container in list_cluster_containers(transport, inventory):
+            result = transport.run("docker rm -f " + quote(container.id), timeout=120)
+            if not result.ok:
+                raise OperationError(
+                    f"{host.address}: cannot remove {container.name}: {result.first_line()}",
+                    "check Docker there",
+                )
+            names.append(container.name)
+        return names
+
+    def record_error(host: HostConfig, error: BaseException) -> None:
+        message = error.one_line() if isinstance(error, RayclusterError) else str(error)
+        errors.append({"host": str(host.address), "error": message})
+
+    for group in (inventory.workers, [inventory.head_host]):
+        for host, outcome in fanout(group, remove_on):
+            if outcome.error is not None:
+                record_error(host, outcome.error)
+            for name in outcome.value or []:
+                progress(f"removed {name} on {host.address}")
+                removed.append({"host": str(host.address), "container": name})
+    if purge:
+        failed = {e["host"] for e in errors}
+        for host, outcome in fanout(
+            [h for h in inventory.hosts if str(h.address) not in failed], _purge_host(inventory, connect)
+        ):
+            if outcome.error is not None:
+                record_error(host, outcome.error)
+            for item in outcome.value or []:
+                progress(f"purged {item} on {host.address}")
+                purged.append({"host": str(host.address), "item": item})
+        local = state_dir(inventory)
+        # Keep this machine's token while some host still has its copy: a re-run after fixing that host
+        # finishes the purge.
+        if local.exists() and not errors:
+            shutil.rmtree(local)
+            purged.append({"host": "localhost", "item": str(local)})
+    return DownResult(removed, errors, purged)
+
+
+def _purge_host(inventory: Inventory, connect: Connect) -> Callable[[HostConfig], list[str]]:
+    def purge(host: HostConfig) -> list[str]:
+        transport = connect(host)
+        done = []
+        present = transport.run("docker image inspect --format '{{.Id}}' " + quote(inventory.image))
+        if present.ok:
+            result = transport.run("docker rmi " + quote(inventory.image), timeout=300)
+            if not result.ok:
+                raise OperationError(
+                    f"{host.address}: cannot remove image {inventory.image}: {result.first_line()}",
+                    f"a container still uses it: see `docker ps -a` on {host.address}",
+                )
+            done.append(f"image {inventory.image}")
+        folder = host_state_dir(inventory)
+        if transport.run(f"test -e {quote(folder)}").ok:
+            result = transport.run(f"rm -rf -- {quote(folder)}")
+            if not result.ok:
+                raise OperationError(f"{host.address}: cannot remove {folder}: {result.first_line()}", "check there")
+            done.append(folder)
+        return done
+
+    return purge
