@@ -51,7 +51,8 @@ def main(directory: str, label: str) -> None:
     print(f"  per-hop overhead (no-op stages): {1000 * med(lambda d: d['hop_overhead']['per_hop_s']):.2f} ms")
     for i, d in enumerate(docs, 1):
         stages = ", ".join(
-            f"{s['host']} {s['layers']}L T={s['busy_s']:.2f}s pred={s['predicted_s']:.2f}s" for s in d["stages"]
+            f"{s['host']} {s['layers']}L T={s['busy_s']:.2f}s cpu={s.get('cpu_s', 0):.2f}s pred={s['predicted_s']:.2f}s"
+            for s in d["stages"]
         )
         print(f"  round {i}: {stages}; imbalance {d['imbalance']:.3f}, x even {d['references']['even']['ratio']:.2f}")
 

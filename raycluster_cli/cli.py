@@ -300,6 +300,11 @@ def bench_command(
     """Pipeline-parallel inference across the nodes: throughput, latency and each node's busy time."""
 
     def action(output: Output) -> int:
+        for flag, value, allowed in (("--mode", mode, ("offline", "poisson")), ("--sweep", sweep, ("batch", "nodes"))):
+            if value is not None and value not in allowed:
+                raise UsageError(f"{flag} {value!r} is not one of {', '.join(allowed)}", f"use {flag} {allowed[0]}")
+        if mode == "poisson" and rate is None:
+            raise UsageError("--mode poisson needs --rate", "add --rate R (requests per second)")
         args = [
             f"--layers={layers}", f"--d-model={d_model}", f"--heads={heads}", f"--vocab={vocab}",
             f"--requests={requests}", f"--prompt-len={prompt_len}", f"--max-new-tokens={max_new_tokens}",

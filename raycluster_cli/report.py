@@ -281,7 +281,7 @@ def render_bench(output: Output, body: dict[str, Any]) -> None:
     busiest = max((s["busy_s"] for s in stages), default=0.0) or 1.0
     table = Table(title="pipeline stages (one per node)", title_justify="left")
     columns = ["replica"] if multi else []
-    columns += ["stage", "host", "layers", "busy T_i (s)", "idle (s)", "predicted (s)"]
+    columns += ["stage", "host", "layers", "busy T_i (s)", "CPU (s)", "idle (s)", "predicted (s)"]
     for column in columns:
         table.add_column(column, justify="right" if "(s)" in column else "left")
     for stage in stages:
@@ -293,6 +293,7 @@ def render_bench(output: Output, body: dict[str, Any]) -> None:
             str(stage.get("host", stage.get("node_ip", "?"))),
             f"{stage['layers']}{extra}",
             f"{stage['busy_s']:.3f}",
+            _secs(stage.get("cpu_s")),
             _secs(stage.get("idle_s")),
             _secs(stage.get("predicted_s")),
         ]

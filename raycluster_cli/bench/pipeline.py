@@ -69,6 +69,7 @@ class _StageWorker:
         self.device = pick_device()
         self.stage: Stage | None = None
         self.busy_s = 0.0
+        self.cpu_s = 0.0
         self.calls = 0
 
     def setup(self, start: int, end: int) -> dict[str, Any]:
@@ -82,9 +83,10 @@ class _StageWorker:
     def forward(self, cache_id: int, x: torch.Tensor, positions: int) -> torch.Tensor:
         if self.stage is None:
             raise RuntimeError("StageWorker.forward called before setup()")
-        began = time.perf_counter()
+        began, cpu_began = time.perf_counter(), time.process_time()
         out = self.stage(x, cache_id, positions)
         self.busy_s += time.perf_counter() - began
+        self.cpu_s += time.process_time() - cpu_began
         self.calls += 1
         return out
 
@@ -97,10 +99,11 @@ class _StageWorker:
 
     def stats(self) -> dict[str, float | int]:
         cached = len(self.stage.cached_ids()) if self.stage is not None else 0
-        return {"busy_s": self.busy_s, "calls": self.calls, "cached_micro_batches": cached}
+        return {"busy_s": self.busy_s, "cpu_s": self.cpu_s, "calls": self.calls, "cached_micro_batches": cached}
 
     def reset_stats(self) -> None:
         self.busy_s = 0.0
+        self.cpu_s = 0.0
         self.calls = 0
 
     def node_info(self) -> dict[str, Any]:

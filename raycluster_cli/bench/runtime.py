@@ -63,7 +63,8 @@ class StageReport:
     layers: int
     has_embedding: bool
     has_head: bool
-    busy_s: float
+    busy_s: float  # wall time inside forward: compute, plus any CPU-quota throttling during it
+    cpu_s: float  # CPU time of the stage's process inside forward (all its threads)
     idle_s: float
     calls: int
     num_threads: int
@@ -276,6 +277,7 @@ def run_workload(
                 has_embedding=start == 0,
                 has_head=end == cfg.num_units,
                 busy_s=stage_busy,
+                cpu_s=float(stat.get("cpu_s", 0.0)),
                 idle_s=max(0.0, wall_s - stage_busy),
                 calls=int(stat["calls"]),
                 num_threads=int(info["num_threads"]),

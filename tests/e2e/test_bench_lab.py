@@ -61,7 +61,7 @@ def cluster(lab_hosts: Lab) -> Iterator[Cluster]:
 
 
 def _stage_metrics_present(stage: dict[str, Any]) -> None:
-    for key in ("host", "layers", "busy_s", "idle_s", "predicted_s", "calls", "num_threads", "device"):
+    for key in ("host", "layers", "busy_s", "cpu_s", "idle_s", "predicted_s", "calls", "num_threads", "device"):
         assert stage.get(key) is not None, key
     assert stage["busy_s"] > 0 and stage["predicted_s"] > 0 and stage["device"] == "cpu"
 

@@ -71,7 +71,7 @@ def test_run_workload_completes_and_matches_unsharded_model(local_ray: None) -> 
     assert result.in_flight >= 3
     assert [s.layers for s in result.stages] == [2, 2, 2]
     assert result.stages[0].has_embedding and result.stages[-1].has_head
-    assert all(s.busy_s > 0 and s.idle_s >= 0 for s in result.stages)
+    assert all(s.busy_s > 0 and s.cpu_s > 0 and s.idle_s >= 0 for s in result.stages)
     # 4 micro-batches x 5 steps per stage, warm-up excluded.
     assert all(s.calls == 4 * 5 for s in result.stages)
     assert sorted(r for g in result.groups for r in g) == list(range(10))

@@ -9,7 +9,7 @@ from raycluster_cli.report import Output, render_bench
 
 
 def _doc() -> dict[str, Any]:
-    stage = {"replica": 0, "has_embedding": False, "has_head": False, "idle_s": 0.5, "predicted_s": 1.0}
+    stage = {"replica": 0, "has_embedding": False, "has_head": False, "idle_s": 0.5, "predicted_s": 1.0, "cpu_s": 0.25}
     lat = {"p50": 0.1, "p90": 0.2, "p99": 0.3}
     return {
         "stages": [
@@ -45,6 +45,7 @@ def test_render_bench_shows_every_part() -> None:
     for expected in (
         "192.0.2.1",
         "16+emb",
+        "0.250",
         "4+head",
         "█" * 30,
         "█" * 15,
