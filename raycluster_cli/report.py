@@ -165,7 +165,8 @@ def _rate(bps: float) -> str:
 
 def render_up(output: Output, body: dict[str, Any]) -> None:
     table = Table(title="Ray nodes", title_justify="left")
-    for column in ("host", "role", "node IP", "alive", "action", "CPU", "GPU", "other resources"):
+    table.add_column("host", min_width=15)
+    for column in ("role", "node IP", "alive", "action", "CPU", "GPU", "other resources"):
         table.add_column(column)
     for node in body["nodes"]:
         resources = node.get("resources", {})
@@ -221,8 +222,13 @@ def render_down(output: Output, body: dict[str, Any]) -> None:
 
 def render_status(output: Output, body: dict[str, Any]) -> None:
     table = Table(title=f"cluster {body['cluster']}: {body['state']}", title_justify="left")
-    for column in ("host", "role", "container", "Ray node", "CPU", "GPU", "other resources", "image", "Ray"):
+    table.add_column("host", min_width=15)
+    table.add_column("role")
+    table.add_column("container", min_width=9)
+    for column in ("Ray node", "CPU", "GPU", "other resources"):
         table.add_column(column)
+    table.add_column("image", min_width=12)
+    table.add_column("Ray", min_width=6)
     for host in body["hosts"]:
         resources = host.get("resources", {})
         good = {"running", "alive"}

@@ -18,3 +18,79 @@ def test_live_progress_shows_a_bar_per_host_and_the_lines_between() -> None:
     assert "image → 192.0.2.12" in text and "image → 192.0.2.13" in text
     assert "2.0/2.0 MB" in text
     assert text.index("image → 192.0.2.13") < text.index("head next")
+
+
+def _render(fn: object, body: dict[str, object]) -> str:
+    out = io.StringIO()
+    output = Output(False, stdout=out)
+    output.out.width = 200
+    fn(output, body)  # type: ignore[operator]
+    return out.getvalue()
+
+
+def test_render_up_status_logs_down() -> None:
+    from raycluster_cli.report import render_down, render_logs, render_status, render_up
+
+    node = {"host": "192.0.2.12", "role": "worker", "node_ip": "192.0.2.12", "alive": True}
+    up = {
+        "nodes": [{**node, "action": "restarted", "reason": "env changed", "resources": {"CPU": 2.0, "special": 2.0}}],
+        "images": [
+            {
+                "host": "192.0.2.12",
+                "method": "stream",
+                "reason": "missing",
+                "bytes_sent": 9e8,
+                "codec": "gzip",
+                "seconds": 40,
+            }
+        ],
+        "warnings": ["Ray token authentication is OFF"],
+        "seconds": 12.5,
+        "next": {
+            "ray_address": "a:6379",
+            "dashboard_url": "http://a:8265",
+            "submit_job": "ray job submit",
+            "status": "s",
+            "logs": "l",
+        },
+    }
+    text = _render(render_up, up)
+    assert "192.0.2.12: restarted: env changed" in text and "special=2" in text
+    assert "image streamed to 192.0.2.12 (missing): 900 MB gzip in 40s" in text and "warning:" in text
+    assert "dashboard       http://a:8265" in text
+    host = {
+        **node,
+        "container": "exited",
+        "ray_node": "alive",
+        "healthy": False,
+        "resources": {},
+        "image_id": "sha256:" + "a" * 64,
+        "ray_version": "2.60.0",
+        "error": "",
+    }
+    status = {
+        "cluster": "demo",
+        "state": "degraded",
+        "hosts": [host],
+        "totals": {"hosts": 1, "alive_nodes": 0, "resources": {}},
+    }
+    text = _render(render_status, status)
+    assert (
+        "cluster demo: degraded" in text and "exited" in text and "aaaaaaaaaaaa" in text and "0/1 nodes alive" in text
+    )
+    logs = {
+        "out": "/tmp/l",
+        "hosts": [
+            {
+                "host": "192.0.2.12",
+                "files": 3,
+                "bytes": 2e6,
+                "error_lines": 2,
+                "first_errors": ["x: ERROR boom"],
+                "error": "",
+            }
+        ],
+    }
+    assert "x: ERROR boom" in _render(render_logs, logs)
+    down = {"removed": [], "purged": [{"host": "192.0.2.12", "item": "image raycluster/node:0.1.0"}], "errors": []}
+    assert "purged image raycluster/node:0.1.0 on 192.0.2.12" in _render(render_down, down)
