@@ -13,18 +13,11 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from raycluster_cli import lab
 
 from .conftest import IP1, IP2, IP3, UNUSED_IP, Lab
+from .findings import failed, finding
 
 pytestmark = pytest.mark.lab
 IMAGE = lab.NODE_IMAGE  # what the lab loaded into every lab host and wrote into the inventory
 STASH = IMAGE.rsplit(":", 1)[0] + ":stash"
-
-
-def failed(doc: dict[str, Any]) -> list[tuple[str, str]]:
-    return sorted((c["host"], c["id"]) for c in doc["checks"] if c["status"] == "fail")
-
-
-def finding(doc: dict[str, Any], host: str, check: str) -> dict[str, Any]:
-    return next(c for c in doc["checks"] if c["host"] == host and c["id"] == check)
 
 
 @pytest.fixture

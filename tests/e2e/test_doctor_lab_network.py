@@ -6,32 +6,16 @@ from __future__ import annotations
 import ipaddress
 import subprocess
 from collections.abc import Iterator
-from typing import Any
 
 import pytest
 
 from raycluster_cli import lab
 
 from .conftest import IP1, IP2, IP3, UNUSED_IP, Lab
+from .findings import failed, finding, problems, warned
 
 pytestmark = pytest.mark.lab
 IMAGE = lab.NODE_IMAGE
-
-
-def failed(doc: dict[str, Any]) -> list[tuple[str, str]]:
-    return sorted((c["host"], c["id"]) for c in doc["checks"] if c["status"] == "fail")
-
-
-def warned(doc: dict[str, Any]) -> list[tuple[str, str]]:
-    return sorted((c["host"], c["id"]) for c in doc["checks"] if c["status"] == "warn")
-
-
-def problems(doc: dict[str, Any]) -> list[dict[str, Any]]:
-    return [c for c in doc["checks"] if c["status"] in ("warn", "fail")]
-
-
-def finding(doc: dict[str, Any], host: str, check: str) -> dict[str, Any]:
-    return next(c for c in doc["checks"] if c["host"] == host and c["id"] == check)
 
 
 def second_subnet() -> ipaddress.IPv4Network:

@@ -11,26 +11,11 @@ import pytest
 from raycluster_cli import lab
 
 from .conftest import IP1, IP2, IP3, Lab
+from .findings import failed, finding, problems, warned
 
 pytestmark = pytest.mark.lab
 IMAGE = lab.NODE_IMAGE
 STASH = IMAGE.rsplit(":", 1)[0] + ":stash"
-
-
-def failed(doc: dict[str, Any]) -> list[tuple[str, str]]:
-    return sorted((c["host"], c["id"]) for c in doc["checks"] if c["status"] == "fail")
-
-
-def warned(doc: dict[str, Any]) -> list[tuple[str, str]]:
-    return sorted((c["host"], c["id"]) for c in doc["checks"] if c["status"] == "warn")
-
-
-def problems(doc: dict[str, Any]) -> list[dict[str, Any]]:
-    return [c for c in doc["checks"] if c["status"] in ("warn", "fail")]
-
-
-def finding(doc: dict[str, Any], host: str, check: str) -> dict[str, Any]:
-    return next(c for c in doc["checks"] if c["host"] == host and c["id"] == check)
 
 
 def test_ray_version_in_the_image_differs_on_one_host(lab_hosts: Lab) -> None:
