@@ -56,22 +56,23 @@ def down(inventory: Inventory, connect: Connect, *, purge: bool = False, progres
         message = error.one_line() if isinstance(error, RayclusterError) else str(error)
         errors.append({"host": str(host.address), "error": message})
 
-    for group in (inventory.workers, [inventory.head_host]):
+    for what, group in (("worker", inventory.workers), ("head", [inventory.head_host])):
+        if group:
+            progress(f"removing this cluster's {what} container(s) on {len(group)} host(s)")
         for host, outcome in fanout(group, remove_on):
             if outcome.error is not None:
                 record_error(host, outcome.error)
             for name in outcome.value or []:
-                progress(f"removed {name} on {host.address}")
                 removed.append({"host": str(host.address), "container": name})
     if purge:
         failed = {e["host"] for e in errors}
+        progress(f"purging the image and raycluster's files on {len(inventory.hosts) - len(failed)} host(s)")
         for host, outcome in fanout(
             [h for h in inventory.hosts if str(h.address) not in failed], _purge_host(inventory, connect)
         ):
             if outcome.error is not None:
                 record_error(host, outcome.error)
             for item in outcome.value or []:
-                progress(f"purged {item} on {host.address}")
                 purged.append({"host": str(host.address), "item": item})
         local = state_dir(inventory)
         # Keep this machine's token while some host still has its copy: a re-run after fixing that host
