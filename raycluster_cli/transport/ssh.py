@@ -132,15 +132,27 @@ class SSHTransport:
         transport = self._client.get_transport()
         if transport is None or not transport.is_active():
             raise TransportError(self.host, "SSH connection was lost", "check the host and retry")
-        channel = transport.open_session()
         try:
-            channel.exec_command(command)
-            if stdin is not None:
-                channel.sendall(stdin)
-            channel.shutdown_write()
-            return self._collect(channel, timeout)
-        finally:
-            channel.close()
+            channel = transport.open_session()
+            try:
+                channel.exec_command(command)
+                if stdin is not None:
+                    channel.sendall(stdin)
+                channel.shutdown_write()
+                return self._collect(channel, timeout)
+            finally:
+                channel.close()
+        except (EOFError, paramiko.SSHException, OSError) as exc:
+            raise self._dropped(exc) from None
+
+    def _dropped(self, exc: BaseException) -> TransportError:
+        """The connection died under a command: forget it (the next call reconnects) and say so in one line."""
+        self.close()
+        return TransportError(
+            self.host,
+            f"the SSH connection dropped during a command ({type(exc).__name__}: {exc or 'no detail'})",
+            "re-run; if it repeats, check sshd (MaxStartups, MaxSessions) and free memory on the host",
+        )
 
     def feed(
         self,
@@ -155,7 +167,10 @@ class SSHTransport:
         transport = self._client.get_transport()
         if transport is None or not transport.is_active():
             raise TransportError(self.host, "SSH connection was lost", "check the host and retry")
-        channel = transport.open_session(window_size=8 * 1024 * 1024, max_packet_size=256 * 1024)
+        try:
+            channel = transport.open_session(window_size=8 * 1024 * 1024, max_packet_size=256 * 1024)
+        except (EOFError, paramiko.SSHException, OSError) as exc:
+            raise self._dropped(exc) from None
         out, err = bytearray(), bytearray()
         try:
             channel.exec_command(command)

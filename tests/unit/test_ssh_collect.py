@@ -60,3 +60,34 @@ def test_no_eof_ends_after_the_grace_period() -> None:
     finally:
         ssh.EOF_GRACE_S = saved
     assert result.stdout == "started\n" and result.rc == 0
+
+
+class DroppingTransport:
+    def is_active(self) -> bool:
+        return True
+
+    def open_session(self, **_: object) -> None:
+        raise EOFError()
+
+
+class DroppingClient:
+    closed = False
+
+    def get_transport(self) -> DroppingTransport:
+        return DroppingTransport()
+
+    def close(self) -> None:
+        DroppingClient.closed = True
+
+
+def test_a_connection_that_drops_under_a_command_is_one_transport_error_and_is_forgotten(tmp_path) -> None:
+    import pytest
+
+    from raycluster_cli.errors import TransportError
+
+    transport = ssh.SSHTransport("192.0.2.11", user="root", known_hosts_file=str(tmp_path / "known_hosts"))
+    transport._client = DroppingClient()  # type: ignore[assignment]
+    with pytest.raises(TransportError) as caught:
+        transport.run("docker run ...")
+    assert "192.0.2.11" in caught.value.one_line() and "dropped" in caught.value.one_line()
+    assert DroppingClient.closed and transport._client is None
