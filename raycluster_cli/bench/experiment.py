@@ -179,20 +179,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
         ranges = ranges_for(spec, replicas)
         refinements: list[dict[str, Any]] = []
-        if spec == "balanced":
+        if spec == "balanced" and args.refine:
             pilot_requests = max(params.requests // 2, params.micro_batch * 2 * num_stages * len(plan))
             pilot_params = dataclasses.replace(params, rate=None, requests=min(params.requests, pilot_requests))
-            for _ in range(args.refine):
-                pilot = measure(replicas, ranges, pilot_params)
-                factors = _refine_costs(costs, pilot)
-                refinements.append(
-                    {
-                        "partition_ranges": [list(r) for r in ranges[0]],
-                        "imbalance": pilot.summary()["imbalance"],
-                        "factors": {calibrations[nid]["node_ip"]: f for nid, f in factors.items()},
-                    }
-                )
-                ranges = ranges_for(spec, replicas)
+            ranges, refinements = _refine(
+                ranges,
+                args.refine,
+                lambda rr: measure(replicas, rr, pilot_params),
+                costs,
+                lambda: ranges_for(spec, replicas),
+            )
+            for entry in refinements:
+                entry["factors"] = {calibrations[nid]["node_ip"]: f for nid, f in entry["factors"].items()}
         result = measure(replicas, ranges, params)
         doc = {
             **result.summary(),
@@ -265,15 +263,55 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return {"schema_version": SCHEMA_VERSION, "ok": True, **doc}
 
 
+def _refine(
+    ranges: list[list[tuple[int, int]]],
+    pilots: int,
+    run_pilot: Any,
+    costs: dict[str, list[float]],
+    solve: Any,
+) -> tuple[list[list[tuple[int, int]]], list[dict[str, Any]]]:
+    """Pilot runs that correct the calibration; returns the split to use and what each pilot saw.
+
+    Each pilot runs the current split, corrects every node's costs from its measured busy time
+    (``_refine_costs``) and re-solves the split.  It stops early when the corrected costs give back
+    a split already measured (converged).  The split used is the measured one with the highest
+    pilot tokens/s: a correction made under a burst of outside load can send the next split the
+    wrong way, and the measurement, not the model, has the last word.
+    """
+    tried: list[dict[str, Any]] = []
+    for _ in range(pilots):
+        pilot = run_pilot(ranges)
+        summary = pilot.summary()
+        factors = _refine_costs(costs, pilot)
+        tried.append(
+            {
+                "ranges": ranges,
+                "partition_ranges": [list(r) for r in ranges[0]],
+                "tokens_per_s": summary["tokens_per_s"],
+                "imbalance": summary["imbalance"],
+                "busy_s": [s.busy_s for s in pilot.stages],
+                "factors": factors,
+            }
+        )
+        ranges = solve()
+        if any(ranges == t["ranges"] for t in tried):
+            break
+    best = max(tried, key=lambda t: t["tokens_per_s"])
+    for t in tried:
+        t["chosen"] = t is best
+    return best["ranges"], [{k: v for k, v in t.items() if k != "ranges"} for t in tried]
+
+
 def _refine_costs(costs: dict[str, list[float]], pilot: Any) -> dict[str, float]:
     """Scale each node's unit costs by measured / predicted busy time of its stage in a pilot run.
 
     Calibration times each node alone; in the pipeline a node also runs Ray's own processes (the
     head: the driver and the GCS) and competes with its neighbours for the physical cores.  The
-    pilot's busy times include all that.  Only a replica's busiest stage shows its node's speed
-    when saturated: a stage that waits for work stays under its CPU quota, is never throttled and
-    looks faster than it would be with more layers, so the other stages' factors may only slow
-    their node down (factor >= 1), never speed it up.
+    pilot's busy times include all that.  A replica's busiest stage shows its node's sustained
+    speed; a stage that waits for work spends part of each CPU-quota period unthrottled and looks
+    faster than it would be with more layers, so a speed-up (factor < 1) of a non-busiest stage is
+    only half applied (square root: half the correction in log space), a slow-down fully.  Never
+    speeding those up (the earlier rule) froze a node that one noisy pilot had made look slow.
     """
     from raycluster_cli.bench.scheduling import predicted_busy
 
@@ -284,8 +322,8 @@ def _refine_costs(costs: dict[str, list[float]], pilot: Any) -> dict[str, float]
         predicted = predicted_busy(costs[stage.node_id], stage.units[0], stage.units[1], batches[stage.replica])
         if predicted > 0 and stage.busy_s > 0:
             factor = stage.busy_s / predicted
-            if stage.busy_s < busiest[stage.replica]:
-                factor = max(1.0, factor)
+            if stage.busy_s < busiest[stage.replica] and factor < 1.0:
+                factor = factor**0.5
             per_node.setdefault(stage.node_id, []).append(factor)
     factors = {nid: sum(values) / len(values) for nid, values in per_node.items()}
     for nid, factor in factors.items():

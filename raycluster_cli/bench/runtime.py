@@ -24,7 +24,7 @@ import torch
 from raycluster_cli.bench import metrics
 from raycluster_cli.bench.model import ModelConfig, full_model_stage, greedy_generate
 from raycluster_cli.bench.partition import blocks_held
-from raycluster_cli.bench.scheduling import arrival_times, power_of_two_choice
+from raycluster_cli.bench.scheduling import arrival_times, in_flight_limit, power_of_two_choice
 
 WARMUP_CACHE_ID = -1
 
@@ -36,7 +36,7 @@ class BenchParams:
     max_new_tokens: int = 16
     micro_batch: int = 4
     seed: int = 0
-    in_flight: int | None = None  # micro-batches in flight per replica; default 2 x stages, minimum stages + 1
+    in_flight: int | None = None  # micro-batches in flight per replica; default scheduling.in_flight_limit
     rate: float | None = None  # requests/s (Poisson); None: offline, all requests at once
     warmup: bool = True
 
@@ -190,7 +190,7 @@ def run_workload(
     ray.get([w.reset_stats.remote() for w in flat])
 
     stages = len(replicas[0])
-    limit = max(params.in_flight or 2 * stages, stages + 1)
+    limit = in_flight_limit(stages, params.requests, params.micro_batch, params.rate, params.in_flight)
     arrivals = arrival_times(params.requests, params.rate, params.seed)
     rng = random.Random(params.seed)
     tokens: list[list[int]] = [[] for _ in range(params.requests)]
