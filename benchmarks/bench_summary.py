@@ -45,9 +45,13 @@ def main(directory: str, label: str) -> None:
     print(f"  balanced layers per round: {[[s['layers'] for s in d['stages']] for d in docs]}; even: {even_layers}")
     print(
         f"  balanced: {med(lambda d: d['tokens_per_s']):.1f} tok/s, imbalance {med(lambda d: d['imbalance']):.3f}, "
+        f"against quotas {med(lambda d: d.get('imbalance_capacity', d['imbalance'])):.3f}, "
         f"T_max-T_min {med(lambda d: d['t_max_minus_t_min_s']):.3f} s, utilisation {med(lambda d: d['utilisation']):.2f}"
     )
-    print(f"  even:     {med(ref('even', 'tokens_per_s')):.1f} tok/s, imbalance {med(ref('even', 'imbalance')):.3f}")
+    print(
+        f"  even:     {med(ref('even', 'tokens_per_s')):.1f} tok/s, imbalance {med(ref('even', 'imbalance')):.3f}, "
+        f"against quotas {med(lambda d: d['references']['even'].get('imbalance_capacity', 0.0)):.3f}"
+    )
     print(
         f"  unsharded ({docs[0]['references']['unsharded'].get('host', '?')}): {med(ref('unsharded', 'tokens_per_s')):.1f} tok/s"
     )
@@ -62,12 +66,13 @@ def main(directory: str, label: str) -> None:
         load = [_load(path.with_name(f"load-{n}.{when}")) for when in ("before", "after")]
         stages = ", ".join(
             f"{s['host']} {s['layers']}L {s['num_threads']}t T={s['busy_s']:.2f}s cpu={s.get('cpu_s', 0):.2f}s "
+            f"cap={s.get('capacity_s', s['busy_s']):.2f}s "
             f"pred={s['predicted_s']:.2f}s"
             for s in d["stages"]
         )
         print(
             f"  round {n} (load {load[0]} -> {load[1]}): {stages}; {d['tokens_per_s']:.1f} tok/s, "
-            f"imbalance {d['imbalance']:.3f}, x even {d['references']['even']['ratio']:.2f}, "
+            f"imbalance {d['imbalance']:.3f} (quotas {d.get('imbalance_capacity', d['imbalance']):.3f}), x even {d['references']['even']['ratio']:.2f}, "
             f"x ceiling {d['references']['ceiling']['ratio']:.2f}, x unsharded {d['references']['unsharded']['ratio']:.2f}"
         )
         print(
@@ -77,6 +82,7 @@ def main(directory: str, label: str) -> None:
             layers = [b - a for a, b in p["partition_ranges"]]
             print(
                 f"    pilot {k}: units {layers}, {p.get('tokens_per_s', 0):.1f} tok/s, imbalance {p['imbalance']:.3f}"
+                f" (quotas {p.get('imbalance_capacity') or p['imbalance']:.3f})"
                 f"{', chosen' if p.get('chosen') else ''}; factors {_fmt(list(p['factors'].values()))}"
             )
 

@@ -289,7 +289,9 @@ def _refine(
                 "partition_ranges": [list(r) for r in ranges[0]],
                 "tokens_per_s": summary["tokens_per_s"],
                 "imbalance": summary["imbalance"],
+                "imbalance_capacity": summary.get("imbalance_capacity"),
                 "busy_s": [s.busy_s for s in pilot.stages],
+                "capacity_s": [s.capacity_s for s in pilot.stages],
                 "factors": factors,
             }
         )
@@ -303,26 +305,29 @@ def _refine(
 
 
 def _refine_costs(costs: dict[str, list[float]], pilot: Any) -> dict[str, float]:
-    """Scale each node's unit costs by measured / predicted busy time of its stage in a pilot run.
+    """Scale each node's unit costs by measured / predicted time of its stage in a pilot run.
 
     Calibration times each node alone; in the pipeline a node also runs Ray's own processes (the
     head: the driver and the GCS) and competes with its neighbours for the physical cores.  The
-    pilot's busy times include all that.  A replica's busiest stage shows its node's sustained
-    speed; a stage that waits for work spends part of each CPU-quota period unthrottled and looks
-    faster than it would be with more layers, so a speed-up (factor < 1) of a non-busiest stage is
-    only half applied (square root: half the correction in log space), a slow-down fully.  Never
-    speeding those up (the earlier rule) froze a node that one noisy pilot had made look slow.
+    pilot's times include all that.  The measured time is the stage's capacity time
+    (``metrics.capacity_time``: busy time, or CPU time / CPU quota when larger), so a stage that
+    waits for work and computes in unthrottled bursts under its quota is not mistaken for a fast
+    node (on the quota lab that mistake made the split oscillate between pilots).  A speed-up
+    (factor < 1) of a stage that is not its replica's busiest is still only half applied (square
+    root: half the correction in log space), a slow-down fully.
     """
     from raycluster_cli.bench.scheduling import predicted_busy
 
     per_node: dict[str, list[float]] = {}
     batches = {r.index: r.micro_batches for r in pilot.replicas}
-    busiest = {r.index: r.busiest_s for r in pilot.replicas}
+    busiest: dict[int, float] = {}
+    for stage in pilot.stages:
+        busiest[stage.replica] = max(busiest.get(stage.replica, 0.0), stage.capacity_s)
     for stage in pilot.stages:
         predicted = predicted_busy(costs[stage.node_id], stage.units[0], stage.units[1], batches[stage.replica])
-        if predicted > 0 and stage.busy_s > 0:
-            factor = stage.busy_s / predicted
-            if stage.busy_s < busiest[stage.replica] and factor < 1.0:
+        if predicted > 0 and stage.capacity_s > 0:
+            factor = stage.capacity_s / predicted
+            if stage.capacity_s < busiest[stage.replica] and factor < 1.0:
                 factor = factor**0.5
             per_node.setdefault(stage.node_id, []).append(factor)
     factors = {nid: sum(values) / len(values) for nid, values in per_node.items()}
@@ -338,8 +343,10 @@ def _reference(main: Any, ref: Any, extra: dict[str, Any]) -> dict[str, Any]:
         "tokens_per_s": summary["tokens_per_s"],
         "ratio": main.tokens_per_s / summary["tokens_per_s"] if summary["tokens_per_s"] else None,
         "imbalance": summary["imbalance"],
+        "imbalance_capacity": summary["imbalance_capacity"],
         "wall_s": summary["wall_s"],
         "busy_s": [s.busy_s for s in ref.stages],
+        "capacity_s": [s.capacity_s for s in ref.stages],
         **extra,
     }
 

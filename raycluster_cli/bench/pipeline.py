@@ -133,6 +133,7 @@ class _StageWorker:
             "num_threads": self.num_threads,
             "device": self.device,
             "pid": os.getpid(),
+            "cpu_quota": container_cpu_quota(),
         }
 
     def calibrate(

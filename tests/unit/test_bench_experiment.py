@@ -9,8 +9,12 @@ import pytest
 from raycluster_cli.bench import experiment
 
 
-def _stage(replica: int, node: str, units: tuple[int, int], busy: float) -> SimpleNamespace:
-    return SimpleNamespace(replica=replica, node_id=node, units=list(units), busy_s=busy)
+def _stage(
+    replica: int, node: str, units: tuple[int, int], busy: float, capacity: float | None = None
+) -> SimpleNamespace:
+    return SimpleNamespace(
+        replica=replica, node_id=node, units=list(units), busy_s=busy, capacity_s=busy if capacity is None else capacity
+    )
 
 
 def test_choose_ranges() -> None:
@@ -43,6 +47,10 @@ def test_pilot_correction_slows_the_busiest_and_only_half_speeds_up_a_waiting_st
     costs = {"a": [0.0, 1.0, 1.0, 1.0, 1.0, 0.0], "b": [0.0, 1.0, 1.0, 1.0, 1.0, 0.0]}
     pilot.stages = [_stage(0, "a", (0, 3), 12.0), _stage(0, "b", (3, 6), 8.0)]
     pilot.replicas[0].busiest_s = 12.0
+    assert experiment._refine_costs(costs, pilot)["b"] == pytest.approx(2.0)
+    # A quota stage that computed in bursts (busy 2 s) but spent CPU worth 8 s of its quota: 8 s counts.
+    costs = {"a": [0.0, 1.0, 1.0, 1.0, 1.0, 0.0], "b": [0.0, 1.0, 1.0, 1.0, 1.0, 0.0]}
+    pilot.stages = [_stage(0, "a", (0, 3), 12.0), _stage(0, "b", (3, 6), 2.0, capacity=8.0)]
     assert experiment._refine_costs(costs, pilot)["b"] == pytest.approx(2.0)
 
 
