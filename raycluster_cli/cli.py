@@ -287,7 +287,7 @@ def bench_command(
     sweep: Annotated[str | None, typer.Option(help="batch (micro-batch sizes) | nodes (1..N nodes)")] = None,
     references: Annotated[bool, typer.Option(help="also run the even split and the unsharded model")] = True,
     calibration_repeats: Annotated[int, typer.Option(min=1, help="timed rounds per unit type (median)")] = 5,
-    refine: Annotated[int, typer.Option(min=0, help="pilot runs that correct the calibration (balanced)")] = 2,
+    refine: Annotated[int, typer.Option(min=0, help="pilot runs that correct the calibration (balanced)")] = 3,
     check_output: Annotated[bool, typer.Option(help="also compare greedy tokens with the unsharded model")] = False,
     network_check: Annotated[
         bool, typer.Option(help="measure latency, bandwidth and MTU head ↔ each worker first (as doctor --network)")

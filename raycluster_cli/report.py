@@ -316,8 +316,13 @@ def render_bench(output: Output, body: dict[str, Any]) -> None:
     output.line(
         f"{body['tokens_per_s']:.1f} tokens/s, {body.get('requests_per_s', 0):.2f} requests/s "
         f"({body.get('completed', '?')}/{body.get('requests', '?')} requests in {body.get('wall_s', 0):.1f}s, {load}); "
-        f"T_max − T_min = {body.get('t_max_minus_t_min_s', 0):.3f}s, imbalance {body['imbalance']:.3f}, "
-        f"utilisation {body.get('utilisation', 0):.2f}"
+        f"T_max − T_min = {body.get('t_max_minus_t_min_s', 0):.3f}s, imbalance {body['imbalance']:.3f}"
+        + (
+            f" (against CPU quotas {body['imbalance_capacity']:.3f})"
+            if body.get("imbalance_capacity") is not None and any(s.get("cpu_quota") for s in stages)
+            else ""
+        )
+        + f", utilisation {body.get('utilisation', 0):.2f}"
     )
     latency = body.get("latency_s", {})
     if latency:

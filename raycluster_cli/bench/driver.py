@@ -52,7 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sweep", choices=("batch", "nodes"), default=None, help="micro-batch sizes, or 1..N nodes")
     p.add_argument("--sweep-max-batch", type=int, default=None, help="largest micro-batch of --sweep batch")
     p.add_argument("--references", action=argparse.BooleanOptionalAction, default=True, help="even + unsharded runs")
-    p.add_argument("--refine", type=int, default=2, help="pilot runs that correct the calibration (balanced)")
+    p.add_argument("--refine", type=int, default=3, help="pilot runs that correct the calibration (balanced)")
     p.add_argument("--calibration-sample-s", type=float, default=0.25, help="least seconds per calibration sample")
     p.add_argument("--calibration-repeats", type=int, default=5, help="timed rounds per unit type (median kept)")
     p.add_argument(
@@ -64,7 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--in-flight",
         type=int,
         default=None,
-        help="micro-batches in flight per replica (default 2 x stages, min stages+1)",
+        help="micro-batches in flight per replica (default offline: all, up to 4 x stages; Poisson: 2 x stages)",
     )
     p.add_argument("--threads", type=int, default=None, help="torch threads per stage (default: node CPUs)")
     p.add_argument("--allow-shared-nodes", action="store_true", help="let stages share nodes (testing)")

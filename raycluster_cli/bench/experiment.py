@@ -179,20 +179,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
         ranges = ranges_for(spec, replicas)
         refinements: list[dict[str, Any]] = []
-        if spec == "balanced":
+        if spec == "balanced" and args.refine:
             pilot_requests = max(params.requests // 2, params.micro_batch * 2 * num_stages * len(plan))
             pilot_params = dataclasses.replace(params, rate=None, requests=min(params.requests, pilot_requests))
-            for _ in range(args.refine):
-                pilot = measure(replicas, ranges, pilot_params)
-                factors = _refine_costs(costs, pilot)
-                refinements.append(
-                    {
-                        "partition_ranges": [list(r) for r in ranges[0]],
-                        "imbalance": pilot.summary()["imbalance"],
-                        "factors": {calibrations[nid]["node_ip"]: f for nid, f in factors.items()},
-                    }
-                )
-                ranges = ranges_for(spec, replicas)
+            ranges, refinements = _refine(
+                ranges,
+                args.refine,
+                lambda rr: measure(replicas, rr, pilot_params),
+                costs,
+                lambda: ranges_for(spec, replicas),
+            )
+            for entry in refinements:
+                entry["factors"] = {calibrations[nid]["node_ip"]: f for nid, f in entry["factors"].items()}
         result = measure(replicas, ranges, params)
         doc = {
             **result.summary(),
@@ -265,27 +263,72 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return {"schema_version": SCHEMA_VERSION, "ok": True, **doc}
 
 
+def _refine(
+    ranges: list[list[tuple[int, int]]],
+    pilots: int,
+    run_pilot: Any,
+    costs: dict[str, list[float]],
+    solve: Any,
+) -> tuple[list[list[tuple[int, int]]], list[dict[str, Any]]]:
+    """Pilot runs that correct the calibration; returns the split to use and what each pilot saw.
+
+    Each pilot runs the current split, corrects every node's costs from its measured busy time
+    (``_refine_costs``) and re-solves the split.  It stops early when the corrected costs give back
+    a split already measured (converged).  The split used is the measured one with the highest
+    pilot tokens/s: a correction made under a burst of outside load can send the next split the
+    wrong way, and the measurement, not the model, has the last word.
+    """
+    tried: list[dict[str, Any]] = []
+    for _ in range(pilots):
+        pilot = run_pilot(ranges)
+        summary = pilot.summary()
+        factors = _refine_costs(costs, pilot)
+        tried.append(
+            {
+                "ranges": ranges,
+                "partition_ranges": [list(r) for r in ranges[0]],
+                "tokens_per_s": summary["tokens_per_s"],
+                "imbalance": summary["imbalance"],
+                "imbalance_capacity": summary.get("imbalance_capacity"),
+                "busy_s": [s.busy_s for s in pilot.stages],
+                "capacity_s": [s.capacity_s for s in pilot.stages],
+                "factors": factors,
+            }
+        )
+        ranges = solve()
+        if any(ranges == t["ranges"] for t in tried):
+            break
+    best = max(tried, key=lambda t: t["tokens_per_s"])
+    for t in tried:
+        t["chosen"] = t is best
+    return best["ranges"], [{k: v for k, v in t.items() if k != "ranges"} for t in tried]
+
+
 def _refine_costs(costs: dict[str, list[float]], pilot: Any) -> dict[str, float]:
-    """Scale each node's unit costs by measured / predicted busy time of its stage in a pilot run.
+    """Scale each node's unit costs by measured / predicted time of its stage in a pilot run.
 
     Calibration times each node alone; in the pipeline a node also runs Ray's own processes (the
     head: the driver and the GCS) and competes with its neighbours for the physical cores.  The
-    pilot's busy times include all that.  Only a replica's busiest stage shows its node's speed
-    when saturated: a stage that waits for work stays under its CPU quota, is never throttled and
-    looks faster than it would be with more layers, so the other stages' factors may only slow
-    their node down (factor >= 1), never speed it up.
+    pilot's times include all that.  The measured time is the stage's capacity time
+    (``metrics.capacity_time``: busy time, or CPU time / CPU quota when larger), so a stage that
+    waits for work and computes in unthrottled bursts under its quota is not mistaken for a fast
+    node (on the quota lab that mistake made the split oscillate between pilots).  A speed-up
+    (factor < 1) of a stage that is not its replica's busiest is still only half applied (square
+    root: half the correction in log space), a slow-down fully.
     """
     from raycluster_cli.bench.scheduling import predicted_busy
 
     per_node: dict[str, list[float]] = {}
     batches = {r.index: r.micro_batches for r in pilot.replicas}
-    busiest = {r.index: r.busiest_s for r in pilot.replicas}
+    busiest: dict[int, float] = {}
+    for stage in pilot.stages:
+        busiest[stage.replica] = max(busiest.get(stage.replica, 0.0), stage.capacity_s)
     for stage in pilot.stages:
         predicted = predicted_busy(costs[stage.node_id], stage.units[0], stage.units[1], batches[stage.replica])
-        if predicted > 0 and stage.busy_s > 0:
-            factor = stage.busy_s / predicted
-            if stage.busy_s < busiest[stage.replica]:
-                factor = max(1.0, factor)
+        if predicted > 0 and stage.capacity_s > 0:
+            factor = stage.capacity_s / predicted
+            if stage.capacity_s < busiest[stage.replica] and factor < 1.0:
+                factor = factor**0.5
             per_node.setdefault(stage.node_id, []).append(factor)
     factors = {nid: sum(values) / len(values) for nid, values in per_node.items()}
     for nid, factor in factors.items():
@@ -300,8 +343,10 @@ def _reference(main: Any, ref: Any, extra: dict[str, Any]) -> dict[str, Any]:
         "tokens_per_s": summary["tokens_per_s"],
         "ratio": main.tokens_per_s / summary["tokens_per_s"] if summary["tokens_per_s"] else None,
         "imbalance": summary["imbalance"],
+        "imbalance_capacity": summary["imbalance_capacity"],
         "wall_s": summary["wall_s"],
         "busy_s": [s.busy_s for s in ref.stages],
+        "capacity_s": [s.capacity_s for s in ref.stages],
         **extra,
     }
 

@@ -28,6 +28,20 @@ def imbalance(busy: Sequence[float]) -> float:
     return (max(values) - min(values)) / mean
 
 
+def capacity_time(busy_s: float, cpu_s: float, quota_cpus: float | None) -> float:
+    """A stage's busy time measured against its node's CPU allowance: max(busy, CPU time / quota).
+
+    Under a CFS quota a stage that waits for work starts each call with unspent quota and computes
+    at full core speed until the quota of the scheduler period is gone, so its wall-clock busy time
+    understates what its work costs the node: ``cpu_s`` CPU-seconds take at least ``cpu_s / quota``
+    seconds of wall time once the quota binds (a saturated stage).  Without a quota, or when the
+    node was slower than its quota (starved by other load), the wall-clock busy time stands.
+    """
+    if quota_cpus is None or quota_cpus <= 0:
+        return float(busy_s)
+    return max(float(busy_s), float(cpu_s) / quota_cpus)
+
+
 def spread(busy: Sequence[float]) -> float:
     """Tmax - Tmin in the units of ``busy``."""
     values = _checked(busy, "spread")

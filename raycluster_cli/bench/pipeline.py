@@ -21,7 +21,7 @@ import torch
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from raycluster_cli.bench.model import ModelConfig, Stage
-from raycluster_cli.bench.scheduling import torch_threads
+from raycluster_cli.bench.scheduling import cpu_quota, torch_threads
 
 # Idle OpenMP threads sleep instead of spinning: several stages may share a machine's cores (a lab on
 # one host, other tenants), and spinning threads of one stage then steal the CPU of the next.
@@ -45,11 +45,31 @@ def node_ip(node_id: str) -> str:
     return str(_node_entry(node_id).get("NodeManagerAddress") or ray.util.get_node_ip_address())
 
 
+def _read(path: str) -> str | None:
+    try:
+        with open(path) as f:
+            return f.read()
+    except OSError:
+        return None
+
+
+def container_cpu_quota() -> float | None:
+    """This process's CFS CPU quota in CPUs (cgroup v2, else v1), None when unlimited."""
+    v2 = _read("/sys/fs/cgroup/cpu.max")
+    if v2 is not None:
+        return cpu_quota(cpu_max=v2)
+    return cpu_quota(
+        cfs_quota_us=_read("/sys/fs/cgroup/cpu/cpu.cfs_quota_us"),
+        cfs_period_us=_read("/sys/fs/cgroup/cpu/cpu.cfs_period_us"),
+    )
+
+
 def node_cpu_count(node_id: str) -> int:
-    """Torch threads for ``node_id``: the CPUs Ray advertises (rounded up), capped by the usable cores."""
+    """Torch threads for ``node_id``: the container's CPU quota (else the CPUs Ray advertises), rounded
+    up, capped by the usable cores."""
     advertised = float(_node_entry(node_id).get("Resources", {}).get("CPU", 0.0))
     usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return torch_threads(advertised, usable)
+    return torch_threads(advertised, usable, container_cpu_quota())
 
 
 def pick_device() -> str:
@@ -113,6 +133,7 @@ class _StageWorker:
             "num_threads": self.num_threads,
             "device": self.device,
             "pid": os.getpid(),
+            "cpu_quota": container_cpu_quota(),
         }
 
     def calibrate(

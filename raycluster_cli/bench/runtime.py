@@ -24,7 +24,7 @@ import torch
 from raycluster_cli.bench import metrics
 from raycluster_cli.bench.model import ModelConfig, full_model_stage, greedy_generate
 from raycluster_cli.bench.partition import blocks_held
-from raycluster_cli.bench.scheduling import arrival_times, power_of_two_choice
+from raycluster_cli.bench.scheduling import arrival_times, in_flight_limit, power_of_two_choice
 
 WARMUP_CACHE_ID = -1
 
@@ -36,7 +36,7 @@ class BenchParams:
     max_new_tokens: int = 16
     micro_batch: int = 4
     seed: int = 0
-    in_flight: int | None = None  # micro-batches in flight per replica; default 2 x stages, minimum stages + 1
+    in_flight: int | None = None  # micro-batches in flight per replica; default scheduling.in_flight_limit
     rate: float | None = None  # requests/s (Poisson); None: offline, all requests at once
     warmup: bool = True
 
@@ -65,6 +65,8 @@ class StageReport:
     has_head: bool
     busy_s: float  # wall time inside forward: compute, plus any CPU-quota throttling during it
     cpu_s: float  # CPU time of the stage's process inside forward (all its threads)
+    cpu_quota: float | None  # the container's CFS quota in CPUs, None when unlimited
+    capacity_s: float  # busy time against the quota: max(busy_s, cpu_s / cpu_quota), see metrics.capacity_time
     idle_s: float
     calls: int
     num_threads: int
@@ -108,6 +110,7 @@ class RunResult:
     def summary(self) -> dict[str, Any]:
         """Throughput, latency and balance of this run as JSON-ready numbers."""
         busy = [s.busy_s for s in self.stages]
+        capacity = [s.capacity_s for s in self.stages]
         return {
             "tokens_per_s": self.tokens_per_s,
             "requests_per_s": self.requests_per_s,
@@ -117,6 +120,7 @@ class RunResult:
             "wall_s": self.wall_s,
             "in_flight": self.in_flight,
             "imbalance": metrics.imbalance(busy),
+            "imbalance_capacity": metrics.imbalance(capacity),
             "t_max_minus_t_min_s": metrics.spread(busy),
             "utilisation": metrics.utilisation(busy),
             "latency_s": {
@@ -190,7 +194,7 @@ def run_workload(
     ray.get([w.reset_stats.remote() for w in flat])
 
     stages = len(replicas[0])
-    limit = max(params.in_flight or 2 * stages, stages + 1)
+    limit = in_flight_limit(stages, params.requests, params.micro_batch, params.rate, params.in_flight)
     arrivals = arrival_times(params.requests, params.rate, params.seed)
     rng = random.Random(params.seed)
     tokens: list[list[int]] = [[] for _ in range(params.requests)]
@@ -266,6 +270,8 @@ def run_workload(
         r, s = divmod(i, stages)
         start, end = ranges[r][s]
         stage_busy = float(stat["busy_s"])
+        stage_cpu = float(stat.get("cpu_s", 0.0))
+        quota = info.get("cpu_quota")
         stage_reports.append(
             StageReport(
                 replica=r,
@@ -277,7 +283,9 @@ def run_workload(
                 has_embedding=start == 0,
                 has_head=end == cfg.num_units,
                 busy_s=stage_busy,
-                cpu_s=float(stat.get("cpu_s", 0.0)),
+                cpu_s=stage_cpu,
+                cpu_quota=float(quota) if quota else None,
+                capacity_s=metrics.capacity_time(stage_busy, stage_cpu, float(quota) if quota else None),
                 idle_s=max(0.0, wall_s - stage_busy),
                 calls=int(stat["calls"]),
                 num_threads=int(info["num_threads"]),

@@ -107,14 +107,55 @@ def ceiling_tokens_per_s(tokens_per_replica: Sequence[int], busiest_per_replica:
     return total
 
 
-def torch_threads(advertised_cpus: float, usable_cores: int) -> int:
-    """Threads for a stage: the node's CPUs in Ray, rounded up, never more than the usable cores.
+def torch_threads(advertised_cpus: float, usable_cores: int, quota_cpus: float | None = None) -> int:
+    """Threads for a stage: the node's CPUs, rounded up, never more than the usable cores.
 
-    A container limited to a fractional quota (``--cpus=0.25``) advertises 0.25 CPUs: that is one
-    thread, not all the cores of the machine (two threads would burn the quota twice as fast and
-    then both stall).  0 (nothing advertised) falls back to the usable cores.
+    ``quota_cpus`` (the container's CFS quota, ``cpu_quota``) wins over what Ray advertises: Ray
+    truncates a fractional quota (``--cpus=0.25`` or ``0.6`` advertise 0 CPUs), and a quota below
+    one core is one thread, not every core of the machine (two threads burn the quota twice as fast
+    and then both stall for the rest of the scheduler period).  Nothing known: the usable cores.
     """
     usable = max(1, usable_cores)
-    if advertised_cpus <= 0:
+    cpus = quota_cpus if quota_cpus is not None and quota_cpus > 0 else advertised_cpus
+    if cpus <= 0:
         return usable
-    return max(1, min(math.ceil(advertised_cpus - 1e-9), usable))
+    return max(1, min(math.ceil(cpus - 1e-9), usable))
+
+
+def cpu_quota(
+    cpu_max: str | None = None, cfs_quota_us: str | None = None, cfs_period_us: str | None = None
+) -> float | None:
+    """CPUs a cgroup's CFS quota allows (``0.25`` for ``--cpus=0.25``), or None when unlimited/unknown.
+
+    ``cpu_max`` is the text of cgroup v2 ``cpu.max`` (``"25000 100000"`` or ``"max 100000"``); the
+    v1 files ``cpu.cfs_quota_us`` / ``cpu.cfs_period_us`` are used when it is not given.
+    """
+    try:
+        if cpu_max is not None:
+            quota, period = cpu_max.split()[:2]
+            if quota == "max":
+                return None
+            value = float(quota) / float(period)
+        elif cfs_quota_us is not None and cfs_period_us is not None:
+            value = float(cfs_quota_us) / float(cfs_period_us)
+        else:
+            return None
+    except (ValueError, ZeroDivisionError):
+        return None
+    return value if value > 0 else None
+
+
+def in_flight_limit(stages: int, requests: int, micro_batch: int, rate: float | None, asked: int | None = None) -> int:
+    """Micro-batches a replica keeps in flight: ``asked``, else a default; never fewer than stages + 1.
+
+    Offline (``rate`` None) every request is there at once, so the default admits all of them, up
+    to 4 x stages micro-batches: with the old 2 x stages, 8 micro-batches on 3 stages ran as a wave
+    of 6 and a tail of 2 that left a third of the pipeline idle for the whole tail.  Under Poisson
+    arrivals the default stays 2 x stages (latency: a deeper queue only adds waiting).
+    """
+    if asked is not None:
+        return max(asked, stages + 1)
+    if rate is None:
+        batches = -(-requests // max(1, micro_batch))
+        return max(stages + 1, 2 * stages, min(batches, 4 * stages))
+    return max(stages + 1, 2 * stages)

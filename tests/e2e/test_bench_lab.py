@@ -61,7 +61,7 @@ def cluster(lab_hosts: Lab) -> Iterator[Cluster]:
 
 
 def _stage_metrics_present(stage: dict[str, Any]) -> None:
-    for key in ("host", "layers", "busy_s", "cpu_s", "idle_s", "predicted_s", "calls", "num_threads", "device"):
+    for key in ("host", "layers", "busy_s", "cpu_s", "capacity_s", "idle_s", "predicted_s", "calls", "num_threads"):
         assert stage.get(key) is not None, key
     assert stage["busy_s"] > 0 and stage["predicted_s"] > 0 and stage["device"] == "cpu"
 
@@ -129,6 +129,9 @@ def test_slow_host_gets_fewer_layers_and_balanced_beats_even(cluster: Cluster, t
     doc = cluster.bench("--layers=24", "--requests=16", "--max-new-tokens=8", "--partition=balanced")
     by_host = {s["host"]: s for s in doc["stages"]}
     slow = by_host[IP3]
+    # Ray advertises 0 CPUs for a 0.2 quota; the stage reads the quota itself: one thread.
+    assert slow["cpu_quota"] == pytest.approx(0.2) and slow["num_threads"] == 1
+    assert slow["capacity_s"] >= slow["busy_s"] and doc["imbalance_capacity"] >= 0
     assert all(slow["layers"] < s["layers"] for host, s in by_host.items() if host != IP3), doc["partition_ranges"]
     even = doc["references"]["even"]
     assert doc["tokens_per_s"] > even["tokens_per_s"], (doc["tokens_per_s"], even)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -102,6 +103,10 @@ def test_replicas_share_the_load_and_references_are_measured(local_ray: None) ->
     assert refs["even"]["tokens_per_s"] > 0
     assert doc["hop_overhead"]["per_hop_s"] > 0
     assert {"embedding_s", "block_s", "head_s"} <= set(doc["calibration"]["nodes"][0])
+    pilots = doc["calibration"]["refinements"]
+    assert 1 <= len(pilots) <= 3 and [p["chosen"] for p in pilots].count(True) == 1
+    assert all(p["tokens_per_s"] > 0 and len(p["busy_s"]) == 3 for p in pilots)
+    json.dumps(doc)  # what the driver prints
     for kind in ("ttft", "tpot", "e2e"):
         assert doc["latency_s"][kind]["p50"] is not None
 

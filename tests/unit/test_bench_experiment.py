@@ -9,8 +9,12 @@ import pytest
 from raycluster_cli.bench import experiment
 
 
-def _stage(replica: int, node: str, units: tuple[int, int], busy: float) -> SimpleNamespace:
-    return SimpleNamespace(replica=replica, node_id=node, units=list(units), busy_s=busy)
+def _stage(
+    replica: int, node: str, units: tuple[int, int], busy: float, capacity: float | None = None
+) -> SimpleNamespace:
+    return SimpleNamespace(
+        replica=replica, node_id=node, units=list(units), busy_s=busy, capacity_s=busy if capacity is None else capacity
+    )
 
 
 def test_choose_ranges() -> None:
@@ -24,18 +28,75 @@ def test_choose_ranges() -> None:
         experiment.choose_ranges("manual:2,2,2", [row, row], 6, 0.0)
 
 
-def test_pilot_correction_slows_the_busiest_and_never_speeds_up_a_waiting_stage() -> None:
+def test_pilot_correction_slows_the_busiest_and_only_half_speeds_up_a_waiting_stage() -> None:
     costs = {"a": [0.0, 1.0, 1.0, 1.0, 1.0, 0.0], "b": [0.0, 1.0, 1.0, 1.0, 1.0, 0.0]}
     pilot = SimpleNamespace(
         replicas=[SimpleNamespace(index=0, micro_batches=2, busiest_s=12.0)],
         stages=[_stage(0, "a", (0, 3), 12.0), _stage(0, "b", (3, 6), 2.0)],
     )
-    # a: predicted 2 blocks x 2 micro-batches = 4 s, measured 12 -> x3; b: measured less than
-    # predicted while waiting for a -> unchanged (a waiting stage may look faster than it is).
+    # a: predicted 2 blocks x 2 micro-batches = 4 s, measured 12 -> x3; b: measured 2 of a predicted
+    # 4 s while waiting for a -> sqrt(0.5) (a waiting stage may look faster than it is).
     factors = experiment._refine_costs(costs, pilot)
-    assert factors == {"a": pytest.approx(3.0), "b": pytest.approx(1.0)}
-    assert costs["a"][1] == pytest.approx(3.0) and costs["b"][1] == pytest.approx(1.0)
-    # The busiest stage may also turn out faster than calibrated.
+    assert factors == {"a": pytest.approx(3.0), "b": pytest.approx(0.5**0.5)}
+    assert costs["a"][1] == pytest.approx(3.0) and costs["b"][1] == pytest.approx(0.5**0.5)
+    # The busiest stage may turn out faster than calibrated: fully applied.
     pilot.stages = [_stage(0, "a", (0, 3), 2.0), _stage(0, "b", (3, 6), 1.0)]
     pilot.replicas[0].busiest_s = 2.0
     assert experiment._refine_costs(costs, pilot)["a"] == pytest.approx(2.0 / 12.0)
+    # A waiting stage slower than predicted: fully applied.
+    costs = {"a": [0.0, 1.0, 1.0, 1.0, 1.0, 0.0], "b": [0.0, 1.0, 1.0, 1.0, 1.0, 0.0]}
+    pilot.stages = [_stage(0, "a", (0, 3), 12.0), _stage(0, "b", (3, 6), 8.0)]
+    pilot.replicas[0].busiest_s = 12.0
+    assert experiment._refine_costs(costs, pilot)["b"] == pytest.approx(2.0)
+    # A quota stage that computed in bursts (busy 2 s) but spent CPU worth 8 s of its quota: 8 s counts.
+    costs = {"a": [0.0, 1.0, 1.0, 1.0, 1.0, 0.0], "b": [0.0, 1.0, 1.0, 1.0, 1.0, 0.0]}
+    pilot.stages = [_stage(0, "a", (0, 3), 12.0), _stage(0, "b", (3, 6), 2.0, capacity=8.0)]
+    assert experiment._refine_costs(costs, pilot)["b"] == pytest.approx(2.0)
+
+
+class _FakePipeline:
+    """Two nodes with true per-block costs; a pilot's busy time is blocks x cost x micro-batches."""
+
+    def __init__(self, true_cost: dict[str, float], noise: list[float] | None = None) -> None:
+        self.true_cost = true_cost
+        self.noise = noise or []
+        self.runs: list[list[tuple[int, int]]] = []
+
+    def __call__(self, ranges: list[list[tuple[int, int]]]) -> SimpleNamespace:
+        self.runs.append(ranges[0])
+        slow = self.noise[len(self.runs) - 1] if len(self.runs) <= len(self.noise) else 1.0
+        busy = []
+        for node, (a, b) in zip(("a", "b"), ranges[0], strict=True):
+            blocks = min(b, 7) - max(a, 1)
+            busy.append(blocks * self.true_cost[node] * 2 * (slow if node == "a" else 1.0))
+        stages = [_stage(0, n, r, t) for n, r, t in zip(("a", "b"), ranges[0], busy, strict=True)]
+        replica = SimpleNamespace(index=0, micro_batches=2, busiest_s=max(busy))
+        summary = {"tokens_per_s": 100.0 / max(busy), "imbalance": (max(busy) - min(busy)) / (sum(busy) / 2)}
+        return SimpleNamespace(replicas=[replica], stages=stages, summary=lambda: summary)
+
+
+def _solver(costs: dict[str, list[float]]) -> object:
+    return lambda: [experiment.choose_ranges("balanced", [costs["a"], costs["b"]], 6, 0.0)]
+
+
+def test_refine_converges_to_the_true_split_and_stops_when_it_repeats() -> None:
+    # Calibration says equal nodes; really b is 2x slower: 4 blocks on a, 2 on b is balanced.
+    costs = {"a": [0.0] + [1.0] * 6 + [0.0], "b": [0.0] + [1.0] * 6 + [0.0]}
+    fake = _FakePipeline({"a": 1.0, "b": 2.0})
+    solve = _solver(costs)
+    ranges, tried = experiment._refine(solve(), 5, fake, costs, solve)
+    assert ranges == [[(0, 5), (5, 8)]]  # 4 blocks on a, 2 on b
+    assert fake.runs[0] == [(0, 4), (4, 8)] and fake.runs[-1] == [(0, 5), (5, 8)]
+    assert len(tried) < 5  # stopped once the solver gave back a measured split
+    assert [t["chosen"] for t in tried].count(True) == 1
+
+
+def test_refine_keeps_the_best_measured_split_when_a_pilot_was_disturbed() -> None:
+    costs = {"a": [0.0] + [1.0] * 6 + [0.0], "b": [0.0] + [1.0] * 6 + [0.0]}
+    fake = _FakePipeline({"a": 1.0, "b": 2.0}, noise=[1.0, 3.0])  # pilot 2: node a 3x slower
+    solve = _solver(costs)
+    ranges, tried = experiment._refine(solve(), 3, fake, costs, solve)
+    assert fake.runs[1] == [(0, 5), (5, 8)]  # the right split, measured while a was disturbed
+    assert not tried[1]["chosen"]
+    best = max(tried, key=lambda t: t["tokens_per_s"])
+    assert best["chosen"] and ranges == [[tuple(r) for r in best["partition_ranges"]]]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from raycluster_cli.bench import metrics
 from raycluster_cli.bench.metrics import imbalance, latency_summary, percentile, spread, utilisation
 
 
@@ -43,3 +44,10 @@ def test_bad_input() -> None:
         imbalance([])
     with pytest.raises(ValueError):
         utilisation([1.0, -1.0])
+
+
+def test_capacity_time_charges_cpu_against_the_quota() -> None:
+    assert metrics.capacity_time(5.45, 2.18, 0.25) == pytest.approx(8.72)  # bursts under a 0.25 quota
+    assert metrics.capacity_time(11.2, 2.69, 0.25) == pytest.approx(11.2)  # throttled: wall time stands
+    assert metrics.capacity_time(9.7, 6.5, 1.0) == pytest.approx(9.7)  # starved below its quota
+    assert metrics.capacity_time(3.0, 2.0, None) == 3.0  # no quota: busy time

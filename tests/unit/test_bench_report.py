@@ -72,3 +72,15 @@ def test_render_bench_batch_sweep_names_the_best() -> None:
     buffer = io.StringIO()
     render_bench(Output(False, stdout=buffer, stderr=io.StringIO()), doc)
     assert "best micro-batch: 4" in buffer.getvalue()
+
+
+def test_render_bench_shows_the_quota_imbalance_only_when_a_node_has_a_quota() -> None:
+    doc = _doc()
+    doc["imbalance_capacity"] = 0.123
+    buffer = io.StringIO()
+    render_bench(Output(False, stdout=buffer, stderr=io.StringIO()), doc)
+    assert "against CPU quotas" not in buffer.getvalue()
+    doc["stages"][1]["cpu_quota"] = 0.25
+    buffer = io.StringIO()
+    render_bench(Output(False, stdout=buffer, stderr=io.StringIO()), doc)
+    assert "imbalance 0.667 (against CPU quotas 0.123)" in " ".join(buffer.getvalue().split())

@@ -12,6 +12,8 @@ from raycluster_cli.bench.scheduling import (
     arrival_times,
     batch_sizes,
     ceiling_tokens_per_s,
+    cpu_quota,
+    in_flight_limit,
     plan_replicas,
     power_of_two_choice,
     predicted_busy,
@@ -86,3 +88,29 @@ def test_torch_threads_follow_the_cpus_ray_advertises() -> None:
     assert torch_threads(8.0, 4) == 4  # never more than the cores this process may use
     assert torch_threads(0.0, 4) == 4  # nothing advertised: the usable cores
     assert torch_threads(3.0, 0) == 1
+
+
+def test_a_fractional_cfs_quota_is_one_thread_even_when_ray_advertises_none() -> None:
+    # Ray truncates --cpus=0.25 / 0.6 to 0 CPUs; the quota itself says one thread.
+    assert torch_threads(0.0, 2, quota_cpus=0.25) == 1
+    assert torch_threads(0.0, 2, quota_cpus=0.6) == 1
+    assert torch_threads(1.0, 16, quota_cpus=2.5) == 3
+    assert torch_threads(4.0, 16, quota_cpus=None) == 4
+
+
+def test_cpu_quota_parses_cgroup_v2_and_v1() -> None:
+    assert cpu_quota(cpu_max="25000 100000\n") == 0.25
+    assert cpu_quota(cpu_max="max 100000\n") is None
+    assert cpu_quota(cpu_max="garbage") is None
+    assert cpu_quota(cfs_quota_us="60000\n", cfs_period_us="100000\n") == 0.6
+    assert cpu_quota(cfs_quota_us="-1", cfs_period_us="100000") is None
+    assert cpu_quota() is None
+
+
+def test_in_flight_offline_admits_every_micro_batch_up_to_four_per_stage() -> None:
+    assert in_flight_limit(3, 32, 4, None) == 8  # 8 micro-batches: all at once, no starved tail
+    assert in_flight_limit(3, 8, 4, None) == 6  # never below 2 x stages
+    assert in_flight_limit(3, 400, 4, None) == 12  # capped at 4 x stages
+    assert in_flight_limit(3, 32, 4, 2.0) == 6  # Poisson: 2 x stages
+    assert in_flight_limit(3, 32, 4, None, asked=2) == 4  # asked, but at least stages + 1
+    assert in_flight_limit(1, 1, 4, None) == 2
