@@ -127,21 +127,28 @@ class SSHTransport:
         self._client = client
 
     def run(self, command: str, *, stdin: bytes | None = None, timeout: float | None = 120.0) -> CommandResult:
+        channel = self._open_channel()
+        try:
+            channel.exec_command(command)
+            if stdin is not None:
+                channel.sendall(stdin)
+            channel.shutdown_write()
+            return self._collect(channel, timeout)
+        except (EOFError, paramiko.SSHException, OSError) as exc:
+            raise self._dropped(exc) from None
+        finally:
+            channel.close()
+
+    def _open_channel(self, **options: int) -> paramiko.Channel:
+        """A session on this host's connection (made on first use); a lost connection is forgotten and reported."""
         self.connect()
         assert self._client is not None
         transport = self._client.get_transport()
         if transport is None or not transport.is_active():
+            self.close()
             raise TransportError(self.host, "SSH connection was lost", "check the host and retry")
         try:
-            channel = transport.open_session()
-            try:
-                channel.exec_command(command)
-                if stdin is not None:
-                    channel.sendall(stdin)
-                channel.shutdown_write()
-                return self._collect(channel, timeout)
-            finally:
-                channel.close()
+            return transport.open_session(**options)
         except (EOFError, paramiko.SSHException, OSError) as exc:
             raise self._dropped(exc) from None
 
@@ -162,15 +169,7 @@ class SSHTransport:
         on_sent: Callable[[int], None] | None = None,
         timeout: float | None = None,
     ) -> CommandResult:
-        self.connect()
-        assert self._client is not None
-        transport = self._client.get_transport()
-        if transport is None or not transport.is_active():
-            raise TransportError(self.host, "SSH connection was lost", "check the host and retry")
-        try:
-            channel = transport.open_session(window_size=8 * 1024 * 1024, max_packet_size=256 * 1024)
-        except (EOFError, paramiko.SSHException, OSError) as exc:
-            raise self._dropped(exc) from None
+        channel = self._open_channel(window_size=8 * 1024 * 1024, max_packet_size=256 * 1024)
         out, err = bytearray(), bytearray()
         try:
             channel.exec_command(command)
