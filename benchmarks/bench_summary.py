@@ -67,11 +67,13 @@ def main(directory: str, label: str) -> None:
         stages = ", ".join(
             f"{s['host']} {s['layers']}L {s['num_threads']}t T={s['busy_s']:.2f}s cpu={s.get('cpu_s', 0):.2f}s "
             f"cap={s.get('capacity_s', s['busy_s']):.2f}s "
+            f"process-cpu={s.get('process_cpu_s', 0):.2f}s span={s.get('span_s', 0):.2f}s "
             f"pred={s['predicted_s']:.2f}s"
             for s in d["stages"]
         )
         print(
-            f"  round {n} (load {load[0]} -> {load[1]}): {stages}; {d['tokens_per_s']:.1f} tok/s, "
+            f"  round {n} (load {load[0]} -> {load[1]}): {stages}; wall {d['wall_s']:.2f}s, "
+            f"driver-cpu {d.get('driver_cpu_s', 0):.2f}s, {d['tokens_per_s']:.1f} tok/s, "
             f"imbalance {d['imbalance']:.3f} (quotas {d.get('imbalance_capacity', d['imbalance']):.3f}), x even {d['references']['even']['ratio']:.2f}, "
             f"x ceiling {d['references']['ceiling']['ratio']:.2f}, x unsharded {d['references']['unsharded']['ratio']:.2f}"
         )
@@ -84,6 +86,7 @@ def main(directory: str, label: str) -> None:
                 f"    pilot {k}: units {layers}, {p.get('tokens_per_s', 0):.1f} tok/s, imbalance {p['imbalance']:.3f}"
                 f" (quotas {p.get('imbalance_capacity') or p['imbalance']:.3f})"
                 f"{', chosen' if p.get('chosen') else ''}; factors {_fmt(list(p['factors'].values()))}"
+                f"{'; mean ' + _fmt(list(p['mean_factors'].values())) if 'mean_factors' in p else ''}"
             )
 
 

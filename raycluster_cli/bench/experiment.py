@@ -13,6 +13,7 @@ import argparse
 import dataclasses
 import ipaddress
 import logging
+import math
 import time
 from typing import Any
 
@@ -190,7 +191,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 lambda: ranges_for(spec, replicas),
             )
             for entry in refinements:
-                entry["factors"] = {calibrations[nid]["node_ip"]: f for nid, f in entry["factors"].items()}
+                for key in ("factors", "mean_factors"):
+                    entry[key] = {calibrations[nid]["node_ip"]: f for nid, f in entry[key].items()}
         result = measure(replicas, ranges, params)
         doc = {
             **result.summary(),
@@ -272,17 +274,26 @@ def _refine(
 ) -> tuple[list[list[tuple[int, int]]], list[dict[str, Any]]]:
     """Pilot runs that correct the calibration; returns the split to use and what each pilot saw.
 
-    Each pilot runs the current split, corrects every node's costs from its measured busy time
-    (``_refine_costs``) and re-solves the split.  It stops early when the corrected costs give back
-    a split already measured (converged).  The split used is the measured one with the highest
-    pilot tokens/s: a correction made under a burst of outside load can send the next split the
-    wrong way, and the measurement, not the model, has the last word.
+    Each pilot runs the current split and measures, for every node, how its stage's time compares
+    with what the calibration predicted (``_pilot_factors``).  The node's costs become the
+    calibration times the geometric mean of its factors over *all* pilots so far, and the split is
+    solved again.  Averaging is what makes this converge on a noisy machine: on the 2-core lab one
+    run measures a node ±10 % off the next, and a correction from the last pilot alone chased that
+    noise from split to split.  It stops early when the last two pilots measured the same split and
+    the averaged costs still give it back.  The split used is the one solved from the averaged
+    costs, measured or not.
     """
+    calibrated = {nid: list(row) for nid, row in costs.items()}
+    history: dict[str, list[float]] = {}
     tried: list[dict[str, Any]] = []
     for _ in range(pilots):
         pilot = run_pilot(ranges)
         summary = pilot.summary()
-        factors = _refine_costs(costs, pilot)
+        factors = _pilot_factors(calibrated, pilot)
+        for nid, factor in factors.items():
+            history.setdefault(nid, []).append(factor)
+        for nid, values in history.items():
+            costs[nid] = [c * _geomean(values) for c in calibrated[nid]]
         tried.append(
             {
                 "ranges": ranges,
@@ -293,47 +304,39 @@ def _refine(
                 "busy_s": [s.busy_s for s in pilot.stages],
                 "capacity_s": [s.capacity_s for s in pilot.stages],
                 "factors": factors,
+                "mean_factors": {nid: _geomean(values) for nid, values in history.items()},
             }
         )
         ranges = solve()
-        if any(ranges == t["ranges"] for t in tried):
-            break
-    best = max(tried, key=lambda t: t["tokens_per_s"])
+        if len(tried) >= 2 and ranges == tried[-1]["ranges"] == tried[-2]["ranges"]:
+            break  # measured twice and still the answer: more pilots would only repeat it
     for t in tried:
-        t["chosen"] = t is best
-    return best["ranges"], [{k: v for k, v in t.items() if k != "ranges"} for t in tried]
+        t["chosen"] = t["ranges"] == ranges
+    return ranges, [{k: v for k, v in t.items() if k != "ranges"} for t in tried]
 
 
-def _refine_costs(costs: dict[str, list[float]], pilot: Any) -> dict[str, float]:
-    """Scale each node's unit costs by measured / predicted time of its stage in a pilot run.
+def _geomean(values: list[float]) -> float:
+    return math.exp(sum(math.log(v) for v in values) / len(values))
+
+
+def _pilot_factors(calibrated: dict[str, list[float]], pilot: Any) -> dict[str, float]:
+    """Each node's measured / predicted time of its stages in a pilot run, against the calibration.
 
     Calibration times each node alone; in the pipeline a node also runs Ray's own processes (the
     head: the driver and the GCS) and competes with its neighbours for the physical cores.  The
     pilot's times include all that.  The measured time is the stage's capacity time
     (``metrics.capacity_time``: busy time, or CPU time / CPU quota when larger), so a stage that
-    waits for work and computes in unthrottled bursts under its quota is not mistaken for a fast
-    node (on the quota lab that mistake made the split oscillate between pilots).  A speed-up
-    (factor < 1) of a stage that is not its replica's busiest is still only half applied (square
-    root: half the correction in log space), a slow-down fully.
+    waits for work and computes in unthrottled bursts under its quota is not mistaken for a fast node.
     """
     from raycluster_cli.bench.scheduling import predicted_busy
 
     per_node: dict[str, list[float]] = {}
     batches = {r.index: r.micro_batches for r in pilot.replicas}
-    busiest: dict[int, float] = {}
     for stage in pilot.stages:
-        busiest[stage.replica] = max(busiest.get(stage.replica, 0.0), stage.capacity_s)
-    for stage in pilot.stages:
-        predicted = predicted_busy(costs[stage.node_id], stage.units[0], stage.units[1], batches[stage.replica])
+        predicted = predicted_busy(calibrated[stage.node_id], stage.units[0], stage.units[1], batches[stage.replica])
         if predicted > 0 and stage.capacity_s > 0:
-            factor = stage.capacity_s / predicted
-            if stage.capacity_s < busiest[stage.replica] and factor < 1.0:
-                factor = factor**0.5
-            per_node.setdefault(stage.node_id, []).append(factor)
-    factors = {nid: sum(values) / len(values) for nid, values in per_node.items()}
-    for nid, factor in factors.items():
-        costs[nid] = [c * factor for c in costs[nid]]
-    return factors
+            per_node.setdefault(stage.node_id, []).append(stage.capacity_s / predicted)
+    return {nid: _geomean(values) for nid, values in per_node.items()}
 
 
 def _reference(main: Any, ref: Any, extra: dict[str, Any]) -> dict[str, Any]:

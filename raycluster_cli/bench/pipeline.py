@@ -91,6 +91,10 @@ class _StageWorker:
         self.busy_s = 0.0
         self.cpu_s = 0.0
         self.calls = 0
+        self.process_cpu_began = 0.0
+        self.first_began: float | None = None
+        self.last_ended = 0.0
+        self.reset_stats()
 
     def setup(self, start: int, end: int) -> dict[str, Any]:
         """Build units [start, end): random weights are made here, real ones read from the local file."""
@@ -105,8 +109,12 @@ class _StageWorker:
             raise RuntimeError("StageWorker.forward called before setup()")
         began, cpu_began = time.perf_counter(), time.process_time()
         out = self.stage(x, cache_id, positions)
-        self.busy_s += time.perf_counter() - began
+        ended = time.perf_counter()
+        self.busy_s += ended - began
         self.cpu_s += time.process_time() - cpu_began
+        if self.first_began is None:
+            self.first_began = began
+        self.last_ended = ended
         self.calls += 1
         return out
 
@@ -119,12 +127,23 @@ class _StageWorker:
 
     def stats(self) -> dict[str, float | int]:
         cached = len(self.stage.cached_ids()) if self.stage is not None else 0
-        return {"busy_s": self.busy_s, "cpu_s": self.cpu_s, "calls": self.calls, "cached_micro_batches": cached}
+        span = self.last_ended - self.first_began if self.first_began is not None else 0.0
+        return {
+            "busy_s": self.busy_s,
+            "cpu_s": self.cpu_s,
+            "process_cpu_s": time.process_time() - self.process_cpu_began,
+            "span_s": span,
+            "calls": self.calls,
+            "cached_micro_batches": cached,
+        }
 
     def reset_stats(self) -> None:
         self.busy_s = 0.0
         self.cpu_s = 0.0
         self.calls = 0
+        self.process_cpu_began = time.process_time()
+        self.first_began = None
+        self.last_ended = 0.0
 
     def node_info(self) -> dict[str, Any]:
         return {

@@ -71,6 +71,8 @@ class StageReport:
     calls: int
     num_threads: int
     device: str
+    process_cpu_s: float = 0.0  # CPU time of the stage's whole process over the run: forward, Ray's work, its threads
+    span_s: float = 0.0  # from the start of its first forward to the end of its last (its own clock)
 
 
 @dataclass
@@ -91,6 +93,7 @@ class RunResult:
     generated_tokens: int
     wall_s: float
     in_flight: int
+    driver_cpu_s: float = 0.0  # CPU time of the driver process over the run (it submits and relays every step)
     ttft_s: list[float] = field(default_factory=list)
     tpot_s: list[float] = field(default_factory=list)
     e2e_s: list[float] = field(default_factory=list)
@@ -119,6 +122,7 @@ class RunResult:
             "generated_tokens": self.generated_tokens,
             "wall_s": self.wall_s,
             "in_flight": self.in_flight,
+            "driver_cpu_s": self.driver_cpu_s,
             "imbalance": metrics.imbalance(busy),
             "imbalance_capacity": metrics.imbalance(capacity),
             "t_max_minus_t_min_s": metrics.spread(busy),
@@ -210,7 +214,7 @@ def run_workload(
     releases: list[Any] = []
     arrived = 0
     completed = 0
-    began = time.perf_counter()
+    began, cpu_began = time.perf_counter(), time.process_time()
 
     def dispatch() -> None:
         while waiting:
@@ -262,6 +266,7 @@ def run_workload(
             releases.extend(w.release.remote(batch_id) for w in replicas[batch.replica])
             del batches[batch_id]
     wall_s = time.perf_counter() - began
+    driver_cpu_s = time.process_time() - cpu_began
     ray.get(releases)
     stats = ray.get([w.stats.remote() for w in flat])
 
@@ -290,6 +295,8 @@ def run_workload(
                 calls=int(stat["calls"]),
                 num_threads=int(info["num_threads"]),
                 device=str(info.get("device", "cpu")),
+                process_cpu_s=float(stat.get("process_cpu_s", 0.0)),
+                span_s=float(stat.get("span_s", 0.0)),
             )
         )
     replica_reports = []
@@ -319,6 +326,7 @@ def run_workload(
         generated_tokens=sum(len(t) for t in tokens),
         wall_s=wall_s,
         in_flight=limit,
+        driver_cpu_s=driver_cpu_s,
         ttft_s=ttft,
         tpot_s=tpot,
         e2e_s=e2e,

@@ -104,7 +104,10 @@ def test_replicas_share_the_load_and_references_are_measured(local_ray: None) ->
     assert doc["hop_overhead"]["per_hop_s"] > 0
     assert {"embedding_s", "block_s", "head_s"} <= set(doc["calibration"]["nodes"][0])
     pilots = doc["calibration"]["refinements"]
-    assert 1 <= len(pilots) <= 3 and [p["chosen"] for p in pilots].count(True) == 1
+    assert 1 <= len(pilots) <= 3
+    chosen = [p["partition_ranges"] for p in pilots if p["chosen"]]
+    assert all(ranges == doc["partition_ranges"][0] for ranges in chosen)  # "chosen": the split used
+    assert all(set(p["mean_factors"]) == set(p["factors"]) for p in pilots)
     assert all(p["tokens_per_s"] > 0 and len(p["busy_s"]) == 3 for p in pilots)
     json.dumps(doc)  # what the driver prints
     for kind in ("ttft", "tpot", "e2e"):
