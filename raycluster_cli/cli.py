@@ -278,6 +278,9 @@ def bench_command(
     prompt_len: Annotated[int, typer.Option(min=1, help="prompt tokens per request")] = 32,
     max_new_tokens: Annotated[int, typer.Option(min=1, help="tokens generated per request")] = 16,
     micro_batch: Annotated[int, typer.Option(min=1, help="requests per micro-batch")] = 4,
+    prefill_chunk: Annotated[
+        int, typer.Option(min=0, help="prompt tokens per prefill step, chunked prefill (0: whole prompt)")
+    ] = 0,
     seed: Annotated[int, typer.Option(help="seed for weights, prompts and arrivals")] = 0,
     partition: Annotated[str, typer.Option(help="balanced (by measured speed) | even | manual:4,4,4")] = "balanced",
     stages: Annotated[int | None, typer.Option(min=1, help="stages per pipeline (default: one per node)")] = None,
@@ -308,7 +311,8 @@ def bench_command(
         args = [
             f"--layers={layers}", f"--d-model={d_model}", f"--heads={heads}", f"--vocab={vocab}",
             f"--requests={requests}", f"--prompt-len={prompt_len}", f"--max-new-tokens={max_new_tokens}",
-            f"--micro-batch={micro_batch}", f"--seed={seed}", f"--partition={partition}",
+            f"--micro-batch={micro_batch}", f"--prefill-chunk={prefill_chunk}", f"--seed={seed}",
+            f"--partition={partition}",
             f"--calibration-repeats={calibration_repeats}", f"--refine={refine}",
         ]  # fmt: skip
         optional = {

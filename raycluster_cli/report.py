@@ -347,7 +347,14 @@ def render_bench(output: Output, body: dict[str, Any]) -> None:
             f"({refs['unsharded']['tokens_per_s']:.1f} tok/s)"
         )
     if refs.get("ceiling"):
-        parts.append(f"of the pipeline ceiling {_ratio(refs['ceiling'].get('ratio'))}")
+        text = f"of the pipeline ceiling {_ratio(refs['ceiling'].get('ratio'))}"
+        gap = refs["ceiling"].get("gap") or {}
+        if gap.get("outside_span_s") is not None:
+            text += (
+                f" (busiest stage {_escape(str(gap.get('stage')))}: {gap['outside_span_s']:.2f}s filling/draining, "
+                f"{gap['idle_in_span_s']:.2f}s idle between calls)"
+            )
+        parts.append(text)
     if parts:
         output.line("references (same run): " + "; ".join(parts))
     if multi:

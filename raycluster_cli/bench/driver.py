@@ -44,6 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--max-new-tokens", type=int, default=16)
     p.add_argument("--micro-batch", type=int, default=4)
+    p.add_argument("--prefill-chunk", type=int, default=0, help="prompt tokens per prefill step (0: whole prompt)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--stages", type=int, default=None, help="stages per replica (default: number of alive nodes)")
     p.add_argument("--replicas", type=int, default=None, help="pipeline replicas (default: alive nodes // stages)")

@@ -72,6 +72,7 @@ def bench_params(args: argparse.Namespace) -> Any:
         seed=args.seed,
         in_flight=args.in_flight,
         rate=args.rate,
+        prefill_chunk=args.prefill_chunk,
     )
 
 
@@ -117,6 +118,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
     from raycluster_cli.bench import pipeline, runtime, scheduling
+    from raycluster_cli.bench.model import prefill_chunks
 
     cfg = model_config(args)
     params = bench_params(args)
@@ -156,16 +158,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     decode_steps,
                     args.calibration_repeats,
                     args.calibration_sample_s,
+                    params.prefill_chunk,
                 ),
                 strict=True,
             )
         )
         costs = {nid: pipeline.unit_cost_row(c, cfg.layers) for nid, c in calibrations.items()}
-        hop_prefill = pipeline.hop_overhead(
-            replicas[0], torch.zeros(params.micro_batch, params.prompt_len, cfg.d_model)
-        )
+        chunks = prefill_chunks(params.prompt_len, params.prefill_chunk)
+        hop_prefill = pipeline.hop_overhead(replicas[0], torch.zeros(params.micro_batch, chunks[0][1], cfg.d_model))
         hop_decode = pipeline.hop_overhead(replicas[0], torch.zeros(params.micro_batch, 1, cfg.d_model))
-        transfer_s = hop_prefill["per_hop_s"] + decode_steps * hop_decode["per_hop_s"]
+        transfer_s = len(chunks) * hop_prefill["per_hop_s"] + decode_steps * hop_decode["per_hop_s"]
 
         def ranges_for(which: str, group: list[list[Any]]) -> list[list[tuple[int, int]]]:
             out = []
@@ -204,8 +206,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             doc["output_check"] = runtime.check_output(cfg, params, result, args.check_requests)
         busiest = [r.busiest_s for r in result.replicas]
         ceiling = scheduling.ceiling_tokens_per_s([r.tokens for r in result.replicas], busiest)
+        bottleneck = max(doc["stages"], key=lambda s: s["busy_s"])
         references: dict[str, Any] = {
-            "ceiling": {"tokens_per_s": ceiling, "ratio": result.tokens_per_s / ceiling if ceiling else None}
+            "ceiling": {
+                "tokens_per_s": ceiling,
+                "ratio": result.tokens_per_s / ceiling if ceiling else None,
+                "gap": scheduling.ceiling_gap(result.wall_s, bottleneck),
+            }
         }
         if args.references:
             if spec != "even":
@@ -248,6 +255,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "prompt_len": params.prompt_len,
         "max_new_tokens": params.max_new_tokens,
         "micro_batch": params.micro_batch,
+        "prefill_chunk": params.prefill_chunk,
         "seed": params.seed,
         "stages": num_stages,
         "replicas": len(plan),
@@ -395,7 +403,11 @@ def _sweep_nodes(
     if missing:  # nodes that held no stage of the main run: measure them now
         decode_steps = max(1, params.max_new_tokens - 1)
         for i in missing:
-            cal = ray.get(workers[i].calibrate.remote(params.micro_batch, params.prompt_len, decode_steps))
+            cal = ray.get(
+                workers[i].calibrate.remote(
+                    params.micro_batch, params.prompt_len, decode_steps, prefill_chunk=params.prefill_chunk
+                )
+            )
             costs[nodes[i]["node_id"]] = pipeline.unit_cost_row(cal, cfg.layers)
     which = "even" if spec.startswith("manual:") else spec
     points = []

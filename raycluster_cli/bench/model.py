@@ -280,22 +280,49 @@ def full_model_stage(cfg: ModelConfig, emit: Emit = "tokens") -> Stage:
     return Stage(cfg, 0, cfg.num_units, emit=emit)
 
 
+def prefill_chunks(prompt_len: int, chunk: int = 0) -> list[tuple[int, int]]:
+    """The [start, end) token ranges a prompt is fed in: one piece, or pieces of ``chunk`` tokens.
+
+    Chunked prefill (as in Sarathi-Serve and vLLM) makes a prefill step cost about as much as a few
+    decode steps, so one long prefill does not leave the stages after it waiting.
+    """
+    if prompt_len < 1:
+        raise ValueError("prompt_len must be >= 1")
+    if chunk < 0:
+        raise ValueError(f"prefill chunk must be >= 0 tokens (0: whole prompt), got {chunk}")
+    size = chunk or prompt_len
+    return [(a, min(a + size, prompt_len)) for a in range(0, prompt_len, size)]
+
+
 def greedy_generate(
-    stages: list[Stage], prompts: torch.Tensor, max_new_tokens: int, cache_id: Any = "greedy"
+    stages: list[Stage],
+    prompts: torch.Tensor,
+    max_new_tokens: int,
+    cache_id: Any = "greedy",
+    prefill_chunk: int = 0,
 ) -> torch.Tensor:
-    """Greedy decoding through ``stages`` in order (the last must emit tokens); returns int64 [B, N]."""
+    """Greedy decoding through ``stages`` in order (the last must emit tokens); returns int64 [B, N].
+
+    ``prefill_chunk`` feeds the prompt in pieces of that many tokens (0: all at once); only the last
+    piece's token is kept, as in the pipeline.
+    """
     if max_new_tokens < 1:
         raise ValueError("max_new_tokens must be >= 1")
-    x: torch.Tensor = prompts
-    position = 0
     out: list[torch.Tensor] = []
     try:
-        for _ in range(max_new_tokens):
+        x: torch.Tensor = prompts
+        for a, b in prefill_chunks(prompts.shape[1], prefill_chunk):
+            x = prompts[:, a:b]
+            for stage in stages:
+                x = stage(x, cache_id, a)
+        position = prompts.shape[1]
+        out.append(x)
+        for _ in range(max_new_tokens - 1):
+            x = x[:, None]
             for stage in stages:
                 x = stage(x, cache_id, position)
-            position += prompts.shape[1] if position == 0 else 1
+            position += 1
             out.append(x)
-            x = x[:, None]
     finally:
         for stage in stages:
             stage.release(cache_id)

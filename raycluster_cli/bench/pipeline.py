@@ -20,7 +20,7 @@ import ray
 import torch
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from raycluster_cli.bench.model import ModelConfig, Stage
+from raycluster_cli.bench.model import ModelConfig, Stage, prefill_chunks
 from raycluster_cli.bench.scheduling import cpu_quota, torch_threads
 
 # Idle OpenMP threads sleep instead of spinning: several stages may share a machine's cores (a lab on
@@ -156,7 +156,13 @@ class _StageWorker:
         }
 
     def calibrate(
-        self, batch: int, prompt_len: int, decode_steps: int, repeats: int = 5, min_sample_s: float = 0.25
+        self,
+        batch: int,
+        prompt_len: int,
+        decode_steps: int,
+        repeats: int = 5,
+        min_sample_s: float = 0.25,
+        prefill_chunk: int = 0,
     ) -> dict[str, Any]:
         """Seconds one micro-batch (prefill + decode steps) spends in each unit type on this node.
 
@@ -165,7 +171,8 @@ class _StageWorker:
         is timed as a run of up to 4 blocks divided by their number, for resolution.  Each sample
         repeats the pass until ``min_sample_s`` has elapsed: a container with a CPU quota runs at
         full speed until its quota for the scheduler period (100 ms) is spent and then stalls, so
-        only samples spanning several periods see the node's sustained speed.
+        only samples spanning several periods see the node's sustained speed.  The prompt is fed
+        in ``prefill_chunk`` pieces, as the run will feed it.
         """
         cfg = self.cfg
         gen = torch.Generator().manual_seed(cfg.seed)
@@ -183,7 +190,8 @@ class _StageWorker:
                 passes = 0
                 began = time.perf_counter()
                 while True:
-                    stage(first, "calibrate", 0)
+                    for a, b in prefill_chunks(prompt_len, prefill_chunk):
+                        stage(first[:, a:b], "calibrate", a)
                     for i in range(decode_steps):
                         stage(first[:, :1], "calibrate", prompt_len + i)
                     passes += 1
@@ -258,13 +266,18 @@ def calibrate_workers(
     decode_steps: int,
     repeats: int = 5,
     min_sample_s: float = 0.25,
+    prefill_chunk: int = 0,
 ) -> list[dict[str, Any]]:
     """Per-unit-type costs measured on each worker's node, all nodes at once.
 
     At once, because that is how they run in the pipeline: nodes that share physical cores (a lab
     on one machine, noisy neighbours) are measured under the same contention they will meet.
     """
-    return list(ray.get([w.calibrate.remote(batch, prompt_len, decode_steps, repeats, min_sample_s) for w in workers]))
+    return list(
+        ray.get(
+            [w.calibrate.remote(batch, prompt_len, decode_steps, repeats, min_sample_s, prefill_chunk) for w in workers]
+        )
+    )
 
 
 def hop_overhead(workers: list[Any], payload: torch.Tensor, repeats: int = 20) -> dict[str, Any]:

@@ -22,7 +22,7 @@ import ray
 import torch
 
 from raycluster_cli.bench import metrics
-from raycluster_cli.bench.model import ModelConfig, full_model_stage, greedy_generate
+from raycluster_cli.bench.model import ModelConfig, full_model_stage, greedy_generate, prefill_chunks
 from raycluster_cli.bench.partition import blocks_held
 from raycluster_cli.bench.scheduling import arrival_times, in_flight_limit, power_of_two_choice
 
@@ -39,11 +39,14 @@ class BenchParams:
     in_flight: int | None = None  # micro-batches in flight per replica; default scheduling.in_flight_limit
     rate: float | None = None  # requests/s (Poisson); None: offline, all requests at once
     warmup: bool = True
+    prefill_chunk: int = 0  # prompt tokens per prefill step; 0: the whole prompt in one step
 
     def validate(self, cfg: ModelConfig) -> None:
         for name in ("requests", "prompt_len", "max_new_tokens", "micro_batch"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.prefill_chunk < 0:
+            raise ValueError(f"--prefill-chunk must be >= 0 tokens (0: whole prompt), got {self.prefill_chunk}")
         if self.rate is not None and self.rate <= 0:
             raise ValueError(f"--rate must be > 0 requests/s, got {self.rate}")
         if self.prompt_len + self.max_new_tokens - 1 > cfg.max_seq:
@@ -166,9 +169,10 @@ def _submit_step(workers: list[Any], cache_id: int, x: Any, position: int) -> An
     return ref
 
 
-def _warm_up(workers: list[Any], prompts: torch.Tensor, decode_steps: int) -> None:
+def _warm_up(workers: list[Any], prompts: torch.Tensor, decode_steps: int, prefill_chunk: int) -> None:
     """Prefill + a few decode steps of one micro-batch so lazy init and allocators are out of the way."""
-    tokens = ray.get(_submit_step(workers, WARMUP_CACHE_ID, prompts, 0))
+    for a, b in prefill_chunks(prompts.shape[1], prefill_chunk):
+        tokens = ray.get(_submit_step(workers, WARMUP_CACHE_ID, prompts[:, a:b], a))
     position = prompts.shape[1]
     for _ in range(decode_steps):
         tokens = ray.get(_submit_step(workers, WARMUP_CACHE_ID, tokens[:, None], position))
@@ -180,7 +184,8 @@ def _warm_up(workers: list[Any], prompts: torch.Tensor, decode_steps: int) -> No
 class _Batch:
     replica: int
     rows: list[int]
-    position: int = 0
+    chunks: list[tuple[int, int]]  # prompt pieces still to feed; the first is in flight
+    position: int = 0  # tokens in the stages' KV caches once the step in flight is done
 
 
 def run_workload(
@@ -194,10 +199,11 @@ def run_workload(
     if params.warmup:
         warm = prompts[: params.micro_batch]
         for workers in replicas:
-            _warm_up(workers, warm, min(2, params.max_new_tokens - 1))
+            _warm_up(workers, warm, min(2, params.max_new_tokens - 1), params.prefill_chunk)
     ray.get([w.reset_stats.remote() for w in flat])
 
     stages = len(replicas[0])
+    pieces = prefill_chunks(params.prompt_len, params.prefill_chunk)
     limit = in_flight_limit(stages, params.requests, params.micro_batch, params.rate, params.in_flight)
     arrivals = arrival_times(params.requests, params.rate, params.seed)
     rng = random.Random(params.seed)
@@ -225,12 +231,14 @@ def run_workload(
             rows = [waiting.popleft() for _ in range(min(params.micro_batch, len(waiting)))]
             batch_id = len(groups)
             groups.append(rows)
-            batches[batch_id] = _Batch(r, rows)
+            batch = batches[batch_id] = _Batch(r, rows, list(pieces))
             in_flight[r] += 1
             load[r] += len(rows)
             served[r][0] += 1
             served[r][1] += len(rows)
-            pending[_submit_step(replicas[r], batch_id, prompts[rows], 0)] = batch_id
+            a, b = batch.chunks[0]
+            batch.position = b
+            pending[_submit_step(replicas[r], batch_id, prompts[rows, a:b], a)] = batch_id
 
     while completed < params.requests:
         now = time.perf_counter() - began
@@ -248,14 +256,22 @@ def run_workload(
             batch = batches[batch_id]
             step_tokens: torch.Tensor = ray.get(ref)
             now = time.perf_counter() - began
+            if batch.chunks:
+                batch.chunks.pop(0)
+                if batch.chunks:  # more of the prompt to feed; this piece's token is not an output
+                    a, b = batch.chunks[0]
+                    batch.position = b
+                    step = _submit_step(replicas[batch.replica], batch_id, prompts[batch.rows, a:b], a)
+                    pending[step] = batch_id
+                    continue
             for row, tok in zip(batch.rows, step_tokens.tolist(), strict=True):
                 tokens[row].append(int(tok))
                 if len(tokens[row]) == 1:
                     first_at[row] = now
             served[batch.replica][2] += len(batch.rows)
-            batch.position += params.prompt_len if batch.position == 0 else 1
             if len(tokens[batch.rows[0]]) < params.max_new_tokens:
                 step = _submit_step(replicas[batch.replica], batch_id, step_tokens[:, None], batch.position)
+                batch.position += 1
                 pending[step] = batch_id
                 continue
             for row in batch.rows:
@@ -350,7 +366,8 @@ def check_output(cfg: ModelConfig, params: BenchParams, result: RunResult, num_r
     for rows in result.groups:
         if compared >= max(1, num_requests):
             break
-        expected = greedy_generate([model], prompts[rows], params.max_new_tokens).tolist()
+        generated = greedy_generate([model], prompts[rows], params.max_new_tokens, prefill_chunk=params.prefill_chunk)
+        expected = generated.tolist()
         mismatched.extend(row for row, exp in zip(rows, expected, strict=True) if result.tokens[row] != exp)
         compared += len(rows)
     return {"identical": not mismatched and compared > 0, "compared_requests": compared, "mismatched": mismatched}

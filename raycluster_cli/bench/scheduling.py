@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Sequence
+from typing import Any
 
 
 def arrival_times(requests: int, rate: float | None, seed: int) -> list[float]:
@@ -105,6 +106,25 @@ def ceiling_tokens_per_s(tokens_per_replica: Sequence[int], busiest_per_replica:
         if busiest > 0:
             total += tokens / busiest
     return total
+
+
+def ceiling_gap(wall_s: float, stage: dict[str, Any]) -> dict[str, Any]:
+    """Where the wall time of a run goes on one stage (its busiest): ``wall = busy + idle_in_span + outside_span``.
+
+    ``outside_span_s`` is the wall time before the stage's first forward and after its last: the
+    pipeline filling (the first micro-batch's prefill through the stages before it) and draining.
+    ``idle_in_span_s`` is the time it waited for work in between (Ray's per-call work on its own
+    process, and its upstream running late).  Both are measured on the stage's own clock, so
+    clock skew between nodes does not enter.
+    """
+    busy = float(stage["busy_s"])
+    span = float(stage.get("span_s") or 0.0)
+    return {
+        "stage": stage.get("host", stage.get("node_ip")),
+        "busy_s": busy,
+        "outside_span_s": max(0.0, wall_s - span) if span else None,
+        "idle_in_span_s": max(0.0, span - busy) if span else None,
+    }
 
 
 def torch_threads(advertised_cpus: float, usable_cores: int, quota_cpus: float | None = None) -> int:

@@ -86,6 +86,30 @@ def test_run_workload_completes_and_matches_unsharded_model(local_ray: None) -> 
     assert check == {"identical": True, "compared_requests": 10, "mismatched": []}
 
 
+def test_chunked_prefill_through_the_pipeline(local_ray: None) -> None:
+    cfg = ModelConfig(vocab=257, d_model=64, heads=4, layers=6, max_seq=24, seed=5)
+    params = runtime.BenchParams(requests=6, prompt_len=8, max_new_tokens=4, micro_batch=3, seed=2, prefill_chunk=3)
+    node_id = ray.get_runtime_context().get_node_id()
+    workers = pipeline.start_workers(cfg, [node_id] * 2, num_threads=1, allow_shared_nodes=True)
+    try:
+        cal = pipeline.calibrate_workers(workers[:1], 3, 8, 3, repeats=1, min_sample_s=0.0, prefill_chunk=3)[0]
+        assert cal["block_s"] > 0
+        ranges = [even_partition(cfg.layers, 2)]
+        runtime.setup_replicas([workers], ranges)
+        result = runtime.run_workload([workers], ranges, cfg, params)
+        stats = ray.get([w.stats.remote() for w in workers])
+    finally:
+        pipeline.stop_workers(workers)
+    assert result.completed == 6 and all(len(t) == 4 for t in result.tokens)
+    # 2 micro-batches x (3 prompt pieces of 3/3/2 tokens + 3 decode steps) per stage.
+    assert all(s.calls == 2 * (3 + 3) for s in result.stages)
+    assert all(s["cached_micro_batches"] == 0 for s in stats)
+    assert all(s.span_s > 0 and s.process_cpu_s >= s.cpu_s > 0 for s in result.stages)
+    assert result.driver_cpu_s > 0
+    check = runtime.check_output(cfg, params, result, num_requests=6)
+    assert check == {"identical": True, "compared_requests": 6, "mismatched": []}
+
+
 def test_replicas_share_the_load_and_references_are_measured(local_ray: None) -> None:
     doc = experiment.run(
         _args("--layers=4", "--stages=1", "--replicas=3", "--requests=24", "--micro-batch=2", "--partition=balanced")

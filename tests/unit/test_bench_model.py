@@ -5,7 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from raycluster_cli.bench.model import ModelConfig, Stage, full_model_stage, greedy_generate, unit_seed
+from raycluster_cli.bench.model import (
+    ModelConfig,
+    Stage,
+    full_model_stage,
+    greedy_generate,
+    prefill_chunks,
+    unit_seed,
+)
 from raycluster_cli.bench.partition import even_partition, manual_partition
 
 CFG = ModelConfig(vocab=97, d_model=32, heads=4, layers=6, max_seq=24, seed=3)
@@ -54,6 +61,28 @@ def test_greedy_tokens_identical_through_stages(ranges: list[tuple[int, int]]) -
     got = greedy_generate([Stage(CFG, a, b) for a, b in ranges], prompts, 8)
     assert ref.shape == (2, 8)
     assert torch.equal(got, ref)
+
+
+def test_prefill_chunks() -> None:
+    assert prefill_chunks(32) == [(0, 32)]
+    assert prefill_chunks(32, 8) == [(0, 8), (8, 16), (16, 24), (24, 32)]
+    assert prefill_chunks(10, 4) == [(0, 4), (4, 8), (8, 10)]
+    assert prefill_chunks(3, 8) == [(0, 3)]
+    with pytest.raises(ValueError, match=">= 0"):
+        prefill_chunks(8, -1)
+
+
+@pytest.mark.parametrize("chunk", [1, 2, 4])
+def test_chunked_prefill_gives_the_whole_prompt_logits_and_tokens(chunk: int) -> None:
+    model = full_model_stage(CFG, emit="logits")
+    prompts = _prompts(batch=2, length=6)
+    whole = model(prompts, "whole", 0)
+    pieces = [model(prompts[:, a:b], "chunked", a) for a, b in prefill_chunks(6, chunk)]
+    torch.testing.assert_close(torch.cat(pieces, dim=1), whole, rtol=1e-5, atol=1e-5)
+    ref = greedy_generate([full_model_stage(CFG)], prompts, 6, prefill_chunk=chunk)
+    sharded = greedy_generate([Stage(CFG, a, b) for a, b in even_partition(6, 3)], prompts, 6, prefill_chunk=chunk)
+    assert torch.equal(sharded, ref)
+    assert torch.equal(ref, greedy_generate([full_model_stage(CFG)], prompts, 6))  # same tokens as one prefill
 
 
 def test_kv_cache_decode_matches_recomputing_whole_sequence() -> None:

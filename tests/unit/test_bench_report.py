@@ -30,7 +30,11 @@ def _doc() -> dict[str, Any]:
         "references": {
             "even": {"tokens_per_s": 80.0, "ratio": 1.54},
             "unsharded": {"tokens_per_s": 100.0, "ratio": 1.23, "host": "192.0.2.1"},
-            "ceiling": {"tokens_per_s": 130.0, "ratio": 0.95},
+            "ceiling": {
+                "tokens_per_s": 130.0,
+                "ratio": 0.95,
+                "gap": {"stage": "lab-h2", "busy_s": 8.0, "outside_span_s": 0.25, "idle_in_span_s": 0.5},
+            },
         },
         "sweep": {"kind": "nodes", "points": [{"nodes": 1, "tokens_per_s": 50.0, "efficiency": 1.0, "imbalance": 0.0}]},
         "output_check": {"identical": True, "compared_requests": 8},
@@ -55,7 +59,7 @@ def test_render_bench_shows_every_part() -> None:
         "1.20 ms",
         "vs even split 1.54×",
         "vs unsharded on 192.0.2.1 1.23×",
-        "of the pipeline ceiling 0.95×",
+        "of the pipeline ceiling 0.95× (busiest stage lab-h2: 0.25s filling/draining, 0.50s idle between calls)",
         "efficiency vs linear",
         "identical",
     ):

@@ -11,6 +11,7 @@ import pytest
 from raycluster_cli.bench.scheduling import (
     arrival_times,
     batch_sizes,
+    ceiling_gap,
     ceiling_tokens_per_s,
     cpu_quota,
     in_flight_limit,
@@ -114,3 +115,9 @@ def test_in_flight_offline_admits_every_micro_batch_up_to_four_per_stage() -> No
     assert in_flight_limit(3, 32, 4, 2.0) == 6  # Poisson: 2 x stages
     assert in_flight_limit(3, 32, 4, None, asked=2) == 4  # asked, but at least stages + 1
     assert in_flight_limit(1, 1, 4, None) == 2
+
+
+def test_ceiling_gap_splits_the_wall_time_of_the_busiest_stage() -> None:
+    gap = ceiling_gap(10.0, {"node_ip": "192.0.2.2", "busy_s": 8.0, "span_s": 9.5})
+    assert gap == {"stage": "192.0.2.2", "busy_s": 8.0, "outside_span_s": pytest.approx(0.5), "idle_in_span_s": 1.5}
+    assert ceiling_gap(10.0, {"busy_s": 8.0})["outside_span_s"] is None  # an older stage report without a span
