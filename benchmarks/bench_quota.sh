@@ -23,7 +23,7 @@ rc down -i "$inv" --json >/dev/null   # a running cluster keeps its old quotas: 
 rc up -i "$inv" --json >/dev/null
 out=${OUT:-$(mktemp -d)}
 mkdir -p "$out"
-flags=(--layers 192 --requests 64 --max-new-tokens 16 --micro-batch 8 "$@")
+flags=(--layers 192 --requests 64 --max-new-tokens 16 --micro-batch 8 --prefill-chunk 8 "$@")
 echo "quotas $quotas, $rounds rounds, bench ${flags[*]}, results in $out" >&2
 for i in $(seq 1 "$rounds"); do
   cut -d' ' -f1-3 /proc/loadavg >"$out/load-$i.before"
