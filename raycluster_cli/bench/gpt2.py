@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from raycluster_cli.bench.model import ModelConfig
+from raycluster_cli.bench.config import ModelConfig
 from raycluster_cli.bench.tensorfile import TensorFileError, load_tensors, read_header, save_tensors
 
 WEIGHTS_FILE = "model.safetensors"
