@@ -28,7 +28,7 @@ def imbalance(busy: Sequence[float]) -> float:
     return (max(values) - min(values)) / mean
 
 
-def capacity_time(busy_s: float, cpu_s: float, quota_cpus: float | None) -> float:
+def capacity_time(busy_s: float, cpu_s: float, quota_cpus: float | None, others_cpus: float = 0.0) -> float:
     """A stage's busy time measured against its node's CPU allowance: max(busy, CPU time / quota).
 
     Under a CFS quota a stage that waits for work starts each call with unspent quota and computes
@@ -36,10 +36,15 @@ def capacity_time(busy_s: float, cpu_s: float, quota_cpus: float | None) -> floa
     understates what its work costs the node: ``cpu_s`` CPU-seconds take at least ``cpu_s / quota``
     seconds of wall time once the quota binds (a saturated stage).  Without a quota, or when the
     node was slower than its quota (starved by other load), the wall-clock busy time stands.
+
+    ``others_cpus`` is the CPU rate the container's other processes used meanwhile (on the head: the
+    driver, the GCS, the dashboard); they draw on the same quota, so the stage's share is what they
+    leave (never taken below a tenth of the quota, against a bad reading).
     """
     if quota_cpus is None or quota_cpus <= 0:
         return float(busy_s)
-    return max(float(busy_s), float(cpu_s) / quota_cpus)
+    share = max(quota_cpus - max(0.0, others_cpus), 0.1 * quota_cpus)
+    return max(float(busy_s), float(cpu_s) / share)
 
 
 def spread(busy: Sequence[float]) -> float:

@@ -21,7 +21,7 @@ import torch
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from raycluster_cli.bench.model import ModelConfig, Stage, prefill_chunks
-from raycluster_cli.bench.scheduling import cpu_quota, torch_threads
+from raycluster_cli.bench.scheduling import cgroup_cpu_usage_s, cpu_quota, torch_threads
 
 # Idle OpenMP threads sleep instead of spinning: several stages may share a machine's cores (a lab on
 # one host, other tenants), and spinning threads of one stage then steal the CPU of the next.
@@ -64,6 +64,14 @@ def container_cpu_quota() -> float | None:
     )
 
 
+def container_cpu_usage() -> float | None:
+    """CPU seconds this process's container (cgroup) has used, all its processes together; None if unknown."""
+    v2 = _read("/sys/fs/cgroup/cpu.stat")
+    if v2 is not None:
+        return cgroup_cpu_usage_s(cpu_stat=v2)
+    return cgroup_cpu_usage_s(cpuacct_usage=_read("/sys/fs/cgroup/cpuacct/cpuacct.usage"))
+
+
 def node_cpu_count(node_id: str) -> int:
     """Torch threads for ``node_id``: the container's CPU quota (else the CPUs Ray advertises), rounded
     up, capped by the usable cores."""
@@ -92,6 +100,8 @@ class _StageWorker:
         self.cpu_s = 0.0
         self.calls = 0
         self.process_cpu_began = 0.0
+        self.container_cpu_began: float | None = None
+        self.stats_began = 0.0
         self.first_began: float | None = None
         self.last_ended = 0.0
         self.reset_stats()
@@ -125,10 +135,14 @@ class _StageWorker:
     def release(self, cache_id: int) -> bool:
         return self.stage.release(cache_id) if self.stage is not None else False
 
-    def stats(self) -> dict[str, float | int]:
+    def stats(self) -> dict[str, float | int | None]:
         cached = len(self.stage.cached_ids()) if self.stage is not None else 0
         span = self.last_ended - self.first_began if self.first_began is not None else 0.0
+        container = container_cpu_usage()
+        began = self.container_cpu_began
         return {
+            "container_cpu_s": container - began if container is not None and began is not None else None,
+            "stats_wall_s": time.perf_counter() - self.stats_began,
             "busy_s": self.busy_s,
             "cpu_s": self.cpu_s,
             "process_cpu_s": time.process_time() - self.process_cpu_began,
@@ -142,6 +156,8 @@ class _StageWorker:
         self.cpu_s = 0.0
         self.calls = 0
         self.process_cpu_began = time.process_time()
+        self.container_cpu_began = container_cpu_usage()
+        self.stats_began = time.perf_counter()
         self.first_began = None
         self.last_ended = 0.0
 

@@ -75,6 +75,8 @@ class StageReport:
     num_threads: int
     device: str
     process_cpu_s: float = 0.0  # CPU time of the stage's whole process over the run: forward, Ray's work, its threads
+    container_cpu_s: float | None = None  # CPU time of every process in the stage's container over the run
+    others_cpus: float = 0.0  # CPU rate of the container's other processes (driver, GCS...): shares the quota
     span_s: float = 0.0  # from the start of its first forward to the end of its last (its own clock)
 
 
@@ -286,6 +288,9 @@ def run_workload(
     ray.get(releases)
     stats = ray.get([w.stats.remote() for w in flat])
 
+    stages_on_node: dict[str, int] = {}
+    for info in infos:  # a container shared by several stages cannot tell their shares apart
+        stages_on_node[str(info["node_id"])] = stages_on_node.get(str(info["node_id"]), 0) + 1
     stage_reports: list[StageReport] = []
     for i, (info, stat) in enumerate(zip(infos, stats, strict=True)):
         r, s = divmod(i, stages)
@@ -293,6 +298,12 @@ def run_workload(
         stage_busy = float(stat["busy_s"])
         stage_cpu = float(stat.get("cpu_s", 0.0))
         quota = info.get("cpu_quota")
+        process_cpu = float(stat.get("process_cpu_s", 0.0))
+        container_cpu = stat.get("container_cpu_s")
+        window = float(stat.get("stats_wall_s") or 0.0)
+        others = 0.0
+        if container_cpu is not None and window > 0 and stages_on_node[str(info["node_id"])] == 1:
+            others = max(0.0, float(container_cpu) - process_cpu) / window
         stage_reports.append(
             StageReport(
                 replica=r,
@@ -306,12 +317,14 @@ def run_workload(
                 busy_s=stage_busy,
                 cpu_s=stage_cpu,
                 cpu_quota=float(quota) if quota else None,
-                capacity_s=metrics.capacity_time(stage_busy, stage_cpu, float(quota) if quota else None),
+                capacity_s=metrics.capacity_time(stage_busy, stage_cpu, float(quota) if quota else None, others),
                 idle_s=max(0.0, wall_s - stage_busy),
                 calls=int(stat["calls"]),
                 num_threads=int(info["num_threads"]),
                 device=str(info.get("device", "cpu")),
-                process_cpu_s=float(stat.get("process_cpu_s", 0.0)),
+                process_cpu_s=process_cpu,
+                container_cpu_s=float(container_cpu) if container_cpu is not None else None,
+                others_cpus=others,
                 span_s=float(stat.get("span_s", 0.0)),
             )
         )

@@ -165,6 +165,22 @@ def cpu_quota(
     return value if value > 0 else None
 
 
+def cgroup_cpu_usage_s(cpu_stat: str | None = None, cpuacct_usage: str | None = None) -> float | None:
+    """CPU seconds a cgroup has used: ``usage_usec`` of cgroup v2 ``cpu.stat``, else v1 ``cpuacct.usage`` (ns)."""
+    try:
+        if cpu_stat is not None:
+            for line in cpu_stat.splitlines():
+                key, _, value = line.partition(" ")
+                if key == "usage_usec":
+                    return float(value) / 1e6
+            return None
+        if cpuacct_usage is not None:
+            return float(cpuacct_usage) / 1e9
+    except ValueError:
+        return None
+    return None
+
+
 def in_flight_limit(stages: int, requests: int, micro_batch: int, rate: float | None, asked: int | None = None) -> int:
     """Micro-batches a replica keeps in flight: ``asked``, else a default; never fewer than stages + 1.
 

@@ -106,6 +106,9 @@ def test_chunked_prefill_through_the_pipeline(local_ray: None) -> None:
     assert all(s["cached_micro_batches"] == 0 for s in stats)
     assert all(s.span_s > 0 and s.process_cpu_s >= s.cpu_s > 0 for s in result.stages)
     assert result.driver_cpu_s > 0
+    # Both stages share this machine's cgroup: the other processes' share cannot be told apart.
+    assert all(s.others_cpus == 0.0 and s.capacity_s == s.busy_s for s in result.stages)
+    assert all(s.container_cpu_s is None or s.container_cpu_s >= s.process_cpu_s * 0.9 for s in result.stages)
     check = runtime.check_output(cfg, params, result, num_requests=6)
     assert check == {"identical": True, "compared_requests": 6, "mismatched": []}
 

@@ -51,3 +51,12 @@ def test_capacity_time_charges_cpu_against_the_quota() -> None:
     assert metrics.capacity_time(11.2, 2.69, 0.25) == pytest.approx(11.2)  # throttled: wall time stands
     assert metrics.capacity_time(9.7, 6.5, 1.0) == pytest.approx(9.7)  # starved below its quota
     assert metrics.capacity_time(3.0, 2.0, None) == 3.0  # no quota: busy time
+
+
+def test_capacity_time_leaves_the_quota_other_processes_used() -> None:
+    # The head: a 0.6 quota of which the driver and the GCS used 0.1 -> the stage had 0.5.
+    assert metrics.capacity_time(18.0, 10.0, 0.6, others_cpus=0.1) == pytest.approx(20.0)
+    assert metrics.capacity_time(18.0, 10.0, 0.6, others_cpus=0.0) == pytest.approx(18.0)
+    # A bad reading never makes the share vanish: at least a tenth of the quota.
+    assert metrics.capacity_time(1.0, 1.0, 0.5, others_cpus=5.0) == pytest.approx(20.0)
+    assert metrics.capacity_time(3.0, 2.0, None, others_cpus=0.5) == 3.0

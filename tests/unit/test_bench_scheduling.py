@@ -12,6 +12,7 @@ from raycluster_cli.bench.scheduling import (
     arrival_times,
     batch_sizes,
     ceiling_gap,
+    cgroup_cpu_usage_s,
     ceiling_tokens_per_s,
     cpu_quota,
     in_flight_limit,
@@ -121,3 +122,12 @@ def test_ceiling_gap_splits_the_wall_time_of_the_busiest_stage() -> None:
     gap = ceiling_gap(10.0, {"node_ip": "192.0.2.2", "busy_s": 8.0, "span_s": 9.5})
     assert gap == {"stage": "192.0.2.2", "busy_s": 8.0, "outside_span_s": pytest.approx(0.5), "idle_in_span_s": 1.5}
     assert ceiling_gap(10.0, {"busy_s": 8.0})["outside_span_s"] is None  # an older stage report without a span
+
+
+def test_cgroup_cpu_usage() -> None:
+    v2 = "usage_usec 2500000\nuser_usec 2000000\nsystem_usec 500000\nnr_periods 10\n"
+    assert cgroup_cpu_usage_s(cpu_stat=v2) == pytest.approx(2.5)
+    assert cgroup_cpu_usage_s(cpuacct_usage="25078290647\n") == pytest.approx(25.078290647)  # v1, nanoseconds
+    assert cgroup_cpu_usage_s(cpu_stat="nr_periods 3\n") is None
+    assert cgroup_cpu_usage_s(cpuacct_usage="garbage") is None
+    assert cgroup_cpu_usage_s() is None
