@@ -21,12 +21,20 @@ def _load(path: Path) -> str:
     return path.read_text().strip() if path.exists() else "?"
 
 
+def _ok(path: Path) -> bool:
+    """A finished, successful round (a round still running has an empty file)."""
+    try:
+        return bool(json.loads(path.read_text()).get("ok"))
+    except ValueError:
+        return False
+
+
 def _fmt(values: list[float]) -> str:
     return "/".join(f"{v:.2f}" for v in values)
 
 
 def main(directory: str, label: str) -> None:
-    paths = [p for p in sorted(Path(directory).glob("round-*.json")) if json.loads(p.read_text()).get("ok")]
+    paths = [p for p in sorted(Path(directory).glob("round-*.json")) if _ok(p)]
     docs = [json.loads(p.read_text()) for p in paths]
     if not docs:
         sys.exit(f"no successful results in {directory}")
