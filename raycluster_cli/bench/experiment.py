@@ -395,7 +395,6 @@ def _sweep_nodes(
     transfer_s: float,
     measure: Any,
 ) -> dict[str, Any]:
-    import ray
 
     from raycluster_cli.bench import pipeline
     from raycluster_cli.bench.scheduling import scaling_efficiency
@@ -404,10 +403,8 @@ def _sweep_nodes(
     if missing:  # nodes that held no stage of the main run: measure them now
         decode_steps = max(1, params.max_new_tokens - 1)
         for i in missing:
-            cal = ray.get(
-                workers[i].calibrate.remote(
-                    params.micro_batch, params.prompt_len, decode_steps, prefill_chunk=params.prefill_chunk
-                )
+            [cal] = pipeline.calibrate_workers(
+                [workers[i]], params.micro_batch, params.prompt_len, decode_steps, prefill_chunk=params.prefill_chunk
             )
             costs[nodes[i]["node_id"]] = pipeline.unit_cost_row(cal, cfg.layers)
     which = "even" if spec.startswith("manual:") else spec

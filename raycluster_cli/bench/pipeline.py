@@ -88,6 +88,16 @@ def pick_device() -> str:
 class _StageWorker:
     """Holds one Stage on one node and times its compute (busy time excludes queueing and transfer)."""
 
+    # What ``reset_stats`` starts afresh before each counted run.
+    busy_s: float
+    cpu_s: float
+    calls: int
+    process_cpu_began: float
+    container_cpu_began: float | None
+    stats_began: float
+    first_began: float | None
+    last_ended: float
+
     def __init__(self, cfg: dict[str, Any], num_threads: int | None = None) -> None:
         self.cfg = ModelConfig.from_dict(cfg)
         self.node_id: str = ray.get_runtime_context().get_node_id()
@@ -96,14 +106,6 @@ class _StageWorker:
         torch.set_num_threads(self.num_threads)
         self.device = pick_device()
         self.stage: Stage | None = None
-        self.busy_s = 0.0
-        self.cpu_s = 0.0
-        self.calls = 0
-        self.process_cpu_began = 0.0
-        self.container_cpu_began: float | None = None
-        self.stats_began = 0.0
-        self.first_began: float | None = None
-        self.last_ended = 0.0
         self.reset_stats()
 
     def setup(self, start: int, end: int) -> dict[str, Any]:

@@ -224,6 +224,12 @@ def run_workload(
     completed = 0
     began, cpu_began = time.perf_counter(), time.process_time()
 
+    def feed_prompt(batch_id: int, batch: _Batch) -> None:
+        """Send the next piece of the batch's prompt through its replica."""
+        a, b = batch.chunks[0]
+        batch.position = b
+        pending[_submit_step(replicas[batch.replica], batch_id, prompts[batch.rows, a:b], a)] = batch_id
+
     def dispatch() -> None:
         while waiting:
             free = [r for r in range(len(replicas)) if in_flight[r] < limit]
@@ -238,9 +244,7 @@ def run_workload(
             load[r] += len(rows)
             served[r][0] += 1
             served[r][1] += len(rows)
-            a, b = batch.chunks[0]
-            batch.position = b
-            pending[_submit_step(replicas[r], batch_id, prompts[rows, a:b], a)] = batch_id
+            feed_prompt(batch_id, batch)
 
     while completed < params.requests:
         now = time.perf_counter() - began
@@ -261,10 +265,7 @@ def run_workload(
             if batch.chunks:
                 batch.chunks.pop(0)
                 if batch.chunks:  # more of the prompt to feed; this piece's token is not an output
-                    a, b = batch.chunks[0]
-                    batch.position = b
-                    step = _submit_step(replicas[batch.replica], batch_id, prompts[batch.rows, a:b], a)
-                    pending[step] = batch_id
+                    feed_prompt(batch_id, batch)
                     continue
             for row, tok in zip(batch.rows, step_tokens.tolist(), strict=True):
                 tokens[row].append(int(tok))
