@@ -7,14 +7,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 quotas=${1:-0.6,0.6,0.6}
 shift || true
-py=${PYTHON:-python}
-rc() { "$py" -m raycluster_cli.cli "$@"; }
-IFS=, read -r -a q <<<"$quotas"
-cpus=()
-for i in "${!q[@]}"; do cpus+=(--cpus "lab-h$((i + 1))=${q[$i]}"); done
-inv=$(rc lab up --hosts "${#q[@]}" "${cpus[@]}" --json 2>/dev/null | "$py" -c 'import json,sys; print(json.load(sys.stdin)["inventory"])')
-rc down -i "$inv" --json >/dev/null
-rc up -i "$inv" --json >/dev/null
+. benchmarks/lab_with_quotas.sh
+lab_with_quotas "$quotas"
 out=${OUT:-$(mktemp -d)}
 mkdir -p "$out"
 base=(--layers 24 --requests 32 --max-new-tokens 16 "$@")

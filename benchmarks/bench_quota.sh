@@ -13,14 +13,8 @@ cd "$(dirname "$0")/.."
 quotas=${1:?usage: $0 QUOTAS [ROUNDS] [bench flags...]}
 rounds=${2:-3}
 shift $(( $# >= 2 ? 2 : 1 ))
-py=${PYTHON:-python}
-rc() { "$py" -m raycluster_cli.cli "$@"; }
-IFS=, read -r -a q <<<"$quotas"
-cpus=()
-for i in "${!q[@]}"; do cpus+=(--cpus "lab-h$((i + 1))=${q[$i]}"); done
-inv=$(rc lab up --hosts "${#q[@]}" "${cpus[@]}" --json 2>/dev/null | "$py" -c 'import json,sys; print(json.load(sys.stdin)["inventory"])')
-rc down -i "$inv" --json >/dev/null   # a running cluster keeps its old quotas: start afresh
-rc up -i "$inv" --json >/dev/null
+. benchmarks/lab_with_quotas.sh
+lab_with_quotas "$quotas"
 out=${OUT:-$(mktemp -d)}
 mkdir -p "$out"
 flags=(--layers 192 --requests 64 --max-new-tokens 16 --micro-batch 8 --prefill-chunk 8 "$@")
