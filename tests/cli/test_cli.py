@@ -70,6 +70,12 @@ def test_unknown_flag_is_a_usage_error() -> None:
     assert code == ExitCode.USAGE
 
 
+def test_negative_prefill_chunk_is_a_usage_error_naming_the_flag(refused_inventory: Path) -> None:
+    code, out, err = invoke("bench", "-i", str(refused_inventory), "--prefill-chunk", "-1")
+    assert code == ExitCode.USAGE
+    assert out == "" and "--prefill-chunk" in err and "Traceback" not in err
+
+
 def test_unknown_ignore_id_is_a_usage_error(refused_inventory: Path) -> None:
     code, _, err = invoke("doctor", "-i", str(refused_inventory), "--ignore", "nosuch")
     assert code == ExitCode.USAGE
