@@ -15,7 +15,7 @@ import typer
 from . import __version__, inventory, lab
 from .checks import Status, demote, ignore_ids, run_checks
 from .checks.network import Tool, measure_network
-from .cluster import NodesMissing, PreflightFailed, SSHPool, bench, state_dir, up
+from .cluster import NodesMissing, PreflightFailed, bench, up
 from .errors import ExitCode, RayclusterError, UsageError
 from .inventory import Inventory
 from .logs import collect
@@ -29,8 +29,10 @@ from .report import (
     render_status,
     render_up,
 )
+from .state import state_dir
 from .status import status
 from .teardown import down
+from .transport.pool import SSHPool
 
 app = typer.Typer(
     name="raycluster",

@@ -6,12 +6,8 @@ Never prints: progress goes through the callback the caller gives.
 from __future__ import annotations
 
 import json
-import os
-import secrets
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from .checks import CheckResult, Status, run_checks
@@ -28,11 +24,10 @@ from .images import ImageTransfer, demote_fixed_checks, distribute, local_image_
 from .inventory import HostConfig, Inventory
 from .nodes import Plan, apply, files_digest, plan_node, prepare, probe, wait_head
 from .progress import Progress, quiet
-from .transport import Transport, quote
+from .state import ensure_token, state_dir
+from .transport import quote
 from .transport.fanout import fanout
-from .transport.ssh import SSHTransport
-
-Connect = Callable[[HostConfig], Transport]
+from .transport.pool import Connect
 
 
 class PreflightFailed(RayclusterError):
@@ -44,52 +39,6 @@ class PreflightFailed(RayclusterError):
             "run `raycluster doctor` for all of them, fix them, or pass --ignore ID",
         )
         self.results = results
-
-
-class SSHPool:
-    """One SSH connection per host, opened on first use, closed together."""
-
-    def __init__(self, inventory: Inventory) -> None:
-        self.inventory = inventory
-        self._open: dict[str, Transport] = {}
-
-    def __call__(self, host: HostConfig) -> Transport:
-        key = str(host.address)
-        if key not in self._open:
-            ssh = self.inventory.ssh_for(host)
-            transport = SSHTransport(
-                key,
-                user=ssh.user,
-                port=ssh.port,
-                key_file=ssh.key,
-                known_hosts=ssh.known_hosts,
-                known_hosts_file=ssh.known_hosts_file,
-                connect_timeout=ssh.connect_timeout_s,
-            )
-            transport.connect()
-            self._open[key] = transport
-        return self._open[key]
-
-    def close(self) -> None:
-        for transport in self._open.values():
-            transport.close()
-        self._open.clear()
-
-
-def state_dir(inventory: Inventory) -> Path:
-    base = os.environ.get("XDG_STATE_HOME") or os.path.expanduser("~/.local/state")
-    return Path(os.environ.get("RAYCLUSTER_STATE_DIR") or Path(base) / "raycluster") / inventory.cluster
-
-
-def ensure_token(inventory: Inventory) -> bytes:
-    """The cluster's Ray auth token, made once on the operator machine (mode 0600)."""
-    path = state_dir(inventory) / "auth-token"
-    if not path.exists():
-        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "w") as handle:
-            handle.write(secrets.token_hex(32))
-    return path.read_bytes().strip()
 
 
 @dataclass

@@ -12,20 +12,19 @@ import os
 import shutil
 import subprocess
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from .checks import CheckResult, Status
 from .checks.catalog import IMAGE_ID_CHECK
 from .errors import OperationError
-from .inventory import HostConfig, Inventory
+from .inventory import Inventory
 from .progress import Progress, TransferProgress, quiet
 from .transport import Transport, quote
 from .transport.base import CHUNK
 from .transport.fanout import fanout
+from .transport.pool import Connect
 
-Connect = Callable[[HostConfig], Transport]
 STREAM_PARALLEL = 4  # hosts receiving the image at once (the operator's uplink is the shared resource)
 IMAGE_CHECKS = (IMAGE_ID_CHECK, "image-same")
 _CODECS = {"zstd": (["zstd", "-q", "-T0", "-3", "-c"], "zstd -dc"), "gzip": (["gzip", "-1", "-c"], "gzip -dc")}

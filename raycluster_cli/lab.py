@@ -14,7 +14,6 @@ import socket
 import subprocess
 import tarfile
 import time
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,6 +24,8 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from .errors import OperationError, UsageError
+from .progress import Progress, quiet
+from .state import state_root
 
 LAB_LABEL = "io.raycluster.lab"
 # Several labs can live side by side on one machine (for example one per test session): each has its
@@ -76,16 +77,9 @@ _CAPS = [
     "WAKE_ALARM",
 ]
 
-Progress = Callable[[str], None]
-
-
-def _quiet(_: str) -> None:
-    pass
-
 
 def default_lab_dir() -> Path:
-    base = os.environ.get("XDG_STATE_HOME") or os.path.expanduser("~/.local/state")
-    return Path(os.environ.get("RAYCLUSTER_LAB_DIR") or Path(base) / "raycluster" / "lab")
+    return Path(os.environ.get("RAYCLUSTER_LAB_DIR") or state_root() / "lab")
 
 
 @dataclass(frozen=True)
@@ -143,7 +137,7 @@ def lab_up(
     lab_image: str = LAB_IMAGE,
     subnet: str = DEFAULT_SUBNET,
     host_options: dict[str, list[str]] | None = None,
-    progress: Progress = _quiet,
+    progress: Progress = quiet,
 ) -> LabInfo:
     """Start (or reuse) `count` lab hosts and write an inventory for them.
 
@@ -179,7 +173,7 @@ def lab_up(
     return LabInfo(lab_dir, inventory_path, hosts)
 
 
-def lab_down(*, lab_dir: Path | None = None, keep_volumes: bool = False, progress: Progress = _quiet) -> list[str]:
+def lab_down(*, lab_dir: Path | None = None, keep_volumes: bool = False, progress: Progress = quiet) -> list[str]:
     """Remove every container, network and (unless kept) volume that the lab created."""
     client = docker_client()
     removed: list[str] = []
@@ -232,7 +226,7 @@ def render_inventory(
     return header + yaml.safe_dump(doc, sort_keys=False)
 
 
-def load_image(container: str, image: str, progress: Progress = _quiet) -> bool:
+def load_image(container: str, image: str, progress: Progress = quiet) -> bool:
     """Stream `image` into a lab host's engine unless it already has the same image ID."""
     docker = docker_cli()
     local_id = _run([docker, "image", "inspect", "--format", "{{.Id}}", image]).strip()

@@ -6,7 +6,6 @@ import base64
 import io
 import re
 import tarfile
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -16,8 +15,8 @@ from .errors import OperationError, RayclusterError
 from .inventory import HostConfig, Inventory
 from .transport import Transport, quote
 from .transport.fanout import fanout
+from .transport.pool import Connect
 
-Connect = Callable[[HostConfig], Transport]
 ERROR_LINE = re.compile(r"\bERROR\b|Traceback \(most recent call last\)|\bFATAL\b|\bCRITICAL\b|^\w*Error: ")
 _SESSION_LOGS = "/tmp/ray/session_latest/logs"
 

@@ -30,8 +30,17 @@ class Output:
         self.out = Console(file=self.stdout, highlight=False, soft_wrap=True)
         self.err = Console(file=stderr or sys.stderr, highlight=False, soft_wrap=True)
 
-    def progress(self) -> Callable[[str], None]:
-        return lambda message: self.err.print(f"[dim]·[/dim] {_escape(message)}", markup=True)
+    def progress(self) -> Callable[[Event], None]:
+        """A progress callback that prints one line per message (a transfer only when it is done)."""
+
+        def sink(event: Event) -> None:
+            if isinstance(event, TransferProgress):
+                if not event.done:
+                    return
+                event = f"{event.label or 'image → ' + event.host}: {event.sent} bytes"
+            self.err.print(f"[dim]·[/dim] {_escape(event)}", markup=True)
+
+        return sink
 
     @contextmanager
     def live_progress(self) -> Iterator[Callable[[Event], None]]:

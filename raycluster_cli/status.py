@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -10,10 +9,10 @@ from .containers import LABEL_CLUSTER, LABEL_ROLE, container_name
 from .errors import RayclusterError
 from .inventory import HostConfig, Inventory
 from .nodes import probe
-from .transport import Transport, quote
+from .transport import quote
 from .transport.fanout import fanout
+from .transport.pool import Connect
 
-Connect = Callable[[HostConfig], Transport]
 _SEP = "--raycluster--"
 _VERSION = "from importlib.metadata import version; print(version('ray'))"
 

@@ -9,13 +9,14 @@ import shutil
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from .cluster import Connect, state_dir
 from .containers import host_state_dir, list_cluster_containers
 from .errors import OperationError, RayclusterError
 from .inventory import HostConfig, Inventory
 from .progress import Progress, quiet
+from .state import state_dir
 from .transport import quote
 from .transport.fanout import fanout
+from .transport.pool import Connect
 
 
 @dataclass

@@ -10,22 +10,21 @@ from __future__ import annotations
 import json
 import re
 import threading
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
 from ..inventory import HostConfig, Inventory
+from ..progress import Progress
 from ..transport import CommandResult, Transport, quote
 from ..transport.fanout import fanout
+from ..transport.pool import Connect
 from .base import CheckResult, Status
 from .parsers import parse_ip_addr, parse_link_mtu, split_sections
 
 NETWORK_IDS = frozenset({"network", "mtu", "path-mtu"})
 TEST_PORT = 5201
 Tool = Literal["auto", "iperf3", "builtin"]
-Connect = Callable[[HostConfig], Transport]
-Progress = Callable[[str], None]
 _SCRIPT = Path(__file__).with_name("tcptest.py")
 _GATHER = (
     "for t in iperf3 ping python3; do command -v $t >/dev/null 2>&1 && echo has-$t; done; echo ---; "

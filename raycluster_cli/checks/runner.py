@@ -3,18 +3,17 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 
 from ..errors import RayclusterError, UsageError
 from ..inventory import HostConfig, Inventory
-from ..transport import CommandResult, Transport
+from ..transport import CommandResult
 from ..transport.fanout import fanout
+from ..transport.pool import Connect
 from .base import Check, CheckContext, CheckResult, Finding, Status
 from .catalog import ALL_CHECKS, ALL_IDS
 from .cross import CROSS_CHECKS, Outputs
 from .network import NETWORK_IDS
-
-Connect = Callable[[HostConfig], Transport]
 
 
 def run_checks(

@@ -378,7 +378,7 @@ def _purge_hosts(rmi: CommandResult) -> dict[str, FakeTransport]:
 
 
 def test_down_purge_removes_image_host_files_and_local_state(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from raycluster_cli.cluster import ensure_token, state_dir
+    from raycluster_cli.state import ensure_token, state_dir
     from raycluster_cli.teardown import down
 
     monkeypatch.setenv("RAYCLUSTER_STATE_DIR", str(tmp_path))
@@ -397,7 +397,7 @@ def test_down_purge_removes_image_host_files_and_local_state(tmp_path: Path, mon
 
 
 def test_down_purge_keeps_the_local_token_while_a_host_failed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from raycluster_cli.cluster import ensure_token, state_dir
+    from raycluster_cli.state import ensure_token, state_dir
     from raycluster_cli.teardown import down
 
     monkeypatch.setenv("RAYCLUSTER_STATE_DIR", str(tmp_path))
