@@ -25,6 +25,13 @@ if ! "$DOCKER" image inspect "$BASE_IMAGE" >/dev/null 2>&1; then
   log "imported $BASE_IMAGE"
 fi
 
+# Docker sends no symlinked folder in a build context: a worktree whose .cache links to another checkout's
+# gets a real folder of hard links to the same wheels instead.
+if [ -L .cache ]; then
+  shared=$(readlink -f .cache)
+  rm .cache && mkdir -p .cache/wheelhouse
+  cp -al "$shared/wheelhouse/." .cache/wheelhouse/ 2>/dev/null || cp -a "$shared/wheelhouse/." .cache/wheelhouse/
+fi
 mkdir -p .cache/wheelhouse
 if ! ls .cache/wheelhouse/ray-"$RAY_VERSION"-*.whl .cache/wheelhouse/torch-"$TORCH_VERSION"*.whl >/dev/null 2>&1; then
   log "downloading the wheelhouse"
