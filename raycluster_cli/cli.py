@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import signal
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -18,7 +20,9 @@ from .checks.network import Tool, measure_network
 from .cluster import NodesMissing, PreflightFailed, bench, up
 from .errors import ExitCode, RayclusterError, UsageError
 from .inventory import Inventory
+from .jobs import Dashboard, check_dashboard, dashboard_tunnel, follow_job, stop_hint, submit_job
 from .logs import collect
+from .ops import choose_hosts, run_exec, worst
 from .report import (
     Output,
     render_bench,
@@ -29,7 +33,15 @@ from .report import (
     render_status,
     render_up,
 )
-from .state import state_dir
+from .report_ops import (
+    ExecPrinter,
+    JobLogPrinter,
+    render_dashboard,
+    render_exec,
+    render_interrupted_job,
+    render_submit,
+)
+from .state import state_dir, token_file
 from .status import status
 from .teardown import down
 from .transport.pool import SSHPool
@@ -262,6 +274,115 @@ def logs_command(
         ok = all(not r.error for r in results)
         body = {"cluster": inv.cluster, "out": str(folder), "hosts": [r.to_dict() for r in results]}
         return _emit(output, ok, body, render_logs)
+
+    _execute(json_mode, debug, action)
+
+
+@app.command("exec", context_settings={"allow_interspersed_args": False})
+def exec_command(
+    words: Annotated[list[str], typer.Argument(help="the command, after --; its words are joined and run by sh")],
+    inventory_path: InventoryOpt = None,
+    host: Annotated[list[str] | None, typer.Option("--host", help="run on this host's address (repeatable)")] = None,
+    every: Annotated[bool, typer.Option("--all", help="run on every host of the inventory")] = False,
+    timeout: Annotated[float | None, typer.Option(help="seconds the command may run (default: no limit)")] = None,
+    json_mode: JsonOpt = False,
+    debug: DebugOpt = False,
+) -> None:
+    """Run a command in this cluster's Ray container (the head, or --host …/--all in parallel), env sourced.
+
+    Exit: the command's exit status (the highest of several); 255 where it could not run (host unreachable,
+    no running container), as ssh does; 2 bad flags or inventory; 130 interrupted."""
+
+    def action(output: Output) -> int:
+        with _cluster(inventory_path) as (inv, pool):
+            chosen = choose_hosts(inv, host, every)
+            printer = ExecPrinter(output, prefixed=len(chosen) > 1)
+            results = run_exec(inv, pool, chosen, words, on_output=printer, timeout_s=timeout)
+        code = worst(results)
+        body = {"cluster": inv.cluster, "rc": code, "hosts": [r.to_dict() for r in results]}
+        _emit(output, code == 0, body, render_exec)
+        return code
+
+    _execute(json_mode, debug, action)
+
+
+@app.command("submit", context_settings={"allow_interspersed_args": False})
+def submit_command(
+    entrypoint: Annotated[list[str], typer.Argument(help="the job's command after --, e.g. python script.py")],
+    inventory_path: InventoryOpt = None,
+    working_dir: Annotated[
+        Path | None, typer.Option("--working-dir", help="folder uploaded for the job (its working directory)")
+    ] = None,
+    no_wait: Annotated[bool, typer.Option("--no-wait", help="return once the job is accepted")] = False,
+    submission_id: Annotated[str | None, typer.Option(help="the job's submission ID (default: made up)")] = None,
+    json_mode: JsonOpt = False,
+    debug: DebugOpt = False,
+) -> None:
+    """Run a Ray job on the cluster with its token, through the head's SSH connection; stream its logs.
+
+    Exit: 0 job succeeded (or accepted, with --no-wait); the driver's exit code when it failed (1 when Ray
+    knows none, or it was stopped); 1 submission failed; 2 bad flags or inventory; 130 interrupted (the
+    job keeps running: the output says how to stop it)."""
+
+    def action(output: Output) -> int:
+        with _cluster(inventory_path) as (inv, pool), dashboard_tunnel(inv, pool) as (tunnel, token):
+            dashboard = Dashboard(tunnel, token)
+            version = check_dashboard(dashboard)
+            job = submit_job(dashboard, entrypoint, working_dir=working_dir, submission_id=submission_id)
+            output.progress()(
+                f"job {job.submission_id} submitted to cluster {inv.cluster} (Ray {version.get('ray_version', '?')})"
+            )
+            job.waited = not no_wait
+            if job.waited:
+                try:
+                    follow_job(dashboard, job, JobLogPrinter(output))
+                except KeyboardInterrupt:
+                    return render_interrupted_job(output, inv.cluster, job, stop_hint(inv, job.submission_id))
+        body = {"cluster": inv.cluster, "job": job.to_dict(), "exit_code": job.code}
+        _emit(output, job.code == 0, body, render_submit)
+        return job.code
+
+    _execute(json_mode, debug, action)
+
+
+def wait_for_interrupt() -> None:
+    """Block until Ctrl-C or SIGTERM (either ends a long-running verb normally)."""
+    stopped = threading.Event()
+    previous = signal.signal(signal.SIGTERM, lambda *_: stopped.set())
+    try:
+        while not stopped.wait(0.5):
+            pass
+    except KeyboardInterrupt:
+        pass
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+@app.command("dashboard")
+def dashboard_command(
+    inventory_path: InventoryOpt = None,
+    port: Annotated[int, typer.Option("--port", min=0, max=65535, help="local port (0: any free one)")] = 8265,
+    json_mode: JsonOpt = False,
+    debug: DebugOpt = False,
+) -> None:
+    """Forward 127.0.0.1:PORT to the head's dashboard over SSH; print the URL; stay until Ctrl-C.
+
+    Exit: 0 after Ctrl-C (the normal end); 1 the dashboard does not answer; 2 bad flags, inventory or a
+    local port in use."""
+
+    def action(output: Output) -> int:
+        with _cluster(inventory_path) as (inv, pool), dashboard_tunnel(inv, pool, port) as (tunnel, token):
+            version = check_dashboard(Dashboard(tunnel, token))
+            body = {
+                "cluster": inv.cluster,
+                "url": tunnel.url,
+                "head_dashboard": f"{inv.head_address}:{inv.ray.dashboard_port}",
+                "ray_version": version.get("ray_version", ""),
+                "auth_token_file": str(token_file(inv)) if inv.ray.auth == "token" else None,
+            }
+            _emit(output, True, body, render_dashboard)
+            wait_for_interrupt()
+        return ExitCode.OK
 
     _execute(json_mode, debug, action)
 

@@ -152,6 +152,16 @@ class SSHTransport:
         except (EOFError, paramiko.SSHException, OSError) as exc:
             raise self._dropped(exc) from None
 
+    def paramiko_transport(self) -> paramiko.Transport:
+        """This host's live SSH connection (made on first use): for forwarded ports and streamed sessions."""
+        self.connect()
+        assert self._client is not None
+        transport = self._client.get_transport()
+        if transport is None or not transport.is_active():
+            self.close()
+            raise TransportError(self.host, "SSH connection was lost", "check the host and retry")
+        return transport
+
     def _dropped(self, exc: BaseException) -> TransportError:
         """The connection died under a command: forget it (the next call reconnects) and say so in one line."""
         self.close()

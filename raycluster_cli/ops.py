@@ -1,0 +1,131 @@
+"""`raycluster exec`: a command in this cluster's Ray container on one or more hosts, node env sourced.
+
+The command's words are joined with spaces and run by `sh` inside the container, as `ssh HOST CMD…`
+does, after the node's env file (the inventory's `env`, see `up`) is sourced. Never prints: each output
+line goes to the callback the caller gives.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from .containers import ENV_IN_CONTAINER, LABEL_CLUSTER, LABEL_ROLE, container_name
+from .errors import RayclusterError, UsageError
+from .inventory import HostConfig, Inventory
+from .transport import quote
+from .transport.fanout import fanout
+from .transport.pool import Connect
+from .transport.stream import Stream, run_streamed
+
+# What `exec` returns for a host where it could not run the command at all (host unreachable, no running
+# container of this cluster): 255, as `ssh` does for its own failures.
+NOT_RUN = 255
+OutputSink = Callable[[str, Stream, str], None]
+
+
+@dataclass
+class ExecResult:
+    host: str
+    role: str
+    rc: int
+    stdout: str = ""
+    stderr: str = ""
+    error: str = ""  # why the command could not run (then rc is NOT_RUN)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "host": self.host,
+            "role": self.role,
+            "rc": self.rc,
+            "stdout": self.stdout,
+            "stderr": self.stderr,
+            "error": self.error,
+        }
+
+
+def choose_hosts(inventory: Inventory, addresses: list[str] | None, every: bool) -> list[HostConfig]:
+    """The hosts `--host`/`--all` name (default: the head); unknown addresses are a usage error."""
+    if every and addresses:
+        raise UsageError("--all and --host exclude each other", "pass one of them")
+    if every:
+        return list(inventory.hosts)
+    if not addresses:
+        return [inventory.head_host]
+    known = {str(h.address): h for h in inventory.hosts}
+    unknown = [a for a in addresses if a not in known]
+    if unknown:
+        raise UsageError(
+            f"--host {', '.join(unknown)} is not in the inventory", "use one of: " + ", ".join(known) + ", or --all"
+        )
+    return [known[a] for a in dict.fromkeys(addresses)]
+
+
+def container_check_command(inventory: Inventory, host: HostConfig) -> str:
+    labels = f'{{{{index .Config.Labels "{LABEL_CLUSTER}"}}}}/{{{{index .Config.Labels "{LABEL_ROLE}"}}}}'
+    return f"docker inspect --format '{{{{.State.Status}}}} {labels}' {quote(container_name(inventory, host))}"
+
+
+def exec_command(inventory: Inventory, host: HostConfig, words: list[str]) -> str:
+    """`docker exec` of the joined words in the host's Ray container, after sourcing the node env (pure)."""
+    script = f"if [ -r {ENV_IN_CONTAINER} ]; then set -a; . {ENV_IN_CONTAINER}; set +a; fi; " + " ".join(words)
+    return f"docker exec {quote(container_name(inventory, host))} sh -c {quote(script)}"
+
+
+def container_problem(inventory: Inventory, host: HostConfig, inspect_stdout: str, inspect_rc: int) -> str:
+    """Why the command cannot run in the host's container ('' when it can) (pure)."""
+    name = container_name(inventory, host)
+    fields = inspect_stdout.split()
+    if inspect_rc != 0 or len(fields) < 2:
+        return f"no container {name} on {host.address}: run `raycluster up`"
+    if fields[1] != f"{inventory.cluster}/{host.role}":
+        return f"container {name} on {host.address} was not started by this cluster"
+    if fields[0] != "running":
+        return f"container {name} on {host.address} is {fields[0]}: run `raycluster up`"
+    return ""
+
+
+def run_exec(
+    inventory: Inventory,
+    connect: Connect,
+    hosts: list[HostConfig],
+    words: list[str],
+    *,
+    on_output: OutputSink,
+    timeout_s: float | None = None,
+) -> list[ExecResult]:
+    """Run the command on every host in parallel; each host's lines go to `on_output(host, stream, line)`."""
+    if not words:
+        raise UsageError("no command given", "put it after --, e.g. raycluster exec -- ray status")
+    lock = threading.Lock()
+
+    def one(host: HostConfig) -> ExecResult:
+        transport = connect(host)
+        found = transport.run(container_check_command(inventory, host), timeout=60)
+        problem = container_problem(inventory, host, found.stdout, found.rc)
+        if problem:
+            return ExecResult(str(host.address), host.role, NOT_RUN, error=problem)
+
+        def sink(stream: Stream, line: str) -> None:
+            with lock:
+                on_output(str(host.address), stream, line)
+
+        done = run_streamed(transport, exec_command(inventory, host, words), sink, timeout_s)
+        return ExecResult(str(host.address), host.role, done.rc, done.stdout, done.stderr)
+
+    results = []
+    for host, outcome in fanout(hosts, one):
+        if outcome.value is not None:
+            results.append(outcome.value)
+        else:
+            error = outcome.error
+            message = error.one_line() if isinstance(error, RayclusterError) else f"{type(error).__name__}: {error}"
+            results.append(ExecResult(str(host.address), host.role, NOT_RUN, error=message))
+    return results
+
+
+def worst(results: list[ExecResult]) -> int:
+    """The exit code of several: the highest (0 only when every host's command succeeded)."""
+    return max((r.rc for r in results), default=0)
