@@ -391,7 +391,10 @@ def dashboard_command(
 def bench_command(
     inventory_path: InventoryOpt = None,
     model_path: Annotated[
-        str | None, typer.Option(help="GPT-2 checkpoint dir (config.json + model.safetensors), same path on every node")
+        str | None,
+        typer.Option(
+            help="GPT-2 or Llama checkpoint dir (Hugging Face config.json + safetensors), same path on every node"
+        ),
     ] = None,
     layers: Annotated[int, typer.Option(min=1, help="transformer blocks (random model)")] = 12,
     d_model: Annotated[int, typer.Option(min=8, help="model width (random model)")] = 256,

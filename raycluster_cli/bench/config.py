@@ -1,16 +1,24 @@
-"""The shape of the benchmark's decoder: ``ModelConfig`` (shared by the model and the GPT-2 loader)."""
+"""The shape of the benchmark's decoder: ``ModelConfig`` (shared by the model and the checkpoint loaders)."""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+import json
+from dataclasses import asdict, dataclass, fields
 from typing import Any
 
+ARCHITECTURES = ("gpt2", "llama")
 ACTIVATIONS = ("gelu", "gelu_new")
+_LLAMA_ROPE = ("default", "linear", "llama3")
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Shape of the decoder.  ``max_seq`` bounds prompt + generated tokens (position table, KV cache)."""
+    """Shape of the decoder.  ``max_seq`` bounds prompt + generated tokens (position table, KV cache).
+
+    ``arch`` picks the block: ``gpt2`` (learned positions, LayerNorm, GELU MLP) or ``llama`` (rotary
+    positions, RMSNorm, SwiGLU MLP, grouped-query attention); the fields after ``model_path`` are
+    Llama's and keep their defaults for GPT-2.
+    """
 
     vocab: int = 4096
     d_model: int = 256
@@ -18,18 +26,39 @@ class ModelConfig:
     layers: int = 12
     max_seq: int = 128
     seed: int = 0
-    activation: str = "gelu"  # "gelu" (exact) or "gelu_new" (GPT-2's tanh approximation)
-    ln_eps: float = 1e-5
-    model_path: str = ""  # a GPT-2 checkpoint directory; empty: seeded random weights
+    activation: str = "gelu"  # "gelu" (exact) or "gelu_new" (GPT-2's tanh approximation); llama: "silu"
+    ln_eps: float = 1e-5  # LayerNorm eps (gpt2) or RMSNorm eps (llama)
+    model_path: str = ""  # a checkpoint directory; empty: seeded random weights
+    arch: str = "gpt2"
+    kv_heads: int = 0  # key/value heads (grouped-query attention); 0: as many as ``heads``
+    head_dim: int = 0  # 0: d_model // heads
+    ffn: int = 0  # MLP width; 0: 4 * d_model
+    rope_theta: float = 10000.0
+    rope_scaling: str = ""  # the checkpoint's rope scaling as JSON ("" = none); text keeps the config hashable
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    tied_head: bool = True  # LM head shares the token embedding
 
     def __post_init__(self) -> None:
         for name in ("vocab", "d_model", "heads", "layers", "max_seq"):
             if getattr(self, name) < 1:
                 raise ValueError(f"ModelConfig.{name} must be >= 1, got {getattr(self, name)}")
-        if self.d_model % self.heads:
+        for name in ("kv_heads", "head_dim", "ffn"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"ModelConfig.{name} must be >= 0, got {getattr(self, name)}")
+        if self.arch not in ARCHITECTURES:
+            raise ValueError(f"arch must be one of {ARCHITECTURES}, got {self.arch!r}")
+        if self.head_dim == 0 and self.d_model % self.heads:
             raise ValueError(f"d_model ({self.d_model}) must be divisible by heads ({self.heads})")
-        if self.activation not in ACTIVATIONS:
-            raise ValueError(f"activation must be one of {ACTIVATIONS}, got {self.activation!r}")
+        if self.heads % self.num_kv_heads:
+            raise ValueError(f"heads ({self.heads}) must be a multiple of kv_heads ({self.num_kv_heads})")
+        wanted = ("silu",) if self.arch == "llama" else ACTIVATIONS
+        if self.activation not in wanted:
+            raise ValueError(f"activation of a {self.arch} model must be one of {wanted}, got {self.activation!r}")
+        if self.arch == "gpt2" and (self.kv_heads not in (0, self.heads) or self.head_dim or self.ffn):
+            raise ValueError("kv_heads, head_dim and ffn are Llama settings; a gpt2 model keeps their defaults")
+        if self.rope_type not in _LLAMA_ROPE:
+            raise ValueError(f"rope scaling type must be one of {_LLAMA_ROPE}, got {self.rope_type!r}")
 
     @property
     def num_units(self) -> int:
@@ -40,15 +69,33 @@ class ModelConfig:
     def head_unit(self) -> int:
         return self.layers + 1
 
+    @property
+    def num_kv_heads(self) -> int:
+        return self.kv_heads or self.heads
+
+    @property
+    def dim_per_head(self) -> int:
+        return self.head_dim or self.d_model // self.heads
+
+    @property
+    def mlp_width(self) -> int:
+        return self.ffn or 4 * self.d_model
+
+    @property
+    def rope_params(self) -> dict[str, Any]:
+        params: dict[str, Any] = json.loads(self.rope_scaling) if self.rope_scaling else {}
+        return params
+
+    @property
+    def rope_type(self) -> str:
+        return str(self.rope_params.get("rope_type", self.rope_params.get("type", "default")))
+
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> ModelConfig:
-        ints = {k: int(data[k]) for k in ("vocab", "d_model", "heads", "layers", "max_seq", "seed")}
-        return cls(
-            **ints,
-            activation=str(data.get("activation", "gelu")),
-            ln_eps=float(data.get("ln_eps", 1e-5)),
-            model_path=str(data.get("model_path", "") or ""),
-        )
+        """The inverse of ``to_dict``; fields it lacks keep their defaults, values are coerced to the field's type."""
+        casts: dict[str, Any] = {"int": int, "float": float, "str": str, "bool": bool}
+        values = {f.name: casts[str(f.type)](data[f.name]) for f in fields(cls) if data.get(f.name) is not None}
+        return cls(**values)

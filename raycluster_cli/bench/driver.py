@@ -33,7 +33,9 @@ class _UsageError(Exception):
 def build_parser() -> argparse.ArgumentParser:
     p = _JsonArgumentParser(prog="python -m raycluster_cli.bench.driver", description=__doc__)
     p.add_argument(
-        "--model-path", default=None, help="GPT-2 checkpoint dir (config.json + model.safetensors) on every node"
+        "--model-path",
+        default=None,
+        help="GPT-2 or Llama checkpoint dir (Hugging Face config.json + safetensors) on every node",
     )
     p.add_argument("--layers", type=int, default=12, help="transformer blocks")
     p.add_argument("--d-model", type=int, default=256)

@@ -46,12 +46,11 @@ def alive_nodes() -> list[dict[str, Any]]:
 
 
 def model_config(args: argparse.Namespace) -> Any:
-    from raycluster_cli.bench import gpt2
-    from raycluster_cli.bench.model import ModelConfig
+    from raycluster_cli.bench.model import ModelConfig, config_from_checkpoint
 
     max_seq = args.max_seq or args.prompt_len + args.max_new_tokens
     if args.model_path:
-        return gpt2.config_from_dir(args.model_path, max_seq, args.seed)
+        return config_from_checkpoint(args.model_path, max_seq, args.seed)
     return ModelConfig(
         vocab=args.vocab, d_model=args.d_model, heads=args.heads, layers=args.layers, max_seq=max_seq, seed=args.seed
     )
@@ -249,7 +248,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     )
     doc["config"] = {
         "model": cfg.to_dict(),
-        "model_source": "gpt2:" + cfg.model_path if cfg.model_path else "random",
+        "model_source": f"{cfg.arch}:{cfg.model_path}" if cfg.model_path else "random",
         "mode": "poisson" if params.rate is not None else "offline",
         "rate": params.rate,
         "requests": params.requests,

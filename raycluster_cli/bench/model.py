@@ -6,25 +6,35 @@ drawn from a generator seeded only by ``(seed, unit)``, so a stage that builds u
 another machine gets bit-for-bit the same weights as the whole model built in one place.  Nothing
 is downloaded; every node builds its own share.
 
-With ``model_path`` set the same units are filled from a GPT-2 checkpoint in Hugging Face format
-instead (``gpt2.py``): each stage reads only the tensors of its own units from the file.  The
-architecture is GPT-2's (learned positions, pre-LN blocks, fused QKV, tanh GELU, tied LM head), so
-random and real weights run through the same code.
+With ``model_path`` set the same units are filled from a checkpoint in Hugging Face format instead
+(``gpt2.py``, ``llama.py``): each stage reads only the tensors of its own units.  ``cfg.arch`` picks
+the units' architecture: GPT-2's (learned positions, pre-LN blocks, fused QKV, tanh GELU, tied LM
+head; also the random model's) or Llama's (``llama.py``); both run through the same ``Stage``.
 """
 
 from __future__ import annotations
 
 import hashlib
-from typing import Any, Literal
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any, Literal, NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from raycluster_cli.bench import gpt2
+from raycluster_cli.bench import gpt2, llama
 from raycluster_cli.bench.config import ACTIVATIONS, ModelConfig
 
-__all__ = ["ACTIVATIONS", "ModelConfig", "Stage", "full_model_stage", "greedy_generate", "prefill_chunks"]
+__all__ = [
+    "ACTIVATIONS",
+    "ModelConfig",
+    "Stage",
+    "config_from_checkpoint",
+    "full_model_stage",
+    "greedy_generate",
+    "prefill_chunks",
+]
 
 Emit = Literal["logits", "tokens"]
 
@@ -66,12 +76,12 @@ class _Embedding(nn.Module):
 
 
 class _LayerCache:
-    """Preallocated K/V for one block and one micro-batch: [B, heads, max_seq, head_dim]."""
+    """Preallocated K/V for one block and one micro-batch: [B, kv_heads, max_seq, head_dim]."""
 
     def __init__(self, batch: int, cfg: ModelConfig, device: torch.device) -> None:
-        head_dim = cfg.d_model // cfg.heads
-        self.k = torch.zeros(batch, cfg.heads, cfg.max_seq, head_dim, device=device)
-        self.v = torch.zeros(batch, cfg.heads, cfg.max_seq, head_dim, device=device)
+        shape = (batch, cfg.num_kv_heads, cfg.max_seq, cfg.dim_per_head)
+        self.k = torch.zeros(shape, device=device)
+        self.v = torch.zeros(shape, device=device)
 
 
 class Block(nn.Module):
@@ -120,6 +130,48 @@ class _Head(nn.Module):
         return out
 
 
+class Architecture(NamedTuple):
+    """How one architecture builds its units and fills them from a checkpoint."""
+
+    embedding: Callable[[ModelConfig], nn.Module]
+    block: Callable[[ModelConfig], nn.Module]
+    head: Callable[[ModelConfig], nn.Module]
+    load_units: Callable[[ModelConfig, Mapping[int, nn.Module]], None]
+
+
+ARCHITECTURES = {
+    "gpt2": Architecture(_Embedding, Block, _Head, gpt2.load_units),
+    "llama": Architecture(llama.Embedding, llama.Block, llama.Head, llama.load_units),
+}
+# config.json's model_type, else an entry of its "architectures", -> our architecture
+_MODEL_TYPES = {"gpt2": "gpt2", "llama": "llama"}
+_MODEL_CLASSES = {"GPT2LMHeadModel": "gpt2", "GPT2Model": "gpt2", "LlamaForCausalLM": "llama"}
+
+
+def checkpoint_architecture(path: str | Path) -> str:
+    """The architecture of the Hugging Face checkpoint in ``path``, from its config.json (model_type, else
+    architectures; a config naming neither is GPT-2, as older GPT-2 exports are)."""
+    raw = llama.read_config(Path(path))
+    model_type, classes = raw.get("model_type"), raw.get("architectures") or []
+    if model_type in _MODEL_TYPES:
+        return _MODEL_TYPES[str(model_type)]
+    for name in classes:
+        if name in _MODEL_CLASSES:
+            return _MODEL_CLASSES[str(name)]
+    if model_type is None and not classes:
+        return "gpt2"
+    raise ValueError(
+        f"{Path(path) / llama.CONFIG_FILE}: model_type {model_type!r} (architectures {classes}) is not supported;"
+        " --model-path takes GPT-2 (gpt2) or Llama (llama) checkpoints"
+    )
+
+
+def config_from_checkpoint(path: str | Path, max_seq: int, seed: int = 0) -> ModelConfig:
+    """The ModelConfig of the checkpoint in ``path``, whichever architecture its config.json names."""
+    loader = llama if checkpoint_architecture(path) == "llama" else gpt2
+    return loader.config_from_dir(path, max_seq, seed)
+
+
 class Stage(nn.Module):
     """Units [start, end) of the model, with per-micro-batch KV caches kept inside.
 
@@ -144,22 +196,23 @@ class Stage(nn.Module):
         self.start = start
         self.end = end
         self.emit: Emit = emit
-        self.embedding: _Embedding | None = None
-        self.head: _Head | None = None
+        self.embedding: nn.Module | None = None
+        self.head: nn.Module | None = None
         self.blocks = nn.ModuleList()
+        arch = ARCHITECTURES[cfg.arch]
         modules: dict[int, nn.Module] = {}
         for unit in range(start, end):
             module: nn.Module
             if unit == 0:
-                module = self.embedding = _Embedding(cfg)
+                module = self.embedding = arch.embedding(cfg)
             elif unit == cfg.head_unit:
-                module = self.head = _Head(cfg)
+                module = self.head = arch.head(cfg)
             else:
-                module = Block(cfg)
+                module = arch.block(cfg)
                 self.blocks.append(module)
             modules[unit] = module
         if cfg.model_path:
-            gpt2.load_units(cfg, modules)
+            arch.load_units(cfg, modules)
         else:
             for unit, module in modules.items():
                 _init_unit(module, cfg.seed, unit)

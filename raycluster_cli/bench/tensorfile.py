@@ -84,6 +84,40 @@ def load_tensors(path: str | Path, names: Iterable[str]) -> dict[str, torch.Tens
     return out
 
 
+WEIGHTS_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+
+
+def checkpoint_tensors(directory: str | Path) -> dict[str, Path]:
+    """Tensor name -> the file holding it, for a checkpoint saved whole (``model.safetensors``) or in
+    shards (``model.safetensors.index.json`` + its files, as Hugging Face saves models over ~5 GB)."""
+    folder = Path(directory)
+    index = folder / INDEX_FILE
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (ValueError, KeyError, TypeError) as exc:
+            raise TensorFileError(f"{index}: not a safetensors index ({exc!r})") from None
+        return {str(name): folder / str(file) for name, file in weight_map.items()}
+    single = folder / WEIGHTS_FILE
+    if not single.is_file():
+        raise TensorFileError(f"{folder}: neither {WEIGHTS_FILE} nor {INDEX_FILE} found")
+    return dict.fromkeys(read_header(single)[0], single)
+
+
+def load_checkpoint_tensors(files: Mapping[str, Path], names: Iterable[str]) -> dict[str, torch.Tensor]:
+    """Read only the named tensors, each from the file ``files`` (from ``checkpoint_tensors``) names."""
+    by_file: dict[Path, list[str]] = {}
+    for name in names:
+        if name not in files:
+            raise TensorFileError(f"checkpoint has no tensor named {name!r}")
+        by_file.setdefault(files[name], []).append(name)
+    out: dict[str, torch.Tensor] = {}
+    for path, wanted in by_file.items():
+        out |= load_tensors(path, wanted)
+    return out
+
+
 def save_tensors(path: str | Path, tensors: Mapping[str, torch.Tensor], metadata: dict[str, str] | None = None) -> None:
     """Write ``tensors`` as a safetensors file (used by tests to make a tiny model)."""
     header: dict[str, Any] = {}

@@ -163,6 +163,32 @@ def test_gpt2_checkpoint_sharded_equals_unsharded(local_ray: None, tmp_path: Pat
     assert doc["output_check"] == {"identical": True, "compared_requests": 6, "mismatched": []}
 
 
+def test_llama_checkpoint_through_the_pipeline_equals_unsharded(local_ray: None, tmp_path: Path) -> None:
+    from tests.llama_checkpoint import GQA, write_llama
+
+    path = write_llama(tmp_path / "tiny-llama", num_hidden_layers=4, **GQA)
+    doc = experiment.run(
+        _args(
+            f"--model-path={path}",
+            "--stages=3",
+            "--requests=6",
+            "--prompt-len=5",
+            "--max-new-tokens=6",
+            "--micro-batch=2",
+            "--prefill-chunk=2",
+            "--partition=balanced",
+            "--check-output",
+            "--check-requests=6",
+            "--no-references",
+        )
+    )
+    model = doc["config"]["model"]
+    assert (model["arch"], model["layers"], model["kv_heads"], model["tied_head"]) == ("llama", 4, 2, False)
+    assert doc["config"]["model_source"] == f"llama:{path}"
+    assert sum(s["layers"] for s in doc["stages"]) == 4
+    assert doc["output_check"] == {"identical": True, "compared_requests": 6, "mismatched": []}
+
+
 def test_poisson_mode_and_sweeps(local_ray: None) -> None:
     doc = experiment.run(
         _args("--layers=2", "--stages=1", "--requests=8", "--rate=200", "--no-references", "--sweep=batch")

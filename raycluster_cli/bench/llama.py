@@ -1,0 +1,268 @@
+"""The Llama architecture (Hugging Face ``LlamaForCausalLM``): its units, and its checkpoints unit by unit.
+
+The units line up with GPT-2's (``model.py``): unit 0 is the token embedding (no position table:
+positions enter every block as rotations of the queries and keys, RoPE), units 1..L are the blocks
+(RMSNorm → grouped-query attention → RMSNorm → SwiGLU MLP, no biases unless the config asks), and
+unit L+1 is the final RMSNorm + LM head (its own ``lm_head.weight``, or the token embedding when
+``tie_word_embeddings``).  A stage reads only its own units' tensors, also from a checkpoint saved in
+shards (``model.safetensors.index.json``).  The maths follows ``transformers``' modeling_llama so a
+loaded checkpoint produces the same tokens (the unit tests compare the two).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from raycluster_cli.bench.config import ModelConfig
+from raycluster_cli.bench.tensorfile import TensorFileError, checkpoint_tensors, load_checkpoint_tensors
+
+CONFIG_FILE = "config.json"
+# block parameter -> Llama tensor suffix (biases only exist with attention_bias / mlp_bias)
+_BLOCK_MAP = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "q.weight": "self_attn.q_proj.weight",
+    "q.bias": "self_attn.q_proj.bias",
+    "k.weight": "self_attn.k_proj.weight",
+    "k.bias": "self_attn.k_proj.bias",
+    "v.weight": "self_attn.v_proj.weight",
+    "v.bias": "self_attn.v_proj.bias",
+    "o.weight": "self_attn.o_proj.weight",
+    "o.bias": "self_attn.o_proj.bias",
+    "mlp_norm.weight": "post_attention_layernorm.weight",
+    "gate.weight": "mlp.gate_proj.weight",
+    "gate.bias": "mlp.gate_proj.bias",
+    "up.weight": "mlp.up_proj.weight",
+    "up.bias": "mlp.up_proj.bias",
+    "down.weight": "mlp.down_proj.weight",
+    "down.bias": "mlp.down_proj.bias",
+}
+
+
+def read_config(directory: Path) -> dict[str, Any]:
+    """The checkpoint's ``config.json`` as a dict (errors name the file)."""
+    config_file = directory / CONFIG_FILE
+    if not config_file.is_file():
+        raise ValueError(f"--model-path {directory}: {CONFIG_FILE} not found (a Hugging Face checkpoint directory)")
+    try:
+        raw = json.loads(config_file.read_text())
+    except ValueError as exc:
+        raise ValueError(f"{config_file}: not JSON ({exc})") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"{config_file}: not a JSON object")
+    return raw
+
+
+def _rope(raw: dict[str, Any], config_file: Path) -> tuple[float, str]:
+    """(rope_theta, rope scaling as canonical JSON or "") from the new (``rope_parameters``) or old
+    (``rope_theta`` + ``rope_scaling``) spelling of the config."""
+    params = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
+    theta = float(params.pop("rope_theta", raw.get("rope_theta", 10000.0)))
+    kind = str(params.get("rope_type", params.get("type", "default")))
+    if kind == "default":
+        return theta, ""
+    if kind == "linear":
+        return theta, json.dumps({"rope_type": kind, "factor": float(params["factor"])})
+    if kind == "llama3":
+        keys = ("factor", "low_freq_factor", "high_freq_factor")
+        scaling: dict[str, Any] = {"rope_type": kind} | {k: float(params[k]) for k in keys}
+        original = params.get("original_max_position_embeddings", raw.get("max_position_embeddings", 2048))
+        scaling["original_max_position_embeddings"] = int(original)
+        return theta, json.dumps(scaling, sort_keys=True)
+    raise ValueError(f"{config_file}: rope scaling {kind!r} is not supported (default, linear, llama3)")
+
+
+def config_from_dir(path: str | Path, max_seq: int, seed: int = 0) -> ModelConfig:
+    """The ModelConfig of the Llama checkpoint in ``path`` (KV cache and rotary tables sized to ``max_seq``)."""
+    directory = Path(path)
+    raw = read_config(directory)
+    config_file = directory / CONFIG_FILE
+    checkpoint_tensors(directory)  # fails early, naming the directory, when there are no weights
+    if raw.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"{config_file}: hidden_act {raw.get('hidden_act')!r} is not supported (silu)")
+    positions = int(raw.get("max_position_embeddings", 2048))
+    if max_seq > positions:
+        raise ValueError(f"prompt + new tokens ({max_seq}) exceed the model's {positions} positions")
+    try:
+        heads = int(raw["num_attention_heads"])
+        theta, scaling = _rope(raw, config_file)
+        return ModelConfig(
+            vocab=int(raw["vocab_size"]),
+            d_model=int(raw["hidden_size"]),
+            heads=heads,
+            layers=int(raw["num_hidden_layers"]),
+            max_seq=max_seq,
+            seed=seed,
+            activation="silu",
+            ln_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            model_path=str(directory),
+            arch="llama",
+            kv_heads=int(raw.get("num_key_value_heads") or heads),
+            head_dim=int(raw.get("head_dim") or int(raw["hidden_size"]) // heads),
+            ffn=int(raw["intermediate_size"]),
+            rope_theta=theta,
+            rope_scaling=scaling,
+            attention_bias=bool(raw.get("attention_bias", False)),
+            mlp_bias=bool(raw.get("mlp_bias", False)),
+            tied_head=bool(raw.get("tie_word_embeddings", False)),
+        )
+    except KeyError as exc:
+        raise ValueError(f"{config_file}: missing {exc.args[0]}") from None
+
+
+def inverse_frequencies(cfg: ModelConfig) -> torch.Tensor:
+    """RoPE's per-pair rotation speeds, with the checkpoint's scaling (as ``transformers`` computes them)."""
+    dim = cfg.dim_per_head
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    params = cfg.rope_params
+    if cfg.rope_type == "linear":
+        return inv_freq / params["factor"]
+    if cfg.rope_type != "llama3":
+        return inv_freq
+    factor, low, high = params["factor"], params["low_freq_factor"], params["high_freq_factor"]
+    old_context = params["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_context / low, inv_freq / factor, inv_freq)
+    smooth = (old_context / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < old_context / high) * ~(wavelen > old_context / low)
+    return torch.where(medium, smoothed, scaled)
+
+
+def rotary_tables(cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin for every position < max_seq: [max_seq, head_dim] each."""
+    freqs = torch.arange(cfg.max_seq, dtype=torch.float32)[:, None] * inverse_frequencies(cfg)[None, :]
+    angles = torch.cat((freqs, freqs), dim=-1)
+    return angles.cos(), angles.sin()
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
+        out: torch.Tensor = self.weight * normed.to(x.dtype)
+        return out
+
+
+class Embedding(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(cfg.vocab, cfg.d_model)
+
+    def forward(self, ids: torch.Tensor, start: int) -> torch.Tensor:
+        out: torch.Tensor = self.tok(ids)
+        return out
+
+
+class Block(nn.Module):
+    """RMSNorm → causal grouped-query attention with RoPE (KV cache of ``kv_heads``) → RMSNorm → SwiGLU."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        d, width = cfg.d_model, cfg.dim_per_head
+        self.heads, self.kv_heads, self.head_dim = cfg.heads, cfg.num_kv_heads, width
+        self.attn_norm = RMSNorm(d, cfg.ln_eps)
+        self.q = nn.Linear(d, cfg.heads * width, bias=cfg.attention_bias)
+        self.k = nn.Linear(d, self.kv_heads * width, bias=cfg.attention_bias)
+        self.v = nn.Linear(d, self.kv_heads * width, bias=cfg.attention_bias)
+        self.o = nn.Linear(cfg.heads * width, d, bias=cfg.attention_bias)
+        self.mlp_norm = RMSNorm(d, cfg.ln_eps)
+        self.gate = nn.Linear(d, cfg.mlp_width, bias=cfg.mlp_bias)
+        self.up = nn.Linear(d, cfg.mlp_width, bias=cfg.mlp_bias)
+        self.down = nn.Linear(cfg.mlp_width, d, bias=cfg.mlp_bias)
+        cos, sin = rotary_tables(cfg)
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
+
+    def forward(self, x: torch.Tensor, cache: Any, start: int) -> torch.Tensor:
+        batch, steps, _ = x.shape
+        end = start + steps
+        h = self.attn_norm(x)
+        q = self.q(h).view(batch, steps, self.heads, self.head_dim).transpose(1, 2)
+        k = self.k(h).view(batch, steps, self.kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v(h).view(batch, steps, self.kv_heads, self.head_dim).transpose(1, 2)
+        cos, sin = self.cos[start:end], self.sin[start:end]
+        cache.k[:, :, start:end] = _rotate(k, cos, sin)
+        cache.v[:, :, start:end] = v
+        mask = None
+        if steps > 1:  # query i sits at absolute position start+i and may see keys 0..start+i
+            mask = torch.arange(end, device=x.device)[None, :] <= torch.arange(start, end, device=x.device)[:, None]
+        att = F.scaled_dot_product_attention(
+            _rotate(q, cos, sin),
+            cache.k[:, :, :end],
+            cache.v[:, :, :end],
+            attn_mask=mask,
+            enable_gqa=self.kv_heads != self.heads,
+        )
+        x = x + self.o(att.transpose(1, 2).reshape(batch, steps, self.heads * self.head_dim))
+        h = self.mlp_norm(x)
+        out: torch.Tensor = x + self.down(F.silu(self.gate(h)) * self.up(h))
+        return out
+
+
+class Head(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.norm = RMSNorm(cfg.d_model, cfg.ln_eps)
+        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.lm_head(self.norm(x))
+        return out
+
+
+def unit_tensors(cfg: ModelConfig, unit: int, names: set[str]) -> dict[str, str]:
+    """For one unit: our parameter name -> tensor name in the checkpoint."""
+    pre = "model." if "model.embed_tokens.weight" in names else ""
+    if unit == 0:
+        return {"tok.weight": f"{pre}embed_tokens.weight"}
+    if unit == cfg.head_unit:
+        head = f"{pre}embed_tokens.weight" if cfg.tied_head else "lm_head.weight"
+        return {"norm.weight": f"{pre}norm.weight", "lm_head.weight": head}
+    biases = {"q", "k", "v", "o"} if cfg.attention_bias else set()
+    biases |= {"gate", "up", "down"} if cfg.mlp_bias else set()
+    return {
+        ours: f"{pre}layers.{unit - 1}.{theirs}"
+        for ours, theirs in _BLOCK_MAP.items()
+        if ours.endswith("weight") or ours.split(".")[0] in biases
+    }
+
+
+@torch.no_grad()
+def load_units(cfg: ModelConfig, modules: Mapping[int, nn.Module]) -> None:
+    """Fill each unit's module from ``cfg.model_path``, one unit at a time, reading only that unit's tensors."""
+    files = checkpoint_tensors(cfg.model_path)
+    names = set(files)
+    for unit, module in modules.items():
+        plan = unit_tensors(cfg, unit, names)
+        params = dict(module.named_parameters())
+        if set(params) != set(plan):
+            raise TensorFileError(f"unit {unit}: parameters {sorted(params)} do not match the Llama layout")
+        tensors = load_checkpoint_tensors(files, plan.values())
+        for ours, src in plan.items():
+            value = tensors[src].to(torch.float32)
+            if tuple(value.shape) != tuple(params[ours].shape):
+                raise TensorFileError(
+                    f"{cfg.model_path}: {src} has shape {tuple(value.shape)}, unit {unit} needs {tuple(params[ours].shape)}"
+                )
+            params[ours].copy_(value)

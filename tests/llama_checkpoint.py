@@ -1,0 +1,54 @@
+"""Tiny random Llama checkpoints written by ``transformers`` itself (real tensor names, real config.json)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+import transformers
+
+# grouped-query attention (4 query heads share 2 K/V heads), own LM head, plain RoPE
+GQA = {"num_attention_heads": 4, "num_key_value_heads": 2, "tie_word_embeddings": False}
+# tied head, biases, head_dim that is not hidden/heads, Llama 3.1's rope scaling, one K/V head
+VARIANT = {
+    "num_attention_heads": 4,
+    "num_key_value_heads": 1,
+    "head_dim": 16,
+    "tie_word_embeddings": True,
+    "attention_bias": True,
+    "mlp_bias": True,
+    "rope_theta": 500000.0,
+    "rope_scaling": {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 16,
+    },
+}
+
+
+def write_llama(path: Path, *, seed: int = 0, shard: str | None = None, dtype: Any = None, **extra: Any) -> Path:
+    """A random LlamaForCausalLM saved by transformers; weights drawn wide enough that greedy tokens vary."""
+    settings = {
+        "vocab_size": 96,
+        "hidden_size": 48,
+        "intermediate_size": 80,
+        "num_hidden_layers": 3,
+        "max_position_embeddings": 64,
+        "rms_norm_eps": 1e-5,
+    } | extra
+    torch.manual_seed(seed)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**settings)).eval()
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.copy_(1 + 0.1 * torch.randn(param.shape, generator=gen))
+            else:
+                param.copy_((0.5 if "embed" in name else 0.15) * torch.randn(param.shape, generator=gen))
+    if dtype is not None:
+        model = model.to(dtype)
+    model.save_pretrained(str(path), **({"max_shard_size": shard} if shard else {}))
+    return path
