@@ -16,9 +16,11 @@ log() { echo "[build-images] $*" >&2; }
 
 if ! "$DOCKER" image inspect "$BASE_IMAGE" >/dev/null 2>&1; then
   command -v debootstrap >/dev/null || { apt-get update -qq && apt-get install -y -qq debootstrap; }
+  # The mirror this machine's apt uses (DEBIAN_MIRROR=URL overrides); see scripts/debian-mirror.sh.
+  mirror=$(bash scripts/debian-mirror.sh)
   rootfs=$(mktemp -d /tmp/raycluster-rootfs.XXXXXX)
-  log "debootstrap bookworm into $rootfs"
-  debootstrap --variant=minbase bookworm "$rootfs" http://deb.debian.org/debian >/tmp/raycluster-debootstrap.log 2>&1 \
+  log "debootstrap bookworm from $mirror into $rootfs"
+  debootstrap --variant=minbase bookworm "$rootfs" "$mirror" >/tmp/raycluster-debootstrap.log 2>&1 \
     || { tail -20 /tmp/raycluster-debootstrap.log >&2; exit 1; }
   tar -C "$rootfs" -c . | "$DOCKER" import - "$BASE_IMAGE" >/dev/null
   rm -rf "$rootfs"

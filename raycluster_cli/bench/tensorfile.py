@@ -1,6 +1,6 @@
 """A minimal reader/writer for the safetensors format, so a stage can read just its own tensors.
 
-The format (https://huggingface.co/docs/safetensors): an 8-byte little-endian header length N, a
+The format (as the ``safetensors`` project specifies it): an 8-byte little-endian header length N, a
 JSON header of N bytes ``{name: {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__"?}``,
 then the raw little-endian tensor bytes (offsets are relative to the end of the header).  Reading
 one tensor is a seek and a read; nothing else in the file is touched.
