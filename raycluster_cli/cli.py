@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import signal
 import sys
 import threading
@@ -14,11 +15,11 @@ from typing import Annotated, Any, cast
 
 import typer
 
-from . import __version__, inventory, lab
+from . import __version__, interrupt, inventory, lab
 from .checks import Status, demote, ignore_ids, run_checks
 from .checks.network import Tool, measure_network
 from .cluster import NodesMissing, PreflightFailed, bench, up
-from .errors import ExitCode, RayclusterError, UsageError
+from .errors import ExitCode, GroupError, RayclusterError, UsageError
 from .inventory import Inventory
 from .jobs import Dashboard, check_dashboard, dashboard_tunnel, follow_job, stop_hint, submit_job
 from .logs import collect
@@ -44,6 +45,7 @@ from .report_ops import (
 from .state import state_dir, token_file
 from .status import status
 from .teardown import down
+from .transport import cancel
 from .transport.pool import SSHPool
 
 app = typer.Typer(
@@ -60,52 +62,101 @@ InventoryOpt = Annotated[
     typer.Option("--inventory", "-i", help="inventory YAML (default: $RAYCLUSTER_INVENTORY, else ./inventory.yaml)"),
 ]
 JsonOpt = Annotated[bool, typer.Option("--json", help="print one JSON document on stdout; logs go to stderr")]
-DebugOpt = Annotated[bool, typer.Option("--debug", help="show tracebacks")]
+DebugOpt = Annotated[
+    bool, typer.Option("--debug", help="log every remote command (host, duration, exit status) and show tracebacks")
+]
 IgnoreOpt = Annotated[
     str | None, typer.Option("--ignore", help="demote these failing checks to warnings: ID[,ID...] or all")
 ]
 
 
+_INTERRUPTED_HINT = "re-run the command; `raycluster down` removes a half-started cluster"
+_pools: list[SSHPool] = []  # the running verb's pool: which commands an interrupt cut short
+
+
+def _running() -> list[dict[str, str]]:
+    return [item for pool in _pools for item in pool.running()]
+
+
+def _debug_logging(debug: bool) -> None:
+    """--debug: every remote command per host with its duration and exit status, on stderr."""
+    if not debug:
+        return
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(name)s: %(message)s"))
+    handler.set_name("raycluster-debug")
+    for name, level in (("raycluster", logging.DEBUG), ("paramiko", logging.WARNING)):
+        logger = logging.getLogger(name)
+        logger.setLevel(level)
+        logger.handlers = [h for h in logger.handlers if h.get_name() != "raycluster-debug"] + [handler]
+
+
+def _interrupted(output: Output, state: interrupt.Interruption) -> None:
+    output.error("interrupted", _INTERRUPTED_HINT)
+    if output.json_mode:
+        body = {"error": {"message": "interrupted", "hint": _INTERRUPTED_HINT}}
+        output.document(False, body | {"interrupted": interrupt.report(state, output.events)})
+
+
 def _execute(json_mode: bool, debug: bool, action: Callable[[Output], int]) -> None:
     output = Output(json_mode)
-    try:
-        code = action(output)
-    except KeyboardInterrupt:
-        output.error("interrupted", "re-run the command; `raycluster down` removes a half-started cluster")
-        code = ExitCode.INTERRUPTED
-    except RayclusterError as exc:
-        if debug:
-            raise
-        output.error(exc.message, exc.hint)
-        if isinstance(exc, NodesMissing):
-            output.details(exc.details)
-        if json_mode:
-            body: dict[str, Any] = {"error": {"message": exc.message, "hint": exc.hint}}
-            if isinstance(exc, PreflightFailed):
-                body["checks"] = [r.to_dict() for r in exc.results]
-            if isinstance(exc, NodesMissing):
-                body["error"]["missing"] = exc.details
-            output.document(False, body)
-        code = exc.exit_code
-    except Exception as exc:
-        if debug:
-            raise
-        output.error(f"unexpected {type(exc).__name__}: {exc}", "re-run with --debug and report it")
-        if json_mode:
-            output.document(False, {"error": {"message": str(exc), "hint": "re-run with --debug"}})
-        code = ExitCode.FAILED
+    _debug_logging(debug)
+
+    def last_resort(state: interrupt.Interruption) -> None:
+        _interrupted(output, state)
+        interrupt.hard_exit(ExitCode.INTERRUPTED)
+
+    with interrupt.handled(_running, last_resort) as state:
+        try:
+            code = action(output)
+        except KeyboardInterrupt:
+            _interrupted(output, state)
+            code = ExitCode.INTERRUPTED
+        except RayclusterError as exc:
+            if debug:
+                raise
+            code = _failed(output, exc)
+        except Exception as exc:
+            if debug:
+                raise
+            output.error(f"unexpected {type(exc).__name__}: {exc}", "re-run with --debug and report it")
+            if json_mode:
+                output.document(False, {"error": {"message": str(exc), "hint": "re-run with --debug"}})
+            code = ExitCode.FAILED
     raise typer.Exit(int(code))
+
+
+def _failed(output: Output, exc: RayclusterError) -> int:
+    """One line (and per-host details) on stderr; under --json the document with `ok: false`."""
+    output.error(exc.message, exc.hint)
+    if isinstance(exc, NodesMissing):
+        output.details(exc.details)
+    if output.json_mode:
+        body: dict[str, Any] = {"error": {"message": exc.message, "hint": exc.hint}}
+        if isinstance(exc, PreflightFailed):
+            body["checks"] = [r.to_dict() for r in exc.results]
+        if isinstance(exc, NodesMissing):
+            body["error"]["missing"] = exc.details
+        if isinstance(exc, GroupError):
+            body["error"]["hosts"] = exc.details()
+        output.document(False, body)
+    return exc.exit_code
 
 
 @contextmanager
 def _cluster(inventory_path: str | None) -> Iterator[tuple[Inventory, SSHPool]]:
     """The loaded inventory and an SSH pool to its hosts, closed afterwards."""
-    inv = inventory.load(inventory_path).inventory
+    loaded = inventory.load(inventory_path)
+    inventory.check_key_files(loaded)
+    inv = loaded.inventory
     pool = SSHPool(inv)
+    _pools.append(pool)
     try:
         yield inv, pool
     finally:
-        pool.close()
+        _pools.remove(pool)
+        if not cancel.requested():  # interrupted: the process ends at once and the kernel closes them all
+            pool.close()
 
 
 def _emit(output: Output, ok: bool, body: dict[str, Any], render: Callable[[Output, dict[str, Any]], None]) -> int:
@@ -530,7 +581,12 @@ def version() -> None:
 
 
 def main() -> None:
-    app()
+    try:
+        app()
+    except SystemExit as exc:
+        if exc.code == ExitCode.INTERRUPTED:
+            interrupt.hard_exit(ExitCode.INTERRUPTED)  # threads still waiting on a host must not hold the exit
+        raise
 
 
 if __name__ == "__main__":

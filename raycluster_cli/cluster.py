@@ -26,16 +26,25 @@ from .nodes import Plan, apply, files_digest, plan_node, prepare, probe, wait_he
 from .progress import Progress, quiet
 from .state import ensure_token, state_dir
 from .transport import quote
-from .transport.fanout import fanout
+from .transport.fanout import error_message, fanout
 from .transport.pool import Connect
+
+_HOSTS_NAMED = 20  # in the one-line message; --json lists every check
 
 
 class PreflightFailed(RayclusterError):
     def __init__(self, results: list[CheckResult]) -> None:
         failed = [r for r in results if r.status == Status.FAIL]
-        first = failed[0]
+        by_host: dict[str, list[CheckResult]] = {}
+        for result in failed:
+            by_host.setdefault(result.host, []).append(result)
+        shown = [
+            f"{host} {found[0].id}: {found[0].message}" + (f" (+{len(found) - 1} more)" if len(found) > 1 else "")
+            for host, found in list(by_host.items())[:_HOSTS_NAMED]
+        ]
+        more = f"; and {len(by_host) - _HOSTS_NAMED} more host(s)" if len(by_host) > _HOSTS_NAMED else ""
         super().__init__(
-            f"{len(failed)} preflight check(s) failed, first: {first.host} {first.id}: {first.message}",
+            f"{len(failed)} preflight check(s) failed on {len(by_host)} host(s): " + "; ".join(shown) + more,
             "run `raycluster doctor` for all of them, fix them, or pass --ignore ID",
         )
         self.results = results
@@ -124,6 +133,8 @@ def up(
     warnings = [INSECURE_WARNING.format(head=inventory.head_address)] if inventory.ray.auth == "none" else []
     progress("running preflight checks")
     checks = run_checks(inventory, connect, ignore=ignore)
+    if any(r.id == "ssh" and r.status == Status.FAIL for r in checks):
+        raise PreflightFailed(checks)  # an unreachable host: its SSH failure is the cause, not its image
     local_id = local_image_id(inventory.image) if inventory.image_source == "stream" else None
     transfers = plan_transfers(inventory, local_id, remote_image_ids(checks))
     checks = demote_fixed_checks(checks, transfers)
@@ -136,9 +147,12 @@ def up(
         checks = _recheck_image_runtime(inventory, connect, checks, {t.host for t in transfers}, ignore)
     token = ensure_token(inventory) if inventory.ray.auth == "token" else None
     if token is not None:
-        _raise_first(fanout(inventory.hosts, lambda h: connect(h).put(token, token_path_on_host(inventory))))
-    envs = fanout(inventory.hosts, lambda h: prepare(connect(h), inventory, h))
-    _raise_first(envs)
+        put_token = fanout(
+            inventory.hosts, lambda h: connect(h).put(token, token_path_on_host(inventory)), what="write the token"
+        )
+        put_token.raise_failures()
+    envs = fanout(inventory.hosts, lambda h: prepare(connect(h), inventory, h), what="write the env files")
+    envs.raise_failures()
     env_of = {str(h.address): files_digest(o.value or b"", token) for h, o in envs}
     head = inventory.head_host
     head_transport = connect(head)
@@ -150,8 +164,12 @@ def up(
     wait_head(head_transport, inventory, timeout_s)
     progress(f"head ready; {len(inventory.workers)} worker(s) next")
     force = "" if head_action == "running" else "the head was replaced"  # every worker must join the new head
-    plans = fanout(inventory.workers, lambda h: plan_node(connect(h), inventory, h, env_of[str(h.address)], force))
-    _raise_first(plans)
+    plans = fanout(
+        inventory.workers,
+        lambda h: plan_node(connect(h), inventory, h, env_of[str(h.address)], force),
+        what="inspect the worker containers",
+    )
+    plans.raise_failures()
     plan_of = {str(h.address): o.value or Plan("start") for h, o in plans}
     replaced = {inventory.node_ip(h) for h in inventory.workers if plan_of[str(h.address)].action != "keep"}
     # With the head kept, nodes of workers about to be replaced may linger in its GCS: note their IDs.
@@ -160,8 +178,10 @@ def up(
     for address, plan in plan_of.items():
         if plan.reason:
             progress(f"{address}: replacing the worker container: {plan.reason}")
-    actions = fanout(inventory.workers, lambda h: apply(connect(h), inventory, h, plan_of[str(h.address)]))
-    _raise_first(actions)
+    actions = fanout(
+        inventory.workers, lambda h: apply(connect(h), inventory, h, plan_of[str(h.address)]), what="start the workers"
+    )
+    actions.raise_failures()
     progress("waiting for every node to join")
     expected = {inventory.node_ip(h): h for h in inventory.hosts}
     reported, retried = _wait_nodes(inventory, connect, sorted(expected), stale, timeout_s, progress)
@@ -240,18 +260,21 @@ def _wait_nodes(
         for host in fresh:
             progress(f"{host.address}: the worker container exited while starting; starting it once more")
             retried.append(str(host.address))
-        _raise_first(fanout(fresh, lambda h: apply(connect(h), inventory, h, Plan("replace"))))
+        fanout(
+            fresh, lambda h: apply(connect(h), inventory, h, Plan("replace")), what="restart workers"
+        ).raise_failures()
 
 
 def _missing_error(
     inventory: Inventory, connect: Connect, missing: list[HostConfig], nodes: list[dict[str, Any]], timeout_s: float
 ) -> NodesMissing:
     """Name each host whose node did not join, with its log tail and the likely cause."""
-    found = fanout(missing, lambda h: gather(connect(h), inventory, h))
+    found = fanout(missing, lambda h: gather(connect(h), inventory, h), what="diagnose the missing nodes")
+    found.check_interrupted()
     details: list[dict[str, Any]] = []
     for host, outcome in found:
         if outcome.value is None:
-            reason = getattr(outcome.error, "message", str(outcome.error))
+            reason = error_message(outcome.error or RuntimeError("no result"), str(host.address))
             details.append({"host": str(host.address), "cause": f"{host.address}: {reason}", "log_tail": []})
             continue
         cause = diagnose(inventory, host, outcome.value, nodes, len(missing))
@@ -263,12 +286,6 @@ def _missing_error(
         "re-run `raycluster up`",
         details,
     )
-
-
-def _raise_first(outcomes: list[Any]) -> None:
-    for _, outcome in outcomes:
-        if outcome.error is not None:
-            raise outcome.error
 
 
 def bench(inventory: Inventory, connect: Connect, driver_args: list[str], timeout_s: float = 900.0) -> dict[str, Any]:

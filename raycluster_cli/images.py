@@ -70,7 +70,7 @@ def remote_image_ids(results: list[CheckResult]) -> dict[str, str | None]:
     """Each host's image ID as the `image` check found it (None: the host lacks the image)."""
     ids: dict[str, str | None] = {}
     for result in results:
-        if result.id == IMAGE_ID_CHECK:
+        if result.id == IMAGE_ID_CHECK and result.status != Status.SKIP:  # SKIP: not checked (unreachable)
             ids[result.host] = result.data.get("image_id") if result.status == Status.OK else None
     return ids
 
@@ -145,8 +145,9 @@ def distribute(
     if not plan:
         return []
     host_of = {str(h.address): h for h in inventory.hosts}
+    what = f"receive the image {inventory.image}"
     if plan[0].method == "pull":
-        outcomes = fanout(plan, lambda t: _pull(connect(host_of[t.host]), inventory.image, t, progress))
+        outcomes = fanout(plan, lambda t: _pull(connect(host_of[t.host]), inventory.image, t, progress), what=what)
     else:
         assert local_id is not None
         transports = {t.host: connect(host_of[t.host]) for t in plan}
@@ -156,25 +157,19 @@ def distribute(
             plan,
             lambda t: _stream(transports[t.host], inventory.image, local_id, archive, codec, t, progress),
             max_workers=STREAM_PARALLEL,
+            what=what,
         )
-    failures = [(t, o.error) for t, o in outcomes if o.error is not None]
-    if failures:
-        first = failures[0][1]
-        names = "; ".join(getattr(e, "message", str(e)) for _, e in failures)
-        raise OperationError(f"image {inventory.image} did not reach {len(failures)} host(s): {names}", _hint(first))
-    return [o.value for _, o in outcomes if o.value is not None]
-
-
-def _hint(error: BaseException | None) -> str:
-    return getattr(error, "hint", "") or "check free disk space on the host (df -h /var/lib/docker) and retry"
+    outcomes.raise_failures()
+    return outcomes.values()
 
 
 def _codec(transports: list[Transport]) -> str:
     """zstd when this machine and every receiving host have it, else gzip (everyone has gzip)."""
     if shutil.which("zstd") is None:
         return "gzip"
-    have = fanout(transports, lambda t: t.run("command -v zstd", timeout=30).ok)
-    return "zstd" if all(o.value for _, o in have) else "gzip"
+    have = fanout(transports, lambda t: t.run("command -v zstd", timeout=30).ok, what="look for zstd")
+    have.raise_failures()
+    return "zstd" if all(have.values()) else "gzip"
 
 
 def _archive(image: str, image_id: str, codec: str, archive_dir: Path, progress: Progress) -> Path:

@@ -35,11 +35,16 @@ class SSHConfig(_Model):
     """How raycluster logs in to every host (per-host `ssh:` overrides single keys)."""
 
     user: str = "root"
-    key: str | None = "~/.ssh/id_ed25519"
+    key: str | None = Field(None, description="private key file; default: the SSH agent, then ~/.ssh/id_*")
     port: int = Field(22, ge=1, le=65535)
     known_hosts: Literal["strict", "accept-new"] = "strict"
     known_hosts_file: str = "~/.ssh/known_hosts"
-    connect_timeout_s: float = Field(10.0, gt=0)
+    connect_timeout_s: float = Field(10.0, gt=0, le=3600, description="TCP connect, banner, login, channel open")
+    connect_retries: int = Field(2, ge=0, le=10, description="retries of refused/reset/no-banner logins")
+    keepalive_interval_s: float = Field(15.0, gt=0, le=3600, description="a keepalive that wants a reply, this often")
+    keepalive_count_max: int = Field(3, ge=1, le=100, description="unanswered keepalives before a host is dropped")
+    stall_timeout_s: float = Field(60.0, gt=0, le=3600, description="a stream accepting no data this long fails")
+    max_parallel_logins: int = Field(8, ge=1, le=1000, description="SSH handshakes at once (sshd MaxStartups)")
 
 
 class HostSSH(_Model):
@@ -220,6 +225,27 @@ def load(explicit: str | os.PathLike[str] | None = None) -> LoadedInventory:
     except OSError as exc:
         raise InventoryError(f"inventory {path}: {exc.strerror}", "check the path and its permissions") from None
     return LoadedInventory(parse(text, str(path)), path.resolve())
+
+
+def check_key_files(loaded: LoadedInventory) -> None:
+    """Every `ssh.key` the inventory names is a file (checked once at load, before any host is dialled)."""
+    inv = loaded.inventory
+    named = [(("ssh", "key"), inv.ssh.key)] + [(("hosts", i, "ssh", "key"), h.ssh.key) for i, h in enumerate(inv.hosts)]
+    for loc, key in named:
+        if key is None:
+            continue
+        path = Path(os.path.expanduser(key))
+        field = _dotted(loc)
+        if not path.exists():
+            raise InventoryError(
+                f"{loaded.path}: {field}: {key} does not exist",
+                f"fix {field}, or remove it to log in with the SSH agent and the default keys (~/.ssh/id_*)",
+            )
+        if path.is_dir():
+            raise InventoryError(
+                f"{loaded.path}: {field}: {key} is a directory, not a private key file",
+                f"point {field} at the private key file, e.g. ~/.ssh/id_ed25519",
+            )
 
 
 def parse(text: str, source: str = "<inventory>") -> Inventory:

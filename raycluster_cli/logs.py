@@ -11,10 +11,10 @@ from pathlib import Path
 from typing import Any
 
 from .containers import container_name
-from .errors import OperationError, RayclusterError
+from .errors import OperationError
 from .inventory import HostConfig, Inventory
 from .transport import Transport, quote
-from .transport.fanout import fanout
+from .transport.fanout import error_message, fanout
 from .transport.pool import Connect
 
 ERROR_LINE = re.compile(r"\bERROR\b|Traceback \(most recent call last\)|\bFATAL\b|\bCRITICAL\b|^\w*Error: ")
@@ -53,11 +53,15 @@ def collect(inventory: Inventory, connect: Connect, out_dir: Path, hosts: list[H
     """Fetch every host's logs in parallel into out_dir/<address>/."""
     out_dir.mkdir(parents=True, exist_ok=True)
     results = []
-    for host, outcome in fanout(hosts, lambda h: _collect_host(inventory, connect(h), h, out_dir / str(h.address))):
+    found = fanout(
+        hosts, lambda h: _collect_host(inventory, connect(h), h, out_dir / str(h.address)), what="collect the logs"
+    )
+    found.check_interrupted()
+    for host, outcome in found:
         if outcome.value is not None:
             results.append(outcome.value)
         else:
-            message = outcome.error.message if isinstance(outcome.error, RayclusterError) else str(outcome.error)
+            message = error_message(outcome.error or RuntimeError("no result"))
             results.append(HostLogs(str(host.address), str(out_dir / str(host.address)), error=message))
     return results
 

@@ -29,6 +29,8 @@ class Output:
         self.stdout = stdout or sys.stdout
         self.out = Console(file=self.stdout, highlight=False, soft_wrap=True)
         self.err = Console(file=stderr or sys.stderr, highlight=False, soft_wrap=True)
+        self.events: list[str] = []  # every progress line so far: what an interrupted run had done
+        self._documented = threading.Lock()
 
     def progress(self) -> Callable[[Event], None]:
         """A progress callback that prints one line per message (a transfer only when it is done)."""
@@ -38,6 +40,7 @@ class Output:
                 if not event.done:
                     return
                 event = f"{event.label or 'image → ' + event.host}: {event.sent} bytes"
+            self.events.append(event)
             self.err.print(f"[dim]·[/dim] {_escape(event)}", markup=True)
 
         return sink
@@ -58,6 +61,8 @@ class Output:
         lock = threading.Lock()
 
         def sink(event: Event) -> None:
+            if not isinstance(event, TransferProgress):
+                self.events.append(event)
             with lock:
                 _show(event)
 
@@ -97,7 +102,9 @@ class Output:
                 self.err.print(f"    | {_escape(line)}", markup=True)
 
     def document(self, ok: bool, body: dict[str, Any]) -> None:
-        """Write the one JSON document of a --json run."""
+        """Write the one JSON document of a --json run (only the first call writes: one document, always)."""
+        if not self._documented.acquire(blocking=False):
+            return
         payload = {"schema_version": SCHEMA_VERSION, "ok": ok, **body}
         self.stdout.write(json.dumps(payload, indent=2, default=str) + "\n")
         self.stdout.flush()

@@ -10,7 +10,7 @@ from .errors import RayclusterError
 from .inventory import HostConfig, Inventory
 from .nodes import probe
 from .transport import quote
-from .transport.fanout import fanout
+from .transport.fanout import error_message, fanout
 from .transport.pool import Connect
 
 _SEP = "--raycluster--"
@@ -111,12 +111,13 @@ def status(inventory: Inventory, connect: Connect) -> StatusResult:
         return parse_host(inventory, host, connect(host).run(host_command(inventory, host), timeout=60).stdout)
 
     hosts: list[HostStatus] = []
-    for host, outcome in fanout(inventory.hosts, one):
+    found = fanout(inventory.hosts, one, what="inspect the containers")
+    found.check_interrupted()
+    for host, outcome in found:
         if outcome.value is not None:
             hosts.append(outcome.value)
         else:
-            error = outcome.error
-            message = error.message if isinstance(error, RayclusterError) else str(error)
+            message = error_message(outcome.error or RuntimeError("no result"))
             hosts.append(
                 HostStatus(str(host.address), host.role, inventory.node_ip(host), "unreachable", error=message)
             )

@@ -15,7 +15,7 @@ from .inventory import HostConfig, Inventory
 from .progress import Progress, quiet
 from .state import state_dir
 from .transport import quote
-from .transport.fanout import fanout
+from .transport.fanout import error_message, fanout
 from .transport.pool import Connect
 
 
@@ -54,13 +54,15 @@ def down(inventory: Inventory, connect: Connect, *, purge: bool = False, progres
         return names
 
     def record_error(host: HostConfig, error: BaseException) -> None:
-        message = error.one_line() if isinstance(error, RayclusterError) else str(error)
+        message = error.one_line() if isinstance(error, RayclusterError) else error_message(error)
         errors.append({"host": str(host.address), "error": message})
 
     for what, group in (("worker", inventory.workers), ("head", [inventory.head_host])):
         if group:
             progress(f"removing this cluster's {what} container(s) on {len(group)} host(s)")
-        for host, outcome in fanout(group, remove_on):
+        removing = fanout(group, remove_on, what=f"remove the {what} containers")
+        removing.check_interrupted()
+        for host, outcome in removing:
             if outcome.error is not None:
                 record_error(host, outcome.error)
             for name in outcome.value or []:
@@ -68,9 +70,11 @@ def down(inventory: Inventory, connect: Connect, *, purge: bool = False, progres
     if purge:
         failed = {e["host"] for e in errors}
         progress(f"purging the image and raycluster's files on {len(inventory.hosts) - len(failed)} host(s)")
-        for host, outcome in fanout(
-            [h for h in inventory.hosts if str(h.address) not in failed], _purge_host(inventory, connect)
-        ):
+        purging = fanout(
+            [h for h in inventory.hosts if str(h.address) not in failed], _purge_host(inventory, connect), what="purge"
+        )
+        purging.check_interrupted()
+        for host, outcome in purging:
             if outcome.error is not None:
                 record_error(host, outcome.error)
             for item in outcome.value or []:

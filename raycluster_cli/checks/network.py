@@ -140,8 +140,11 @@ def measure_network(
     seconds: float = 2.0,
 ) -> list[CheckResult]:
     """MTU per host, then latency, bandwidth both ways and path MTU between the head and each worker in turn."""
-    gathered = fanout(inventory.hosts, lambda h: parse_gather(connect(h).run(_GATHER).stdout, inventory.node_ip(h)))
-    nets = {str(h.address): o.value for h, o in gathered}
+    gathered = fanout(
+        inventory.hosts, lambda h: parse_gather(connect(h).run(_GATHER).stdout, inventory.node_ip(h)), what="gather"
+    )
+    gathered.check_interrupted()
+    nets: dict[str, HostNet | None] = {**gathered.value_of()}
     results = mtu_results(inventory, nets)
     head = inventory.head_host
     head_net = nets.get(str(head.address))

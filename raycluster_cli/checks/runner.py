@@ -8,7 +8,7 @@ from collections.abc import Iterable
 from ..errors import RayclusterError, UsageError
 from ..inventory import HostConfig, Inventory
 from ..transport import CommandResult
-from ..transport.fanout import fanout
+from ..transport.fanout import error_message, fanout
 from ..transport.pool import Connect
 from .base import Check, CheckContext, CheckResult, Finding, Status
 from .catalog import ALL_CHECKS, ALL_IDS
@@ -30,7 +30,8 @@ def run_checks(
     checks = tuple(checks)
     chosen = None if hosts is None else set(hosts)
     targets = [h for h in inventory.hosts if chosen is None or str(h.address) in chosen]
-    outcomes = fanout(targets, lambda host: _check_host(inventory, host, connect, checks))
+    outcomes = fanout(targets, lambda host: _check_host(inventory, host, connect, checks), what="run the checks")
+    outcomes.check_interrupted()
     results: list[CheckResult] = []
     outputs: Outputs = {}
     for host, outcome in outcomes:
@@ -90,10 +91,9 @@ def _check_host(
 
 
 def _error_result(check_id: str, address: str, error: BaseException | None) -> CheckResult:
-    if isinstance(error, RayclusterError):
-        message = error.message.removeprefix(f"{address}: ")
-        return CheckResult(check_id, address, Status.FAIL, message, error.hint)
-    return CheckResult(check_id, address, Status.FAIL, f"{type(error).__name__}: {error}", "run with --debug")
+    error = error or RuntimeError("no result")
+    hint = error.hint if isinstance(error, RayclusterError) else "run with --debug"
+    return CheckResult(check_id, address, Status.FAIL, error_message(error, address), hint)
 
 
 def _demote(result: CheckResult, ignore: frozenset[str]) -> CheckResult:

@@ -1,41 +1,98 @@
-"""The one way library code reaches a host: a `Connect` callable, and the SSH pool that implements it."""
+"""The one way library code reaches a host: a `Connect` callable, and the SSH pool that implements it.
+
+One connection per host, opened on first use and reused by every later phase of the verb. Logins go
+through one gate: at most `ssh.max_parallel_logins` handshakes at once, started a few milliseconds apart,
+so that a few hundred hosts behind one bastion do not trip its sshd's MaxStartups (10 unauthenticated
+connections by default, beyond which it drops new ones).
+"""
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Callable
+from types import TracebackType
 
 from ..inventory import HostConfig, Inventory
+from . import cancel
 from .base import Transport
 from .ssh import SSHTransport
 
 Connect = Callable[[HostConfig], Transport]
 
+STAGGER_S = 0.01  # between the starts of two logins
+
+
+class LoginGate:
+    """A bounded, staggered gate around SSH logins (a context manager shared by every connection)."""
+
+    def __init__(self, parallel: int, stagger_s: float = STAGGER_S) -> None:
+        self._slots = threading.BoundedSemaphore(max(1, parallel))
+        self._lock = threading.Lock()
+        self._stagger_s = stagger_s
+        self._next_start = 0.0
+
+    def __enter__(self) -> None:
+        while not self._slots.acquire(timeout=0.2):
+            cancel.check("logging in")
+        with self._lock:
+            now = time.monotonic()
+            wait = self._next_start - now
+            self._next_start = max(now, self._next_start) + self._stagger_s
+        if wait > 0:
+            time.sleep(wait)
+
+    def __exit__(
+        self, kind: type[BaseException] | None, value: BaseException | None, trace: TracebackType | None
+    ) -> None:
+        self._slots.release()
+
 
 class SSHPool:
-    """One SSH connection per host, opened on first use, closed together."""
+    """One SSH connection per host, opened on first use (through the login gate), closed together."""
 
     def __init__(self, inventory: Inventory) -> None:
         self.inventory = inventory
-        self._open: dict[str, Transport] = {}
+        self.gate = LoginGate(inventory.ssh.max_parallel_logins)
+        self._open: dict[str, SSHTransport] = {}
+        self._lock = threading.Lock()
+
+    def transport(self, host: HostConfig) -> SSHTransport:
+        """This host's transport (not yet connected on first use)."""
+        key = str(host.address)
+        with self._lock:
+            if key not in self._open:
+                ssh = self.inventory.ssh_for(host)
+                self._open[key] = SSHTransport(
+                    key,
+                    user=ssh.user,
+                    port=ssh.port,
+                    key_file=ssh.key,
+                    known_hosts=ssh.known_hosts,
+                    known_hosts_file=ssh.known_hosts_file,
+                    connect_timeout=ssh.connect_timeout_s,
+                    keepalive_s=ssh.keepalive_interval_s,
+                    keepalive_count=ssh.keepalive_count_max,
+                    stall_s=ssh.stall_timeout_s,
+                    retries=ssh.connect_retries,
+                    gate=self.gate,
+                )
+            return self._open[key]
 
     def __call__(self, host: HostConfig) -> Transport:
-        key = str(host.address)
-        if key not in self._open:
-            ssh = self.inventory.ssh_for(host)
-            transport = SSHTransport(
-                key,
-                user=ssh.user,
-                port=ssh.port,
-                key_file=ssh.key,
-                known_hosts=ssh.known_hosts,
-                known_hosts_file=ssh.known_hosts_file,
-                connect_timeout=ssh.connect_timeout_s,
-            )
-            transport.connect()
-            self._open[key] = transport
-        return self._open[key]
+        transport = self.transport(host)
+        transport.connect()
+        return transport
+
+    def running(self) -> list[dict[str, str]]:
+        """Every command running now, per host (what an interrupted verb had started)."""
+        with self._lock:
+            transports = list(self._open.values())
+        return [{"host": t.host, "command": command} for t in transports for command in t.running()]
 
     def close(self) -> None:
-        for transport in self._open.values():
+        with self._lock:
+            transports = list(self._open.values())
+            self._open.clear()
+        for transport in transports:
             transport.close()
-        self._open.clear()

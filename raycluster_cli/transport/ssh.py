@@ -1,22 +1,42 @@
-"""SSH transport over paramiko with host keys verified.
+"""SSH transport over paramiko with host keys verified and a deadline on everything.
 
 `strict` refuses a host whose key is not in known_hosts; `accept-new` records an unknown key (and still
 refuses a changed one). Every failure becomes a TransportError that names the host and the fix.
+
+Deadlines (OpenSSH's ConnectTimeout and ServerAliveInterval/CountMax are the model): connecting, the
+banner and authentication each within `connect_timeout`; a keepalive that wants a reply every
+`keepalive_s` (a host silent for `keepalive_s × keepalive_count` is dropped); opening a channel within
+`connect_timeout`; every command within its own `timeout`; a stream that makes no progress for `stall_s`
+fails. Connection refused/reset and banner timeouts (a host still booting, sshd's MaxStartups) are
+retried `retries` times with a growing pause; authentication and host-key failures never are.
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
+import random
 import threading
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 import paramiko
 
-from ..errors import AuthError, HostKeyError, TransportError
-from .base import CHUNK, CommandResult, put_command
+from ..errors import TransportError
+from . import cancel, sshkeys
+from .base import CommandResult, put_command
+from .guard import guarded
+from .keepalive import KeepAlive
+from .sshio import collect, send_stream, summary
+
+log = logging.getLogger("raycluster.transport")
+logging.getLogger("paramiko").addHandler(logging.NullHandler())  # its thread's tracebacks are not for users
+
+Sock = Callable[[float], Any]  # opens the socket to the host (e.g. through a jump host) within a timeout
 
 
 class _AcceptNewPolicy(paramiko.MissingHostKeyPolicy):
@@ -45,6 +65,12 @@ class SSHTransport:
         known_hosts: str = "strict",
         known_hosts_file: str = "~/.ssh/known_hosts",
         connect_timeout: float = 10.0,
+        keepalive_s: float = 15.0,
+        keepalive_count: int = 3,
+        stall_s: float = 60.0,
+        retries: int = 2,
+        sock: Sock | None = None,
+        gate: AbstractContextManager[None] | None = None,
     ) -> None:
         self.host = host
         self.user = user
@@ -53,17 +79,49 @@ class SSHTransport:
         self.known_hosts = known_hosts
         self.known_hosts_file = Path(os.path.expanduser(known_hosts_file))
         self.connect_timeout = connect_timeout
+        self.keepalive_s = keepalive_s
+        self.keepalive_count = keepalive_count
+        self.stall_s = stall_s
+        self.retries = retries
+        self.sock = sock
+        self.guard = True  # remote commands end with their connection (see guard.py)
+        self.gate = gate or contextlib.nullcontext()  # bounds logins across a pool (see pool.LoginGate)
         self._client: paramiko.SSHClient | None = None
+        self._keepalive: KeepAlive | None = None
+        self._lock = threading.Lock()
+        self._running: dict[int, str] = {}  # channel id → command, while it runs
+        self._lost = ""  # why the last connection was dropped (keepalive), for the next error
 
     @property
     def _target(self) -> str:
         return self.host if self.port == 22 else f"[{self.host}]:{self.port}"
 
+    # Connecting ----------------------------------------------------------------------------------
+
     def connect(self) -> None:
-        if self._client is not None:
-            return
-        if self.key_file and not os.path.exists(self.key_file):
-            raise AuthError(self.host, f"SSH key {self.key_file} does not exist", "fix ssh.key in the inventory")
+        """Log in (once; later calls reuse the connection), retrying transient failures with backoff."""
+        with self._lock:
+            if self._client is not None:
+                return
+            attempt = 0
+            while True:
+                cancel.check(f"connecting to {self.host}")
+                try:
+                    with self.gate:
+                        self._client = self._connect_once()
+                    break
+                except TransportError as exc:
+                    if not getattr(exc, "transient", False) or attempt >= self.retries:
+                        raise
+                    pause = min(8.0, 1.0 * 2**attempt) * random.uniform(0.75, 1.25)
+                    log.debug("%s: %s; retrying in %.1fs", self.host, exc.message, pause)
+                    attempt += 1
+                    if cancel.wait(pause):
+                        cancel.check(f"connecting to {self.host}")
+            self._start_keepalive(self._client)
+
+    def _connect_once(self) -> paramiko.SSHClient:
+        key = sshkeys.load(self.key_file, self.host) if self.key_file else None
         client = paramiko.SSHClient()
         if self.known_hosts_file.exists():
             client.load_host_keys(str(self.known_hosts_file))
@@ -71,105 +129,54 @@ class SSHTransport:
             client.set_missing_host_key_policy(_AcceptNewPolicy(self.known_hosts_file))
         else:
             client.set_missing_host_key_policy(paramiko.RejectPolicy())
+        started = time.monotonic()
         try:
             client.connect(
                 self.host,
                 port=self.port,
                 username=self.user,
-                key_filename=self.key_file,
+                pkey=key,
                 timeout=self.connect_timeout,
                 banner_timeout=self.connect_timeout,
                 auth_timeout=self.connect_timeout,
-                allow_agent=self.key_file is None,
+                channel_timeout=self.connect_timeout,
+                allow_agent=True,
                 look_for_keys=self.key_file is None,
+                passphrase=sshkeys.passphrase(),
+                sock=self.sock(self.connect_timeout) if self.sock else None,
             )
-        except paramiko.BadHostKeyException:
+        except BaseException as exc:
             client.close()
-            raise HostKeyError(
-                self.host,
-                "SSH host key has CHANGED since it was recorded (possible man-in-the-middle)",
-                f"if the host was reinstalled: ssh-keygen -f {self.known_hosts_file} -R '{self._target}'",
-            ) from None
-        except paramiko.AuthenticationException:
-            client.close()
-            raise AuthError(
-                self.host,
-                f"SSH authentication failed (user={self.user}, key={self.key_file or 'agent/default keys'})",
-                f"install the public key in ~{self.user}/.ssh/authorized_keys on {self.host}, or fix ssh.user/ssh.key",
-            ) from None
-        except paramiko.SSHException as exc:
-            client.close()
-            if "known_hosts" in str(exc):
-                raise HostKeyError(
-                    self.host,
-                    f"SSH host key is not in {self.known_hosts_file} (ssh.known_hosts: strict)",
-                    f"verify and record it: ssh-keyscan -p {self.port} {self.host} >> {self.known_hosts_file}, "
-                    "or set ssh.known_hosts: accept-new",
-                ) from None
-            raise TransportError(self.host, f"SSH failed: {exc}", "check sshd on the host") from None
-        except TimeoutError:
-            client.close()
-            raise TransportError(
-                self.host,
-                f"no answer on port {self.port} within {self.connect_timeout:.0f}s (host down or filtered)",
-                "check the address, that the host is up, and firewalls between here and it",
-            ) from None
-        except paramiko.ssh_exception.NoValidConnectionsError:
-            client.close()
-            raise TransportError(
-                self.host, f"connection refused on port {self.port}", "start sshd on the host or fix ssh.port"
-            ) from None
-        except OSError as exc:
-            client.close()
-            raise TransportError(
-                self.host, f"cannot connect: {exc.strerror or exc}", "check the address and the route to it"
-            ) from None
-        self._client = client
+            if isinstance(exc, Exception):
+                raise sshkeys.connect_error(self, exc) from None
+            raise
+        log.debug("%s: logged in as %s in %.2fs", self.host, self.user, time.monotonic() - started)
+        return client
+
+    def _start_keepalive(self, client: paramiko.SSHClient) -> None:
+        transport = client.get_transport()
+        if transport is None or self.keepalive_s <= 0:
+            return
+        self._keepalive = KeepAlive(transport, self.host, self.keepalive_s, self.keepalive_count, transport.close)
+        self._keepalive.start()
+
+    # Commands ------------------------------------------------------------------------------------
 
     def run(self, command: str, *, stdin: bytes | None = None, timeout: float | None = 120.0) -> CommandResult:
-        channel = self._open_channel()
+        started = time.monotonic()
+        channel = self._open_channel(command)
         try:
-            channel.exec_command(command)
+            channel.exec_command(guarded(command, timeout) if self.guard else command)
             if stdin is not None:
+                channel.settimeout(self.stall_s)
                 channel.sendall(stdin)
             channel.shutdown_write()
-            return self._collect(channel, timeout)
-        except (EOFError, paramiko.SSHException, OSError) as exc:
-            raise self._dropped(exc) from None
-        finally:
-            channel.close()
-
-    def _open_channel(self, **options: int) -> paramiko.Channel:
-        """A session on this host's connection (made on first use); a lost connection is forgotten and reported."""
-        self.connect()
-        assert self._client is not None
-        transport = self._client.get_transport()
-        if transport is None or not transport.is_active():
-            self.close()
-            raise TransportError(self.host, "SSH connection was lost", "check the host and retry")
-        try:
-            return transport.open_session(**options)
-        except (EOFError, paramiko.SSHException, OSError) as exc:
-            raise self._dropped(exc) from None
-
-    def paramiko_transport(self) -> paramiko.Transport:
-        """This host's live SSH connection (made on first use): for forwarded ports and streamed sessions."""
-        self.connect()
-        assert self._client is not None
-        transport = self._client.get_transport()
-        if transport is None or not transport.is_active():
-            self.close()
-            raise TransportError(self.host, "SSH connection was lost", "check the host and retry")
-        return transport
-
-    def _dropped(self, exc: BaseException) -> TransportError:
-        """The connection died under a command: forget it (the next call reconnects) and say so in one line."""
-        self.close()
-        return TransportError(
-            self.host,
-            f"the SSH connection dropped during a command ({type(exc).__name__}: {exc or 'no detail'})",
-            "re-run; if it repeats, check sshd (MaxStartups, MaxSessions) and free memory on the host",
-        )
+            result = collect(channel, timeout, self.host, command)
+        except BaseException as exc:
+            raise self._failed(channel, exc, command) from None
+        self._finish(channel)
+        log.debug("%s: exit %d in %.2fs: %s", self.host, result.rc, time.monotonic() - started, summary(command))
+        return result
 
     def feed(
         self,
@@ -179,70 +186,118 @@ class SSHTransport:
         on_sent: Callable[[int], None] | None = None,
         timeout: float | None = None,
     ) -> CommandResult:
-        channel = self._open_channel(window_size=8 * 1024 * 1024, max_packet_size=256 * 1024)
+        started = time.monotonic()
+        channel = self._open_channel(command, window_size=8 * 1024 * 1024, max_packet_size=256 * 1024)
         out, err = bytearray(), bytearray()
+
+        def drain() -> None:
+            # What the command says meanwhile, so that a chatty command never blocks the stream.
+            while channel.recv_ready():
+                out.extend(channel.recv(65536))
+            while channel.recv_stderr_ready():
+                err.extend(channel.recv_stderr(65536))
+
         try:
-            channel.exec_command(command)
-            while chunk := source.read(CHUNK):
-                # Drain what the command says meanwhile, so that a chatty command never blocks the stream.
-                while channel.recv_ready():
-                    out += channel.recv(65536)
-                while channel.recv_stderr_ready():
-                    err += channel.recv_stderr(65536)
-                if channel.exit_status_ready():
-                    break  # the command ended early (it failed): stop sending
-                channel.sendall(chunk)
-                if on_sent is not None:
-                    on_sent(len(chunk))
+            channel.exec_command(guarded(command, timeout, self.stall_s) if self.guard else command)
+            send_stream(channel, source, host=self.host, stall_s=self.stall_s, on_sent=on_sent, drain=drain)
             channel.shutdown_write()
-            rest = self._collect(channel, timeout)
-        finally:
-            channel.close()
+            rest = collect(channel, timeout, self.host, command)
+        except BaseException as exc:
+            raise self._failed(channel, exc, command) from None
+        self._finish(channel)
+        log.debug("%s: exit %d in %.2fs: %s (stdin streamed)", self.host, rest.rc, time.monotonic() - started,
+                  summary(command))  # fmt: skip
         return CommandResult(
             rest.rc, out.decode(errors="replace") + rest.stdout, err.decode(errors="replace") + rest.stderr
         )
 
-    def _collect(self, channel: paramiko.Channel, timeout: float | None) -> CommandResult:
-        return collect(channel, timeout, self.host)
-
     def put(self, data: bytes, path: str, mode: int = 0o600) -> None:
-        result = self.run(put_command(path, mode), stdin=data)
+        result = self.run(put_command(path, mode), stdin=data, timeout=60)
         if not result.ok:
             raise TransportError(self.host, f"cannot write {path}: {result.first_line()}", "check disk and permissions")
 
+    def paramiko_transport(self) -> paramiko.Transport:
+        """This host's live SSH connection (made on first use): for forwarded ports and streamed sessions."""
+        self.connect()
+        client = self._client
+        transport = client.get_transport() if client is not None else None
+        if transport is None or not transport.is_active():
+            self._forget()
+            raise TransportError(self.host, "SSH connection was lost", "check the host and retry")
+        return transport
+
+    def running(self) -> list[str]:
+        """The commands running on this host now (what an interrupted run had started)."""
+        return list(self._running.values())
+
     def close(self) -> None:
+        if self._keepalive is not None:
+            self._keepalive.stop()
+            self._keepalive = None
         if self._client is not None:
             self._client.close()
             self._client = None
 
+    # Channels ------------------------------------------------------------------------------------
 
-# How long to wait for the end of the output once the command has exited: sshd may send the exit status
-# before the last of the output, and a command that leaves a daemon holding its stdout never sends EOF.
-EOF_GRACE_S = 2.0
+    def _open_channel(self, command: str, **options: int) -> paramiko.Channel:
+        """A session on this host's connection (made on first use), opened within connect_timeout."""
+        cancel.check(f"running a command on {self.host}")
+        self.connect()
+        log.debug("%s: $ %s", self.host, command)
+        client = self._client
+        transport = client.get_transport() if client is not None else None
+        if transport is None or not transport.is_active():
+            raise self._dropped(EOFError("the connection is closed"), command)
+        try:
+            channel = transport.open_session(timeout=self.connect_timeout, **options)
+        except (EOFError, paramiko.SSHException, OSError) as exc:
+            raise self._dropped(exc, command) from None
+        self._running[channel.get_id()] = command
+        return channel
 
+    def _finish(self, channel: paramiko.Channel) -> None:
+        self._running.pop(channel.get_id(), None)
+        channel.close()
 
-def collect(channel: paramiko.Channel, timeout: float | None, host: str) -> CommandResult:
-    """Read a command's stdout and stderr until its output ends (EOF), not merely until it exits."""
-    out, err = bytearray(), bytearray()
-    deadline = None if timeout is None else time.monotonic() + timeout
-    exited_at: float | None = None
-    channel.settimeout(0.2)
-    while True:
-        got = False
-        if channel.recv_ready():
-            out += channel.recv(65536)
-            got = True
-        if channel.recv_stderr_ready():
-            err += channel.recv_stderr(65536)
-            got = True
-        if got:
-            continue
-        if channel.exit_status_ready():
-            exited_at = exited_at or time.monotonic()
-            drained = not channel.recv_ready() and not channel.recv_stderr_ready()
-            if drained and (channel.eof_received or time.monotonic() - exited_at > EOF_GRACE_S):
-                break
-        if deadline is not None and time.monotonic() > deadline:
-            raise TransportError(host, f"a command ran past {timeout:.0f}s", "see --debug for it")
-        time.sleep(0.01)
-    return CommandResult(channel.recv_exit_status(), out.decode(errors="replace"), err.decode(errors="replace"))
+    def _failed(self, channel: paramiko.Channel, exc: BaseException, command: str) -> BaseException:
+        """A command did not end normally (deadline, stall, lost connection, interrupt): drop the whole
+        connection — closing only the channel could block on a frozen host, and a closed connection ends
+        the command's session on the host — and return the error to raise."""
+        self._running.pop(channel.get_id(), None)
+        if isinstance(exc, TransportError | KeyboardInterrupt) or not isinstance(exc, Exception):
+            if isinstance(exc, TransportError) and self._keepalive is not None and self._keepalive.declared_dead:
+                return self._dropped(exc, command)
+            self._forget()
+            return exc
+        return self._dropped(exc, command)
+
+    def _dropped(self, exc: BaseException, command: str) -> TransportError:
+        """The connection died under a command: forget it (the next call reconnects) and say why in one line."""
+        keepalive = self._keepalive
+        lost = keepalive is not None and keepalive.declared_dead
+        self._forget()
+        what = f"`{summary(command)}`"
+        if lost and keepalive is not None:
+            return TransportError(
+                self.host,
+                f"the host stopped answering (no reply to keepalives for {keepalive.dead_after:.0f}s) during {what}",
+                "check that the host is up and not frozen (console, load); re-run when it answers",
+            )
+        if isinstance(exc, paramiko.ChannelException) or "open channel" in str(exc).lower():
+            return TransportError(
+                self.host,
+                f"could not open an SSH channel for {what} within {self.connect_timeout:.0f}s ({exc or 'no answer'})",
+                "the host is overloaded or frozen, or sshd refuses sessions (MaxSessions); check it and re-run",
+            )
+        return TransportError(
+            self.host,
+            f"the SSH connection dropped during {what} ({type(exc).__name__}: {exc or 'no detail'})",
+            "re-run; if it repeats, check sshd (MaxStartups, MaxSessions) and free memory on the host",
+        )
+
+    def _forget(self) -> None:
+        try:
+            self.close()
+        except Exception:  # closing a dead connection may fail in its own way: it is gone either way
+            self._client = None

@@ -30,7 +30,8 @@ def refused_inventory(tmp_path: Path) -> Path:
     path = tmp_path / "inventory.yaml"
     path.write_text(
         "cluster: t\nimage: raycluster/node:0.1.0\n"
-        f"ssh: {{port: {free_port()}, key: null, known_hosts_file: {tmp_path / 'kh'}, connect_timeout_s: 3}}\n"
+        f"ssh: {{port: {free_port()}, key: null, known_hosts_file: {tmp_path / 'kh'}, connect_timeout_s: 3, "
+        "connect_retries: 0}\n"
         "hosts:\n  - {address: 127.0.0.1, role: head}\n"
     )
     return path
@@ -99,12 +100,19 @@ def test_doctor_ignore_all_turns_failure_into_warning(refused_inventory: Path) -
     assert json.loads(out)["ok"] is True
 
 
-def test_up_refuses_on_failed_preflight(refused_inventory: Path) -> None:
+@pytest.mark.parametrize("local_image", [None, "sha256:" + "ab" * 32], ids=["no-image-here", "image-here"])
+def test_up_refuses_on_failed_preflight(
+    refused_inventory: Path, monkeypatch: pytest.MonkeyPatch, local_image: str | None
+) -> None:
+    # Whether this machine has the node image must not matter: SSH failing is the cause to report.
+    monkeypatch.setattr("raycluster_cli.cluster.local_image_id", lambda _: local_image)
     code, out, _ = invoke("up", "-i", str(refused_inventory), "--json")
     assert code == ExitCode.FAILED
     doc = json.loads(out)
     assert doc["ok"] is False and "preflight" in doc["error"]["message"]
-    assert any(c["status"] == "fail" for c in doc["checks"])
+    assert "127.0.0.1 ssh: connection refused" in doc["error"]["message"]
+    assert "image" not in doc["error"]["message"]
+    assert any(c["status"] == "fail" and c["id"] == "ssh" for c in doc["checks"])
 
 
 def test_down_unreachable_host_reports_it(refused_inventory: Path) -> None:
@@ -201,3 +209,21 @@ def test_next_steps_name_the_token_file_not_the_token() -> None:
     assert steps["status"] == "raycluster status -i inv.yaml"
     insecure = cli._next_steps("192.0.2.11", 6379, "http://192.0.2.11:8265", None, None)
     assert insecure["submit_job"].startswith("ray job submit") and insecure["logs"] == "raycluster logs"
+
+
+@pytest.mark.parametrize("kind", ["missing", "directory"])
+@pytest.mark.parametrize("where", ["ssh", "host"])
+def test_a_bad_key_path_is_one_usage_line_naming_ssh_key(tmp_path: Path, kind: str, where: str) -> None:
+    key = tmp_path / "keys" if kind == "directory" else tmp_path / "no-such-key"
+    if kind == "directory":
+        key.mkdir()
+    ssh = f"ssh: {{key: {key}}}\n" if where == "ssh" else ""
+    host_ssh = f", ssh: {{key: {key}}}" if where == "host" else ""
+    path = tmp_path / "inventory.yaml"
+    path.write_text(f"cluster: t\nimage: x\n{ssh}hosts:\n  - {{address: 192.0.2.1, role: head{host_ssh}}}\n")
+    code, out, err = invoke("doctor", "-i", str(path))
+    assert code == ExitCode.USAGE and out == ""
+    lines = [line for line in err.splitlines() if line.strip()]
+    field = "ssh.key" if where == "ssh" else "hosts[0].ssh.key"
+    assert len(lines) == 1 and field in lines[0] and "Traceback" not in err
+    assert ("does not exist" if kind == "missing" else "is a directory") in lines[0]

@@ -2,7 +2,7 @@
 
 from collections import deque
 
-from raycluster_cli.transport import ssh
+from raycluster_cli.transport import ssh, sshio
 
 
 class ExitFirstChannel:
@@ -49,16 +49,16 @@ class ExitFirstChannel:
 
 def test_output_after_the_exit_status_is_kept() -> None:
     lines = [b"1: lo inet 127.0.0.1/8\n", b"2: eth0 inet 192.0.2.11/24\n", b"3: eth1 inet 198.51.100.1/24\n"]
-    result = ssh.collect(ExitFirstChannel(lines), 10, "192.0.2.11")  # type: ignore[arg-type]
+    result = sshio.collect(ExitFirstChannel(lines), 10, "192.0.2.11")  # type: ignore[arg-type]
     assert result.stdout == b"".join(lines).decode()
 
 
 def test_no_eof_ends_after_the_grace_period() -> None:
-    ssh.EOF_GRACE_S, saved = 0.05, ssh.EOF_GRACE_S
+    sshio.EOF_GRACE_S, saved = 0.05, sshio.EOF_GRACE_S
     try:
-        result = ssh.collect(ExitFirstChannel([b"started\n"], eof=False), 10, "192.0.2.11")  # type: ignore[arg-type]
+        result = sshio.collect(ExitFirstChannel([b"started\n"], eof=False), 10, "192.0.2.11")  # type: ignore[arg-type]
     finally:
-        ssh.EOF_GRACE_S = saved
+        sshio.EOF_GRACE_S = saved
     assert result.stdout == "started\n" and result.rc == 0
 
 

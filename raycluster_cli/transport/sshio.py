@@ -1,0 +1,114 @@
+"""Reading from and writing to one SSH channel, always under a deadline and always interruptible.
+
+`collect` reads a command's output to its end (or raises at its deadline); `send_stream` writes a stream
+into a command's stdin and raises when the host accepts no byte for `stall_s` seconds (a stalled stream:
+a frozen host, a cut connection) — paramiko's own `sendall` would wait forever for window space.
+Both poll the cancellation flag, so Ctrl-C stops them within a fraction of a second.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import BinaryIO
+
+import paramiko
+
+from ..errors import TransportError
+from . import cancel
+from .base import CHUNK, CommandResult
+
+# How long to wait for the end of the output once the command has exited: sshd may send the exit status
+# before the last of the output, and a command that leaves a daemon holding its stdout never sends EOF.
+EOF_GRACE_S = 2.0
+_POLL_S = 0.2  # how often a blocked read or write looks at the cancellation flag
+
+
+class Stalled(TransportError):
+    """A stream made no progress for its stall deadline."""
+
+
+class DeadlineExceeded(TransportError):
+    """A command ran past its deadline."""
+
+
+def summary(command: str, limit: int = 60) -> str:
+    """The start of a command line, for messages ("`docker load -q`")."""
+    text = " ".join(command.split())
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def collect(channel: paramiko.Channel, timeout: float | None, host: str, command: str = "") -> CommandResult:
+    """Read a command's stdout and stderr until its output ends (EOF), not merely until it exits."""
+    out, err = bytearray(), bytearray()
+    deadline = None if timeout is None else time.monotonic() + timeout
+    exited_at: float | None = None
+    channel.settimeout(_POLL_S)
+    while True:
+        got = False
+        if channel.recv_ready():
+            out += channel.recv(65536)
+            got = True
+        if channel.recv_stderr_ready():
+            err += channel.recv_stderr(65536)
+            got = True
+        if got:
+            continue
+        if channel.exit_status_ready():
+            exited_at = exited_at or time.monotonic()
+            drained = not channel.recv_ready() and not channel.recv_stderr_ready()
+            if drained and (channel.eof_received or time.monotonic() - exited_at > EOF_GRACE_S):
+                break
+        elif getattr(channel, "closed", False):
+            raise EOFError("the channel closed before the command's exit status arrived")
+        if deadline is not None and time.monotonic() > deadline:
+            what = f"`{summary(command)}`" if command else "a command"
+            raise DeadlineExceeded(
+                host,
+                f"{what} ran past its {timeout:.0f}s deadline",
+                "the host is overloaded or stuck; check it, or re-run with --debug to see the command",
+            )
+        cancel.check(f"reading from {host}")
+        time.sleep(0.01)
+    return CommandResult(channel.recv_exit_status(), out.decode(errors="replace"), err.decode(errors="replace"))
+
+
+def send_stream(
+    channel: paramiko.Channel,
+    source: BinaryIO,
+    *,
+    host: str,
+    stall_s: float,
+    on_sent: Callable[[int], None] | None,
+    drain: Callable[[], None],
+) -> None:
+    """Write all of `source` into the channel; stop early when the command exits (it failed).
+
+    Raises Stalled when the host accepts no byte for `stall_s` seconds, Cancelled on an interrupt.
+    `drain` is called between writes so the command's own output never fills its window and blocks it.
+    """
+    channel.settimeout(_POLL_S)
+    while chunk := source.read(CHUNK):
+        view = memoryview(chunk)
+        last_progress = time.monotonic()
+        while view:
+            drain()
+            if channel.exit_status_ready():
+                return  # the command ended early (it failed): stop sending, its exit status says why
+            cancel.check(f"streaming to {host}")
+            try:
+                sent = channel.send(bytes(view[:65536]))
+            except TimeoutError:
+                sent = 0
+            if sent:
+                view = view[sent:]
+                last_progress = time.monotonic()
+                if on_sent is not None:
+                    on_sent(sent)
+            elif time.monotonic() - last_progress > stall_s:
+                raise Stalled(
+                    host,
+                    f"the stream stalled: the host accepted no data for {stall_s:.0f}s",
+                    "the host or the network to it stopped answering; check it and re-run "
+                    "(ssh.stall_timeout_s sets this deadline)",
+                )

@@ -1,0 +1,228 @@
+"""Deadlines, stalls, keepalive, retries and cancellation of the SSH transport, against fake channels."""
+
+from __future__ import annotations
+
+import io
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from raycluster_cli.errors import AuthError, TransportError
+from raycluster_cli.transport import cancel, sshio
+from raycluster_cli.transport.keepalive import KeepAlive
+from raycluster_cli.transport.pool import LoginGate
+from raycluster_cli.transport.ssh import SSHTransport
+
+
+@pytest.fixture(autouse=True)
+def _no_cancel() -> Iterator[None]:
+    cancel.reset()
+    yield
+    cancel.reset()
+
+
+class SilentChannel:
+    """A channel on a host that stopped answering: no output, no exit status, no window to send into."""
+
+    closed = False
+    eof_received = False
+
+    def __init__(self) -> None:
+        self.timeout = 0.0
+        self.sent = 0
+
+    def settimeout(self, seconds: float) -> None:
+        self.timeout = seconds
+
+    def recv_ready(self) -> bool:
+        return False
+
+    def recv_stderr_ready(self) -> bool:
+        return False
+
+    def exit_status_ready(self) -> bool:
+        return False
+
+    def send(self, data: bytes) -> int:
+        time.sleep(self.timeout)
+        raise TimeoutError
+
+
+class SlowReader(SilentChannel):
+    """A live host that reads slowly: every send takes a little time but accepts some bytes."""
+
+    def send(self, data: bytes) -> int:
+        time.sleep(0.01)
+        self.sent += 1000
+        return 1000
+
+
+def test_a_command_that_never_ends_fails_at_its_deadline_naming_host_and_command() -> None:
+    started = time.monotonic()
+    with pytest.raises(sshio.DeadlineExceeded) as caught:
+        sshio.collect(SilentChannel(), 0.3, "192.0.2.11", "docker exec x ray health-check")  # type: ignore[arg-type]
+    assert time.monotonic() - started < 2
+    line = caught.value.one_line()
+    assert "192.0.2.11" in line and "ray health-check" in line and "0s deadline" in line
+
+
+def test_a_channel_closed_without_exit_status_is_an_eof() -> None:
+    channel = SilentChannel()
+    channel.closed = True
+    with pytest.raises(EOFError):
+        sshio.collect(channel, 5, "192.0.2.11")  # type: ignore[arg-type]
+
+
+def test_a_stalled_stream_fails_after_the_stall_deadline() -> None:
+    started = time.monotonic()
+    with pytest.raises(sshio.Stalled) as caught:
+        sshio.send_stream(
+            SilentChannel(),  # type: ignore[arg-type]
+            io.BytesIO(b"x" * 100_000),
+            host="192.0.2.12",
+            stall_s=0.5,
+            on_sent=None,
+            drain=lambda: None,
+        )
+    elapsed = time.monotonic() - started
+    assert 0.5 <= elapsed < 2.0
+    assert "192.0.2.12" in caught.value.one_line() and "stalled" in caught.value.message
+
+
+def test_a_slow_but_moving_stream_is_not_stalled() -> None:
+    channel = SlowReader()
+    sent: list[int] = []
+    sshio.send_stream(
+        channel,  # type: ignore[arg-type]
+        io.BytesIO(b"x" * 20_000),
+        host="192.0.2.12",
+        stall_s=0.05,
+        on_sent=sent.append,
+        drain=lambda: None,
+    )
+    assert sum(sent) == 20_000
+
+
+def test_an_interrupt_stops_a_read_at_once() -> None:
+    threading.Timer(0.2, cancel.request).start()
+    started = time.monotonic()
+    with pytest.raises(cancel.Cancelled):
+        sshio.collect(SilentChannel(), 60, "192.0.2.11")  # type: ignore[arg-type]
+    assert time.monotonic() - started < 1.5
+
+
+def test_an_interrupt_stops_a_stream_at_once() -> None:
+    threading.Timer(0.2, cancel.request).start()
+    started = time.monotonic()
+    with pytest.raises(cancel.Cancelled):
+        sshio.send_stream(
+            SilentChannel(),  # type: ignore[arg-type]
+            io.BytesIO(b"x" * 1000),
+            host="192.0.2.12",
+            stall_s=60,
+            on_sent=None,
+            drain=lambda: None,
+        )
+    assert time.monotonic() - started < 1.5
+
+
+class FrozenPeer:
+    """A paramiko Transport whose host never answers a global request (until closed)."""
+
+    def __init__(self, answers: bool) -> None:
+        self.answers = answers
+        self.active = True
+        self.requests = 0
+
+    def is_active(self) -> bool:
+        return self.active
+
+    def global_request(self, kind: str, wait: bool = True) -> None:
+        self.requests += 1
+        while not self.answers and self.active:
+            time.sleep(0.01)
+
+    def close(self) -> None:
+        self.active = False
+
+
+def test_keepalive_drops_a_host_that_stops_answering() -> None:
+    peer = FrozenPeer(answers=False)
+    keepalive = KeepAlive(peer, "192.0.2.13", 0.1, 3, peer.close)  # type: ignore[arg-type]
+    started = time.monotonic()
+    keepalive.start()
+    while peer.active and time.monotonic() - started < 5:
+        time.sleep(0.01)
+    assert not peer.active and keepalive.declared_dead and keepalive.dead_after == pytest.approx(0.3)
+    assert 0.3 <= time.monotonic() - started < 2
+
+
+def test_keepalive_keeps_a_host_that_answers() -> None:
+    peer = FrozenPeer(answers=True)
+    keepalive = KeepAlive(peer, "192.0.2.13", 0.05, 2, peer.close)  # type: ignore[arg-type]
+    keepalive.start()
+    time.sleep(0.5)
+    keepalive.stop()
+    assert peer.active and not keepalive.declared_dead and peer.requests >= 3
+
+
+def _transient(host: str) -> TransportError:
+    error = TransportError(host, "connection refused on port 22")
+    error.transient = True
+    return error
+
+
+def test_connect_retries_transient_failures_with_backoff(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    ssh = SSHTransport("192.0.2.14", known_hosts_file=str(tmp_path / "kh"), retries=2, keepalive_s=0)
+    attempts: list[float] = []
+    sleeps: list[float] = []
+    monkeypatch.setattr(cancel, "wait", lambda s: sleeps.append(s) or False)
+
+    def refused() -> object:
+        attempts.append(time.monotonic())
+        raise _transient(ssh.host)
+
+    monkeypatch.setattr(ssh, "_connect_once", refused)
+    with pytest.raises(TransportError, match="refused"):
+        ssh.connect()
+    assert len(attempts) == 3 and len(sleeps) == 2 and sleeps[0] < sleeps[1] <= 8 * 1.25
+
+
+def test_connect_never_retries_authentication(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    ssh = SSHTransport("192.0.2.14", known_hosts_file=str(tmp_path / "kh"), retries=5, keepalive_s=0)
+    attempts = []
+
+    def denied() -> object:
+        attempts.append(1)
+        raise AuthError(ssh.host, "SSH authentication failed")
+
+    monkeypatch.setattr(ssh, "_connect_once", denied)
+    with pytest.raises(AuthError):
+        ssh.connect()
+    assert len(attempts) == 1
+
+
+def test_login_gate_bounds_parallel_logins() -> None:
+    gate = LoginGate(2, stagger_s=0.001)
+    inside = 0
+    most = 0
+    lock = threading.Lock()
+
+    def login() -> None:
+        nonlocal inside, most
+        with gate:
+            with lock:
+                inside += 1
+                most = max(most, inside)
+            time.sleep(0.05)
+            with lock:
+                inside -= 1
+
+    threads = [threading.Thread(target=login) for _ in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert most == 2
