@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable
 
-from ..errors import RayclusterError, UsageError
+from ..errors import RayclusterError, TransportError, UsageError
 from ..inventory import HostConfig, Inventory
 from ..transport import CommandResult
 from ..transport.fanout import error_message, fanout
@@ -74,8 +74,12 @@ def _check_host(
     results = [CheckResult("ssh", address, Status.OK, "SSH login works")]
     outputs: dict[str, CommandResult] = {}
     ctx = CheckContext(inventory, host)
+    lost: TransportError | None = None
     for check in checks:
         if not check.applies(ctx):
+            continue
+        if lost is not None:  # the host stopped answering: the other checks would each wait out a deadline
+            results.append(CheckResult(check.id, address, Status.SKIP, "not checked: the host stopped answering"))
             continue
         try:
             sent = time.time()
@@ -84,6 +88,9 @@ def _check_host(
                 out = CommandResult(out.rc, f"operator {sent:.6f} {time.time():.6f}\n{out.stdout}", out.stderr)
             outputs[check.id] = out
             finding = check.parse(out.rc, out.stdout, out.stderr, ctx)
+        except TransportError as exc:
+            lost = exc
+            finding = Finding(Status.FAIL, error_message(exc, address), exc.hint)
         except Exception as exc:
             finding = Finding(Status.FAIL, f"check failed to run: {exc}", "run with --debug for details")
         results.append(CheckResult(check.id, address, finding.status, finding.message, finding.hint, finding.data))

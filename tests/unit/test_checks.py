@@ -194,3 +194,31 @@ def test_a_run_limited_to_some_hosts_checks_only_those_and_no_cross_host_check(e
     )
     assert {(r.host, r.id) for r in results} == {("192.0.2.13", "ssh"), ("192.0.2.13", "image-runtime")}
     assert all(r.status == Status.OK for r in results)
+
+
+class FreezesAfter(FakeTransport):
+    """A host that answers `true` and the first check, then stops answering (each command: its deadline)."""
+
+    def run(self, command: str, *, stdin: bytes | None = None, timeout: float | None = 120.0) -> CommandResult:
+        if len(self.commands) >= 2:
+            self.commands.append(command)
+            raise TransportError(self.host, "the host stopped answering (no reply to keepalives for 3s)", "check it")
+        return super().run(command, stdin=stdin, timeout=timeout)
+
+
+def test_a_host_that_stops_answering_fails_once_and_its_other_checks_are_skipped(example_yaml: str) -> None:
+    inv = inventory.parse(example_yaml)
+    frozen: list[FreezesAfter] = []
+
+    def connect(host: HostConfig) -> FakeTransport:
+        address = str(host.address)
+        if address == "192.0.2.13":
+            frozen.append(FreezesAfter(address, healthy(address, "node-3")))
+            return frozen[0]
+        return FakeTransport(address, healthy(address, f"node-{address[-1]}"))
+
+    results = [r for r in run_checks(inv, connect) if r.host == "192.0.2.13"]
+    failed = [r for r in results if r.status == Status.FAIL]
+    assert len(failed) == 1 and "stopped answering" in failed[0].message and "192.0.2.13" not in failed[0].message
+    assert all(r.status == Status.SKIP for r in results[results.index(failed[0]) + 1 :] if r.id != "image-same")
+    assert len(frozen[0].commands) == 3  # no further command was tried on the frozen host
