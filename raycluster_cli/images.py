@@ -15,6 +15,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import psutil
+
 from .checks import CheckResult, Status
 from .checks.catalog import IMAGE_ID_CHECK
 from .errors import OperationError
@@ -181,14 +183,15 @@ def _archive(image: str, image_id: str, codec: str, archive_dir: Path, progress:
     archive_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
     for old in archive_dir.glob("*.tar.*"):
         old.unlink()
-    progress(f"saving {image} ({image_id[7:19]}) and compressing it with {codec}")
     docker = docker_here()
     assert docker is not None
-    tmp = path.with_suffix(".partial")
     size = subprocess.run(
         [docker, "image", "inspect", "--format", "{{.Size}}", image], capture_output=True, text=True
     ).stdout.strip()
     total = int(size) if size.isdigit() else 0
+    ensure_room(archive_dir, total, f"the compressed archive of {image}")
+    progress(f"saving {image} ({image_id[7:19]}) and compressing it with {codec}")
+    tmp = path.with_suffix(".partial")
     label = f"docker save | {codec} (here)"
     with tmp.open("wb") as handle:
         save = subprocess.Popen([docker, "save", image], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
@@ -213,6 +216,24 @@ def _archive(image: str, image_id: str, codec: str, archive_dir: Path, progress:
         )
     os.replace(tmp, path)
     return path
+
+
+def ensure_room(directory: Path, needed: int, what: str) -> None:
+    """Refuse before writing ``needed`` bytes into ``directory`` when its file system has less free.
+
+    For an image archive ``needed`` is the image's uncompressed size, a safe upper bound of the archive
+    (about half of it for a node image): a multi-GB save that fills the disk would fail only minutes later.
+    """
+    free = psutil.disk_usage(str(directory)).free
+    if needed > free:
+        raise OperationError(
+            f"{directory} has {_gib(free)} free; {what} needs up to {_gib(needed)}",
+            "free space there, or move raycluster's state dir to a larger disk (RAYCLUSTER_STATE_DIR=DIR)",
+        )
+
+
+def _gib(count: int) -> str:
+    return f"{count / 2**30:.1f} GiB"
 
 
 def _stream(

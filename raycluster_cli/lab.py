@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import psutil
 import yaml
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
@@ -35,6 +36,11 @@ NETWORK = LAB_NAME
 DEFAULT_SUBNET = os.environ.get("RAYCLUSTER_LAB_SUBNET", "10.77.0.0/24")
 LAB_IMAGE = os.environ.get("RAYCLUSTER_LAB_IMAGE", "raycluster/labhost:0.1.0")
 NODE_IMAGE = os.environ.get("RAYCLUSTER_NODE_IMAGE", "raycluster/node:0.1.0")
+# What one lab host costs this machine: sshd + dockerd idle (30 hosts measured ~3 GB), and a Ray node with
+# a small object store that `up` will start in it; past HOSTS_PER_CORE hosts a core, Ray nodes crawl.
+LAB_HOST_MEMORY = 128 * 2**20
+RAY_NODE_MEMORY = 3 * 2**29
+HOSTS_PER_CORE = 4
 # Every capability Docker 20.10 knows but CAP_SYS_RESOURCE, which this kind of sandbox withholds
 # (so --privileged fails there).
 _CAPS = [
@@ -94,12 +100,14 @@ class LabInfo:
     lab_dir: Path
     inventory_path: Path
     hosts: list[LabHost] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "lab_dir": str(self.lab_dir),
             "inventory": str(self.inventory_path),
             "hosts": [{"name": h.name, "hostname": h.hostname, "address": h.address} for h in self.hosts],
+            "warnings": self.warnings,
         }
 
 
@@ -129,6 +137,27 @@ def lab_hosts(count: int, subnet: str = DEFAULT_SUBNET) -> list[LabHost]:
     return [LabHost(f"{LAB_NAME}-h{i}", f"lab-h{i}", str(net.network_address + 10 + i)) for i in range(1, count + 1)]
 
 
+def judge_resources(starting: int, total: int, available: int, cores: int) -> list[str]:
+    """Warnings about this machine's memory and cores for a lab of ``total`` hosts, ``starting`` of them new;
+    raises when even the new hosts' sshd and dockerd would not fit in the available memory."""
+    gib = 2**30
+    if starting and available < starting * LAB_HOST_MEMORY:
+        raise OperationError(
+            f"starting {starting} lab host(s) needs about {starting * LAB_HOST_MEMORY / gib:.1f} GiB of memory;"
+            f" this machine has {available / gib:.1f} GiB available",
+            "use fewer --hosts, or free memory (raycluster lab down removes an old lab)",
+        )
+    warnings = []
+    if starting and available < total * RAY_NODE_MEMORY:
+        warnings.append(
+            f"{available / gib:.1f} GiB of memory available: enough for {total} lab hosts, not for a Ray node on each"
+            f" (about {total * RAY_NODE_MEMORY / gib:.1f} GiB); `up` may fail or swap"
+        )
+    if starting and total > HOSTS_PER_CORE * cores:
+        warnings.append(f"{total} lab hosts share {cores} core(s): Ray nodes on all of them will be slow to start")
+    return warnings
+
+
 def lab_up(
     count: int = 3,
     *,
@@ -156,10 +185,17 @@ def lab_up(
     public_key = (lab_dir / "id_ed25519.pub").read_text()
     _ensure_network(client, subnet)
     hosts = lab_hosts(count, subnet)
+    running = set()
     for stale in client.containers.list(all=True, filters={"label": f"{LAB_LABEL}={LAB_NAME}"}):
         if stale.name not in {h.name for h in hosts}:
             progress(f"removing lab host {stale.name} (not part of a {count}-host lab)")
             stale.remove(force=True)
+        elif stale.status == "running":
+            running.add(stale.name)
+    starting = sum(h.name not in running for h in hosts)
+    warnings = judge_resources(starting, count, psutil.virtual_memory().available, psutil.cpu_count() or 1)
+    for warning in warnings:
+        progress(f"warning: {warning}")
     with ThreadPoolExecutor(max_workers=min(8, count)) as pool:
         list(pool.map(lambda h: _start_host(client, h, lab_image, public_key, progress), hosts))
         known = list(pool.map(lambda h: _wait_ready(client, h, progress), hosts))
@@ -170,7 +206,7 @@ def lab_up(
         render_inventory(hosts, key_path, lab_dir / "known_hosts", node_image, host_options or {})
     )
     progress(f"lab of {count} hosts ready; inventory: {inventory_path}")
-    return LabInfo(lab_dir, inventory_path, hosts)
+    return LabInfo(lab_dir, inventory_path, hosts, warnings)
 
 
 def lab_down(*, lab_dir: Path | None = None, keep_volumes: bool = False, progress: Progress = quiet) -> list[str]:
