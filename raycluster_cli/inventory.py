@@ -5,26 +5,71 @@ Only this module reads the inventory file; nothing here touches the network.
 
 from __future__ import annotations
 
+import math
 import os
 import re
+import shlex
 from collections.abc import Iterator
 from dataclasses import dataclass
 from ipaddress import IPv4Address
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from . import strictyaml
 from .errors import InventoryError
+from .grammar import hostname_problem, image_problem, login_problem
 
 DEFAULT_INVENTORY = "inventory.yaml"
 INVENTORY_ENV = "RAYCLUSTER_INVENTORY"
-_NAME = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,62}$")
-_SIZE = re.compile(r"^\d+(\.\d+)?[bkmg]?$", re.IGNORECASE)
-_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
-_RESOURCE_NAME = re.compile(r"^[A-Za-z0-9_.:/-]{1,128}$")
+# Every pattern is applied with fullmatch: `$` would let a trailing newline through ("demo\n").
+_NAME = re.compile(r"[a-z0-9][a-z0-9_.-]{0,62}", re.ASCII)
+_SIZE = re.compile(r"\d{1,15}(\.\d{1,6})?[bkmg]?", re.IGNORECASE | re.ASCII)
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*", re.ASCII)
+_RESOURCE_NAME = re.compile(r"[A-Za-z0-9_.:/-]{1,128}", re.ASCII)
 _BUILTIN_RESOURCES = {"CPU", "GPU", "memory", "object_store_memory"}
+
+
+class FieldProblem(ValueError):
+    """A problem found across fields: `loc` is the path of the field to name (and to find the line of)."""
+
+    def __init__(self, loc: tuple[str | int, ...], message: str, hint: str = "") -> None:
+        super().__init__(message)
+        self.loc = loc
+        self.hint = hint
+
+
+def _grammar(check: Any) -> Any:
+    def validate(value: str) -> str:
+        problem = check(value)
+        if problem:
+            raise ValueError(f"{value!r:.80} {problem}")
+        return value
+
+    return AfterValidator(validate)
+
+
+def _shell_words(value: str) -> str:
+    """A `docker run` option string is split like a shell line when the container is made: check it now."""
+    try:
+        shlex.split(value)
+    except ValueError as exc:
+        raise ValueError(f"{value!r:.80} is not a shell-quoted option ({exc}): balance its quotes") from None
+    return value
+
+
+def _usable_address(value: IPv4Address) -> IPv4Address:
+    if value.is_unspecified or value.is_multicast or value.is_reserved or value == IPv4Address("255.255.255.255"):
+        raise ValueError(f"{value} is not an address a host can be reached at; use the host's own IP")
+    return value
+
+
+LoginName = Annotated[str, _grammar(login_problem)]
+HostAddress = Annotated[IPv4Address, AfterValidator(_usable_address)]
+ShellOption = Annotated[str, AfterValidator(_shell_words)]
+Amount = Annotated[float, Field(ge=0, allow_inf_nan=False)]
 
 
 class _Model(BaseModel):
@@ -34,11 +79,13 @@ class _Model(BaseModel):
 class SSHConfig(_Model):
     """How raycluster logs in to every host (per-host `ssh:` overrides single keys)."""
 
-    user: str = "root"
-    key: str | None = Field(None, description="private key file; default: the SSH agent, then ~/.ssh/id_*")
+    user: LoginName = "root"
+    key: str | None = Field(
+        None, min_length=1, description="private key file; default: the SSH agent, then ~/.ssh/id_*"
+    )
     port: int = Field(22, ge=1, le=65535)
     known_hosts: Literal["strict", "accept-new"] = "strict"
-    known_hosts_file: str = "~/.ssh/known_hosts"
+    known_hosts_file: str = Field("~/.ssh/known_hosts", min_length=1)
     connect_timeout_s: float = Field(10.0, gt=0, le=3600, description="TCP connect, banner, login, channel open")
     connect_retries: int = Field(2, ge=0, le=10, description="retries of refused/reset/no-banner logins")
     keepalive_interval_s: float = Field(15.0, gt=0, le=3600, description="a keepalive that wants a reply, this often")
@@ -48,8 +95,8 @@ class SSHConfig(_Model):
 
 
 class HostSSH(_Model):
-    user: str | None = None
-    key: str | None = None
+    user: LoginName | None = None
+    key: str | None = Field(None, min_length=1)
     port: int | None = Field(None, ge=1, le=65535)
 
 
@@ -57,12 +104,12 @@ class DockerConfig(_Model):
     """Container settings: cluster-wide under `docker:`, per host under `hosts[].docker`."""
 
     shm_size: str | None = None
-    run_options: list[str] = Field(default_factory=list)
+    run_options: list[ShellOption] = Field(default_factory=list)
 
     @field_validator("shm_size")
     @classmethod
     def _size(cls, value: str | None) -> str | None:
-        if value is not None and not _SIZE.match(value):
+        if value is not None and not _SIZE.fullmatch(value):
             raise ValueError("use a Docker size such as 2g or 512m")
         return value
 
@@ -88,23 +135,25 @@ class RayConfig(_Model):
 
 
 class HeadConfig(_Model):
-    address: IPv4Address
+    address: HostAddress
 
 
 def _check_env(value: dict[str, str]) -> dict[str, str]:
     for name in value:
-        if not _ENV_NAME.match(name):
+        if not _ENV_NAME.fullmatch(name):
             raise ValueError(f"{name!r} is not an environment variable name (letters, digits, '_')")
     return value
 
 
 class HostConfig(_Model):
-    address: IPv4Address
+    address: HostAddress
     role: Literal["head", "worker"] = "worker"
-    hostname: str | None = Field(None, description="hostname of the Ray container; default: the host's own hostname")
-    num_cpus: float | None = Field(None, gt=0)
+    hostname: Annotated[str, _grammar(hostname_problem)] | None = Field(
+        None, description="hostname of the Ray container; default: the host's own hostname"
+    )
+    num_cpus: float | None = Field(None, gt=0, allow_inf_nan=False)
     num_gpus: int | None = Field(None, ge=0)
-    resources: dict[str, float] = Field(default_factory=dict, description="custom Ray resources of this node")
+    resources: dict[str, Amount] = Field(default_factory=dict, description="custom Ray resources of this node")
     env: dict[str, str] = Field(default_factory=dict, description="environment of this host's Ray processes")
     ssh: HostSSH = HostSSH()
     docker: DockerConfig = DockerConfig()
@@ -120,16 +169,16 @@ class HostConfig(_Model):
         for name, amount in value.items():
             if name in _BUILTIN_RESOURCES:
                 raise ValueError(f"{name} is set with num_cpus/num_gpus or ray settings, not resources")
-            if not _RESOURCE_NAME.match(name):
-                raise ValueError(f"{name!r} is not a usable resource name (letters, digits, '_.:/-')")
-            if amount < 0:
-                raise ValueError(f"resource {name} must not be negative")
+            if not _RESOURCE_NAME.fullmatch(name):
+                raise ValueError(f"{name!r:.80} is not a usable resource name (letters, digits, '_.:/-')")
+            if not math.isfinite(amount) or amount < 0:
+                raise ValueError(f"resource {name} must be a finite amount, not negative")
         return value
 
 
 class Inventory(_Model):
     cluster: str
-    image: str
+    image: Annotated[str, _grammar(image_problem)]
     image_source: Literal["stream", "pull"] = Field(
         "stream", description="how `up` gets the image onto a host that lacks it: stream it over SSH, or docker pull"
     )
@@ -143,8 +192,8 @@ class Inventory(_Model):
     @field_validator("cluster")
     @classmethod
     def _cluster_name(cls, value: str) -> str:
-        if not _NAME.match(value):
-            raise ValueError("use lower-case letters, digits, '-', '_' or '.' (at most 63), e.g. demo")
+        if not _NAME.fullmatch(value):
+            raise ValueError(f"{value!r:.80}: use lower-case letters, digits, '-', '_' or '.' (at most 63), e.g. demo")
         return value
 
     @field_validator("env")
@@ -156,13 +205,44 @@ class Inventory(_Model):
     def _roles(self) -> Inventory:
         heads = [h for h in self.hosts if h.role == "head"]
         if len(heads) != 1:
-            raise ValueError(f"exactly one host needs role: head (found {len(heads)})")
-        seen: set[IPv4Address] = set()
-        for host in self.hosts:
-            if host.address in seen:
-                raise ValueError(f"host {host.address} is listed twice")
-            seen.add(host.address)
+            raise FieldProblem(("hosts",), f"exactly one host needs role: head (found {len(heads)})")
+        first: dict[IPv4Address, int] = {}
+        for index, host in enumerate(self.hosts):
+            if host.address in first:
+                raise FieldProblem(
+                    ("hosts", index, "address"),
+                    f"{host.address} is listed twice (also hosts[{first[host.address]}])",
+                    "list each host once",
+                )
+            first[host.address] = index
+        self._check_addresses(first)
         return self
+
+    def _check_addresses(self, index_of: dict[IPv4Address, int]) -> None:
+        """Loopback only where every address is (one machine); head.address is no worker's address."""
+        remote = [h for h in self.hosts if not h.address.is_loopback]
+        if remote:
+            for index, host in enumerate(self.hosts):
+                if host.address.is_loopback:
+                    raise FieldProblem(
+                        ("hosts", index, "address"),
+                        f"{host.address} is a loopback address in a cluster with other machines ({remote[0].address})",
+                        "use each host's address on the cluster network",
+                    )
+            if self.head and self.head.address.is_loopback:
+                raise FieldProblem(
+                    ("head", "address"),
+                    f"{self.head.address} is a loopback address: the workers on other machines cannot reach it",
+                    "use the head host's address on the cluster network",
+                )
+        if self.head and self.head.address in index_of:
+            other = self.hosts[index_of[self.head.address]]
+            if other.role != "head":
+                raise FieldProblem(
+                    ("head", "address"),
+                    f"{self.head.address} is the address of worker hosts[{index_of[self.head.address]}]",
+                    "use an address of the head host (or fix the roles)",
+                )
 
     # Derived views -------------------------------------------------------------------------------
 
@@ -216,7 +296,8 @@ def resolve_path(explicit: str | os.PathLike[str] | None) -> Path:
 def load(explicit: str | os.PathLike[str] | None = None) -> LoadedInventory:
     path = resolve_path(explicit)
     try:
-        text = path.read_text(encoding="utf-8")
+        with path.open("rb") as handle:
+            data = handle.read(strictyaml.MAX_BYTES + 1)  # never more than the cap into memory
     except FileNotFoundError:
         raise InventoryError(
             f"inventory {path} not found",
@@ -224,7 +305,16 @@ def load(explicit: str | os.PathLike[str] | None = None) -> LoadedInventory:
         ) from None
     except OSError as exc:
         raise InventoryError(f"inventory {path}: {exc.strerror}", "check the path and its permissions") from None
-    return LoadedInventory(parse(text, str(path)), path.resolve())
+    return LoadedInventory(parse_bytes(data, str(path)), path.resolve())
+
+
+def parse_bytes(data: bytes, source: str = "<inventory>") -> Inventory:
+    """Parse inventory file content: UTF-8 only, at most strictyaml.MAX_BYTES."""
+    try:
+        text = strictyaml.decode(data)
+    except strictyaml.YamlProblem as problem:
+        raise _yaml_error(problem, source) from None
+    return parse(text, source)
 
 
 def check_key_files(loaded: LoadedInventory) -> None:
@@ -251,24 +341,34 @@ def check_key_files(loaded: LoadedInventory) -> None:
 def parse(text: str, source: str = "<inventory>") -> Inventory:
     """Parse and validate inventory YAML; raise InventoryError naming `source:line` and the field."""
     try:
-        root = yaml.compose(text)
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f"{source}:{mark.line + 1}" if mark else source
-        problem = getattr(exc, "problem", None) or str(exc)
-        raise InventoryError(f"{where}: invalid YAML ({problem})", "fix the YAML syntax at that line") from None
+        root, data = strictyaml.load(text)
+    except strictyaml.YamlProblem as problem:
+        raise _yaml_error(problem, source) from None
     if not isinstance(data, dict):
         raise InventoryError(f"{source}: the inventory must be a mapping", "see inventory.example.yaml")
     try:
         return Inventory.model_validate(data)
     except ValidationError as exc:
         first = exc.errors()[0]
-        loc = tuple(first["loc"])
+        loc, message, hint = tuple(first["loc"]), _message(first), ""
+        cause = (first.get("ctx") or {}).get("error")
+        if isinstance(cause, FieldProblem):
+            loc, message, hint = loc + cause.loc, str(cause), cause.hint
         field = _dotted(loc) or "(top level)"
         line = _line_of(root, loc)
         where = f"{source}:{line}" if line else source
-        raise InventoryError(f"{where}: {field}: {_message(first)}", _hint(first, field)) from None
+        raise InventoryError(f"{where}: {field}: {message}", hint or _hint(first, field)) from None
+
+
+def _yaml_error(problem: strictyaml.YamlProblem, source: str) -> InventoryError:
+    where = f"{source}:{problem.line}" if problem.line else source
+    if "duplicate key" in problem.message:
+        hint = "keep one of the two: YAML would silently use the last"
+    elif problem.line is None:
+        hint = "check that this is the inventory (a small UTF-8 YAML file)"
+    else:
+        hint = "fix the file at that line"
+    return InventoryError(f"{where}: {problem.message}", hint)
 
 
 def _dotted(loc: tuple[Any, ...]) -> str:
@@ -280,7 +380,7 @@ def _dotted(loc: tuple[Any, ...]) -> str:
 
 def _message(error: Any) -> str:
     msg = str(error["msg"])
-    return msg.removeprefix("Value error, ")
+    return " ".join(msg.removeprefix("Value error, ").split())
 
 
 def _hint(error: Any, field: str) -> str:
