@@ -8,7 +8,6 @@ the operator's CPU free for the transfers and gives exact per-host progress (byt
 
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
 import time
@@ -17,13 +16,13 @@ from pathlib import Path
 
 import psutil
 
+from .archive import Step, save_compressed
 from .checks import CheckResult, Status
 from .checks.catalog import IMAGE_ID_CHECK
 from .errors import OperationError
 from .inventory import Inventory
 from .progress import Progress, TransferProgress, quiet
 from .transport import Transport, quote
-from .transport.base import CHUNK
 from .transport.fanout import fanout
 from .transport.pool import Connect
 
@@ -191,30 +190,15 @@ def _archive(image: str, image_id: str, codec: str, archive_dir: Path, progress:
     total = int(size) if size.isdigit() else 0
     ensure_room(archive_dir, total, f"the compressed archive of {image}")
     progress(f"saving {image} ({image_id[7:19]}) and compressing it with {codec}")
-    tmp = path.with_suffix(".partial")
     label = f"docker save | {codec} (here)"
-    with tmp.open("wb") as handle:
-        save = subprocess.Popen([docker, "save", image], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-        compress = subprocess.Popen(_CODECS[codec][0], stdin=subprocess.PIPE, stdout=handle, stderr=subprocess.PIPE)
-        assert save.stdout is not None and save.stderr is not None and compress.stdin is not None
-        done = 0
-        while chunk := save.stdout.read(CHUNK):
-            compress.stdin.write(chunk)
-            done += len(chunk)
-            progress(TransferProgress("(compress)", done, max(total, done), label=label))
-        compress.stdin.close()
-        save_err = save.stderr.read().decode(errors="replace").strip()
-        save.wait()
-        compress_err = compress.stderr.read().decode(errors="replace").strip() if compress.stderr else ""
-        compress.wait()
+    done = save_compressed(
+        Step([docker, "save", image], "docker save"),
+        Step(_CODECS[codec][0], codec),
+        path,
+        lambda n: progress(TransferProgress("(compress)", n, max(total, n), label=label)),
+        what=f"the archive of {image}",
+    )
     progress(TransferProgress("(compress)", done, done, done=True, label=label))
-    if save.returncode or compress.returncode:
-        tmp.unlink(missing_ok=True)
-        raise OperationError(
-            f"docker save {image} on this machine failed: {save_err[:200] or compress_err[:200]}",
-            f"check free disk space in {archive_dir} and that `docker save {image}` works here",
-        )
-    os.replace(tmp, path)
     return path
 
 
