@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 LAB_HOSTS ?= 3
 
-.PHONY: demo test venv docker images lab lab-down lint unit clean
+.PHONY: demo test test-fleet venv docker images lab lab-down lint unit clean
 
 venv: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml
@@ -44,7 +44,13 @@ unit: venv
 
 # Everything: lint, types, unit and CLI tests, and the lab tests on a real 3-host lab.
 test: lint images
-	RAYCLUSTER_REQUIRE_LAB=1 $(BIN)/pytest -ra --junitxml=test-results/junit.xml tests
+	RAYCLUSTER_REQUIRE_LAB=1 $(BIN)/pytest -ra -m "not fleet" --junitxml=test-results/junit.xml tests
+
+# The fleet tests: a second lab of $(FLEET_HOSTS) hosts without the node image, beside the 3-host one.
+FLEET_HOSTS ?= 30
+test-fleet: venv images
+	RAYCLUSTER_REQUIRE_LAB=1 RAYCLUSTER_FLEET_HOSTS=$(FLEET_HOSTS) \
+	  $(BIN)/pytest -ra -m fleet --junitxml=test-results/junit-fleet.xml tests/e2e
 
 clean:
 	rm -rf $(VENV) test-results .pytest_cache .mypy_cache .ruff_cache

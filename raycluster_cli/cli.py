@@ -517,10 +517,14 @@ def bench_command(
 
 @lab_app.command("up")
 def lab_up_command(
-    hosts: Annotated[int, typer.Option("--hosts", min=1, max=50, help="how many lab hosts")] = 3,
+    hosts: Annotated[int, typer.Option("--hosts", min=1, max=lab.MAX_HOSTS, help="how many lab hosts")] = 3,
     lab_dir: Annotated[Path | None, typer.Option("--dir", help="where the lab keeps its key and inventory")] = None,
     subnet: Annotated[str, typer.Option(help="the lab network's IPv4 subnet")] = lab.DEFAULT_SUBNET,
     image: Annotated[str, typer.Option(help="node image to load into every lab host")] = lab.NODE_IMAGE,
+    name: Annotated[str, typer.Option(help="the lab's name (container prefix, network, label)")] = lab.LAB_NAME,
+    node_image: Annotated[
+        bool, typer.Option("--node-image/--no-node-image", help="load the node image into the hosts (fleet labs: no)")
+    ] = True,
     cpus: Annotated[
         list[str] | None, typer.Option(help="CPU quota of a host's Ray container, HOSTNAME=CPUS (repeatable)")
     ] = None,
@@ -532,15 +536,17 @@ def lab_up_command(
     def action(output: Output) -> int:
         options: dict[str, list[str]] = {}
         for item in cpus or []:
-            name, sep, value = item.partition("=")
+            hostname, sep, value = item.partition("=")
             if not sep:
                 raise RayclusterError(f"--cpus {item!r} is not HOSTNAME=CPUS", "e.g. --cpus lab-h2=0.5")
-            options[name] = [f"--cpus={value}"]
+            options[hostname] = [f"--cpus={value}"]
         info = lab.lab_up(
             hosts,
             lab_dir=lab_dir,
             node_image=image,
             subnet=subnet,
+            name=name,
+            load_node_image=node_image,
             host_options=options,
             progress=output.progress(),
         )
@@ -558,13 +564,14 @@ def lab_up_command(
 def lab_down_command(
     lab_dir: Annotated[Path | None, typer.Option("--dir", help="the lab's folder")] = None,
     keep_volumes: Annotated[bool, typer.Option(help="keep the hosts' Docker volumes (images) for next time")] = False,
+    name: Annotated[str, typer.Option(help="the lab's name (container prefix, network, label)")] = lab.LAB_NAME,
     json_mode: JsonOpt = False,
     debug: DebugOpt = False,
 ) -> None:
     """Remove every lab host, the lab network and (unless kept) their volumes."""
 
     def action(output: Output) -> int:
-        removed = lab.lab_down(lab_dir=lab_dir, keep_volumes=keep_volumes, progress=output.progress())
+        removed = lab.lab_down(lab_dir=lab_dir, keep_volumes=keep_volumes, name=name, progress=output.progress())
         if json_mode:
             output.document(True, {"removed": removed})
         else:

@@ -1,8 +1,10 @@
 """The local lab: N "machines" on this one, each a container with its own IP, hostname, /etc/hosts,
 sshd and Docker engine (Docker-in-Docker), on a private Docker network that the lab creates.
 
-`lab_up` also loads the node image into every lab host and writes an inventory for them, so that
-`doctor`, `up`, `bench` and `down` run against them exactly as against real machines (over SSH).
+`lab_up` also loads the node image into every lab host (unless told not to: a fleet lab of dozens of
+hosts for doctor/status/down and image distribution needs no Ray) and writes an inventory for them, so
+that `doctor`, `up`, `bench` and `down` run against them exactly as against real machines (over SSH).
+This machine's Docker engine is reached through one client, the docker SDK.
 """
 
 from __future__ import annotations
@@ -11,9 +13,9 @@ import io
 import ipaddress
 import os
 import socket
-import subprocess
 import tarfile
 import time
+from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,12 +29,12 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from .errors import OperationError, UsageError
 from .progress import Progress, quiet
 from .state import state_root
+from .transport.base import CHUNK
 
 LAB_LABEL = "io.raycluster.lab"
 # Several labs can live side by side on one machine (for example one per test session): each has its
 # own name (container-name prefix, network name and label value), subnet and node image.
 LAB_NAME = os.environ.get("RAYCLUSTER_LAB_NAME", "raycluster-lab")
-NETWORK = LAB_NAME
 DEFAULT_SUBNET = os.environ.get("RAYCLUSTER_LAB_SUBNET", "10.77.0.0/24")
 LAB_IMAGE = os.environ.get("RAYCLUSTER_LAB_IMAGE", "raycluster/labhost:0.1.0")
 NODE_IMAGE = os.environ.get("RAYCLUSTER_NODE_IMAGE", "raycluster/node:0.1.0")
@@ -41,6 +43,8 @@ NODE_IMAGE = os.environ.get("RAYCLUSTER_NODE_IMAGE", "raycluster/node:0.1.0")
 LAB_HOST_MEMORY = 128 * 2**20
 RAY_NODE_MEMORY = 3 * 2**29
 HOSTS_PER_CORE = 4
+MAX_HOSTS = 200
+LOAD_TIMEOUT_S = 1800.0  # the deadline of loading the node image into the lab hosts
 # Every capability Docker 20.10 knows but CAP_SYS_RESOURCE, which this kind of sandbox withholds
 # (so --privileged fails there).
 _CAPS = [
@@ -84,8 +88,11 @@ _CAPS = [
 ]
 
 
-def default_lab_dir() -> Path:
-    return Path(os.environ.get("RAYCLUSTER_LAB_DIR") or state_root() / "lab")
+def default_lab_dir(name: str = LAB_NAME) -> Path:
+    """Where a lab keeps its key, known_hosts and inventory: one folder per lab name."""
+    if os.environ.get("RAYCLUSTER_LAB_DIR"):
+        return Path(os.environ["RAYCLUSTER_LAB_DIR"])
+    return state_root() / ("lab" if name == "raycluster-lab" else f"lab-{name}")
 
 
 @dataclass(frozen=True)
@@ -101,9 +108,13 @@ class LabInfo:
     inventory_path: Path
     hosts: list[LabHost] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
+    name: str = LAB_NAME
+    network: str = LAB_NAME
 
     def to_dict(self) -> dict[str, Any]:
         return {
+            "name": self.name,
+            "network": self.network,
             "lab_dir": str(self.lab_dir),
             "inventory": str(self.inventory_path),
             "hosts": [{"name": h.name, "hostname": h.hostname, "address": h.address} for h in self.hosts],
@@ -125,16 +136,16 @@ def docker_client() -> Any:
     return client
 
 
-def docker_cli() -> str:
-    """The engine's own client: /usr/bin/docker when installed from Debian, else the one on PATH."""
-    return "/usr/bin/docker" if os.path.exists("/usr/bin/docker") else "docker"
-
-
-def lab_hosts(count: int, subnet: str = DEFAULT_SUBNET) -> list[LabHost]:
+def lab_hosts(count: int, subnet: str = DEFAULT_SUBNET, name: str = LAB_NAME) -> list[LabHost]:
+    """The hosts of a `count`-host lab: addresses from the subnet's 11th on, hostnames lab-h1…"""
     net = ipaddress.ip_network(subnet)
-    if count < 1 or count > 50:
-        raise UsageError(f"--hosts {count} is out of range", "use 1 to 50 lab hosts")
-    return [LabHost(f"{LAB_NAME}-h{i}", f"lab-h{i}", str(net.network_address + 10 + i)) for i in range(1, count + 1)]
+    room = net.num_addresses - 12  # network, gateway and the first ten addresses stay free, and broadcast
+    if count < 1 or count > min(MAX_HOSTS, room):
+        raise UsageError(
+            f"--hosts {count} is out of range for subnet {subnet}",
+            f"use 1 to {min(MAX_HOSTS, max(room, 0))} lab hosts, or a larger --subnet",
+        )
+    return [LabHost(f"{name}-h{i}", f"lab-h{i}", str(net.network_address + 10 + i)) for i in range(1, count + 1)]
 
 
 def judge_resources(starting: int, total: int, available: int, cores: int) -> list[str]:
@@ -165,28 +176,33 @@ def lab_up(
     node_image: str = NODE_IMAGE,
     lab_image: str = LAB_IMAGE,
     subnet: str = DEFAULT_SUBNET,
+    name: str = LAB_NAME,
+    load_node_image: bool = True,
     host_options: dict[str, list[str]] | None = None,
     progress: Progress = quiet,
 ) -> LabInfo:
-    """Start (or reuse) `count` lab hosts and write an inventory for them.
+    """Start (or reuse) `count` lab hosts of the lab called `name` and write an inventory for them.
 
+    Several labs live side by side: each `name` has its own containers, network, volumes and folder.
+    `load_node_image=False` leaves the node image off the hosts (a fleet lab for doctor/status/down and
+    for image distribution, which needs hosts without it); the inventory still names it.
     `host_options` maps a lab hostname to extra `docker.run_options` for its Ray container in the
     written inventory (for example CPU quotas).
     """
     client = docker_client()
-    lab_dir = lab_dir or default_lab_dir()
+    lab_dir = lab_dir or default_lab_dir(name)
     lab_dir.mkdir(parents=True, exist_ok=True)
-    for image in (lab_image, node_image):
+    for image in (lab_image, node_image) if load_node_image else (lab_image,):
         try:
             client.images.get(image)
         except Exception:
             raise OperationError(f"image {image} is not on this machine", "build it: make images") from None
+    hosts = lab_hosts(count, subnet, name)
     key_path = _ensure_key(lab_dir)
     public_key = (lab_dir / "id_ed25519.pub").read_text()
-    _ensure_network(client, subnet)
-    hosts = lab_hosts(count, subnet)
+    _ensure_network(client, name, subnet)
     running = set()
-    for stale in client.containers.list(all=True, filters={"label": f"{LAB_LABEL}={LAB_NAME}"}):
+    for stale in client.containers.list(all=True, filters={"label": f"{LAB_LABEL}={name}"}):
         if stale.name not in {h.name for h in hosts}:
             progress(f"removing lab host {stale.name} (not part of a {count}-host lab)")
             stale.remove(force=True)
@@ -196,38 +212,62 @@ def lab_up(
     warnings = judge_resources(starting, count, psutil.virtual_memory().available, psutil.cpu_count() or 1)
     for warning in warnings:
         progress(f"warning: {warning}")
-    with ThreadPoolExecutor(max_workers=min(8, count)) as pool:
-        list(pool.map(lambda h: _start_host(client, h, lab_image, public_key, progress), hosts))
+    with ThreadPoolExecutor(max_workers=min(16, count)) as pool:
+        list(pool.map(lambda h: _start_host(client, h, lab_image, name, public_key, progress), hosts))
         known = list(pool.map(lambda h: _wait_ready(client, h, progress), hosts))
         (lab_dir / "known_hosts").write_text("".join(known))
-        list(pool.map(lambda h: load_image(h.name, node_image, progress), hosts))
+    if load_node_image:
+        load_image(client, [h.name for h in hosts], node_image, progress)
     inventory_path = lab_dir / "inventory.yaml"
     inventory_path.write_text(
         render_inventory(hosts, key_path, lab_dir / "known_hosts", node_image, host_options or {})
     )
-    progress(f"lab of {count} hosts ready; inventory: {inventory_path}")
-    return LabInfo(lab_dir, inventory_path, hosts, warnings)
+    progress(f"lab {name} of {count} hosts ready; inventory: {inventory_path}")
+    return LabInfo(lab_dir, inventory_path, hosts, warnings, name, name)
 
 
-def lab_down(*, lab_dir: Path | None = None, keep_volumes: bool = False, progress: Progress = quiet) -> list[str]:
-    """Remove every container, network and (unless kept) volume that the lab created."""
+def lab_down(
+    *, lab_dir: Path | None = None, keep_volumes: bool = False, name: str = LAB_NAME, progress: Progress = quiet
+) -> list[str]:
+    """Remove every container, network and (unless kept) volume that the lab called `name` created."""
     client = docker_client()
     removed: list[str] = []
-    for container in client.containers.list(all=True, filters={"label": f"{LAB_LABEL}={LAB_NAME}"}):
-        progress(f"removing {container.name}")
-        container.remove(force=True)
+    containers = client.containers.list(all=True, filters={"label": f"{LAB_LABEL}={name}"})
+    with ThreadPoolExecutor(max_workers=max(1, min(16, len(containers)))) as pool:
+        list(pool.map(lambda c: c.remove(force=True), containers))
+    for container in containers:
+        progress(f"removed {container.name}")
         removed.append(container.name)
-    for network in client.networks.list(names=[NETWORK]):
-        network.remove()
-        removed.append(f"network {NETWORK}")
+    for network in client.networks.list(names=[name]):
+        if network.name == name:
+            _remove_network(network)
+            removed.append(f"network {name}")
     if not keep_volumes:
-        for volume in client.volumes.list(filters={"label": f"{LAB_LABEL}={LAB_NAME}"}):
+        for volume in client.volumes.list(filters={"label": f"{LAB_LABEL}={name}"}):
             volume.remove(force=True)
             removed.append(f"volume {volume.name}")
-    lab_dir = lab_dir or default_lab_dir()
-    for name in ("inventory.yaml", "known_hosts"):
-        (lab_dir / name).unlink(missing_ok=True)
+    lab_dir = lab_dir or default_lab_dir(name)
+    for file in ("inventory.yaml", "known_hosts"):
+        (lab_dir / file).unlink(missing_ok=True)
     return removed
+
+
+def _remove_network(network: Any, timeout_s: float = 60.0) -> None:
+    """Remove a network; the engine may still hold endpoints of containers just removed: retry a while."""
+    import docker
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            network.remove()
+            return
+        except docker.errors.APIError as exc:
+            if "active endpoints" not in str(exc) or time.monotonic() > deadline:
+                raise OperationError(
+                    f"cannot remove the lab network {network.name}: {exc.explanation}",
+                    f"see `docker network inspect {network.name}`, then retry `raycluster lab down`",
+                ) from None
+            time.sleep(1)
 
 
 def render_inventory(
@@ -262,51 +302,62 @@ def render_inventory(
     return header + yaml.safe_dump(doc, sort_keys=False)
 
 
-def load_image(container: str, image: str, progress: Progress = quiet) -> bool:
-    """Stream `image` into a lab host's engine unless it already has the same image ID."""
-    docker = docker_cli()
-    local_id = _run([docker, "image", "inspect", "--format", "{{.Id}}", image]).strip()
-    remote = subprocess.run(
-        [docker, "exec", container, "docker", "image", "inspect", "--format", "{{.Id}}", image],
-        capture_output=True,
-        text=True,
-    )
-    if remote.returncode == 0 and remote.stdout.strip() == local_id:
-        return False
-    progress(f"{container}: loading {image}")
-    save = subprocess.Popen([docker, "save", image], stdout=subprocess.PIPE)
-    load = subprocess.run(
-        [docker, "exec", "-i", container, "docker", "load", "-q"], stdin=save.stdout, capture_output=True
-    )
-    assert save.stdout is not None
-    save.stdout.close()
-    save.wait()
-    if save.returncode or load.returncode:
+def load_image(client: Any, containers: list[str], image: str, progress: Progress = quiet) -> list[str]:
+    """Stream `image` from this machine's engine into every lab host that lacks it (or has another image ID):
+    one `docker save`, its bytes sent to all of them at once. Returns the hosts that were loaded."""
+    import docker
+
+    local = client.images.get(image)
+    need = []
+    for name in containers:
+        found = client.containers.get(name).exec_run(["docker", "image", "inspect", "--format", "{{.Id}}", image])
+        if found.exit_code != 0 or found.output.decode().strip() != local.id:
+            need.append(name)
+    if not need:
+        return []
+    progress(f"loading {image} into {', '.join(need)}")
+    # Saving a multi-GB image can take minutes before its first byte on a loaded machine: a long deadline.
+    slow = docker.from_env(version="auto", timeout=LOAD_TIMEOUT_S)
+    try:
+        results = _exec_with_stdin(slow, need, ["docker", "load", "-q"], slow.api.get_image(image, chunk_size=CHUNK))
+    finally:
+        slow.close()
+    failed = [(name, out) for name, (code, out) in zip(need, results, strict=True) if code != 0]
+    if failed:
+        name, output = failed[0]
         raise OperationError(
-            f"{container}: loading {image} failed: {load.stderr.decode(errors='replace').strip()[:200]}",
+            f"{name}: loading {image} failed: {output.decode(errors='replace').strip()[:200]}",
             "check free disk space (df -h /var/lib/docker) and retry `raycluster lab up`",
         )
-    return True
+    return need
 
 
-def start_engine(container: str, timeout_s: float = 60.0) -> None:
-    """(Re)start a lab host's own dockerd and wait until it answers."""
-    docker = docker_cli()
-    subprocess.run([docker, "exec", container, "/usr/local/sbin/labhost-start-dockerd"], check=True)
-    deadline = time.monotonic() + timeout_s
-    while subprocess.run([docker, "exec", container, "docker", "info"], capture_output=True).returncode != 0:
-        if time.monotonic() > deadline:
-            raise OperationError(
-                f"{container}: dockerd did not start", f"see `docker exec {container} cat /var/log/dockerd.log`"
-            )
-        time.sleep(0.5)
+def _exec_with_stdin(
+    client: Any, containers: list[str], command: list[str], chunks: Iterable[bytes]
+) -> list[tuple[int, bytes]]:
+    """Run `command` in each container with the same `chunks` on its stdin (the engine's exec API, attached
+    by socket); each container's exit code and output."""
+    from docker.utils.socket import consume_socket_output, demux_adaptor, frames_iter
 
-
-def _run(argv: list[str]) -> str:
-    result = subprocess.run(argv, capture_output=True, text=True)
-    if result.returncode:
-        raise OperationError(f"{' '.join(argv[:3])} failed: {result.stderr.strip()[:200]}", "see the message")
-    return result.stdout
+    execs = [client.api.exec_create(name, command, stdin=True, stdout=True, stderr=True)["Id"] for name in containers]
+    socks = [client.api.exec_start(exec_id, socket=True) for exec_id in execs]
+    raws = [getattr(sock, "_sock", sock) for sock in socks]  # the SDK hands back a SocketIO around the socket
+    results = []
+    try:
+        for chunk in chunks:
+            for raw in raws:
+                raw.sendall(chunk)
+        for raw in raws:
+            raw.shutdown(socket.SHUT_WR)
+        for exec_id, sock in zip(execs, socks, strict=True):
+            frames = frames_iter(sock, tty=False)
+            stdout, stderr = consume_socket_output((demux_adaptor(*f) for f in frames), demux=True)
+            exit_code = client.api.exec_inspect(exec_id)["ExitCode"]
+            results.append((int(exit_code or 0), (stderr or b"") + (stdout or b"")))
+    finally:
+        for sock in socks:
+            sock.close()
+    return results
 
 
 def _ensure_key(lab_dir: Path) -> Path:
@@ -324,14 +375,14 @@ def _ensure_key(lab_dir: Path) -> Path:
     return key_path
 
 
-def _ensure_network(client: Any, subnet: str) -> None:
+def _ensure_network(client: Any, name: str, subnet: str) -> None:
     import docker
 
-    if client.networks.list(names=[NETWORK]):
+    if any(n.name == name for n in client.networks.list(names=[name])):
         return
     ipam = docker.types.IPAMConfig(pool_configs=[docker.types.IPAMPool(subnet=subnet)])
     try:
-        client.networks.create(NETWORK, driver="bridge", ipam=ipam, labels={LAB_LABEL: LAB_NAME})
+        client.networks.create(name, driver="bridge", ipam=ipam, labels={LAB_LABEL: name})
     except docker.errors.APIError as exc:
         raise OperationError(
             f"cannot create the lab network {subnet}: {exc.explanation}",
@@ -339,7 +390,7 @@ def _ensure_network(client: Any, subnet: str) -> None:
         ) from None
 
 
-def _start_host(client: Any, host: LabHost, image: str, public_key: str, progress: Progress) -> None:
+def _start_host(client: Any, host: LabHost, image: str, lab: str, public_key: str, progress: Progress) -> None:
     import docker
 
     try:
@@ -353,7 +404,7 @@ def _start_host(client: Any, host: LabHost, image: str, public_key: str, progres
     except docker.errors.NotFound:
         progress(f"starting lab host {host.hostname} ({host.address})")
         volume = f"{host.name}-docker"
-        client.volumes.create(volume, labels={LAB_LABEL: LAB_NAME})
+        client.volumes.create(volume, labels={LAB_LABEL: lab})
         container = client.containers.create(
             image,
             name=host.name,
@@ -367,11 +418,11 @@ def _start_host(client: Any, host: LabHost, image: str, public_key: str, progres
                 volume: {"bind": "/var/lib/docker"},
             },
             environment={"LAB_CGROUP_PARENT": host.name},
-            labels={LAB_LABEL: LAB_NAME},
-            network=NETWORK,
+            labels={LAB_LABEL: lab},
+            network=lab,
         )
-        client.api.disconnect_container_from_network(container.id, NETWORK)
-        client.api.connect_container_to_network(container.id, NETWORK, ipv4_address=host.address)
+        client.api.disconnect_container_from_network(container.id, lab)
+        client.api.connect_container_to_network(container.id, lab, ipv4_address=host.address)
         container.start()
     container.put_archive("/root/.ssh", _tar({"authorized_keys": public_key.encode()}, mode=0o600))
 
@@ -386,13 +437,21 @@ def _tar(files: dict[str, bytes], mode: int) -> bytes:
     return buffer.getvalue()
 
 
-def _wait_ready(client: Any, host: LabHost, progress: Progress, timeout_s: float = 120.0) -> str:
+# The inner dockerd answers; one that gave up starting (on a loaded machine its containerd can miss dockerd's
+# own start timeout) is started again, once the entrypoint is done (sshd runs) and no dockerd is left.
+_ENGINE_UP = (
+    "timeout 10 docker info --format '{{.ServerVersion}}' >/dev/null 2>&1 "
+    "|| { pgrep -x sshd >/dev/null && ! pgrep -x dockerd >/dev/null && /usr/local/sbin/labhost-start-dockerd; exit 1; }"
+)
+
+
+def _wait_ready(client: Any, host: LabHost, progress: Progress, timeout_s: float = 300.0) -> str:
     """Poll until sshd accepts connections and the inner dockerd answers; return known_hosts lines."""
     container = client.containers.get(host.name)
     deadline = time.monotonic() + timeout_s
     while True:
         keys = container.exec_run(["sh", "-c", "cat /etc/ssh/ssh_host_*_key.pub"])
-        docker_ok = container.exec_run(["docker", "info", "--format", "{{.ServerVersion}}"]).exit_code == 0
+        docker_ok = container.exec_run(["sh", "-c", _ENGINE_UP]).exit_code == 0
         if keys.exit_code == 0 and docker_ok and _port_open(host.address, 22):
             break
         if time.monotonic() > deadline:

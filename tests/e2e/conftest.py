@@ -1,12 +1,15 @@
-"""The real lab: 3 hosts (sshd + dockerd each) on a private Docker network made by the tests."""
+"""The real labs: 3 hosts with the node image (sshd + dockerd each) on a private Docker network made by the
+tests, and (for the fleet tests, marked `fleet`) a second lab of many hosts without the node image beside it."""
 
 from __future__ import annotations
 
 import ipaddress
 import json
 import os
+import shutil
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,6 +21,13 @@ import yaml
 from raycluster_cli import lab
 
 REQUIRE = os.environ.get("RAYCLUSTER_REQUIRE_LAB") == "1"
+# The engine's own client (/usr/bin/docker from Debian's docker.io), else the one on PATH: tests act on the lab
+# hosts the way their administrator would.
+DOCKER = "/usr/bin/docker" if os.path.exists("/usr/bin/docker") else (shutil.which("docker") or "docker")
+# The fleet lab: its own name and subnet, so that it lives beside the 3-host lab in one session.
+FLEET_NAME = os.environ.get("RAYCLUSTER_FLEET_LAB_NAME", f"{lab.LAB_NAME}-fleet")
+FLEET_SUBNET = os.environ.get("RAYCLUSTER_FLEET_SUBNET", "10.79.0.0/24")  # 10.78: the network test
+FLEET_HOSTS = int(os.environ.get("RAYCLUSTER_FLEET_HOSTS", "30"))
 # The lab hosts' addresses (the subnet comes from RAYCLUSTER_LAB_SUBNET, 10.77.0.0/24 by default).
 IP1, IP2, IP3 = (h.address for h in lab.lab_hosts(3))
 UNUSED_IP = str(ipaddress.ip_network(lab.DEFAULT_SUBNET).network_address + 99)  # in the subnet, on no host
@@ -59,11 +69,19 @@ class Lab:
 
     def sh_result(self, hostname: str, script: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
-            [lab.docker_cli(), "exec", self.host(hostname).name, "sh", "-c", script],
+            [DOCKER, "exec", self.host(hostname).name, "sh", "-c", script],
             capture_output=True,
             text=True,
             timeout=180,
         )
+
+    def start_engine(self, hostname: str, timeout_s: float = 60.0) -> None:
+        """(Re)start a lab host's own dockerd (as its init would) and wait until it answers."""
+        self.sh(hostname, "/usr/local/sbin/labhost-start-dockerd")
+        deadline = time.monotonic() + timeout_s
+        while self.sh_result(hostname, "docker info >/dev/null").returncode != 0:
+            assert time.monotonic() < deadline, f"{hostname}: dockerd did not start"
+            time.sleep(0.5)
 
 
 def _engine_answers() -> bool:
@@ -74,15 +92,38 @@ def _engine_answers() -> bool:
         return False
 
 
-@pytest.fixture(scope="session")
-def lab_hosts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Lab]:
+def _need_engine() -> None:
     if not _engine_answers():
         if REQUIRE:
             pytest.fail("RAYCLUSTER_REQUIRE_LAB=1 but no Docker engine answers (run scripts/ensure-docker.sh)")
         pytest.skip("no Docker engine: lab tests skipped")
+
+
+@pytest.fixture(scope="session")
+def session_state(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """This session's own cluster state (the token): never shared with another lab or a user's cluster."""
+    state = Path(tmp_path_factory.mktemp("state"))
+    os.environ["RAYCLUSTER_STATE_DIR"] = str(state)
+    return state
+
+
+@pytest.fixture(scope="session")
+def fleet_lab(tmp_path_factory: pytest.TempPathFactory, session_state: Path) -> Iterator[Lab]:
+    """A second lab of FLEET_HOSTS hosts without the node image (no Ray), beside the 3-host lab."""
+    _need_engine()
+    lab_dir = Path(tmp_path_factory.mktemp("fleet"))
+    progress = lambda m: print(f"[fleet] {m}", file=sys.stderr)  # noqa: E731
+    info = lab.lab_up(
+        FLEET_HOSTS, lab_dir=lab_dir, name=FLEET_NAME, subnet=FLEET_SUBNET, load_node_image=False, progress=progress
+    )
+    yield Lab(info)
+    lab.lab_down(lab_dir=lab_dir, name=FLEET_NAME, keep_volumes=os.environ.get("RAYCLUSTER_LAB_PURGE") != "1")
+
+
+@pytest.fixture(scope="session")
+def lab_hosts(tmp_path_factory: pytest.TempPathFactory, session_state: Path) -> Iterator[Lab]:
+    _need_engine()
     lab_dir = Path(tmp_path_factory.mktemp("lab"))
-    # This session's own cluster state (the token): never shared with another lab or a user's cluster.
-    os.environ["RAYCLUSTER_STATE_DIR"] = str(tmp_path_factory.mktemp("state"))
     info = lab.lab_up(3, lab_dir=lab_dir, progress=lambda m: print(f"[lab] {m}", file=sys.stderr))
     # The lab must exist before anything dials it.
     for host in info.hosts:

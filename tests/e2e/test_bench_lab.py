@@ -15,10 +15,9 @@ from typing import Any
 
 import pytest
 
-from raycluster_cli import lab
 from raycluster_cli.bench import gpt2
 
-from .conftest import IP3, Lab
+from .conftest import DOCKER, IP3, Lab
 
 pytestmark = [pytest.mark.lab, pytest.mark.slow]
 
@@ -95,7 +94,7 @@ def test_bench_gpt2_weights_from_each_host(cluster: Cluster, tmp_path: Path) -> 
     local = gpt2.write_random_gpt2(tmp_path / "tiny-gpt2", layers=6, d_model=64, heads=4, vocab=256, positions=64)
     for host in cluster.lab.info.hosts:
         cluster.lab.sh(host.hostname, f"rm -rf {MODEL_DIR} && mkdir -p {MODEL_DIR}")
-        subprocess.run([lab.docker_cli(), "cp", f"{local}/.", f"{host.name}:{MODEL_DIR}"], check=True, timeout=120)
+        subprocess.run([DOCKER, "cp", f"{local}/.", f"{host.name}:{MODEL_DIR}"], check=True, timeout=120)
     variant = cluster.lab.variant(
         tmp_path / "with-model.yaml",
         lambda inv: inv["docker"].setdefault("run_options", []).append(f"--volume={MODEL_DIR}:{MODEL_DIR}:ro"),

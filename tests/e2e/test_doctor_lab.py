@@ -88,7 +88,7 @@ def test_docker_daemon_stopped(lab_hosts: Lab) -> None:
         assert (IP2, "docker") in failed(doc)
         assert "systemctl start docker" in finding(doc, IP2, "docker")["hint"]
     finally:
-        lab.start_engine(lab_hosts.host("lab-h2").name)
+        lab_hosts.start_engine("lab-h2")
 
 
 def test_image_missing_on_one_host(lab_hosts: Lab) -> None:

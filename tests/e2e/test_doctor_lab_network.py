@@ -11,7 +11,7 @@ import pytest
 
 from raycluster_cli import lab
 
-from .conftest import IP1, IP2, IP3, UNUSED_IP, Lab
+from .conftest import DOCKER, IP1, IP2, IP3, UNUSED_IP, Lab
 from .findings import failed, finding, problems, warned
 
 pytestmark = pytest.mark.lab
@@ -26,7 +26,7 @@ def second_subnet() -> ipaddress.IPv4Network:
 
 
 def docker(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([lab.docker_cli(), *args], capture_output=True, text=True, timeout=120)
+    return subprocess.run([DOCKER, *args], capture_output=True, text=True, timeout=120)
 
 
 def test_healthy_lab_runs_every_check_without_failure(lab_hosts: Lab) -> None:

@@ -16,7 +16,7 @@ import pytest
 
 from raycluster_cli import lab
 
-from .conftest import IP1, IP2, IP3, Lab
+from .conftest import DOCKER, IP1, IP2, IP3, Lab
 
 pytestmark = pytest.mark.lab
 HEAD = "raycluster-lab-head"
@@ -25,7 +25,7 @@ WORKER = "raycluster-lab-worker"
 
 def _local_image_id() -> str:
     done = subprocess.run(
-        [lab.docker_cli(), "image", "inspect", "--format", "{{.Id}}", lab.NODE_IMAGE], capture_output=True, text=True
+        [DOCKER, "image", "inspect", "--format", "{{.Id}}", lab.NODE_IMAGE], capture_output=True, text=True
     )
     return done.stdout.strip()
 
