@@ -42,7 +42,7 @@ from .report_ops import (
     render_interrupted_job,
     render_submit,
 )
-from .state import state_dir, token_file
+from .state import cluster_lock, state_dir, token_file
 from .status import status
 from .teardown import down
 from .transport import cancel
@@ -216,7 +216,11 @@ def up_command(
 
     def action(output: Output) -> int:
         ignored = ignore_ids(ignore)
-        with _cluster(inventory_path) as (inv, pool), output.live_progress() as progress:
+        with (
+            _cluster(inventory_path) as (inv, pool),
+            output.live_progress() as progress,
+            cluster_lock(inv, "up", progress=progress),
+        ):
             if insecure or inv.ray.auth == "none":
                 output.warning(f"Ray token authentication is OFF for cluster {inv.cluster} (--insecure / ray.auth)")
             result = up(inv, pool, ignore=ignored, timeout_s=timeout, insecure=insecure, progress=progress)
@@ -270,7 +274,11 @@ def down_command(
     The image stays on the hosts unless --purge. Exit 0: done (also when nothing was there); 1: a host failed."""
 
     def action(output: Output) -> int:
-        with _cluster(inventory_path) as (inv, pool), output.live_progress() as progress:
+        with (
+            _cluster(inventory_path) as (inv, pool),
+            output.live_progress() as progress,
+            cluster_lock(inv, "down", progress=progress),
+        ):
             result = down(inv, pool, purge=purge, progress=progress)
         body = {"cluster": inv.cluster, "removed": result.removed, "purged": result.purged, "errors": result.errors}
         return _emit(output, result.ok, body, render_down)

@@ -5,7 +5,6 @@ Never prints: progress goes through the callback the caller gives.
 
 from __future__ import annotations
 
-import shutil
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -13,7 +12,7 @@ from .containers import host_state_dir, list_cluster_containers
 from .errors import OperationError, RayclusterError
 from .inventory import HostConfig, Inventory
 from .progress import Progress, quiet
-from .state import state_dir
+from .state import purge_local
 from .transport import quote
 from .transport.fanout import error_message, fanout
 from .transport.pool import Connect
@@ -79,11 +78,10 @@ def down(inventory: Inventory, connect: Connect, *, purge: bool = False, progres
                 record_error(host, outcome.error)
             for item in outcome.value or []:
                 purged.append({"host": str(host.address), "item": item})
-        local = state_dir(inventory)
         # Keep this machine's token while some host still has its copy: a re-run after fixing that host
-        # finishes the purge.
-        if local.exists() and not errors:
-            shutil.rmtree(local)
+        # finishes the purge. The lock file stays (the running `down` holds it).
+        local = purge_local(inventory) if not errors else None
+        if local is not None:
             purged.append({"host": "localhost", "item": str(local)})
     return DownResult(removed, errors, purged)
 
