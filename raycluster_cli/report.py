@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import sys
 import threading
 from collections.abc import Callable, Iterator
@@ -115,13 +116,31 @@ class Output:
         self.err.print(f"[bold red]error:[/bold red] {_escape(message)}{fix}", markup=True, soft_wrap=True)
 
     def line(self, text: str) -> None:
-        self.out.print(text, markup=True)
+        self.out.print(terminal_safe(text), markup=True)
+
+
+# Terminal control sequences in text from hosts (log lines, error output, command output): CSI (colours,
+# cursor moves, screen clears), OSC (window titles, hyperlinks, clipboard writes), DCS/SOS/PM/APC strings,
+# other two-byte ESC sequences, the 8-bit CSI, then every other C0/C1 control but tab and newline.
+_CONTROL_SEQUENCES = re.compile(
+    r"\x1b\[[0-?]*[ -/]*[@-~]"
+    r"|\x1b\][^\x07\x1b]*(?:\x07|\x1b\\)?"
+    r"|\x1b[PX^_][^\x1b]*(?:\x1b\\)?"
+    r"|\x1b[ -/]*[0-~]"
+    r"|\x9b[0-?]*[ -/]*[@-~]"
+    r"|[\x00-\x08\x0b-\x1f\x7f-\x9f]"
+)
+
+
+def terminal_safe(text: str) -> str:
+    """`text` without terminal control sequences: what a host sends never drives the operator's terminal."""
+    return _CONTROL_SEQUENCES.sub("", text)
 
 
 def _escape(text: str) -> str:
     from rich.markup import escape
 
-    return escape(text)
+    return escape(terminal_safe(text))
 
 
 def render_checks(output: Output, results: list[CheckResult]) -> None:

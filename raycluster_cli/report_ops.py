@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .report import Output, _escape
+from .report import Output, _escape, terminal_safe
 from .transport.stream import Stream
 
 
@@ -22,7 +22,7 @@ class ExecPrinter:
             return
         target = self.output.stdout if stream == "stdout" else self.output.err.file
         prefix = f"{host:<15} | " if self.prefixed else ""
-        target.write(prefix + line + "\n")
+        target.write(prefix + terminal_safe(line) + "\n")
         target.flush()
 
 
@@ -44,7 +44,7 @@ class JobLogPrinter:
 
     def __call__(self, text: str) -> None:
         target = self.output.err.file if self.output.json_mode else self.output.stdout
-        target.write(text)
+        target.write(terminal_safe(text))
         target.flush()
 
 
