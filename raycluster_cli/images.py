@@ -1,9 +1,10 @@
 """Getting the node image onto the hosts that lack it: stream it from this machine over SSH, or pull it.
 
-Streaming is how air-gapped fleets get images: `docker save` here, compressed once into a cached archive
-(zstd when this machine and every receiving host have it, else gzip), then sent over each host's SSH
-connection into `docker load`, several hosts at a time. Compressing once instead of once per host keeps
-the operator's CPU free for the transfers and gives exact per-host progress (bytes sent of the archive).
+Streaming is how air-gapped fleets get images: `docker save` here, compressed once with all cores into a
+cached archive (zstd -T0 when this machine and every receiving host have it, else pigz or gzip), sent over
+one seed host's SSH connection into `docker load`; from there the hosts that have it serve the hosts that
+lack it (spread.py, peers.py), so this machine uploads about one copy whatever the fleet's size. Every
+arrival is checked against this machine's image ID.
 """
 
 from __future__ import annotations
@@ -11,46 +12,21 @@ from __future__ import annotations
 import shutil
 import subprocess
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
 
+from . import peers
 from .archive import Step, save_compressed
 from .checks import CheckResult, Status
 from .checks.catalog import IMAGE_ID_CHECK
 from .errors import OperationError
 from .inventory import Inventory
 from .progress import Progress, TransferProgress, quiet
+from .spread import ImageTransfer, Job, Receiver, Spread
 from .transport import Transport, quote
-from .transport.fanout import fanout
+from .transport.fanout import GroupResult, Outcome, fanout
 from .transport.pool import Connect
-
-STREAM_PARALLEL = 4  # hosts receiving the image at once (the operator's uplink is the shared resource)
-IMAGE_CHECKS = (IMAGE_ID_CHECK, "image-same")
-_CODECS = {"zstd": (["zstd", "-q", "-T0", "-3", "-c"], "zstd -dc"), "gzip": (["gzip", "-1", "-c"], "gzip -dc")}
-
-
-@dataclass(frozen=True)
-class ImageTransfer:
-    """What `up` did (or has to do) about the image on one host."""
-
-    host: str
-    reason: str  # "missing" / "different image ID …"
-    method: str  # "stream" / "pull"
-    seconds: float = 0.0
-    bytes_sent: int = 0
-    codec: str = ""
-
-    def to_dict(self) -> dict[str, object]:
-        return {
-            "host": self.host,
-            "reason": self.reason,
-            "method": self.method,
-            "seconds": round(self.seconds, 2),
-            "bytes_sent": self.bytes_sent,
-            "codec": self.codec,
-        }
 
 
 def docker_here() -> str | None:
@@ -142,7 +118,12 @@ def distribute(
     archive_dir: Path,
     progress: Progress = quiet,
 ) -> list[ImageTransfer]:
-    """Carry out `plan`: every listed host gets the image, STREAM_PARALLEL at a time; raise naming each failure."""
+    """Carry out `plan`: every listed host gets the image; raise naming each failure.
+
+    Streaming: the operator sends the archive to one seed host; from then on every host that has it serves
+    one that lacks it (host to host, see peers.py), so the copies double each round and the operator's
+    upload stays one copy. A host that cannot get it from a peer gets it from the operator.
+    """
     if not plan:
         return []
     host_of = {str(h.address): h for h in inventory.hosts}
@@ -151,26 +132,73 @@ def distribute(
         outcomes = fanout(plan, lambda t: _pull(connect(host_of[t.host]), inventory.image, t, progress), what=what)
     else:
         assert local_id is not None
-        transports = {t.host: connect(host_of[t.host]) for t in plan}
-        codec = _codec([transports[t.host] for t in plan])
-        archive = _archive(inventory.image, local_id, codec, archive_dir, progress)
-        outcomes = fanout(
-            plan,
-            lambda t: _stream(transports[t.host], inventory.image, local_id, archive, codec, t, progress),
-            max_workers=STREAM_PARALLEL,
-            what=what,
-        )
+        outcomes = GroupResult(_spread(inventory, connect, plan, local_id, archive_dir, progress), what)
     outcomes.raise_failures()
     return outcomes.values()
 
 
-def _codec(transports: list[Transport]) -> str:
-    """zstd when this machine and every receiving host have it, else gzip (everyone has gzip)."""
-    if shutil.which("zstd") is None:
-        return "gzip"
-    have = fanout(transports, lambda t: t.run("command -v zstd", timeout=30).ok, what="look for zstd")
-    have.raise_failures()
-    return "zstd" if all(have.values()) else "gzip"
+def _spread(
+    inventory: Inventory,
+    connect: Connect,
+    plan: list[ImageTransfer],
+    image_id: str,
+    archive_dir: Path,
+    progress: Progress,
+) -> list[tuple[ImageTransfer, Outcome[ImageTransfer]]]:
+    """Stream: learn each host's tools (one command), compress once, seed and spread, remove the hosts' copies."""
+    host_of = {str(h.address): h for h in inventory.hosts}
+
+    def tools_of(transfer: ImageTransfer) -> tuple[Transport, frozenset[str]]:
+        transport = connect(host_of[transfer.host])
+        return transport, frozenset(transport.run(TOOLS_COMMAND, timeout=30).stdout.split())
+
+    found = fanout(plan, tools_of, what="look for zstd, bash and python3")
+    reached = [(t, o.value) for t, o in found if o.value is not None]
+    if not reached:
+        return [(t, Outcome(error=o.error)) for t, o in found]
+    here = {tool for tool in ("zstd", "pigz") if shutil.which(tool)}
+    codec = choose_codec(here, [tools for _, (_, tools) in reached])
+    job = Job(inventory.image, image_id, _archive(inventory.image, image_id, codec, archive_dir, progress), codec)
+    receivers = {
+        t.host: Receiver(
+            t, inventory.node_ip(host_of[t.host]), transport, decompressor(codec, tools), {"bash", "timeout"} <= tools
+        )
+        for t, (transport, tools) in reached
+    }
+    try:
+        Spread(list(receivers.values()), job, progress).run()
+    finally:
+        cleanup = lambda r: r.transport.run(peers.cleanup_command(job.remote), timeout=60)  # noqa: E731
+        fanout(receivers.values(), cleanup, what="remove the hosts' copies of the archive")
+    outcomes: list[tuple[ImageTransfer, Outcome[ImageTransfer]]] = []
+    for transfer, outcome in found:
+        receiver = receivers.get(transfer.host)
+        if receiver is not None and receiver.result is not None:
+            outcomes.append((transfer, receiver.result))
+        else:
+            outcomes.append((transfer, Outcome(error=outcome.error or OperationError(f"{transfer.host}: not sent"))))
+    return outcomes
+
+
+TOOLS_COMMAND = "for t in zstd pigz bash timeout python3; do command -v $t >/dev/null 2>&1 && echo $t; done; true"
+
+
+def choose_codec(here: set[str], hosts: list[frozenset[str]]) -> str:
+    """zstd when this machine and every receiving host have it, else gzip (everyone has gzip) (pure)."""
+    return "zstd" if "zstd" in here and all("zstd" in tools for tools in hosts) else "gzip"
+
+
+def compressor(codec: str) -> list[str]:
+    """The compressor here, with all cores: zstd -T0, else pigz, else gzip (all write what gzip -d reads)."""
+    if codec == "zstd":
+        return ["zstd", "-q", "-T0", "-3", "-c"]
+    return ["pigz", "-1", "-c"] if shutil.which("pigz") else ["gzip", "-1", "-c"]
+
+
+def decompressor(codec: str, tools: frozenset[str]) -> str:
+    if codec == "zstd":
+        return "zstd -dc"
+    return "pigz -dc" if "pigz" in tools else "gzip -dc"
 
 
 def _archive(image: str, image_id: str, codec: str, archive_dir: Path, progress: Progress) -> Path:
@@ -190,10 +218,10 @@ def _archive(image: str, image_id: str, codec: str, archive_dir: Path, progress:
     total = int(size) if size.isdigit() else 0
     ensure_room(archive_dir, total, f"the compressed archive of {image}")
     progress(f"saving {image} ({image_id[7:19]}) and compressing it with {codec}")
-    label = f"docker save | {codec} (here)"
+    label = f"docker save | {compressor(codec)[0]} (here)"
     done = save_compressed(
         Step([docker, "save", image], "docker save"),
-        Step(_CODECS[codec][0], codec),
+        Step(compressor(codec), codec),
         path,
         lambda n: progress(TransferProgress("(compress)", n, max(total, n), label=label)),
         what=f"the archive of {image}",
@@ -220,37 +248,6 @@ def _gib(count: int) -> str:
     return f"{count / 2**30:.1f} GiB"
 
 
-def _stream(
-    transport: Transport,
-    image: str,
-    image_id: str,
-    archive: Path,
-    codec: str,
-    transfer: ImageTransfer,
-    progress: Progress,
-) -> ImageTransfer:
-    started = time.monotonic()
-    total = archive.stat().st_size
-    sent = 0
-    progress(TransferProgress(transfer.host, 0, total))
-
-    def on_sent(count: int) -> None:
-        nonlocal sent
-        sent += count
-        progress(TransferProgress(transfer.host, sent, total))
-
-    with archive.open("rb") as source:
-        result = transport.feed(f"{_CODECS[codec][1]} | docker load -q", source, on_sent=on_sent, timeout=1800)
-    progress(TransferProgress(transfer.host, sent, total, done=True))
-    if not result.ok:
-        raise OperationError(
-            f"{transfer.host}: docker load failed: {result.first_line()}",
-            f"check free disk space on {transfer.host} (df -h /var/lib/docker) and retry `raycluster up`",
-        )
-    _verify(transport, image, image_id, transfer.host)
-    return ImageTransfer(transfer.host, transfer.reason, "stream", time.monotonic() - started, sent, codec)
-
-
 def _pull(transport: Transport, image: str, transfer: ImageTransfer, progress: Progress) -> ImageTransfer:
     started = time.monotonic()
     progress(f"{transfer.host}: docker pull {image} ({transfer.reason})")
@@ -261,12 +258,3 @@ def _pull(transport: Transport, image: str, transfer: ImageTransfer, progress: P
             "check that the host reaches the registry and is logged in, or set image_source: stream",
         )
     return ImageTransfer(transfer.host, transfer.reason, "pull", time.monotonic() - started)
-
-
-def _verify(transport: Transport, image: str, image_id: str, host: str) -> None:
-    found = transport.run("docker image inspect --format '{{.Id}}' " + quote(image)).stdout.strip()
-    if found != image_id:
-        raise OperationError(
-            f"{host}: after docker load, {image} is {found[7:19] or 'missing'}, expected {image_id[7:19]}",
-            "the image may have been re-tagged meanwhile: re-run `raycluster up`",
-        )

@@ -135,9 +135,8 @@ def test_archive_reports_the_compressor_not_a_broken_pipe(tmp_path: Path, monkey
     docker.chmod(0o755)
     monkeypatch.setattr(images, "docker_here", lambda: str(docker))
     monkeypatch.setattr(images, "ensure_room", lambda *args: None)
-    monkeypatch.setitem(
-        images._CODECS, "gzip", (["sh", "-c", "head -c 10 >/dev/null; echo 'gzip: crashed' >&2; exit 9"], "gzip -dc")
-    )
+    crash = ["sh", "-c", "head -c 10 >/dev/null; echo 'gzip: crashed' >&2; exit 9"]
+    monkeypatch.setattr(images, "compressor", lambda codec: crash)
     archive_dir = tmp_path / "images"
     with pytest.raises(PipelineError) as info:
         images._archive("img:1", "sha256:" + "ab" * 32, "gzip", archive_dir, lambda *_: None)

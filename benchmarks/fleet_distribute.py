@@ -1,0 +1,47 @@
+"""Distribute the inventory's image to all its hosts (which lack it) and print one line: mode, wall time,
+bytes the operator sent (the lab bridge's tx_bytes, measured outside the program), the archive's size, and
+where each host got it from. Mode `peers`: as `up` does (one seed, hosts serve hosts); `operator`: every
+host streamed from this machine (the operator seeds everyone, OPERATOR_STREAMS at a time).
+
+Usage: fleet_distribute.py INVENTORY operator|peers BRIDGE_TX_BYTES_FILE ARCHIVE_DIR
+"""
+
+from __future__ import annotations
+
+import collections
+import sys
+import time
+from pathlib import Path
+
+from raycluster_cli import images, inventory, spread
+from raycluster_cli.transport.pool import SSHPool
+
+
+def main() -> None:
+    path, mode, bridge, archive_dir = sys.argv[1:]
+    inv = inventory.load(path).inventory
+    image_id = images.local_image_id(inv.image)
+    assert image_id, f"{inv.image} is not in this machine's engine"
+    images._archive(inv.image, image_id, "zstd", Path(archive_dir), lambda _: None)  # cached: not timed
+    size = next(Path(archive_dir).glob(f"{image_id[7:19]}.*")).stat().st_size
+    if mode == "operator":
+        spread.SEEDS = len(inv.hosts)
+    plan = [images.ImageTransfer(str(h.address), "missing", "stream") for h in inv.hosts]
+    pool = SSHPool(inv)
+    for host in inv.hosts:
+        pool(host)  # connections first: their handshakes are not the image
+    before = int(Path(bridge).read_text())
+    started = time.monotonic()
+    done = images.distribute(inv, pool, plan, image_id, Path(archive_dir))
+    wall = time.monotonic() - started
+    sent = int(Path(bridge).read_text()) - before
+    pool.close()
+    sources = collections.Counter("operator" if t.source.startswith("operator") else "peer" for t in done)
+    print(
+        f"{mode}: {len(done)} hosts in {wall:.1f}s; operator sent {sent / 1e6:.1f} MB = {sent / size:.2f} x the "
+        f"{size / 1e6:.1f} MB archive; sources {dict(sources)}"
+    )
+
+
+if __name__ == "__main__":
+    main()

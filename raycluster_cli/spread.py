@@ -1,0 +1,233 @@
+"""Scheduling an image over a fleet: the operator seeds one host, then every host that has the image
+serves one that lacks it, so the number of holders doubles each round (O(log N) rounds for N hosts) while
+the operator uploads one copy. A host whose peer copy fails is served by the operator (as Dragonfly's
+peers go back to the source); a sender whose listener failed serves no one else.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from . import peers
+from .errors import OperationError
+from .progress import Progress, TransferProgress
+from .transport import CommandResult, Transport, cancel
+from .transport.fanout import Outcome
+
+OPERATOR_STREAMS = 4  # hosts the operator streams to at once (seeds and fallbacks; its uplink is shared)
+SEEDS = 1  # hosts the operator seeds before peers take over
+
+
+@dataclass(frozen=True)
+class ImageTransfer:
+    """What `up` did (or has to do) about the image on one host."""
+
+    host: str
+    reason: str  # "missing" / "different image ID …"
+    method: str  # "stream" / "pull"
+    seconds: float = 0.0
+    bytes_sent: int = 0  # bytes of the archive this host received
+    codec: str = ""
+    source: str = ""  # "operator", the address of the peer that served it, or "operator (after …)"
+
+    def to_dict(self) -> dict[str, object]:
+        return {
+            "host": self.host,
+            "reason": self.reason,
+            "method": self.method,
+            "seconds": round(self.seconds, 2),
+            "bytes_sent": self.bytes_sent,
+            "codec": self.codec,
+            "source": self.source,
+        }
+
+
+@dataclass(frozen=True)
+class Job:
+    """What travels: the same for every copy of one distribution."""
+
+    image: str
+    image_id: str
+    archive: Path  # the compressed archive on this machine
+    codec: str
+
+    @property
+    def remote(self) -> str:
+        """Where a host keeps its copy of the archive while it may serve others."""
+        return peers.archive_path(self.image_id, self.archive.name.split(".", 1)[1])
+
+
+@dataclass
+class Receiver:
+    """One host that lacks the image, and what the scheduler knows about it."""
+
+    transfer: ImageTransfer
+    address: str  # its cluster address (where its listener binds when it serves)
+    transport: Transport
+    decompress: str
+    peer_ok: bool  # has bash and timeout: can receive from a peer
+    fallback: str = ""  # why its peer copy failed (then the operator serves it)
+    result: Outcome[ImageTransfer] | None = None
+    serves: bool = True  # False once its listener failed
+
+    @property
+    def host(self) -> str:
+        return self.transfer.host
+
+
+class Spread:
+    def __init__(self, receivers: list[Receiver], job: Job, progress: Progress) -> None:
+        self.receivers, self.job, self.progress = receivers, job, progress
+        self.pending: deque[Receiver] = deque(r for r in receivers if r.peer_ok)
+        self.direct: deque[Receiver] = deque(r for r in receivers if not r.peer_ok)
+        self.idle: deque[Receiver] = deque()  # holders free to serve
+        self.running: dict[Future[ImageTransfer], tuple[str, Receiver, Receiver | None]] = {}
+        self.seeded = 0
+
+    def run(self) -> list[Receiver]:
+        """Every receiver ends with a result (its transfer, or why it failed)."""
+        pool = ThreadPoolExecutor(max_workers=OPERATOR_STREAMS + len(self.receivers), thread_name_prefix="spread")
+        try:
+            while self.pending or self.direct or self.running:
+                cancel.check("image distribution")
+                self._start(pool)
+                finished, _ = wait(list(self.running), return_when=FIRST_COMPLETED)
+                for future in finished:
+                    self._finish(future)
+        except BaseException:
+            # Interrupted (Ctrl-C reaches this thread): start nothing more and do not wait for the copies
+            # still running; their transports are being closed and the hosts' guards end their commands.
+            cancel.request()
+            pool.shutdown(wait=False, cancel_futures=True)
+            raise
+        pool.shutdown(wait=True)
+        return self.receivers
+
+    def _operator_next(self) -> Receiver | None:
+        """Fallbacks first; then seeds, and more of them only when no holder is or will soon be free."""
+        if self.direct:
+            return self.direct.popleft()
+        will_hold = any(kind == "peer" or r.peer_ok for kind, r, _ in self.running.values())
+        if self.pending and (self.seeded < SEEDS or not (self.idle or will_hold)):
+            self.seeded += 1
+            return self.pending.popleft()
+        return None
+
+    def _start(self, pool: ThreadPoolExecutor) -> None:
+        while sum(kind == "operator" for kind, _, _ in self.running.values()) < OPERATOR_STREAMS:
+            receiver = self._operator_next()
+            if receiver is None:
+                break
+            self.running[pool.submit(self._stream, receiver)] = ("operator", receiver, None)
+        while self.idle and self.pending:
+            sender, receiver = self.idle.popleft(), self.pending.popleft()
+            self.running[pool.submit(self._peer, sender, receiver)] = ("peer", receiver, sender)
+
+    def _finish(self, future: Future[ImageTransfer]) -> None:
+        kind, receiver, sender = self.running.pop(future)
+        error = future.exception()
+        if error is None:
+            receiver.result = Outcome(value=future.result())
+            if receiver.peer_ok and receiver.serves:
+                self.idle.append(receiver)
+        elif kind == "operator":
+            receiver.result = Outcome(error=error)
+        else:
+            receiver.fallback = getattr(error, "message", str(error))
+            self.direct.append(receiver)
+        if sender is not None and sender.serves:
+            self.idle.append(sender)
+
+    # the two kinds of copy ------------------------------------------------------------------------------
+
+    def _stream(self, receiver: Receiver) -> ImageTransfer:
+        """The operator sends its archive over the receiver's SSH connection."""
+        started = time.monotonic()
+        total = self.job.archive.stat().st_size
+        sent = 0
+        self.progress(TransferProgress(receiver.host, 0, total))
+
+        def on_sent(count: int) -> None:
+            nonlocal sent
+            sent += count
+            self.progress(TransferProgress(receiver.host, sent, total))
+
+        command = peers.receive_script(peers.receive_command(self.job.remote, receiver.decompress, self.job.image))
+        with self.job.archive.open("rb") as source:
+            result = receiver.transport.feed(command, source, on_sent=on_sent, timeout=peers.DEADLINE_S)
+        self.progress(TransferProgress(receiver.host, sent, total, done=True))
+        self._check(receiver, result, "docker load")
+        after = f" (after a peer copy failed: {receiver.fallback})" if receiver.fallback else ""
+        return self._done(receiver, "operator" + after, started, sent)
+
+    def _peer(self, sender: Receiver, receiver: Receiver) -> ImageTransfer:
+        """`sender` serves its copy of the archive to `receiver` over the cluster network."""
+        started = time.monotonic()
+        total = self.job.archive.stat().st_size
+        copy = peers.Copy.new(sender.host, receiver.host, sender.address)
+        secret = (copy.secret + "\n").encode()
+        heard: list[CommandResult | BaseException] = []
+
+        def listen() -> None:
+            try:
+                command = peers.listener_command(copy, self.job.remote, self.job.image)
+                heard.append(sender.transport.run(command, stdin=secret, timeout=peers.DEADLINE_S + 60))
+            except BaseException as exc:
+                heard.append(exc)
+
+        listener = threading.Thread(target=listen, daemon=True)
+        listener.start()
+        label = f"image {sender.host} → {receiver.host}"
+        self.progress(TransferProgress(receiver.host, 0, total, label=label))
+        command = peers.receive_script(
+            peers.receive_command(self.job.remote, receiver.decompress, self.job.image, f"{copy.address} {copy.port}")
+        )
+        report = lambda n: self.progress(TransferProgress(receiver.host, n, total, label=label))  # noqa: E731
+        with peers.Watch(receiver.transport, self.job.remote, report) as watch:
+            result = receiver.transport.run(command, stdin=secret, timeout=peers.DEADLINE_S + 60)
+        listener.join(peers.CONNECT_S + 60)
+        self.progress(TransferProgress(receiver.host, total, total, done=True, label=label))
+        if not result.ok and _listener_failed(heard[0] if heard else None):
+            sender.serves = False
+        if watch.stalled:
+            raise OperationError(f"{receiver.host}: no byte from {sender.host} for {peers.STALL_S:.0f}s", "")
+        self._check(receiver, result, f"copy from {sender.host}")
+        return self._done(receiver, sender.host, started, total)
+
+    def _done(self, receiver: Receiver, source: str, started: float, size: int) -> ImageTransfer:
+        return replace(
+            receiver.transfer,
+            method="stream",
+            seconds=time.monotonic() - started,
+            bytes_sent=size,
+            codec=self.job.codec,
+            source=source,
+        )
+
+    def _check(self, receiver: Receiver, result: CommandResult, what: str) -> None:
+        """The receive command prints the loaded image's ID last: it must be the operator's."""
+        if not result.ok:
+            raise OperationError(
+                f"{receiver.host}: {what} failed: {result.first_line()}",
+                f"check free disk space on {receiver.host} (df -h /var/lib/docker) and retry `raycluster up`",
+            )
+        lines = result.stdout.strip().splitlines()
+        found = lines[-1].strip() if lines else ""
+        if found != self.job.image_id:
+            raise OperationError(
+                f"{receiver.host}: after docker load, {self.job.image} is {found[7:19] or 'missing'}, "
+                f"expected {self.job.image_id[7:19]}",
+                "the image may have been re-tagged meanwhile: re-run `raycluster up`",
+            )
+
+
+def _listener_failed(heard: CommandResult | BaseException | None) -> bool:
+    """Whether a failed copy was the sender's fault: its listener broke (not: no receiver ever came)."""
+    if isinstance(heard, CommandResult):
+        return not heard.ok and "no receiver presented" not in heard.stderr
+    return heard is not None

@@ -1,0 +1,171 @@
+"""Image distribution with fake hosts: one seed from the operator, peers after, fallback to the operator."""
+
+from __future__ import annotations
+
+import re
+import threading
+from pathlib import Path
+
+import pytest
+
+from raycluster_cli import peers, spread
+from raycluster_cli.errors import OperationError
+from raycluster_cli.images import TOOLS_COMMAND, choose_codec, decompressor, distribute
+from raycluster_cli.inventory import Inventory, parse
+from raycluster_cli.progress import TransferProgress
+from raycluster_cli.spread import ImageTransfer
+from raycluster_cli.transport import CommandResult
+from raycluster_cli.transport.fake import FakeTransport
+
+A = "sha256:" + "a" * 64
+B = "sha256:" + "b" * 64
+
+
+def _fleet(count: int) -> Inventory:
+    hosts = "\n".join(f"  - {{address: 192.0.2.{10 + i}, role: {'worker' if i else 'head'}}}" for i in range(count))
+    return parse(f"cluster: t\nimage: img:1\nhead:\n  address: 192.0.2.10\nhosts:\n{hosts}\n")
+
+
+class Host(FakeTransport):
+    """A fake host that also remembers what came on stdin (the secrets)."""
+
+    def __init__(self, host: str, table: dict[str, CommandResult | str]) -> None:
+        super().__init__(host, table)
+        self.stdin: list[bytes] = []
+        self.lock = threading.Lock()
+
+    def run(self, command: str, *, stdin: bytes | None = None, timeout: float | None = 120.0) -> CommandResult:
+        with self.lock:
+            if stdin is not None:
+                self.stdin.append(stdin)
+            return super().run(command, stdin=stdin, timeout=timeout)
+
+
+def _host(address: str, loaded: str = A, tools: str = "zstd\nbash\ntimeout\n", **extra: CommandResult | str) -> Host:
+    table: dict[str, CommandResult | str] = {re.escape(TOOLS_COMMAND): tools}
+    table.update({"python3 -c": "123", "/dev/tcp/": f"Loaded image: img:1\n{loaded}\n"})
+    table.update({"docker load": f"Loaded image: img:1\n{loaded}\n", "stat -c": "0", "rm -f": ""})
+    return Host(address, {**table, **extra})
+
+
+def _plan(inv: Inventory) -> list[ImageTransfer]:
+    return [ImageTransfer(str(h.address), "missing", "stream") for h in inv.hosts]
+
+
+@pytest.fixture
+def archive(tmp_path: Path) -> Path:
+    path = tmp_path / f"{A[7:19]}.tar.zst"
+    path.write_bytes(b"z" * 1000)
+    return path
+
+
+def test_the_operator_seeds_one_host_and_the_hosts_serve_the_rest(archive: Path) -> None:
+    inv = _fleet(8)
+    hosts = {str(h.address): _host(str(h.address)) for h in inv.hosts}
+    events: list[object] = []
+    done = distribute(inv, lambda h: hosts[str(h.address)], _plan(inv), A, archive.parent, events.append)
+    fed = [address for address, host in hosts.items() if host.fed]
+    assert len(fed) == 1  # one copy left this machine
+    by_source = {t.host: t.source for t in done}
+    assert by_source[fed[0]] == "operator"
+    assert all(by_source[a] in hosts and by_source[a] != a for a in hosts if a != fed[0])
+    assert {t.codec for t in done} == {"zstd"} and {t.bytes_sent for t in done} == {1000}
+    # Every secret went on stdin and appears in no command line.
+    secrets = {s.decode().strip() for host in hosts.values() for s in host.stdin}
+    assert len(secrets) == 7
+    commands = [c for host in hosts.values() for c in host.commands]
+    assert not [c for c in commands if any(s in c for s in secrets)]
+    # Each listener binds its own host's cluster address; every host's copy of the archive is removed after.
+    for address, host in hosts.items():
+        for command in host.commands:
+            if "python3 -c" in command:
+                assert f" {address} " in command
+        assert any(c.startswith("rm -f ") for c in host.commands)
+    assert any(isinstance(e, TransferProgress) and "→" in e.label for e in events)
+
+
+def test_a_host_that_cannot_reach_its_peer_gets_the_image_from_the_operator(archive: Path) -> None:
+    inv = _fleet(4)
+    blocked = "192.0.2.13"
+    hosts = {
+        str(h.address): _host(
+            str(h.address),
+            **({"/dev/tcp/": CommandResult(3, "", "cannot reach x")} if str(h.address) == blocked else {}),
+        )
+        for h in inv.hosts
+    }
+    done = {t.host: t for t in distribute(inv, lambda h: hosts[str(h.address)], _plan(inv), A, archive.parent)}
+    assert done[blocked].source.startswith("operator (after a peer copy failed: ")
+    assert "cannot reach" in done[blocked].source
+    assert hosts[blocked].fed  # the operator streamed it
+    assert sum(bool(h.fed) for h in hosts.values()) == 2  # the seed and the fallback
+
+
+def test_a_sender_whose_listener_fails_serves_no_one_else(archive: Path) -> None:
+    inv = _fleet(4)
+    hosts = {str(h.address): _host(str(h.address)) for h in inv.hosts}
+    broken = CommandResult(1, "", "OSError: [Errno 98] Address already in use")
+    fail_all = CommandResult(3, "", "cannot reach")
+    for host in hosts.values():
+        host.table.insert(0, (re.compile("python3 -c"), broken))
+        host.table.insert(0, (re.compile("/dev/tcp/"), fail_all))
+    done = distribute(inv, lambda h: hosts[str(h.address)], _plan(inv), A, archive.parent)
+    assert all(t.source.startswith("operator") for t in done)
+    listeners = sum("python3 -c" in c for h in hosts.values() for c in h.commands)
+    assert listeners <= 3  # each failed sender tried once and was dropped
+
+
+def test_a_host_without_bash_is_streamed_by_the_operator(archive: Path) -> None:
+    inv = _fleet(3)
+    hosts = {str(h.address): _host(str(h.address), tools="zstd\n") for h in inv.hosts}
+    done = distribute(inv, lambda h: hosts[str(h.address)], _plan(inv), A, archive.parent)
+    assert all(h.fed for h in hosts.values())
+    assert {t.source for t in done} == {"operator"}
+
+
+def test_a_copy_that_loads_another_image_fails_naming_the_host(archive: Path) -> None:
+    inv = _fleet(2)
+    hosts = {str(h.address): _host(str(h.address), loaded=B) for h in inv.hosts}
+    with pytest.raises(OperationError) as info:
+        distribute(inv, lambda h: hosts[str(h.address)], _plan(inv), A, archive.parent)
+    assert "expected aaaaaaaaaaaa" in info.value.message and "192.0.2.10" in info.value.message
+
+
+def test_codec_and_decompressor() -> None:
+    assert choose_codec({"zstd"}, [frozenset({"zstd"}), frozenset({"zstd", "bash"})]) == "zstd"
+    assert choose_codec({"zstd"}, [frozenset({"zstd"}), frozenset({"bash"})]) == "gzip"
+    assert choose_codec(set(), [frozenset({"zstd"})]) == "gzip"
+    assert decompressor("gzip", frozenset({"pigz"})) == "pigz -dc"
+    assert decompressor("gzip", frozenset()) == "gzip -dc"
+    assert decompressor("zstd", frozenset({"zstd"})) == "zstd -dc"
+
+
+def test_watch_stops_a_copy_that_stalls(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(peers, "POLL_S", 0.01)
+    monkeypatch.setattr(peers, "STALL_S", 0.1)
+    host = Host("192.0.2.10", {"stat -c": "500", "kill -TERM": ""})
+    seen: list[int] = []
+    with peers.Watch(host, "/var/tmp/x.tar.zst", seen.append) as watch:
+        for _ in range(200):
+            if watch.stalled:
+                break
+            threading.Event().wait(0.01)
+    assert watch.stalled and seen == [500]
+    assert any("kill -TERM" in c for c in host.commands)
+
+
+def test_commands_keep_secrets_off_the_command_line_and_bound_every_wait() -> None:
+    copy = peers.Copy.new("192.0.2.10", "192.0.2.11", "10.0.0.10")
+    listen = peers.listener_command(copy, "/var/tmp/raycluster-images/a.tar.zst", "img:1")
+    receive = peers.receive_command("/var/tmp/raycluster-images/a.tar.zst", "zstd -dc", "img:1", "10.0.0.10 20001")
+    assert copy.secret not in listen and copy.secret not in receive
+    assert "docker run --rm -i --network host" in listen and f"timeout {peers.DEADLINE_S:.0f} python3" in listen
+    assert f"timeout -k 5 {peers.DEADLINE_S:.0f}" in receive and "/dev/tcp/10.0.0.10/20001" in receive
+    assert peers.PORTS[0] <= copy.port <= peers.PORTS[1]
+
+
+def test_operator_streams_are_bounded(archive: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(spread, "SEEDS", 1)
+    inv = _fleet(6)
+    hosts = {str(h.address): _host(str(h.address), tools="zstd\n") for h in inv.hosts}  # no bash: all direct
+    assert len(distribute(inv, lambda h: hosts[str(h.address)], _plan(inv), A, archive.parent)) == 6
