@@ -23,6 +23,7 @@ from .errors import ExitCode, GroupError, RayclusterError, UsageError
 from .inventory import Inventory
 from .jobs import Dashboard, check_dashboard, dashboard_tunnel, follow_job, stop_hint, submit_job
 from .logs import collect
+from .metrics import collect_metrics
 from .ops import choose_hosts, run_exec, worst
 from .report import (
     Output,
@@ -37,13 +38,15 @@ from .report import (
 from .report_ops import (
     ExecPrinter,
     JobLogPrinter,
+    live_status,
     render_dashboard,
     render_exec,
     render_interrupted_job,
+    render_metrics,
     render_submit,
 )
 from .state import cluster_lock, state_dir, token_file
-from .status import status
+from .status import StatusResult, status
 from .teardown import down
 from .transport import cancel
 from .transport.pool import SSHPool
@@ -287,23 +290,73 @@ def down_command(
 
 
 @app.command("status")
-def status_command(inventory_path: InventoryOpt = None, json_mode: JsonOpt = False, debug: DebugOpt = False) -> None:
+def status_command(
+    inventory_path: InventoryOpt = None,
+    watch: Annotated[bool, typer.Option("--watch", help="redraw the table in place until Ctrl-C")] = False,
+    interval: Annotated[float, typer.Option(min=0.5, help="seconds between refreshes with --watch")] = 2.0,
+    json_mode: JsonOpt = False,
+    debug: DebugOpt = False,
+) -> None:
     """Per host: container state, Ray node alive, resources, image ID, Ray version; cluster totals.
 
-    Exit 0: every host's container runs and its Ray node is alive; 1: degraded or down."""
+    Exit 0: every host's container runs and its Ray node is alive; 1: degraded or down. With --watch:
+    0 after Ctrl-C (the normal end)."""
+
+    def action(output: Output) -> int:
+        if watch and json_mode:
+            raise UsageError("--watch redraws a table; --json prints one document", "use one of them")
+        with _cluster(inventory_path) as (inv, pool):
+            if watch:
+                with live_status(output) as show:
+                    repeat_until_interrupt(lambda: show(_status_body(inv, status(inv, pool))), interval)
+                return ExitCode.OK
+            result = status(inv, pool)
+        return _emit(output, result.state == "healthy", _status_body(inv, result), render_status)
+
+    _execute(json_mode, debug, action)
+
+
+def _status_body(inv: Inventory, result: StatusResult) -> dict[str, Any]:
+    return {
+        "cluster": inv.cluster,
+        "state": result.state,
+        "hosts": [h.to_dict() for h in result.hosts],
+        "totals": result.totals(),
+    }
+
+
+@app.command("metrics")
+def metrics_command(
+    inventory_path: InventoryOpt = None,
+    out: Annotated[Path, typer.Option("--out", help="folder for prometheus/ and grafana/dashboards/")] = Path(
+        "raycluster-metrics"
+    ),
+    json_mode: JsonOpt = False,
+    debug: DebugOpt = False,
+) -> None:
+    """Write a Prometheus file_sd target file for every node's metrics and Ray's Grafana dashboards.
+
+    Exit 0: every target answered a scrape; 1: some did not (the files are written all the same)."""
 
     def action(output: Output) -> int:
         with _cluster(inventory_path) as (inv, pool):
-            result = status(inv, pool)
+            result = collect_metrics(inv, pool, out)
         body = {
             "cluster": inv.cluster,
-            "state": result.state,
-            "hosts": [h.to_dict() for h in result.hosts],
-            "totals": result.totals(),
+            "out": str(out),
+            "targets": [t.to_dict() | {"role": _role(inv, t.host)} for t in result.targets],
+            "files": result.files,
+            "dashboards_dir": str(out / "grafana" / "dashboards"),
+            "dashboards": result.dashboards,
+            "warnings": result.warnings,
         }
-        return _emit(output, result.state == "healthy", body, render_status)
+        return _emit(output, result.ok, body, render_metrics)
 
     _execute(json_mode, debug, action)
+
+
+def _role(inv: Inventory, address: str) -> str:
+    return next((h.role for h in inv.hosts if str(h.address) == address), "dashboard")
 
 
 @app.command("logs")
@@ -406,11 +459,18 @@ def submit_command(
 
 def wait_for_interrupt() -> None:
     """Block until Ctrl-C or SIGTERM (either ends a long-running verb normally)."""
+    repeat_until_interrupt(lambda: None, 0.5)
+
+
+def repeat_until_interrupt(step: Callable[[], None], interval: float) -> None:
+    """Call `step` every `interval` seconds until Ctrl-C or SIGTERM (the normal end of --watch/dashboard)."""
     stopped = threading.Event()
     previous = signal.signal(signal.SIGTERM, lambda *_: stopped.set())
     try:
-        while not stopped.wait(0.5):
-            pass
+        while True:
+            step()
+            if stopped.wait(interval):
+                return
     except KeyboardInterrupt:
         pass
     finally:

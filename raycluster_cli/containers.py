@@ -73,6 +73,7 @@ def ray_start_args(inventory: Inventory, host: HostConfig) -> list[str]:
     if ray.object_store_memory:
         args.append(f"--object-store-memory={ray.object_store_memory}")
     args += [f"--min-worker-port={ray.min_worker_port}", f"--max-worker-port={ray.max_worker_port}"]
+    args.append(f"--metrics-export-port={ray.metrics_export_port}")
     args.append("--block")
     return args
 

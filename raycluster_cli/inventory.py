@@ -29,6 +29,8 @@ _NAME = re.compile(r"[a-z0-9][a-z0-9_.-]{0,62}", re.ASCII)
 _SIZE = re.compile(r"\d{1,15}(\.\d{1,6})?[bkmg]?", re.IGNORECASE | re.ASCII)
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*", re.ASCII)
 _RESOURCE_NAME = re.compile(r"[A-Za-z0-9_.:/-]{1,128}", re.ASCII)
+_ENGINE_WORD = re.compile(r"[A-Za-z0-9_./:=+-]+", re.ASCII)
+_JUMP = re.compile(r"(?:[^@\s,:]+@)?(?:\[[0-9A-Fa-f:]+\]|[^@\s,:\[\]]+)(?::\d{1,5})?", re.ASCII)
 _BUILTIN_RESOURCES = {"CPU", "GPU", "memory", "object_store_memory"}
 
 
@@ -92,12 +94,35 @@ class SSHConfig(_Model):
     keepalive_count_max: int = Field(3, ge=1, le=100, description="unanswered keepalives before a host is dropped")
     stall_timeout_s: float = Field(60.0, gt=0, le=3600, description="a stream accepting no data this long fails")
     max_parallel_logins: int = Field(8, ge=1, le=1000, description="SSH handshakes at once (sshd MaxStartups)")
+    proxy_jump: str | None = Field(None, description="jump host(s) as OpenSSH's ProxyJump: user@bastion[:port][,…]")
+    config_file: str | None = Field("~/.ssh/config", description="OpenSSH client config to read (null: none)")
+
+    @field_validator("proxy_jump")
+    @classmethod
+    def _jump(cls, value: str | None) -> str | None:
+        return _check_jump(value)
 
 
 class HostSSH(_Model):
     user: LoginName | None = None
     key: str | None = Field(None, min_length=1)
     port: int | None = Field(None, ge=1, le=65535)
+    proxy_jump: str | None = Field(None, description="this host's jump host(s) ('none': connect directly)")
+
+    @field_validator("proxy_jump")
+    @classmethod
+    def _jump(cls, value: str | None) -> str | None:
+        return _check_jump(value)
+
+
+def _check_jump(value: str | None) -> str | None:
+    if (
+        value is not None
+        and value.strip().lower() != "none"
+        and not all(_JUMP.fullmatch(p.strip()) for p in value.split(","))
+    ):
+        raise ValueError("use [user@]host[:port], several separated by commas, or none")
+    return value
 
 
 class DockerConfig(_Model):
@@ -105,6 +130,20 @@ class DockerConfig(_Model):
 
     shm_size: str | None = None
     run_options: list[ShellOption] = Field(default_factory=list)
+    engine: str | None = Field(None, description="docker (default), podman, or a prefix such as 'sudo -n docker'")
+
+    @field_validator("engine")
+    @classmethod
+    def _engine(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        try:
+            words = shlex.split(value)
+        except ValueError:
+            words = []
+        if not words or not all(_ENGINE_WORD.fullmatch(w) for w in words):
+            raise ValueError("use docker, podman, or a command prefix such as 'sudo -n docker'")
+        return " ".join(words)
 
     @field_validator("shm_size")
     @classmethod
@@ -122,12 +161,15 @@ class RayConfig(_Model):
     auth: Literal["token", "none"] = "token"
     min_worker_port: int = Field(10002, ge=1024, le=65535, description="first port of Ray's worker processes")
     max_worker_port: int = Field(19999, ge=1024, le=65535, description="last port of Ray's worker processes")
+    metrics_export_port: int = Field(
+        8080, ge=1, le=65535, description="port of every node's Prometheus metrics (on the node's IP)"
+    )
 
     @model_validator(mode="after")
     def _worker_ports(self) -> RayConfig:
         if self.min_worker_port > self.max_worker_port:
             raise ValueError(f"min_worker_port {self.min_worker_port} is above max_worker_port {self.max_worker_port}")
-        fixed = {self.port, self.dashboard_port, self.client_port}
+        fixed = {self.port, self.dashboard_port, self.client_port, self.metrics_export_port}
         inside = sorted(p for p in fixed if self.min_worker_port <= p <= self.max_worker_port)
         if inside:
             raise ValueError(f"port {inside[0]} lies inside the worker port range: move it or the range")
@@ -268,6 +310,7 @@ class Inventory(_Model):
         return DockerConfig(
             shm_size=host.docker.shm_size or self.docker.shm_size,
             run_options=[*self.docker.run_options, *host.docker.run_options],
+            engine=host.docker.engine or self.docker.engine,
         )
 
     def env_for(self, host: HostConfig) -> dict[str, str]:

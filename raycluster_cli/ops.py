@@ -74,10 +74,15 @@ def exec_command(inventory: Inventory, host: HostConfig, words: list[str]) -> st
     return f"docker exec {quote(container_name(inventory, host))} sh -c {quote(script)}"
 
 
-def container_problem(inventory: Inventory, host: HostConfig, inspect_stdout: str, inspect_rc: int) -> str:
+def container_problem(
+    inventory: Inventory, host: HostConfig, inspect_stdout: str, inspect_rc: int, inspect_stderr: str = ""
+) -> str:
     """Why the command cannot run in the host's container ('' when it can) (pure)."""
     name = container_name(inventory, host)
     fields = inspect_stdout.split()
+    said = inspect_stderr.strip().splitlines()
+    if said and "no such" not in said[0].lower():
+        return f"cannot ask the container engine on {host.address}: {said[0][:200]}"
     if inspect_rc != 0 or len(fields) < 2:
         return f"no container {name} on {host.address}: run `raycluster up`"
     if fields[1] != f"{inventory.cluster}/{host.role}":
@@ -104,7 +109,7 @@ def run_exec(
     def one(host: HostConfig) -> ExecResult:
         transport = connect(host)
         found = transport.run(container_check_command(inventory, host), timeout=60)
-        problem = container_problem(inventory, host, found.stdout, found.rc)
+        problem = container_problem(inventory, host, found.stdout, found.rc, found.stderr)
         if problem:
             return ExecResult(str(host.address), host.role, NOT_RUN, error=problem)
 

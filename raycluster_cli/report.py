@@ -10,9 +10,10 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, TextIO
 
-from rich.console import Console
+from rich.console import Console, Group, RenderableType
 from rich.progress import BarColumn, DownloadColumn, Progress, TaskID, TextColumn, TransferSpeedColumn
 from rich.table import Table
+from rich.text import Text
 
 from .checks import CheckResult, Status
 from .progress import Event, TransferProgress
@@ -257,7 +258,12 @@ def render_down(output: Output, body: dict[str, Any]) -> None:
 
 
 def render_status(output: Output, body: dict[str, Any]) -> None:
-    table = Table(title=f"cluster {body['cluster']}: {body['state']}", title_justify="left")
+    output.out.print(status_view(body))
+
+
+def status_view(body: dict[str, Any], title: str = "") -> Group:
+    """The node table of `status` with its summary lines (also what `status --watch` redraws)."""
+    table = Table(title=title or f"cluster {body['cluster']}: {body['state']}", title_justify="left")
     table.add_column("host", min_width=15)
     table.add_column("role")
     table.add_column("container", min_width=9)
@@ -279,13 +285,16 @@ def render_status(output: Output, body: dict[str, Any]) -> None:
             host["image_id"][7:19],
             host["ray_version"],
         )
-    output.out.print(table)
     totals = body["totals"]
     summary = ", ".join(f"{k} {v:g}" for k, v in totals["resources"].items() if k in {"CPU", "GPU"})
-    output.line(f"{totals['alive_nodes']}/{totals['hosts']} nodes alive; {summary or 'no resources'}")
+    lines: list[RenderableType] = [
+        table,
+        Text.from_markup(f"{totals['alive_nodes']}/{totals['hosts']} nodes alive; {summary or 'no resources'}"),
+    ]
     for host in body["hosts"]:
         if host.get("error"):
-            output.line(f"[red]{host['host']}:[/red] {_escape(host['error'])}")
+            lines.append(Text.from_markup(f"[red]{host['host']}:[/red] {_escape(host['error'])}"))
+    return Group(*lines)
 
 
 def _mark(text: str, good: bool) -> str:

@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
-from .report import Output, _escape, terminal_safe
+from rich.live import Live
+from rich.table import Table
+
+from .report import Output, _escape, status_view, terminal_safe
 from .transport.stream import Stream
 
 
@@ -80,3 +86,39 @@ def render_dashboard(output: Output, body: dict[str, Any]) -> None:
     )
     if body.get("auth_token_file"):
         output.err.print(f"the dashboard asks for the cluster's token: paste the content of {body['auth_token_file']}")
+
+
+@contextmanager
+def live_status(output: Output) -> Iterator[Callable[[dict[str, Any]], None]]:
+    """A callback that redraws the status table in place (rich Live) with the time of each refresh."""
+    with Live(console=output.out, auto_refresh=False, transient=False) as live:
+
+        def show(body: dict[str, Any]) -> None:
+            title = f"cluster {body['cluster']}: {body['state']} at {time.strftime('%H:%M:%S')} (Ctrl-C to stop)"
+            live.update(status_view(body, title), refresh=True)
+
+        yield show
+
+
+def render_metrics(output: Output, body: dict[str, Any]) -> None:
+    table = Table(title=f"Prometheus targets of cluster {body['cluster']}", title_justify="left")
+    for column in ("target", "host", "role", "Ray lists it", "scrape"):
+        table.add_column(column)
+    for target in body["targets"]:
+        scrape = (
+            f"[green]{target['samples']} samples[/green]" if target["up"] else f"[red]{_escape(target['error'])}[/red]"
+        )
+        table.add_row(
+            target["target"],
+            target["host"] or "(dashboard)",
+            target.get("role", ""),
+            "yes" if target["in_ray_list"] else "[yellow]no[/yellow]",
+            scrape,
+        )
+    output.out.print(table)
+    for path in body["files"]:
+        output.line(f"wrote {_escape(path)}")
+    if body["dashboards"]:
+        output.line(f"wrote {len(body['dashboards'])} Grafana dashboards to {_escape(body['dashboards_dir'])}")
+    for warning in body["warnings"]:
+        output.line(f"[bold yellow]warning:[/bold yellow] {_escape(warning)}")

@@ -13,10 +13,13 @@ import time
 from collections.abc import Callable
 from types import TracebackType
 
+from ..engine import with_engine
 from ..inventory import HostConfig, Inventory
 from . import cancel
 from .base import Transport
-from .ssh import SSHTransport
+from .jumps import JumpHosts
+from .ssh import Sock, SSHTransport
+from .sshconfig import Hop, load_config, resolve
 
 Connect = Callable[[HostConfig], Transport]
 
@@ -49,40 +52,56 @@ class LoginGate:
 
 
 class SSHPool:
-    """One SSH connection per host, opened on first use (through the login gate), closed together."""
+    """One SSH connection per host, opened on first use (through the login gate), closed together.
+
+    Hosts are reached as OpenSSH would (`~/.ssh/config`, `ssh.proxy_jump`: see sshconfig.py), behind one
+    shared connection per jump host (jumps.py); each host's engine commands go through engine.py."""
 
     def __init__(self, inventory: Inventory) -> None:
         self.inventory = inventory
         self.gate = LoginGate(inventory.ssh.max_parallel_logins)
         self._open: dict[str, SSHTransport] = {}
         self._lock = threading.Lock()
+        self.ssh_config = load_config(inventory.ssh.config_file)
+        self.jumps = JumpHosts(self._jump_transport)
+
+    def _options(self, host: HostConfig | None) -> dict[str, object]:
+        ssh = self.inventory.ssh_for(host) if host else self.inventory.ssh
+        return {
+            "known_hosts": ssh.known_hosts,
+            "known_hosts_file": ssh.known_hosts_file,
+            "connect_timeout": ssh.connect_timeout_s,
+            "keepalive_s": ssh.keepalive_interval_s,
+            "keepalive_count": ssh.keepalive_count_max,
+            "stall_s": ssh.stall_timeout_s,
+            "retries": ssh.connect_retries,
+        }
+
+    def _jump_transport(self, hop: Hop, sock: Sock | None) -> SSHTransport:
+        """A jump host's connection: outside the login gate (a target holds a slot while its jump logs in)."""
+        return SSHTransport(hop.host, user=hop.user, port=hop.port, key_file=hop.key, sock=sock, **self._options(None))  # type: ignore[arg-type]
 
     def transport(self, host: HostConfig) -> SSHTransport:
         """This host's transport (not yet connected on first use)."""
         key = str(host.address)
         with self._lock:
             if key not in self._open:
-                ssh = self.inventory.ssh_for(host)
+                route = resolve(self.inventory, host, self.ssh_config)
                 self._open[key] = SSHTransport(
-                    key,
-                    user=ssh.user,
-                    port=ssh.port,
-                    key_file=ssh.key,
-                    known_hosts=ssh.known_hosts,
-                    known_hosts_file=ssh.known_hosts_file,
-                    connect_timeout=ssh.connect_timeout_s,
-                    keepalive_s=ssh.keepalive_interval_s,
-                    keepalive_count=ssh.keepalive_count_max,
-                    stall_s=ssh.stall_timeout_s,
-                    retries=ssh.connect_retries,
+                    route.target.host,
+                    user=route.target.user,
+                    port=route.target.port,
+                    key_file=route.target.key,
+                    sock=self.jumps.sock_for(route),
                     gate=self.gate,
+                    **self._options(host),  # type: ignore[arg-type]
                 )
             return self._open[key]
 
     def __call__(self, host: HostConfig) -> Transport:
         transport = self.transport(host)
         transport.connect()
-        return transport
+        return with_engine(self.inventory, host, transport)
 
     def running(self) -> list[dict[str, str]]:
         """Every command running now, per host (what an interrupted verb had started)."""
@@ -96,3 +115,4 @@ class SSHPool:
             self._open.clear()
         for transport in transports:
             transport.close()
+        self.jumps.close()

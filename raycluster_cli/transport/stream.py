@@ -56,6 +56,9 @@ def run_streamed(transport: Transport, command: str, sink: LineSink, timeout: fl
             lines.add(text.encode())
             lines.finish()
         return result
+    prepare = getattr(transport, "engine_command", None)  # the host's container engine (engine.py)
+    if prepare is not None:
+        command = prepare(command)
     try:
         channel = opener().open_session(timeout=OPEN_TIMEOUT_S)
     except (EOFError, paramiko.SSHException, OSError) as exc:

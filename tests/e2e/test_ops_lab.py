@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import signal
 import socket
 import subprocess
@@ -21,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from raycluster_cli import inventory, state
 
@@ -160,3 +162,187 @@ def test_dashboard_forwards_a_local_port_until_ctrl_c(cluster: Lab, dashboard_bl
     finally:
         if process.poll() is None:
             process.kill()
+
+
+# metrics and status --watch -------------------------------------------------------------------------
+
+
+def test_metrics_writes_scraped_targets_on_the_fixed_port_and_rays_dashboards(cluster: Lab, tmp_path: Path) -> None:
+    out = tmp_path / "metrics"
+    code, doc, err = cluster.cli("metrics", "--out", str(out))
+    assert code == 0, (doc, err)
+    nodes = {t["host"]: t for t in doc["targets"] if t["host"]}
+    assert {h: t["target"] for h, t in nodes.items()} == {ip: f"{ip}:8080" for ip in (IP1, IP2, IP3)}
+    assert all(t["up"] and t["samples"] > 10 and t["in_ray_list"] for t in nodes.values())
+    written = json.loads((out / "prometheus" / "lab.json").read_text())
+    assert {g["targets"][0] for g in written} >= {f"{ip}:8080" for ip in (IP1, IP2, IP3)}
+    assert all(g["labels"]["ray_cluster"] == "lab" for g in written)
+    dashboards = sorted(p.name for p in (out / "grafana" / "dashboards").glob("*.json"))
+    assert dashboards == doc["dashboards"] and any("default" in name for name in dashboards)
+    json.loads((out / "grafana" / "dashboards" / dashboards[0]).read_text())  # a real Grafana dashboard
+    # The operator itself reaches a target too (what a Prometheus next to it would scrape).
+    with urllib.request.urlopen(f"http://{IP2}:8080/metrics", timeout=30) as response:
+        assert b"ray_" in response.read()
+
+
+# docker.engine -------------------------------------------------------------------------------------
+
+
+def test_engine_prefix_sudo_for_a_login_user_who_may_run_docker_only_through_sudo(cluster: Lab, tmp_path: Path) -> None:
+    """lab-h3 gets a user `operator` outside the docker group whom sudoers lets run /usr/bin/docker only:
+    every engine command `exec` and `status` send there must go through `sudo -n docker`."""
+    cluster.sh(
+        "lab-h3",
+        "id operator >/dev/null 2>&1 || useradd -m -s /bin/sh operator; "
+        "install -d -m 700 -o operator -g operator /home/operator/.ssh; "
+        "install -m 600 -o operator -g operator /root/.ssh/authorized_keys /home/operator/.ssh/authorized_keys; "
+        "echo 'operator ALL=(root) NOPASSWD: /usr/bin/docker' > /etc/sudoers.d/operator; chmod 440 /etc/sudoers.d/operator",
+    )
+
+    def as_operator(engine: str | None) -> str:
+        def edit(data: dict[str, Any]) -> None:
+            data["hosts"][2]["ssh"] = {"user": "operator"}
+            if engine:
+                data["hosts"][2]["docker"] = {"engine": engine}
+
+        return cluster.variant(tmp_path / f"inventory-{bool(engine)}.yaml", edit)
+
+    code, out, _ = _cli(cluster, "exec", "--json", "--host", IP3, "--", "hostname", inventory_path=as_operator(None))
+    assert code == 255 and "permission denied" in json.loads(out)["hosts"][0]["error"]  # plain docker: refused
+    with_sudo = as_operator("sudo -n docker")
+    code, out, err = _cli(cluster, "exec", "--json", "--host", IP3, "--", "id -un; hostname", inventory_path=with_sudo)
+    assert code == 0, (out, err)
+    assert json.loads(out)["hosts"][0]["stdout"].split() == ["root", "lab-h3"]
+    _, doc, _ = cluster.cli("status", inventory=with_sudo)
+    truth = cluster.sh("lab-h3", "docker inspect --format '{{.State.Status}}' raycluster-lab-worker").strip()
+    assert {h["host"]: h["container"] for h in doc["hosts"]}[IP3] == truth
+
+
+# ProxyJump and ~/.ssh/config ----------------------------------------------------------------------
+
+
+@pytest.fixture
+def workers_behind_h1(cluster: Lab) -> Iterator[None]:
+    """lab-h2 and lab-h3 accept SSH only from lab-h1 (iptables in their network namespaces)."""
+    rule = f"INPUT -p tcp --dport 22 ! -s {IP1} -j DROP"
+    for name in ("lab-h2", "lab-h3"):
+        cluster.sh(name, f"iptables -I {rule}")
+    try:
+        yield
+    finally:
+        for name in ("lab-h2", "lab-h3"):
+            cluster.sh_result(name, f"iptables -D {rule}")
+
+
+def _hostnames(doc: dict[str, Any]) -> dict[str, str]:
+    return {h["host"]: h["stdout"].strip() or h["error"] for h in doc["hosts"]}
+
+
+def test_proxy_jump_reaches_workers_that_accept_ssh_only_from_the_jump_host(
+    cluster: Lab, workers_behind_h1: None, tmp_path: Path
+) -> None:
+    def direct(data: dict[str, Any]) -> None:
+        data["ssh"]["connect_timeout_s"] = 3
+
+    code, out, _ = _cli(
+        cluster,
+        "exec",
+        "--json",
+        "--all",
+        "--",
+        "hostname",
+        inventory_path=cluster.variant(tmp_path / "d.yaml", direct),
+    )
+    assert code == 255 and set(_hostnames(json.loads(out))) == {IP1, IP2, IP3}
+    assert _hostnames(json.loads(out))[IP1] == "lab-h1"
+
+    def jump(data: dict[str, Any]) -> None:
+        direct(data)
+        data["ssh"]["proxy_jump"] = f"root@{IP1}"
+        data["hosts"][0]["ssh"] = {"proxy_jump": "none"}
+
+    code, out, err = _cli(
+        cluster, "exec", "--json", "--all", "--", "hostname", inventory_path=cluster.variant(tmp_path / "j.yaml", jump)
+    )
+    assert code == 0, (out, err)
+    assert _hostnames(json.loads(out)) == {IP1: "lab-h1", IP2: "lab-h2", IP3: "lab-h3"}
+
+
+def test_ssh_config_proxyjump_alias_and_the_jump_hosts_key_is_verified(
+    cluster: Lab, workers_behind_h1: None, tmp_path: Path
+) -> None:
+    data = yaml.safe_load(cluster.info.inventory_path.read_text())
+    key, known = data["ssh"]["key"], data["ssh"]["known_hosts_file"]
+    config = tmp_path / "ssh_config"
+    config.write_text(
+        f"Host bastion\n  HostName {IP1}\n  User root\n  IdentityFile {key}\n"
+        f"Host {IP2} {IP3}\n  ProxyJump bastion\n  ConnectTimeout 3\n"
+    )
+
+    def use_config(data: dict[str, Any]) -> None:
+        data["ssh"]["config_file"] = str(config)
+
+    via_config = cluster.variant(tmp_path / "c.yaml", use_config)
+    code, out, err = _cli(
+        cluster, "exec", "--json", "--host", IP2, "--host", IP3, "--", "hostname", inventory_path=via_config
+    )
+    assert code == 0, (out, err)
+    assert _hostnames(json.loads(out)) == {IP2: "lab-h2", IP3: "lab-h3"}
+    # The jump host's key is checked like any other: without it in known_hosts, nothing goes through it.
+    without_bastion = tmp_path / "known_hosts"
+    without_bastion.write_text(
+        "".join(line for line in Path(known).read_text().splitlines(True) if not line.startswith(f"{IP1} "))
+    )
+
+    def strict(data: dict[str, Any]) -> None:
+        use_config(data)
+        data["ssh"]["known_hosts_file"] = str(without_bastion)
+
+    code, out, _ = _cli(
+        cluster,
+        "exec",
+        "--json",
+        "--host",
+        IP2,
+        "--",
+        "hostname",
+        inventory_path=cluster.variant(tmp_path / "s.yaml", strict),
+    )
+    error = json.loads(out)["hosts"][0]["error"]
+    assert code == 255 and IP1 in error and "host key" in error.lower()
+
+
+# Last: it stops a worker container (the next module brings the cluster up again).
+
+
+def test_status_watch_redraws_until_ctrl_c_and_shows_a_stopped_worker(cluster: Lab) -> None:
+    import pty
+
+    master, slave = pty.openpty()
+    command = [sys.executable, "-m", "raycluster_cli.cli", "status", "-i", cluster.inventory, "--watch"]
+    process = subprocess.Popen(
+        [*command, "--interval", "1"], stdout=slave, stderr=slave, env={**os.environ, "COLUMNS": "160"}
+    )
+    os.close(slave)
+    seen = b""
+
+    def read_until(marker: bytes, timeout: float) -> bool:
+        nonlocal seen
+        deadline = time.monotonic() + timeout
+        while marker not in seen and time.monotonic() < deadline:
+            ready, _, _ = select.select([master], [], [], 1)
+            if ready:
+                seen += os.read(master, 65536)
+        return marker in seen
+
+    try:
+        assert read_until(b"3/3 nodes alive", 180), seen[-2000:]
+        cluster.sh("lab-h3", "docker stop -t 2 raycluster-lab-worker")
+        assert read_until(b"exited", 120), seen[-2000:]
+        assert seen.count(b"Ctrl-C to stop") >= 2 and b"\x1b[" in seen  # redrawn in place, several times
+        process.send_signal(signal.SIGINT)
+        assert process.wait(timeout=30) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+        os.close(master)

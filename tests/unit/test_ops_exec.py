@@ -91,3 +91,10 @@ def test_a_missing_container_is_not_run() -> None:
     results = run_exec(INV, _connect({"192.0.2.11": empty}), [HEAD], ["true"], on_output=lambda *a: None)
     assert results[0].rc == NOT_RUN and "raycluster up" in results[0].error
     assert not any(c.startswith("docker exec") for c in empty.commands)
+
+
+def test_an_engine_that_refuses_is_named_with_its_message() -> None:
+    said = "permission denied while trying to connect to the Docker daemon socket at unix:///var/run/docker.sock"
+    problem = container_problem(INV, HEAD, "", 1, said + "\n")
+    assert problem.startswith("cannot ask the container engine on 192.0.2.11: permission denied")
+    assert "run `raycluster up`" in container_problem(INV, HEAD, "", 1, "Error: No such object: x\n")
