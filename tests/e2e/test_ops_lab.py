@@ -43,6 +43,9 @@ def _cli(the_lab: Lab, *args: str, inventory_path: str | None = None, timeout: f
 @pytest.fixture(scope="module")
 def cluster(lab_hosts: Lab) -> Iterator[Lab]:
     code, doc, err = lab_hosts.cli("up", timeout=1500)
+    if code != 0:  # on a loaded machine a Ray node may miss its start; `up` is idempotent: a re-run completes
+        print(f"[ops] first up failed, running it again: {err.strip().splitlines()[-1:]}", file=sys.stderr)
+        code, doc, err = lab_hosts.cli("up", timeout=1500)
     assert code == 0, err
     assert all(n["alive"] for n in doc["nodes"]), doc["nodes"]
     yield lab_hosts
@@ -183,39 +186,6 @@ def test_metrics_writes_scraped_targets_on_the_fixed_port_and_rays_dashboards(cl
     # The operator itself reaches a target too (what a Prometheus next to it would scrape).
     with urllib.request.urlopen(f"http://{IP2}:8080/metrics", timeout=30) as response:
         assert b"ray_" in response.read()
-
-
-# docker.engine -------------------------------------------------------------------------------------
-
-
-def test_engine_prefix_sudo_for_a_login_user_who_may_run_docker_only_through_sudo(cluster: Lab, tmp_path: Path) -> None:
-    """lab-h3 gets a user `operator` outside the docker group whom sudoers lets run /usr/bin/docker only:
-    every engine command `exec` and `status` send there must go through `sudo -n docker`."""
-    cluster.sh(
-        "lab-h3",
-        "id operator >/dev/null 2>&1 || useradd -m -s /bin/sh operator; "
-        "install -d -m 700 -o operator -g operator /home/operator/.ssh; "
-        "install -m 600 -o operator -g operator /root/.ssh/authorized_keys /home/operator/.ssh/authorized_keys; "
-        "echo 'operator ALL=(root) NOPASSWD: /usr/bin/docker' > /etc/sudoers.d/operator; chmod 440 /etc/sudoers.d/operator",
-    )
-
-    def as_operator(engine: str | None) -> str:
-        def edit(data: dict[str, Any]) -> None:
-            data["hosts"][2]["ssh"] = {"user": "operator"}
-            if engine:
-                data["hosts"][2]["docker"] = {"engine": engine}
-
-        return cluster.variant(tmp_path / f"inventory-{bool(engine)}.yaml", edit)
-
-    code, out, _ = _cli(cluster, "exec", "--json", "--host", IP3, "--", "hostname", inventory_path=as_operator(None))
-    assert code == 255 and "permission denied" in json.loads(out)["hosts"][0]["error"]  # plain docker: refused
-    with_sudo = as_operator("sudo -n docker")
-    code, out, err = _cli(cluster, "exec", "--json", "--host", IP3, "--", "id -un; hostname", inventory_path=with_sudo)
-    assert code == 0, (out, err)
-    assert json.loads(out)["hosts"][0]["stdout"].split() == ["root", "lab-h3"]
-    _, doc, _ = cluster.cli("status", inventory=with_sudo)
-    truth = cluster.sh("lab-h3", "docker inspect --format '{{.State.Status}}' raycluster-lab-worker").strip()
-    assert {h["host"]: h["container"] for h in doc["hosts"]}[IP3] == truth
 
 
 # ProxyJump and ~/.ssh/config ----------------------------------------------------------------------
