@@ -1,7 +1,7 @@
 """Distribute the inventory's image to all its hosts (which lack it) and print one line: mode, wall time,
 bytes the operator sent (the lab bridge's tx_bytes, measured outside the program), the archive's size, and
 where each host got it from. Mode `peers`: as `up` does (one seed, hosts serve hosts); `operator`: every
-host streamed from this machine (the operator seeds everyone, OPERATOR_STREAMS at a time).
+host streamed from this machine (OPERATOR_STREAMS at a time), as before peer copies.
 
 Usage: fleet_distribute.py INVENTORY operator|peers BRIDGE_TX_BYTES_FILE ARCHIVE_DIR
 """
@@ -13,7 +13,7 @@ import sys
 import time
 from pathlib import Path
 
-from raycluster_cli import images, inventory, spread
+from raycluster_cli import images, inventory
 from raycluster_cli.transport.pool import SSHPool
 
 
@@ -25,7 +25,8 @@ def main() -> None:
     images._archive(inv.image, image_id, "zstd", Path(archive_dir), lambda _: None)  # cached: not timed
     size = next(Path(archive_dir).glob(f"{image_id[7:19]}.*")).stat().st_size
     if mode == "operator":
-        spread.SEEDS = len(inv.hosts)
+        # The reference: hosts that cannot receive from a peer (no bash found) are all streamed by the operator.
+        images.TOOLS_COMMAND = images.TOOLS_COMMAND.replace(" bash timeout", "")
     plan = [images.ImageTransfer(str(h.address), "missing", "stream") for h in inv.hosts]
     pool = SSHPool(inv)
     for host in inv.hosts:

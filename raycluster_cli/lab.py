@@ -450,10 +450,12 @@ def _wait_ready(client: Any, host: LabHost, progress: Progress, timeout_s: float
     container = client.containers.get(host.name)
     deadline = time.monotonic() + timeout_s
     while True:
-        keys = container.exec_run(["sh", "-c", "cat /etc/ssh/ssh_host_*_key.pub"])
         docker_ok = container.exec_run(["sh", "-c", _ENGINE_UP]).exit_code == 0
-        if keys.exit_code == 0 and docker_ok and _port_open(host.address, 22):
-            break
+        # The host keys are read once sshd listens: ssh-keygen has then written them whole.
+        if docker_ok and _port_open(host.address, 22):
+            keys = container.exec_run(["sh", "-c", "cat /etc/ssh/ssh_host_*_key.pub"])
+            if keys.exit_code == 0 and keys.output.count(b"\n") >= 2:
+                break
         if time.monotonic() > deadline:
             logs = container.logs(tail=5).decode(errors="replace").strip().replace("\n", " | ")
             raise OperationError(
