@@ -284,11 +284,17 @@ class SSHTransport:
                 f"the host stopped answering (no reply to keepalives for {keepalive.dead_after:.0f}s) during {what}",
                 "check that the host is up and not frozen (console, load); re-run when it answers",
             )
-        if isinstance(exc, paramiko.ChannelException) or "open channel" in str(exc).lower():
+        if isinstance(exc, paramiko.ChannelException):
             return TransportError(
                 self.host,
-                f"could not open an SSH channel for {what} within {self.connect_timeout:.0f}s ({exc or 'no answer'})",
-                "the host is overloaded or frozen, or sshd refuses sessions (MaxSessions); check it and re-run",
+                f"sshd refused a session for {what} ({exc})",
+                "check sshd's MaxSessions and the host's load, and re-run",
+            )
+        if "opening channel" in str(exc).lower():
+            return TransportError(
+                self.host,
+                f"the host stopped answering: no SSH channel for {what} within {self.connect_timeout:.0f}s",
+                "check that the host is up and not frozen (console, load); re-run when it answers",
             )
         return TransportError(
             self.host,

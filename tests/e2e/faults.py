@@ -1,0 +1,149 @@
+"""Real faults on lab hosts for the fault tests: a frozen host (docker pause), a cut connection (iptables in
+the host's namespace), and a `raycluster` process in a session of its own that a test can signal."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from raycluster_cli import lab
+
+from .conftest import Lab
+
+# Short deadlines, so that every fault is noticed in seconds (documented in inventory.example.yaml).
+QUICK_SSH = {
+    "connect_timeout_s": 3,
+    "connect_retries": 1,
+    "keepalive_interval_s": 1,
+    "keepalive_count_max": 3,
+    "stall_timeout_s": 5,
+}
+# What each fault may take at most with QUICK_SSH: a login (2 × 3 s banner + ≤1.25 s pause, plus the
+# TCP connect and auth of a live host) or a keepalive (3 s) and a stall (5 s), plus this machine's load.
+LOGIN_DEADLINE_S = 2 * 3 + 1.25
+SLACK_S = 12
+
+
+def quick_inventory(the_lab: Lab, path: Path) -> str:
+    return the_lab.variant(path, lambda data: data["ssh"].update(QUICK_SSH))
+
+
+@contextmanager
+def frozen(the_lab: Lab, hostname: str) -> Iterator[None]:
+    """The lab host frozen like a wedged kernel (its processes stop; TCP stays open) until the block ends."""
+    name = the_lab.host(hostname).name
+    subprocess.run([lab.docker_cli(), "pause", name], check=True, capture_output=True)
+    try:
+        yield
+    finally:
+        subprocess.run([lab.docker_cli(), "unpause", name], capture_output=True)
+
+
+def freeze(the_lab: Lab, hostname: str) -> None:
+    subprocess.run([lab.docker_cli(), "pause", the_lab.host(hostname).name], check=True, capture_output=True)
+
+
+def thaw(the_lab: Lab, hostname: str) -> None:
+    subprocess.run([lab.docker_cli(), "unpause", the_lab.host(hostname).name], capture_output=True)
+
+
+CUT = "iptables -I INPUT -p tcp --dport 22 -j DROP"
+UNCUT = "iptables -D INPUT -p tcp --dport 22 -j DROP"
+
+
+def processes(the_lab: Lab, hostname: str, pattern: str) -> list[str]:
+    """Command lines of the processes on a lab host that match `pattern` (read without SSH)."""
+    out = the_lab.sh_result(hostname, "ps -eo args=").stdout
+    return [line for line in out.splitlines() if re.search(pattern, line) and "ps -eo" not in line]
+
+
+def wait_until(condition: Callable[[], bool], timeout: float, step: float = 0.5) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(step)
+    return condition()
+
+
+class Verb:
+    """`raycluster VERB -i INV --json --debug` as a real process in its own session (as a shell with job
+    control starts it, so SIGINT is delivered), with its stderr read line by line."""
+
+    def __init__(self, *args: str, inventory: str) -> None:
+        command = [sys.executable, "-m", "raycluster_cli.cli", *args, "-i", inventory, "--json", "--debug"]
+        self.started = time.monotonic()
+        self.process = subprocess.Popen(
+            command,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+            env=dict(os.environ),
+        )
+        self.lines: list[str] = []
+        self._new = threading.Condition()
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.process.stderr is not None
+        for line in self.process.stderr:
+            with self._new:
+                self.lines.append(line.rstrip("\n"))
+                self._new.notify_all()
+
+    def wait_for(self, pattern: str, timeout: float = 600) -> str:
+        """The first stderr line matching `pattern` (waiting for it); fails if the process ends first."""
+        regex = re.compile(pattern)
+        deadline = time.monotonic() + timeout
+        seen = 0
+        with self._new:
+            while True:
+                for line in self.lines[seen:]:
+                    if regex.search(line):
+                        return line
+                seen = len(self.lines)
+                if self.process.poll() is not None and not self._reader.is_alive():
+                    raise AssertionError(f"exited {self.process.returncode} before {pattern!r}:\n" + self.stderr)
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise AssertionError(f"no {pattern!r} within {timeout}s:\n" + self.stderr)
+                self._new.wait(min(left, 0.5))
+
+    def signal(self, number: int = signal.SIGINT) -> float:
+        self.process.send_signal(number)
+        return time.monotonic()
+
+    def finish(self, timeout: float = 900) -> tuple[int, dict[str, Any], float]:
+        """Exit code, the JSON document, and when it ended (monotonic)."""
+        out, _ = self.process.communicate(timeout=timeout)
+        ended = time.monotonic()
+        self._reader.join(timeout=10)
+        try:
+            document = json.loads(out)
+        except ValueError:
+            raise AssertionError(
+                f"not one JSON document (rc={self.process.returncode}):\n{out}\n{self.stderr}"
+            ) from None
+        return self.process.returncode, document, ended
+
+    @property
+    def stderr(self) -> str:
+        return "\n".join(self.lines)
+
+    def session_alive(self) -> list[str]:
+        """Processes still in this verb's session (children it left behind on this machine)."""
+        done = subprocess.run(["ps", "-eo", "sid=,args="], capture_output=True, text=True)
+        sid = str(self.process.pid)
+        return [line for line in done.stdout.splitlines() if line.split(None, 1)[0] == sid]

@@ -1,0 +1,202 @@
+"""Real faults on the lab: a host frozen (docker pause) before and after login in every verb, a connection
+cut (iptables in the host's namespace) and a Ctrl-C (SIGINT to a real process) in the middle of an image
+stream and while waiting for nodes. Each ends within its deadline naming the host; nothing of ours is
+left on the hosts; the rerun completes the cluster. Deadlines are short (faults.QUICK_SSH)."""
+
+from __future__ import annotations
+
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from raycluster_cli import inventory as inventory_module
+from raycluster_cli import lab
+from raycluster_cli.checks import run_checks
+from raycluster_cli.logs import collect
+from raycluster_cli.status import status
+from raycluster_cli.teardown import down
+from raycluster_cli.transport.pool import SSHPool
+
+from .conftest import IP1, IP2, IP3, Lab
+from .faults import (
+    CUT,
+    LOGIN_DEADLINE_S,
+    SLACK_S,
+    UNCUT,
+    Verb,
+    freeze,
+    frozen,
+    processes,
+    quick_inventory,
+    thaw,
+    wait_until,
+)
+
+pytestmark = pytest.mark.lab
+KEEPALIVE_DEADLINE_S = 3  # QUICK_SSH: 1 s × 3
+STALL_DEADLINE_S = 5
+OURS_ON_HOST = r"docker load|gzip -dc|zstd -dc|raycluster-guard"
+
+
+@pytest.fixture(scope="module")
+def quick(lab_hosts: Lab, tmp_path_factory: pytest.TempPathFactory) -> str:
+    return quick_inventory(lab_hosts, tmp_path_factory.mktemp("faults") / "quick.yaml")
+
+
+@pytest.mark.parametrize("verb", ["doctor", "status", "logs", "down"])
+def test_a_host_frozen_before_login_fails_in_time_naming_it(lab_hosts: Lab, quick: str, verb: str) -> None:
+    with frozen(lab_hosts, "lab-h3"):
+        started = time.monotonic()
+        code, doc, err = lab_hosts.cli(verb, inventory=quick, timeout=120)
+        elapsed = time.monotonic() - started
+    assert code == 1, err
+    assert elapsed <= LOGIN_DEADLINE_S + SLACK_S, elapsed
+    assert "Traceback" not in err
+    text = str(doc)
+    assert IP3 in text and "banner" in text, text
+    if verb == "doctor":
+        assert {c["host"] for c in doc["checks"] if c["id"] == "ssh" and c["status"] == "ok"} == {IP1, IP2}
+
+
+def _pool_logged_in(quick: str) -> tuple[inventory_module.Inventory, SSHPool]:
+    inv = inventory_module.load(quick).inventory
+    pool = SSHPool(inv)
+    for host in inv.hosts:
+        pool(host)  # every host logged in before it freezes
+    return inv, pool
+
+
+def _after_login(the_lab: Lab, quick: str, work: str) -> tuple[object, float]:
+    inv, pool = _pool_logged_in(quick)
+    try:
+        with frozen(the_lab, "lab-h3"):
+            started = time.monotonic()
+            if work == "doctor":
+                result: object = run_checks(inv, pool)
+            elif work == "status":
+                result = status(inv, pool)
+            elif work == "logs":
+                result = collect(inv, pool, Path(the_lab.info.inventory_path).parent / "faults-logs", inv.hosts)
+            else:
+                result = down(inv, pool)
+            return result, time.monotonic() - started
+    finally:
+        pool.close()
+
+
+@pytest.mark.parametrize("verb", ["doctor", "status", "logs", "down"])
+def test_a_host_frozen_after_login_fails_in_time_naming_it(lab_hosts: Lab, quick: str, verb: str) -> None:
+    result, elapsed = _after_login(lab_hosts, quick, verb)
+    assert elapsed <= KEEPALIVE_DEADLINE_S + LOGIN_DEADLINE_S + SLACK_S, elapsed
+    text = repr(result)
+    assert IP3 in text and "stopped answering" in text, text
+
+
+def test_doctor_process_with_a_host_frozen_just_after_login(lab_hosts: Lab, quick: str) -> None:
+    verb = Verb("doctor", inventory=quick)
+    try:
+        verb.wait_for(rf"{IP3}: logged in", timeout=120)
+        freeze(lab_hosts, "lab-h3")
+        frozen_at = time.monotonic()
+        code, doc, ended = verb.finish(timeout=120)
+    finally:
+        thaw(lab_hosts, "lab-h3")
+    assert code == 1 and ended - frozen_at <= KEEPALIVE_DEADLINE_S + LOGIN_DEADLINE_S + SLACK_S
+    failed = [c for c in doc["checks"] if c["status"] == "fail"]
+    assert [c["host"] for c in failed] == [IP3], failed
+
+
+def _no_stream_left(the_lab: Lab, timeout: float = 30) -> None:
+    """Nothing of an interrupted image stream runs on lab-h3, and it has no (partial) image."""
+    assert wait_until(lambda: not processes(the_lab, "lab-h3", OURS_ON_HOST), timeout), processes(
+        the_lab, "lab-h3", OURS_ON_HOST
+    )
+    assert the_lab.sh_result("lab-h3", f"docker image inspect {lab.NODE_IMAGE}").returncode != 0
+
+
+def _streaming_up(quick: str) -> Verb:
+    """`up` started with the image missing on lab-h3; returns once the stream to it is under way."""
+    verb = Verb("up", "--timeout", "120", inventory=quick)
+    verb.wait_for(rf"{IP3}: \$ .*docker load", timeout=900)  # the archive may be made first
+    time.sleep(2)  # some of the image is on its way
+    return verb
+
+
+def test_image_stream_frozen_cut_and_interrupted_then_the_rerun_completes(lab_hosts: Lab, quick: str) -> None:
+    lab_hosts.cli("down", inventory=quick)
+    lab_hosts.sh("lab-h3", f"docker rmi {lab.NODE_IMAGE}")
+
+    # 1. The host freezes in the middle of the stream.
+    verb = _streaming_up(quick)
+    try:
+        freeze(lab_hosts, "lab-h3")
+        frozen_at = time.monotonic()
+        code, doc, ended = verb.finish(timeout=300)
+    finally:
+        thaw(lab_hosts, "lab-h3")
+    assert code == 1 and ended - frozen_at <= STALL_DEADLINE_S + KEEPALIVE_DEADLINE_S + SLACK_S, verb.stderr
+    assert IP3 in doc["error"]["message"] and [h["host"] for h in doc["error"]["hosts"]] == [IP3]
+    _no_stream_left(lab_hosts)
+
+    # 2. The connection is cut in the middle of the stream (packets to sshd dropped on the host).
+    verb = _streaming_up(quick)
+    try:
+        lab_hosts.sh("lab-h3", CUT)
+        cut_at = time.monotonic()
+        code, doc, ended = verb.finish(timeout=300)
+        assert code == 1 and ended - cut_at <= STALL_DEADLINE_S + KEEPALIVE_DEADLINE_S + SLACK_S, verb.stderr
+        assert [h["host"] for h in doc["error"]["hosts"]] == [IP3]
+        # While the connection is still cut, the host's side ends by itself (its stdin stalled).
+        _no_stream_left(lab_hosts, timeout=STALL_DEADLINE_S + 10 + SLACK_S)
+    finally:
+        lab_hosts.sh_result("lab-h3", UNCUT)
+
+    # 3. Ctrl-C in the middle of the stream.
+    verb = _streaming_up(quick)
+    sent = verb.signal(signal.SIGINT)
+    code, doc, ended = verb.finish(timeout=60)
+    assert code == 130 and ended - sent <= 5, verb.stderr
+    assert doc["ok"] is False and doc["interrupted"]["signal"] == "SIGINT"
+    assert any(r["host"] == IP3 and "docker load" in r["command"] for r in doc["interrupted"]["running"]), doc
+    assert "Traceback" not in verb.stderr
+    assert verb.session_alive() == []  # nothing of ours left on this machine
+    _no_stream_left(lab_hosts)
+
+    # 4. The rerun streams the image and completes the cluster.
+    code, doc, err = lab_hosts.cli("up", "--timeout", "180", inventory=quick, timeout=1500)
+    assert code == 0, err
+    assert all(n["alive"] for n in doc["nodes"]) and [t["host"] for t in doc["images"]] == [IP3]
+
+
+def test_waiting_for_nodes_interrupted_and_frozen_then_the_rerun_completes(lab_hosts: Lab, quick: str) -> None:
+    lab_hosts.cli("down", inventory=quick)
+
+    # Ctrl-C while `up` waits for the workers to join.
+    verb = Verb("up", "--timeout", "120", inventory=quick)
+    verb.wait_for("waiting for every node to join", timeout=600)
+    sent = verb.signal(signal.SIGINT)
+    code, doc, ended = verb.finish(timeout=60)
+    assert code == 130 and ended - sent <= 5, verb.stderr
+    assert doc["ok"] is False and "Traceback" not in verb.stderr and verb.session_alive() == []
+    assert wait_until(lambda: not processes(lab_hosts, "lab-h1", r"raycluster-guard"), 30)
+
+    # A worker freezes while `up` waits for it: `up` ends at its --timeout, naming the frozen host.
+    lab_hosts.cli("down", inventory=quick)
+    verb = Verb("up", "--timeout", "45", inventory=quick)
+    try:
+        verb.wait_for("waiting for every node to join", timeout=600)
+        freeze(lab_hosts, "lab-h3")
+        frozen_at = time.monotonic()
+        code, doc, ended = verb.finish(timeout=300)
+    finally:
+        thaw(lab_hosts, "lab-h3")
+    assert code == 1 and ended - frozen_at <= 45 + KEEPALIVE_DEADLINE_S + LOGIN_DEADLINE_S + SLACK_S, verb.stderr
+    missing = {m["host"]: m["cause"] for m in doc["error"]["missing"]}
+    assert IP3 in missing and IP2 not in missing, missing
+
+    # After the host thaws, `up` completes the cluster.
+    code, doc, err = lab_hosts.cli("up", "--timeout", "180", inventory=quick, timeout=900)
+    assert code == 0, err
+    assert all(n["alive"] for n in doc["nodes"])
