@@ -70,7 +70,17 @@ def collect(channel: paramiko.Channel, timeout: float | None, host: str, command
             )
         cancel.check(f"reading from {host}")
         time.sleep(0.01)
-    return CommandResult(channel.recv_exit_status(), out.decode(errors="replace"), err.decode(errors="replace"))
+    rc = channel.recv_exit_status()
+    if rc == -1 and _connection_lost(channel):
+        # paramiko marks a channel "exited" (status -1) when its connection closes (the keepalive dropped it)
+        raise EOFError("the connection closed before the command's exit status arrived")
+    return CommandResult(rc, out.decode(errors="replace"), err.decode(errors="replace"))
+
+
+def _connection_lost(channel: paramiko.Channel) -> bool:
+    get = getattr(channel, "get_transport", None)
+    transport = get() if get is not None else None
+    return transport is not None and not transport.is_active()
 
 
 def send_stream(

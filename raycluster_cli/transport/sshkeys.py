@@ -23,6 +23,9 @@ if TYPE_CHECKING:
     from .ssh import SSHTransport
 
 PASSPHRASE_ENV = "RAYCLUSTER_SSH_PASSPHRASE"
+# What paramiko says when the host accepted the TCP connection but its sshd did not finish the handshake in
+# time (the banner timeout fires in paramiko's own thread; the login then finds no session).
+_HANDSHAKE_STALLED = ("Error reading SSH protocol banner", "No existing session", "Negotiation timed out")
 _lock = threading.Lock()
 _keys: dict[str, paramiko.PKey | None] = {}  # path → decrypted key, or None: leave it to the agent
 _encrypted: set[str] = set()
@@ -137,11 +140,11 @@ def connect_error(ssh: SSHTransport, exc: Exception) -> TransportError:
                 "no SSH key to log in with (no ssh.key, no agent keys, no ~/.ssh/id_* file)",
                 "set ssh.key in the inventory, or start ssh-agent and ssh-add your key",
             )
-        if "banner" in text.lower():
+        if any(sign in text for sign in _HANDSHAKE_STALLED):
             return _transient(
                 host,
-                f"no SSH banner within {ssh.connect_timeout:.0f}s (host frozen or overloaded, or sshd's MaxStartups "
-                "dropping new connections)",
+                f"no SSH banner or handshake within {ssh.connect_timeout:.0f}s (host frozen or overloaded, or "
+                "sshd's MaxStartups dropping new connections)",
                 "check that the host answers (console, load); raise ssh.connect_timeout_s for slow hosts",
             )
         return TransportError(host, f"SSH failed: {text or type(exc).__name__}", "check sshd on the host")

@@ -73,6 +73,7 @@ def test_refused_is_transient_auth_is_not(tmp_path: Path) -> None:
     )
     assert sshkeys.connect_error(ssh, refused).transient
     assert sshkeys.connect_error(ssh, paramiko.SSHException("Error reading SSH protocol banner")).transient
+    assert sshkeys.connect_error(ssh, paramiko.SSHException("No existing session")).transient
     assert sshkeys.connect_error(ssh, ConnectionResetError()).transient
     assert not sshkeys.connect_error(ssh, paramiko.AuthenticationException("no")).transient
     assert not sshkeys.connect_error(ssh, paramiko.BadHostKeyException("h", _key(), _key())).transient

@@ -226,3 +226,95 @@ def test_login_gate_bounds_parallel_logins() -> None:
     for thread in threads:
         thread.join()
     assert most == 2
+
+
+class DoneChannel:
+    """A channel whose command printed `hello` and exited 0."""
+
+    closed = False
+    eof_received = True
+
+    def __init__(self) -> None:
+        self.executed = ""
+        self.data = b"hello\n"
+
+    def get_id(self) -> int:
+        return 7
+
+    def exec_command(self, command: str) -> None:
+        self.executed = command
+
+    def shutdown_write(self) -> None:
+        pass
+
+    def settimeout(self, _: float) -> None:
+        pass
+
+    def recv_ready(self) -> bool:
+        return bool(self.data)
+
+    def recv(self, size: int) -> bytes:
+        data, self.data = self.data, b""
+        return data
+
+    def recv_stderr_ready(self) -> bool:
+        return False
+
+    def exit_status_ready(self) -> bool:
+        return True
+
+    def recv_exit_status(self) -> int:
+        return 0
+
+    def close(self) -> None:
+        pass
+
+
+class OpenClient:
+    def __init__(self, channel: DoneChannel) -> None:
+        self.channel = channel
+        self.timeouts: list[float] = []
+
+    def get_transport(self) -> OpenClient:
+        return self
+
+    def is_active(self) -> bool:
+        return True
+
+    def open_session(self, timeout: float | None = None, **_: object) -> DoneChannel:
+        assert timeout is not None  # never paramiko's one-hour default
+        self.timeouts.append(timeout)
+        return self.channel
+
+
+def test_every_remote_command_is_logged_with_duration_and_exit_status_and_guarded(
+    tmp_path, caplog: pytest.LogCaptureFixture
+) -> None:
+    import logging
+
+    ssh = SSHTransport("192.0.2.15", known_hosts_file=str(tmp_path / "kh"), connect_timeout=4)
+    channel = DoneChannel()
+    client = OpenClient(channel)
+    ssh._client = client  # type: ignore[assignment]
+    with caplog.at_level(logging.DEBUG, logger="raycluster.transport"):
+        result = ssh.run("docker info --format x", timeout=30)
+    assert result.rc == 0 and result.stdout == "hello\n"
+    assert client.timeouts == [4]
+    assert "raycluster-guard" in channel.executed and "'docker info --format x'" in channel.executed
+    lines = [r.getMessage() for r in caplog.records]
+    assert "192.0.2.15: $ docker info --format x" in lines
+    assert any(line.startswith("192.0.2.15: exit 0 in ") and line.endswith("docker info --format x") for line in lines)
+
+
+def test_a_channel_ended_by_a_lost_connection_is_not_an_exit_status() -> None:
+    class Lost(DoneChannel):
+        def recv_exit_status(self) -> int:
+            return -1  # what paramiko reports when the connection closed under the command
+
+        def get_transport(self) -> FrozenPeer:
+            peer = FrozenPeer(answers=False)
+            peer.active = False
+            return peer
+
+    with pytest.raises(EOFError):
+        sshio.collect(Lost(), 5, "192.0.2.11")  # type: ignore[arg-type]
