@@ -116,15 +116,15 @@ def _execute(json_mode: bool, debug: bool, action: Callable[[Output], int]) -> N
             _interrupted(output, state)
             code = ExitCode.INTERRUPTED
         except RayclusterError as exc:
-            if debug:
-                raise
             code = _failed(output, exc)
-        except Exception as exc:
             if debug:
-                raise
+                raise  # after the JSON document: --json prints one, also with --debug
+        except Exception as exc:
             output.error(f"unexpected {type(exc).__name__}: {exc}", "re-run with --debug and report it")
             if json_mode:
                 output.document(False, {"error": {"message": str(exc), "hint": "re-run with --debug"}})
+            if debug:
+                raise
             code = ExitCode.FAILED
     raise typer.Exit(int(code))
 

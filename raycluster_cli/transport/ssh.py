@@ -90,7 +90,6 @@ class SSHTransport:
         self._keepalive: KeepAlive | None = None
         self._lock = threading.Lock()
         self._running: dict[int, str] = {}  # channel id → command, while it runs
-        self._lost = ""  # why the last connection was dropped (keepalive), for the next error
 
     @property
     def _target(self) -> str:
