@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+import time
 from collections.abc import Callable
 
 import paramiko
@@ -20,7 +21,13 @@ log = logging.getLogger("raycluster.transport")
 
 
 class KeepAlive:
-    """One daemon thread per connection; `dead_after` says why it closed the connection (or "")."""
+    """One daemon thread per connection; `dead_after` says why it closed the connection (0: it did not).
+
+    As OpenSSH's ServerAlive*, any packet received from the host proves it alive (during an image stream
+    its window adjustments arrive all the time, and a keepalive reply could queue behind megabytes of
+    data); only after `interval` seconds of silence does a keepalive that wants a reply go out, and after
+    `interval × count` seconds of silence the host is declared dead.
+    """
 
     def __init__(
         self, transport: paramiko.Transport, host: str, interval: float, count: int, on_dead: Callable[[], None]
@@ -31,8 +38,23 @@ class KeepAlive:
         self.count = count
         self.on_dead = on_dead
         self.dead_after = 0.0
+        self.last_heard = time.monotonic()
+        self._asking = threading.Event()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"keepalive-{host}", daemon=True)
+        self._hear_everything(transport)
+
+    def _hear_everything(self, transport: paramiko.Transport) -> None:
+        """Note the time of every packet the host sends (paramiko's transport thread reads them all)."""
+        packetizer = transport.packetizer
+        read = packetizer.read_message
+
+        def read_and_note() -> object:
+            message = read()
+            self.last_heard = time.monotonic()
+            return message
+
+        packetizer.read_message = read_and_note  # type: ignore[method-assign,assignment]
 
     def start(self) -> None:
         self._thread.start()
@@ -45,21 +67,24 @@ class KeepAlive:
         return self.dead_after > 0
 
     def _run(self) -> None:
-        while not self._stop.wait(self.interval):
+        limit = self.interval * self.count
+        while not self._stop.wait(self.interval / 2):
             if not self.transport.is_active():
                 return
-            answered = threading.Event()
-            threading.Thread(target=self._ask, args=(answered,), name=f"keepalive-ask-{self.host}", daemon=True).start()
-            limit = self.interval * self.count
-            if not answered.wait(limit) and not self._stop.is_set() and self.transport.is_active():
+            silent = time.monotonic() - self.last_heard
+            if silent >= limit:
                 self.dead_after = limit
-                log.debug("%s: no answer to keepalives for %.0fs: closing the connection", self.host, limit)
+                log.debug("%s: nothing heard for %.0fs: closing the connection", self.host, silent)
                 self.on_dead()
                 return
+            if silent >= self.interval and not self._asking.is_set():
+                self._asking.set()
+                threading.Thread(target=self._ask, name=f"keepalive-ask-{self.host}", daemon=True).start()
 
-    def _ask(self, answered: threading.Event) -> None:
-        # sshd answers an unknown global request with "failure": any answer proves the host is alive. An
-        # error means the connection is going away; whoever uses it next reports that.
+    def _ask(self) -> None:
+        # sshd answers an unknown global request with "failure": any answer proves the host is alive (the
+        # reply is noted by the read hook). An error means the connection is going away; whoever uses it
+        # next reports that.
         with contextlib.suppress(Exception):
             self.transport.global_request("keepalive@openssh.com", wait=True)
-        answered.set()
+        self._asking.clear()

@@ -280,7 +280,7 @@ class SSHTransport:
         if lost and keepalive is not None:
             return TransportError(
                 self.host,
-                f"the host stopped answering (no reply to keepalives for {keepalive.dead_after:.0f}s) during {what}",
+                f"the host stopped answering (nothing received for {keepalive.dead_after:.0f}s) during {what}",
                 "check that the host is up and not frozen (console, load); re-run when it answers",
             )
         if isinstance(exc, paramiko.ChannelException):

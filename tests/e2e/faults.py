@@ -24,12 +24,12 @@ from .conftest import Lab
 QUICK_SSH = {
     "connect_timeout_s": 3,
     "connect_retries": 1,
-    "keepalive_interval_s": 1,
+    "keepalive_interval_s": 2,
     "keepalive_count_max": 3,
     "stall_timeout_s": 5,
 }
 # What each fault may take at most with QUICK_SSH: a login (2 × 3 s banner + ≤1.25 s pause, plus the
-# TCP connect and auth of a live host) or a keepalive (3 s) and a stall (5 s), plus this machine's load.
+# TCP connect and auth of a live host) or a keepalive (2 s × 3) and a stall (5 s), plus this machine's load.
 LOGIN_DEADLINE_S = 2 * 3 + 1.25
 SLACK_S = 12
 

@@ -128,20 +128,29 @@ def test_an_interrupt_stops_a_stream_at_once() -> None:
     assert time.monotonic() - started < 1.5
 
 
+class Packetizer:
+    def read_message(self) -> None:
+        return None
+
+
 class FrozenPeer:
-    """A paramiko Transport whose host never answers a global request (until closed)."""
+    """A paramiko Transport whose host sends nothing (frozen) or answers every keepalive."""
 
     def __init__(self, answers: bool) -> None:
         self.answers = answers
         self.active = True
         self.requests = 0
+        self.packetizer = Packetizer()
 
     def is_active(self) -> bool:
         return self.active
 
     def global_request(self, kind: str, wait: bool = True) -> None:
         self.requests += 1
-        while not self.answers and self.active:
+        if self.answers:
+            self.packetizer.read_message()  # the reply arrives (paramiko's thread reads it)
+            return
+        while self.active:
             time.sleep(0.01)
 
     def close(self) -> None:
@@ -156,16 +165,28 @@ def test_keepalive_drops_a_host_that_stops_answering() -> None:
     while peer.active and time.monotonic() - started < 5:
         time.sleep(0.01)
     assert not peer.active and keepalive.declared_dead and keepalive.dead_after == pytest.approx(0.3)
-    assert 0.3 <= time.monotonic() - started < 2
+    assert 0.3 <= time.monotonic() - started < 2 and peer.requests == 1
 
 
 def test_keepalive_keeps_a_host_that_answers() -> None:
     peer = FrozenPeer(answers=True)
+    keepalive = KeepAlive(peer, "192.0.2.13", 0.05, 4, peer.close)  # type: ignore[arg-type]
+    keepalive.start()
+    time.sleep(0.8)
+    keepalive.stop()
+    assert peer.active and not keepalive.declared_dead and peer.requests >= 2
+
+
+def test_keepalive_asks_nothing_while_the_host_sends_data() -> None:
+    peer = FrozenPeer(answers=False)  # would never answer a keepalive ...
     keepalive = KeepAlive(peer, "192.0.2.13", 0.05, 2, peer.close)  # type: ignore[arg-type]
     keepalive.start()
-    time.sleep(0.5)
+    started = time.monotonic()
+    while time.monotonic() - started < 0.5:  # ... but streams window adjustments all the time
+        peer.packetizer.read_message()
+        time.sleep(0.01)
     keepalive.stop()
-    assert peer.active and not keepalive.declared_dead and peer.requests >= 3
+    assert peer.active and not keepalive.declared_dead and peer.requests == 0
 
 
 def _transient(host: str) -> TransportError:
