@@ -186,7 +186,8 @@ def test_waiting_for_nodes_interrupted_and_frozen_then_the_rerun_completes(lab_h
     lab_hosts.cli("down", inventory=quick)
     verb = Verb("up", "--timeout", "45", inventory=quick)
     try:
-        verb.wait_for("waiting for every node to join", timeout=600)
+        # Frozen the moment its container was started: its raylet has had no time to register.
+        verb.wait_for(rf"{IP3}: exit 0 in .*docker run", timeout=600)
         freeze(lab_hosts, "lab-h3")
         frozen_at = time.monotonic()
         code, doc, ended = verb.finish(timeout=300)
