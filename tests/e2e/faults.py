@@ -16,9 +16,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from raycluster_cli import lab
-
-from .conftest import Lab
+from .conftest import DOCKER, Lab
 
 # Short deadlines, so that every fault is noticed in seconds (documented in inventory.example.yaml).
 QUICK_SSH = {
@@ -42,19 +40,19 @@ def quick_inventory(the_lab: Lab, path: Path) -> str:
 def frozen(the_lab: Lab, hostname: str) -> Iterator[None]:
     """The lab host frozen like a wedged kernel (its processes stop; TCP stays open) until the block ends."""
     name = the_lab.host(hostname).name
-    subprocess.run([lab.docker_cli(), "pause", name], check=True, capture_output=True)
+    subprocess.run([DOCKER, "pause", name], check=True, capture_output=True)
     try:
         yield
     finally:
-        subprocess.run([lab.docker_cli(), "unpause", name], capture_output=True)
+        subprocess.run([DOCKER, "unpause", name], capture_output=True)
 
 
 def freeze(the_lab: Lab, hostname: str) -> None:
-    subprocess.run([lab.docker_cli(), "pause", the_lab.host(hostname).name], check=True, capture_output=True)
+    subprocess.run([DOCKER, "pause", the_lab.host(hostname).name], check=True, capture_output=True)
 
 
 def thaw(the_lab: Lab, hostname: str) -> None:
-    subprocess.run([lab.docker_cli(), "unpause", the_lab.host(hostname).name], capture_output=True)
+    subprocess.run([DOCKER, "unpause", the_lab.host(hostname).name], capture_output=True)
 
 
 CUT = "iptables -I INPUT -p tcp --dport 22 -j DROP"
