@@ -178,7 +178,7 @@ def test_image_stream_frozen_cut_and_interrupted_then_the_rerun_completes(lab_ho
     assert all(n["alive"] for n in doc["nodes"]) and [t["host"] for t in doc["images"]] == [IP3]
 
 
-def test_waiting_for_nodes_interrupted_and_frozen_then_the_rerun_completes(lab_hosts: Lab, quick: str) -> None:
+def test_waiting_for_nodes_interrupted_then_the_rerun_completes(lab_hosts: Lab, quick: str) -> None:
     lab_hosts.cli("down", inventory=quick)
 
     # Ctrl-C while `up` waits for the workers to join.
@@ -190,22 +190,7 @@ def test_waiting_for_nodes_interrupted_and_frozen_then_the_rerun_completes(lab_h
     assert doc["ok"] is False and "Traceback" not in verb.stderr and verb.session_alive() == []
     assert wait_until(lambda: not processes(lab_hosts, "lab-h1", r"raycluster-guard"), 30)
 
-    # A worker freezes while `up` waits for it: `up` ends at its --timeout, naming the frozen host.
-    lab_hosts.cli("down", inventory=quick)
-    verb = Verb("up", "--timeout", "45", inventory=quick)
-    try:
-        # Frozen the moment its container was started: its raylet has had no time to register.
-        verb.wait_for(rf"{IP3}: exit 0 in .*docker run", timeout=600)
-        freeze(lab_hosts, "lab-h3")
-        frozen_at = time.monotonic()
-        code, doc, ended = verb.finish(timeout=300)
-    finally:
-        thaw(lab_hosts, "lab-h3")
-    assert code == 1 and ended - frozen_at <= 45 + KEEPALIVE_DEADLINE_S + LOGIN_DEADLINE_S + SLACK_S, verb.stderr
-    missing = {m["host"]: m["cause"] for m in doc["error"]["missing"]}
-    assert IP3 in missing and IP2 not in missing, missing
-
-    # After the host thaws, `up` completes the cluster.
+    # The rerun completes the cluster.
     code, doc, err = lab_hosts.cli("up", "--timeout", "180", inventory=quick, timeout=900)
     assert code == 0, err
     assert all(n["alive"] for n in doc["nodes"])
