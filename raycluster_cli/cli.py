@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import json
 import logging
 import signal
@@ -16,9 +17,11 @@ from typing import Annotated, Any, cast
 import typer
 
 from . import __version__, interrupt, inventory, lab
+from .bench.client import BenchFailed, run_bench
+from .bench.options import BenchOptions, ValidationError, flag_of
 from .checks import Status, demote, ignore_ids, run_checks
 from .checks.network import Tool, measure_network
-from .cluster import NodesMissing, PreflightFailed, bench, up
+from .cluster import NodesMissing, PreflightFailed, up
 from .errors import ExitCode, GroupError, RayclusterError, UsageError
 from .inventory import Inventory
 from .jobs import Dashboard, check_dashboard, dashboard_tunnel, follow_job, stop_hint, submit_job
@@ -27,7 +30,6 @@ from .metrics import collect_metrics
 from .ops import choose_hosts, run_exec, worst
 from .report import (
     Output,
-    render_bench,
     render_checks,
     render_down,
     render_lab,
@@ -35,6 +37,7 @@ from .report import (
     render_status,
     render_up,
 )
+from .report_bench import bench_progress, render_bench, save_svg
 from .report_ops import (
     ExecPrinter,
     JobLogPrinter,
@@ -45,6 +48,7 @@ from .report_ops import (
     render_metrics,
     render_submit,
 )
+from .schema import SCHEMA_VERSION
 from .state import cluster_lock, state_dir, token_file
 from .status import StatusResult, status
 from .teardown import down
@@ -506,81 +510,92 @@ def dashboard_command(
     _execute(json_mode, debug, action)
 
 
-@app.command("bench")
-def bench_command(
-    inventory_path: InventoryOpt = None,
-    model_path: Annotated[
-        str | None,
-        typer.Option(
-            help="GPT-2 or Llama checkpoint dir (Hugging Face config.json + safetensors), same path on every node"
+def _bench_parameters() -> list[inspect.Parameter]:
+    """`bench`'s flags, one per field of BenchOptions (name, default, help), then the CLI's own."""
+    params = [
+        inspect.Parameter(
+            name,
+            inspect.Parameter.KEYWORD_ONLY,
+            default=spec.default,
+            annotation=Annotated[spec.annotation, typer.Option(flag_of(name), help=spec.description)],
+        )
+        for name, spec in BenchOptions.model_fields.items()
+    ]
+    own: dict[str, tuple[Any, Any]] = {
+        "inventory_path": (InventoryOpt, None),
+        "network_check": (
+            Annotated[bool, typer.Option(help="measure latency, bandwidth and MTU head ↔ each worker first")],
+            True,
         ),
-    ] = None,
-    layers: Annotated[int, typer.Option(min=1, help="transformer blocks (random model)")] = 12,
-    d_model: Annotated[int, typer.Option(min=8, help="model width (random model)")] = 256,
-    heads: Annotated[int, typer.Option(min=1, help="attention heads (random model)")] = 4,
-    vocab: Annotated[int, typer.Option(min=16, help="vocabulary size (random model)")] = 4096,
-    requests: Annotated[int, typer.Option(min=1, help="generation requests")] = 32,
-    prompt_len: Annotated[int, typer.Option(min=1, help="prompt tokens per request")] = 32,
-    max_new_tokens: Annotated[int, typer.Option(min=1, help="tokens generated per request")] = 16,
-    micro_batch: Annotated[int, typer.Option(min=1, help="requests per micro-batch")] = 4,
-    prefill_chunk: Annotated[
-        int, typer.Option(min=0, help="prompt tokens per prefill step, chunked prefill (0: whole prompt)")
-    ] = 0,
-    seed: Annotated[int, typer.Option(help="seed for weights, prompts and arrivals")] = 0,
-    partition: Annotated[str, typer.Option(help="balanced (by measured speed) | even | manual:4,4,4")] = "balanced",
-    stages: Annotated[int | None, typer.Option(min=1, help="stages per pipeline (default: one per node)")] = None,
-    replicas: Annotated[int | None, typer.Option(min=1, help="pipeline replicas (default: nodes // stages)")] = None,
-    mode: Annotated[str | None, typer.Option(help="offline (all requests at once) | poisson (needs --rate)")] = None,
-    rate: Annotated[float | None, typer.Option(min=0.0, help="Poisson arrivals, requests per second")] = None,
-    sweep: Annotated[str | None, typer.Option(help="batch (micro-batch sizes) | nodes (1..N nodes)")] = None,
-    references: Annotated[bool, typer.Option(help="also run the even split and the unsharded model")] = True,
-    calibration_repeats: Annotated[int, typer.Option(min=1, help="timed rounds per unit type (median)")] = 5,
-    refine: Annotated[int, typer.Option(min=0, help="pilot runs that correct the calibration (balanced)")] = 3,
-    check_output: Annotated[bool, typer.Option(help="also compare greedy tokens with the unsharded model")] = False,
-    network_check: Annotated[
-        bool, typer.Option(help="measure latency, bandwidth and MTU head ↔ each worker first (as doctor --network)")
-    ] = True,
-    timeout: Annotated[float, typer.Option(help="seconds the whole benchmark may take")] = 1800.0,
-    save_result: Annotated[Path | None, typer.Option(help="also write the JSON result to this file")] = None,
-    json_mode: JsonOpt = False,
-    debug: DebugOpt = False,
-) -> None:
-    """Pipeline-parallel inference across the nodes: throughput, latency and each node's busy time."""
+        "timeout": (Annotated[float, typer.Option(help="seconds the whole benchmark may take")], 1800.0),
+        "save_result": (Annotated[Path | None, typer.Option(help="also write the JSON result to this file")], None),
+        "save_svg": (
+            Annotated[Path | None, typer.Option(help="also save the report (T_i chart, sweep curves) as SVG")],
+            None,
+        ),
+        "json_mode": (JsonOpt, False),
+        "debug": (DebugOpt, False),
+    }
+    kind = inspect.Parameter.KEYWORD_ONLY
+    return params + [inspect.Parameter(n, kind, default=d, annotation=a) for n, (a, d) in own.items()]
+
+
+def _bench_options(values: dict[str, Any]) -> BenchOptions:
+    """The validated options; a bad value is a usage error naming its flag."""
+    given = {k: v for k, v in values.items() if v != BenchOptions.model_fields[k].default}
+    try:
+        return BenchOptions(**given)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        message = str(first["msg"]).removeprefix("Value error, ")
+        if not first["loc"]:  # a rule between flags: its message names them
+            raise UsageError(message, "see `raycluster bench --help`") from None
+        flag = flag_of(str(first["loc"][0]))
+        text = f"{flag} {message}" if message.startswith("'") else f"{flag} {first['input']!r}: {message}"
+        raise UsageError(text, f"see `raycluster bench --help` for what {flag} takes"
+        ) from None
+
+
+def bench_command(**values: Any) -> None:
+    """Pipeline-parallel inference across the nodes: throughput, latency and each node's busy time.
+
+    With no flags the run is sized to the cluster: enough layers that every node gets a share
+    proportional to its measured speed, and about --duration-s of counted work. --quick: a short smoke run."""
+    own = {k: values.pop(k) for k in list(values) if k not in BenchOptions.model_fields}
 
     def action(output: Output) -> int:
-        for flag, value, allowed in (("--mode", mode, ("offline", "poisson")), ("--sweep", sweep, ("batch", "nodes"))):
-            if value is not None and value not in allowed:
-                raise UsageError(f"{flag} {value!r} is not one of {', '.join(allowed)}", f"use {flag} {allowed[0]}")
-        if mode == "poisson" and rate is None:
-            raise UsageError("--mode poisson needs --rate", "add --rate R (requests per second)")
-        args = [
-            f"--layers={layers}", f"--d-model={d_model}", f"--heads={heads}", f"--vocab={vocab}",
-            f"--requests={requests}", f"--prompt-len={prompt_len}", f"--max-new-tokens={max_new_tokens}",
-            f"--micro-batch={micro_batch}", f"--prefill-chunk={prefill_chunk}", f"--seed={seed}",
-            f"--partition={partition}",
-            f"--calibration-repeats={calibration_repeats}", f"--refine={refine}",
-        ]  # fmt: skip
-        optional = {
-            "--model-path": model_path, "--stages": stages, "--replicas": replicas, "--mode": mode,
-            "--rate": rate, "--sweep": sweep,
-        }  # fmt: skip
-        args += [f"{flag}={value}" for flag, value in optional.items() if value is not None]
-        args.append("--references" if references else "--no-references")
-        if check_output:
-            args.append("--check-output")
-        with _cluster(inventory_path) as (inv, pool):
-            network = measure_network(inv, pool, output.progress(), seconds=1.0) if network_check else []
+        options = _bench_options(values)
+        with _cluster(own["inventory_path"]) as (inv, pool):
+            network = measure_network(inv, pool, output.progress(), seconds=1.0) if own["network_check"] else []
             output.progress()(f"running the benchmark on {len(inv.hosts)} node(s)")
-            document = bench(inv, pool, args, timeout_s=timeout)
-        if network_check:
-            document["network"] = [r.to_dict() for r in network]
+            try:
+                with bench_progress(output) as progress:
+                    document = run_bench(inv, pool, options, timeout_s=own["timeout"], progress=progress)
+            except BenchFailed as exc:
+                if not exc.failure:
+                    raise
+                output.error(exc.message, exc.hint)
+                if output.json_mode:
+                    output.document(
+                        False, {"error": {"message": exc.message, "hint": exc.hint}, "failure": exc.failure}
+                    )
+                return ExitCode.FAILED
+        document["network"] = [r.to_dict() for r in network]
         document.pop("schema_version", None)
         ok = bool(document.pop("ok", True))
-        if save_result:
-            save_result.write_text(json.dumps({"schema_version": 1, "ok": ok, **document}, indent=2) + "\n")
+        if own["save_result"]:
+            own["save_result"].write_text(
+                json.dumps({"schema_version": SCHEMA_VERSION, "ok": ok, **document}, indent=2) + "\n"
+            )
+        if own["save_svg"]:
+            save_svg(document, own["save_svg"])
         return _emit(output, ok, document, render_bench)
 
-    _execute(json_mode, debug, action)
+    _execute(own["json_mode"], own["debug"], action)
+
+
+bench_command.__signature__ = inspect.Signature(_bench_parameters())  # type: ignore[attr-defined]
+app.command("bench")(bench_command)
 
 
 @lab_app.command("up")

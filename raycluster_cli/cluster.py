@@ -1,11 +1,10 @@
-"""Cluster lifecycle: up (head first, then workers in parallel, wait until all joined), down, bench.
+"""Cluster lifecycle: up (head first, then workers in parallel, wait until all joined).
 
 Never prints: progress goes through the callback the caller gives.
 """
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,7 +24,6 @@ from .inventory import HostConfig, Inventory
 from .nodes import Plan, apply, files_digest, plan_node, prepare, probe, wait_head
 from .progress import Progress, quiet
 from .state import ensure_token, state_dir
-from .transport import quote
 from .transport.fanout import error_message, fanout
 from .transport.pool import Connect
 
@@ -286,33 +284,3 @@ def _missing_error(
         "re-run `raycluster up`",
         details,
     )
-
-
-def bench(inventory: Inventory, connect: Connect, driver_args: list[str], timeout_s: float = 900.0) -> dict[str, Any]:
-    """Run the benchmark driver inside the head's container; map each stage's node IP to its host."""
-    head = inventory.head_host
-    transport = connect(head)
-    name = container_name(inventory, head)
-    state = parse_ps(transport.run(inspect_name_command(name)).stdout)
-    if not state or not state[0].running:
-        raise OperationError(f"{head.address}: the cluster's head is not running", "start the cluster: raycluster up")
-    command = f"docker exec {quote(name)} python -m raycluster_cli.bench.driver " + quote(*driver_args)
-    result = transport.run(command.strip(), timeout=timeout_s)
-    try:
-        document: dict[str, Any] = json.loads(result.stdout.strip().splitlines()[-1])
-    except (ValueError, IndexError):
-        raise OperationError(
-            f"{head.address}: the benchmark produced no result: {result.first_line()}", "run with --debug"
-        ) from None
-    if not document.get("ok"):
-        raise OperationError(f"benchmark failed: {document.get('error', 'unknown error')}", "see the message")
-    host_of = {inventory.node_ip(h): str(h.address) for h in inventory.hosts}
-    for item in [*document.get("stages", []), *document.get("calibration", {}).get("nodes", [])]:
-        item["host"] = host_of.get(item.get("node_ip", ""), item.get("node_ip", "?"))
-    extra = [document.get("references", {}).get("unsharded", {}), *document.get("replicas", [])]
-    for item in [*extra, *document.get("sweep", {}).get("points", [])]:
-        if "node_ip" in item:
-            item["host"] = host_of.get(item["node_ip"], item["node_ip"])
-        if "node_ips" in item:
-            item["hosts"] = [host_of.get(ip, ip) for ip in item["node_ips"]]
-    return document

@@ -1,9 +1,11 @@
-"""``python -m raycluster_cli.bench.driver``: run the sharded-inference benchmark on the Ray cluster.
+"""``python -m raycluster_cli.bench.driver --options JSON``: run the benchmark on the Ray cluster.
 
-Runs inside the head container, connects to the running cluster, puts one pipeline stage on each
-alive node (sorted by IP) and prints exactly one JSON document on stdout; everything else goes to
-stderr.  To make that hold even for output from C extensions and Ray itself, file descriptor 1 is
-pointed at stderr for the whole run and the JSON is written to a saved copy of the original fd.
+Runs inside the head container, connects to the running cluster and prints exactly one JSON document
+on stdout; everything else goes to stderr.  To make that hold even for output from C extensions and
+Ray itself, file descriptor 1 is pointed at stderr for the whole run and the JSON is written to a
+saved copy of the original fd.  The options are ``BenchOptions`` as JSON (``--options '{...}'`` or
+``--options @FILE``), exactly as the CLI validated them.  ``--progress FILE`` appends one JSON line
+per phase change and a few per second while requests complete (the CLI polls that file).
 """
 
 from __future__ import annotations
@@ -13,10 +15,18 @@ import json
 import logging
 import os
 import sys
+import time
+from pathlib import Path
 from typing import Any, NoReturn
 
-SCHEMA_VERSION = 1
+from raycluster_cli.bench.options import BenchOptions, ValidationError
+from raycluster_cli.schema import SCHEMA_VERSION
+
 log = logging.getLogger("raycluster.bench")
+
+
+class _UsageError(Exception):
+    pass
 
 
 class _JsonArgumentParser(argparse.ArgumentParser):
@@ -26,70 +36,36 @@ class _JsonArgumentParser(argparse.ArgumentParser):
         raise _UsageError(message)
 
 
-class _UsageError(Exception):
-    pass
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = _JsonArgumentParser(prog="python -m raycluster_cli.bench.driver", description=__doc__)
-    p.add_argument(
-        "--model-path",
-        default=None,
-        help="GPT-2 or Llama checkpoint dir (Hugging Face config.json + safetensors) on every node",
-    )
-    p.add_argument("--layers", type=int, default=12, help="transformer blocks")
-    p.add_argument("--d-model", type=int, default=256)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--vocab", type=int, default=4096)
-    p.add_argument("--max-seq", type=int, default=None, help="default: prompt-len + max-new-tokens")
-    p.add_argument("--requests", type=int, default=32)
-    p.add_argument("--prompt-len", type=int, default=32)
-    p.add_argument("--max-new-tokens", type=int, default=16)
-    p.add_argument("--micro-batch", type=int, default=4)
-    p.add_argument("--prefill-chunk", type=int, default=0, help="prompt tokens per prefill step (0: whole prompt)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--stages", type=int, default=None, help="stages per replica (default: number of alive nodes)")
-    p.add_argument("--replicas", type=int, default=None, help="pipeline replicas (default: alive nodes // stages)")
-    p.add_argument("--mode", choices=("offline", "poisson"), default=None, help="offline: all requests at once")
-    p.add_argument("--rate", type=float, default=None, help="Poisson arrivals, requests/s (implies --mode poisson)")
-    p.add_argument("--sweep", choices=("batch", "nodes"), default=None, help="micro-batch sizes, or 1..N nodes")
-    p.add_argument("--sweep-max-batch", type=int, default=None, help="largest micro-batch of --sweep batch")
-    p.add_argument("--references", action=argparse.BooleanOptionalAction, default=True, help="even + unsharded runs")
-    p.add_argument("--refine", type=int, default=3, help="pilot runs that correct the calibration (balanced)")
-    p.add_argument("--calibration-sample-s", type=float, default=0.25, help="least seconds per calibration sample")
-    p.add_argument("--calibration-repeats", type=int, default=5, help="timed rounds per unit type (median kept)")
-    p.add_argument(
-        "--partition",
-        default="even",
-        help="even | balanced (calibrated per node) | manual:4,4,4 (blocks per stage)",
-    )
-    p.add_argument(
-        "--in-flight",
-        type=int,
-        default=None,
-        help="micro-batches in flight per replica (default offline: all, up to 4 x stages; Poisson: 2 x stages)",
-    )
-    p.add_argument("--threads", type=int, default=None, help="torch threads per stage (default: node CPUs)")
-    p.add_argument("--allow-shared-nodes", action="store_true", help="let stages share nodes (testing)")
-    p.add_argument("--check-output", action="store_true", help="compare tokens with the unsharded model")
-    p.add_argument("--check-requests", type=int, default=8, help="requests compared by --check-output")
+    p.add_argument("--options", default="{}", help="BenchOptions as JSON, or @FILE holding it")
+    p.add_argument("--progress", default=None, help="append progress events (JSON lines) to this file")
     return p
 
 
-def _normalise(args: argparse.Namespace) -> argparse.Namespace:
-    if args.mode is None:
-        args.mode = "poisson" if args.rate is not None else "offline"
-    if args.refine < 0:
-        raise ValueError(f"--refine must be >= 0, got {args.refine}")
-    if args.calibration_repeats < 1:
-        raise ValueError(f"--calibration-repeats must be >= 1, got {args.calibration_repeats}")
-    return args
+def parse_options(text: str) -> BenchOptions:
+    if text.startswith("@"):
+        text = Path(text[1:]).read_text()
+    try:
+        return BenchOptions.model_validate_json(text)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"]) or "options"
+        raise _UsageError(f"{where}: {first['msg']}") from None
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
-    from raycluster_cli.bench import experiment
+class ProgressFile:
+    """Progress events as JSON lines: ``{"phase", "done", "total", "t"}`` plus what the phase adds."""
 
-    return experiment.run(args)
+    def __init__(self, path: str | None) -> None:
+        self.path = path
+
+    def __call__(self, phase: str, done: int | None = None, total: int | None = None, **extra: Any) -> None:
+        event = {"phase": phase, "done": done, "total": total, "t": round(time.time(), 3), **extra}
+        log.info("progress %s", json.dumps(event))
+        if self.path:
+            with open(self.path, "a") as handle:
+                handle.write(json.dumps(event) + "\n")
 
 
 def _one_line(exc: BaseException) -> str:
@@ -97,12 +73,26 @@ def _one_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text}"[:2000]
 
 
+def _failure_doc(exc: BaseException) -> dict[str, Any]:
+    doc: dict[str, Any] = {"schema_version": SCHEMA_VERSION, "ok": False, "error": _one_line(exc)}
+    failure = getattr(exc, "failure", None)  # runtime.StageLost: which node, which stage, how far it got
+    if isinstance(failure, dict):
+        doc["error"] = str(exc)
+        doc["failure"] = failure
+    return doc
+
+
 def _run_to_doc(argv: list[str] | None) -> tuple[dict[str, Any], int]:
     try:
-        return run(_normalise(build_parser().parse_args(argv))), 0
+        args = build_parser().parse_args(argv)
+        options = parse_options(args.options)
+        from raycluster_cli.bench import experiment
+
+        return experiment.run(options, ProgressFile(args.progress)), 0
     except (Exception, KeyboardInterrupt) as exc:  # the CLI wants one JSON document, whatever happened
-        log.error("benchmark failed", exc_info=not isinstance(exc, _UsageError | ValueError))
-        return {"schema_version": SCHEMA_VERSION, "ok": False, "error": _one_line(exc)}, 1
+        expected = isinstance(exc, _UsageError | ValueError) or hasattr(exc, "failure")
+        log.error("benchmark failed", exc_info=not expected)
+        return _failure_doc(exc), 1
     finally:
         try:
             import ray

@@ -83,3 +83,12 @@ def latency_summary(values: Sequence[float]) -> dict[str, float | None]:
     if not values:
         return {"p50": None, "p90": None, "p99": None}
     return {"p50": percentile(values, 50), "p90": percentile(values, 90), "p99": percentile(values, 99)}
+
+
+def relative_spread(values: Sequence[float]) -> float | None:
+    """(max - min) / mean of repeated measurements of one figure; None with fewer than two (or mean 0)."""
+    data = [float(v) for v in values]
+    if len(data) < 2:
+        return None
+    mean = sum(data) / len(data)
+    return (max(data) - min(data)) / mean if mean > 0 else None

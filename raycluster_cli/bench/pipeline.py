@@ -16,6 +16,7 @@ import statistics
 import time
 from typing import Any
 
+import psutil
 import ray
 import torch
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -106,7 +107,18 @@ class _StageWorker:
         torch.set_num_threads(self.num_threads)
         self.device = pick_device()
         self.stage: Stage | None = None
+        self.process = psutil.Process()
         self.reset_stats()
+
+    def configure(self, cfg: dict[str, Any]) -> None:
+        """Another model shape (``--layers`` sized after calibration); the next ``setup`` builds from it."""
+        self.cfg = ModelConfig.from_dict(cfg)
+        self.stage = None
+
+    def process_cpu_s(self) -> float:
+        """CPU seconds of this whole process so far (every thread: torch, Ray's own)."""
+        times = self.process.cpu_times()
+        return float(times.user + times.system)
 
     def setup(self, start: int, end: int) -> dict[str, Any]:
         """Build units [start, end): random weights are made here, real ones read from the local file."""
@@ -147,7 +159,7 @@ class _StageWorker:
             "stats_wall_s": time.perf_counter() - self.stats_began,
             "busy_s": self.busy_s,
             "cpu_s": self.cpu_s,
-            "process_cpu_s": time.process_time() - self.process_cpu_began,
+            "process_cpu_s": self.process_cpu_s() - self.process_cpu_began,
             "span_s": span,
             "calls": self.calls,
             "cached_micro_batches": cached,
@@ -157,7 +169,7 @@ class _StageWorker:
         self.busy_s = 0.0
         self.cpu_s = 0.0
         self.calls = 0
-        self.process_cpu_began = time.process_time()
+        self.process_cpu_began = self.process_cpu_s()
         self.container_cpu_began = container_cpu_usage()
         self.stats_began = time.perf_counter()
         self.first_began = None

@@ -7,6 +7,11 @@ as a replica has room: up to ``micro_batch`` requests that have arrived (offline
 arrived at 0, so batches are full; ``rate`` mode: Poisson arrivals, batches take what is waiting).
 The replica is chosen by power of two choices on outstanding requests.  Latencies are measured from
 each request's arrival.
+
+A node lost in the middle of a run (its actor dies, or a step gets no answer for
+``step_timeout_s``) takes its replica out: the replica's requests in flight start again from their
+prompt on the other replicas and the result counts them and names the stage.  With no replica left
+the run stops with ``StageLost``, which says how many requests had completed.
 """
 
 from __future__ import annotations
@@ -14,136 +19,58 @@ from __future__ import annotations
 import random
 import time
 from collections import deque
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import psutil
 import ray
 import torch
 
-from raycluster_cli.bench import metrics
 from raycluster_cli.bench.model import ModelConfig, full_model_stage, greedy_generate, prefill_chunks
-from raycluster_cli.bench.partition import blocks_held
+from raycluster_cli.bench.results import (
+    BenchParams,
+    LostStage,
+    RunResult,
+    StageReport,
+    replica_report,
+    stage_report,
+    window_rates,
+)
 from raycluster_cli.bench.scheduling import arrival_times, in_flight_limit, power_of_two_choice
 
+__all__ = ["BenchParams", "RunResult", "StageLost", "check_output", "make_prompts", "run_workload", "setup_replicas"]
+
 WARMUP_CACHE_ID = -1
+PROBE_TIMEOUT_S = 10.0
+PROGRESS_EVERY_S = 0.5
+
+Report = Callable[..., None]
 
 
-@dataclass
-class BenchParams:
-    requests: int = 32
-    prompt_len: int = 32
-    max_new_tokens: int = 16
-    micro_batch: int = 4
-    seed: int = 0
-    in_flight: int | None = None  # micro-batches in flight per replica; default scheduling.in_flight_limit
-    rate: float | None = None  # requests/s (Poisson); None: offline, all requests at once
-    warmup: bool = True
-    prefill_chunk: int = 0  # prompt tokens per prefill step; 0: the whole prompt in one step
+class StageLost(RuntimeError):
+    """Every replica lost a stage: the run cannot finish.  ``failure`` says where and how far it got."""
 
-    def validate(self, cfg: ModelConfig) -> None:
-        for name in ("requests", "prompt_len", "max_new_tokens", "micro_batch"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.prefill_chunk < 0:
-            raise ValueError(f"--prefill-chunk must be >= 0 tokens (0: whole prompt), got {self.prefill_chunk}")
-        if self.rate is not None and self.rate <= 0:
-            raise ValueError(f"--rate must be > 0 requests/s, got {self.rate}")
-        if self.prompt_len + self.max_new_tokens - 1 > cfg.max_seq:
-            raise ValueError(
-                f"prompt_len + max_new_tokens - 1 = {self.prompt_len + self.max_new_tokens - 1} "
-                f"exceeds max_seq={cfg.max_seq}"
-            )
-
-
-@dataclass
-class StageReport:
-    replica: int
-    index: int
-    node_ip: str
-    node_id: str
-    units: list[int]
-    layers: int
-    has_embedding: bool
-    has_head: bool
-    busy_s: float  # wall time inside forward: compute, plus any CPU-quota throttling during it
-    cpu_s: float  # CPU time of the stage's process inside forward (all its threads)
-    cpu_quota: float | None  # the container's CFS quota in CPUs, None when unlimited
-    capacity_s: float  # busy time against the quota: max(busy_s, cpu_s / cpu_quota), see metrics.capacity_time
-    idle_s: float
-    calls: int
-    num_threads: int
-    device: str
-    process_cpu_s: float = 0.0  # CPU time of the stage's whole process over the run: forward, Ray's work, its threads
-    container_cpu_s: float | None = None  # CPU time of every process in the stage's container over the run
-    others_cpus: float = 0.0  # CPU rate of the container's other processes (driver, GCS...): shares the quota
-    span_s: float = 0.0  # from the start of its first forward to the end of its last (its own clock)
-
-
-@dataclass
-class ReplicaReport:
-    index: int
-    node_ips: list[str]
-    micro_batches: int
-    requests: int
-    tokens: int
-    busiest_s: float
-    imbalance: float
-
-
-@dataclass
-class RunResult:
-    requests: int
-    completed: int
-    generated_tokens: int
-    wall_s: float
-    in_flight: int
-    driver_cpu_s: float = 0.0  # CPU time of the driver process over the run (it submits and relays every step)
-    ttft_s: list[float] = field(default_factory=list)
-    tpot_s: list[float] = field(default_factory=list)
-    e2e_s: list[float] = field(default_factory=list)
-    tokens: list[list[int]] = field(default_factory=list)  # per request, in request order
-    groups: list[list[int]] = field(default_factory=list)  # request ids of each micro-batch, in dispatch order
-    stages: list[StageReport] = field(default_factory=list)
-    replicas: list[ReplicaReport] = field(default_factory=list)
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.generated_tokens / self.wall_s if self.wall_s > 0 else 0.0
-
-    @property
-    def requests_per_s(self) -> float:
-        return self.completed / self.wall_s if self.wall_s > 0 else 0.0
-
-    def summary(self) -> dict[str, Any]:
-        """Throughput, latency and balance of this run as JSON-ready numbers."""
-        busy = [s.busy_s for s in self.stages]
-        capacity = [s.capacity_s for s in self.stages]
-        return {
-            "tokens_per_s": self.tokens_per_s,
-            "requests_per_s": self.requests_per_s,
-            "requests": self.requests,
-            "completed": self.completed,
-            "generated_tokens": self.generated_tokens,
-            "wall_s": self.wall_s,
-            "in_flight": self.in_flight,
-            "driver_cpu_s": self.driver_cpu_s,
-            "imbalance": metrics.imbalance(busy),
-            "imbalance_capacity": metrics.imbalance(capacity),
-            "t_max_minus_t_min_s": metrics.spread(busy),
-            "utilisation": metrics.utilisation(busy),
-            "latency_s": {
-                "ttft": metrics.latency_summary(self.ttft_s),
-                "tpot": metrics.latency_summary(self.tpot_s),
-                "e2e": metrics.latency_summary(self.e2e_s),
-            },
+    def __init__(self, lost: LostStage, completed: int, requests: int) -> None:
+        self.failure = {
+            "replica": lost.replica,
+            "stage": lost.stage,
+            "node_ip": lost.node_ip,
+            "error": lost.error,
+            "at_s": round(lost.at_s, 3),
+            "completed": completed,
+            "failed": requests - completed,
+            "requests": requests,
         }
+        super().__init__(
+            f"stage {lost.stage} on {lost.node_ip} was lost after {completed} of {requests} request(s) "
+            f"completed ({requests - completed} not completed): {lost.error}"
+        )
 
-    def stage_dicts(self) -> list[dict[str, Any]]:
-        return [asdict(s) for s in self.stages]
 
-    def replica_dicts(self) -> list[dict[str, Any]]:
-        return [asdict(r) for r in self.replicas]
+def _quiet(*_: Any, **__: Any) -> None:
+    pass
 
 
 def make_prompts(vocab: int, requests: int, prompt_len: int, seed: int) -> torch.Tensor:
@@ -190,181 +117,260 @@ class _Batch:
     position: int = 0  # tokens in the stages' KV caches once the step in flight is done
 
 
+def _one_line(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {' '.join(str(exc).split())}"[:300]
+
+
+def _stage_of(workers: list[Any], exc: BaseException | None) -> int:
+    """Which stage of a replica failed: the actor named by the error, else the first that does not answer."""
+    actor_id = getattr(exc, "actor_id", None)
+    if actor_id:
+        for index, worker in enumerate(workers):
+            if worker._actor_id.hex() == actor_id:
+                return index
+    pings = [w.node_info.remote() for w in workers]
+    _, silent = ray.wait(pings, num_returns=len(pings), timeout=PROBE_TIMEOUT_S)
+    for index, ping in enumerate(pings):
+        if ping in silent:
+            return index
+        try:
+            ray.get(ping)
+        except ray.exceptions.RayError:
+            return index
+    return -1
+
+
+class _Workload:
+    """One run's state: what is waiting, what is in flight on which replica, what each request got."""
+
+    def __init__(
+        self,
+        replicas: list[list[Any]],
+        infos: list[dict[str, Any]],
+        cfg: ModelConfig,
+        params: BenchParams,
+        report: Report,
+    ) -> None:
+        self.replicas, self.infos, self.cfg, self.params, self.report = replicas, infos, cfg, params, report
+        n = params.requests
+        self.prompts = make_prompts(cfg.vocab, n, params.prompt_len, params.seed)
+        self.pieces = prefill_chunks(params.prompt_len, params.prefill_chunk)
+        self.limit = in_flight_limit(len(replicas[0]), n, params.micro_batch, params.rate, params.in_flight)
+        self.arrivals = arrival_times(n, params.rate, params.seed)
+        self.rng = random.Random(params.seed)
+        self.tokens: list[list[int]] = [[] for _ in range(n)]
+        self.first_at = [0.0] * n
+        self.done_at = [0.0] * n
+        self.waiting: deque[int] = deque()
+        self.alive = [True] * len(replicas)
+        self.in_flight = [0] * len(replicas)  # micro-batches
+        self.load = [0] * len(replicas)  # outstanding requests: what the router balances
+        self.served = [[0, 0, 0] for _ in replicas]  # micro-batches, requests, tokens
+        self.batches: dict[int, _Batch] = {}
+        self.pending: dict[Any, tuple[int, float]] = {}  # step ref -> (batch id, submitted at)
+        self.groups: list[list[int]] = []
+        self.releases: list[tuple[int, Any]] = []  # (replica, ref)
+        self.events: list[tuple[float, int]] = []  # (seconds into the run, tokens produced)
+        self.lost: list[LostStage] = []
+        self.retried: set[int] = set()
+        self.arrived = self.completed = 0
+        self.began = time.perf_counter()
+        self.reported_at = 0.0
+
+    def now(self) -> float:
+        return time.perf_counter() - self.began
+
+    def submit(self, batch_id: int, x: Any, position: int) -> None:
+        batch = self.batches[batch_id]
+        self.pending[_submit_step(self.replicas[batch.replica], batch_id, x, position)] = (batch_id, self.now())
+
+    def feed_prompt(self, batch_id: int) -> None:
+        """Send the next piece of the batch's prompt through its replica."""
+        batch = self.batches[batch_id]
+        a, b = batch.chunks[0]
+        batch.position = b
+        self.submit(batch_id, self.prompts[batch.rows, a:b], a)
+
+    def dispatch(self) -> None:
+        while self.waiting:
+            free = [r for r in range(len(self.replicas)) if self.alive[r] and self.in_flight[r] < self.limit]
+            if not free:
+                return
+            r = power_of_two_choice(free, self.load, self.rng)
+            rows = [self.waiting.popleft() for _ in range(min(self.params.micro_batch, len(self.waiting)))]
+            batch_id = len(self.groups)
+            self.groups.append(rows)
+            self.batches[batch_id] = _Batch(r, rows, list(self.pieces))
+            self.in_flight[r] += 1
+            self.load[r] += len(rows)
+            self.served[r][0] += 1
+            self.served[r][1] += len(rows)
+            self.feed_prompt(batch_id)
+
+    def on_step(self, batch_id: int, step_tokens: torch.Tensor) -> None:
+        batch = self.batches[batch_id]
+        now = self.now()
+        if batch.chunks:
+            batch.chunks.pop(0)
+            if batch.chunks:  # more of the prompt to feed; this piece's token is not an output
+                self.feed_prompt(batch_id)
+                return
+        for row, tok in zip(batch.rows, step_tokens.tolist(), strict=True):
+            self.tokens[row].append(int(tok))
+            if len(self.tokens[row]) == 1:
+                self.first_at[row] = now
+        self.served[batch.replica][2] += len(batch.rows)
+        self.events.append((now, len(batch.rows)))
+        if len(self.tokens[batch.rows[0]]) < self.params.max_new_tokens:
+            self.submit(batch_id, step_tokens[:, None], batch.position)
+            batch.position += 1
+            return
+        for row in batch.rows:
+            self.done_at[row] = now
+        self.completed += len(batch.rows)
+        self.in_flight[batch.replica] -= 1
+        self.load[batch.replica] -= len(batch.rows)
+        self.releases.extend((batch.replica, w.release.remote(batch_id)) for w in self.replicas[batch.replica])
+        del self.batches[batch_id]
+
+    def lose_replica(self, replica: int, exc: BaseException | None, why: str) -> None:
+        """Take a replica out; its requests in flight wait again, at the front, for another replica."""
+        stage = _stage_of(self.replicas[replica], exc)
+        info = self.infos[replica * len(self.replicas[0]) + max(stage, 0)]
+        self.alive[replica] = False
+        lost_batches = sorted(b for b, batch in self.batches.items() if batch.replica == replica)
+        self.pending = {ref: v for ref, v in self.pending.items() if self.batches[v[0]].replica != replica}
+        rows = [row for b in lost_batches for row in self.batches.pop(b).rows]
+        for row in rows:
+            self.tokens[row] = []
+        self.waiting.extendleft(reversed(rows))
+        self.retried.update(rows)
+        self.in_flight[replica] = self.load[replica] = 0
+        node_ip = str(info["node_ip"]) if stage >= 0 else "?"
+        lost = LostStage(
+            replica, stage, node_ip, str(info["node_id"]) if stage >= 0 else "", why, self.now(), len(rows)
+        )
+        self.lost.append(lost)
+        self.report("node lost", node_ip=node_ip, stage=stage, replica=replica, retried=len(rows), error=why)
+        if not any(self.alive):
+            raise StageLost(lost, self.completed, self.params.requests)
+
+    def check_stalled(self) -> None:
+        """A step that got no answer for ``step_timeout_s``: its replica's node froze or vanished."""
+        now = self.now()
+        for batch_id, submitted in list(self.pending.values()):
+            if now - submitted > self.params.step_timeout_s and batch_id in self.batches:
+                replica = self.batches[batch_id].replica
+                self.lose_replica(replica, None, f"no answer for {self.params.step_timeout_s:.0f}s")
+                return
+
+    def wait_once(self) -> None:
+        n = self.params.requests
+        next_arrival = self.arrivals[self.arrived] - self.now() if self.arrived < n else None
+        if not self.pending:
+            time.sleep(max(0.0, next_arrival or 0.0))
+            return
+        timeout = self.params.step_timeout_s if next_arrival is None else min(next_arrival, self.params.step_timeout_s)
+        ready, _ = ray.wait(list(self.pending), num_returns=1, timeout=timeout)
+        if not ready:
+            self.check_stalled()
+        for ref in ready:
+            if ref not in self.pending:  # its replica was lost meanwhile
+                continue
+            batch_id, _ = self.pending.pop(ref)
+            try:
+                step_tokens = ray.get(ref)
+            except ray.exceptions.RayError as exc:
+                self.lose_replica(self.batches[batch_id].replica, exc, _one_line(exc))
+                continue
+            self.on_step(batch_id, step_tokens)
+
+    def run(self) -> float:
+        """Until every request has its tokens; returns the wall time."""
+        n = self.params.requests
+        self.report("requests", 0, n)
+        while self.completed < n:
+            while self.arrived < n and self.arrivals[self.arrived] <= self.now():
+                self.waiting.append(self.arrived)
+                self.arrived += 1
+            self.dispatch()
+            self.wait_once()
+            if self.now() - self.reported_at >= PROGRESS_EVERY_S:
+                self.reported_at = self.now()
+                self.report("requests", self.completed, n)
+        self.report("requests", n, n)
+        return self.now()
+
+    def stage_reports(
+        self, stats: dict[int, dict[str, Any]], ranges: list[list[tuple[int, int]]], wall_s: float
+    ) -> list[StageReport]:
+        per_node: dict[str, int] = {}
+        for info in self.infos:  # a container shared by several stages cannot tell their shares apart
+            per_node[str(info["node_id"])] = per_node.get(str(info["node_id"]), 0) + 1
+        stages = len(self.replicas[0])
+        reports = []
+        for i, stat in sorted(stats.items()):
+            r, s = divmod(i, stages)
+            info = self.infos[i]
+            shared = per_node[str(info["node_id"])] > 1
+            reports.append(stage_report((r, s), ranges[r][s], info, stat, self.cfg, wall_s, shared))
+        return reports
+
+
 def run_workload(
-    replicas: list[list[Any]], ranges: list[list[tuple[int, int]]], cfg: ModelConfig, params: BenchParams
+    replicas: list[list[Any]],
+    ranges: list[list[tuple[int, int]]],
+    cfg: ModelConfig,
+    params: BenchParams,
+    report: Report = _quiet,
 ) -> RunResult:
     """Stream ``params.requests`` greedy generations through the (already set up) replicas."""
     params.validate(cfg)
     flat = [w for workers in replicas for w in workers]
     infos = ray.get([w.node_info.remote() for w in flat])
-    prompts = make_prompts(cfg.vocab, params.requests, params.prompt_len, params.seed)
     if params.warmup:
-        warm = prompts[: params.micro_batch]
+        warm = make_prompts(cfg.vocab, params.micro_batch, params.prompt_len, params.seed)
         for workers in replicas:
             _warm_up(workers, warm, min(2, params.max_new_tokens - 1), params.prefill_chunk)
     ray.get([w.reset_stats.remote() for w in flat])
-
-    stages = len(replicas[0])
-    pieces = prefill_chunks(params.prompt_len, params.prefill_chunk)
-    limit = in_flight_limit(stages, params.requests, params.micro_batch, params.rate, params.in_flight)
-    arrivals = arrival_times(params.requests, params.rate, params.seed)
-    rng = random.Random(params.seed)
-    tokens: list[list[int]] = [[] for _ in range(params.requests)]
-    first_at = [0.0] * params.requests
-    done_at = [0.0] * params.requests
-    waiting: deque[int] = deque()
-    in_flight = [0] * len(replicas)  # micro-batches
-    load = [0] * len(replicas)  # outstanding requests: what the router balances
-    served = [[0, 0, 0] for _ in replicas]  # micro-batches, requests, tokens
-    batches: dict[int, _Batch] = {}
-    pending: dict[Any, int] = {}
-    groups: list[list[int]] = []
-    releases: list[Any] = []
-    arrived = 0
-    completed = 0
-    began, cpu_began = time.perf_counter(), time.process_time()
-
-    def feed_prompt(batch_id: int, batch: _Batch) -> None:
-        """Send the next piece of the batch's prompt through its replica."""
-        a, b = batch.chunks[0]
-        batch.position = b
-        pending[_submit_step(replicas[batch.replica], batch_id, prompts[batch.rows, a:b], a)] = batch_id
-
-    def dispatch() -> None:
-        while waiting:
-            free = [r for r in range(len(replicas)) if in_flight[r] < limit]
-            if not free:
-                return
-            r = power_of_two_choice(free, load, rng)
-            rows = [waiting.popleft() for _ in range(min(params.micro_batch, len(waiting)))]
-            batch_id = len(groups)
-            groups.append(rows)
-            batch = batches[batch_id] = _Batch(r, rows, list(pieces))
-            in_flight[r] += 1
-            load[r] += len(rows)
-            served[r][0] += 1
-            served[r][1] += len(rows)
-            feed_prompt(batch_id, batch)
-
-    while completed < params.requests:
-        now = time.perf_counter() - began
-        while arrived < params.requests and arrivals[arrived] <= now:
-            waiting.append(arrived)
-            arrived += 1
-        dispatch()
-        next_arrival = arrivals[arrived] - now if arrived < params.requests else None
-        if not pending:
-            time.sleep(max(0.0, next_arrival or 0.0))
-            continue
-        ready, _ = ray.wait(list(pending), num_returns=1, timeout=next_arrival)
-        for ref in ready:
-            batch_id = pending.pop(ref)
-            batch = batches[batch_id]
-            step_tokens: torch.Tensor = ray.get(ref)
-            now = time.perf_counter() - began
-            if batch.chunks:
-                batch.chunks.pop(0)
-                if batch.chunks:  # more of the prompt to feed; this piece's token is not an output
-                    feed_prompt(batch_id, batch)
-                    continue
-            for row, tok in zip(batch.rows, step_tokens.tolist(), strict=True):
-                tokens[row].append(int(tok))
-                if len(tokens[row]) == 1:
-                    first_at[row] = now
-            served[batch.replica][2] += len(batch.rows)
-            if len(tokens[batch.rows[0]]) < params.max_new_tokens:
-                step = _submit_step(replicas[batch.replica], batch_id, step_tokens[:, None], batch.position)
-                batch.position += 1
-                pending[step] = batch_id
-                continue
-            for row in batch.rows:
-                done_at[row] = now
-            completed += len(batch.rows)
-            in_flight[batch.replica] -= 1
-            load[batch.replica] -= len(batch.rows)
-            releases.extend(w.release.remote(batch_id) for w in replicas[batch.replica])
-            del batches[batch_id]
-    wall_s = time.perf_counter() - began
-    driver_cpu_s = time.process_time() - cpu_began
-    ray.get(releases)
-    stats = ray.get([w.stats.remote() for w in flat])
-
-    stages_on_node: dict[str, int] = {}
-    for info in infos:  # a container shared by several stages cannot tell their shares apart
-        stages_on_node[str(info["node_id"])] = stages_on_node.get(str(info["node_id"]), 0) + 1
-    stage_reports: list[StageReport] = []
-    for i, (info, stat) in enumerate(zip(infos, stats, strict=True)):
-        r, s = divmod(i, stages)
-        start, end = ranges[r][s]
-        stage_busy = float(stat["busy_s"])
-        stage_cpu = float(stat.get("cpu_s", 0.0))
-        quota = info.get("cpu_quota")
-        process_cpu = float(stat.get("process_cpu_s", 0.0))
-        container_cpu = stat.get("container_cpu_s")
-        window = float(stat.get("stats_wall_s") or 0.0)
-        others = 0.0
-        if container_cpu is not None and window > 0 and stages_on_node[str(info["node_id"])] == 1:
-            others = max(0.0, float(container_cpu) - process_cpu) / window
-        stage_reports.append(
-            StageReport(
-                replica=r,
-                index=s,
-                node_ip=str(info["node_ip"]),
-                node_id=str(info["node_id"]),
-                units=[start, end],
-                layers=blocks_held(start, end, cfg.layers),
-                has_embedding=start == 0,
-                has_head=end == cfg.num_units,
-                busy_s=stage_busy,
-                cpu_s=stage_cpu,
-                cpu_quota=float(quota) if quota else None,
-                capacity_s=metrics.capacity_time(stage_busy, stage_cpu, float(quota) if quota else None, others),
-                idle_s=max(0.0, wall_s - stage_busy),
-                calls=int(stat["calls"]),
-                num_threads=int(info["num_threads"]),
-                device=str(info.get("device", "cpu")),
-                process_cpu_s=process_cpu,
-                container_cpu_s=float(container_cpu) if container_cpu is not None else None,
-                others_cpus=others,
-                span_s=float(stat.get("span_s", 0.0)),
-            )
-        )
-    replica_reports = []
-    for r in range(len(replicas)):
-        busy = [s.busy_s for s in stage_reports if s.replica == r]
-        replica_reports.append(
-            ReplicaReport(
-                index=r,
-                node_ips=[s.node_ip for s in stage_reports if s.replica == r],
-                micro_batches=served[r][0],
-                requests=served[r][1],
-                tokens=served[r][2],
-                busiest_s=max(busy),
-                imbalance=metrics.imbalance(busy),
-            )
-        )
-    ttft = [first_at[i] - arrivals[i] for i in range(params.requests)]
-    e2e = [done_at[i] - arrivals[i] for i in range(params.requests)]
-    tpot = (
-        [(e2e[i] - ttft[i]) / (params.max_new_tokens - 1) for i in range(params.requests)]
-        if params.max_new_tokens > 1
-        else []
-    )
+    work = _Workload(replicas, infos, cfg, params, report)
+    cpu = psutil.Process()
+    cpu_began = sum(cpu.cpu_times()[:2])
+    wall_s = work.run()
+    driver_cpu_s = sum(cpu.cpu_times()[:2]) - cpu_began
+    stats = _alive_stats(work)
+    stages = work.stage_reports(stats, ranges, wall_s)
+    n = params.requests
+    ttft = [work.first_at[i] - work.arrivals[i] for i in range(n)]
+    e2e = [work.done_at[i] - work.arrivals[i] for i in range(n)]
+    tpot = [(e2e[i] - ttft[i]) / (params.max_new_tokens - 1) for i in range(n)] if params.max_new_tokens > 1 else []
     return RunResult(
-        requests=params.requests,
-        completed=completed,
-        generated_tokens=sum(len(t) for t in tokens),
+        requests=n,
+        completed=work.completed,
+        generated_tokens=sum(len(t) for t in work.tokens),
         wall_s=wall_s,
-        in_flight=limit,
+        in_flight=work.limit,
         driver_cpu_s=driver_cpu_s,
         ttft_s=ttft,
         tpot_s=tpot,
         e2e_s=e2e,
-        tokens=tokens,
-        groups=groups,
-        stages=stage_reports,
-        replicas=replica_reports,
+        tokens=work.tokens,
+        groups=work.groups,
+        stages=stages,
+        replicas=[replica_report(r, stages, work.served[r], not work.alive[r]) for r in range(len(replicas))],
+        window_tokens_per_s=window_rates(work.events, wall_s),
+        lost=work.lost,
+        retried_requests=len(work.retried),
     )
+
+
+def _alive_stats(work: _Workload) -> dict[int, dict[str, Any]]:
+    """Each stage's stats, by flat index, from the replicas still alive (after their caches are freed)."""
+    stages = len(work.replicas[0])
+    alive = [i for i in range(len(work.infos)) if work.alive[i // stages]]
+    ray.get([ref for replica, ref in work.releases if work.alive[replica]])
+    flat = [w for workers in work.replicas for w in workers]
+    return dict(zip(alive, ray.get([flat[i].stats.remote() for i in alive]), strict=True))
 
 
 def check_output(cfg: ModelConfig, params: BenchParams, result: RunResult, num_requests: int = 8) -> dict[str, Any]:

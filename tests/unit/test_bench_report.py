@@ -5,7 +5,8 @@ from __future__ import annotations
 import io
 from typing import Any
 
-from raycluster_cli.report import Output, render_bench
+from raycluster_cli.report import Output
+from raycluster_cli.report_bench import render_bench
 
 
 def _doc() -> dict[str, Any]:

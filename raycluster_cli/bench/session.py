@@ -1,0 +1,324 @@
+"""The live state of one benchmark: nodes, stage workers, calibrated costs, lost replicas.
+
+``experiment.run`` drives a ``Session`` through its phases; every phase reports progress through
+the callback it was given (``phase, done, total``), and every workload run goes through
+``measure``, which skips replicas that lost a node earlier and records the ones that lose one now.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import ray
+import torch
+
+from raycluster_cli.bench import experiment, pilots, pipeline, runtime, scheduling
+from raycluster_cli.bench.model import prefill_chunks
+from raycluster_cli.bench.options import BenchOptions
+
+log = logging.getLogger("raycluster.bench")
+Ranges = list[list[tuple[int, int]]]
+
+
+@dataclass
+class Session:
+    options: BenchOptions
+    progress: experiment.Report
+    nodes: list[dict[str, Any]]
+    num_stages: int
+    node_ids: list[str]  # node of each worker, replica by replica
+    workers: list[Any]
+    cfg: Any
+    gpu_nodes: set[str]
+    params: Any = None
+    calibrations: dict[str, dict[str, Any]] = field(default_factory=dict)
+    costs: dict[str, list[float]] = field(default_factory=dict)
+    hops: dict[str, Any] = field(default_factory=dict)
+    transfer_s: float = 0.0
+    pilots: list[dict[str, Any]] = field(default_factory=list)
+    lost: list[dict[str, Any]] = field(default_factory=list)
+    dead: set[int] = field(default_factory=set)  # replicas that lost a node
+    balanced_ranges: Ranges | None = None
+    extra_workers: list[Any] = field(default_factory=list)  # started by --sweep nodes
+
+    @classmethod
+    def start(cls, options: BenchOptions, progress: experiment.Report) -> Session:
+        experiment.model_config(options, options.layers or 4)  # a bad checkpoint fails before Ray is touched
+        if not ray.is_initialized():  # tests may hand over a Ray they started themselves
+            ray.init(address="auto", logging_level=logging.ERROR, log_to_driver=False)
+        nodes = experiment.alive_nodes()
+        manual = options.manual_counts
+        num_stages = options.stages or (len(manual) if manual else None) or len(nodes)
+        provisional = options.layers or (sum(manual) if manual else max(4, num_stages))
+        cfg = experiment.model_config(options, provisional)
+        if num_stages > cfg.layers and (options.layers or options.model_path):
+            raise ValueError(f"{num_stages} stages but the model has {cfg.layers} blocks: every stage needs one")
+        plan = scheduling.plan_replicas(len(nodes), num_stages, options.replicas, options.allow_shared_nodes)
+        gpu_nodes = {n["node_id"] for n in nodes if n["gpus"] >= 1}
+        node_ids = [nodes[i]["node_id"] for replica in plan for i in replica]
+        log.info("replicas on %s", [[nodes[i]["node_ip"] for i in replica] for replica in plan])
+        progress(f"starting {len(node_ids)} stage worker(s) on {len(set(node_ids))} node(s)")
+        workers = pipeline.start_workers(
+            cfg,
+            node_ids,
+            num_threads=options.threads,
+            allow_shared_nodes=options.allow_shared_nodes,
+            gpu_nodes=gpu_nodes,
+        )
+        session = cls(options, progress, nodes, num_stages, node_ids, workers, cfg, gpu_nodes)
+        try:
+            session.calibrate()
+            session.size_model()
+            session.measure_hops()
+        except BaseException:
+            session.stop()
+            raise
+        return session
+
+    @property
+    def replicas(self) -> list[list[Any]]:
+        s = self.num_stages
+        return [self.workers[r * s : (r + 1) * s] for r in range(len(self.workers) // s)]
+
+    def alive(self) -> list[int]:
+        return [r for r in range(len(self.replicas)) if r not in self.dead]
+
+    def node_ip(self, node_id: str) -> str:
+        return next((str(n["node_ip"]) for n in self.nodes if n["node_id"] == node_id), node_id)
+
+    def calibrate(self) -> None:
+        """Every node's per-unit-type cost, all nodes at once (one worker per distinct node)."""
+        first_on_node: dict[str, Any] = {}
+        for node_id, worker in zip(self.node_ids, self.workers, strict=True):
+            first_on_node.setdefault(node_id, worker)
+        o = self.options
+        self.progress(f"calibrating {len(first_on_node)} node(s)")
+        found = pipeline.calibrate_workers(
+            list(first_on_node.values()),
+            o.micro_batch,
+            o.prompt_len,
+            max(1, o.max_new_tokens - 1),
+            o.calibration_repeats,
+            o.calibration_sample_s,
+            o.prefill_chunk,
+        )
+        self.calibrations = dict(zip(first_on_node, found, strict=True))
+
+    def size_model(self) -> None:
+        """``--layers`` left out: enough blocks that the slowest node gets its share; then the cost rows."""
+        o = self.options
+        if not o.layers and not o.model_path and not o.manual_counts:
+            rows = [
+                [
+                    float(self.calibrations[n]["block_s"])
+                    for n in self.node_ids[r * self.num_stages :][: self.num_stages]
+                ]
+                for r in range(len(self.replicas))
+            ]
+            layers = max(experiment.auto_layers(rows, o.min_blocks_per_node), self.num_stages)
+            self.cfg = experiment.model_config(o, layers)
+            self.progress(f"model sized to {layers} blocks (slowest node holds about {o.min_blocks_per_node})")
+            ray.get([w.configure.remote(self.cfg.to_dict()) for w in self.workers])
+        self.costs = {nid: pipeline.unit_cost_row(c, self.cfg.layers) for nid, c in self.calibrations.items()}
+
+    def measure_hops(self) -> None:
+        """What one stage boundary costs with no-op stages, for a prefill piece and for a decode step."""
+        o = self.options
+        self.progress("measuring the per-hop overhead with no-op stages")
+        chunks = prefill_chunks(o.prompt_len, o.prefill_chunk)
+        first = self.replicas[0]
+        prefill = pipeline.hop_overhead(first, torch.zeros(o.micro_batch, chunks[0][1], self.cfg.d_model))
+        decode = pipeline.hop_overhead(first, torch.zeros(o.micro_batch, 1, self.cfg.d_model))
+        self.hops = {"prefill": prefill, "decode": decode, "per_hop_s": decode["per_hop_s"]}
+        decode_steps = max(1, o.max_new_tokens - 1)
+        self.transfer_s = len(chunks) * prefill["per_hop_s"] + decode_steps * decode["per_hop_s"]
+
+    def ranges_for(self, which: str) -> Ranges:
+        out = []
+        for r in range(len(self.replicas)):
+            rows = [self.costs[self.node_ids[r * self.num_stages + s]] for s in range(self.num_stages)]
+            out.append(experiment.choose_ranges(which, rows, self.cfg.layers, self.transfer_s))
+        return out
+
+    def measure(self, ranges: Ranges, params: Any, label: str, replicas: list[list[Any]] | None = None) -> Any:
+        """One workload run on the replicas still alive (or on ``replicas``); records nodes it loses."""
+        alive = self.alive() if replicas is None else list(range(len(replicas)))
+        group = [self.replicas[r] for r in alive] if replicas is None else replicas
+        chosen = [ranges[r] for r in alive]
+        self.progress(label)
+        runtime.setup_replicas(group, chosen)
+
+        def report(step: str, done: int | None = None, total: int | None = None, **extra: Any) -> None:
+            self.progress(label, done, total, step=step, **extra)
+
+        result = runtime.run_workload(group, chosen, self.cfg, params, report)
+        if replicas is None:
+            for stage in result.stages:
+                stage.replica = alive[stage.replica]
+            for rep in result.replicas:
+                rep.index = alive[rep.index]
+            for lost in result.lost:
+                lost.replica = alive[lost.replica]
+                self.dead.add(lost.replica)
+                self.lost.append({"phase": label, **asdict(lost)})
+        return result
+
+    def estimate_requests(self, ranges: Ranges, duration_s: float) -> int:
+        """Requests for ``duration_s`` at the throughput the calibration predicts for ``ranges``."""
+        bottleneck = max(
+            sum(self.costs[self.node_ids[r * self.num_stages + s]][a:b]) + self.transfer_s
+            for r in range(len(ranges))
+            for s, (a, b) in enumerate(ranges[r])
+        )
+        o = self.options
+        tokens_per_s = len(self.alive()) * o.micro_batch * o.max_new_tokens / max(bottleneck, 1e-9)
+        return experiment.requests_for(duration_s, tokens_per_s, o, self.least_requests())
+
+    def least_requests(self) -> int:
+        return self.options.micro_batch * max(1, len(self.alive())) * (self.num_stages + 1)
+
+    def choose_split(self) -> tuple[Ranges, dict[str, Any]]:
+        """Pilots (balanced), the even split's own pilot, and the size of the counted run."""
+        o = self.options
+        ranges = self.ranges_for(o.partition)
+        auto = o.requests is None
+        pilot_params = experiment.bench_params(o, o.requests or self.estimate_requests(ranges, o.duration_s / 2))
+        self.params = experiment.bench_params(o, o.requests or pilot_params.requests)
+        pilot_params = experiment.replace_params(pilot_params, rate=None)  # pilots run offline
+        if o.partition != "balanced" or not o.refine:
+            if auto:
+                sizing = self.measure(
+                    ranges,
+                    experiment.replace_params(
+                        pilot_params, requests=max(self.least_requests(), pilot_params.requests // 2)
+                    ),
+                    "sizing run",
+                )
+                self.resize(sizing.tokens_per_s)
+            return ranges, {"used": o.partition, "reason": "no pilots" if o.partition == "balanced" else "asked for"}
+
+        def run_pilot(rr: Ranges, index: int) -> Any:
+            nonlocal pilot_params
+            result = self.measure(rr, pilot_params, f"pilot {index + 1}/{o.refine}")
+            if auto and index == 0:
+                self.resize(result.tokens_per_s)
+                pilot_params = experiment.replace_params(
+                    pilot_params, requests=max(self.least_requests(), self.params.requests // 2)
+                )
+            return result
+
+        chosen, tried = pilots.refine(ranges, o.refine, run_pilot, self.costs, lambda: self.ranges_for("balanced"))
+        self.balanced_ranges = chosen
+        even = self.ranges_for("even")
+        used, choice = pilots.pick_split(
+            chosen, even, tried, lambda: self.measure(even, pilot_params, "even-split pilot")
+        )
+        self.pilots = pilots.public(tried, chosen, {nid: self.node_ip(nid) for nid in self.costs})
+        return used, choice
+
+    def resize(self, tokens_per_s: float) -> None:
+        """The counted run's requests from a measured throughput (``--requests`` left out)."""
+        o = self.options
+        requests = experiment.requests_for(o.duration_s, tokens_per_s, o, self.least_requests())
+        self.params = experiment.replace_params(self.params, requests=requests)
+        self.progress(
+            f"counted run sized to {requests} requests (about {o.duration_s:.0f}s at {tokens_per_s:.1f} tok/s)"
+        )
+
+    def main_doc(self, result: Any, ranges: Ranges) -> dict[str, Any]:
+        replicas = result.replica_dicts()
+        return {
+            **result.summary(),
+            "stages": experiment.with_predictions(result.stage_dicts(), self.costs, replicas),
+            "replicas": replicas,
+            "lost_in_run": result.lost_dicts(),
+            "partition_ranges": [[list(r) for r in rr] for rr in ranges],
+        }
+
+    def references(self, result: Any, ranges: Ranges, choice: dict[str, Any]) -> dict[str, Any]:
+        alive = [result.replicas[i] for i in range(len(result.replicas)) if not result.replicas[i].lost]
+        busiest = [r.busiest_s for r in alive]
+        ceiling = scheduling.ceiling_tokens_per_s([r.tokens for r in alive], busiest)
+        stages = [s for s in result.stage_dicts()]
+        bottleneck = max(stages, key=lambda s: s["busy_s"]) if stages else {"busy_s": 0.0}
+        refs: dict[str, Any] = {
+            "ceiling": {
+                "tokens_per_s": ceiling,
+                "ratio": result.tokens_per_s / ceiling if ceiling else None,
+                "gap": scheduling.ceiling_gap(result.wall_s, bottleneck),
+            }
+        }
+        if not self.options.references:
+            return refs
+        other = "balanced" if choice.get("used") == "even" and self.balanced_ranges else "even"
+        other_ranges = self.balanced_ranges if other == "balanced" else self.ranges_for("even")
+        if other_ranges is not None and other_ranges != ranges:
+            run = self.measure(other_ranges, self.params, f"reference: {other} split")
+            refs[other] = experiment.reference(result, run, {"partition_ranges": [list(r) for r in other_ranges[0]]})
+        candidates = [n for r in self.alive() for n in self.node_ids[r * self.num_stages :][: self.num_stages]]
+        if candidates:
+            fastest = min(candidates, key=lambda nid: sum(self.costs[nid]))
+            worker = self.workers[self.node_ids.index(fastest)]
+            whole = self.measure([[(0, self.cfg.num_units)]], self.params, "reference: unsharded", replicas=[[worker]])
+            refs["unsharded"] = experiment.reference(result, whole, {"node_ip": self.node_ip(fastest)})
+        return refs
+
+    def sweep(self, kind: str, ranges: Ranges) -> dict[str, Any]:
+        if kind == "batch":
+            return experiment.sweep_batch(
+                lambda size: self.measure(
+                    ranges, experiment.replace_params(self.params, micro_batch=size), f"sweep: micro-batch {size}"
+                ),
+                self.params.requests,
+                self.options.sweep_max_batch,
+            )
+        from raycluster_cli.bench.sweeps import sweep_nodes
+
+        return sweep_nodes(self, ranges)
+
+    def stop(self) -> None:
+        pipeline.stop_workers(self.workers + self.extra_workers)
+
+    def calibration_doc(self) -> dict[str, Any]:
+        return {
+            "calibration": {
+                "nodes": list(self.calibrations.values()),
+                "refinements": self.pilots,
+                "transfer_s_per_micro_batch": self.transfer_s,
+            },
+            "hop_overhead": self.hops,
+        }
+
+    def config_doc(self, first_ranges: list[list[int]]) -> dict[str, Any]:
+        o, p = self.options, self.params
+        return {
+            "model": self.cfg.to_dict(),
+            "model_source": f"{self.cfg.arch}:{self.cfg.model_path}" if self.cfg.model_path else "random",
+            "layers_auto": not (o.layers or o.model_path or o.manual_counts),
+            "mode": o.load_mode,
+            "rate": o.rate,
+            "requests": p.requests,
+            "requests_auto": o.requests is None,
+            "duration_s": o.duration_s,
+            "prompt_len": o.prompt_len,
+            "max_new_tokens": o.max_new_tokens,
+            "micro_batch": o.micro_batch,
+            "prefill_chunk": o.prefill_chunk,
+            "seed": o.seed,
+            "stages": self.num_stages,
+            "replicas": len(self.replicas),
+            "partition": o.partition,
+            "partition_ranges": first_ranges,
+            "threads": o.threads,
+            "allow_shared_nodes": o.allow_shared_nodes,
+            "alive_nodes": len(self.nodes),
+            "calibration_repeats": o.calibration_repeats,
+            "calibration_sample_s": o.calibration_sample_s,
+            "refine": o.refine if o.partition == "balanced" else 0,
+            "quick": o.quick,
+            "step_timeout_s": o.step_timeout_s,
+            "latency_origin": "request_arrival",
+            "warmup": "one micro-batch per replica, not counted",
+        }
