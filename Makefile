@@ -25,9 +25,12 @@ lab: venv images
 lab-down: venv
 	$(BIN)/raycluster lab down
 
-# The main job: a 3-host lab, then doctor → up → bench → down against it.
-demo: lab
-	@inv=$$($(BIN)/raycluster lab up --hosts $(LAB_HOSTS) --json | $(BIN)/python -c 'import json,sys; print(json.load(sys.stdin)["inventory"])'); \
+# The main job: a 3-host lab whose hosts are unequal (CPU quotas of their Ray containers), then
+# doctor → up → bench → down against it. The bench's own report shows what balancing buys there:
+# the balanced split next to the even split and the whole model unsharded on one node.
+DEMO_QUOTAS ?= 1.0,0.5,0.25
+demo: venv images
+	@inv=$$($(BIN)/raycluster lab up --hosts $(LAB_HOSTS) --cpu-quotas $(DEMO_QUOTAS) --json | $(BIN)/python -c 'import json,sys; print(json.load(sys.stdin)["inventory"])'); \
 	set -e; \
 	echo "== raycluster doctor -i $$inv"; $(BIN)/raycluster doctor -i $$inv; \
 	echo "== raycluster up -i $$inv"; $(BIN)/raycluster up -i $$inv; \

@@ -552,8 +552,7 @@ def _bench_options(values: dict[str, Any]) -> BenchOptions:
             raise UsageError(message, "see `raycluster bench --help`") from None
         flag = flag_of(str(first["loc"][0]))
         text = f"{flag} {message}" if message.startswith("'") else f"{flag} {first['input']!r}: {message}"
-        raise UsageError(text, f"see `raycluster bench --help` for what {flag} takes"
-        ) from None
+        raise UsageError(text, f"see `raycluster bench --help` for what {flag} takes") from None
 
 
 def bench_command(**values: Any) -> None:
@@ -611,13 +610,16 @@ def lab_up_command(
     cpus: Annotated[
         list[str] | None, typer.Option(help="CPU quota of a host's Ray container, HOSTNAME=CPUS (repeatable)")
     ] = None,
+    cpu_quotas: Annotated[
+        str | None, typer.Option(help="CPU quotas of the hosts' Ray containers in order, e.g. 1.0,0.5,0.25")
+    ] = None,
     json_mode: JsonOpt = False,
     debug: DebugOpt = False,
 ) -> None:
     """Start N lab hosts (sshd + dockerd each), load the node image, write their inventory."""
 
     def action(output: Output) -> int:
-        options: dict[str, list[str]] = {}
+        options = lab.quota_options(cpu_quotas, hosts) if cpu_quotas else {}
         for item in cpus or []:
             hostname, sep, value = item.partition("=")
             if not sep:

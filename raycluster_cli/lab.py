@@ -169,6 +169,26 @@ def judge_resources(starting: int, total: int, available: int, cores: int) -> li
     return warnings
 
 
+def quota_options(spec: str, count: int) -> dict[str, list[str]]:
+    """``"1.0,0.5,0.25"``: the Ray container on lab-h1 gets ``--cpus=1.0``, lab-h2 ``0.5``, lab-h3 ``0.25``.
+
+    Unequal hosts on one machine, for `bench` to balance (``make demo`` uses them).
+    """
+    values = [v.strip() for v in spec.split(",") if v.strip()]
+    if len(values) > count:
+        raise UsageError(f"--cpu-quotas has {len(values)} values for {count} host(s)", "give one per host at most")
+    options: dict[str, list[str]] = {}
+    for index, value in enumerate(values, start=1):
+        try:
+            cpus = float(value)
+        except ValueError:
+            cpus = -1.0
+        if not 0 < cpus <= 1024:
+            raise UsageError(f"--cpu-quotas: {value!r} is not a number of CPUs", "e.g. --cpu-quotas 1.0,0.5,0.25")
+        options[f"lab-h{index}"] = [f"--cpus={cpus:g}"]
+    return options
+
+
 def lab_up(
     count: int = 3,
     *,

@@ -123,24 +123,9 @@ def stage_costs(
     ]
 
 
-def balanced_partition(
-    unit_costs_per_stage_node: Sequence[Sequence[float]],
-    transfer_cost: float | Sequence[float] = 0.0,
-    min_blocks_per_stage: int = 1,
-    fixed_cost: Sequence[float] | None = None,
-) -> Ranges:
-    """Exact min-max split of the units over S stages where stage s runs on node s.
-
-    ``unit_costs_per_stage_node[s][u]`` is the cost of unit ``u`` on the node of stage ``s`` (all rows
-    the same length L+2, nodes may differ in speed).  ``transfer_cost`` is one number for every
-    stage boundary or a list with one value per boundary (stage s -> s+1); it is charged to the
-    sending stage; ``fixed_cost`` adds one number per stage whatever it holds (e.g. its share of
-    the transfers, ``boundary_costs``).  The steady-state throughput of a pipeline is set by its slowest stage, so the
-    split minimises the maximum stage cost; among the optimal splits it picks the one with the
-    smallest sum of squared stage costs (the most even one), found by a second exact DP under the
-    optimal bound.  O(S * U^2), trivial for any realistic model.
-    """
-    costs = [[float(c) for c in row] for row in unit_costs_per_stage_node]
+def _checked_costs(rows: Sequence[Sequence[float]], min_blocks_per_stage: int) -> list[list[float]]:
+    """The cost rows as floats, refused when no split of them can exist."""
+    costs = [[float(c) for c in row] for row in rows]
     num_stages = len(costs)
     if num_stages < 1:
         raise ValueError("need at least one stage (one cost row per stage node)")
@@ -162,6 +147,29 @@ def balanced_partition(
             )
     elif num_stages > num_units:
         raise ValueError(f"cannot split {num_units} units into {num_stages} non-empty stages")
+    return costs
+
+
+def balanced_partition(
+    unit_costs_per_stage_node: Sequence[Sequence[float]],
+    transfer_cost: float | Sequence[float] = 0.0,
+    min_blocks_per_stage: int = 1,
+    fixed_cost: Sequence[float] | None = None,
+) -> Ranges:
+    """Exact min-max split of the units over S stages where stage s runs on node s.
+
+    ``unit_costs_per_stage_node[s][u]`` is the cost of unit ``u`` on the node of stage ``s`` (all rows
+    the same length L+2, nodes may differ in speed).  ``transfer_cost`` is one number for every
+    stage boundary or a list with one value per boundary (stage s -> s+1); it is charged to the
+    sending stage; ``fixed_cost`` adds one number per stage whatever it holds (e.g. its share of
+    the transfers, ``boundary_costs``).  The steady-state throughput of a pipeline is set by its slowest stage, so the
+    split minimises the maximum stage cost; among the optimal splits it picks the one with the
+    smallest sum of squared stage costs (the most even one), found by a second exact DP under the
+    optimal bound.  O(S * U^2), trivial for any realistic model.  The DP is kept whole (one nested
+    solver over shared prefix sums), as it reads better that way than split into pieces.
+    """
+    costs = _checked_costs(unit_costs_per_stage_node, min_blocks_per_stage)
+    num_stages, num_units = len(costs), len(costs[0])
     transfer = _transfer_list(transfer_cost, num_stages)
     fixed = _fixed_list(fixed_cost, num_stages)
 
@@ -224,16 +232,3 @@ def balanced_partition(
 def blocks_held(start: int, end: int, num_blocks: int) -> int:
     """How many transformer blocks the unit range [start, end) contains."""
     return max(0, min(end, num_blocks + 1) - max(start, 1))
-
-
-def describe(ranges: Sequence[tuple[int, int]], num_blocks: int) -> list[dict[str, object]]:
-    """Per-stage summary: units, blocks held, whether it has the embedding / head."""
-    return [
-        {
-            "units": [start, end],
-            "layers": blocks_held(start, end, num_blocks),
-            "has_embedding": start == 0,
-            "has_head": end == num_blocks + 2,
-        }
-        for start, end in ranges
-    ]

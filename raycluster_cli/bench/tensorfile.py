@@ -12,7 +12,7 @@ import json
 import math
 import struct
 import sys
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +30,6 @@ _DTYPES: dict[str, torch.dtype] = {
     "U8": torch.uint8,
     "BOOL": torch.bool,
 }
-_NAMES = {dtype: name for name, dtype in _DTYPES.items()}
 _MAX_HEADER = 100 * 1024 * 1024
 
 
@@ -116,27 +115,3 @@ def load_checkpoint_tensors(files: Mapping[str, Path], names: Iterable[str]) -> 
     for path, wanted in by_file.items():
         out |= load_tensors(path, wanted)
     return out
-
-
-def save_tensors(path: str | Path, tensors: Mapping[str, torch.Tensor], metadata: dict[str, str] | None = None) -> None:
-    """Write ``tensors`` as a safetensors file (used by tests to make a tiny model)."""
-    header: dict[str, Any] = {}
-    blobs: list[bytes] = []
-    offset = 0
-    for name, tensor in tensors.items():
-        t = tensor.detach().contiguous().cpu()
-        if t.dtype not in _NAMES:
-            raise TensorFileError(f"cannot store tensor {name!r} of dtype {t.dtype}")
-        blob = t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
-        header[name] = {"dtype": _NAMES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + len(blob)]}
-        blobs.append(blob)
-        offset += len(blob)
-    if metadata:
-        header["__metadata__"] = dict(metadata)
-    encoded = json.dumps(header, separators=(",", ":")).encode()
-    encoded += b" " * (-len(encoded) % 8)  # the format pads the header to 8-byte alignment
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(encoded)))
-        f.write(encoded)
-        for blob in blobs:
-            f.write(blob)

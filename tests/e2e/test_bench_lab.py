@@ -8,15 +8,19 @@ with down + up and the original is restored at the end.
 
 from __future__ import annotations
 
+import json
+import re
 import subprocess
+import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from raycluster_cli.bench import gpt2
 
+from ..bench_checkpoints import write_random_gpt2
 from .conftest import DOCKER, IP3, Lab
 
 pytestmark = [pytest.mark.lab, pytest.mark.slow]
@@ -65,8 +69,11 @@ def _stage_metrics_present(stage: dict[str, Any]) -> None:
     assert stage["busy_s"] > 0 and stage["predicted_s"] > 0 and stage["device"] == "cpu"
 
 
-def test_bench_three_stages_on_three_hosts_with_every_metric(cluster: Cluster) -> None:
-    doc = cluster.bench("--requests=12", "--max-new-tokens=8", "--check-output", "--calibration-repeats=3")
+def test_bench_three_stages_on_three_hosts_with_every_metric(cluster: Cluster, tmp_path: Path) -> None:
+    svg = tmp_path / "bench.svg"
+    doc = cluster.bench("--quick", "--check-output", f"--save-svg={svg}")
+    assert doc["config"]["quick"] and doc["config"]["layers_auto"]
+    assert svg.read_text().startswith("<svg")
     hosts = {h.address for h in cluster.lab.info.hosts}
     stages = doc["stages"]
     assert len(stages) == 3 and {s["host"] for s in stages} == hosts
@@ -76,7 +83,7 @@ def test_bench_three_stages_on_three_hosts_with_every_metric(cluster: Cluster) -
     for stage in stages:
         _stage_metrics_present(stage)
     assert doc["completed"] == doc["requests"] == 12
-    assert doc["generated_tokens"] == 12 * 8
+    assert doc["generated_tokens"] == 12 * 8 and doc["failed"] == 0
     assert doc["tokens_per_s"] > 0 and doc["requests_per_s"] > 0
     for kind in ("ttft", "tpot", "e2e"):
         assert all(doc["latency_s"][kind][q] > 0 for q in ("p50", "p90", "p99")), kind
@@ -91,7 +98,7 @@ def test_bench_three_stages_on_three_hosts_with_every_metric(cluster: Cluster) -
 
 
 def test_bench_gpt2_weights_from_each_host(cluster: Cluster, tmp_path: Path) -> None:
-    local = gpt2.write_random_gpt2(tmp_path / "tiny-gpt2", layers=6, d_model=64, heads=4, vocab=256, positions=64)
+    local = write_random_gpt2(tmp_path / "tiny-gpt2", layers=6, d_model=64, heads=4, vocab=256, positions=64)
     for host in cluster.lab.info.hosts:
         cluster.lab.sh(host.hostname, f"rm -rf {MODEL_DIR} && mkdir -p {MODEL_DIR}")
         subprocess.run([DOCKER, "cp", f"{local}/.", f"{host.name}:{MODEL_DIR}"], check=True, timeout=120)
@@ -134,3 +141,74 @@ def test_slow_host_gets_fewer_layers_and_balanced_beats_even(cluster: Cluster, t
     assert all(slow["layers"] < s["layers"] for host, s in by_host.items() if host != IP3), doc["partition_ranges"]
     even = doc["references"]["even"]
     assert doc["tokens_per_s"] > even["tokens_per_s"], (doc["tokens_per_s"], even)
+
+
+KILL_WORKER = "docker kill $(docker ps -q --filter label=io.raycluster.cluster=lab)"
+STAGE_WORKERS = "docker exec $(docker ps -q --filter label=io.raycluster.cluster=lab) pgrep -f _StageWorker || true"
+
+
+def _bench_until_counting(lab_hosts: Lab, inventory: str, *args: str) -> tuple[subprocess.Popen[str], list[str]]:
+    """Start `raycluster bench` and read its progress lines (stderr) until the counted run has completed some."""
+    command = [sys.executable, "-m", "raycluster_cli.cli", "bench", *args, "-i", inventory, "--json"]
+    bench = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert bench.stderr is not None
+    seen: list[str] = []
+    for line in bench.stderr:
+        seen.append(line)
+        found = re.search(r"counted run: requests (\d+)/", line)
+        if found and int(found.group(1)) > 0:
+            return bench, seen
+    pytest.fail(f"bench ended before counting requests: {''.join(seen)[-3000:]}")
+
+
+def _restore(cluster: Cluster) -> None:
+    code, doc, err = cluster.lab.cli("up", inventory=cluster.current)
+    assert code == 0 and all(n["alive"] for n in doc["nodes"]), err
+
+
+def test_worker_killed_during_bench_names_host_stage_and_counts(cluster: Cluster) -> None:
+    """One pipeline: the lost stage ends the run, exit 1 within 60 s, with the counts; no actor stays."""
+    cluster.use(cluster.lab.inventory)
+    small = ("--layers=3", "--d-model=64", "--max-new-tokens=4", "--partition=even", "--refine=0")
+    load = ("--requests=1000", "--micro-batch=4", "--in-flight=16", "--no-references", "--calibration-repeats=1")
+    bench, _ = _bench_until_counting(cluster.lab, cluster.current, *small, *load, "--no-network-check")
+    try:
+        cluster.lab.sh("lab-h3", KILL_WORKER)
+        killed = time.monotonic()
+        out, err = bench.communicate(timeout=120)
+        took = time.monotonic() - killed
+    finally:
+        bench.kill()
+    assert bench.returncode == 1 and took < 60, (took, err[-2000:])
+    doc = json.loads(out)
+    failure = doc["failure"]
+    assert doc["ok"] is False and failure["host"] == IP3 and failure["stage"] == 2
+    assert failure["completed"] + failure["failed"] == failure["requests"] == 1000 and failure["completed"] > 0
+    assert IP3 in doc["error"]["message"] and "stage 2" in doc["error"]["message"]
+    for hostname in ("lab-h1", "lab-h2"):  # the driver's shutdown ended every stage actor
+        deadline = time.monotonic() + 30
+        while cluster.lab.sh(hostname, STAGE_WORKERS).strip() and time.monotonic() < deadline:
+            time.sleep(1)
+        assert not cluster.lab.sh(hostname, STAGE_WORKERS).strip(), hostname
+    _restore(cluster)
+
+
+def test_replica_lost_mid_run_is_retried_and_named(cluster: Cluster) -> None:
+    """Three replicas of one stage: a worker killed mid-run; its requests finish on the other two."""
+    cluster.use(cluster.lab.inventory)
+    args = ("--stages=1", "--layers=2", "--d-model=64", "--max-new-tokens=4", "--requests=600", "--micro-batch=2")
+    bench, _ = _bench_until_counting(cluster.lab, cluster.current, *args, "--no-references", "--no-network-check")
+    try:
+        cluster.lab.sh("lab-h3", KILL_WORKER)
+        out, err = bench.communicate(timeout=300)
+    finally:
+        bench.kill()
+    assert bench.returncode == 0, err[-3000:]
+    doc = json.loads(out)
+    assert doc["completed"] == doc["requests"] == 600 and doc["failed"] == 0
+    [lost] = doc["lost_nodes"]
+    assert lost["host"] == IP3 and lost["phase"] == "counted run" and lost["requests_retried"] > 0
+    assert doc["retried_requests"] == lost["requests_retried"]
+    assert [r["lost"] for r in doc["replicas"]] == [False, False, True]
+    assert f"node {IP3} (stage 0) lost" in err
+    _restore(cluster)

@@ -16,10 +16,12 @@ pytestmark = [pytest.mark.slow]
 
 ray = pytest.importorskip("ray")
 
-from raycluster_cli.bench import experiment, gpt2, pipeline, runtime  # noqa: E402
+from raycluster_cli.bench import experiment, pipeline, runtime  # noqa: E402
 from raycluster_cli.bench.model import ModelConfig  # noqa: E402
 from raycluster_cli.bench.options import BenchOptions  # noqa: E402
 from raycluster_cli.bench.partition import even_partition  # noqa: E402
+
+from ..bench_checkpoints import write_random_gpt2  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -149,7 +151,7 @@ def test_replicas_share_the_load_and_references_are_measured(local_ray: None) ->
 
 
 def test_gpt2_checkpoint_sharded_equals_unsharded(local_ray: None, tmp_path: Path) -> None:
-    path = gpt2.write_random_gpt2(tmp_path / "tiny-gpt2", layers=4, d_model=64, heads=4, vocab=128, positions=64)
+    path = write_random_gpt2(tmp_path / "tiny-gpt2", layers=4, d_model=64, heads=4, vocab=128, positions=64)
     doc = _run(
         model_path=str(path),
         stages=3,

@@ -14,12 +14,14 @@ import torch.nn.functional as F
 from raycluster_cli.bench import gpt2
 from raycluster_cli.bench.model import Stage, full_model_stage, greedy_generate
 from raycluster_cli.bench.partition import even_partition, manual_partition
-from raycluster_cli.bench.tensorfile import TensorFileError, load_tensors, read_header, save_tensors
+from raycluster_cli.bench.tensorfile import TensorFileError, load_tensors, read_header
+
+from ..bench_checkpoints import save_tensors, write_random_gpt2
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return gpt2.write_random_gpt2(tmp_path_factory.mktemp("gpt2"), layers=3, d_model=64, heads=4, vocab=96, seed=7)
+    return write_random_gpt2(tmp_path_factory.mktemp("gpt2"), layers=3, d_model=64, heads=4, vocab=96, seed=7)
 
 
 def test_safetensors_round_trip_and_partial_read(tmp_path: Path) -> None:
@@ -59,7 +61,7 @@ def test_config_from_dir(tiny: Path, tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"config\.json not found"):
         gpt2.config_from_dir(tmp_path, max_seq=8)
     other = tmp_path / "other"
-    gpt2.write_random_gpt2(other, layers=1)
+    write_random_gpt2(other, layers=1)
     (other / "config.json").write_text(json.dumps({"model_type": "llama"}))
     with pytest.raises(ValueError, match="not gpt2"):
         gpt2.config_from_dir(other, max_seq=8)

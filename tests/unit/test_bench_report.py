@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import io
+from pathlib import Path
 from typing import Any
 
+from raycluster_cli.bench.client import BenchEvent
 from raycluster_cli.report import Output
-from raycluster_cli.report_bench import render_bench
+from raycluster_cli.report_bench import bench_progress, render_bench, save_svg
 
 
 def _doc() -> dict[str, Any]:
@@ -89,3 +91,59 @@ def test_render_bench_shows_the_quota_imbalance_only_when_a_node_has_a_quota() -
     buffer = io.StringIO()
     render_bench(Output(False, stdout=buffer, stderr=io.StringIO()), doc)
     assert "imbalance 0.667 (against CPU quotas 0.123)" in " ".join(buffer.getvalue().split())
+
+
+def test_stages_are_labelled_by_host() -> None:
+    buffer = io.StringIO()
+    render_bench(Output(False, stdout=buffer, stderr=io.StringIO()), _doc())
+    chart = buffer.getvalue().split("busy time T_i per node:")[1]
+    assert "192.0.2.1 " in chart and "stage 0.0" not in buffer.getvalue()
+
+
+def test_save_svg_writes_the_chart_and_the_sweep_curve(tmp_path: Path) -> None:
+    doc = _doc()
+    doc["sweep"] = {
+        "kind": "nodes",
+        "points": [
+            {"nodes": 1, "tokens_per_s": 50.0, "efficiency": 1.0, "imbalance": 0.0},
+            {"nodes": 2, "tokens_per_s": 90.0, "efficiency": 0.9, "imbalance": 0.1},
+        ],
+    }
+    path = tmp_path / "bench.svg"
+    save_svg(doc, path)
+    svg = path.read_text()
+    assert svg.startswith("<svg") and "busy&#160;time&#160;T_i" in svg
+    assert "against&#160;linear" in svg and "100.0&#160;tok/s&#160;(linear)" in svg
+
+
+def test_progress_without_a_terminal_is_lines_on_stderr() -> None:
+    err = io.StringIO()
+    output = Output(False, stdout=io.StringIO(), stderr=err)
+    with bench_progress(output) as progress:
+        progress(BenchEvent("calibrating 3 node(s)"))
+        progress(BenchEvent("pilot 2/3", 0, 128, "requests"))
+        progress(BenchEvent("pilot 2/3", 40, 128, "requests"))  # same phase, within seconds: no new line
+        progress(BenchEvent("pilot 2/3", 128, 128, "requests"))
+        progress(BenchEvent("counted run", None, None, "node lost", {"host": "192.0.2.13", "stage": 2, "retried": 8}))
+    lines = err.getvalue().splitlines()
+    assert lines[0].endswith("calibrating 3 node(s)")
+    assert lines[1].endswith("pilot 2/3: requests 0/128") and lines[2].endswith("pilot 2/3: requests 128/128")
+    assert "warning" in lines[3] and "192.0.2.13 (stage 2) lost; 8 request(s) retried" in lines[3]
+    assert len(lines) == 4
+
+
+def test_the_even_fallback_and_lost_nodes_are_said() -> None:
+    doc = _doc()
+    doc["config"] = {"partition": "balanced"}
+    doc["split_choice"] = {"used": "even", "reason": "the even split measured 90.0 tok/s in its pilot"}
+    doc["references"]["balanced"] = {"tokens_per_s": 85.0, "ratio": 1.06, "tokens_per_s_spread": 0.04}
+    doc["lost_nodes"] = [
+        {"host": "192.0.2.2", "stage": 0, "replica": 1, "phase": "counted run", "requests_retried": 6, "error": "x"}
+    ]
+    doc["retried_requests"] = 6
+    buffer = io.StringIO()
+    render_bench(Output(False, stdout=buffer, stderr=io.StringIO()), doc)
+    text = buffer.getvalue()
+    assert "used the even split: the even split measured 90.0" in text
+    assert "vs balanced split 1.06× (85.0 tok/s ±2%)" in text
+    assert "node lost: 192.0.2.2 (stage 0, replica 1) during counted run: 6 request(s) retried" in text
