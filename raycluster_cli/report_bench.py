@@ -52,6 +52,7 @@ def bench_progress(output: Output) -> Iterator[Callable[[BenchEvent], None]]:
     live = Live(Text(""), console=output.err, transient=True) if output.err.is_terminal else None
     last_phase = [""]
     last_at = [0.0]
+    last_text = [""]
 
     def sink(event: BenchEvent) -> None:
         text = event_text(event)
@@ -64,8 +65,9 @@ def bench_progress(output: Output) -> Iterator[Callable[[BenchEvent], None]]:
             live.update(Text(f"· {text}", style="dim"))
             return
         now = time.monotonic()
-        if event.phase != last_phase[0] or now - last_at[0] >= LINE_EVERY_S or event.done == event.total:
-            last_phase[0], last_at[0] = event.phase, now
+        due = event.phase != last_phase[0] or now - last_at[0] >= LINE_EVERY_S or event.done == event.total
+        if due and text != last_text[0]:
+            last_phase[0], last_at[0], last_text[0] = event.phase, now, text
             output.progress()(text)
 
     try:

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..containers import container_name, inspect_name_command, parse_ps
-from ..errors import OperationError
+from ..errors import OperationError, RayclusterError
 from ..inventory import Inventory
 from ..transport import Transport, quote
 from ..transport.pool import Connect
@@ -26,7 +26,8 @@ from .options import BenchOptions
 
 RUN_ROOT = "/tmp/raycluster-bench"
 POLL_S = 1.0
-COMMAND_TIMEOUT_S = 30.0
+COMMAND_TIMEOUT_S = 60.0
+STALL_S = 180.0  # polls that fail for this long: the head is gone
 _END = "@@raycluster-rc"
 
 
@@ -83,7 +84,8 @@ class _Run:
 
     def start(self, options: BenchOptions) -> None:
         d = self.folder
-        self.sh(f"mkdir -p {d} && cat > {d}/options.json", stdin=options.model_dump_json().encode())
+        resolved = options.effective()  # --quick applied here, where it is known which flags were given
+        self.sh(f"mkdir -p {d} && cat > {d}/options.json", stdin=resolved.model_dump_json().encode())
         driver = (
             f"python -m raycluster_cli.bench.driver --options @{d}/options.json --progress {d}/progress.jsonl"
             f" > {d}/result.json 2> {d}/driver.log"
@@ -96,7 +98,7 @@ class _Run:
     def poll(self) -> tuple[list[dict[str, Any]], int | None]:
         """New progress events since the last poll, and the driver's exit status once it has one."""
         d = self.folder
-        out = self.sh(f"tail -c +{self.offset + 1} {d}/progress.jsonl 2>/dev/null; echo {_END}; cat {d}/rc 2>/dev/null")
+        out = self.sh(f"tail -c +{self.offset + 1} {d}/progress.jsonl 2>/dev/null; echo {_END}; cat {d}/rc 2>/dev/null || true")
         text, _, rc_text = out.rpartition(_END)
         complete = text[: text.rfind("\n") + 1] if "\n" in text else ""
         self.offset += len(complete.encode())
@@ -153,9 +155,20 @@ def run_bench(
     run.start(options)
     deadline = time.monotonic() + timeout_s
     host_of = _host_of(inventory)
+    answered = time.monotonic()
     try:
         while True:
-            events, rc = run.poll()
+            try:
+                events, rc = run.poll()
+                answered = time.monotonic()
+            except RayclusterError as exc:  # a slow or dropped poll: the driver runs on; retry until stalled
+                if time.monotonic() - answered > STALL_S:
+                    raise OperationError(
+                        f"{head.address}: the head container did not answer for {STALL_S:.0f}s ({exc.message})",
+                        "check the head host: raycluster status",
+                    ) from None
+                time.sleep(POLL_S)
+                continue
             for event in events:
                 if "node_ip" in event:
                     event["host"] = host_of.get(str(event["node_ip"]), event["node_ip"])

@@ -85,6 +85,13 @@ def test_options_go_as_json_and_progress_comes_back_with_hosts(example_yaml: str
     assert any("rm -rf /tmp/raycluster-bench/" in c for c in head.commands)  # cleaned up after success
 
 
+def test_quick_is_resolved_before_it_is_sent(example_yaml: str) -> None:
+    head = ScriptedHead([], {"ok": True})
+    run_bench(_inventory(example_yaml), lambda h: head, BenchOptions(quick=True, refine=2))
+    sent = BenchOptions.model_validate_json(head.stdin[0])
+    assert sent.refine == 2 and sent.requests == 12 and sent.calibration_repeats == 2
+
+
 def test_a_lost_stage_is_named_by_host_with_the_counts(example_yaml: str) -> None:
     failure = {"replica": 0, "stage": 2, "node_ip": "192.0.2.13", "error": "ActorDiedError: gone"}
     failure |= {"completed": 412, "failed": 588, "requests": 1000}
@@ -121,3 +128,18 @@ def test_a_head_that_is_not_running_is_refused(example_yaml: str) -> None:
     head.run = lambda command, **_: CommandResult(0, "", "")  # type: ignore[method-assign]
     with pytest.raises(client.OperationError, match="head is not running"):
         run_bench(_inventory(example_yaml), lambda h: head, BenchOptions())
+
+
+def test_a_failed_poll_is_retried_while_the_driver_runs(example_yaml: str) -> None:
+    head = ScriptedHead([_line(phase="calibrating"), ""], {"ok": True})
+    real = head.run
+    failures = [1]
+
+    def flaky(command: str, **kwargs: Any) -> CommandResult:
+        if "tail -c" in command and failures:
+            failures.pop()
+            raise client.RayclusterError("10.0.0.1: a command ran past 60s", "")
+        return real(command, **kwargs)
+
+    head.run = flaky  # type: ignore[method-assign]
+    assert run_bench(_inventory(example_yaml), lambda h: head, BenchOptions())["ok"] is True

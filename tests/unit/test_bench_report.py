@@ -124,6 +124,7 @@ def test_progress_without_a_terminal_is_lines_on_stderr() -> None:
         progress(BenchEvent("pilot 2/3", 0, 128, "requests"))
         progress(BenchEvent("pilot 2/3", 40, 128, "requests"))  # same phase, within seconds: no new line
         progress(BenchEvent("pilot 2/3", 128, 128, "requests"))
+        progress(BenchEvent("pilot 2/3", 128, 128, "requests"))  # the same line twice: once
         progress(BenchEvent("counted run", None, None, "node lost", {"host": "192.0.2.13", "stage": 2, "retried": 8}))
     lines = err.getvalue().splitlines()
     assert lines[0].endswith("calibrating 3 node(s)")
