@@ -98,7 +98,9 @@ class _Run:
     def poll(self) -> tuple[list[dict[str, Any]], int | None]:
         """New progress events since the last poll, and the driver's exit status once it has one."""
         d = self.folder
-        out = self.sh(f"tail -c +{self.offset + 1} {d}/progress.jsonl 2>/dev/null; echo {_END}; cat {d}/rc 2>/dev/null || true")
+        out = self.sh(
+            f"tail -c +{self.offset + 1} {d}/progress.jsonl 2>/dev/null; echo {_END}; cat {d}/rc 2>/dev/null || true"
+        )
         text, _, rc_text = out.rpartition(_END)
         complete = text[: text.rfind("\n") + 1] if "\n" in text else ""
         self.offset += len(complete.encode())
