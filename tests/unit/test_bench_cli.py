@@ -7,8 +7,9 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from raycluster_cli import cli
-from raycluster_cli.errors import ExitCode
+from raycluster_cli import cli, lab
+from raycluster_cli.bench.options import BenchOptions, flag_of
+from raycluster_cli.errors import ExitCode, UsageError
 
 
 @pytest.mark.parametrize(
@@ -24,3 +25,25 @@ def test_bad_bench_flags_are_usage_errors(args: list[str], match: str) -> None:
     assert result.exit_code == ExitCode.USAGE
     doc = json.loads(result.stdout)
     assert doc["ok"] is False and match in doc["error"]["message"] and doc["error"]["hint"]
+
+
+def test_lab_cpu_quotas_go_to_the_hosts_in_order() -> None:
+    assert lab.quota_options("1.0,0.5,0.25", 3) == {
+        "lab-h1": ["--cpus=1"],
+        "lab-h2": ["--cpus=0.5"],
+        "lab-h3": ["--cpus=0.25"],
+    }
+    assert lab.quota_options("0.5", 3) == {"lab-h1": ["--cpus=0.5"]}
+    with pytest.raises(UsageError, match="4 values for 3"):
+        lab.quota_options("1,1,1,1", 3)
+    with pytest.raises(UsageError, match="'fast' is not a number"):
+        lab.quota_options("1,fast", 3)
+    with pytest.raises(UsageError, match="'0' is not a number"):
+        lab.quota_options("0", 3)
+
+
+def test_every_bench_option_is_a_flag() -> None:
+    """The CLI's flags are the options model's fields: one list, nothing re-spelled."""
+    result = CliRunner().invoke(cli.app, ["bench", "--help"], env={"COLUMNS": "300"})
+    for name in BenchOptions.model_fields:
+        assert flag_of(name) in result.stdout, name
