@@ -12,7 +12,7 @@ import json
 import math
 import struct
 import sys
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
