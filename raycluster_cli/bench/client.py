@@ -20,7 +20,7 @@ from typing import Any
 from ..containers import container_name, inspect_name_command, parse_ps
 from ..errors import OperationError, RayclusterError
 from ..inventory import Inventory
-from ..transport import Transport, quote
+from ..transport import Transport, cancel, quote
 from ..transport.pool import Connect
 from .options import BenchOptions
 
@@ -125,14 +125,21 @@ class _Run:
         return document
 
     def stop(self) -> None:
-        """SIGINT to the driver (it shuts Ray down, which ends its actors); SIGKILL if it is still there after 5 s."""
+        """SIGINT to the driver (it shuts Ray down, which ends its actors), SIGKILL 10 s later if still there.
+
+        Sent detached (``docker exec -d``) so it returns at once, and also after Ctrl-C: the
+        cancellation flag stops every other remote command, so it is lifted for this one.
+        """
         d = self.folder
-        script = (
-            f"p=$(cat {d}/pid 2>/dev/null) || exit 0; kill -INT $p 2>/dev/null; "
-            f"for i in 1 2 3 4 5 6 7 8 9 10; do kill -0 $p 2>/dev/null || exit 0; sleep 0.5; done; kill -KILL $p"
-        )
-        with contextlib.suppress(Exception):  # best effort: the interrupt itself must reach the caller
-            self.transport.run(f"docker exec {quote(self.container)} sh -c {quote(script)}", timeout=15)
+        script = f"p=$(cat {d}/pid 2>/dev/null) || exit 0; kill -INT $p; sleep 10; kill -KILL $p 2>/dev/null; true"
+        interrupted = cancel.requested()
+        cancel.reset()
+        try:
+            with contextlib.suppress(Exception):  # best effort: the interrupt itself must reach the caller
+                self.transport.run(f"docker exec -d {quote(self.container)} sh -c {quote(script)}", timeout=5)
+        finally:
+            if interrupted:
+                cancel.request()
 
     def clean(self) -> None:
         self.sh(f"rm -rf {self.folder}")

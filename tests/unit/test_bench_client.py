@@ -12,6 +12,7 @@ from raycluster_cli import inventory
 from raycluster_cli.bench import client
 from raycluster_cli.bench.client import BenchEvent, BenchFailed, run_bench
 from raycluster_cli.bench.options import BenchOptions
+from raycluster_cli.transport import cancel
 from raycluster_cli.transport.base import CommandResult
 
 RUNNING = json.dumps({"ID": "c1", "Names": "ray-demo-head", "State": "running", "Image": "x", "Labels": ""})
@@ -120,6 +121,29 @@ def test_interrupt_stops_the_driver(example_yaml: str, monkeypatch: pytest.Monke
     head.polls = [_line(phase="calibrating"), ""]
     with pytest.raises(KeyboardInterrupt):
         run_bench(_inventory(example_yaml), lambda h: head, BenchOptions())
+    assert any("kill -INT" in c and c.startswith("docker exec -d") for c in head.commands)
+
+
+def test_the_driver_is_stopped_after_ctrl_c_cancelled_host_work(example_yaml: str) -> None:
+    """Ctrl-C sets the cancellation flag (no more remote commands); stopping the driver still goes out."""
+    head = ScriptedHead([_line(phase="calibrating"), ""], {"ok": True})
+    real = head.run
+
+    def interrupted(command: str, **kwargs: Any) -> CommandResult:
+        if "tail -c" in command:
+            cancel.request()
+            raise cancel.Cancelled("interrupted")
+        if cancel.requested():
+            raise cancel.Cancelled("interrupted")
+        return real(command, **kwargs)
+
+    head.run = interrupted  # type: ignore[method-assign]
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            run_bench(_inventory(example_yaml), lambda h: head, BenchOptions())
+        assert cancel.requested()  # the flag is back for everything else
+    finally:
+        cancel.reset()
     assert any("kill -INT" in c for c in head.commands)
 
 
