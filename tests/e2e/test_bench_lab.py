@@ -19,7 +19,6 @@ from typing import Any
 
 import pytest
 
-
 from ..bench_checkpoints import write_random_gpt2
 from .conftest import DOCKER, IP3, Lab
 
