@@ -510,6 +510,12 @@ def dashboard_command(
     _execute(json_mode, debug, action)
 
 
+def _flag_decl(name: str, annotation: Any) -> str:
+    """``--name``, and for a switch ``--name/--no-name``."""
+    flag = flag_of(name)
+    return f"{flag}/--no-{flag[2:]}" if annotation is bool else flag
+
+
 def _bench_parameters() -> list[inspect.Parameter]:
     """`bench`'s flags, one per field of BenchOptions (name, default, help), then the CLI's own."""
     params = [
@@ -517,7 +523,9 @@ def _bench_parameters() -> list[inspect.Parameter]:
             name,
             inspect.Parameter.KEYWORD_ONLY,
             default=spec.default,
-            annotation=Annotated[spec.annotation, typer.Option(flag_of(name), help=spec.description)],
+            annotation=Annotated[
+                spec.annotation, typer.Option(_flag_decl(name, spec.annotation), help=spec.description)
+            ],
         )
         for name, spec in BenchOptions.model_fields.items()
     ]

@@ -45,5 +45,15 @@ def test_lab_cpu_quotas_go_to_the_hosts_in_order() -> None:
 def test_every_bench_option_is_a_flag() -> None:
     """The CLI's flags are the options model's fields: one list, nothing re-spelled."""
     result = CliRunner().invoke(cli.app, ["bench", "--help"], env={"COLUMNS": "300"})
-    for name in BenchOptions.model_fields:
+    for name, spec in BenchOptions.model_fields.items():
         assert flag_of(name) in result.stdout, name
+        if spec.annotation is bool:
+            assert f"--no-{flag_of(name)[2:]}" in result.stdout, name
+
+
+def test_switches_turn_off_with_no() -> None:
+    result = CliRunner().invoke(
+        cli.app, ["bench", "-i", "/nonexistent/inventory.yaml", "--no-references", "--check-output", "--json"]
+    )
+    assert "No such option" not in result.output  # the flags parse; the missing inventory is what fails
+    assert result.exit_code == ExitCode.USAGE and "inventory" in result.stdout
