@@ -7,7 +7,8 @@ from dataclasses import asdict, dataclass, field
 from enum import StrEnum
 from typing import Any
 
-from ..inventory import HostConfig, Inventory
+from ..facts import Fact, HostContext
+from ..transport import CommandResult
 
 
 class Status(StrEnum):
@@ -42,27 +43,19 @@ class Finding:
     data: dict[str, Any] = field(default_factory=dict)
 
 
-@dataclass(frozen=True)
-class CheckContext:
-    inventory: Inventory
-    host: HostConfig
-
-    @property
-    def address(self) -> str:
-        return str(self.host.address)
+CheckContext = HostContext
 
 
 @dataclass(frozen=True)
 class Check:
-    """`command(ctx)` runs on the host; `parse(rc, stdout, stderr, ctx)` decides, without I/O.
+    """Judges one fact gathered on the host: `parse(rc, stdout, stderr, ctx)` decides, without I/O.
 
-    A `timed` check's stdout starts with a line `operator <sent> <received>`: the operator's clock
-    (epoch seconds) just before the command was sent and just after its output came back.
+    The fact's command runs in the host's one batch of the verb (see facts.py); a `timed` fact's stdout
+    starts with a line `operator <sent> <received>`: the operator's clock around the batch.
     """
 
     id: str
     title: str
-    command: Callable[[CheckContext], str]
+    fact: Fact[CommandResult]
     parse: Callable[[int, str, str, CheckContext], Finding]
     applies: Callable[[CheckContext], bool] = lambda ctx: True
-    timed: bool = False

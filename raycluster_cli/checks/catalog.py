@@ -1,7 +1,9 @@
-"""The preflight checks that `doctor` and `up` run on every host, in the order they are reported."""
+"""The preflight checks that `doctor` and `up` run on every host, in the order they are reported, and the
+host facts they judge (each fact's command runs once per host, in the host's one batch of the verb)."""
 
 from __future__ import annotations
 
+from ..facts import raw
 from ..transport import quote
 from . import hostnet, runtime
 from .base import Check, CheckContext
@@ -22,33 +24,36 @@ def _wants_gpus(ctx: CheckContext) -> bool:
     return (ctx.host.num_gpus or 0) > 0
 
 
+DOCKER_VERSION = raw("docker-version", lambda ctx: "docker info --format '{{.ServerVersion}}'")
+IMAGE_ID = raw("image-id", lambda ctx: "docker image inspect --format '{{.Id}}' " + quote(ctx.inventory.image))
+IMAGE_RUNTIME = raw("image-runtime", runtime.versions_command)
+IP_ADDR = raw("ip-addr", lambda ctx: "ip -o -4 addr show")
+ROUTE_TO_HEAD = raw("route-to-head", lambda ctx: "ip route get " + quote(ctx.inventory.head_address))
+HEAD_PORTS = raw("head-ports", hostnet.ports_command)
+WORKER_PORTS = raw("worker-ports", hostnet.worker_ports_command)
+ETC_HOSTS = raw("etc-hosts", lambda ctx: "hostname; echo ---; cat /etc/hosts")
+CLOCK = raw("clock", lambda ctx: "date +%s.%N", timed=True)
+MEMINFO = raw("meminfo", lambda ctx: "cat /proc/meminfo")
+DISK = raw("disk", runtime.disk_command)
+GPUS = raw("gpus", runtime.gpus_command)
+PROCESSES = raw("processes", runtime.stale_ray_command)
+
 ALL_CHECKS: tuple[Check, ...] = (
-    Check("docker", "Docker daemon", lambda ctx: "docker info --format '{{.ServerVersion}}'", runtime.docker),
-    Check(
-        IMAGE_ID_CHECK,
-        "node image",
-        lambda ctx: "docker image inspect --format '{{.Id}}' " + quote(ctx.inventory.image),
-        runtime.image,
-    ),
-    Check("image-runtime", "Ray and Python in the image", runtime.versions_command, runtime.image_runtime),
-    Check("head-address", "head address on a NIC", lambda ctx: "ip -o -4 addr show", hostnet.head_address, _head),
-    Check(
-        "route-to-head",
-        "source address towards the head",
-        lambda ctx: "ip route get " + quote(ctx.inventory.head_address),
-        hostnet.route_to_head,
-        _worker,
-    ),
-    Check("addresses", "global IPv4 addresses", lambda ctx: "ip -o -4 addr show", hostnet.addresses),
-    Check("ports-free", "Ray ports free on the head", hostnet.ports_command, hostnet.ports_free, _head),
-    Check("worker-ports", "Ray worker port range", hostnet.worker_ports_command, hostnet.worker_ports),
-    Check("etc-hosts", "hostname in /etc/hosts", lambda ctx: "hostname; echo ---; cat /etc/hosts", hostnet.etc_hosts),
-    Check("clock", "clock skew", lambda ctx: "date +%s.%N", hostnet.clock, timed=True),
-    Check("shm", "/dev/shm for the object store", lambda ctx: "cat /proc/meminfo", runtime.shm),
-    Check("memory", "free memory", lambda ctx: "cat /proc/meminfo", runtime.memory),
-    Check("disk", "free disk", runtime.disk_command, runtime.disk),
-    Check("gpus", "GPUs and the NVIDIA runtime", runtime.gpus_command, runtime.gpus, _wants_gpus),
-    Check("stale-ray", "no other Ray on the host", runtime.stale_ray_command, runtime.stale_ray),
+    Check("docker", "Docker daemon", DOCKER_VERSION, runtime.docker),
+    Check(IMAGE_ID_CHECK, "node image", IMAGE_ID, runtime.image),
+    Check("image-runtime", "Ray and Python in the image", IMAGE_RUNTIME, runtime.image_runtime),
+    Check("head-address", "head address on a NIC", IP_ADDR, hostnet.head_address, _head),
+    Check("route-to-head", "source address towards the head", ROUTE_TO_HEAD, hostnet.route_to_head, _worker),
+    Check("addresses", "global IPv4 addresses", IP_ADDR, hostnet.addresses),
+    Check("ports-free", "Ray ports free on the head", HEAD_PORTS, hostnet.ports_free, _head),
+    Check("worker-ports", "Ray worker port range", WORKER_PORTS, hostnet.worker_ports),
+    Check("etc-hosts", "hostname in /etc/hosts", ETC_HOSTS, hostnet.etc_hosts),
+    Check("clock", "clock skew", CLOCK, hostnet.clock),
+    Check("shm", "/dev/shm for the object store", MEMINFO, runtime.shm),
+    Check("memory", "free memory", MEMINFO, runtime.memory),
+    Check("disk", "free disk", DISK, runtime.disk),
+    Check("gpus", "GPUs and the NVIDIA runtime", GPUS, runtime.gpus, _wants_gpus),
+    Check("stale-ray", "no other Ray on the host", PROCESSES, runtime.stale_ray),
 )
 
 ALL_IDS: frozenset[str] = frozenset({"ssh", *CROSS_IDS, *(c.id for c in ALL_CHECKS)})

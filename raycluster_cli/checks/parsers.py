@@ -143,7 +143,9 @@ class ClockReading:
 
 
 def parse_clock(text: str) -> ClockReading | None:
-    """From `operator <sent> <received>` then the host's `date +%s.%N` (busybox prints a literal %N)."""
+    """From `operator <sent> <received>`, the host's `date +%s.%N` (busybox prints a literal %N) and, when the
+    reading was taken at the start of a batch of commands, `elapsed <s>`: the host's time from that start to
+    the end of the batch, which the round trip is known to contain (so it narrows the uncertainty)."""
     lines = [line.strip() for line in text.splitlines() if line.strip()]
     if len(lines) < 2 or not lines[0].startswith("operator "):
         return None
@@ -157,5 +159,18 @@ def parse_clock(text: str) -> ClockReading | None:
         return None
     resolution = 0.0 if match.group(2) else 1.0
     host = float(match.group(1) + "." + (match.group(2) or "0"))
-    midpoint = (t0 + t1) / 2
-    return ClockReading(host - midpoint, (t1 - t0) / 2 + resolution)
+    busy = _elapsed(lines[2:], t1 - t0)
+    # The host read its clock at some operator time in [t0, t1 - busy]: take the middle of that window.
+    midpoint = (t0 + t1 - busy) / 2
+    return ClockReading(host - midpoint, (t1 - t0 - busy) / 2 + resolution)
+
+
+def _elapsed(lines: list[str], round_trip: float) -> float:
+    for line in lines:
+        if line.startswith("elapsed "):
+            try:
+                value = float(line.split()[1])
+            except (IndexError, ValueError):
+                return 0.0
+            return value if 0.0 <= value <= round_trip else 0.0
+    return 0.0

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterable
+from typing import Any
 
-from ..errors import RayclusterError, TransportError, UsageError
+from ..errors import RayclusterError, UsageError
+from ..facts import Fact, FactCache, HostFacts, Wanted
 from ..inventory import HostConfig, Inventory
 from ..transport import CommandResult
-from ..transport.fanout import error_message, fanout
+from ..transport.fanout import error_message
 from ..transport.pool import Connect
 from .base import Check, CheckContext, CheckResult, Finding, Status
 from .catalog import ALL_CHECKS, ALL_IDS
@@ -22,27 +23,41 @@ def run_checks(
     checks: Iterable[Check] = ALL_CHECKS,
     ignore: frozenset[str] = frozenset(),
     hosts: Iterable[str] | None = None,
+    cache: FactCache | None = None,
+    also: Wanted | None = None,
+    refresh: Iterable[Fact[Any]] = (),
 ) -> list[CheckResult]:
     """Every check on every host, then the cross-host ones; an unreachable host yields one `ssh` failure.
 
-    `hosts` (addresses) limits the run to those hosts and leaves the cross-host checks out.
+    The checks judge facts gathered in one remote command per host (into `cache`, with the facts `also`
+    names for the caller's later steps; `refresh` gathers those facts again). `hosts` (addresses) limits
+    the run to those hosts and leaves the cross-host checks out.
     """
     checks = tuple(checks)
     chosen = None if hosts is None else set(hosts)
     targets = [h for h in inventory.hosts if chosen is None or str(h.address) in chosen]
-    outcomes = fanout(targets, lambda host: _check_host(inventory, host, connect, checks), what="run the checks")
-    outcomes.check_interrupted()
+    cache = cache if cache is not None else FactCache(inventory, connect)
+
+    def wanted(ctx: CheckContext) -> list[Fact[Any]]:
+        return [c.fact for c in checks if c.applies(ctx)] + list(also(ctx) if also else [])
+
+    cache.gather(targets, wanted, refresh)
     results: list[CheckResult] = []
     outputs: Outputs = {}
-    for host, outcome in outcomes:
-        if outcome.value is not None:
-            results.extend(outcome.value[0])
-            outputs[str(host.address)] = outcome.value[1]
-        else:
-            results.append(_error_result("ssh", str(host.address), outcome.error))
+    for host in targets:
+        error = cache.error(host)
+        if error is not None:
+            results.append(_error_result("ssh", str(host.address), error))
+            results += [CheckResult(c.id, str(host.address), Status.SKIP, _UNREACHABLE) for c in checks]
+            continue
+        host_results, outputs[str(host.address)] = _judge_host(inventory, host, cache.of(host), checks)
+        results += host_results
     for cross in CROSS_CHECKS if chosen is None else ():
         results.extend(cross(inventory, results, outputs))
     return [_demote(r, ignore) for r in results]
+
+
+_UNREACHABLE = "not checked: host unreachable"
 
 
 def ignore_ids(text: str | None) -> frozenset[str]:
@@ -60,37 +75,21 @@ def ignore_ids(text: str | None) -> frozenset[str]:
     return ids
 
 
-def _check_host(
-    inventory: Inventory, host: HostConfig, connect: Connect, checks: tuple[Check, ...]
+def _judge_host(
+    inventory: Inventory, host: HostConfig, facts: HostFacts, checks: tuple[Check, ...]
 ) -> tuple[list[CheckResult], dict[str, CommandResult]]:
+    """Each applicable check's finding from the host's gathered facts (pure); the raw output per check id."""
     address = str(host.address)
-    try:
-        transport = connect(host)
-        transport.run("true", timeout=30)
-    except Exception as exc:
-        return [_error_result("ssh", address, exc)] + [
-            CheckResult(c.id, address, Status.SKIP, "not checked: host unreachable") for c in checks
-        ], {}
     results = [CheckResult("ssh", address, Status.OK, "SSH login works")]
     outputs: dict[str, CommandResult] = {}
     ctx = CheckContext(inventory, host)
-    lost: TransportError | None = None
     for check in checks:
         if not check.applies(ctx):
             continue
-        if lost is not None:  # the host stopped answering: the other checks would each wait out a deadline
-            results.append(CheckResult(check.id, address, Status.SKIP, "not checked: the host stopped answering"))
-            continue
         try:
-            sent = time.time()
-            out = transport.run(check.command(ctx), timeout=120)
-            if check.timed:
-                out = CommandResult(out.rc, f"operator {sent:.6f} {time.time():.6f}\n{out.stdout}", out.stderr)
+            out = facts.result(check.fact)
             outputs[check.id] = out
             finding = check.parse(out.rc, out.stdout, out.stderr, ctx)
-        except TransportError as exc:
-            lost = exc
-            finding = Finding(Status.FAIL, error_message(exc, address), exc.hint)
         except Exception as exc:
             finding = Finding(Status.FAIL, f"check failed to run: {exc}", "run with --debug for details")
         results.append(CheckResult(check.id, address, finding.status, finding.message, finding.hint, finding.data))

@@ -1,4 +1,8 @@
-"""A transport that answers from a table (for unit tests): the first regex that matches wins."""
+"""A transport that answers from a table (for unit tests): the first regex that matches wins.
+
+A batch of commands (transport/batch.py) is answered command by command, so the table keeps one entry per
+command; `commands` lists what ran (a batch's commands one by one) and `round_trips` counts remote commands.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +11,7 @@ from collections.abc import Callable, Mapping
 from typing import BinaryIO
 
 from .base import CommandResult
+from .batch import fake_batch_output, split_batch
 
 
 class FakeTransport:
@@ -18,8 +23,16 @@ class FakeTransport:
         self.commands: list[str] = []
         self.files: dict[str, tuple[bytes, int]] = {}
         self.fed: dict[str, bytes] = {}
+        self.round_trips = 0
 
     def run(self, command: str, *, stdin: bytes | None = None, timeout: float | None = 120.0) -> CommandResult:
+        self.round_trips += 1
+        if split_batch(command) is not None:
+            return fake_batch_output(command, self.answer)
+        return self.answer(command)
+
+    def answer(self, command: str) -> CommandResult:
+        """The table's answer to one command (recorded in `commands`)."""
         self.commands.append(command)
         for pattern, result in self.table:
             if pattern.search(command):
@@ -27,6 +40,7 @@ class FakeTransport:
         return CommandResult(127, "", f"fake: no answer for {command!r}")
 
     def put(self, data: bytes, path: str, mode: int = 0o600) -> None:
+        self.round_trips += 1
         self.files[path] = (data, mode)
 
     def feed(
@@ -41,7 +55,8 @@ class FakeTransport:
         self.fed[command] = data
         if on_sent is not None:
             on_sent(len(data))
-        return self.run(command, timeout=timeout)
+        self.round_trips += 1
+        return self.answer(command)
 
     def close(self) -> None:
         pass

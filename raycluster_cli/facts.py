@@ -1,0 +1,160 @@
+"""Per-host facts: a command plus a pure `process(output)`, gathered in one remote command per host and cached.
+
+A verb asks for the facts it needs on each host once (`gather`); every check and step of the verb then judges
+the cached results instead of running its own command. The commands of one gather run side by side on the host
+inside one shell script (`batch_script`), each with its own stdout, stderr and exit status, under one deadline;
+`parse_batch` splits the framed output again. pyinfra's `FactBase` is the model: the command is data, the
+parser is pure, so parsing is tested from recorded output.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any, Generic, TypeVar
+
+from .inventory import HostConfig, Inventory
+from .transport import CommandResult, Transport
+from .transport.batch import batch_script, parse_batch
+from .transport.fanout import fanout
+from .transport.pool import Connect
+
+T = TypeVar("T")
+
+HOST_DEADLINE_S = 120.0  # a fact still running after this is reported as timed out (rc 124); the others stand
+
+
+@dataclass(frozen=True)
+class HostContext:
+    """What a fact's command (and a check's judgement) may depend on: the inventory and the host."""
+
+    inventory: Inventory
+    host: HostConfig
+
+    @property
+    def address(self) -> str:
+        return str(self.host.address)
+
+
+@dataclass(frozen=True)
+class Fact(Generic[T]):
+    """`command(ctx)` runs on the host (one line of POSIX sh); `process(result)` turns its output into T (pure).
+
+    A `timed` fact's stdout is rewritten by the gather to `operator <sent> <received>` (this machine's clock
+    around the remote command), the fact's own output, then `elapsed <s>` (the host's time between the
+    start and the end of the batch), so that a clock reading can subtract the time the batch took.
+    """
+
+    name: str
+    command: Callable[[HostContext], str]
+    process: Callable[[CommandResult], T]
+    timed: bool = False
+
+
+def raw(name: str, command: Callable[[HostContext], str], timed: bool = False) -> Fact[CommandResult]:
+    """A fact whose value is the command's result itself (its judge parses it)."""
+    return Fact(name, command, _identity, timed)
+
+
+def _identity(result: CommandResult) -> CommandResult:
+    return result
+
+
+@dataclass
+class HostFacts:
+    """One host's gathered facts: each fact's result by name, processed on first use and kept."""
+
+    address: str
+    results: dict[str, CommandResult] = field(default_factory=dict)
+    _values: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    def has(self, fact: Fact[Any]) -> bool:
+        return fact.name in self.results
+
+    def result(self, fact: Fact[Any]) -> CommandResult:
+        try:
+            return self.results[fact.name]
+        except KeyError:
+            raise KeyError(f"fact {fact.name!r} was not gathered on {self.address}") from None
+
+    def get(self, fact: Fact[T]) -> T:
+        if fact.name not in self._values:
+            self._values[fact.name] = fact.process(self.result(fact))
+        value: T = self._values[fact.name]
+        return value
+
+    def update(self, results: dict[str, CommandResult]) -> None:
+        self.results.update(results)
+        for name in results:
+            self._values.pop(name, None)
+
+
+def gather_host(
+    transport: Transport, ctx: HostContext, facts: Iterable[Fact[Any]], deadline_s: float = HOST_DEADLINE_S
+) -> dict[str, CommandResult]:
+    """Run every fact's command on the host in one remote command; each fact's result by name.
+
+    Raises (TransportError) only when the host cannot be reached or the batch itself breaks.
+    """
+    wanted = list({f.name: f for f in facts}.values())
+    if not wanted:
+        return {}
+    commands = [f.command(ctx) for f in wanted]
+    marker = "@@raycluster-facts-" + secrets.token_hex(6)
+    sent = time.time()
+    out = transport.run(batch_script(marker, commands, deadline_s), timeout=deadline_s + 30)
+    received = time.time()
+    batch = parse_batch(marker, out.stdout, len(commands))
+    if batch is None:
+        return {f.name: CommandResult(out.rc or 1, "", f"fact batch broke: {out.first_line()}") for f in wanted}
+    found = {}
+    for fact, result in zip(wanted, batch.results, strict=True):
+        if fact.timed:
+            elapsed = f"elapsed {batch.elapsed:.6f}\n" if batch.elapsed is not None else ""
+            result = CommandResult(result.rc, f"operator {sent:.6f} {received:.6f}\n{result.stdout}{elapsed}", "")
+        found[fact.name] = result
+    return found
+
+
+Wanted = Callable[[HostContext], Iterable[Fact[Any]]]
+
+
+class FactCache:
+    """The facts of every host for one run of a verb: one `gather` is one remote command per host.
+
+    A fact already gathered on a host is not asked again unless `refresh` names it (after `up` changed the
+    host). A host that could not be reached keeps its error and is not asked again.
+    """
+
+    def __init__(self, inventory: Inventory, connect: Connect) -> None:
+        self.inventory = inventory
+        self.connect = connect
+        self.facts: dict[str, HostFacts] = {}
+        self.errors: dict[str, BaseException] = {}
+
+    def gather(self, hosts: Iterable[HostConfig], wanted: Wanted, refresh: Iterable[Fact[Any]] = ()) -> None:
+        """Gather on every host (in parallel) the facts `wanted(ctx)` names that it lacks, plus `refresh`."""
+        again = {f.name for f in refresh}
+        todo = [h for h in hosts if str(h.address) not in self.errors]
+        fanout(todo, lambda host: self._gather_one(host, wanted, again), what="gather facts").check_interrupted()
+
+    def _gather_one(self, host: HostConfig, wanted: Wanted, again: set[str]) -> None:
+        address = str(host.address)
+        facts = self.facts.setdefault(address, HostFacts(address))
+        ctx = HostContext(self.inventory, host)
+        missing = [f for f in wanted(ctx) if f.name in again or not facts.has(f)]
+        if not missing:
+            return
+        try:
+            facts.update(gather_host(self.connect(host), ctx, missing))
+        except Exception as exc:
+            self.errors[address] = exc
+            raise
+
+    def of(self, host: HostConfig) -> HostFacts:
+        return self.facts.setdefault(str(host.address), HostFacts(str(host.address)))
+
+    def error(self, host: HostConfig) -> BaseException | None:
+        return self.errors.get(str(host.address))

@@ -1,0 +1,45 @@
+"""Remote commands per host per verb on the real lab: every paramiko `exec_command` counted (issue 11 item 2)."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterator
+from typing import Any
+
+import paramiko
+import pytest
+
+from raycluster_cli import inventory
+from raycluster_cli.checks import Status, run_checks
+from raycluster_cli.transport.pool import SSHPool
+
+from .conftest import Lab
+
+pytestmark = pytest.mark.lab
+
+
+@pytest.fixture
+def exec_counts(monkeypatch: pytest.MonkeyPatch) -> Iterator[Counter[str]]:
+    """Every command any SSH channel executes, counted by the peer's address."""
+    counts: Counter[str] = Counter()
+    real = paramiko.Channel.exec_command
+
+    def counted(channel: paramiko.Channel, command: Any) -> None:
+        counts[channel.get_transport().getpeername()[0]] += 1  # type: ignore[union-attr]
+        real(channel, command)
+
+    monkeypatch.setattr(paramiko.Channel, "exec_command", counted)
+    yield counts
+
+
+def test_doctor_runs_at_most_four_remote_commands_per_host(lab_hosts: Lab, exec_counts: Counter[str]) -> None:
+    inv = inventory.load(lab_hosts.inventory).inventory
+    pool = SSHPool(inv)
+    try:
+        results = run_checks(inv, pool)
+    finally:
+        pool.close()
+    assert not [r for r in results if r.status == Status.FAIL], results
+    assert set(exec_counts) == {str(h.address) for h in inv.hosts}
+    print(f"doctor: remote commands per host {dict(exec_counts)}")
+    assert max(exec_counts.values()) <= 4, exec_counts
