@@ -417,7 +417,8 @@ def _yaml_error(problem: strictyaml.YamlProblem, source: str) -> InventoryError:
 def _dotted(loc: tuple[Any, ...]) -> str:
     out = ""
     for part in loc:
-        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+        name = str(part) if str(part).isprintable() and str(part).strip() == str(part) else repr(str(part))
+        out += f"[{part}]" if isinstance(part, int) else (f".{name}" if out else name)
     return out
 
 

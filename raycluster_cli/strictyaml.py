@@ -96,6 +96,10 @@ def load(text: str) -> tuple[yaml.Node | None, Any]:
         raise YamlProblem(f"invalid YAML ({problem})", mark.line + 1 if mark else None) from None
     except yaml.YAMLError as exc:
         raise YamlProblem(f"invalid YAML ({' '.join(str(exc).split())})") from None
+    except (ValueError, OverflowError) as exc:  # the scanner's own escapes, e.g. "\U99999999" in quotes
+        line = loader.get_mark().line + 1
+        reason = " ".join(str(exc).split())[:80]
+        raise YamlProblem(f"invalid YAML (an escape sequence it cannot decode: {reason})", line) from None
     finally:
         loader.dispose()
 

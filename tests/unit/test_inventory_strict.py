@@ -148,3 +148,26 @@ def test_docker_refuses_these_images(image: str) -> None:
 )
 def test_hostnames(name: str, ok: bool) -> None:
     assert (hostname_problem(name) is None) == ok
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ('cluster: "\\U99999999"\n', "inv.yaml:1: invalid YAML (an escape sequence it cannot decode"),
+        ('cluster: "\\UFFFFFFFFFFFFFFFF"\n', "inv.yaml:1: invalid YAML (an escape sequence it cannot decode"),
+    ],
+)
+def test_escapes_the_yaml_scanner_cannot_decode_are_inventory_errors(text: str, expected: str) -> None:
+    """Found by the property suite: PyYAML's scanner raises ValueError/OverflowError for these."""
+    with pytest.raises(InventoryError) as caught:
+        inventory.parse(text, "inv.yaml")
+    assert caught.value.message.startswith(expected)
+
+
+def test_a_field_name_with_a_control_character_is_named_on_one_line() -> None:
+    """Found by the property suite: an unknown key '\\r' under docker made a two-line message."""
+    text = 'cluster: c\nimage: i\ndocker:\n  "\\r": 1\nhosts:\n  - {address: 10.0.0.1, role: head}\n'
+    with pytest.raises(InventoryError) as caught:
+        inventory.parse(text, "inv.yaml")
+    assert "docker.'\\r'" in caught.value.message
+    assert "\n" not in caught.value.one_line() and "\r" not in caught.value.one_line()
