@@ -1,4 +1,4 @@
-"""Ways to run commands on a host: over SSH (paramiko), locally, or from a table (tests)."""
+"""Ways to run commands on a host: over SSH (paramiko), or from a table (tests)."""
 
 from .base import CommandResult, Transport, quote
 
