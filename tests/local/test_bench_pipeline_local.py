@@ -150,9 +150,9 @@ def test_replicas_share_the_load_and_references_are_measured(local_ray: None) ->
         assert doc["latency_s"][kind]["p50"] is not None
 
 
-def test_gpt2_checkpoint_sharded_equals_unsharded(local_ray: None, tmp_path: Path) -> None:
-    path = write_random_gpt2(tmp_path / "tiny-gpt2", layers=4, d_model=64, heads=4, vocab=128, positions=64)
-    doc = _run(
+def _checkpoint_run(path: Path, **extra: Any) -> dict[str, Any]:
+    """A checkpoint through 3 balanced stages, every request's output compared with the unsharded model."""
+    return _run(
         model_path=str(path),
         stages=3,
         requests=6,
@@ -163,7 +163,13 @@ def test_gpt2_checkpoint_sharded_equals_unsharded(local_ray: None, tmp_path: Pat
         check_output=True,
         check_requests=6,
         references=False,
+        **extra,
     )
+
+
+def test_gpt2_checkpoint_sharded_equals_unsharded(local_ray: None, tmp_path: Path) -> None:
+    path = write_random_gpt2(tmp_path / "tiny-gpt2", layers=4, d_model=64, heads=4, vocab=128, positions=64)
+    doc = _checkpoint_run(path)
     assert doc["config"]["model"]["layers"] == 4 and doc["config"]["model"]["activation"] == "gelu_new"
     assert doc["config"]["model_source"].startswith("gpt2:")
     assert sum(s["layers"] for s in doc["stages"]) == 4
@@ -174,19 +180,7 @@ def test_llama_checkpoint_through_the_pipeline_equals_unsharded(local_ray: None,
     from tests.llama_checkpoint import GQA, write_llama
 
     path = write_llama(tmp_path / "tiny-llama", num_hidden_layers=4, **GQA)
-    doc = _run(
-        model_path=str(path),
-        stages=3,
-        requests=6,
-        prompt_len=5,
-        max_new_tokens=6,
-        micro_batch=2,
-        prefill_chunk=2,
-        partition="balanced",
-        check_output=True,
-        check_requests=6,
-        references=False,
-    )
+    doc = _checkpoint_run(path, prefill_chunk=2)
     model = doc["config"]["model"]
     assert (model["arch"], model["layers"], model["kv_heads"], model["tied_head"]) == ("llama", 4, 2, False)
     assert doc["config"]["model_source"] == f"llama:{path}"
