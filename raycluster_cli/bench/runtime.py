@@ -233,8 +233,11 @@ class _Workload:
         self.releases.extend((batch.replica, w.release.remote(batch_id)) for w in self.replicas[batch.replica])
         del self.batches[batch_id]
 
-    def lose_replica(self, replica: int, exc: BaseException | None, why: str) -> None:
-        """Take a replica out; its requests in flight wait again, at the front, for another replica."""
+    def lose_replica(self, replica: int, exc: BaseException | None, why: str, final: bool = True) -> None:
+        """Take a replica out; its requests in flight wait again, at the front, for another replica.
+
+        ``final``: losing the last replica ends the run (``StageLost``); not so once every request completed.
+        """
         stage = _stage_of(self.replicas[replica], exc)
         info = self.infos[replica * len(self.replicas[0]) + max(stage, 0)]
         self.alive[replica] = False
@@ -252,7 +255,7 @@ class _Workload:
         )
         self.lost.append(lost)
         self.report("node lost", node_ip=node_ip, stage=stage, replica=replica, retried=len(rows), error=why)
-        if not any(self.alive):
+        if final and not any(self.alive):
             raise StageLost(lost, self.completed, self.params.requests)
 
     def check_stalled(self) -> None:
@@ -271,6 +274,7 @@ class _Workload:
             time.sleep(max(0.0, next_arrival or 0.0))
             return
         timeout = self.params.step_timeout_s if next_arrival is None else min(next_arrival, self.params.step_timeout_s)
+        timeout = max(0.0, timeout)  # an arrival already due: poll (ray.wait refuses a negative timeout)
         ready, _ = ray.wait(list(self.pending), num_returns=1, timeout=timeout)
         if not ready:
             self.check_stalled()
@@ -365,12 +369,24 @@ def run_workload(
 
 
 def _alive_stats(work: _Workload) -> dict[int, dict[str, Any]]:
-    """Each stage's stats, by flat index, from the replicas still alive (after their caches are freed)."""
+    """Each stage's stats, by flat index, from the replicas still alive (after their caches are freed).
+
+    A replica whose node dies after the last request completed loses only its stats: it is recorded
+    as lost (nothing to retry) and the run's result stands on the others.
+    """
     stages = len(work.replicas[0])
-    alive = [i for i in range(len(work.infos)) if work.alive[i // stages]]
-    ray.get([ref for replica, ref in work.releases if work.alive[replica]])
-    flat = [w for workers in work.replicas for w in workers]
-    return dict(zip(alive, ray.get([flat[i].stats.remote() for i in alive]), strict=True))
+    stats: dict[int, dict[str, Any]] = {}
+    for replica, workers in enumerate(work.replicas):
+        if not work.alive[replica]:
+            continue
+        try:
+            ray.get([ref for r, ref in work.releases if r == replica], timeout=work.params.step_timeout_s)
+            got = ray.get([w.stats.remote() for w in workers], timeout=work.params.step_timeout_s)
+        except ray.exceptions.RayError as exc:
+            work.lose_replica(replica, exc, _one_line(exc), final=False)
+            continue
+        stats.update({replica * stages + s: stat for s, stat in enumerate(got)})
+    return stats
 
 
 def check_output(cfg: ModelConfig, params: BenchParams, result: RunResult, num_requests: int = 8) -> dict[str, Any]:

@@ -170,45 +170,52 @@ def test_worker_killed_during_bench_names_host_stage_and_counts(cluster: Cluster
     """One pipeline: the lost stage ends the run, exit 1 within 60 s, with the counts; no actor stays."""
     cluster.use(cluster.lab.inventory)
     small = ("--layers=3", "--d-model=64", "--max-new-tokens=4", "--partition=even", "--refine=0")
-    load = ("--requests=1000", "--micro-batch=4", "--in-flight=16", "--no-references", "--calibration-repeats=1")
-    bench, _ = _bench_until_counting(cluster.lab, cluster.current, *small, *load, "--no-network-check")
+    # Enough requests that the run is far from its end when the worker dies, on a quiet machine too
+    # (1000 of them finished within the second after the kill on CI's).
+    load = ("--requests=30000", "--micro-batch=4", "--in-flight=16", "--no-references", "--calibration-repeats=1")
     try:
-        cluster.lab.sh("lab-h3", KILL_WORKER)
-        killed = time.monotonic()
-        out, err = bench.communicate(timeout=120)
-        took = time.monotonic() - killed
+        bench, _ = _bench_until_counting(cluster.lab, cluster.current, *small, *load, "--no-network-check")
+        try:
+            cluster.lab.sh("lab-h3", KILL_WORKER)
+            killed = time.monotonic()
+            out, err = bench.communicate(timeout=120)
+            took = time.monotonic() - killed
+        finally:
+            bench.kill()
+        assert bench.returncode == 1 and took < 60, (took, err[-2000:])
+        doc = json.loads(out)
+        failure = doc["failure"]
+        assert doc["ok"] is False and failure["host"] == IP3 and failure["stage"] == 2
+        assert failure["completed"] + failure["failed"] == failure["requests"] == 30000
+        assert 0 < failure["completed"] < 30000
+        assert IP3 in doc["error"]["message"] and "stage 2" in doc["error"]["message"]
+        for hostname in ("lab-h1", "lab-h2"):  # the driver's shutdown ended every stage actor
+            deadline = time.monotonic() + 30
+            while cluster.lab.sh(hostname, STAGE_WORKERS).strip() and time.monotonic() < deadline:
+                time.sleep(1)
+            assert not cluster.lab.sh(hostname, STAGE_WORKERS).strip(), hostname
     finally:
-        bench.kill()
-    assert bench.returncode == 1 and took < 60, (took, err[-2000:])
-    doc = json.loads(out)
-    failure = doc["failure"]
-    assert doc["ok"] is False and failure["host"] == IP3 and failure["stage"] == 2
-    assert failure["completed"] + failure["failed"] == failure["requests"] == 1000 and failure["completed"] > 0
-    assert IP3 in doc["error"]["message"] and "stage 2" in doc["error"]["message"]
-    for hostname in ("lab-h1", "lab-h2"):  # the driver's shutdown ended every stage actor
-        deadline = time.monotonic() + 30
-        while cluster.lab.sh(hostname, STAGE_WORKERS).strip() and time.monotonic() < deadline:
-            time.sleep(1)
-        assert not cluster.lab.sh(hostname, STAGE_WORKERS).strip(), hostname
-    _restore(cluster)
+        _restore(cluster)  # a failure here must not leave the next test a dead worker
 
 
 def test_replica_lost_mid_run_is_retried_and_named(cluster: Cluster) -> None:
     """Three replicas of one stage: a worker killed mid-run; its requests finish on the other two."""
     cluster.use(cluster.lab.inventory)
-    args = ("--stages=1", "--layers=2", "--d-model=64", "--max-new-tokens=4", "--requests=600", "--micro-batch=2")
-    bench, _ = _bench_until_counting(cluster.lab, cluster.current, *args, "--no-references", "--no-network-check")
+    args = ("--stages=1", "--layers=2", "--d-model=64", "--max-new-tokens=4", "--requests=6000", "--micro-batch=2")
     try:
-        cluster.lab.sh("lab-h3", KILL_WORKER)
-        out, err = bench.communicate(timeout=300)
+        bench, _ = _bench_until_counting(cluster.lab, cluster.current, *args, "--no-references", "--no-network-check")
+        try:
+            cluster.lab.sh("lab-h3", KILL_WORKER)
+            out, err = bench.communicate(timeout=600)
+        finally:
+            bench.kill()
+        assert bench.returncode == 0, err[-3000:]
+        doc = json.loads(out)
+        assert doc["completed"] == doc["requests"] == 6000 and doc["failed"] == 0
+        [lost] = doc["lost_nodes"]
+        assert lost["host"] == IP3 and lost["phase"] == "counted run" and lost["requests_retried"] > 0
+        assert doc["retried_requests"] == lost["requests_retried"]
+        assert [r["lost"] for r in doc["replicas"]] == [False, False, True]
+        assert f"node {IP3} (stage 0) lost" in err
     finally:
-        bench.kill()
-    assert bench.returncode == 0, err[-3000:]
-    doc = json.loads(out)
-    assert doc["completed"] == doc["requests"] == 600 and doc["failed"] == 0
-    [lost] = doc["lost_nodes"]
-    assert lost["host"] == IP3 and lost["phase"] == "counted run" and lost["requests_retried"] > 0
-    assert doc["retried_requests"] == lost["requests_retried"]
-    assert [r["lost"] for r in doc["replicas"]] == [False, False, True]
-    assert f"node {IP3} (stage 0) lost" in err
-    _restore(cluster)
+        _restore(cluster)

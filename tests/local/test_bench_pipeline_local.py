@@ -222,7 +222,8 @@ def _kill_when_running(pid: int) -> Any:
     return report
 
 
-def test_a_replica_lost_mid_run_is_retried_on_the_others(local_ray: None) -> None:
+def test_a_replica_lost_mid_run_is_retried_on_the_others(local_ray: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(runtime, "PROGRESS_EVERY_S", 0.0)  # a report per completed step: the kill lands mid-run
     cfg = ModelConfig(vocab=97, d_model=32, heads=4, layers=2, max_seq=24, seed=5)
     params = runtime.BenchParams(requests=60, prompt_len=8, max_new_tokens=6, micro_batch=2, seed=1)
     node_id = ray.get_runtime_context().get_node_id()
@@ -242,7 +243,35 @@ def test_a_replica_lost_mid_run_is_retried_on_the_others(local_ray: None) -> Non
     assert {s.replica for s in result.stages} == {0, 1}
 
 
-def test_the_only_replica_lost_stops_the_run_with_the_counts(local_ray: None) -> None:
+def test_a_replica_lost_after_the_last_request_loses_only_its_stats(local_ray: None) -> None:
+    """The node dies between the last token and the stats: the run stands, the replica is named lost."""
+    cfg = ModelConfig(vocab=97, d_model=32, heads=4, layers=2, max_seq=24, seed=5)
+    params = runtime.BenchParams(requests=12, prompt_len=8, max_new_tokens=4, micro_batch=2, seed=1)
+    node_id = ray.get_runtime_context().get_node_id()
+    workers = pipeline.start_workers(cfg, [node_id] * 2, num_threads=1, allow_shared_nodes=True)
+    killed: list[int] = []
+
+    def kill_at_the_end(step: str, done: int | None = None, total: int | None = None, **_: Any) -> None:
+        if step == "requests" and done == total and not killed:
+            os.kill(pid, signal.SIGKILL)
+            killed.append(1)
+
+    try:
+        pid = ray.get(workers[1].node_info.remote())["pid"]
+        ranges = [[(0, cfg.num_units)]] * 2
+        runtime.setup_replicas([[w] for w in workers], ranges)
+        result = runtime.run_workload([[w] for w in workers], ranges, cfg, params, kill_at_the_end)
+    finally:
+        pipeline.stop_workers(workers)
+    assert killed and result.completed == 12 and all(len(t) == 4 for t in result.tokens)
+    [lost] = result.lost
+    assert lost.replica == 1 and lost.requests_retried == 0 and "Actor" in lost.error
+    assert [r.lost for r in result.replicas] == [False, True]
+    assert {s.replica for s in result.stages} == {0}
+
+
+def test_the_only_replica_lost_stops_the_run_with_the_counts(local_ray: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(runtime, "PROGRESS_EVERY_S", 0.0)  # a report per completed step: the kill lands mid-run
     cfg = ModelConfig(vocab=97, d_model=32, heads=4, layers=3, max_seq=24, seed=5)
     params = runtime.BenchParams(requests=100, prompt_len=8, max_new_tokens=6, micro_batch=2, seed=1, in_flight=8)
     node_id = ray.get_runtime_context().get_node_id()
