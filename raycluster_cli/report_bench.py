@@ -201,7 +201,7 @@ def render_bench(output: Output, body: dict[str, Any]) -> None:
     _latency(output, body.get("latency_s", {}))
     hop = body.get("hop_overhead")
     if hop:
-        output.line(f"per-hop overhead (no-op stages): {1000 * hop['per_hop_s']:.2f} ms per stage per step")
+        output.line(_hop_line(hop))
     _references(output, body)
     if multi:
         loads = ", ".join(
@@ -218,6 +218,17 @@ def render_bench(output: Output, body: dict[str, Any]) -> None:
     if check:
         verdict = "identical" if check.get("identical") else "[red]DIFFERENT[/red]"
         output.line(f"sharded vs unsharded greedy output: {verdict} ({check.get('compared_requests')} requests)")
+
+
+def _hop_line(hop: dict[str, Any]) -> str:
+    """The per-hop cost of the way the run passed activations, next to the other way (same run)."""
+    line = f"per-hop overhead (no-op stages): {1000 * hop['per_hop_s']:.2f} ms per stage per step"
+    direct, driver = hop.get("per_hop_direct_s"), hop.get("per_hop_via_driver_s")
+    if direct and driver:
+        line += (
+            f" (stage to stage {1000 * direct:.2f} ms, via the driver {1000 * driver:.2f} ms: {driver / direct:.2f}x)"
+        )
+    return line
 
 
 def render_sweep(output: Output, sweep: dict[str, Any] | None) -> None:

@@ -83,6 +83,7 @@ def bench_params(options: BenchOptions, requests: int) -> Any:
         rate=options.rate,
         prefill_chunk=options.prefill_chunk,
         step_timeout_s=options.step_timeout_s,
+        hops=options.hops,
     )
 
 

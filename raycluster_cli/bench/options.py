@@ -14,6 +14,7 @@ __all__ = ["QUICK", "BenchOptions", "ValidationError", "flag_of"]
 
 MODES = ("offline", "poisson")
 SWEEPS = ("batch", "nodes")
+HOPS = ("direct", "driver")
 
 # What --quick means: a short smoke run that still goes through every phase once.
 QUICK = {
@@ -75,6 +76,10 @@ class BenchOptions(BaseModel):
     step_timeout_s: float = Field(
         30.0, gt=0.0, description="a micro-batch step with no answer for this long counts as lost (node frozen)"
     )
+    hops: str = Field(
+        "direct",
+        description="direct (each stage sends its activations to the next) | driver (the driver chains the stages)",
+    )
     check_output: bool = Field(False, description="also compare greedy tokens with the unsharded model")
     check_requests: int = Field(8, ge=1, description="requests compared by --check-output")
     allow_shared_nodes: bool = Field(False, description="let stages share nodes (single-machine tests)")
@@ -92,6 +97,13 @@ class BenchOptions(BaseModel):
     def _known_sweep(cls, value: str | None) -> str | None:
         if value is not None and value not in SWEEPS:
             raise ValueError(f"{value!r} is not one of {', '.join(SWEEPS)}")
+        return value
+
+    @field_validator("hops")
+    @classmethod
+    def _known_hops(cls, value: str) -> str:
+        if value not in HOPS:
+            raise ValueError(f"{value!r} is not one of {', '.join(HOPS)}")
         return value
 
     @field_validator("partition")

@@ -1,10 +1,12 @@
 """Ray side of the benchmark: one StageWorker actor per (replica, stage), pinned to its node.
 
-Every step of a micro-batch is a chain ``stage0.forward -> stage1.forward -> ...`` of actor calls
-whose arguments are the previous call's ObjectRef, so the driver never waits between stages
-(``runtime.py`` drives the chains).  Ray moves large activations (prefill) node to node through
-its object store; small ones (decode steps, under 100 KiB) travel inline via their owner, the
-driver, which is part of what the no-op ``hop`` measures.  Each worker times its
+Every step of a micro-batch is a chain ``stage0.forward -> stage1.forward -> ...`` of actor calls.
+By default (``hops="direct"``) each stage holds the next stage's handle (``link``) and calls it
+itself with its output, returning that call's ObjectRef: activations go stage to stage and the
+driver only follows the references (``runtime.py``).  With ``hops="driver"`` the driver chains the
+calls, each taking the previous call's ObjectRef; small activations (decode steps, under 100 KiB)
+then travel inline via their owner, the driver, one extra round trip per stage.  The no-op ``hop``
+measures both ways in the same run.  Each worker times its
 own compute (busy time), measures its node's speed per unit type (``calibrate``) and offers a
 no-op ``hop`` to measure what a stage boundary costs without any compute.
 """
@@ -107,6 +109,7 @@ class _StageWorker:
         torch.set_num_threads(self.num_threads)
         self.device = pick_device()
         self.stage: Stage | None = None
+        self.next: Any = None  # the next stage's handle (direct hops); None on the last stage
         self.process = psutil.Process()
         self.reset_stats()
 
@@ -128,7 +131,13 @@ class _StageWorker:
         self.reset_stats()
         return {"units": [start, end], "layers": self.stage.num_blocks, "load_s": time.perf_counter() - began}
 
-    def forward(self, cache_id: int, x: torch.Tensor, positions: int) -> torch.Tensor:
+    def link(self, next_stage: Any) -> bool:
+        """The stage this one sends its output to when called with ``onward`` (None: the last stage)."""
+        self.next = next_stage
+        return True
+
+    def forward(self, cache_id: int, x: torch.Tensor, positions: int, onward: bool = False) -> Any:
+        """This stage's units on ``x``; with ``onward``, the next stage's call on the output (its ObjectRef)."""
         if self.stage is None:
             raise RuntimeError("StageWorker.forward called before setup()")
         began, cpu_began = time.perf_counter(), time.process_time()
@@ -140,10 +149,14 @@ class _StageWorker:
             self.first_began = began
         self.last_ended = ended
         self.calls += 1
+        if onward and self.next is not None:
+            return self.next.forward.remote(cache_id, out, positions, True)
         return out
 
-    def hop(self, x: torch.Tensor) -> torch.Tensor:
+    def hop(self, x: torch.Tensor, onward: bool = False) -> Any:
         """A no-op stage: what a stage boundary costs (scheduling, transfer) without compute."""
+        if onward and self.next is not None:
+            return self.next.hop.remote(x, True)
         return x
 
     def release(self, cache_id: int) -> bool:
@@ -310,26 +323,58 @@ def calibrate_workers(
     )
 
 
-def hop_overhead(workers: list[Any], payload: torch.Tensor, repeats: int = 20) -> dict[str, Any]:
-    """Median round trip of ``payload`` through the workers' no-op ``hop`` (one call per stage).
+def link_stages(workers: list[Any]) -> None:
+    """Each stage of one pipeline gets the next one's handle (direct hops)."""
+    ray.get([w.link.remote(nxt) for w, nxt in zip(workers, [*workers[1:], None], strict=True)])
 
-    ``per_hop_s`` is that median divided by the number of stages: what one stage boundary costs
-    in scheduling and transfer, with no compute at all.
-    """
-    ref = ray.put(payload)
+
+def resolve(ref: Any) -> Any:
+    """The value at the end of a chain of references (direct hops return the next stage's ObjectRef)."""
+    value = ray.get(ref)
+    while isinstance(value, ray.ObjectRef):
+        value = ray.get(value)
+    return value
+
+
+def _hop_round_trips(workers: list[Any], ref: Any, direct: bool, repeats: int) -> list[float]:
     times: list[float] = []
     for i in range(repeats + 2):  # two warm-up rounds
         began = time.perf_counter()
-        out = ref
-        for w in workers:
-            out = w.hop.remote(out)
-        ray.get(out)
+        if direct:
+            resolve(workers[0].hop.remote(ref, True))
+        else:
+            out = ref
+            for w in workers:
+                out = w.hop.remote(out)
+            ray.get(out)
         if i >= 2:
             times.append(time.perf_counter() - began)
-    median = statistics.median(times)
+    return times
+
+
+def hop_overhead(workers: list[Any], payload: torch.Tensor, repeats: int = 20, hops: str = "direct") -> dict[str, Any]:
+    """Median round trip of ``payload`` through the workers' no-op ``hop`` (one call per stage), both ways.
+
+    ``per_hop_s`` is that median divided by the number of stages for ``hops`` (the way the run passes
+    activations): what one stage boundary costs in scheduling and transfer, with no compute at all.
+    The other way is measured in the same run, alternated round by round, as its reference.
+    """
+    link_stages(workers)
+    ref = ray.put(payload)
+    direct: list[float] = []
+    driver: list[float] = []
+    for _ in range(3):  # alternated: a neighbour's burst of load does not fall on one way only
+        direct += _hop_round_trips(workers, ref, True, max(1, repeats // 3))
+        driver += _hop_round_trips(workers, ref, False, max(1, repeats // 3))
+    per_hop = {"direct": statistics.median(direct) / len(workers), "driver": statistics.median(driver) / len(workers)}
+    median = statistics.median(direct if hops == "direct" else driver)
     return {
         "stages": len(workers),
         "payload_bytes": payload.numel() * payload.element_size(),
+        "hops": hops,
         "round_trip_s": median,
         "per_hop_s": median / len(workers),
+        "per_hop_direct_s": per_hop["direct"],
+        "per_hop_via_driver_s": per_hop["driver"],
+        "via_driver_over_direct": per_hop["driver"] / per_hop["direct"] if per_hop["direct"] > 0 else None,
     }

@@ -29,11 +29,14 @@ class BenchParams:
     warmup: bool = True
     prefill_chunk: int = 0  # prompt tokens per prefill step; 0: the whole prompt in one step
     step_timeout_s: float = 30.0  # a step with no answer for this long: its replica is lost
+    hops: str = "direct"  # "direct": stage i calls stage i+1 itself; "driver": the driver chains the calls
 
     def validate(self, cfg: ModelConfig) -> None:
         for name in ("requests", "prompt_len", "max_new_tokens", "micro_batch"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.hops not in ("direct", "driver"):
+            raise ValueError(f"hops must be direct or driver, got {self.hops!r}")
         if self.prefill_chunk < 0:
             raise ValueError(f"--prefill-chunk must be >= 0 tokens (0: whole prompt), got {self.prefill_chunk}")
         if self.rate is not None and self.rate <= 0:

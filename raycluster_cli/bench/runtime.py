@@ -28,6 +28,7 @@ import psutil
 import ray
 import torch
 
+from raycluster_cli.bench import pipeline
 from raycluster_cli.bench.model import ModelConfig, full_model_stage, greedy_generate, prefill_chunks
 from raycluster_cli.bench.results import (
     BenchParams,
@@ -88,23 +89,30 @@ def setup_replicas(replicas: list[list[Any]], ranges: list[list[tuple[int, int]]
         if len(stage_ranges) != len(workers):
             raise ValueError(f"{len(stage_ranges)} stage ranges for {len(workers)} workers")
         calls.extend(w.setup.remote(a, b) for w, (a, b) in zip(workers, stage_ranges, strict=True))
-    return list(ray.get(calls))
+    setups = list(ray.get(calls))
+    for workers in replicas:
+        pipeline.link_stages(workers)
+    return setups
 
 
-def _submit_step(workers: list[Any], cache_id: int, x: Any, position: int) -> Any:
+def _submit_step(workers: list[Any], cache_id: int, x: Any, position: int, hops: str) -> Any:
+    """One step of a micro-batch through every stage; the ObjectRef of its tokens, or of the next
+    reference in the chain (direct hops: each stage calls the next and returns that call's reference)."""
+    if hops == "direct":
+        return workers[0].forward.remote(cache_id, x, position, True)
     ref = x
     for w in workers:
         ref = w.forward.remote(cache_id, ref, position)
     return ref
 
 
-def _warm_up(workers: list[Any], prompts: torch.Tensor, decode_steps: int, prefill_chunk: int) -> None:
+def _warm_up(workers: list[Any], prompts: torch.Tensor, decode_steps: int, prefill_chunk: int, hops: str) -> None:
     """Prefill + a few decode steps of one micro-batch so lazy init and allocators are out of the way."""
     for a, b in prefill_chunks(prompts.shape[1], prefill_chunk):
-        tokens = ray.get(_submit_step(workers, WARMUP_CACHE_ID, prompts[:, a:b], a))
+        tokens = pipeline.resolve(_submit_step(workers, WARMUP_CACHE_ID, prompts[:, a:b], a, hops))
     position = prompts.shape[1]
     for _ in range(decode_steps):
-        tokens = ray.get(_submit_step(workers, WARMUP_CACHE_ID, tokens[:, None], position))
+        tokens = pipeline.resolve(_submit_step(workers, WARMUP_CACHE_ID, tokens[:, None], position, hops))
         position += 1
     ray.get([w.release.remote(WARMUP_CACHE_ID) for w in workers])
 
@@ -182,7 +190,8 @@ class _Workload:
 
     def submit(self, batch_id: int, x: Any, position: int) -> None:
         batch = self.batches[batch_id]
-        self.pending[_submit_step(self.replicas[batch.replica], batch_id, x, position)] = (batch_id, self.now())
+        step = _submit_step(self.replicas[batch.replica], batch_id, x, position, self.params.hops)
+        self.pending[step] = (batch_id, self.now())
 
     def feed_prompt(self, batch_id: int) -> None:
         """Send the next piece of the batch's prompt through its replica."""
@@ -281,11 +290,14 @@ class _Workload:
         for ref in ready:
             if ref not in self.pending:  # its replica was lost meanwhile
                 continue
-            batch_id, _ = self.pending.pop(ref)
+            batch_id, submitted = self.pending.pop(ref)
             try:
                 step_tokens = ray.get(ref)
             except ray.exceptions.RayError as exc:
                 self.lose_replica(self.batches[batch_id].replica, exc, _one_line(exc))
+                continue
+            if isinstance(step_tokens, ray.ObjectRef):  # direct hops: a stage passed the step on
+                self.pending[step_tokens] = (batch_id, submitted)
                 continue
             self.on_step(batch_id, step_tokens)
 
@@ -335,7 +347,7 @@ def run_workload(
     if params.warmup:
         warm = make_prompts(cfg.vocab, params.micro_batch, params.prompt_len, params.seed)
         for workers in replicas:
-            _warm_up(workers, warm, min(2, params.max_new_tokens - 1), params.prefill_chunk)
+            _warm_up(workers, warm, min(2, params.max_new_tokens - 1), params.prefill_chunk, params.hops)
     ray.get([w.reset_stats.remote() for w in flat])
     work = _Workload(replicas, infos, cfg, params, report)
     cpu = psutil.Process()

@@ -129,9 +129,16 @@ class Session:
         self.progress("measuring the per-hop overhead with no-op stages")
         chunks = prefill_chunks(o.prompt_len, o.prefill_chunk)
         first = self.replicas[0]
-        prefill = pipeline.hop_overhead(first, torch.zeros(o.micro_batch, chunks[0][1], self.cfg.d_model))
-        decode = pipeline.hop_overhead(first, torch.zeros(o.micro_batch, 1, self.cfg.d_model))
-        self.hops = {"prefill": prefill, "decode": decode, "per_hop_s": decode["per_hop_s"]}
+        prefill = pipeline.hop_overhead(first, torch.zeros(o.micro_batch, chunks[0][1], self.cfg.d_model), hops=o.hops)
+        decode = pipeline.hop_overhead(first, torch.zeros(o.micro_batch, 1, self.cfg.d_model), hops=o.hops)
+        self.hops = {
+            "prefill": prefill,
+            "decode": decode,
+            "hops": o.hops,
+            "per_hop_s": decode["per_hop_s"],
+            "per_hop_direct_s": decode["per_hop_direct_s"],
+            "per_hop_via_driver_s": decode["per_hop_via_driver_s"],
+        }
         decode_steps = max(1, o.max_new_tokens - 1)
         self.transfer_s = len(chunks) * prefill["per_hop_s"] + decode_steps * decode["per_hop_s"]
 

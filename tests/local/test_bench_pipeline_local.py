@@ -15,6 +15,7 @@ import pytest
 pytestmark = [pytest.mark.slow]
 
 ray = pytest.importorskip("ray")
+torch = pytest.importorskip("torch")
 
 from raycluster_cli.bench import experiment, pipeline, runtime  # noqa: E402
 from raycluster_cli.bench.model import ModelConfig  # noqa: E402
@@ -94,6 +95,33 @@ def test_run_workload_completes_and_matches_unsharded_model(local_ray: None) -> 
     assert {(s.node_id, s.node_ip) for s in result.stages} == {(node_id, table_ip)}
     check = runtime.check_output(cfg, params, result, num_requests=10)
     assert check == {"identical": True, "compared_requests": 10, "mismatched": []}
+
+
+def test_both_hop_ways_give_the_same_tokens_and_are_measured_side_by_side(local_ray: None) -> None:
+    """Stage to stage (each stage calls the next) and via the driver: same greedy tokens; hops timed both ways."""
+    cfg = ModelConfig(vocab=257, d_model=64, heads=4, layers=6, max_seq=24, seed=5)
+    node_id = ray.get_runtime_context().get_node_id()
+    workers = pipeline.start_workers(cfg, [node_id] * 3, num_threads=1, allow_shared_nodes=True)
+    try:
+        ranges = [even_partition(cfg.layers, 3)]
+        runtime.setup_replicas([workers], ranges)
+        results = {
+            hops: runtime.run_workload(
+                [workers],
+                ranges,
+                cfg,
+                runtime.BenchParams(requests=9, prompt_len=8, max_new_tokens=4, micro_batch=3, seed=2, hops=hops),
+            )
+            for hops in ("direct", "driver")
+        }
+        hop = pipeline.hop_overhead(workers, torch.zeros(3, 1, cfg.d_model), repeats=6)
+    finally:
+        pipeline.stop_workers(workers)
+    assert results["direct"].tokens == results["driver"].tokens
+    assert all(len(t) == 4 for t in results["direct"].tokens)
+    assert all(s.calls == 3 * 4 for s in results["direct"].stages)  # every stage ran every step
+    assert hop["hops"] == "direct" and hop["per_hop_s"] == hop["per_hop_direct_s"] > 0
+    assert hop["per_hop_via_driver_s"] > 0 and hop["via_driver_over_direct"] > 0
 
 
 def test_chunked_prefill_through_the_pipeline(local_ray: None) -> None:
