@@ -20,6 +20,7 @@ from raycluster_cli.bench.options import BenchOptions
 
 log = logging.getLogger("raycluster.bench")
 Ranges = list[list[tuple[int, int]]]
+COUNTED_FLOOR = 4  # the counted run has at least this many times a pilot's least requests
 
 
 @dataclass
@@ -228,7 +229,10 @@ class Session:
     def resize(self, tokens_per_s: float) -> None:
         """The counted run's requests from a measured throughput (``--requests`` left out)."""
         o = self.options
-        requests = experiment.requests_for(o.duration_s, tokens_per_s, o, self.least_requests())
+        # At least 4 x (stages + 1) micro-batches per replica: with fewer the pipeline spends much of the
+        # run filling and draining (session 4: a pilot slowed by a neighbour sized a run to 4 micro-batches
+        # on 3 stages, whose busiest stage then idled 3.4 s of 17.6 s).
+        requests = experiment.requests_for(o.duration_s, tokens_per_s, o, COUNTED_FLOOR * self.least_requests())
         self.params = experiment.replace_params(self.params, requests=requests)
         self.progress(
             f"counted run sized to {requests} requests (about {o.duration_s:.0f}s at {tokens_per_s:.1f} tok/s)"
