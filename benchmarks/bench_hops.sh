@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Per-hop overhead of the pipeline with no-op stages (what a stage boundary costs without compute):
 # `bench` measures it in every run (hop_overhead: a decode step's and a prefill piece's activation sent
-# through each stage's no-op `hop`, median of 20 round trips / stages). This repeats a short run ROUNDS
-# times on the local 3-host lab (no quotas) and reports the medians with the load average of each round.
+# through each stage's no-op `hop`, median of round trips / stages), both ways in the same run, alternated:
+# stage to stage (each stage calls the next, the default) and via the driver (the driver chains the calls).
+# This repeats a short run ROUNDS times on the local 3-host lab (no quotas) and reports the medians and the
+# ratio via-driver / stage-to-stage, with the load average of each round.
 #
 # Usage: benchmarks/bench_hops.sh [ROUNDS]   (default 5)
 set -euo pipefail
@@ -24,8 +26,11 @@ out, rounds = sys.argv[1], int(sys.argv[2])
 docs = [json.load(open(f"{out}/hops-{i}.json")) for i in range(1, rounds + 1)]
 loads = [open(f"{out}/hops-{i}.load").read().strip() for i in range(1, rounds + 1)]
 for kind in ("decode", "prefill"):
-    ms = [1000 * d["hop_overhead"][kind]["per_hop_s"] for d in docs]
     size = docs[0]["hop_overhead"][kind]["payload_bytes"]
-    print(f"{kind:7s} ({size} bytes): per hop {' '.join(f'{m:.2f}' for m in ms)} ms, median {statistics.median(ms):.2f} ms")
+    for way, key in (("stage to stage", "per_hop_direct_s"), ("via the driver", "per_hop_via_driver_s")):
+        ms = [1000 * d["hop_overhead"][kind][key] for d in docs]
+        print(f"{kind:7s} ({size} bytes) {way}: per hop {' '.join(f'{m:.2f}' for m in ms)} ms, median {statistics.median(ms):.2f} ms")
+    ratios = [d["hop_overhead"][kind]["via_driver_over_direct"] for d in docs]
+    print(f"{kind:7s} via the driver / stage to stage, per round: {' '.join(f'{r:.2f}' for r in ratios)}, median {statistics.median(ratios):.2f}")
 print("load averages: " + " | ".join(loads))
 PY

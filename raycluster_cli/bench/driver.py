@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 from typing import Any, NoReturn
 
+from raycluster_cli import __version__
 from raycluster_cli.bench.options import BenchOptions, ValidationError
 from raycluster_cli.schema import SCHEMA_VERSION
 
@@ -51,6 +52,11 @@ def parse_options(text: str) -> BenchOptions:
     except ValidationError as exc:
         first = exc.errors()[0]
         where = ".".join(str(p) for p in first["loc"]) or "options"
+        if first["type"] == "extra_forbidden":  # the operator's CLI is newer than the node image's copy
+            raise _UsageError(
+                f"{where}: unknown to raycluster {__version__} in the node image, older than the CLI that sent it; "
+                "rebuild the node image from the CLI's version (scripts/build-images.sh) and run `raycluster up`"
+            ) from None
         raise _UsageError(f"{where}: {first['msg']}") from None
 
 

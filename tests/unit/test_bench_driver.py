@@ -44,6 +44,14 @@ def test_options_come_from_a_file_as_the_cli_writes_them(tmp_path: Path) -> None
     assert driver.parse_options("{}") == BenchOptions()
 
 
+def test_an_option_newer_than_the_node_image_names_the_mismatch_and_the_fix() -> None:
+    with pytest.raises(driver._UsageError) as caught:
+        driver.parse_options('{"layers": 6, "added_in_a_later_cli": 1}')
+    message = str(caught.value)
+    assert message.startswith("added_in_a_later_cli: unknown to raycluster ") and "older than the CLI" in message
+    assert "build-images.sh" in message and "raycluster up" in message
+
+
 def test_one_model_one_set_of_defaults() -> None:
     """The defaults the driver runs with are the ones the CLI shows: there is only one model."""
     options = BenchOptions()
