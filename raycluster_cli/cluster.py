@@ -19,6 +19,7 @@ from .containers import (
 )
 from .diagnose import diagnose, gather
 from .errors import OperationError, RayclusterError
+from .hoststate import make_dir
 from .images import ImageTransfer, demote_fixed_checks, distribute, local_image_id, plan_transfers, remote_image_ids
 from .inventory import HostConfig, Inventory
 from .nodes import Plan, apply, files_digest, plan_node, prepare, probe, wait_head
@@ -144,9 +145,11 @@ def up(
     if transfers:
         checks = _recheck_image_runtime(inventory, connect, checks, {t.host for t in transfers}, ignore)
     token = ensure_token(inventory) if inventory.ray.auth == "token" else None
+    folders = fanout(inventory.hosts, lambda h: make_dir(connect(h), inventory, h), what="make the host state folders")
+    folders.raise_failures()
     if token is not None:
         put_token = fanout(
-            inventory.hosts, lambda h: connect(h).put(token, token_path_on_host(inventory)), what="write the token"
+            inventory.hosts, lambda h: connect(h).put(token, token_path_on_host(inventory, h)), what="write the token"
         )
         put_token.raise_failures()
     envs = fanout(inventory.hosts, lambda h: prepare(connect(h), inventory, h), what="write the env files")
@@ -221,6 +224,8 @@ def _recheck_image_runtime(
 
 RETRIED = "its container exited while starting: started once more"
 _POLL_S = 20.0
+_PROBE_RETRIES = 2  # a node list the head could not give is asked again this often
+_PROBE_PAUSE_S = 2.0
 
 
 def _wait_nodes(
@@ -240,9 +245,20 @@ def _wait_nodes(
     head = connect(inventory.head_host)
     deadline = time.monotonic() + timeout_s
     retried: list[str] = []
+    unreadable = 0
     while True:
         window = max(0.0, min(_POLL_S, deadline - time.monotonic()))
-        nodes = probe(head, inventory, expected, window, stale)
+        try:
+            nodes = probe(head, inventory, expected, window, stale)
+        except OperationError as exc:
+            # A driver a loaded head's raylet drops while registering ("Failed to register worker to Raylet")
+            # is transient: ask again a few times within the deadline, then report it.
+            unreadable += 1
+            if unreadable > _PROBE_RETRIES or time.monotonic() >= deadline:
+                raise
+            progress(f"{exc.message}; asking the head again")
+            time.sleep(_PROBE_PAUSE_S)
+            continue
         alive = {n["node_ip"] for n in nodes if n["alive"] and n["node_id"] not in stale}
         ghosts = any(n["alive"] and n["node_id"] in stale for n in nodes)
         if (set(expected) <= alive and not ghosts) or time.monotonic() >= deadline:

@@ -12,8 +12,9 @@ import shlex
 from dataclasses import dataclass
 
 from .errors import OperationError
+from .hoststate import cluster_dir
 from .inventory import HostConfig, Inventory
-from .transport import Transport, quote
+from .transport import Transport, quote, shell_path
 
 LABEL_CLUSTER = "io.raycluster.cluster"
 LABEL_ROLE = "io.raycluster.role"
@@ -30,17 +31,17 @@ def container_name(inventory: Inventory, host: HostConfig) -> str:
     return f"raycluster-{inventory.cluster}-{host.role}"
 
 
-def host_state_dir(inventory: Inventory) -> str:
-    """The folder on each host holding this cluster's files (token, env files); only `down --purge` removes it."""
-    return f"/etc/raycluster/{inventory.cluster}"
+def host_state_dir(inventory: Inventory, host: HostConfig) -> str:
+    """The folder on `host` holding this cluster's files (token, env files); see hoststate.py."""
+    return cluster_dir(inventory, host)
 
 
-def token_path_on_host(inventory: Inventory) -> str:
-    return f"{host_state_dir(inventory)}/auth-token"
+def token_path_on_host(inventory: Inventory, host: HostConfig) -> str:
+    return f"{host_state_dir(inventory, host)}/auth-token"
 
 
 def env_path_on_host(inventory: Inventory, host: HostConfig) -> str:
-    return f"{host_state_dir(inventory)}/{host.role}.env"
+    return f"{host_state_dir(inventory, host)}/{host.role}.env"
 
 
 def env_file_content(env: dict[str, str]) -> bytes:
@@ -90,7 +91,14 @@ def docker_run_command(inventory: Inventory, host: HostConfig) -> str:
     when the inventory asks for another container than the running one.
     """
     argv = run_argv(inventory, host)
-    return quote(*argv[:2], f"--label={LABEL_CONFIG}={config_hash(argv)}", *argv[2:])
+    return " ".join(_shell_word(word) for word in [*argv[:2], f"--label={LABEL_CONFIG}={config_hash(argv)}", *argv[2:]])
+
+
+def _shell_word(word: str) -> str:
+    """One argument quoted; a `--volume=~/…` source is the login user's home on the host ("$HOME"/…)."""
+    if word.startswith("--volume=~/"):
+        return "--volume=" + shell_path(word.removeprefix("--volume="))
+    return quote(word)
 
 
 def run_argv(inventory: Inventory, host: HostConfig) -> list[str]:
@@ -109,7 +117,7 @@ def run_argv(inventory: Inventory, host: HostConfig) -> list[str]:
         argv += [
             "--env=RAY_AUTH_MODE=token",
             f"--env=RAY_AUTH_TOKEN_PATH={TOKEN_IN_CONTAINER}",
-            f"--volume={token_path_on_host(inventory)}:{TOKEN_IN_CONTAINER}:ro",
+            f"--volume={token_path_on_host(inventory, host)}:{TOKEN_IN_CONTAINER}:ro",
         ]
     for option in docker.run_options:
         argv += shlex.split(option)

@@ -30,6 +30,11 @@ _LABEL = r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
 HOSTNAME = re.compile(rf"{_LABEL}(?:\.{_LABEL})*", re.ASCII)
 MAX_HOSTNAME = 64
 
+# A folder on the hosts: absolute, or under the login user's home (`~/…`); plain path characters only, so that
+# it is one shell word and one `docker run --volume` source without quoting surprises.
+HOST_DIR = re.compile(r"(?:/|~/)[A-Za-z0-9_.@+-]+(?:/[A-Za-z0-9_.@+-]+)*", re.ASCII)
+MAX_HOST_DIR = 200
+
 # Login names as useradd and directory services make them (no leading dash: it would read as an option).
 LOGIN_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.@-]{0,63}", re.ASCII)
 
@@ -59,4 +64,18 @@ def login_problem(value: str) -> str | None:
     """Why `value` cannot be an SSH login name, or None."""
     if not LOGIN_NAME.fullmatch(value):
         return "is not a login name: letters, digits, '_', '.', '@', '-', not starting with '-', e.g. ubuntu"
+    return None
+
+
+def host_dir_problem(value: str) -> str | None:
+    """Why `value` cannot be the folder on the hosts that holds raycluster's files, or None."""
+    if len(value) > MAX_HOST_DIR:
+        return f"is longer than {MAX_HOST_DIR} characters"
+    if not HOST_DIR.fullmatch(value.rstrip("/")) or value.rstrip("/") in ("", "~"):
+        return (
+            "is not a folder path: absolute (/var/lib/raycluster) or under the login user's home "
+            "(~/.local/state/raycluster), letters, digits and '_.@+-' only"
+        )
+    if any(part in (".", "..") for part in value.split("/")):
+        return "contains '.' or '..': write the folder's plain path"
     return None

@@ -20,7 +20,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationErr
 
 from . import strictyaml
 from .errors import InventoryError
-from .grammar import hostname_problem, image_problem, login_problem
+from .grammar import host_dir_problem, hostname_problem, image_problem, login_problem
 
 DEFAULT_INVENTORY = "inventory.yaml"
 INVENTORY_ENV = "RAYCLUSTER_INVENTORY"
@@ -68,7 +68,15 @@ def _usable_address(value: IPv4Address) -> IPv4Address:
     return value
 
 
+def _host_dir(value: str) -> str:
+    problem = host_dir_problem(value)
+    if problem:
+        raise ValueError(f"{value!r:.80} {problem}")
+    return value.rstrip("/")
+
+
 LoginName = Annotated[str, _grammar(login_problem)]
+HostDir = Annotated[str, AfterValidator(_host_dir)]
 HostAddress = Annotated[IPv4Address, AfterValidator(_usable_address)]
 ShellOption = Annotated[str, AfterValidator(_shell_words)]
 Amount = Annotated[float, Field(ge=0, allow_inf_nan=False)]
@@ -96,6 +104,9 @@ class SSHConfig(_Model):
     max_parallel_logins: int = Field(8, ge=1, le=1000, description="SSH handshakes at once (sshd MaxStartups)")
     proxy_jump: str | None = Field(None, description="jump host(s) as OpenSSH's ProxyJump: user@bastion[:port][,…]")
     config_file: str | None = Field("~/.ssh/config", description="OpenSSH client config to read (null: none)")
+    sudo: bool = Field(
+        False, strict=True, description="create/remove the host state folder with `sudo -n` (a non-root login)"
+    )
 
     @field_validator("proxy_jump")
     @classmethod
@@ -108,6 +119,7 @@ class HostSSH(_Model):
     key: str | None = Field(None, min_length=1)
     port: int | None = Field(None, ge=1, le=65535)
     proxy_jump: str | None = Field(None, description="this host's jump host(s) ('none': connect directly)")
+    sudo: bool | None = Field(None, strict=True, description="this host's ssh.sudo")
 
     @field_validator("proxy_jump")
     @classmethod
@@ -225,6 +237,11 @@ class Inventory(_Model):
         "stream", description="how `up` gets the image onto a host that lacks it: stream it over SSH, or docker pull"
     )
     env: dict[str, str] = Field(default_factory=dict, description="environment of every host's Ray processes")
+    host_state_dir: HostDir | None = Field(
+        None,
+        description="folder on each host for the cluster's files (token, env files); default /etc/raycluster "
+        "for root or with ssh.sudo, else ~/.local/state/raycluster (the login user's home)",
+    )
     ssh: SSHConfig = SSHConfig()
     head: HeadConfig | None = None
     ray: RayConfig = RayConfig()
@@ -435,6 +452,8 @@ def _hint(error: Any, field: str) -> str:
         return f"add {field} (see inventory.example.yaml)"
     if "ip" in kind:
         return "use an IPv4 address such as 192.0.2.11"
+    if kind == "bool_type":
+        return f"write {field}: true or {field}: false"
     return "see inventory.example.yaml for the accepted values"
 
 

@@ -47,7 +47,7 @@ def node_env(inventory: Inventory, host: HostConfig, ip_addr_output: str) -> dic
 
 
 def prepare(transport: Transport, inventory: Inventory, host: HostConfig) -> bytes:
-    """Write the host's env file (0600, under /etc/raycluster/<cluster>/); return its content."""
+    """Write the host's env file (0600, in the host state folder, see hoststate.py); return its content."""
     nics = transport.run("ip -o -4 addr show", timeout=30)
     content = env_file_content(node_env(inventory, host, nics.stdout if nics.ok else ""))
     transport.put(content, env_path_on_host(inventory, host))

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 from .containers import host_state_dir, list_cluster_containers
 from .errors import OperationError, RayclusterError
+from .hoststate import fix_hint, remove_dir_command
 from .inventory import HostConfig, Inventory
 from .progress import Progress, quiet
 from .state import purge_local
@@ -32,7 +33,7 @@ class DownResult:
 def down(inventory: Inventory, connect: Connect, *, purge: bool = False, progress: Progress = quiet) -> DownResult:
     """Remove this cluster's labelled containers: workers in parallel first, then the head.
 
-    With `purge`, also the image on every host, the files `up` put there (/etc/raycluster/<cluster>) and
+    With `purge`, also the image on every host, the files `up` put there (the host state folder) and
     the token and image archive in this machine's state dir.
     """
     removed: list[dict[str, str]] = []
@@ -99,11 +100,13 @@ def _purge_host(inventory: Inventory, connect: Connect) -> Callable[[HostConfig]
                     f"a container still uses it: see `docker ps -a` on {host.address}",
                 )
             done.append(f"image {inventory.image}")
-        folder = host_state_dir(inventory)
-        if transport.run(f"test -e {quote(folder)}").ok:
-            result = transport.run(f"rm -rf -- {quote(folder)}")
-            if not result.ok:
-                raise OperationError(f"{host.address}: cannot remove {folder}: {result.first_line()}", "check there")
+        folder = host_state_dir(inventory, host)
+        result = transport.run(remove_dir_command(inventory, host))
+        if not result.ok:
+            raise OperationError(
+                f"{host.address}: cannot remove {folder}: {result.first_line()}", fix_hint(inventory, host)
+            )
+        if "removed" in result.stdout.split():
             done.append(folder)
         return done
 

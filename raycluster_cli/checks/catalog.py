@@ -3,9 +3,10 @@ host facts they judge (each fact's command runs once per host, in the host's one
 
 from __future__ import annotations
 
+from .. import hoststate
 from ..facts import raw
 from ..transport import quote
-from . import hostnet, runtime
+from . import access, hostnet, runtime
 from .base import Check, CheckContext
 from .cross import CROSS_IDS, IMAGE_ID_CHECK
 
@@ -20,11 +21,22 @@ def _worker(ctx: CheckContext) -> bool:
     return ctx.host.role == "worker"
 
 
+def _not_root_default(ctx: CheckContext) -> bool:
+    """Root with the default folder: Docker mounts /etc/raycluster, nothing to prove (and no container to run)."""
+    return hoststate.state_root(ctx.inventory, ctx.host) != hoststate.ROOT_DEFAULT or (
+        hoststate.login_user(ctx.inventory, ctx.host) != "root"
+    )
+
+
 def _wants_gpus(ctx: CheckContext) -> bool:
     return (ctx.host.num_gpus or 0) > 0
 
 
-DOCKER_VERSION = raw("docker-version", lambda ctx: "docker info --format '{{.ServerVersion}}'")
+# `docker info --format` hides why the engine refused ("template: … nil pointer"): `docker ps` then says it
+# (permission denied on the socket, a sudo that wants a password, a daemon that is down).
+DOCKER_VERSION = raw(
+    "docker-version", lambda ctx: "docker info --format '{{.ServerVersion}}' 2>/dev/null || docker ps --quiet --last 1"
+)
 IMAGE_ID = raw("image-id", lambda ctx: "docker image inspect --format '{{.Id}}' " + quote(ctx.inventory.image))
 IMAGE_RUNTIME = raw("image-runtime", runtime.versions_command)
 IP_ADDR = raw("ip-addr", lambda ctx: "ip -o -4 addr show")
@@ -37,9 +49,13 @@ MEMINFO = raw("meminfo", lambda ctx: "cat /proc/meminfo")
 DISK = raw("disk", runtime.disk_command)
 GPUS = raw("gpus", runtime.gpus_command)
 PROCESSES = raw("processes", runtime.stale_ray_command)
+STATE_DIR = raw("state-dir", lambda ctx: hoststate.probe_command(ctx.inventory, ctx.host))
+STATE_MOUNT = raw("state-mount", lambda ctx: hoststate.mount_command(ctx.inventory, ctx.host))
 
 ALL_CHECKS: tuple[Check, ...] = (
     Check("docker", "Docker daemon", DOCKER_VERSION, runtime.docker),
+    Check("state-dir", "host state folder writable", STATE_DIR, access.state_dir),
+    Check("state-mount", "state folder mountable", STATE_MOUNT, access.state_mount, _not_root_default),
     Check(IMAGE_ID_CHECK, "node image", IMAGE_ID, runtime.image),
     Check("image-runtime", "Ray and Python in the image", IMAGE_RUNTIME, runtime.image_runtime),
     Check("head-address", "head address on a NIC", IP_ADDR, hostnet.head_address, _head),

@@ -5,6 +5,7 @@ from __future__ import annotations
 import shlex
 
 from ..containers import LABEL_CLUSTER
+from ..engine import engine_of
 from ..transport import quote
 from ..versions import PYTHON_VERSION, RAY_VERSION
 from .base import CheckContext, Finding, Status
@@ -36,11 +37,20 @@ def docker(rc: int, out: str, err: str, ctx: CheckContext) -> Finding:
     user = ctx.inventory.ssh_for(ctx.host).user
     if rc == 127 or "not found" in text:
         return Finding(Status.FAIL, "docker is not installed", f"install Docker Engine on {ctx.address}")
+    engine = engine_of(ctx.inventory, ctx.host)
+    if text.startswith("sudo:") or "\nsudo:" in text:
+        return Finding(
+            Status.FAIL,
+            f"user {user} may not run `{engine}` without a password ({text.splitlines()[-1][:120]})",
+            f"on {ctx.address}: a sudoers rule `{user} ALL=(root) NOPASSWD: /usr/bin/docker`, or usermod -aG docker "
+            f"{user} (then log in again) and docker.engine: docker",
+        )
     if "permission denied" in text.lower():
         return Finding(
             Status.FAIL,
-            f"user {user} may not use Docker",
-            f"on {ctx.address}: usermod -aG docker {user} (then log in again)",
+            f"user {user} may not use Docker (`{engine}`: permission denied on the engine's socket)",
+            f"on {ctx.address}: usermod -aG docker {user} (then log in again), or set docker.engine: sudo -n docker "
+            f"for this host if {user} may run docker through sudo",
         )
     return Finding(
         Status.FAIL,
@@ -49,11 +59,19 @@ def docker(rc: int, out: str, err: str, ctx: CheckContext) -> Finding:
     )
 
 
+def engine_refused(text: str) -> bool:
+    """The engine's answer says this user may not use it (so a missing-image reading would be wrong)."""
+    lowered = text.lower()
+    return "permission denied" in lowered or "sudo:" in lowered
+
+
 def image(rc: int, out: str, err: str, ctx: CheckContext) -> Finding:
     name = ctx.inventory.image
     if rc == 0 and out.strip().startswith("sha256:"):
         image_id = out.strip()
         return Finding(Status.OK, f"{name} present ({image_id[7:19]})", data={"image_id": image_id})
+    if engine_refused(err):
+        return Finding(Status.SKIP, "not checked: the engine refused this user (see the docker check)")
     return Finding(
         Status.FAIL,
         f"image {name} is not on this host",

@@ -62,11 +62,21 @@ def quote(*parts: object) -> str:
     return " ".join(shlex.quote(str(p)) for p in parts)
 
 
+def shell_path(path: str) -> str:
+    """A host path as one shell word: `~/rest` becomes `"$HOME"/rest` (the login user's home on that host)."""
+    if path == "~" or path.startswith("~/"):
+        rest = path[2:]
+        return '"$HOME"' + (f"/{shlex.quote(rest)}" if rest else "")
+    return shlex.quote(path)
+
+
 def put_command(path: str, mode: int) -> str:
-    """The shell command that `put` runs with the data on stdin (data never on a command line)."""
+    """The shell command that `put` runs with the data on stdin (data never on a command line).
+
+    `path` may start with `~/` (the login user's home on the host)."""
     directory = path.rsplit("/", 1)[0] or "/"
-    tmp = f"{path}.raycluster-tmp"
+    tmp = shell_path(f"{path}.raycluster-tmp")
     return (
-        f"umask 077 && mkdir -p -- {quote(directory)} && cat > {quote(tmp)} && "
-        f"chmod {mode:o} {quote(tmp)} && mv -f -- {quote(tmp)} {quote(path)}"
+        f"umask 077 && mkdir -p -- {shell_path(directory)} && cat > {tmp} && "
+        f"chmod {mode:o} {tmp} && mv -f -- {tmp} {shell_path(path)}"
     )

@@ -16,6 +16,7 @@ RECORDED = Path(__file__).parent / "recorded"
 IMAGE_ID = "sha256:" + "ab" * 32
 HEAD_PORTS = r"^ss -ltnH; echo ---; docker ps .*role=head"
 WORKER_PORTS = r"^ss -ltnH; echo ---; docker ps --quiet --filter label=io.raycluster.cluster=demo --filter status"
+STATE_DIR = r'^echo "user '
 # A 6 GB host: Ray's default object store (30 %) fits the example's 2g /dev/shm.
 MEMINFO = "MemTotal:        6000000 kB\nMemFree:          500000 kB\nMemAvailable:    5000000 kB\n"
 
@@ -35,6 +36,8 @@ def healthy(address: str, name: str, **overrides: CommandResult | str) -> dict[s
         r"^cat /proc/meminfo": MEMINFO,
         r"^root=\$\(docker info": (RECORDED / "disk_lab.txt").read_text(),
         r"^ps -eo pid=,args=": "    1 /sbin/init\n  212 sshd: /usr/sbin/sshd -D\n---\n",
+        STATE_DIR: "user root 0\ndir /etc/raycluster/demo\nat /etc/raycluster root 755 directory\nwritable yes\n"
+        "sudo unused\n",
     }
     table.update(overrides)
     return table

@@ -371,8 +371,7 @@ def _purge_hosts(rmi: CommandResult) -> dict[str, FakeTransport]:
         "docker ps": "",
         "docker image inspect": A,
         "docker rmi": rmi,
-        "test -e": "",
-        "rm -rf": "",
+        r"^if \[ -e /etc/raycluster/demo \]; then rm -rf -- /etc/raycluster/demo && echo removed; fi$": "removed\n",
     }
     return {h: FakeTransport(h, table) for h in HOSTS}
 
@@ -390,7 +389,7 @@ def test_down_purge_removes_image_host_files_and_local_state(tmp_path: Path, mon
     purged = {(p["host"], p["item"]) for p in result.purged}
     for host in HOSTS:
         assert (host, "image raycluster/node:0.1.0") in purged and (host, "/etc/raycluster/demo") in purged
-        assert "rm -rf -- /etc/raycluster/demo" in hosts[host].commands
+        assert any("rm -rf -- /etc/raycluster/demo &&" in c for c in hosts[host].commands)
     assert ("localhost", str(state_dir(inv))) in purged and not state_dir(inv).exists()
     kept = down(inv, lambda h: _purge_hosts(CommandResult(0, "", ""))[str(h.address)])
     assert kept.purged == []
@@ -474,3 +473,44 @@ def test_a_worker_that_exits_again_stops_the_wait_early() -> None:
     nodes, retried, _ = _wait(workers)
     assert retried == [HOSTS[2]] and workers[HOSTS[2]].starts == 2
     assert {n["node_ip"]: n["alive"] for n in nodes}[HOSTS[2]] is False
+
+
+class _FlakyHead(_Head):
+    """A head whose node list cannot be read the first `failures` times (a loaded raylet drops the driver)."""
+
+    def __init__(self, workers: dict[str, _Host], failures: int) -> None:
+        super().__init__(workers)
+        self.failures = failures
+        self.probes = 0
+
+    def run(self, command: str, *, stdin: bytes | None = None, timeout: float | None = 120.0) -> CommandResult:
+        if "raycluster_cli.probe" in command:
+            self.probes += 1
+            if self.probes <= self.failures:
+                return CommandResult(1, "", "core_worker_process.cc:247: Failed to register worker to Raylet: IOError")
+        return super().run(command, stdin=stdin, timeout=timeout)
+
+
+@pytest.mark.parametrize("failures", [1, 2, 3])
+def test_a_node_list_the_head_could_not_give_is_asked_again_a_few_times(
+    failures: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from raycluster_cli import cluster
+    from raycluster_cli.errors import OperationError
+
+    monkeypatch.setattr(cluster, "_PROBE_PAUSE_S", 0.0)
+    workers = {HOSTS[1]: _Host(HOSTS[1], False), HOSTS[2]: _Host(HOSTS[2], False)}
+    head = _FlakyHead(workers, failures)
+    hosts: dict[str, FakeTransport] = {HOSTS[0]: head, **workers}
+    said: list[str] = []
+
+    def wait() -> list[dict[str, object]]:
+        return cluster._wait_nodes(_inv(), lambda h: hosts[str(h.address)], list(HOSTS), [], 60, said.append)[0]  # type: ignore[arg-type]
+
+    if failures > cluster._PROBE_RETRIES:
+        with pytest.raises(OperationError, match="cannot read the cluster's nodes: core_worker_process"):
+            wait()
+        assert head.probes == cluster._PROBE_RETRIES + 1
+    else:
+        assert all(n["alive"] for n in wait())
+        assert len(said) == failures and "asking the head again" in said[0]
