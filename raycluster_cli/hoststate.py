@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from .errors import OperationError
 from .inventory import HostConfig, Inventory
+from .peers import ARCHIVE_DIR
 from .transport import Transport, quote, shell_path
 
 ROOT_DEFAULT = "/etc/raycluster"
@@ -34,6 +35,13 @@ def state_root(inventory: Inventory, host: HostConfig) -> str:
 def cluster_dir(inventory: Inventory, host: HostConfig) -> str:
     """This cluster's folder on `host` (token, env files); only `down --purge` removes it."""
     return f"{state_root(inventory, host)}/{inventory.cluster}"
+
+
+def archive_dir(inventory: Inventory, host: HostConfig) -> str:
+    """Where `host` keeps image archives while serving peers: root's shared folder, else the login user's own
+    (a folder root made 0700 there would refuse another user)."""
+    user = login_user(inventory, host)
+    return ARCHIVE_DIR if user == "root" else f"{ARCHIVE_DIR}-{user}"
 
 
 def uses_sudo(inventory: Inventory, host: HostConfig) -> bool:

@@ -21,6 +21,7 @@ from .archive import Step, save_compressed
 from .checks import CheckResult, Status
 from .checks.catalog import IMAGE_ID_CHECK
 from .errors import OperationError
+from .hoststate import archive_dir as archive_dir_on_host
 from .inventory import Inventory
 from .progress import Progress, TransferProgress, quiet
 from .spread import ImageTransfer, Job, Receiver, Spread
@@ -161,14 +162,19 @@ def _spread(
     job = Job(inventory.image, image_id, _archive(inventory.image, image_id, codec, archive_dir, progress), codec)
     receivers = {
         t.host: Receiver(
-            t, inventory.node_ip(host_of[t.host]), transport, decompressor(codec, tools), {"bash", "timeout"} <= tools
+            t,
+            inventory.node_ip(host_of[t.host]),
+            transport,
+            decompressor(codec, tools),
+            {"bash", "timeout"} <= tools,
+            archive_dir=archive_dir_on_host(inventory, host_of[t.host]),
         )
         for t, (transport, tools) in reached
     }
     try:
         Spread(list(receivers.values()), job, progress).run()
     finally:
-        cleanup = lambda r: r.transport.run(peers.cleanup_command(job.remote), timeout=60)  # noqa: E731
+        cleanup = lambda r: r.transport.run(peers.cleanup_command(job.remote(r.archive_dir)), timeout=60)  # noqa: E731
         fanout(receivers.values(), cleanup, what="remove the hosts' copies of the archive")
     outcomes: list[tuple[ImageTransfer, Outcome[ImageTransfer]]] = []
     for transfer, outcome in found:

@@ -23,7 +23,9 @@ from dataclasses import dataclass
 
 from .transport import Transport, quote
 
-ARCHIVE_DIR = "/var/tmp/raycluster-images"  # on the hosts: archives kept to serve other hosts, removed after
+# On the hosts: archives kept to serve other hosts, removed after. A login user other than root gets its own
+# folder (`ARCHIVE_DIR-<user>`, see hoststate.archive_dir): one made 0700 by root would refuse it.
+ARCHIVE_DIR = "/var/tmp/raycluster-images"
 PORTS = (20000, 32000)  # below Linux's ephemeral range, so a listener rarely meets a port in use
 CONNECT_S = 20.0  # how long a receiver tries to reach the sender's listener before giving up
 STALL_S = 60.0  # no byte for this long ends a copy (both ends, and the operator's watch)
@@ -82,8 +84,12 @@ class Copy:
         return Copy(sender, receiver, address, random.randint(*PORTS), secrets.token_hex(24))
 
 
-def archive_path(image_id: str, suffix: str) -> str:
-    return f"{ARCHIVE_DIR}/{image_id[7:19]}.{suffix}"
+def archive_path(image_id: str, suffix: str, directory: str = ARCHIVE_DIR) -> str:
+    return f"{directory}/{image_id[7:19]}.{suffix}"
+
+
+def _folder(archive: str) -> str:
+    return archive.rsplit("/", 1)[0] or "/"
 
 
 def listener_command(copy: Copy, archive: str, image: str) -> str:
@@ -91,7 +97,7 @@ def listener_command(copy: Copy, archive: str, image: str) -> str:
     args = quote(copy.address, copy.port, archive, STALL_S, CONNECT_S + 10)
     script = quote(LISTENER)
     in_image = (
-        f"docker run --rm -i --network host --log-driver none -v {ARCHIVE_DIR}:{ARCHIVE_DIR}:ro "
+        f"docker run --rm -i --network host --log-driver none -v {quote(f'{_folder(archive)}:{_folder(archive)}:ro')} "
         f"--entrypoint python3 {quote(image)} -c {script} {args}"
     )
     return (
@@ -124,7 +130,7 @@ def receive_command(archive: str, decompress: str, image: str, source: str = "")
         # A background job's stdin is /dev/null unless redirected: hand it the archive on fd 4.
         fetch = f"exec 4<&0; timeout -k 5 {DEADLINE_S:.0f} bash -c {quote('set -o pipefail; ' + load)} <&4 & "
     return (
-        f"umask 077; mkdir -p {ARCHIVE_DIR} && rm -f {quote(part)} && {fetch}"
+        f"umask 077; mkdir -p {quote(_folder(archive))} && rm -f {quote(part)} && {fetch}"
         f"pid=$!; echo $pid > {quote(part)}.pid; wait $pid; rc=$?; rm -f {quote(part)}.pid; "
         f'[ "$rc" = 0 ] || exit "$rc"; mv -f {quote(part)} {quote(archive)} && '
         f"docker image inspect --format '{{{{.Id}}}}' {quote(image)}"

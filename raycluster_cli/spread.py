@@ -56,10 +56,9 @@ class Job:
     archive: Path  # the compressed archive on this machine
     codec: str
 
-    @property
-    def remote(self) -> str:
-        """Where a host keeps its copy of the archive while it may serve others."""
-        return peers.archive_path(self.image_id, self.archive.name.split(".", 1)[1])
+    def remote(self, directory: str = peers.ARCHIVE_DIR) -> str:
+        """Where a host keeps its copy of the archive while it may serve others (`directory`: its login user's)."""
+        return peers.archive_path(self.image_id, self.archive.name.split(".", 1)[1], directory)
 
 
 @dataclass
@@ -74,6 +73,7 @@ class Receiver:
     fallback: str = ""  # why its peer copy failed (then the operator serves it)
     result: Outcome[ImageTransfer] | None = None
     serves: bool = True  # False once its listener failed
+    archive_dir: str = peers.ARCHIVE_DIR  # where this host keeps the archive (hoststate.archive_dir)
 
     @property
     def host(self) -> str:
@@ -157,7 +157,8 @@ class Spread:
             sent += count
             self.progress(TransferProgress(receiver.host, sent, total))
 
-        command = peers.receive_script(peers.receive_command(self.job.remote, receiver.decompress, self.job.image))
+        archive = self.job.remote(receiver.archive_dir)
+        command = peers.receive_script(peers.receive_command(archive, receiver.decompress, self.job.image))
         with self.job.archive.open("rb") as source:
             result = receiver.transport.feed(command, source, on_sent=on_sent, timeout=peers.DEADLINE_S)
         self.progress(TransferProgress(receiver.host, sent, total, done=True))
@@ -175,7 +176,7 @@ class Spread:
 
         def listen() -> None:
             try:
-                command = peers.listener_command(copy, self.job.remote, self.job.image)
+                command = peers.listener_command(copy, self.job.remote(sender.archive_dir), self.job.image)
                 heard.append(sender.transport.run(command, stdin=secret, timeout=peers.DEADLINE_S + 60))
             except BaseException as exc:
                 heard.append(exc)
@@ -184,11 +185,12 @@ class Spread:
         listener.start()
         label = f"image {sender.host} → {receiver.host}"
         self.progress(TransferProgress(receiver.host, 0, total, label=label))
+        archive = self.job.remote(receiver.archive_dir)
         command = peers.receive_script(
-            peers.receive_command(self.job.remote, receiver.decompress, self.job.image, f"{copy.address} {copy.port}")
+            peers.receive_command(archive, receiver.decompress, self.job.image, f"{copy.address} {copy.port}")
         )
         report = lambda n: self.progress(TransferProgress(receiver.host, n, total, label=label))  # noqa: E731
-        with peers.Watch(receiver.transport, self.job.remote, report) as watch:
+        with peers.Watch(receiver.transport, archive, report) as watch:
             result = receiver.transport.run(command, stdin=secret, timeout=peers.DEADLINE_S + 60)
         listener.join(peers.CONNECT_S + 60)
         self.progress(TransferProgress(receiver.host, total, total, done=True, label=label))

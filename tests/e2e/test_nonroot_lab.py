@@ -51,7 +51,7 @@ def _clean(the_lab: Lab) -> None:
         the_lab.sh_result(
             host,
             f"docker rm -f $(docker ps -aq --filter label=io.raycluster.cluster={CLUSTER}) 2>/dev/null; "
-            f"docker rmi {ALIAS} 2>/dev/null; rm -rf {SUDO_DIR}; "
+            f"docker rmi {ALIAS} 2>/dev/null; rm -rf {SUDO_DIR} /var/tmp/raycluster-images-{USER}; "
             f"for u in {USER} {NO_DOCKER}; do userdel -r $u 2>/dev/null; rm -f /etc/sudoers.d/$u; done; true",
         )
 
@@ -65,12 +65,17 @@ def nonroot_lab(lab_hosts: Lab) -> Iterator[Lab]:
         lab_hosts.sh("lab-h1", _add_user(USER, docker_group=True))
         lab_hosts.sh("lab-h2", _add_user(USER, docker_group=True) + " && " + _add_user(NO_DOCKER, docker_group=False))
         lab_hosts.sh("lab-h3", _add_user(USER, False, "/usr/bin/docker, /usr/bin/install, /usr/bin/rm"))
-        for host in HOSTS:
-            lab_hosts.sh(host, f"docker tag {lab.NODE_IMAGE} {ALIAS}")
         yield lab_hosts
     finally:
         _clean(lab_hosts)
         subprocess.run([DOCKER, "rmi", ALIAS], capture_output=True, timeout=60)
+
+
+@pytest.fixture(autouse=True)
+def _alias_on_every_host(nonroot_lab: Lab) -> None:
+    """Each test starts with the image alias on every host (`down --purge` of another test removes it)."""
+    for host in HOSTS:
+        nonroot_lab.sh(host, f"docker tag {lab.NODE_IMAGE} {ALIAS}")
 
 
 def _as_user(the_lab: Lab, path: Path) -> str:
@@ -150,3 +155,26 @@ def test_a_user_without_docker_access_fails_doctor_with_the_fix(nonroot_lab: Lab
     )
     assert "host_state_dir: ~/.local/state/raycluster" in state["hint"] and IP2 in state["hint"]
     assert _statuses(doc, "state-dir")[IP3] == "ok"  # root on the other hosts writes it
+
+
+def test_a_non_root_login_is_streamed_the_image_where_root_left_its_archive_folder(
+    nonroot_lab: Lab, tmp_path: Path
+) -> None:
+    """lab-h2 lacks the image (its alias tag) and has the 0700 archive folder a root `up` leaves: the user's
+    copy goes to its own folder (/var/tmp/raycluster-images-rayuser), and is removed after."""
+    inventory = _as_user(nonroot_lab, tmp_path / "inventory.yaml")
+    nonroot_lab.sh("lab-h2", f"docker rmi {ALIAS} && install -d -m 700 /var/tmp/raycluster-images")
+    try:
+        code, doc, err = nonroot_lab.cli("up", inventory=inventory, timeout=900)
+        assert code == 0, err
+        assert [(t["host"], t["method"]) for t in doc["images"]] == [(IP2, "stream")]
+        assert all(n["alive"] for n in doc["nodes"])
+        left = nonroot_lab.sh("lab-h2", f"ls -A /var/tmp/raycluster-images-{USER}; ls -A /var/tmp/raycluster-images")
+        assert left == "", left
+    finally:
+        nonroot_lab.cli("down", inventory=inventory)
+        nonroot_lab.sh(
+            "lab-h2",
+            f"rm -rf /var/tmp/raycluster-images-{USER}; rmdir /var/tmp/raycluster-images 2>/dev/null; "
+            f"docker tag {lab.NODE_IMAGE} {ALIAS}",
+        )

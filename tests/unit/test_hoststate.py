@@ -258,3 +258,9 @@ def test_the_image_is_not_called_missing_when_the_engine_refused_the_user() -> N
     assert refused.status == Status.SKIP and "see the docker check" in refused.message
     assert image(1, "", "sudo: a password is required", ctx).status == Status.SKIP
     assert image(1, "", "Error: No such image: raycluster/node:0.1.0", ctx).status == Status.FAIL
+
+
+def test_image_archives_on_a_host_are_the_login_users_own() -> None:
+    mixed = inv("ssh: {user: rayops}\n", "ssh: {user: root}")
+    assert hoststate.archive_dir(mixed, mixed.hosts[0]) == "/var/tmp/raycluster-images-rayops"
+    assert hoststate.archive_dir(mixed, mixed.hosts[1]) == "/var/tmp/raycluster-images"

@@ -169,3 +169,17 @@ def test_operator_streams_are_bounded(archive: Path, monkeypatch: pytest.MonkeyP
     inv = _fleet(6)
     hosts = {str(h.address): _host(str(h.address), tools="zstd\n") for h in inv.hosts}  # no bash: all direct
     assert len(distribute(inv, lambda h: hosts[str(h.address)], _plan(inv), A, archive.parent)) == 6
+
+
+def test_each_host_keeps_the_archive_in_its_login_users_folder(archive: Path) -> None:
+    """A non-root login gets /var/tmp/raycluster-images-<user>: a folder root made 0700 would refuse it."""
+    text = "cluster: t\nimage: img:1\nhosts:\n  - {address: 192.0.2.10, role: head}\n"
+    text += "  - {address: 192.0.2.11, ssh: {user: rayops}}\n  - {address: 192.0.2.12, ssh: {user: rayops}}\n"
+    inv = parse(text)
+    hosts = {str(h.address): _host(str(h.address)) for h in inv.hosts}
+    distribute(inv, lambda h: hosts[str(h.address)], _plan(inv), A, archive.parent, lambda e: None)
+    for address, folder in (("192.0.2.10", peers.ARCHIVE_DIR), ("192.0.2.11", peers.ARCHIVE_DIR + "-rayops")):
+        other = peers.ARCHIVE_DIR + ("-rayops" if folder == peers.ARCHIVE_DIR else "/")
+        touching = [c for c in hosts[address].commands if peers.ARCHIVE_DIR in c]
+        assert touching and all(f"{folder}/" in c and other not in c for c in touching), touching
+        assert any(c.startswith(f"rm -f {folder}/") for c in touching)  # removed after, from the same folder
