@@ -77,8 +77,8 @@ class BenchOptions(BaseModel):
         30.0, gt=0.0, description="a micro-batch step with no answer for this long counts as lost (node frozen)"
     )
     hops: str = Field(
-        "direct",
-        description="direct (each stage sends its activations to the next) | driver (the driver chains the stages)",
+        "driver",
+        description="driver (the driver chains the stages; measured faster) | direct (each stage calls the next)",
     )
     check_output: bool = Field(False, description="also compare greedy tokens with the unsharded model")
     check_requests: int = Field(8, ge=1, description="requests compared by --check-output")

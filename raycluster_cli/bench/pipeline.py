@@ -1,12 +1,13 @@
 """Ray side of the benchmark: one StageWorker actor per (replica, stage), pinned to its node.
 
 Every step of a micro-batch is a chain ``stage0.forward -> stage1.forward -> ...`` of actor calls.
-By default (``hops="direct"``) each stage holds the next stage's handle (``link``) and calls it
-itself with its output, returning that call's ObjectRef: activations go stage to stage and the
-driver only follows the references (``runtime.py``).  With ``hops="driver"`` the driver chains the
-calls, each taking the previous call's ObjectRef; small activations (decode steps, under 100 KiB)
-then travel inline via their owner, the driver, one extra round trip per stage.  The no-op ``hop``
-measures both ways in the same run.  Each worker times its
+By default (``hops="driver"``) the driver chains the calls, each taking the previous call's
+ObjectRef; small activations (decode steps, under 100 KiB) travel inline via their owner, the
+driver.  With ``hops="direct"`` each stage holds the next stage's handle (``link``) and calls it
+itself with its output, returning that call's ObjectRef, which the driver follows (``runtime.py``):
+activations go stage to stage, but every returned reference is a nested one whose borrowing Ray
+tracks with extra messages, and on the lab that cost more than the relay it saves (0.87x the
+tokens/s of driver hops, docs/PERFORMANCE.md).  The no-op ``hop`` measures both ways in every run.  Each worker times its
 own compute (busy time), measures its node's speed per unit type (``calibrate``) and offers a
 no-op ``hop`` to measure what a stage boundary costs without any compute.
 """
@@ -352,7 +353,7 @@ def _hop_round_trips(workers: list[Any], ref: Any, direct: bool, repeats: int) -
     return times
 
 
-def hop_overhead(workers: list[Any], payload: torch.Tensor, repeats: int = 20, hops: str = "direct") -> dict[str, Any]:
+def hop_overhead(workers: list[Any], payload: torch.Tensor, repeats: int = 20, hops: str = "driver") -> dict[str, Any]:
     """Median round trip of ``payload`` through the workers' no-op ``hop`` (one call per stage), both ways.
 
     ``per_hop_s`` is that median divided by the number of stages for ``hops`` (the way the run passes

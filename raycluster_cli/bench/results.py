@@ -29,7 +29,7 @@ class BenchParams:
     warmup: bool = True
     prefill_chunk: int = 0  # prompt tokens per prefill step; 0: the whole prompt in one step
     step_timeout_s: float = 30.0  # a step with no answer for this long: its replica is lost
-    hops: str = "direct"  # "direct": stage i calls stage i+1 itself; "driver": the driver chains the calls
+    hops: str = "driver"  # "driver": the driver chains the calls; "direct": stage i calls stage i+1 itself
 
     def validate(self, cfg: ModelConfig) -> None:
         for name in ("requests", "prompt_len", "max_new_tokens", "micro_batch"):

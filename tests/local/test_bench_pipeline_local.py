@@ -114,14 +114,16 @@ def test_both_hop_ways_give_the_same_tokens_and_are_measured_side_by_side(local_
             )
             for hops in ("direct", "driver")
         }
-        hop = pipeline.hop_overhead(workers, torch.zeros(3, 1, cfg.d_model), repeats=6)
+        hop = pipeline.hop_overhead(workers, torch.zeros(3, 1, cfg.d_model), repeats=6)  # the default way
+        direct = pipeline.hop_overhead(workers, torch.zeros(3, 1, cfg.d_model), repeats=6, hops="direct")
     finally:
         pipeline.stop_workers(workers)
     assert results["direct"].tokens == results["driver"].tokens
     assert all(len(t) == 4 for t in results["direct"].tokens)
     assert all(s.calls == 3 * 4 for s in results["direct"].stages)  # every stage ran every step
-    assert hop["hops"] == "direct" and hop["per_hop_s"] == hop["per_hop_direct_s"] > 0
-    assert hop["per_hop_via_driver_s"] > 0 and hop["via_driver_over_direct"] > 0
+    assert hop["hops"] == "driver" and hop["per_hop_s"] == hop["per_hop_via_driver_s"] > 0
+    assert hop["per_hop_direct_s"] > 0 and hop["via_driver_over_direct"] > 0
+    assert direct["hops"] == "direct" and direct["per_hop_s"] == direct["per_hop_direct_s"]
 
 
 def test_chunked_prefill_through_the_pipeline(local_ray: None) -> None:
