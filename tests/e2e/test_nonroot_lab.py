@@ -15,6 +15,10 @@ from typing import Any
 import pytest
 
 from raycluster_cli import lab
+from raycluster_cli.images import distribute, local_image_id
+from raycluster_cli.inventory import load
+from raycluster_cli.spread import ImageTransfer
+from raycluster_cli.transport.pool import SSHPool
 
 from .conftest import DOCKER, IP2, IP3, Lab
 
@@ -160,19 +164,22 @@ def test_a_user_without_docker_access_fails_doctor_with_the_fix(nonroot_lab: Lab
 def test_a_non_root_login_is_streamed_the_image_where_root_left_its_archive_folder(
     nonroot_lab: Lab, tmp_path: Path
 ) -> None:
-    """lab-h2 lacks the image (its alias tag) and has the 0700 archive folder a root `up` leaves: the user's
-    copy goes to its own folder (/var/tmp/raycluster-images-rayuser), and is removed after."""
-    inventory = _as_user(nonroot_lab, tmp_path / "inventory.yaml")
+    """lab-h2 lacks the image (its alias tag) and has the 0700 archive folder a root `up` leaves: `up`'s image
+    step (the library's `distribute`, real SSH and a real stream, no Ray) puts the user's copy in its own
+    folder (/var/tmp/raycluster-images-rayuser), loads it, and removes the archive after."""
+    loaded = load(_as_user(nonroot_lab, tmp_path / "inventory.yaml")).inventory
     nonroot_lab.sh("lab-h2", f"docker rmi {ALIAS} && install -d -m 700 /var/tmp/raycluster-images")
+    pool = SSHPool(loaded)
     try:
-        code, doc, err = nonroot_lab.cli("up", inventory=inventory, timeout=900)
-        assert code == 0, err
-        assert [(t["host"], t["method"]) for t in doc["images"]] == [(IP2, "stream")]
-        assert all(n["alive"] for n in doc["nodes"])
+        local_id = local_image_id(ALIAS)
+        done = distribute(loaded, pool, [ImageTransfer(IP2, "missing", "stream")], local_id, tmp_path / "archives")
+        assert [(t.host, t.source) for t in done] == [(IP2, "operator")]
+        there = nonroot_lab.sh("lab-h2", f"docker image inspect --format '{{{{.Id}}}}' {ALIAS}").strip()
+        assert there == local_id
         left = nonroot_lab.sh("lab-h2", f"ls -A /var/tmp/raycluster-images-{USER}; ls -A /var/tmp/raycluster-images")
         assert left == "", left
     finally:
-        nonroot_lab.cli("down", inventory=inventory)
+        pool.close()
         nonroot_lab.sh(
             "lab-h2",
             f"rm -rf /var/tmp/raycluster-images-{USER}; rmdir /var/tmp/raycluster-images 2>/dev/null; "
