@@ -25,7 +25,7 @@ from .cluster import NodesMissing, PreflightFailed, up
 from .errors import ExitCode, GroupError, RayclusterError, UsageError
 from .inventory import Inventory
 from .jobs import Dashboard, check_dashboard, dashboard_tunnel, follow_job, stop_hint, submit_job
-from .logs import collect
+from .logs import DEFAULT_MAX_MIB, DEFAULT_TIMEOUT_S, MIB, Limits, collect
 from .metrics import collect_metrics
 from .ops import choose_hosts, run_exec, worst
 from .report import (
@@ -368,12 +368,22 @@ def logs_command(
     inventory_path: InventoryOpt = None,
     host: Annotated[list[str] | None, typer.Option("--host", help="only this host's address (repeatable)")] = None,
     out: Annotated[Path | None, typer.Option("--out", help="folder to write DIR/<host>/ into")] = None,
+    max_mib: Annotated[
+        float,
+        typer.Option(
+            "--max-mib", min=0.001, help="at most this many MiB per host: the container log's tail, then Ray's logs"
+        ),
+    ] = DEFAULT_MAX_MIB,
+    timeout: Annotated[
+        float, typer.Option("--timeout", min=1, help="seconds each host's log stream may take")
+    ] = DEFAULT_TIMEOUT_S,
     json_mode: JsonOpt = False,
     debug: DebugOpt = False,
 ) -> None:
     """Collect each node's container log and Ray session logs into DIR/<host>/, with a count of error lines.
 
-    Exit 0: every host's logs were collected; 1: some host's could not be."""
+    Streamed to disk, at most --max-mib per host (the newest part of the container log is kept; what was
+    cut is reported). Exit 0: every host's logs were collected; 1: some host's could not be."""
 
     def action(output: Output) -> int:
         with _cluster(inventory_path) as (inv, pool):
@@ -386,7 +396,7 @@ def logs_command(
                 )
             folder = out or Path(f"raycluster-logs-{inv.cluster}-{time.strftime('%Y%m%d-%H%M%S')}")
             output.progress()(f"collecting logs of {len(chosen)} host(s) into {folder}")
-            results = collect(inv, pool, folder, chosen)
+            results = collect(inv, pool, folder, chosen, Limits(int(max_mib * MIB), timeout))
         ok = all(not r.error for r in results)
         body = {"cluster": inv.cluster, "out": str(folder), "hosts": [r.to_dict() for r in results]}
         return _emit(output, ok, body, render_logs)

@@ -7,12 +7,14 @@ line goes to the callback the caller gives.
 
 from __future__ import annotations
 
+import secrets
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from .containers import ENV_IN_CONTAINER, LABEL_CLUSTER, LABEL_ROLE, container_name
+from .engine import engine_of, preamble
 from .errors import RayclusterError, UsageError
 from .inventory import HostConfig, Inventory
 from .transport import quote
@@ -68,10 +70,30 @@ def container_check_command(inventory: Inventory, host: HostConfig) -> str:
     return f"docker inspect --format '{{{{.State.Status}}}} {labels}' {quote(container_name(inventory, host))}"
 
 
-def exec_command(inventory: Inventory, host: HostConfig, words: list[str]) -> str:
-    """`docker exec` of the joined words in the host's Ray container, after sourcing the node env (pure)."""
-    script = f"if [ -r {ENV_IN_CONTAINER} ]; then set -a; . {ENV_IN_CONTAINER}; set +a; fi; " + " ".join(words)
-    return f"docker exec {quote(container_name(inventory, host))} sh -c {quote(script)}"
+def exec_command(inventory: Inventory, host: HostConfig, words: list[str], tag: str | None = None) -> str:
+    """`docker exec` of the joined words in the host's Ray container, after sourcing the node env.
+
+    `docker exec` does not end the process it started in the container when its client dies, so the
+    command runs in a session of its own (`setsid -w`) whose id it writes to a file in the container;
+    when the host side is ended (the remote guard ends it when the connection goes, at the deadline, on
+    Ctrl-C), its trap kills that whole session in the container — from a session of its own on the
+    host, so the guard's final SIGKILL does not cut the trap short."""
+    name = quote(container_name(inventory, host))
+    pidfile = f"/tmp/.raycluster-exec-{tag or secrets.token_hex(6)}"
+    script = (
+        f"echo $$ >{pidfile}; trap 'rm -f {pidfile}' EXIT; "
+        f"if [ -r {ENV_IN_CONTAINER} ]; then set -a; . {ENV_IN_CONTAINER}; set +a; fi; " + " ".join(words)
+    )
+    inner = (
+        f"if command -v setsid >/dev/null; then exec setsid -w sh -c {quote(script)}; fi; exec sh -c {quote(script)}"
+    )
+    stop = f"p=$(cat {pidfile}) && {{ kill -TERM -$p 2>/dev/null || kill -TERM $p; }}; rm -f {pidfile}"
+    killer = preamble(engine_of(inventory, host)) + f"docker exec {name} sh -c {quote(stop)}"
+    on_end = f"$r sh -c {quote(killer)} >/dev/null 2>&1; exit 143"
+    return (
+        f"r=; command -v setsid >/dev/null && r=setsid; trap {quote(on_end)} TERM HUP; "
+        f"docker exec {name} sh -c {quote(inner)} & wait $!"
+    )
 
 
 def container_problem(

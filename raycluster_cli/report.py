@@ -315,6 +315,9 @@ def render_logs(output: Output, body: dict[str, Any]) -> None:
             _escape(first[:120]),
         )
     output.out.print(table)
+    for host in body["hosts"]:
+        for cut in host.get("truncated", []):
+            output.line(f"{host['host']}: {cut}")
 
 
 def render_lab(output: Output, body: dict[str, Any]) -> None:

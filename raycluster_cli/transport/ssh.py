@@ -31,7 +31,7 @@ from . import cancel, sshkeys
 from .base import CommandResult, put_command
 from .guard import guarded
 from .keepalive import KeepAlive
-from .sshio import collect, send_stream, summary
+from .sshio import OutputSink, collect, send_stream, summary
 
 log = logging.getLogger("raycluster.transport")
 logging.getLogger("paramiko").addHandler(logging.NullHandler())  # its thread's tracebacks are not for users
@@ -162,6 +162,24 @@ class SSHTransport:
     # Commands ------------------------------------------------------------------------------------
 
     def run(self, command: str, *, stdin: bytes | None = None, timeout: float | None = 120.0) -> CommandResult:
+        return self._command(command, stdin=stdin, timeout=timeout)
+
+    def stream(
+        self, command: str, on_output: OutputSink, *, timeout: float | None = None, stall_s: float | None = None
+    ) -> int:
+        """Run `command` (guarded, under `timeout`, interruptible); hand each chunk of its output to
+        `on_output(stream, bytes)` as it arrives, keeping none of it; a command silent for `stall_s` fails."""
+        return self._command(command, timeout=timeout, on_output=on_output, stall_s=stall_s).rc
+
+    def _command(
+        self,
+        command: str,
+        *,
+        stdin: bytes | None = None,
+        timeout: float | None,
+        on_output: OutputSink | None = None,
+        stall_s: float | None = None,
+    ) -> CommandResult:
         started = time.monotonic()
         channel = self._open_channel(command)
         try:
@@ -170,7 +188,7 @@ class SSHTransport:
                 channel.settimeout(self.stall_s)
                 channel.sendall(stdin)
             channel.shutdown_write()
-            result = collect(channel, timeout, self.host, command)
+            result = collect(channel, timeout, self.host, command, on_output=on_output, stall_s=stall_s)
         except BaseException as exc:
             raise self._failed(channel, exc, command) from None
         self._finish(channel)

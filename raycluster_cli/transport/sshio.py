@@ -38,21 +38,36 @@ def summary(command: str, limit: int = 60) -> str:
     return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
-def collect(channel: paramiko.Channel, timeout: float | None, host: str, command: str = "") -> CommandResult:
-    """Read a command's stdout and stderr until its output ends (EOF), not merely until it exits."""
+OutputSink = Callable[[str, bytes], None]  # ("stdout" | "stderr", bytes as they arrive)
+
+
+def collect(
+    channel: paramiko.Channel,
+    timeout: float | None,
+    host: str,
+    command: str = "",
+    *,
+    on_output: OutputSink | None = None,
+    stall_s: float | None = None,
+) -> CommandResult:
+    """Read a command's stdout and stderr until its output ends (EOF), not merely until it exits.
+
+    With `on_output`, each chunk goes to it as it arrives and nothing is kept (the result's texts are
+    empty): memory stays bounded by the channel's window whatever the output's size. With `stall_s`, a
+    command that sends nothing for that long while still running fails as stalled."""
     out, err = bytearray(), bytearray()
     deadline = None if timeout is None else time.monotonic() + timeout
     exited_at: float | None = None
+    last_data = time.monotonic()
     channel.settimeout(_POLL_S)
     while True:
         got = False
         if channel.recv_ready():
-            out += channel.recv(65536)
-            got = True
+            got = _take(channel.recv(65536), "stdout", out, on_output)
         if channel.recv_stderr_ready():
-            err += channel.recv_stderr(65536)
-            got = True
+            got = _take(channel.recv_stderr(65536), "stderr", err, on_output)
         if got:
+            last_data = time.monotonic()
             continue
         if channel.exit_status_ready():
             exited_at = exited_at or time.monotonic()
@@ -61,11 +76,17 @@ def collect(channel: paramiko.Channel, timeout: float | None, host: str, command
                 break
         elif getattr(channel, "closed", False):
             raise EOFError("the channel closed before the command's exit status arrived")
+        elif stall_s is not None and time.monotonic() - last_data > stall_s:
+            raise Stalled(
+                host,
+                f"{_what(command)} sent nothing for {stall_s:.0f}s (stalled)",
+                "the host or the network to it stopped answering; check it and re-run "
+                "(ssh.stall_timeout_s sets this deadline)",
+            )
         if deadline is not None and time.monotonic() > deadline:
-            what = f"`{summary(command)}`" if command else "a command"
             raise DeadlineExceeded(
                 host,
-                f"{what} ran past its {timeout:.0f}s deadline",
+                f"{_what(command)} ran past its {timeout:.0f}s deadline",
                 "the host is overloaded or stuck; check it, or re-run with --debug to see the command",
             )
         cancel.check(f"reading from {host}")
@@ -75,6 +96,18 @@ def collect(channel: paramiko.Channel, timeout: float | None, host: str, command
         # paramiko marks a channel "exited" (status -1) when its connection closes (the keepalive dropped it)
         raise EOFError("the connection closed before the command's exit status arrived")
     return CommandResult(rc, out.decode(errors="replace"), err.decode(errors="replace"))
+
+
+def _take(data: bytes, name: str, kept: bytearray, on_output: OutputSink | None) -> bool:
+    if on_output is None:
+        kept += data
+    elif data:
+        on_output(name, data)
+    return True
+
+
+def _what(command: str) -> str:
+    return f"`{summary(command)}`" if command else "a command"
 
 
 def _connection_lost(channel: paramiko.Channel) -> bool:

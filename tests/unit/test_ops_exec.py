@@ -33,12 +33,18 @@ def test_unknown_host_and_both_flags_are_usage_errors() -> None:
 
 
 def test_command_sources_the_node_env_and_runs_the_words_in_a_shell() -> None:
-    command = exec_command(INV, W1, ["echo", "$FOO", "|", "wc", "-c"])
+    command = exec_command(INV, W1, ["echo", "$FOO", "|", "wc", "-c"], tag="t1")
     argv = shlex.split(command)
-    assert argv[:3] == ["docker", "exec", "raycluster-demo-worker"]
-    assert argv[3:5] == ["sh", "-c"]
-    assert argv[5].startswith("if [ -r /run/raycluster/env ]; then set -a; . /run/raycluster/env; set +a; fi; ")
-    assert argv[5].endswith("echo $FOO | wc -c")
+    at = argv.index("exec")
+    assert argv[at - 1 : at + 4] == ["docker", "exec", "raycluster-demo-worker", "sh", "-c"]
+    inner = shlex.split(argv[at + 4])
+    at = inner.index("-w") - 1
+    assert inner[at : at + 4] == ["setsid", "-w", "sh", "-c"]
+    script = inner[at + 4].removesuffix(";")  # shlex joins the `;` that follows the quote
+    assert script.startswith("echo $$ >/tmp/.raycluster-exec-t1; ")
+    assert "if [ -r /run/raycluster/env ]; then set -a; . /run/raycluster/env; set +a; fi; " in script
+    assert script.endswith("echo $FOO | wc -c")
+    assert "trap " in command and "TERM HUP" in command  # the stop: tests/unit/test_exec_stop.py
 
 
 @pytest.mark.parametrize(

@@ -1,6 +1,9 @@
 """The SSH transport reads a command's output to its end, even when sshd reports the exit status first."""
 
+import time
 from collections import deque
+
+import pytest
 
 from raycluster_cli.transport import ssh, sshio
 
@@ -91,3 +94,30 @@ def test_a_connection_that_drops_under_a_command_is_one_transport_error_and_is_f
         transport.run("docker run ...")
     assert "192.0.2.11" in caught.value.one_line() and "dropped" in caught.value.one_line()
     assert DroppingClient.closed and transport._client is None
+
+
+class TrickleThenSilent(ExitFirstChannel):
+    """A running command that sends its chunks, then nothing, and never exits (a hung `docker logs`)."""
+
+    def exit_status_ready(self) -> bool:
+        return False
+
+    closed = False
+
+
+def test_streamed_output_goes_to_the_sink_as_it_arrives_and_is_not_kept() -> None:
+    chunks: list[tuple[str, bytes]] = []
+    lines = [b"a" * 10, b"b" * 10]
+    result = sshio.collect(ExitFirstChannel(lines), 10, "192.0.2.11", on_output=lambda s, d: chunks.append((s, d)))  # type: ignore[arg-type]
+    assert b"".join(d for _, d in chunks) == b"".join(lines) and {s for s, _ in chunks} == {"stdout"}
+    assert (result.stdout, result.rc) == ("", 0)
+
+
+def test_a_stream_silent_past_its_stall_deadline_fails_naming_host_and_command() -> None:
+    started = time.monotonic()
+    with pytest.raises(sshio.Stalled) as caught:
+        sshio.collect(
+            TrickleThenSilent([b"x"]), 30, "192.0.2.11", "docker logs c", on_output=lambda s, d: None, stall_s=0.5
+        )  # type: ignore[arg-type]
+    assert 0.5 <= time.monotonic() - started < 3
+    assert "192.0.2.11" in caught.value.one_line() and "docker logs c" in caught.value.one_line()
