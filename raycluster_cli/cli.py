@@ -137,13 +137,14 @@ def _failed(output: Output, exc: RayclusterError) -> int:
     """One line (and per-host details) on stderr; under --json the document with `ok: false`."""
     output.error(exc.message, exc.hint)
     if isinstance(exc, NodesMissing):
-        output.details(exc.details)
+        output.details([*exc.details, {"cause": f"joined: {', '.join(exc.joined) or 'none'}"}])
     if output.json_mode:
         body: dict[str, Any] = {"error": {"message": exc.message, "hint": exc.hint}}
         if isinstance(exc, PreflightFailed):
             body["checks"] = [r.to_dict() for r in exc.results]
         if isinstance(exc, NodesMissing):
             body["error"]["missing"] = exc.details
+            body["error"]["joined"] = exc.joined
         if isinstance(exc, GroupError):
             body["error"]["hosts"] = exc.details()
         output.document(False, body)

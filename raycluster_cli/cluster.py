@@ -96,9 +96,10 @@ class UpResult:
 class NodesMissing(OperationError):
     """Some nodes did not join: one diagnosis (and log tail) per missing host in `details`."""
 
-    def __init__(self, message: str, hint: str, details: list[dict[str, Any]]) -> None:
+    def __init__(self, message: str, hint: str, details: list[dict[str, Any]], joined: list[str] | None = None) -> None:
         super().__init__(message, hint)
         self.details = details
+        self.joined = joined or []  # the hosts whose nodes did join
 
 
 INSECURE_WARNING = (
@@ -299,4 +300,5 @@ def _missing_error(
         f"see `docker logs {container_name(inventory, first)}` on {first.address} (tail below), fix the cause, "
         "re-run `raycluster up`",
         details,
+        [str(h.address) for h in inventory.hosts if h not in missing],
     )

@@ -8,7 +8,10 @@ The guard runs the command in the background of the session's shell and watches 
 - the sshd process that started the session is gone (the connection closed or died): end the command;
 - the command ran `deadline` seconds (the client's own deadline plus a margin): end it;
 - with `idle` > 0 (a stream on stdin): stdin passes through a relay (`cat` into a fifo) whose read count
-  shows progress; no byte for `idle` seconds (the client stalled or the network was cut) ends it.
+  shows progress; no byte for `idle` seconds (the client stalled or the network was cut) ends it;
+- with a heartbeat (`exec`, `logs`: long commands without stdin): the client writes a byte every few
+  seconds; a relay (`cat` to /dev/null) reads them; none for the heartbeat deadline (the connection was
+  cut, and sshd, without ClientAlive settings, would keep the session for hours) ends it.
 
 "End" is SIGTERM to the session's whole process group (sshd made it a group of its own), SIGKILL 2 s
 later. Processes that detach on purpose (`setsid`, `docker run -d`) are not affected.
@@ -21,9 +24,14 @@ from .base import quote
 MARGIN_S = 30  # the guard's deadline = the client's deadline + this: the client reports first
 
 _SCRIPT = r"""
-d=$1 i=$2 c=$3 p=$PPID f=
+d=$1 i=$2 c=$3 h=${4:-0} p=$PPID f=
 exec 3<&0
-if [ "$i" -gt 0 ] && f=$(mktemp -u /tmp/.raycluster-in.XXXXXX) && mkfifo -m 600 "$f"; then
+if [ "$h" -gt 0 ]; then
+  sh -c "$c" </dev/null 3<&- &
+  k=$!
+  cat <&3 >/dev/null 3<&- &
+  r=$! i=$h
+elif [ "$i" -gt 0 ] && f=$(mktemp -u /tmp/.raycluster-in.XXXXXX) && mkfifo -m 600 "$f"; then
   sh -c "$c" <"$f" 3<&- &
   k=$!
   cat <&3 >"$f" 3<&- &
@@ -65,13 +73,21 @@ w=$!
 wait "$k"
 s=$?
 kill "$w" 2>/dev/null
+[ "$h" -gt 0 ] && kill "$r" 2>/dev/null
 [ -n "$f" ] && rm -f "$f"
 exit "$s"
 """
 
 
-def guarded(command: str, deadline_s: float | None, idle_s: float | None = None) -> str:
-    """`command` wrapped so that it ends with its connection, at its deadline, or when its stdin stalls."""
+def guarded(
+    command: str, deadline_s: float | None, idle_s: float | None = None, heartbeat_s: float | None = None
+) -> str:
+    """`command` wrapped so that it ends with its connection, at its deadline, or when its stdin stalls.
+
+    With `heartbeat_s`, the command's stdin is /dev/null and the session's stdin carries the client's
+    heartbeat instead (transport/ssh.py sends a byte every HEARTBEAT_S): no byte for `heartbeat_s` (+ a
+    margin) — the connection was cut, sshd has not noticed — ends the command."""
     deadline = 0 if deadline_s is None else int(deadline_s) + MARGIN_S
     idle = 0 if idle_s is None else int(idle_s) + MARGIN_S // 3
-    return "exec sh -c " + quote(_SCRIPT.strip()) + " raycluster-guard " + quote(deadline, idle, command)
+    beat = 0 if heartbeat_s is None else int(heartbeat_s) + MARGIN_S // 3
+    return "exec sh -c " + quote(_SCRIPT.strip()) + " raycluster-guard " + quote(deadline, idle, command, beat)

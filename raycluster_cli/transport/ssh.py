@@ -31,11 +31,12 @@ from . import cancel, sshkeys
 from .base import CommandResult, put_command
 from .guard import guarded
 from .keepalive import KeepAlive
-from .sshio import OutputSink, collect, send_stream, summary
+from .sshio import OutputSink, collect, heartbeat, send_stream, summary
 
 log = logging.getLogger("raycluster.transport")
 logging.getLogger("paramiko").addHandler(logging.NullHandler())  # its thread's tracebacks are not for users
 
+HEARTBEAT_S = 2.0  # a streamed command's heartbeat (see guard.py)
 Sock = Callable[[float], Any]  # opens the socket to the host (e.g. through a jump host) within a timeout
 
 
@@ -169,7 +170,7 @@ class SSHTransport:
     ) -> int:
         """Run `command` (guarded, under `timeout`, interruptible); hand each chunk of its output to
         `on_output(stream, bytes)` as it arrives, keeping none of it; a command silent for `stall_s` fails."""
-        return self._command(command, timeout=timeout, on_output=on_output, stall_s=stall_s).rc
+        return self._command(command, timeout=timeout, on_output=on_output, stall_s=stall_s, beat=True).rc
 
     def _command(
         self,
@@ -179,16 +180,24 @@ class SSHTransport:
         timeout: float | None,
         on_output: OutputSink | None = None,
         stall_s: float | None = None,
+        beat: bool = False,
     ) -> CommandResult:
+        """One command; with `beat`, stdin carries a heartbeat that the guard watches (a cut connection
+        ends the command on the host within stall_timeout_s + a margin)."""
         started = time.monotonic()
         channel = self._open_channel(command)
+        beat = beat and self.guard
         try:
-            channel.exec_command(guarded(command, timeout) if self.guard else command)
+            channel.exec_command(
+                guarded(command, timeout, heartbeat_s=self.stall_s if beat else None) if self.guard else command
+            )
             if stdin is not None:
                 channel.settimeout(self.stall_s)
                 channel.sendall(stdin)
-            channel.shutdown_write()
-            result = collect(channel, timeout, self.host, command, on_output=on_output, stall_s=stall_s)
+            if not beat:
+                channel.shutdown_write()
+            tick = heartbeat(channel, HEARTBEAT_S) if beat else None
+            result = collect(channel, timeout, self.host, command, on_output=on_output, stall_s=stall_s, tick=tick)
         except BaseException as exc:
             raise self._failed(channel, exc, command) from None
         self._finish(channel)

@@ -8,6 +8,7 @@ Both poll the cancellation flag, so Ctrl-C stops them within a fraction of a sec
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable
 from typing import BinaryIO
@@ -49,18 +50,22 @@ def collect(
     *,
     on_output: OutputSink | None = None,
     stall_s: float | None = None,
+    tick: Callable[[], None] | None = None,
 ) -> CommandResult:
     """Read a command's stdout and stderr until its output ends (EOF), not merely until it exits.
 
     With `on_output`, each chunk goes to it as it arrives and nothing is kept (the result's texts are
     empty): memory stays bounded by the channel's window whatever the output's size. With `stall_s`, a
-    command that sends nothing for that long while still running fails as stalled."""
+    command that sends nothing for that long while still running fails as stalled. `tick` is called on
+    every turn of the loop (the heartbeat)."""
     out, err = bytearray(), bytearray()
     deadline = None if timeout is None else time.monotonic() + timeout
     exited_at: float | None = None
     last_data = time.monotonic()
     channel.settimeout(_POLL_S)
     while True:
+        if tick is not None:
+            tick()
         got = False
         if channel.recv_ready():
             got = _take(channel.recv(65536), "stdout", out, on_output)
@@ -96,6 +101,20 @@ def collect(
         # paramiko marks a channel "exited" (status -1) when its connection closes (the keepalive dropped it)
         raise EOFError("the connection closed before the command's exit status arrived")
     return CommandResult(rc, out.decode(errors="replace"), err.decode(errors="replace"))
+
+
+def heartbeat(channel: paramiko.Channel, every_s: float) -> Callable[[], None]:
+    """A tick that writes one byte into the channel's stdin every `every_s` seconds (guard.py reads them)."""
+    last = [time.monotonic()]
+
+    def tick() -> None:
+        now = time.monotonic()
+        if now - last[0] >= every_s:
+            last[0] = now
+            with contextlib.suppress(TimeoutError, OSError, EOFError):
+                channel.send(b"\n")  # no window (a silent host): the keepalive and the deadline decide
+
+    return tick
 
 
 def _take(data: bytes, name: str, kept: bytearray, on_output: OutputSink | None) -> bool:

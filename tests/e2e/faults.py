@@ -75,11 +75,11 @@ def wait_until(condition: Callable[[], bool], timeout: float, step: float = 0.5)
 
 
 class Verb:
-    """`raycluster VERB -i INV --json --debug` as a real process in its own session (as a shell with job
+    """`raycluster VERB -i INV --json --debug [WORDS]` as a real process in its own session (as a shell with job
     control starts it, so SIGINT is delivered), with its stderr read line by line."""
 
-    def __init__(self, *args: str, inventory: str) -> None:
-        command = [sys.executable, "-m", "raycluster_cli.cli", *args, "-i", inventory, "--json", "--debug"]
+    def __init__(self, *args: str, inventory: str, words: tuple[str, ...] = ()) -> None:
+        command = [sys.executable, "-m", "raycluster_cli.cli", *args, "-i", inventory, "--json", "--debug", *words]
         self.started = time.monotonic()
         self.process = subprocess.Popen(
             command,

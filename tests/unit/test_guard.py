@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import sys
 import time
@@ -80,3 +81,44 @@ def test_the_command_ends_when_the_session_that_started_it_is_gone() -> None:
     while running() and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not running()
+
+
+def _beat(deadline: int, beat: int, command: str) -> str:
+    return "exec sh -c " + quote(guard._SCRIPT.strip()) + " raycluster-guard " + quote(deadline, 0, command, beat)
+
+
+def test_a_heartbeat_keeps_the_command_and_never_reaches_its_stdin() -> None:
+    process = subprocess.Popen(
+        ["sh", "-c", _beat(0, 2, "cat; sleep 6; echo done")],  # 6 s: past the 2 s deadline without heartbeats
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        start_new_session=True,
+    )
+    assert process.stdin is not None and process.stdout is not None
+    deadline = time.monotonic() + 20
+    while process.poll() is None and time.monotonic() < deadline:
+        with contextlib.suppress(BrokenPipeError):  # the guard ended between the poll and the write
+            process.stdin.write(b"\n")
+            process.stdin.flush()
+        time.sleep(0.5)
+    assert process.wait(timeout=5) == 0 and process.stdout.read() == b"done\n"
+
+
+def test_no_heartbeat_ends_the_command_though_the_session_lives() -> None:
+    started = time.monotonic()
+    process = subprocess.Popen(
+        ["sh", "-c", _beat(0, 1, "sleep 25; echo finished")],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        start_new_session=True,
+    )
+    assert process.stdin is not None and process.stdout is not None
+    process.wait(timeout=20)  # stdin open and silent, as over a cut connection that sshd has not noticed
+    assert process.returncode != 0 and b"finished" not in process.stdout.read()
+    assert time.monotonic() - started < 8
+    process.stdin.close()
+
+
+def test_guarded_passes_the_heartbeat_deadline_with_a_margin() -> None:
+    assert guard.guarded("true", 10, heartbeat_s=5).endswith(" 40 0 true 15")
+    assert guard.guarded("true", None).endswith(" 0 0 true 0")

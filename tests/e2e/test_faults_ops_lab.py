@@ -1,0 +1,230 @@
+"""Hostile fleets, continued (issue 10): `logs` of a log far larger than its cap in bounded memory, Ctrl-C
+to a real `raycluster exec -- sleep 600`, and a worker frozen for real (its lab host and the Ray container
+of that host's own engine paused) while `up` waits for the nodes. Real processes, real faults; every test
+puts the lab back in `finally`."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+
+from .conftest import DOCKER, IP1, IP2, IP3, Lab
+from .faults import CUT, LOGIN_DEADLINE_S, QUICK_SSH, SLACK_S, UNCUT, Verb, processes, quick_inventory, wait_until
+
+pytestmark = pytest.mark.lab
+KEEPALIVE_DEADLINE_S = 6  # QUICK_SSH: 2 s × 3 of silence
+MIB = 1024 * 1024
+BIG_LOG = 200_000_000  # bytes of container log: far larger than the cap, and than the operator's memory use
+OURS = "raycluster-logmem"  # the stand-in container's cluster: never this lab's real cluster
+
+
+@pytest.fixture(scope="module")
+def quick(lab_hosts: Lab, tmp_path_factory: pytest.TempPathFactory) -> str:
+    return quick_inventory(lab_hosts, tmp_path_factory.mktemp("faults-ops") / "quick.yaml")
+
+
+# logs: a 200 MB container log ---------------------------------------------------------------------------
+
+
+@pytest.fixture
+def big_log(lab_hosts: Lab, tmp_path: Path) -> Iterator[str]:
+    """An inventory of cluster `logmem` whose worker container on lab-h2 wrote BIG_LOG bytes of log (plain
+    lines of 1000 bytes) and has a Ray session log folder; the container is removed afterwards."""
+    inventory = lab_hosts.variant(tmp_path / "logmem.yaml", lambda data: data.update(cluster="logmem"))
+    name = f"{OURS}-worker"
+    lines = BIG_LOG // 1000
+    script = (
+        "mkdir -p /tmp/ray/session_latest/logs && echo 'ERROR: a raylet line' > /tmp/ray/session_latest/logs/raylet.out"
+        f" && head -c {lines * 999} /dev/zero | tr '\\0' x | fold -w 999 && echo 'ERROR: the newest line'"
+        " && touch /tmp/written && exec sleep 3600"
+    )
+    image = "$(docker images -q | head -n 1)"  # the node image every lab host has
+    lab_hosts.sh("lab-h2", f'docker rm -f {name} >/dev/null 2>&1; docker run -d --name {name} {image} sh -c "{script}"')
+    try:
+        written = wait_until(
+            lambda: lab_hosts.sh_result("lab-h2", f"docker exec {name} test -e /tmp/written").returncode == 0, 300, 1
+        )
+        assert written, lab_hosts.sh_result("lab-h2", f"docker logs --tail 2 {name}").stdout
+        yield inventory
+    finally:
+        lab_hosts.sh_result("lab-h2", f"docker rm -f {name}")
+
+
+def _logs_peak_rss(inventory: str, out: Path, *args: str) -> tuple[int, dict[str, Any], int]:
+    """Run `raycluster logs --host IP2` as a real process; its exit code, JSON document and peak RSS."""
+    command = [sys.executable, "-m", "raycluster_cli.cli", "logs", "--host", IP2, "--out", str(out), *args]
+    process = subprocess.Popen([*command, "-i", inventory, "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    watched = psutil.Process(process.pid)
+    peak = 0
+    done = threading.Event()
+
+    def sample() -> None:
+        nonlocal peak
+        while not done.is_set():
+            try:
+                peak = max(peak, watched.memory_info().rss)
+            except psutil.Error:
+                return
+            time.sleep(0.02)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    try:
+        out_text, err_text = process.communicate(timeout=600)
+    finally:
+        done.set()
+        sampler.join(timeout=5)
+        if process.poll() is None:
+            process.kill()
+    try:
+        document = json.loads(out_text)
+    except ValueError:
+        pytest.fail(f"no JSON document: rc={process.returncode}\n{out_text!r}\n{err_text.decode()[-3000:]}")
+    return process.returncode, document, peak
+
+
+def test_logs_of_a_log_far_larger_than_the_cap_stay_in_bounded_memory(big_log: str, tmp_path: Path) -> None:
+    # 1 MiB cap: the newest MiB is kept (cut on the host), the full size reported.
+    code, doc, capped_peak = _logs_peak_rss(big_log, tmp_path / "capped", "--max-mib", "1")
+    assert code == 0, doc
+    [host] = doc["hosts"]
+    kept = (Path(host["folder"]) / "container.log").read_bytes()
+    assert len(kept) == MIB and kept.endswith(b"ERROR: the newest line\n")
+    assert host["container_log_bytes"] >= BIG_LOG - 1000 and host["cap_bytes"] == MIB
+    assert host["truncated"][0].startswith("container.log: the last 1.0 MiB of 19")  # ~190.7 MiB
+    # A cap above the log: all 200 MB cross the connection to disk, in memory bounded like the 1 MiB run.
+    code, doc, whole_peak = _logs_peak_rss(big_log, tmp_path / "whole", "--max-mib", "400")
+    assert code == 0, doc
+    [host] = doc["hosts"]
+    size = (Path(host["folder"]) / "container.log").stat().st_size
+    assert size == host["container_log_bytes"] >= BIG_LOG - 1000 and host["truncated"] == []
+    assert host["error_lines"] == 2 and host["files"] == 2  # container.log and ray/logs/raylet.out
+    assert whole_peak < capped_peak + 64 * MIB, (whole_peak / MIB, capped_peak / MIB)
+    assert whole_peak < 300 * MIB  # the whole log once in memory would be 200 MB more than the capped run
+
+
+# exec: Ctrl-C -----------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def cluster_up(lab_hosts: Lab, quick: str) -> str:
+    code, doc, err = lab_hosts.cli("up", "--timeout", "180", inventory=quick, timeout=900)
+    assert code == 0 and all(n["alive"] for n in doc["nodes"]), err
+    return quick
+
+
+def _sleeps(lab_hosts: Lab, hostname: str, marker: str) -> list[str]:
+    return processes(lab_hosts, hostname, rf"^sleep {marker}$")
+
+
+def test_exec_interrupted_leaves_no_process_in_the_container(lab_hosts: Lab, cluster_up: str) -> None:
+    marker = "600"
+    assert _sleeps(lab_hosts, "lab-h1", marker) == [], "a sleep 600 from elsewhere runs on lab-h1"
+    verb = Verb("exec", inventory=cluster_up, words=("--", "sleep", marker))
+    try:
+        assert wait_until(lambda: bool(_sleeps(lab_hosts, "lab-h1", marker)), 120), verb.stderr
+        sent = verb.signal(signal.SIGINT)
+        code, doc, ended = verb.finish(timeout=60)
+    finally:
+        if verb.process.poll() is None:
+            verb.process.kill()
+    assert code == 130 and ended - sent <= 5, verb.stderr
+    assert doc["ok"] is False and doc["interrupted"]["signal"] == "SIGINT", doc
+    assert any(r["host"] == IP1 and "sleep 600" in r["command"] for r in doc["interrupted"]["running"]), doc
+    assert "Traceback" not in verb.stderr and verb.session_alive() == []
+    # The host side ended with the connection; its trap ended the container's process group.
+    assert wait_until(lambda: not _sleeps(lab_hosts, "lab-h1", marker), 20), _sleeps(lab_hosts, "lab-h1", marker)
+    assert wait_until(lambda: not processes(lab_hosts, "lab-h1", r"raycluster-guard|docker exec"), 20)
+
+
+def test_exec_whose_operator_dies_leaves_no_process_in_the_container(lab_hosts: Lab, cluster_up: str) -> None:
+    """The operator killed outright (no chance to clean up): the closed connection ends it all on the host."""
+    marker = "601"
+    verb = Verb("exec", inventory=cluster_up, words=("--", "sleep", marker))
+    try:
+        assert wait_until(lambda: bool(_sleeps(lab_hosts, "lab-h1", marker)), 120), verb.stderr
+        verb.signal(signal.SIGKILL)
+        verb.process.wait(timeout=30)
+    finally:
+        if verb.process.poll() is None:
+            verb.process.kill()
+    assert wait_until(lambda: not _sleeps(lab_hosts, "lab-h1", marker), 20), _sleeps(lab_hosts, "lab-h1", marker)
+
+
+def test_exec_whose_connection_is_cut_ends_on_the_host_too(lab_hosts: Lab, cluster_up: str) -> None:
+    """Packets to lab-h1's sshd dropped during `exec`: exit 255 naming the host after the keepalive; sshd
+    never notices, but the heartbeat stops, so the guard ends the command while the link is still cut."""
+    marker = "602"
+    verb = Verb("exec", inventory=cluster_up, words=("--", "sleep", marker))
+    try:
+        assert wait_until(lambda: bool(_sleeps(lab_hosts, "lab-h1", marker)), 120), verb.stderr
+        lab_hosts.sh("lab-h1", CUT)
+        cut_at = time.monotonic()
+        code, doc, ended = verb.finish(timeout=120)
+        assert code == 255 and ended - cut_at <= KEEPALIVE_DEADLINE_S + SLACK_S, verb.stderr
+        [host] = doc["hosts"]
+        assert host["host"] == IP1 and "stopped answering" in host["error"], doc
+        beat_deadline = QUICK_SSH["stall_timeout_s"] + 10
+        gone = wait_until(lambda: not _sleeps(lab_hosts, "lab-h1", marker), beat_deadline + SLACK_S)
+        assert gone, _sleeps(lab_hosts, "lab-h1", marker)
+    finally:
+        lab_hosts.sh_result("lab-h1", UNCUT)
+        if verb.process.poll() is None:
+            verb.process.kill()
+
+
+# up: a worker frozen while up waits for the nodes -----------------------------------------------------
+
+RAY_CONTAINER = "$(docker ps -q --filter label=io.raycluster.cluster=lab)"
+
+
+def test_a_worker_frozen_while_up_waits_ends_by_the_deadline_naming_it(lab_hosts: Lab, quick: str) -> None:
+    """lab-h3's link to the head's GCS is cut before `up` (so its node cannot join before the freeze, on a
+    fast machine too); once `up` waits for the nodes, the Ray container of lab-h3's engine and lab-h3 itself
+    are paused. `up` ends by its deadline (wait + keepalive + a login), exit 1, naming lab-h3 and the fix;
+    the other nodes are reported joined."""
+    timeout = 45
+    host = lab_hosts.host("lab-h3").name
+    gcs_cut = f"iptables -{{}} OUTPUT -p tcp -d {IP1} --dport 6379 -j DROP"
+    code, _, err = lab_hosts.cli("down", inventory=quick)
+    assert code == 0, err
+    lab_hosts.sh("lab-h3", gcs_cut.format("I"))
+    inner_paused = False
+    try:
+        verb = Verb("up", "--timeout", str(timeout), inventory=quick)
+        try:
+            verb.wait_for("waiting for every node to join", timeout=600)
+            lab_hosts.sh("lab-h3", f"docker pause {RAY_CONTAINER}")
+            inner_paused = True
+            subprocess.run([DOCKER, "pause", host], check=True, capture_output=True)
+            frozen_at = time.monotonic()
+            code, doc, ended = verb.finish(timeout=timeout + 300)
+        finally:
+            subprocess.run([DOCKER, "unpause", host], capture_output=True)
+            if verb.process.poll() is None:
+                verb.process.kill()
+        assert code == 1, verb.stderr
+        assert ended - frozen_at <= timeout + 20 + KEEPALIVE_DEADLINE_S + LOGIN_DEADLINE_S + SLACK_S, verb.stderr
+        error = doc["error"]
+        assert [m["host"] for m in error["missing"]] == [IP3] and IP3 in error["message"], error
+        assert "stopped answering" in error["message"] or "no SSH banner" in error["message"], error
+        assert "re-run" in error["hint"] and sorted(error["joined"]) == sorted([IP1, IP2]), error
+        assert "Traceback" not in verb.stderr and verb.session_alive() == []
+    finally:
+        subprocess.run([DOCKER, "unpause", host], capture_output=True)
+        if inner_paused:
+            lab_hosts.sh_result("lab-h3", f"docker unpause {RAY_CONTAINER}")
+        lab_hosts.sh_result("lab-h3", gcs_cut.format("D"))
+    # With the host answering again, `up` completes the cluster.
+    code, doc, err = lab_hosts.cli("up", "--timeout", "180", inventory=quick, timeout=900)
+    assert code == 0 and all(n["alive"] for n in doc["nodes"]), err
