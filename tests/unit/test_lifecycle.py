@@ -9,9 +9,10 @@ import pytest
 
 from raycluster_cli import inventory
 from raycluster_cli.checks import CheckResult, Status
+from raycluster_cli.cluster import _missing_error
 from raycluster_cli.containers import LABEL_CLUSTER, LABEL_CONFIG, LABEL_ROLE, Container, config_hash, run_argv
 from raycluster_cli.diagnose import Evidence, diagnose, evidence_command, parse_evidence
-from raycluster_cli.errors import InventoryError, OperationError
+from raycluster_cli.errors import InventoryError, OperationError, TransportError
 from raycluster_cli.images import ImageTransfer, demote_fixed_checks, plan_transfers, remote_image_ids
 from raycluster_cli.logs import count_errors
 from raycluster_cli.nodes import decide, node_env
@@ -514,3 +515,19 @@ def test_a_node_list_the_head_could_not_give_is_asked_again_a_few_times(
     else:
         assert all(n["alive"] for n in wait())
         assert len(said) == failures and "asking the head again" in said[0]
+
+
+def test_nodes_missing_names_the_missing_host_and_the_joined_ones() -> None:
+    inv = _inv()
+    frozen = inv.hosts[2]
+
+    def connect(host: inventory.HostConfig) -> FakeTransport:
+        if host == frozen:
+            raise TransportError(str(host.address), "the host stopped answering (nothing received for 6s)", "check it")
+        return FakeTransport(str(host.address), {})
+
+    error = _missing_error(inv, connect, [frozen], [], 45)  # type: ignore[arg-type]
+    assert error.joined == [str(inv.hosts[0].address), str(inv.hosts[1].address)]
+    assert [d["host"] for d in error.details] == [str(frozen.address)]
+    assert "did not join within 45s" in error.message and "stopped answering" in error.message
+    assert "re-run `raycluster up`" in error.hint
