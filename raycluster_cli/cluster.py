@@ -287,18 +287,25 @@ def _missing_error(
     found = fanout(missing, lambda h: gather(connect(h), inventory, h), what="diagnose the missing nodes")
     found.check_interrupted()
     details: list[dict[str, Any]] = []
+    unreachable: list[str] = []  # the fix for a host that could not even be asked (frozen, cut off)
     for host, outcome in found:
         if outcome.value is None:
             reason = error_message(outcome.error or RuntimeError("no result"), str(host.address))
             details.append({"host": str(host.address), "cause": f"{host.address}: {reason}", "log_tail": []})
+            unreachable.append(f"{host.address}: {getattr(outcome.error, 'hint', '') or 'check the host'}")
             continue
         cause = diagnose(inventory, host, outcome.value, nodes, len(missing))
         details.append({"host": str(host.address), "cause": cause, "log_tail": outcome.value.log_tail})
     first = missing[0]
+    hint = (
+        f"{unreachable[0]}; then re-run `raycluster up`"
+        if len(unreachable) == len(missing)
+        else f"see `docker logs {container_name(inventory, first)}` on {first.address} (tail below), fix the cause, "
+        "re-run `raycluster up`"
+    )
     return NodesMissing(
         f"{len(missing)} node(s) did not join within {timeout_s:.0f}s: " + "; ".join(str(d["cause"]) for d in details),
-        f"see `docker logs {container_name(inventory, first)}` on {first.address} (tail below), fix the cause, "
-        "re-run `raycluster up`",
+        hint,
         details,
         [str(h.address) for h in inventory.hosts if h not in missing],
     )

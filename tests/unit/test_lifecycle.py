@@ -530,4 +530,4 @@ def test_nodes_missing_names_the_missing_host_and_the_joined_ones() -> None:
     assert error.joined == [str(inv.hosts[0].address), str(inv.hosts[1].address)]
     assert [d["host"] for d in error.details] == [str(frozen.address)]
     assert "did not join within 45s" in error.message and "stopped answering" in error.message
-    assert "re-run `raycluster up`" in error.hint
+    assert error.hint == f"{frozen.address}: check it; then re-run `raycluster up`"
