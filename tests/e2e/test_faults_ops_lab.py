@@ -220,7 +220,8 @@ def test_a_worker_frozen_while_up_waits_ends_by_the_deadline_naming_it(lab_hosts
         assert [m["host"] for m in error["missing"]] == [IP3] and IP3 in error["message"], error
         assert "stopped answering" in error["message"] or "no SSH banner" in error["message"], error
         assert "re-run" in error["hint"] and sorted(error["joined"]) == sorted([IP1, IP2]), error
-        assert "Traceback" not in verb.stderr and verb.session_alive() == []
+        assert "unexpected" not in verb.stderr and verb.session_alive() == []  # (--debug re-raises the error)
+        print(f"up ended {ended - frozen_at:.0f}s after the freeze: {error['message']} — {error['hint']}")
     finally:
         subprocess.run([DOCKER, "unpause", host], capture_output=True)
         if inner_paused:
