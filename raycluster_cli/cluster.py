@@ -224,6 +224,7 @@ def _recheck_image_runtime(
 
 
 RETRIED = "its container exited while starting: started once more"
+_ENDED = ("exited", "dead")  # container states of a node that will not join by itself
 _POLL_S = 20.0
 _PROBE_RETRIES = 2  # a node list the head could not give is asked again this often
 _PROBE_PAUSE_S = 2.0
@@ -268,16 +269,17 @@ def _wait_nodes(
         states = fanout(
             missing, lambda h: parse_ps(connect(h).run(inspect_name_command(container_name(inventory, h))).stdout)
         )
-        exited = [h for h, o in states if o.value and not o.value[0].running]
+        # (a paused container is frozen, not exited: it is waited for, never replaced)
+        exited = [h for h, o in states if o.value and o.value[0].state in _ENDED]
         fresh = [h for h in exited if str(h.address) not in retried]
         if missing and not fresh and len(exited) == len(missing):
             return nodes, retried
         for host in fresh:
             progress(f"{host.address}: the worker container exited while starting; starting it once more")
             retried.append(str(host.address))
-        fanout(
-            fresh, lambda h: apply(connect(h), inventory, h, Plan("replace")), what="restart workers"
-        ).raise_failures()
+        # A host that fails its restart (it froze meanwhile) stays missing: the wait goes on for the others,
+        # and the missing-nodes error names it with its cause.
+        fanout(fresh, lambda h: apply(connect(h), inventory, h, Plan("replace")), what="restart workers")
 
 
 def _missing_error(

@@ -46,10 +46,13 @@ def quick(lab_hosts: Lab, tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 @pytest.mark.parametrize("verb", ["doctor", "status", "logs", "down"])
-def test_a_host_frozen_before_login_fails_in_time_naming_it(lab_hosts: Lab, quick: str, verb: str) -> None:
+def test_a_host_frozen_before_login_fails_in_time_naming_it(
+    lab_hosts: Lab, quick: str, verb: str, tmp_path: Path
+) -> None:
+    args = ("--out", str(tmp_path / "logs")) if verb == "logs" else ()  # not a folder in the working directory
     with frozen(lab_hosts, "lab-h3"):
         started = time.monotonic()
-        code, doc, err = lab_hosts.cli(verb, inventory=quick, timeout=120)
+        code, doc, err = lab_hosts.cli(verb, *args, inventory=quick, timeout=120)
         elapsed = time.monotonic() - started
     assert code == 1, err
     assert elapsed <= LOGIN_DEADLINE_S + SLACK_S, elapsed

@@ -9,7 +9,7 @@ import pytest
 
 from raycluster_cli import inventory
 from raycluster_cli.checks import CheckResult, Status
-from raycluster_cli.cluster import _missing_error
+from raycluster_cli.cluster import _missing_error, _wait_nodes
 from raycluster_cli.containers import LABEL_CLUSTER, LABEL_CONFIG, LABEL_ROLE, Container, config_hash, run_argv
 from raycluster_cli.diagnose import Evidence, diagnose, evidence_command, parse_evidence
 from raycluster_cli.errors import InventoryError, OperationError, TransportError
@@ -515,6 +515,46 @@ def test_a_node_list_the_head_could_not_give_is_asked_again_a_few_times(
     else:
         assert all(n["alive"] for n in wait())
         assert len(said) == failures and "asking the head again" in said[0]
+
+
+class _Paused(_Host):
+    """A worker whose container is paused (frozen): `docker ps` says paused, its node never joins."""
+
+    def running(self) -> bool:
+        return False
+
+    def run(self, command: str, *, stdin: bytes | None = None, timeout: float | None = 120.0) -> CommandResult:
+        if command.startswith("docker ps"):
+            return CommandResult(0, '{"ID":"c","Names":"n","State":"paused","Image":"i","Labels":""}', "")
+        return super().run(command, stdin=stdin, timeout=timeout)
+
+
+class _FreezesOnRestart(_Host):
+    """A worker whose container exited, and whose host stops answering when it is started again."""
+
+    def run(self, command: str, *, stdin: bytes | None = None, timeout: float | None = 120.0) -> CommandResult:
+        if command.startswith("docker rm") or command.startswith("docker run"):
+            raise TransportError(self.host, "the host stopped answering (nothing received for 6s)", "check it")
+        return super().run(command, stdin=stdin, timeout=timeout)
+
+
+def _wait_briefly(workers: dict[str, _Host]) -> tuple[list[dict[str, object]], list[str]]:
+    hosts: dict[str, FakeTransport] = {HOSTS[0]: _Head(workers), **workers}
+    return _wait_nodes(_inv(), lambda h: hosts[str(h.address)], list(HOSTS), [], 0.5, lambda _: None)  # type: ignore[arg-type]
+
+
+def test_a_paused_worker_is_waited_for_never_replaced() -> None:
+    workers = {HOSTS[1]: _Host(HOSTS[1], False), HOSTS[2]: _Paused(HOSTS[2], False)}
+    nodes, retried = _wait_briefly(workers)
+    assert retried == [] and workers[HOSTS[2]].starts == 1
+    assert {n["node_ip"]: n["alive"] for n in nodes} == {HOSTS[0]: True, HOSTS[1]: True, HOSTS[2]: False}
+
+
+def test_a_worker_whose_restart_fails_stays_missing_and_the_wait_goes_on() -> None:
+    workers = {HOSTS[1]: _Host(HOSTS[1], False), HOSTS[2]: _FreezesOnRestart(HOSTS[2], True, exits_always=True)}
+    nodes, retried = _wait_briefly(workers)  # no GroupError: the missing-nodes error names it afterwards
+    assert retried == [HOSTS[2]]
+    assert {n["node_ip"]: n["alive"] for n in nodes}[HOSTS[2]] is False
 
 
 def test_nodes_missing_names_the_missing_host_and_the_joined_ones() -> None:
