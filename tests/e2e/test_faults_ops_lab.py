@@ -217,6 +217,7 @@ def test_a_worker_frozen_while_up_waits_ends_by_the_deadline_naming_it(lab_hosts
         assert code == 1, verb.stderr
         assert ended - frozen_at <= timeout + 20 + KEEPALIVE_DEADLINE_S + LOGIN_DEADLINE_S + SLACK_S, verb.stderr
         error = doc["error"]
+        assert "missing" in error, (error, verb.stderr[-4000:])
         assert [m["host"] for m in error["missing"]] == [IP3] and IP3 in error["message"], error
         assert "stopped answering" in error["message"] or "no SSH banner" in error["message"], error
         assert "re-run" in error["hint"] and sorted(error["joined"]) == sorted([IP1, IP2]), error
