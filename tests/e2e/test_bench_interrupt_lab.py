@@ -1,0 +1,49 @@
+"""Ctrl-C during `bench` on the real 3-host lab (issue 10): a real SIGINT to the CLI while its counted run
+goes ends it with exit 130 within 5 s and one JSON document, and leaves no driver and no stage actor on the
+cluster. The cluster is brought up first and left up (with the lab's own inventory) afterwards."""
+
+from __future__ import annotations
+
+import signal
+
+import pytest
+
+from .conftest import Lab
+from .faults import Verb, wait_until
+
+pytestmark = [pytest.mark.lab, pytest.mark.slow]
+
+_OURS = "$(docker ps -q --filter label=io.raycluster.cluster=lab)"
+STAGE_WORKERS = f"docker exec {_OURS} pgrep -f _StageWorker || true"
+DRIVERS = f"docker exec {_OURS} pgrep -f raycluster_cli.bench.driver || true"
+
+
+def _up(lab_hosts: Lab) -> None:
+    code, doc, err = lab_hosts.cli("up", timeout=900)
+    assert code == 0 and all(n["alive"] for n in doc["nodes"]), err
+
+
+def test_sigint_during_the_counted_run_stops_driver_and_stages(lab_hosts: Lab) -> None:
+    """30000 short requests: the counted run is far from done when the signal lands, on a fast quiet
+    machine too (the test waits for "counted run: requests N/" with N > 0 before signalling)."""
+    _up(lab_hosts)
+    small = ("--layers=3", "--d-model=64", "--max-new-tokens=4", "--partition=even", "--refine=0")
+    load = ("--requests=30000", "--micro-batch=4", "--in-flight=16", "--no-references", "--calibration-repeats=1")
+    try:
+        verb = Verb("bench", *small, *load, "--no-network-check", inventory=lab_hosts.inventory)
+        try:
+            verb.wait_for(r"counted run: requests [1-9]\d*/", timeout=900)
+            sent = verb.signal(signal.SIGINT)
+            code, doc, ended = verb.finish(timeout=60)
+        finally:
+            if verb.process.poll() is None:
+                verb.process.kill()
+        assert code == 130 and ended - sent <= 5, verb.stderr[-3000:]
+        assert doc["ok"] is False and doc["interrupted"]["signal"] == "SIGINT", doc
+        assert "Traceback" not in verb.stderr and verb.session_alive() == []
+        for hostname in ("lab-h1", "lab-h2", "lab-h3"):  # the driver stopped; Ray ended its actors
+            gone = lambda h=hostname: not lab_hosts.sh(h, STAGE_WORKERS).strip()  # noqa: E731
+            assert wait_until(gone, 60), (hostname, lab_hosts.sh(hostname, STAGE_WORKERS))
+        assert wait_until(lambda: not lab_hosts.sh("lab-h1", DRIVERS).strip(), 30), lab_hosts.sh("lab-h1", DRIVERS)
+    finally:
+        _up(lab_hosts)  # the next test finds the cluster whole
