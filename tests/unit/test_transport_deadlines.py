@@ -179,10 +179,12 @@ def test_keepalive_keeps_a_host_that_answers() -> None:
 
 def test_keepalive_asks_nothing_while_the_host_sends_data() -> None:
     peer = FrozenPeer(answers=False)  # would never answer a keepalive ...
-    keepalive = KeepAlive(peer, "192.0.2.13", 0.05, 2, peer.close)  # type: ignore[arg-type]
+    # An interval far above the loop's 10 ms: a loaded machine that starves this thread for 50 ms (the old
+    # interval) made the keepalive rightly ask, failing the test once in a full run at load 40.
+    keepalive = KeepAlive(peer, "192.0.2.13", 1.0, 2, peer.close)  # type: ignore[arg-type]
     keepalive.start()
     started = time.monotonic()
-    while time.monotonic() - started < 0.5:  # ... but streams window adjustments all the time
+    while time.monotonic() - started < 2.5:  # ... but streams window adjustments all the time
         peer.packetizer.read_message()
         time.sleep(0.01)
     keepalive.stop()
