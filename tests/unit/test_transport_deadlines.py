@@ -172,7 +172,9 @@ def test_keepalive_keeps_a_host_that_answers() -> None:
     peer = FrozenPeer(answers=True)
     keepalive = KeepAlive(peer, "192.0.2.13", 0.05, 4, peer.close)  # type: ignore[arg-type]
     keepalive.start()
-    time.sleep(0.8)
+    deadline = time.monotonic() + 10  # not a fixed 0.8 s: a loaded machine may not run the thread that soon
+    while peer.requests < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
     keepalive.stop()
     assert peer.active and not keepalive.declared_dead and peer.requests >= 2
 
