@@ -8,6 +8,7 @@ python3, else inside the node image). Never prints: progress goes through the ca
 from __future__ import annotations
 
 import json
+import queue
 import re
 import threading
 from dataclasses import dataclass
@@ -17,7 +18,7 @@ from typing import Any, Literal
 from ..inventory import HostConfig, Inventory
 from ..progress import Progress
 from ..transport import CommandResult, Transport, quote
-from ..transport.fanout import fanout
+from ..transport.fanout import error_message, fanout
 from ..transport.pool import Connect
 from .base import CheckResult, Status
 from .parsers import parse_ip_addr, parse_link_mtu, split_sections
@@ -132,14 +133,19 @@ def _fmt_bps(bps: float) -> str:
     return f"{bps / 1e9:.2f} Gbit/s" if bps >= 1e9 else f"{bps / 1e6:.0f} Mbit/s"
 
 
+NETWORK_PARALLEL = 4  # workers measured at once (they share the head's link: each figure is a share of it)
+
+
 def measure_network(
     inventory: Inventory,
     connect: Connect,
     progress: Progress = lambda _: None,
     tool: Tool = "auto",
     seconds: float = 2.0,
+    parallel: int = NETWORK_PARALLEL,
 ) -> list[CheckResult]:
-    """MTU per host, then latency, bandwidth both ways and path MTU between the head and each worker in turn."""
+    """MTU per host, then latency, bandwidth both ways and path MTU between the head and each worker, up to
+    `parallel` workers at once (each pair on its own port of the head)."""
     gathered = fanout(
         inventory.hosts, lambda h: parse_gather(connect(h).run(_GATHER).stdout, inventory.node_ip(h)), what="gather"
     )
@@ -148,51 +154,79 @@ def measure_network(
     results = mtu_results(inventory, nets)
     head = inventory.head_host
     head_net = nets.get(str(head.address))
+    ready = [w for w in inventory.workers if head_net is not None and nets.get(str(w.address)) is not None]
+    at_once = max(1, min(parallel, len(ready)))
+    ports: queue.Queue[int] = queue.Queue()
+    for slot in range(at_once):
+        ports.put(TEST_PORT + slot)
+
+    def one(worker: HostConfig) -> list[CheckResult]:
+        worker_net, port = nets[str(worker.address)], ports.get()
+        assert head_net is not None and worker_net is not None
+        try:
+            progress(f"measuring the network between {worker.address} and the head")
+            pair = _Pair(inventory, connect, worker, head_net, worker_net, port, at_once)
+            return [_bandwidth(pair, tool, seconds), _path_mtu(pair)]
+        finally:
+            ports.put(port)
+
+    measured = fanout(ready, one, max_workers=at_once, what="measure the network")
+    measured.check_interrupted()
+    found = {str(w.address): o for w, o in measured}
     for worker in inventory.workers:
         address = str(worker.address)
-        worker_net = nets.get(address)
-        if head_net is None or worker_net is None:
+        outcome = found.get(address)
+        if outcome is None:
             down = str(head.address) if head_net is None else address
             results.append(
                 CheckResult("network", address, Status.WARN, f"not measured: {down} unreachable", "see the ssh check")
             )
-            continue
-        progress(f"measuring the network between {address} and the head")
-        results.append(_bandwidth(inventory, connect, worker, head_net, worker_net, tool, seconds))
-        results.append(_path_mtu(inventory, connect, worker, head_net, worker_net))
+        elif outcome.value is None:
+            reason = error_message(outcome.error or RuntimeError("no result"), address)
+            results.append(CheckResult("network", address, Status.WARN, f"not measured: {reason}", "see --debug"))
+        else:
+            results += outcome.value
     return results
 
 
-def _bandwidth(
-    inventory: Inventory,
-    connect: Connect,
-    worker: HostConfig,
-    head_net: HostNet,
-    worker_net: HostNet,
-    tool: Tool,
-    seconds: float,
-) -> CheckResult:
-    address = str(worker.address)
-    use_iperf = "iperf3" in head_net.tools and "iperf3" in worker_net.tools
+@dataclass(frozen=True)
+class _Pair:
+    """One worker measured against the head: their transports' source, what each host has, the head's port."""
+
+    inventory: Inventory
+    connect: Connect
+    worker: HostConfig
+    head_net: HostNet
+    worker_net: HostNet
+    port: int
+    at_once: int  # workers measured at the same time (sharing the head's link)
+
+    @property
+    def address(self) -> str:
+        return str(self.worker.address)
+
+
+def _bandwidth(pair: _Pair, tool: Tool, seconds: float) -> CheckResult:
+    address, inventory, worker, worker_net = pair.address, pair.inventory, pair.worker, pair.worker_net
+    use_iperf = "iperf3" in pair.head_net.tools and "iperf3" in worker_net.tools
     if tool == "iperf3" and not use_iperf:
         return CheckResult("network", address, Status.WARN, "iperf3 is not on both hosts", "install iperf3")
     try:
-        if use_iperf and tool != "builtin":
-            figures = _iperf3(inventory, connect, worker, seconds)
-        else:
-            figures = _builtin(inventory, connect, worker, head_net, worker_net, seconds)
+        figures = _iperf3(pair, seconds) if use_iperf and tool != "builtin" else _builtin(pair, seconds)
     except MeasureError as exc:
         return CheckResult("network", address, Status.WARN, f"not measured: {exc}", exc.hint)
-    ping = _ping(connect(worker), inventory.head_address, "-c 5 -i 0.2") if "ping" in worker_net.tools else None
+    ping = _ping(pair.connect(worker), inventory.head_address, "-c 5 -i 0.2") if "ping" in worker_net.tools else None
     if ping and ping.rtt_avg_ms is not None:
         if figures.get("rtt_source") == "tcp":
             figures["tcp_rtt_ms"] = figures["rtt_ms"]
         figures["rtt_ms"], figures["rtt_source"] = ping.rtt_avg_ms, "ping"
+    figures["concurrent"] = pair.at_once
     data = {k: round(v, 3) if isinstance(v, float) else v for k, v in figures.items()}
+    shared = f", {pair.at_once} workers at once" if pair.at_once > 1 else ""
     rtt = f"rtt {figures['rtt_ms']:.3f} ms" if figures.get("rtt_ms", -1) >= 0 else "rtt not measured"
     message = (
         f"{rtt}; to the head {_fmt_bps(figures['to_head_bps'])}, "
-        f"from the head {_fmt_bps(figures['from_head_bps'])} ({figures['tool']})"
+        f"from the head {_fmt_bps(figures['from_head_bps'])} ({figures['tool']}{shared})"
     )
     return CheckResult("network", address, Status.OK, message, data=data)
 
@@ -203,29 +237,28 @@ class MeasureError(Exception):
         self.hint = hint
 
 
-def _iperf3(inventory: Inventory, connect: Connect, worker: HostConfig, seconds: float) -> dict[str, Any]:
+def _iperf3(pair: _Pair, seconds: float) -> dict[str, Any]:
     """One one-off iperf3 server on the head per direction (it exits after its test, even if we are killed)."""
-    head_t, worker_t = connect(inventory.head_host), connect(worker)
+    inventory, worker, port = pair.inventory, pair.worker, pair.port
+    head_t, worker_t = pair.connect(inventory.head_host), pair.connect(worker)
     head = inventory.head_address
-    pidfile = "/tmp/raycluster-iperf3.pid"
-    client = f"iperf3 -c {quote(head)} -p {TEST_PORT} -t {seconds:g} -J"
+    pidfile = f"/tmp/raycluster-iperf3.{port}.pid"
+    client = f"iperf3 -c {quote(head)} -p {port} -t {max(1, round(seconds))} -J"  # -t takes whole seconds
     retry = (
         'for i in $(seq 1 50); do out=$({c} 2>&1) && {{ echo "$out"; exit 0; }}; sleep 0.1; done; echo "$out"; exit 1'
     )
     figures = []
     for reverse in ("", " -R"):
-        started = head_t.run(f"iperf3 -s -1 -D -B {quote(head)} -p {TEST_PORT} -I {pidfile}")
+        started = head_t.run(f"iperf3 -s -1 -D -B {quote(head)} -p {port} -I {pidfile}")
         if not started.ok:
-            raise MeasureError(f"iperf3 server on the head: {started.first_line()}", f"is port {TEST_PORT} free?")
+            raise MeasureError(f"iperf3 server on the head: {started.first_line()}", f"is port {port} free?")
         try:
             figures.append(parse_iperf3(worker_t.run(retry.format(c=client + reverse), timeout=seconds + 60).stdout))
         finally:
             head_t.run(f'kill "$(cat {pidfile})" 2>/dev/null; rm -f {pidfile}')
     forward, backward = figures
     if forward is None or backward is None:
-        raise MeasureError(
-            f"iperf3 from {worker.address} to {head}:{TEST_PORT} failed", "check a firewall between them"
-        )
+        raise MeasureError(f"iperf3 from {worker.address} to {head}:{port} failed", "check a firewall between them")
     rtt = forward[1] if forward[1] is not None else -1.0
     return {"tool": "iperf3", "rtt_ms": rtt, "to_head_bps": forward[0], "from_head_bps": backward[0]}
 
@@ -236,27 +269,26 @@ def _python(inventory: Inventory, net: HostNet) -> str:
     return quote("docker", "run", "--rm", "-i", "--network=host", "--entrypoint=python3", inventory.image, "-")
 
 
-def _builtin(
-    inventory: Inventory, connect: Connect, worker: HostConfig, head_net: HostNet, worker_net: HostNet, seconds: float
-) -> dict[str, Any]:
+def _builtin(pair: _Pair, seconds: float) -> dict[str, Any]:
+    inventory, worker, port = pair.inventory, pair.worker, pair.port
     script = _SCRIPT.read_bytes()
     head = inventory.head_address
-    head_t, worker_t = connect(inventory.head_host), connect(worker)
+    head_t, worker_t = pair.connect(inventory.head_host), pair.connect(worker)
     server: dict[str, CommandResult] = {}
-    serve = f"{_python(inventory, head_net)} serve {quote(head)} {TEST_PORT} 60"
+    serve = f"{_python(inventory, pair.head_net)} serve {quote(head)} {port} 60"
     thread = threading.Thread(
         target=lambda: server.setdefault("result", head_t.run(serve, stdin=script, timeout=seconds * 3 + 120)),
         daemon=True,
     )
     thread.start()
-    measure = f"{_python(inventory, worker_net)} measure {quote(head)} {TEST_PORT} {seconds:g}"
+    measure = f"{_python(inventory, pair.worker_net)} measure {quote(head)} {port} {seconds:g}"
     client = worker_t.run(measure, stdin=script, timeout=seconds * 3 + 120)
     thread.join(timeout=120)
     figures = parse_tcptest(client.stdout)
     if figures is None:
         problem = server.get("result")
         detail = problem.first_line() if problem is not None and not problem.ok else client.first_line()
-        raise MeasureError(f"built-in TCP test from {worker.address} to {head}:{TEST_PORT}: {detail}", "see --debug")
+        raise MeasureError(f"built-in TCP test from {worker.address} to {head}:{port}: {detail}", "see --debug")
     return {
         "tool": "builtin",
         "rtt_ms": figures["rtt_ms"],
@@ -270,11 +302,10 @@ def _ping(transport: Transport, target: str, options: str) -> Ping | None:
     return parse_ping(transport.run(f"ping -n -q -W 2 {options} {quote(target)}", timeout=60).stdout)
 
 
-def _path_mtu(
-    inventory: Inventory, connect: Connect, worker: HostConfig, head_net: HostNet, worker_net: HostNet
-) -> CheckResult:
+def _path_mtu(pair: _Pair) -> CheckResult:
     """Can full-size packets (don't fragment) go worker → head at the worker's MTU and head → worker at the head's?"""
-    address = str(worker.address)
+    inventory, connect, worker, address = pair.inventory, pair.connect, pair.worker, pair.address
+    head_net, worker_net = pair.head_net, pair.worker_net
     if "ping" not in head_net.tools or "ping" not in worker_net.tools:
         return CheckResult(
             "path-mtu", address, Status.SKIP, "path MTU not measured: no ping on both hosts", "install iputils-ping"

@@ -1,6 +1,7 @@
 """`doctor --network` from recorded output: parsers, and measure_network over faked hosts."""
 
 import json
+import threading
 from pathlib import Path
 
 import pytest
@@ -150,3 +151,53 @@ def test_failed_measurement_is_a_warning_with_a_reason() -> None:
     results = measure({HEAD: head, W2: worker, W3: {**worker, r"^for t in": gather(W3)}})
     warn = results[(W2, "network")]
     assert warn.status == Status.WARN and "unable to start listener" in warn.message
+
+
+FIVE = EXAMPLE + "  - {address: 192.0.2.14, role: worker}\n  - {address: 192.0.2.15, role: worker}\n"
+
+
+class _Meter:
+    """How many iperf3 clients run at once (the most seen), and on which ports of the head."""
+
+    def __init__(self, parallel: int) -> None:
+        self.lock = threading.Lock()
+        self.barrier = threading.Barrier(parallel)  # `parallel` clients at once pass it; fewer time out
+        self.now = self.most = 0
+        self.ports: set[str] = set()
+
+
+class _Client(FakeTransport):
+    def __init__(self, address: str, table: dict[str, CommandResult | str], meter: _Meter) -> None:
+        super().__init__(address, table)
+        self.meter = meter
+
+    def answer(self, command: str) -> CommandResult:
+        if command.startswith("for i in"):
+            meter = self.meter
+            with meter.lock:
+                meter.now += 1
+                meter.most = max(meter.most, meter.now)
+                meter.ports.add(command.split(" -p ")[1].split()[0])
+            try:
+                meter.barrier.wait(timeout=10)
+            finally:
+                with meter.lock:
+                    meter.now -= 1
+        return super().answer(command)
+
+
+def test_workers_are_measured_in_parallel_up_to_the_bound_each_on_its_own_port() -> None:
+    inv = inventory.parse(FIVE)
+    meter = _Meter(2)
+    head = {r"^for t in": gather(HEAD), r"^iperf3 -s": "", r"^kill": "", r"^ping .* -M do": PING}
+    workers = [str(h.address) for h in inv.workers]
+    fakes: dict[str, FakeTransport] = {HEAD: FakeTransport(HEAD, head)}
+    for address in workers:
+        fakes[address] = _Client(address, {r"^for t in": gather(address), r"^for i in": IPERF, r"^ping ": PING}, meter)
+    results = measure_network(inv, lambda h: fakes[str(h.address)], tool="iperf3", parallel=2)
+    assert meter.most == 2 and meter.ports == {"5201", "5202"}
+    network = [r for r in results if r.id == "network"]
+    assert [r.host for r in network] == workers  # in the inventory's order
+    assert all(r.status == Status.OK and r.data["concurrent"] == 2 for r in network), [r.message for r in network]
+    assert all("2 workers at once" in r.message for r in network)
+    assert [r.host for r in results if r.id == "path-mtu"] == workers
