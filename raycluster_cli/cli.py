@@ -632,10 +632,11 @@ def lab_up_command(
     cpu_quotas: Annotated[
         str | None, typer.Option(help="CPU quotas of the hosts' Ray containers in order, e.g. 1.0,0.5,0.25")
     ] = None,
+    engine: Annotated[str, typer.Option(help="the container engine in the hosts: docker or podman")] = "docker",
     json_mode: JsonOpt = False,
     debug: DebugOpt = False,
 ) -> None:
-    """Start N lab hosts (sshd + dockerd each), load the node image, write their inventory."""
+    """Start N lab hosts (sshd + dockerd, or podman, each), load the node image, write their inventory."""
 
     def action(output: Output) -> int:
         options = lab.quota_options(cpu_quotas, hosts) if cpu_quotas else {}
@@ -652,6 +653,7 @@ def lab_up_command(
             name=name,
             load_node_image=node_image,
             host_options=options,
+            engine=engine,
             progress=output.progress(),
         )
         if json_mode:

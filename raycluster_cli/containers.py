@@ -11,6 +11,7 @@ import json
 import shlex
 from dataclasses import dataclass
 
+from .engine import adapt_run_argv, dialect_for, ps_rows
 from .errors import OperationError
 from .hoststate import cluster_dir
 from .inventory import HostConfig, Inventory
@@ -123,7 +124,7 @@ def run_argv(inventory: Inventory, host: HostConfig) -> list[str]:
         argv += shlex.split(option)
     argv += [inventory.image, "sh", "-c", _SOURCE_ENV, "sh"]
     argv += ray_start_args(inventory, host)
-    return argv
+    return adapt_run_argv(dialect_for(inventory, host), argv)
 
 
 @dataclass(frozen=True)
@@ -152,18 +153,8 @@ def inspect_name_command(name: str) -> str:
 
 
 def parse_ps(text: str) -> list[Container]:
-    """Parse `docker ps --format '{{json .}}'` (one JSON object per line)."""
-    found = []
-    for line in text.splitlines():
-        line = line.strip()
-        if not line:
-            continue
-        row = json.loads(line)
-        labels = dict(
-            item.split("=", 1) if "=" in item else (item, "") for item in row.get("Labels", "").split(",") if item
-        )
-        found.append(Container(row["ID"], row["Names"], row.get("State", ""), row.get("Image", ""), labels))
-    return found
+    """Parse `docker ps --format '{{json .}}'` of Docker (an object a line) or Podman (one array)."""
+    return [Container(row.id, row.name, row.state, row.image, row.labels) for row in ps_rows(text)]
 
 
 def list_cluster_containers(transport: Transport, inventory: Inventory) -> list[Container]:

@@ -15,7 +15,6 @@ import os
 import socket
 import tarfile
 import time
-from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,16 +26,15 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from .errors import OperationError, UsageError
+from .lab_engines import DOCKER, ENGINES, LabEngine, load_image
 from .progress import Progress, quiet
 from .state import state_root
-from .transport.base import CHUNK
 
 LAB_LABEL = "io.raycluster.lab"
 # Several labs can live side by side on one machine (for example one per test session): each has its
 # own name (container-name prefix, network name and label value), subnet and node image.
 LAB_NAME = os.environ.get("RAYCLUSTER_LAB_NAME", "raycluster-lab")
 DEFAULT_SUBNET = os.environ.get("RAYCLUSTER_LAB_SUBNET", "10.77.0.0/24")
-LAB_IMAGE = os.environ.get("RAYCLUSTER_LAB_IMAGE", "raycluster/labhost:0.1.0")
 NODE_IMAGE = os.environ.get("RAYCLUSTER_NODE_IMAGE", "raycluster/node:0.1.0")
 # What one lab host costs this machine: sshd + dockerd idle (30 hosts measured ~3 GB), and a Ray node with
 # a small object store that `up` will start in it; past HOSTS_PER_CORE hosts a core, Ray nodes crawl.
@@ -44,7 +42,6 @@ LAB_HOST_MEMORY = 128 * 2**20
 RAY_NODE_MEMORY = 3 * 2**29
 HOSTS_PER_CORE = 4
 MAX_HOSTS = 200
-LOAD_TIMEOUT_S = 1800.0  # the deadline of loading the node image into the lab hosts
 # Every capability Docker 20.10 knows but CAP_SYS_RESOURCE, which this kind of sandbox withholds
 # (so --privileged fails there).
 _CAPS = [
@@ -194,11 +191,12 @@ def lab_up(
     *,
     lab_dir: Path | None = None,
     node_image: str = NODE_IMAGE,
-    lab_image: str = LAB_IMAGE,
     subnet: str = DEFAULT_SUBNET,
     name: str = LAB_NAME,
     load_node_image: bool = True,
     host_options: dict[str, list[str]] | None = None,
+    engine: str = "docker",
+    lab_image: str | None = None,
     progress: Progress = quiet,
 ) -> LabInfo:
     """Start (or reuse) `count` lab hosts of the lab called `name` and write an inventory for them.
@@ -207,8 +205,13 @@ def lab_up(
     `load_node_image=False` leaves the node image off the hosts (a fleet lab for doctor/status/down and
     for image distribution, which needs hosts without it); the inventory still names it.
     `host_options` maps a lab hostname to extra `docker.run_options` for its Ray container in the
-    written inventory (for example CPU quotas).
+    written inventory (for example CPU quotas). `engine` is the container engine inside the hosts, docker or
+    podman (`lab_image` defaults to that engine's lab host image); the inventory names it as docker.engine.
     """
+    if engine not in ENGINES:
+        raise UsageError(f"--engine {engine!r} is not a lab engine", "use docker or podman")
+    kind = ENGINES[engine]
+    lab_image = lab_image or kind.image
     client = docker_client()
     lab_dir = lab_dir or default_lab_dir(name)
     lab_dir.mkdir(parents=True, exist_ok=True)
@@ -233,14 +236,14 @@ def lab_up(
     for warning in warnings:
         progress(f"warning: {warning}")
     with ThreadPoolExecutor(max_workers=min(16, count)) as pool:
-        list(pool.map(lambda h: _start_host(client, h, lab_image, name, public_key, progress), hosts))
-        known = list(pool.map(lambda h: _wait_ready(client, h, progress), hosts))
+        list(pool.map(lambda h: _start_host(client, h, lab_image, name, public_key, progress, kind), hosts))
+        known = list(pool.map(lambda h: _wait_ready(client, h, progress, kind), hosts))
         (lab_dir / "known_hosts").write_text("".join(known))
     if load_node_image:
-        load_image(client, [h.name for h in hosts], node_image, progress)
+        load_image(client, [h.name for h in hosts], node_image, progress, kind)
     inventory_path = lab_dir / "inventory.yaml"
     inventory_path.write_text(
-        render_inventory(hosts, key_path, lab_dir / "known_hosts", node_image, host_options or {})
+        render_inventory(hosts, key_path, lab_dir / "known_hosts", node_image, host_options or {}, engine)
     )
     progress(f"lab {name} of {count} hosts ready; inventory: {inventory_path}")
     return LabInfo(lab_dir, inventory_path, hosts, warnings, name, name)
@@ -296,6 +299,7 @@ def render_inventory(
     known_hosts: Path,
     node_image: str,
     host_options: dict[str, list[str]],
+    engine: str = "docker",
 ) -> str:
     doc: dict[str, Any] = {
         "cluster": "lab",
@@ -310,7 +314,7 @@ def render_inventory(
         "head": {"address": hosts[0].address},
         # Three Ray nodes share this machine's memory: keep each object store small.
         "ray": {"object_store_memory": 300_000_000},
-        "docker": {"shm_size": "1g"},
+        "docker": {"shm_size": "1g"} if engine == "docker" else {"shm_size": "1g", "engine": engine},
         "hosts": [],
     }
     for index, host in enumerate(hosts):
@@ -320,64 +324,6 @@ def render_inventory(
         doc["hosts"].append(entry)
     header = "# Written by `raycluster lab up`: an inventory for the local lab hosts.\n"
     return header + yaml.safe_dump(doc, sort_keys=False)
-
-
-def load_image(client: Any, containers: list[str], image: str, progress: Progress = quiet) -> list[str]:
-    """Stream `image` from this machine's engine into every lab host that lacks it (or has another image ID):
-    one `docker save`, its bytes sent to all of them at once. Returns the hosts that were loaded."""
-    import docker
-
-    local = client.images.get(image)
-    need = []
-    for name in containers:
-        found = client.containers.get(name).exec_run(["docker", "image", "inspect", "--format", "{{.Id}}", image])
-        if found.exit_code != 0 or found.output.decode().strip() != local.id:
-            need.append(name)
-    if not need:
-        return []
-    progress(f"loading {image} into {', '.join(need)}")
-    # Saving a multi-GB image can take minutes before its first byte on a loaded machine: a long deadline.
-    slow = docker.from_env(version="auto", timeout=LOAD_TIMEOUT_S)
-    try:
-        results = _exec_with_stdin(slow, need, ["docker", "load", "-q"], slow.api.get_image(image, chunk_size=CHUNK))
-    finally:
-        slow.close()
-    failed = [(name, out) for name, (code, out) in zip(need, results, strict=True) if code != 0]
-    if failed:
-        name, output = failed[0]
-        raise OperationError(
-            f"{name}: loading {image} failed: {output.decode(errors='replace').strip()[:200]}",
-            "check free disk space (df -h /var/lib/docker) and retry `raycluster lab up`",
-        )
-    return need
-
-
-def _exec_with_stdin(
-    client: Any, containers: list[str], command: list[str], chunks: Iterable[bytes]
-) -> list[tuple[int, bytes]]:
-    """Run `command` in each container with the same `chunks` on its stdin (the engine's exec API, attached
-    by socket); each container's exit code and output."""
-    from docker.utils.socket import consume_socket_output, demux_adaptor, frames_iter
-
-    execs = [client.api.exec_create(name, command, stdin=True, stdout=True, stderr=True)["Id"] for name in containers]
-    socks = [client.api.exec_start(exec_id, socket=True) for exec_id in execs]
-    raws = [getattr(sock, "_sock", sock) for sock in socks]  # the SDK hands back a SocketIO around the socket
-    results = []
-    try:
-        for chunk in chunks:
-            for raw in raws:
-                raw.sendall(chunk)
-        for raw in raws:
-            raw.shutdown(socket.SHUT_WR)
-        for exec_id, sock in zip(execs, socks, strict=True):
-            frames = frames_iter(sock, tty=False)
-            stdout, stderr = consume_socket_output((demux_adaptor(*f) for f in frames), demux=True)
-            exit_code = client.api.exec_inspect(exec_id)["ExitCode"]
-            results.append((int(exit_code or 0), (stderr or b"") + (stdout or b"")))
-    finally:
-        for sock in socks:
-            sock.close()
-    return results
 
 
 def _ensure_key(lab_dir: Path) -> Path:
@@ -410,7 +356,9 @@ def _ensure_network(client: Any, name: str, subnet: str) -> None:
         ) from None
 
 
-def _start_host(client: Any, host: LabHost, image: str, lab: str, public_key: str, progress: Progress) -> None:
+def _start_host(
+    client: Any, host: LabHost, image: str, lab: str, public_key: str, progress: Progress, engine: LabEngine = DOCKER
+) -> None:
     import docker
 
     try:
@@ -423,7 +371,7 @@ def _start_host(client: Any, host: LabHost, image: str, lab: str, public_key: st
             container.start()
     except docker.errors.NotFound:
         progress(f"starting lab host {host.hostname} ({host.address})")
-        volume = f"{host.name}-docker"
+        volume = f"{host.name}-{engine.name}"  # the engine's images and containers, kept by `lab down --keep-volumes`
         client.volumes.create(volume, labels={LAB_LABEL: lab})
         container = client.containers.create(
             image,
@@ -435,7 +383,7 @@ def _start_host(client: Any, host: LabHost, image: str, lab: str, public_key: st
             security_opt=["seccomp=unconfined", "apparmor=unconfined"],
             volumes={
                 "/sys/fs/cgroup": {"bind": "/sys/fs/cgroup", "mode": "rw"},
-                volume: {"bind": "/var/lib/docker"},
+                volume: {"bind": engine.storage},
             },
             environment={"LAB_CGROUP_PARENT": host.name},
             labels={LAB_LABEL: lab},
@@ -457,20 +405,14 @@ def _tar(files: dict[str, bytes], mode: int) -> bytes:
     return buffer.getvalue()
 
 
-# The inner dockerd answers; one that gave up starting (on a loaded machine its containerd can miss dockerd's
-# own start timeout) is started again, once the entrypoint is done (sshd runs) and no dockerd is left.
-_ENGINE_UP = (
-    "timeout 10 docker info --format '{{.ServerVersion}}' >/dev/null 2>&1 "
-    "|| { pgrep -x sshd >/dev/null && ! pgrep -x dockerd >/dev/null && /usr/local/sbin/labhost-start-dockerd; exit 1; }"
-)
-
-
-def _wait_ready(client: Any, host: LabHost, progress: Progress, timeout_s: float = 300.0) -> str:
-    """Poll until sshd accepts connections and the inner dockerd answers; return known_hosts lines."""
+def _wait_ready(
+    client: Any, host: LabHost, progress: Progress, engine: LabEngine = DOCKER, timeout_s: float = 300.0
+) -> str:
+    """Poll until sshd accepts connections and the inner engine answers; return known_hosts lines."""
     container = client.containers.get(host.name)
     deadline = time.monotonic() + timeout_s
     while True:
-        docker_ok = container.exec_run(["sh", "-c", _ENGINE_UP]).exit_code == 0
+        docker_ok = container.exec_run(["sh", "-c", engine.ready]).exit_code == 0
         # The host keys are read once sshd listens: ssh-keygen has then written them whole.
         if docker_ok and _port_open(host.address, 22):
             keys = container.exec_run(["sh", "-c", "cat /etc/ssh/ssh_host_*_key.pub"])
@@ -480,7 +422,9 @@ def _wait_ready(client: Any, host: LabHost, progress: Progress, timeout_s: float
             logs = container.logs(tail=5).decode(errors="replace").strip().replace("\n", " | ")
             raise OperationError(
                 f"lab host {host.hostname} did not become ready in {timeout_s:.0f}s ({logs})",
-                f"see `docker exec {host.name} cat /var/log/dockerd.log`",
+                f"see `docker exec {host.name} cat /var/log/dockerd.log`"
+                if engine.name == "docker"
+                else f"see `docker logs {host.name}`",
             )
         time.sleep(0.5)
     progress(f"lab host {host.hostname} ready")

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from .containers import container_name
+from .engine import dialect_for
 from .errors import OperationError
 from .inventory import HostConfig, Inventory
 from .transport import Transport, quote
@@ -137,10 +138,10 @@ def container_log_command(name: str, cap: int) -> str:
     )
 
 
-def session_logs_command(name: str, cap: int) -> str:
+def session_logs_command(name: str, cap: int, copy: str = "cp -L") -> str:
     """The Ray session logs as a gzip'd tar, cut at `cap` bytes on the host (docker cp works on a stopped
-    container too; -L follows session_latest to the session's folder)."""
-    return f"docker cp -L {quote(name)}:{_SESSION_LOGS} - | gzip -1 -c | head -c {int(cap)}"
+    container too; `copy` follows session_latest to the session's folder: Docker's `cp -L`, Podman's `cp`)."""
+    return f"docker {copy} {quote(name)}:{_SESSION_LOGS} - | gzip -1 -c | head -c {int(cap)}"
 
 
 def _stream_to(transport: Transport, command: str, path: Path, cap: int, timeout: float) -> tuple[int, CappedFile]:
@@ -179,7 +180,8 @@ def _collect_host(
             f"container.log: the last {_mib(sink.written)} of {_mib(result.container_log_bytes)} kept (--max-mib)"
         )
     files = [log_path]
-    files += _session_logs(transport, name, folder, limits.max_bytes - sink.written, limits.timeout_s, result)
+    copy = dialect_for(inventory, host).copy_out
+    files += _session_logs(transport, name, folder, limits.max_bytes - sink.written, limits.timeout_s, result, copy)
     result.files, result.bytes = len(files), sum(p.stat().st_size for p in files)
     for path in files:
         count, first = count_errors_in(path)
@@ -190,7 +192,7 @@ def _collect_host(
 
 
 def _session_logs(
-    transport: Transport, name: str, folder: Path, budget: int, timeout: float, result: HostLogs
+    transport: Transport, name: str, folder: Path, budget: int, timeout: float, result: HostLogs, copy: str
 ) -> list[Path]:
     """The Ray session logs extracted into folder/ray/ within `budget` bytes (archive and files)."""
     if budget <= 0:
@@ -198,7 +200,7 @@ def _session_logs(
         return []
     archive = folder / "ray-logs.tar.gz.partial"
     try:
-        _, sink = _stream_to(transport, session_logs_command(name, budget), archive, budget, timeout)
+        _, sink = _stream_to(transport, session_logs_command(name, budget, copy), archive, budget, timeout)
         cut = sink.received >= budget
         extracted, skipped, complete = _extract(archive, folder / "ray", budget)
     finally:

@@ -130,7 +130,7 @@ def collect_metrics(inventory: Inventory, connect: Connect, out: Path) -> Metric
     head = connect(inventory.head_host)
     name = quote(container_name(inventory, inventory.head_host))
     listing = head.run(f"docker exec {name} cat {DISCOVERY}", timeout=60)
-    if not listing.ok and "No such container" in listing.stderr + listing.stdout:
+    if not listing.ok and "no such container" in (listing.stderr + listing.stdout).lower():
         raise OperationError(f"{inventory.head_host.address}: no head container", "run `raycluster up` first")
     result = MetricsResult(out, merge_ray_list(expected_targets(inventory), listing.stdout if listing.ok else ""))
     if not listing.ok:

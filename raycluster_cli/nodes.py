@@ -25,6 +25,7 @@ from .containers import (
     parse_ps,
     run_argv,
 )
+from .engine import image_id
 from .errors import OperationError
 from .inventory import HostConfig, Inventory
 from .transport import Transport, quote
@@ -117,7 +118,7 @@ def _container_view(transport: Transport, existing: Container, image: str) -> tu
         f"docker exec {quote(existing.id)} sh -c {quote(files)}"
     ).stdout
     parts = out.split(sep)
-    ids = (parts[0].strip(), parts[1].strip()) if len(parts) > 1 else ("", "?")
+    ids = (image_id(parts[0]), image_id(parts[1]) or "?") if len(parts) > 1 else ("", "?")
     digest = parts[2].split()[0] if len(parts) > 2 and parts[2].split() else None
     return ids, digest
 

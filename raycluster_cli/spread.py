@@ -14,6 +14,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from . import peers
+from .engine import image_id
 from .errors import OperationError
 from .progress import Progress, TransferProgress
 from .transport import CommandResult, Transport, cancel
@@ -219,7 +220,7 @@ class Spread:
                 f"check free disk space on {receiver.host} (df -h /var/lib/docker) and retry `raycluster up`",
             )
         lines = result.stdout.strip().splitlines()
-        found = lines[-1].strip() if lines else ""
+        found = image_id(lines[-1]) if lines else ""
         if found != self.job.image_id:
             raise OperationError(
                 f"{receiver.host}: after docker load, {self.job.image} is {found[7:19] or 'missing'}, "

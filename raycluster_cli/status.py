@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .containers import LABEL_CLUSTER, LABEL_ROLE, container_name
+from .engine import image_id
 from .errors import RayclusterError
 from .inventory import HostConfig, Inventory
 from .nodes import probe
@@ -88,7 +89,7 @@ def parse_host(inventory: Inventory, host: HostConfig, text: str) -> HostStatus:
     if len(fields) >= 3:
         ours = fields[2] == f"{inventory.cluster}/{host.role}"
         status.container = fields[0] if ours else "foreign"
-        status.image_id = fields[1]
+        status.image_id = image_id(fields[1]) or fields[1]
         status.ray_version = version.strip() if ours else ""
     return status
 

@@ -8,6 +8,7 @@ DOCKER=${DOCKER:-$(command -v /usr/bin/docker || command -v docker)}
 BASE_IMAGE=${BASE_IMAGE:-raycluster/debian-base:bookworm}
 NODE_IMAGE=${NODE_IMAGE:-raycluster/node:0.1.0}
 LAB_IMAGE=${LAB_IMAGE:-raycluster/labhost:0.1.0}
+LAB_PODMAN_IMAGE=${LAB_PODMAN_IMAGE:-raycluster/labhost-podman:0.1.0}
 PYTHON=${PYTHON:-python3}
 # The Ray version lives in one place, raycluster_cli/versions.py (doctor checks images against it).
 RAY_VERSION=$(sed -n 's/^RAY_VERSION = "\(.*\)"/\1/p' raycluster_cli/versions.py)
@@ -48,5 +49,6 @@ build() {  # build IMAGE DOCKERFILE
 }
 # Always build: cached layers make an unchanged image a no-op, and a changed one is rebuilt.
 build "$LAB_IMAGE" docker/labhost/Dockerfile
+build "$LAB_PODMAN_IMAGE" docker/labhost-podman/Dockerfile  # lab hosts whose engine is Podman
 build "$NODE_IMAGE" docker/node/Dockerfile
-log "images ready: $LAB_IMAGE $NODE_IMAGE"
+log "images ready: $LAB_IMAGE $LAB_PODMAN_IMAGE $NODE_IMAGE"

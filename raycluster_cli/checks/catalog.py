@@ -4,6 +4,7 @@ host facts they judge (each fact's command runs once per host, in the host's one
 from __future__ import annotations
 
 from .. import hoststate
+from ..engine import dialect_for
 from ..facts import raw
 from ..transport import quote
 from . import access, hostnet, runtime
@@ -35,7 +36,11 @@ def _wants_gpus(ctx: CheckContext) -> bool:
 # `docker info --format` hides why the engine refused ("template: … nil pointer"): `docker ps` then says it
 # (permission denied on the socket, a sudo that wants a password, a daemon that is down).
 DOCKER_VERSION = raw(
-    "docker-version", lambda ctx: "docker info --format '{{.ServerVersion}}' 2>/dev/null || docker ps --quiet --last 1"
+    "docker-version",
+    lambda ctx: (
+        f"docker info --format '{dialect_for(ctx.inventory, ctx.host).version_format}' 2>/dev/null "
+        "|| docker ps --quiet --last 1"
+    ),
 )
 IMAGE_ID = raw("image-id", lambda ctx: "docker image inspect --format '{{.Id}}' " + quote(ctx.inventory.image))
 IMAGE_RUNTIME = raw("image-runtime", runtime.versions_command)

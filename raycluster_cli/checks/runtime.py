@@ -5,7 +5,7 @@ from __future__ import annotations
 import shlex
 
 from ..containers import LABEL_CLUSTER
-from ..engine import engine_of
+from ..engine import dialect_for, engine_of, image_id
 from ..transport import quote
 from ..versions import PYTHON_VERSION, RAY_VERSION
 from .base import CheckContext, Finding, Status
@@ -31,13 +31,16 @@ MIN_TMP_FREE = 1 * GIB
 
 
 def docker(rc: int, out: str, err: str, ctx: CheckContext) -> Finding:
+    engine = engine_of(ctx.inventory, ctx.host)
+    podman = dialect_for(ctx.inventory, ctx.host).name == "podman"
     if rc == 0 and out.strip():
-        return Finding(Status.OK, f"Docker engine {out.strip()} answers")
+        return Finding(Status.OK, f"{'Podman' if podman else 'Docker engine'} {out.strip()} answers ({engine})")
     text = (err or out).strip()
     user = ctx.inventory.ssh_for(ctx.host).user
     if rc == 127 or "not found" in text:
+        if podman:
+            return Finding(Status.FAIL, f"{engine} is not installed", f"on {ctx.address}: apt-get install podman")
         return Finding(Status.FAIL, "docker is not installed", f"install Docker Engine on {ctx.address}")
-    engine = engine_of(ctx.inventory, ctx.host)
     if text.startswith("sudo:") or "\nsudo:" in text:
         return Finding(
             Status.FAIL,
@@ -67,9 +70,9 @@ def engine_refused(text: str) -> bool:
 
 def image(rc: int, out: str, err: str, ctx: CheckContext) -> Finding:
     name = ctx.inventory.image
-    if rc == 0 and out.strip().startswith("sha256:"):
-        image_id = out.strip()
-        return Finding(Status.OK, f"{name} present ({image_id[7:19]})", data={"image_id": image_id})
+    found = image_id(out) if rc == 0 else ""
+    if found:
+        return Finding(Status.OK, f"{name} present ({found[7:19]})", data={"image_id": found})
     if engine_refused(err):
         return Finding(Status.SKIP, "not checked: the engine refused this user (see the docker check)")
     return Finding(
@@ -184,8 +187,9 @@ def memory(rc: int, out: str, err: str, ctx: CheckContext) -> Finding:
 
 
 def disk_command(ctx: CheckContext) -> str:
+    dialect = dialect_for(ctx.inventory, ctx.host)
     return (
-        'root=$(docker info --format "{{.DockerRootDir}}" 2>/dev/null); root=${root:-/var/lib/docker}; '
+        f'root=$(docker info --format "{dialect.root_format}" 2>/dev/null); root=${{root:-{dialect.default_root}}}; '
         'echo "$root"; echo ---; df -P -B1 "$root" /tmp; echo ---; cat /proc/meminfo; echo ---; '
         f"docker image inspect --format '{{{{.Size}}}}' {quote(ctx.inventory.image)} 2>/dev/null || echo absent"
     )
@@ -193,7 +197,7 @@ def disk_command(ctx: CheckContext) -> str:
 
 def disk(rc: int, out: str, err: str, ctx: CheckContext) -> Finding:
     root_text, df_text, meminfo, image_size = split_sections(out, 4)
-    root = root_text.strip() or "/var/lib/docker"
+    root = root_text.strip() or dialect_for(ctx.inventory, ctx.host).default_root
     rows = {r.path: r for r in parse_df(df_text, [root, "/tmp"])}
     if root not in rows:
         return Finding(Status.WARN, f"cannot read free disk space ({err.strip()[:100]})", "check `df` on the host")
@@ -227,7 +231,7 @@ def disk(rc: int, out: str, err: str, ctx: CheckContext) -> Finding:
 def gpus_command(ctx: CheckContext) -> str:
     return (
         'nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader 2>&1; echo "rc=$?"; echo ---; '
-        "docker info --format '{{json .Runtimes}}' 2>&1"
+        + dialect_for(ctx.inventory, ctx.host).gpu_support_command()
     )
 
 
@@ -254,7 +258,16 @@ def gpus(rc: int, out: str, err: str, ctx: CheckContext) -> Finding:
             f"set num_gpus: {len(found)} for this host, or fix the driver",
             data,
         )
-    if "nvidia" not in parse_runtimes(runtimes_text):
+    if dialect_for(ctx.inventory, ctx.host).name == "podman":
+        if "nvidia.com/gpu" not in runtimes_text:
+            return Finding(
+                Status.FAIL,
+                "Podman has no CDI spec for nvidia.com/gpu: containers cannot see the GPUs",
+                f"on {ctx.address}: nvidia-ctk cdi generate --output=/etc/cdi/nvidia.yaml "
+                "(and docker.run_options: ['--gpus all'] or ['--device nvidia.com/gpu=all'])",
+                data,
+            )
+    elif "nvidia" not in parse_runtimes(runtimes_text):
         return Finding(
             Status.FAIL,
             "Docker has no nvidia runtime: containers cannot see the GPUs",
@@ -263,16 +276,18 @@ def gpus(rc: int, out: str, err: str, ctx: CheckContext) -> Finding:
             data,
         )
     extra = f" (only {wanted} given to Ray)" if len(found) > wanted else ""
-    return Finding(Status.OK, f"{len(found)} GPU(s) and the nvidia runtime{extra}", data=data)
+    means = "a CDI spec" if dialect_for(ctx.inventory, ctx.host).name == "podman" else "the nvidia runtime"
+    return Finding(Status.OK, f"{len(found)} GPU(s) and {means}{extra}", data=data)
 
 
 def stale_ray_command(ctx: CheckContext) -> str:
-    label = '{{.Label "' + LABEL_CLUSTER + '"}}'
+    dialect = dialect_for(ctx.inventory, ctx.host)
+    label = dialect.label_format(LABEL_CLUSTER)
     return (
         "ps -eo pid=,args=; echo ---; "
         f"docker ps --no-trunc --format '{{{{.ID}}}} {{{{.Names}}}} {label}' 2>/dev/null | "
         'while read -r id name cluster; do echo "== $id $name $cluster"; '
-        'docker top "$id" -eo pid 2>/dev/null | tail -n +2; done; echo ---; '
+        f'docker top "$id" {dialect.top_host_pids} 2>/dev/null | tail -n +2; done; echo ---; '
         # A second look at each Ray process: gone by now (a short-lived worker), else its cgroup names its container.
         "for p in $(ps -eo pid=,args= | awk '$2 ~ /(^|\\/)(raylet|gcs_server)$/ || $2 ~ /^ray::/ {print $1}'); do "
         """printf '%s ' "$p"; tr '\\n' ' ' 2>/dev/null < "/proc/$p/cgroup" || printf gone; echo; done"""

@@ -51,8 +51,5 @@ def run_streamed(transport: Transport, command: str, sink: LineSink, timeout: fl
         for name, text in (("stdout", result.stdout), ("stderr", result.stderr)):
             lines[name].add(text.encode())  # type: ignore[index]
         return CommandResult(result.rc, lines["stdout"].finish(), lines["stderr"].finish())
-    prepare = getattr(transport, "engine_command", None)  # the host's container engine (engine.py)
-    if prepare is not None:
-        command = prepare(command)
     rc = stream(command, lambda name, data: lines[name].add(data), timeout=timeout)
     return CommandResult(rc, lines["stdout"].finish(), lines["stderr"].finish())

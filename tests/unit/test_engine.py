@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -39,15 +40,62 @@ def test_plain_docker_is_the_transport_itself_and_other_engines_get_the_preamble
     wrapped.run("docker ps -a | grep x && docker rm -f x")
     wrapped.feed("docker load", io.BytesIO(b"image"))
     assert fake.commands == [
-        'docker() { podman "$@"; }; docker ps -a | grep x && docker rm -f x',
-        'docker() { podman "$@"; }; docker load',
+        preamble("podman") + "docker ps -a | grep x && docker rm -f x",
+        preamble("podman") + "docker load",
     ]
     wrapped.put(b"data", "/etc/x")
     assert fake.files["/etc/x"] == (b"data", 0o600)
 
 
-def test_the_preamble_makes_every_docker_word_of_a_pipeline_the_engine() -> None:
-    script = preamble("echo ENGINE") + "docker ps | tr a-z A-Z; docker info && docker save img | wc -c"
-    out = subprocess.run(["sh", "-c", script], capture_output=True, text=True, check=True).stdout
-    assert out.splitlines() == ["ENGINE PS", "ENGINE info", "16"]  # "ENGINE save img" + newline: 16 bytes
+def _sh(script: str, home: Path, path: str = "/usr/bin:/bin") -> str:
+    env = {"HOME": str(home), "PATH": path}
+    return subprocess.run(["sh", "-c", script], capture_output=True, text=True, check=True, env=env).stdout
+
+
+def test_the_preamble_makes_every_docker_word_the_engine_in_pipelines_timeout_and_nested_shells(
+    tmp_path: Path,
+) -> None:
+    script = preamble("echo ENGINE") + (
+        "docker ps | tr a-z A-Z; docker info && docker save img | wc -c; timeout 5 docker top x; "
+        "bash -c 'docker load -q'"
+    )
+    out = _sh(script, tmp_path)
+    assert out.splitlines() == ["ENGINE PS", "ENGINE info", "16", "ENGINE top x", "ENGINE load -q"]
+    assert _sh(script, tmp_path) == out  # the shim, once written, is reused
+    (shim,) = (tmp_path / ".cache" / "raycluster").glob("engine-*/docker")
+    assert oct(shim.stat().st_mode & 0o777) == "0o700"
     assert preamble("docker") == ""
+
+
+def test_an_engine_that_is_docker_with_options_runs_the_real_docker_not_the_shim_again(tmp_path: Path) -> None:
+    real = tmp_path / "bin"
+    real.mkdir()
+    (real / "docker").write_text('#!/bin/sh\necho "REAL $*"\n')
+    (real / "docker").chmod(0o755)
+    out = _sh(preamble("docker --tls") + "docker ps -q", tmp_path, f"{real}:/usr/bin:/bin")
+    assert out == "REAL --tls ps -q\n"
+
+
+def test_a_home_where_the_shim_cannot_be_written_fails_the_command_with_a_message(tmp_path: Path) -> None:
+    done = subprocess.run(
+        ["sh", "-c", preamble("podman") + "echo ran"],
+        capture_output=True,
+        text=True,
+        env={"HOME": "/proc/none", "PATH": "/usr/bin:/bin"},
+    )
+    assert done.returncode == 125 and "ran" not in done.stdout and "engine shim" in done.stderr
+
+
+def test_a_streamed_command_gets_the_engines_preamble_once() -> None:
+    """logs and exec stream their output through the SSH transport's `stream`: the engine applies there too."""
+
+    class Streaming(FakeTransport):
+        def stream(self, command: str, on_output: object, **options: object) -> int:
+            self.commands.append(command)
+            return 0
+
+    inner = Streaming("192.0.2.11", {})
+    inv = inventory.parse(EXAMPLE + "docker: {engine: podman}\n")
+    wrapped = with_engine(inv, inv.hosts[0], inner)
+    assert wrapped.stream("docker logs x", lambda stream, data: None, timeout=5) == 0  # type: ignore[attr-defined]
+    assert inner.commands == [preamble("podman") + "docker logs x"]
