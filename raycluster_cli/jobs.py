@@ -5,6 +5,11 @@ version than the cluster's is refused by the SDK's version check); the REST API 
 itself speaks (`/api/packages/…`, `/api/jobs/…`), so one code path serves every operator machine, with the
 standard library only. The cluster's token goes only into the `Authorization` header of requests that
 travel inside the SSH connection; it is never printed nor put on a command line.
+
+A job's log is followed as the SDK's `tail_job_logs` does, over the dashboard's WebSocket
+(`/api/jobs/<id>/logs/tail`, websocket.py): each piece of the log crosses the tunnel once. The REST route
+returns the whole log on each call, so it serves only a dashboard without the tail (polled then), and a
+catch-up after a tail that ended early.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import io
 import json
 import secrets
 import shlex
+import socket
 import time
 import zipfile
 from collections.abc import Callable, Iterator
@@ -28,6 +34,7 @@ from .inventory import Inventory
 from .state import token_file
 from .transport.pool import Connect
 from .tunnel import Tunnel, forward_opener
+from .websocket import HandshakeRefused, ProtocolError, Silence, WebSocket
 
 TERMINAL = {"SUCCEEDED", "FAILED", "STOPPED"}
 MAX_PACKAGE_BYTES = 100 * 1024 * 1024  # Ray's own limit for a working_dir is larger; beyond this, use a volume
@@ -96,6 +103,32 @@ class Dashboard:
             raise OperationError(f"{method} {path}: HTTP {status}: {text[-1] if text else ''}"[:400], _UP_HINT)
         return json.loads(data) if data and data[:1] in (b"{", b"[") else data.decode(errors="replace")
 
+    def tail(self, path: str, silence_s: float = 5.0) -> WebSocket:
+        """A WebSocket to `path` through the tunnel; each read waits at most `silence_s` (then Silence)."""
+        headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
+        try:
+            sock = socket.create_connection(("127.0.0.1", self.tunnel.port), timeout=self.timeout_s)
+        except OSError as exc:
+            raise TailUnavailable(f"{type(exc).__name__}: {exc}") from None
+        try:
+            ws = WebSocket.open(sock, f"127.0.0.1:{self.tunnel.port}", path, headers)
+        except HandshakeRefused as exc:
+            sock.close()
+            if exc.status in (401, 403):
+                raise OperationError(
+                    f"the dashboard refused the cluster's token (HTTP {exc.status})", _UP_HINT
+                ) from None
+            raise TailUnavailable(str(exc)) from None
+        except (OSError, ProtocolError, Silence) as exc:
+            sock.close()
+            raise TailUnavailable(f"{type(exc).__name__}: {exc}") from None
+        sock.settimeout(silence_s)
+        return ws
+
+
+class TailUnavailable(Exception):
+    """The dashboard offers no log tail (an older Ray, a proxy without WebSockets): poll the log instead."""
+
 
 _UP_HINT = "is the cluster up? `raycluster status`"
 
@@ -144,6 +177,7 @@ class JobResult:
     package: str = ""
     waited: bool = True
     version: dict[str, Any] = field(default_factory=dict)
+    logs_via: str = ""  # "tail" (the dashboard's WebSocket) or "poll" (the whole log, each poll)
 
     @property
     def code(self) -> int:
@@ -162,6 +196,7 @@ class JobResult:
             "logs_bytes": self.logs_bytes,
             "working_dir_package": self.package,
             "waited": self.waited,
+            "logs_via": self.logs_via,
         }
 
 
@@ -192,18 +227,78 @@ def submit_job(
 
 
 def follow_job(dashboard: Dashboard, job: JobResult, on_logs: Callable[[str], None], poll_s: float = 1.0) -> JobResult:
-    """Poll the job's status and logs until it ends; hand every new piece of the log to `on_logs`."""
-    seen = 0
+    """Hand every new piece of the job's log to `on_logs` until the job ended and its log is read.
+
+    The tail pushes each piece once and closes after the job's end. A tail that drops while the job runs is
+    opened again; Ray replays the log from its start then, and what was handed over already is skipped."""
+    seen = 0  # characters handed over
     while True:
-        info = dashboard.request("GET", f"/api/jobs/{job.submission_id}")
-        logs = dashboard.request("GET", f"/api/jobs/{job.submission_id}/logs")
-        text = logs.get("logs", "") if isinstance(logs, dict) else ""
-        if len(text) > seen:
-            on_logs(text[seen:])
-            seen = len(text)
-        job.status = str(info.get("status", "?"))
-        job.exit_code = info.get("driver_exit_code")
-        job.message = str(info.get("message") or "")
+        try:
+            ws = dashboard.tail(f"/api/jobs/{job.submission_id}/logs/tail")
+        except TailUnavailable:
+            return _poll_logs(dashboard, job, on_logs, poll_s, seen)
+        job.logs_via = "tail"
+        try:
+            closed, seen = _read_tail(dashboard, job, ws, on_logs, seen)
+        finally:
+            ws.close()
+        _refresh(dashboard, job)
+        if job.status in TERMINAL:
+            if not closed or not seen:  # the tail gave up early, or ended before the driver started
+                seen = _catch_up(dashboard, job, on_logs, seen)
+            job.logs_bytes = seen
+            return job
+        time.sleep(poll_s)
+
+
+def _read_tail(
+    dashboard: Dashboard, job: JobResult, ws: WebSocket, on_logs: Callable[[str], None], seen: int
+) -> tuple[bool, int]:
+    """Read one tail connection: (whether the server closed it, characters handed over now)."""
+    received = 0  # characters of this connection (a replay from the log's start)
+    quiet_after_end = 0
+    while True:
+        try:
+            for piece in ws.messages():
+                start, received = received, received + len(piece)
+                new = piece[max(0, seen - start) :]
+                if new:
+                    on_logs(new)
+                    seen += len(new)
+            return True, seen
+        except Silence:
+            _refresh(dashboard, job)  # a silent job, or a tail that missed the end: the status says which
+            quiet_after_end = quiet_after_end + 1 if job.status in TERMINAL else 0
+            if quiet_after_end >= 2:
+                return False, seen
+        except (OSError, ProtocolError):
+            return False, seen
+
+
+def _refresh(dashboard: Dashboard, job: JobResult) -> None:
+    info = dashboard.request("GET", f"/api/jobs/{job.submission_id}")
+    job.status = str(info.get("status", "?"))
+    job.exit_code = info.get("driver_exit_code")
+    job.message = str(info.get("message") or "")
+
+
+def _catch_up(dashboard: Dashboard, job: JobResult, on_logs: Callable[[str], None], seen: int) -> int:
+    logs = dashboard.request("GET", f"/api/jobs/{job.submission_id}/logs")
+    text = logs.get("logs", "") if isinstance(logs, dict) else ""
+    if len(text) > seen:
+        on_logs(text[seen:])
+        seen = len(text)
+    return seen
+
+
+def _poll_logs(
+    dashboard: Dashboard, job: JobResult, on_logs: Callable[[str], None], poll_s: float, seen: int
+) -> JobResult:
+    """Poll the job's status and whole log until it ends (a dashboard without the tail)."""
+    job.logs_via = "poll"
+    while True:
+        _refresh(dashboard, job)
+        seen = _catch_up(dashboard, job, on_logs, seen)
         job.logs_bytes = seen
         if job.status in TERMINAL:
             return job

@@ -14,6 +14,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -125,8 +126,54 @@ def test_submit_through_ssh_uploads_the_working_dir_streams_logs_and_returns_the
     code, out, err = _cli(cluster, "submit", "--json", "--", "python", "-c", "print('in json mode')")
     doc = json.loads(out)
     assert code == 0 and doc["ok"] is True and doc["job"]["status"] == "SUCCEEDED", err
+    assert doc["job"]["logs_via"] == "tail"
     assert "in json mode" in err  # logs go to stderr under --json
     assert token not in out + err
+
+
+def test_submit_streams_the_log_through_the_dashboards_tail_while_the_job_runs(
+    cluster: Lab, dashboard_blocked: None, tmp_path: Path
+) -> None:
+    """The job prints a line, then waits for a marker file that the test writes only after that line came
+    through: the log is streamed while the job runs, whatever the machine's speed."""
+    marker = f"/tmp/raycluster-go-{os.getpid()}"
+    containers = [
+        ("lab-h1", "raycluster-lab-head"),
+        ("lab-h2", "raycluster-lab-worker"),
+        ("lab-h3", "raycluster-lab-worker"),
+    ]
+    (tmp_path / "job.py").write_text(
+        "import os, time\nprint('waiting for the marker', flush=True)\n"
+        f"end = time.time() + 300\nwhile not os.path.exists({marker!r}) and time.time() < end:\n    time.sleep(0.2)\n"
+        f"print('marker seen' if os.path.exists({marker!r}) else 'no marker', flush=True)\n"
+    )
+    command = [sys.executable, "-m", "raycluster_cli.cli", "submit", "-i", cluster.inventory, "--json"]
+    command += ["--working-dir", str(tmp_path), "--", "python", "job.py"]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    watchdog = threading.Timer(400, process.kill)  # a hung submit fails the test, never the session
+    watchdog.start()
+    try:
+        assert process.stderr is not None
+        before = []
+        for line in process.stderr:
+            before.append(line)
+            if "waiting for the marker" in line:
+                break
+        assert "waiting for the marker" in "".join(before), "".join(before)
+        for hostname, container in containers:  # wherever the driver runs, the marker is there
+            cluster.sh(hostname, f"docker exec {container} touch {marker}")
+        out, rest = process.communicate(timeout=300)
+        doc = json.loads(out)
+        assert process.returncode == 0 and doc["job"]["status"] == "SUCCEEDED", rest
+        assert doc["job"]["logs_via"] == "tail"  # Ray's WebSocket tail, not the whole log polled
+        assert "marker seen" in rest and "waiting for the marker" not in rest  # each piece once
+    finally:
+        watchdog.cancel()
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+        for hostname, container in containers:
+            cluster.sh_result(hostname, f"docker exec {container} rm -f {marker}")
 
 
 def test_submit_with_a_wrong_token_is_refused(cluster: Lab, token: str, tmp_path: Path) -> None:

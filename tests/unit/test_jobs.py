@@ -12,7 +12,8 @@ import pytest
 
 from raycluster_cli import inventory
 from raycluster_cli.errors import OperationError, UsageError
-from raycluster_cli.jobs import JobResult, follow_job, package_directory, read_token, submit_job
+from raycluster_cli.jobs import JobResult, TailUnavailable, follow_job, package_directory, read_token, submit_job
+from raycluster_cli.websocket import Silence
 
 from .conftest import EXAMPLE
 
@@ -69,6 +70,9 @@ class FakeDashboard:
         self.calls: list[tuple[str, str, Any]] = []
         self.packages: set[str] = set()
 
+    def tail(self, path: str) -> Any:
+        raise TailUnavailable("HTTP 404 Not Found")  # a dashboard without the tail
+
     def request(self, method: str, path: str, body: bytes | None = None, kind: str = "") -> Any:
         self.calls.append((method, path, body))
         if path.startswith("/api/packages/"):
@@ -99,9 +103,76 @@ def test_submit_uploads_a_package_once_and_sends_the_quoted_entrypoint(tmp_path:
     assert payload["runtime_env"] == {"working_dir": f"gcs://{job.package}"} and payload["submission_id"] == "s1"
 
 
-def test_follow_hands_over_each_new_piece_of_the_log_until_the_end() -> None:
+def test_without_a_tail_follow_polls_the_whole_log_and_hands_over_each_new_piece() -> None:
     dashboard = FakeDashboard([("RUNNING", "a\n"), ("RUNNING", "a\nb\n"), ("FAILED", "a\nb\nc\n")])
     pieces: list[str] = []
     job = follow_job(dashboard, JobResult("s1", "PENDING"), pieces.append, poll_s=0)  # type: ignore[arg-type]
     assert pieces == ["a\n", "b\n", "c\n"]
-    assert (job.status, job.exit_code, job.code, job.logs_bytes) == ("FAILED", 3, 3, 6)
+    assert (job.status, job.exit_code, job.code, job.logs_bytes, job.logs_via) == ("FAILED", 3, 3, 6, "poll")
+
+
+class FakeTail:
+    """One tail connection: a script of pieces, then Silence, a drop (ConnectionError) or the server's close."""
+
+    def __init__(self, script: list[str | type[Exception]]) -> None:
+        self.script = script
+        self.closed = False
+
+    def messages(self) -> Any:
+        while self.script:
+            item = self.script.pop(0)
+            if isinstance(item, str):
+                yield item
+            else:
+                raise item()
+
+    def close(self) -> None:
+        self.closed = True
+
+
+class TailingDashboard(FakeDashboard):
+    """Statuses in order (one per status request), tails in order (one per connection)."""
+
+    def __init__(self, statuses: list[str], tails: list[FakeTail], logs: str = "") -> None:
+        super().__init__([(statuses[0], logs)])
+        self.statuses, self.tails, self.opened = statuses, tails, 0
+
+    def tail(self, path: str) -> Any:
+        assert path == "/api/jobs/s1/logs/tail"
+        self.opened += 1
+        return self.tails.pop(0)
+
+    def request(self, method: str, path: str, body: bytes | None = None, kind: str = "") -> Any:
+        if path == "/api/jobs/s1":
+            self.calls.append((method, path, body))
+            status = self.statuses.pop(0) if len(self.statuses) > 1 else self.statuses[0]
+            return {"status": status, "driver_exit_code": 0, "message": ""}
+        return super().request(method, path, body, kind)
+
+
+def test_follow_reads_the_tail_once_and_never_fetches_the_whole_log() -> None:
+    tail = FakeTail(["a\n", "b\n", Silence, "c\n"])  # a silent stretch in the middle, then the server closes
+    dashboard = TailingDashboard(["RUNNING", "SUCCEEDED"], [tail])
+    pieces: list[str] = []
+    job = follow_job(dashboard, JobResult("s1", "PENDING"), pieces.append, poll_s=0)  # type: ignore[arg-type]
+    assert pieces == ["a\n", "b\n", "c\n"] and tail.closed
+    assert (job.status, job.logs_bytes, job.logs_via) == ("SUCCEEDED", 6, "tail")
+    assert not [c for c in dashboard.calls if c[1].endswith("/logs")]  # the whole log: never asked for
+
+
+def test_a_tail_that_drops_while_the_job_runs_is_reopened_and_the_replay_skipped() -> None:
+    first = FakeTail(["a\n", "b", ConnectionError])  # a half line, then the tunnel drops
+    again = FakeTail(["a\nb\n", "c\n"])  # Ray replays the log from its start
+    dashboard = TailingDashboard(["RUNNING", "SUCCEEDED"], [first, again])
+    pieces: list[str] = []
+    job = follow_job(dashboard, JobResult("s1", "PENDING"), pieces.append, poll_s=0)  # type: ignore[arg-type]
+    assert "".join(pieces) == "a\nb\nc\n" and pieces == ["a\n", "b", "\n", "c\n"]
+    assert dashboard.opened == 2 and job.logs_bytes == 6
+
+
+def test_a_tail_silent_after_the_jobs_end_gives_up_and_catches_up_from_the_whole_log() -> None:
+    tail = FakeTail(["a\n", Silence, Silence, Silence])
+    dashboard = TailingDashboard(["SUCCEEDED"], [tail], logs="a\nlast words\n")
+    pieces: list[str] = []
+    job = follow_job(dashboard, JobResult("s1", "PENDING"), pieces.append, poll_s=0)  # type: ignore[arg-type]
+    assert pieces == ["a\n", "last words\n"] and job.logs_bytes == len("a\nlast words\n")
