@@ -91,8 +91,8 @@ def _checks(doc: dict[str, Any]) -> dict[tuple[str, str], str]:
     return {(c["host"], c["id"]): c["status"] for c in doc["checks"]}
 
 
-def test_podman_hosts_doctor_up_status_exec_down(fresh_hosts: Lab) -> None:
-    the_lab = fresh_hosts
+def test_podman_hosts_doctor_up_status_exec_logs_submit_down(fresh_hosts: Lab, tmp_path: Path) -> None:
+    the_lab, out_dir = fresh_hosts, tmp_path / "logs"
     addresses = [h.address for h in the_lab.info.hosts]
     assert the_lab.sh_result("lab-h1", "command -v dockerd docker").returncode != 0  # a Podman-only machine
 
@@ -139,6 +139,12 @@ def test_podman_hosts_doctor_up_status_exec_down(fresh_hosts: Lab) -> None:
     code, doc, err = _with_command(the_lab, "exec", ["--all"], ["hostname; echo $RAY_AUTH_MODE"])
     assert code == 0, err
     assert sorted(h["stdout"].split() for h in doc["hosts"]) == [[n, "token"] for n in HOSTNAMES]
+
+    # logs: the container log streamed, Ray's session logs through `podman cp` (which follows session_latest).
+    code, doc, err = the_lab.cli("logs", "--out", str(out_dir))
+    assert code == 0, err
+    assert [(h["host"], h["error"]) for h in doc["hosts"]] == [(a, "") for a in addresses]
+    assert all(h["files"] > 1 and h["container_log_bytes"] > 0 for h in doc["hosts"]), doc["hosts"]
 
     # submit: the job's log comes through the dashboard's tail over SSH.
     code, doc, err = _with_command(the_lab, "submit", [], ["python", "-c", "print('hello from podman')"])
