@@ -1,7 +1,7 @@
 """Where raycluster keeps a cluster's files on each host (Ray token, env files), and how it may write there.
 
 The folder is `<host_state_dir>/<cluster>`. `host_state_dir` comes from the inventory, else it depends on
-the host's login user (`ssh.user`): root, or any user with `ssh.sudo: true`, keeps `/etc/raycluster`
+the host's login user (the inventory's `ssh.user`, else `~/.ssh/config`'s `User`, as the pool logs in): root, or any user with `ssh.sudo: true`, keeps `/etc/raycluster`
 (the folder is then made with `sudo -n install -d -o <user> -m 700`, so the files in it belong to the login
 user); any other user gets `~/.local/state/raycluster` in its own home, which needs no privilege at all.
 A path starting with `~/` is expanded by the host's shell (`"$HOME"/…`), so the home is the login user's
@@ -10,18 +10,30 @@ own on each host. The token and env files are written by the login user, mode 06
 
 from __future__ import annotations
 
+import functools
+
+import paramiko
+
 from .errors import OperationError
 from .inventory import HostConfig, Inventory
 from .peers import ARCHIVE_DIR
 from .transport import Transport, quote, shell_path
+from .transport.sshconfig import load_config, resolve
 
 ROOT_DEFAULT = "/etc/raycluster"
 USER_DEFAULT = "~/.local/state/raycluster"
 SUDO = "sudo -n"
 
 
+@functools.lru_cache(maxsize=8)
+def _ssh_config(path: str | None) -> paramiko.SSHConfig:
+    return load_config(path)
+
+
 def login_user(inventory: Inventory, host: HostConfig) -> str:
-    return inventory.ssh_for(host).user
+    """The user raycluster logs in as on `host`, resolved as the connection pool does: the inventory's
+    `ssh.user` when it sets one, else `~/.ssh/config`'s `User` for that host, else the default (root)."""
+    return resolve(inventory, host, _ssh_config(inventory.ssh.config_file)).target.user
 
 
 def state_root(inventory: Inventory, host: HostConfig) -> str:
@@ -29,7 +41,7 @@ def state_root(inventory: Inventory, host: HostConfig) -> str:
     if inventory.host_state_dir:
         return inventory.host_state_dir
     ssh = inventory.ssh_for(host)
-    return ROOT_DEFAULT if ssh.user == "root" or ssh.sudo else USER_DEFAULT
+    return ROOT_DEFAULT if login_user(inventory, host) == "root" or ssh.sudo else USER_DEFAULT
 
 
 def cluster_dir(inventory: Inventory, host: HostConfig) -> str:
@@ -47,7 +59,7 @@ def archive_dir(inventory: Inventory, host: HostConfig) -> str:
 def uses_sudo(inventory: Inventory, host: HostConfig) -> bool:
     """Whether making and removing the folder goes through `sudo -n` (never for root or a home folder)."""
     ssh = inventory.ssh_for(host)
-    return ssh.sudo and ssh.user != "root" and not state_root(inventory, host).startswith("~/")
+    return ssh.sudo and login_user(inventory, host) != "root" and not state_root(inventory, host).startswith("~/")
 
 
 def make_dir_command(inventory: Inventory, host: HostConfig) -> str:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import shlex
 
+from .. import hoststate
 from ..containers import LABEL_CLUSTER
 from ..engine import dialect_for, engine_of, image_id
 from ..transport import quote
@@ -36,7 +37,7 @@ def docker(rc: int, out: str, err: str, ctx: CheckContext) -> Finding:
     if rc == 0 and out.strip():
         return Finding(Status.OK, f"{'Podman' if podman else 'Docker engine'} {out.strip()} answers ({engine})")
     text = (err or out).strip()
-    user = ctx.inventory.ssh_for(ctx.host).user
+    user = hoststate.login_user(ctx.inventory, ctx.host)
     if rc == 127 or "not found" in text:
         if podman:
             return Finding(Status.FAIL, f"{engine} is not installed", f"on {ctx.address}: apt-get install podman")

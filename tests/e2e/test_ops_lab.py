@@ -129,6 +129,14 @@ def test_submit_through_ssh_uploads_the_working_dir_streams_logs_and_returns_the
     assert doc["job"]["logs_via"] == "tail"
     assert "in json mode" in err  # logs go to stderr under --json
     assert token not in out + err
+    # --no-wait: exit 0 once Ray accepted the job; the cluster holds it (a second one of that ID is refused)
+    no_wait = ("submit", "--no-wait", "--json", "--submission-id", "raycluster-no-wait", "--", "python", "-c", "1")
+    code, out, err = _cli(cluster, *no_wait)
+    doc = json.loads(out)
+    assert code == 0 and doc["ok"] is True, err
+    assert doc["job"]["submission_id"] == "raycluster-no-wait" and doc["job"]["status"] == "PENDING"
+    code, out, err = _cli(cluster, *no_wait)
+    assert code == 1 and json.loads(out)["ok"] is False, err
 
 
 def test_submit_streams_the_log_through_the_dashboards_tail_while_the_job_runs(

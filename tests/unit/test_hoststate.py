@@ -109,6 +109,21 @@ def test_the_folder_depends_on_the_login_user_sudo_and_the_key() -> None:
     assert token_path_on_host(chosen, chosen.hosts[0]) == "~/rc/demo/auth-token"
 
 
+def test_the_login_user_from_ssh_config_chooses_the_folder_as_the_pool_logs_in(tmp_path: Path) -> None:
+    """No ssh.user in the inventory: ~/.ssh/config's User is who logs in, so it decides the default folder."""
+    config = tmp_path / "ssh_config"
+    config.write_text("Host 192.0.2.12\n  User rayops\n")
+    setting = f"ssh: {{config_file: {config}}}\n"
+    by_config = inv(setting)
+    head, worker = by_config.hosts
+    assert hoststate.login_user(by_config, head) == "root" and hoststate.login_user(by_config, worker) == "rayops"
+    assert hoststate.cluster_dir(by_config, head) == "/etc/raycluster/demo"
+    assert hoststate.cluster_dir(by_config, worker) == "~/.local/state/raycluster/demo"
+    assert hoststate.archive_dir(by_config, worker) == "/var/tmp/raycluster-images-rayops"
+    explicit = inv(setting, "ssh: {user: root}")  # the inventory's own user wins, as for the connection
+    assert hoststate.cluster_dir(explicit, explicit.hosts[1]) == "/etc/raycluster/demo"
+
+
 # The commands, in a real shell ------------------------------------------------------------------------------
 
 
