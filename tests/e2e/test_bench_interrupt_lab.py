@@ -1,6 +1,6 @@
 """Ctrl-C during `bench` on the real 3-host lab (issue 10): a real SIGINT to the CLI while its counted run
 goes ends it with exit 130 within 5 s and one JSON document, and leaves no driver and no stage actor on the
-cluster; a bench run after it succeeds. The cluster is brought up first and left up (with the lab's own inventory) afterwards."""
+cluster; a bench run after it succeeds. The cluster is brought up first and left as it was found (up, or down)."""
 
 from __future__ import annotations
 
@@ -18,15 +18,17 @@ STAGE_WORKERS = f"docker exec {_OURS} pgrep -f _StageWorker || true"
 DRIVERS = f"docker exec {_OURS} pgrep -f raycluster_cli.bench.driver || true"
 
 
-def _up(lab_hosts: Lab) -> None:
+def _up(lab_hosts: Lab) -> bool:
+    """Bring the cluster up; whether it was already up (every node kept running)."""
     code, doc, err = lab_hosts.cli("up", timeout=900)
     assert code == 0 and all(n["alive"] for n in doc["nodes"]), err
+    return all(n.get("action") == "running" for n in doc["nodes"])
 
 
 def test_sigint_during_the_counted_run_stops_driver_and_stages(lab_hosts: Lab) -> None:
     """30000 short requests: the counted run is far from done when the signal lands, on a fast quiet
     machine too (the test waits for "counted run: requests N/" with N > 0 before signalling)."""
-    _up(lab_hosts)
+    was_up = _up(lab_hosts)
     small = ("--layers=3", "--d-model=64", "--max-new-tokens=4", "--partition=even", "--refine=0")
     load = ("--requests=30000", "--micro-batch=4", "--in-flight=16", "--no-references", "--calibration-repeats=1")
     try:
@@ -48,5 +50,9 @@ def test_sigint_during_the_counted_run_stops_driver_and_stages(lab_hosts: Lab) -
         # the rerun succeeds: the interrupted run left nothing that stands in the next one's way
         code, doc, err = lab_hosts.cli("bench", *small, "--requests=8", "--no-references", "--no-network-check")
         assert code == 0 and doc["completed"] == doc["requests"] == 8, err[-3000:]
-    finally:
-        _up(lab_hosts)  # the next test finds the cluster whole
+    finally:  # the next test finds the lab as this one found it (the doctor tests need it without a cluster)
+        if was_up:
+            _up(lab_hosts)
+        else:
+            code, _, err = lab_hosts.cli("down")
+            assert code == 0, err
