@@ -63,11 +63,19 @@ def uses_sudo(inventory: Inventory, host: HostConfig) -> bool:
 
 
 def make_dir_command(inventory: Inventory, host: HostConfig) -> str:
-    """Make the cluster's folder, mode 0700, owned by the login user (its parents as the system makes them)."""
+    """Make the cluster's folder, mode 0700, owned by the login user; the folder above it 0755.
+
+    Only the cluster's folder is private: a parent made 0700 by root (as `mkdir -p` under `umask 077`
+    did before) cannot be crossed by another login, so a sudo user's `up` failed on a host where root's
+    had run. The sudo path also repairs such a parent (only when this login cannot cross it)."""
     folder = shell_path(cluster_dir(inventory, host))
+    parent = shell_path(state_root(inventory, host))
     if uses_sudo(inventory, host):
-        return f'{SUDO} install -d -m 700 -o "$(id -un)" -g "$(id -gn)" {folder}'
-    return f"umask 077 && mkdir -p -- {folder} && chmod 700 {folder}"
+        return (
+            f"{{ [ -x {parent} ] || {SUDO} install -d -m 755 {parent}; }} && "
+            f'{SUDO} install -d -m 700 -o "$(id -un)" -g "$(id -gn)" {folder}'
+        )
+    return f"(umask 022 && mkdir -p -- {parent}) && umask 077 && mkdir -p -- {folder} && chmod 700 {folder}"
 
 
 def remove_dir_command(inventory: Inventory, host: HostConfig) -> str:

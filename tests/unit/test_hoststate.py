@@ -159,10 +159,20 @@ def test_make_and_remove_the_folder_without_sudo(tmp_path: Path) -> None:
     assert sh(hoststate.remove_dir_command(user, host), tmp_path).stdout == ""  # nothing there: nothing said
 
 
+def test_only_the_cluster_folder_is_private_even_under_umask_077(tmp_path: Path) -> None:
+    """CI: root's `up` had made /etc/raycluster 0700 (mkdir -p under umask 077), which a sudo login's
+    files then could not cross. The folder above the cluster's is 0755 whatever the session's umask."""
+    chosen = inv(f"host_state_dir: {tmp_path}/state\n")
+    assert sh("umask 077 && " + hoststate.make_dir_command(chosen, chosen.hosts[0]), tmp_path).returncode == 0
+    assert stat.S_IMODE((tmp_path / "state").stat().st_mode) == 0o755
+    assert stat.S_IMODE((tmp_path / "state/demo").stat().st_mode) == 0o700
+
+
 def test_with_sudo_the_folder_is_made_for_the_login_user() -> None:
     sudo = inv("ssh: {user: rayops, sudo: true}\n")
     host = sudo.hosts[0]
     assert hoststate.make_dir_command(sudo, host) == (
+        "{ [ -x /etc/raycluster ] || sudo -n install -d -m 755 /etc/raycluster; } && "
         'sudo -n install -d -m 700 -o "$(id -un)" -g "$(id -gn)" /etc/raycluster/demo'
     )
     assert "sudo -n rm -rf -- /etc/raycluster/demo" in hoststate.remove_dir_command(sudo, host)
