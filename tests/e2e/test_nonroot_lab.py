@@ -69,6 +69,9 @@ def nonroot_lab(lab_hosts: Lab) -> Iterator[Lab]:
         lab_hosts.sh("lab-h1", _add_user(USER, docker_group=True))
         lab_hosts.sh("lab-h2", _add_user(USER, docker_group=True) + " && " + _add_user(NO_DOCKER, docker_group=False))
         lab_hosts.sh("lab-h3", _add_user(USER, False, "/usr/bin/docker, /usr/bin/install, /usr/bin/rm"))
+        # As an older root `up` left it (mkdir -p under umask 077) (CI ran root's tests first): the sudo
+        # login's `up` must repair it, or its token write cannot cross /etc/raycluster.
+        lab_hosts.sh("lab-h3", "mkdir -p /etc/raycluster && chmod 700 /etc/raycluster")
         yield lab_hosts
     finally:
         _clean(lab_hosts)
@@ -121,6 +124,7 @@ def test_a_non_root_login_runs_doctor_up_status_and_down(nonroot_lab: Lab, tmp_p
             assert f'"{folder}/auth-token:/run/raycluster/auth-token:ro"' in inspect and token not in inspect
             assert token not in nonroot_lab.sh(host, "ps -eo args")
 
+        assert nonroot_lab.sh("lab-h3", "stat -c %a /etc/raycluster").strip() == "755"  # repaired by sudo
         code, doc, err = nonroot_lab.cli("status", inventory=inventory)
         assert code == 0, err
 
