@@ -8,13 +8,22 @@ imports it without torch or Ray.
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 __all__ = ["QUICK", "BenchOptions", "ValidationError", "flag_of"]
 
 MODES = ("offline", "poisson")
 SWEEPS = ("batch", "nodes")
 HOPS = ("direct", "driver")
+CHOICES = {"mode": MODES, "sweep": SWEEPS, "hops": HOPS}  # fields whose value is one of a few words
 
 # What --quick means: a short smoke run that still goes through every phase once.
 QUICK = {
@@ -85,25 +94,12 @@ class BenchOptions(BaseModel):
     allow_shared_nodes: bool = Field(False, description="let stages share nodes (single-machine tests)")
     quick: bool = Field(False, description="a short smoke run: few requests, one pilot, small model")
 
-    @field_validator("mode")
+    @field_validator("mode", "sweep", "hops")
     @classmethod
-    def _known_mode(cls, value: str | None) -> str | None:
-        if value is not None and value not in MODES:
-            raise ValueError(f"{value!r} is not one of {', '.join(MODES)}")
-        return value
-
-    @field_validator("sweep")
-    @classmethod
-    def _known_sweep(cls, value: str | None) -> str | None:
-        if value is not None and value not in SWEEPS:
-            raise ValueError(f"{value!r} is not one of {', '.join(SWEEPS)}")
-        return value
-
-    @field_validator("hops")
-    @classmethod
-    def _known_hops(cls, value: str) -> str:
-        if value not in HOPS:
-            raise ValueError(f"{value!r} is not one of {', '.join(HOPS)}")
+    def _known_choice(cls, value: str | None, info: ValidationInfo) -> str | None:
+        choices = CHOICES[info.field_name or ""]
+        if value is not None and value not in choices:
+            raise ValueError(f"{value!r} is not one of {', '.join(choices)}")
         return value
 
     @field_validator("partition")

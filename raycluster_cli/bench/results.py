@@ -10,6 +10,7 @@ from typing import Any
 
 from raycluster_cli.bench import metrics
 from raycluster_cli.bench.config import ModelConfig
+from raycluster_cli.bench.options import HOPS
 from raycluster_cli.bench.partition import blocks_held
 
 # Throughput is also measured in this many equal windows of the run; the first and the last hold
@@ -35,8 +36,8 @@ class BenchParams:
         for name in ("requests", "prompt_len", "max_new_tokens", "micro_batch"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.hops not in ("direct", "driver"):
-            raise ValueError(f"hops must be direct or driver, got {self.hops!r}")
+        if self.hops not in HOPS:
+            raise ValueError(f"hops must be one of {', '.join(HOPS)}, got {self.hops!r}")
         if self.prefill_chunk < 0:
             raise ValueError(f"--prefill-chunk must be >= 0 tokens (0: whole prompt), got {self.prefill_chunk}")
         if self.rate is not None and self.rate <= 0:

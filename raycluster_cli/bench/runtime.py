@@ -388,12 +388,12 @@ def _alive_stats(work: _Workload) -> dict[int, dict[str, Any]]:
     """
     stages = len(work.replicas[0])
     stats: dict[int, dict[str, Any]] = {}
-    for replica, workers in enumerate(work.replicas):
-        if not work.alive[replica]:
-            continue
+    # Every replica asked at once; each answer read on its own, so one dead node costs only its replica.
+    asked = {r: [w.stats.remote() for w in workers] for r, workers in enumerate(work.replicas) if work.alive[r]}
+    for replica, stat_refs in asked.items():
         try:
             ray.get([ref for r, ref in work.releases if r == replica], timeout=work.params.step_timeout_s)
-            got = ray.get([w.stats.remote() for w in workers], timeout=work.params.step_timeout_s)
+            got = ray.get(stat_refs, timeout=work.params.step_timeout_s)
         except ray.exceptions.RayError as exc:
             work.lose_replica(replica, exc, _one_line(exc), final=False)
             continue
