@@ -12,22 +12,16 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Annotated, Any, cast
+from typing import TYPE_CHECKING, Annotated, Any, cast
 
 import typer
 
 from . import __version__, interrupt, inventory, lab
-from .bench.client import BenchFailed, run_bench
 from .bench.options import BenchOptions, ValidationError, flag_of
 from .checks import Status, demote, ignore_ids, run_checks
-from .checks.network import Tool, measure_network
-from .cluster import NodesMissing, PreflightFailed, up
 from .errors import ExitCode, GroupError, RayclusterError, UsageError
 from .inventory import Inventory
-from .jobs import Dashboard, check_dashboard, dashboard_tunnel, follow_job, stop_hint, submit_job
-from .logs import DEFAULT_MAX_MIB, DEFAULT_TIMEOUT_S, MIB, Limits, collect
-from .metrics import collect_metrics
-from .ops import choose_hosts, run_exec, worst
+from .logs import DEFAULT_MAX_MIB, DEFAULT_TIMEOUT_S
 from .report import (
     Output,
     render_checks,
@@ -37,23 +31,19 @@ from .report import (
     render_status,
     render_up,
 )
-from .report_bench import bench_progress, render_bench, save_svg
-from .report_ops import (
-    ExecPrinter,
-    JobLogPrinter,
-    live_status,
-    render_dashboard,
-    render_exec,
-    render_interrupted_job,
-    render_metrics,
-    render_submit,
-)
 from .schema import SCHEMA_VERSION
 from .state import cluster_lock, state_dir, token_file
 from .status import StatusResult, status
 from .teardown import down
 from .transport import cancel
 from .transport.pool import SSHPool
+
+if TYPE_CHECKING:
+    from .checks.network import Tool
+
+# Each verb imports what only it needs (bench, up, jobs, logs, metrics, exec, the live displays) inside its
+# action: `doctor`, `status` and `down` on a few hosts are mostly the interpreter's start and these imports,
+# and tests/unit/test_cli_imports.py keeps them out of `import raycluster_cli.cli`.
 
 app = typer.Typer(
     name="raycluster",
@@ -135,6 +125,8 @@ def _execute(json_mode: bool, debug: bool, action: Callable[[Output], int]) -> N
 
 def _failed(output: Output, exc: RayclusterError) -> int:
     """One line (and per-host details) on stderr; under --json the document with `ok: false`."""
+    from .cluster import NodesMissing, PreflightFailed  # up's errors; only a failing run pays for the import
+
     output.error(exc.message, exc.hint)
     if isinstance(exc, NodesMissing):
         output.details([*exc.details, {"cause": f"joined: {', '.join(exc.joined) or 'none'}"}])
@@ -198,7 +190,9 @@ def doctor(
         with _cluster(inventory_path) as (inv, pool):
             results = run_checks(inv, pool, ignore=ignored)
             if network:
-                tool = cast(Tool, network_tool)
+                from .checks.network import measure_network
+
+                tool = cast("Tool", network_tool)
                 results += demote(measure_network(inv, pool, output.progress(), tool), ignored)
         ok = not any(r.status == Status.FAIL for r in results)
         body = {"cluster": inv.cluster, "checks": [r.to_dict() for r in results]}
@@ -223,6 +217,8 @@ def up_command(
     Exit 0: every node joined; 1: preflight failed, or a node did not join (each named with its cause)."""
 
     def action(output: Output) -> int:
+        from .cluster import up
+
         ignored = ignore_ids(ignore)
         with (
             _cluster(inventory_path) as (inv, pool),
@@ -312,6 +308,8 @@ def status_command(
             raise UsageError("--watch redraws a table; --json prints one document", "use one of them")
         with _cluster(inventory_path) as (inv, pool):
             if watch:
+                from .report_ops import live_status
+
                 with live_status(output) as show:
                     repeat_until_interrupt(lambda: show(_status_body(inv, status(inv, pool))), interval)
                 return ExitCode.OK
@@ -344,6 +342,9 @@ def metrics_command(
     Exit 0: every target answered a scrape; 1: some did not (the files are written all the same)."""
 
     def action(output: Output) -> int:
+        from .metrics import collect_metrics
+        from .report_ops import render_metrics
+
         with _cluster(inventory_path) as (inv, pool):
             result = collect_metrics(inv, pool, out)
         body = {
@@ -387,6 +388,8 @@ def logs_command(
     cut is reported). Exit 0: every host's logs were collected; 1: some host's could not be."""
 
     def action(output: Output) -> int:
+        from .logs import MIB, Limits, collect
+
         with _cluster(inventory_path) as (inv, pool):
             chosen = [h for h in inv.hosts if not host or str(h.address) in host]
             unknown = sorted(set(host or []) - {str(h.address) for h in inv.hosts})
@@ -421,6 +424,9 @@ def exec_command(
     no running container), as ssh does; 2 bad flags or inventory; 130 interrupted."""
 
     def action(output: Output) -> int:
+        from .ops import choose_hosts, run_exec, worst
+        from .report_ops import ExecPrinter, render_exec
+
         with _cluster(inventory_path) as (inv, pool):
             chosen = choose_hosts(inv, host, every)
             printer = ExecPrinter(output, prefixed=len(chosen) > 1)
@@ -452,6 +458,9 @@ def submit_command(
     job keeps running: the output says how to stop it)."""
 
     def action(output: Output) -> int:
+        from .jobs import Dashboard, check_dashboard, dashboard_tunnel, follow_job, stop_hint, submit_job
+        from .report_ops import JobLogPrinter, render_interrupted_job, render_submit
+
         with _cluster(inventory_path) as (inv, pool), dashboard_tunnel(inv, pool) as (tunnel, token):
             dashboard = Dashboard(tunnel, token)
             version = check_dashboard(dashboard)
@@ -505,6 +514,9 @@ def dashboard_command(
     local port in use."""
 
     def action(output: Output) -> int:
+        from .jobs import Dashboard, check_dashboard, dashboard_tunnel
+        from .report_ops import render_dashboard
+
         with _cluster(inventory_path) as (inv, pool), dashboard_tunnel(inv, pool, port) as (tunnel, token):
             version = check_dashboard(Dashboard(tunnel, token))
             body = {
@@ -582,6 +594,10 @@ def bench_command(**values: Any) -> None:
     own = {k: values.pop(k) for k in list(values) if k not in BenchOptions.model_fields}
 
     def action(output: Output) -> int:
+        from .bench.client import BenchFailed, run_bench
+        from .checks.network import measure_network
+        from .report_bench import bench_progress, render_bench, save_svg
+
         options = _bench_options(values)
         with _cluster(own["inventory_path"]) as (inv, pool):
             network = measure_network(inv, pool, output.progress(), seconds=1.0) if own["network_check"] else []

@@ -20,10 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import psutil
 import yaml
-from cryptography.hazmat.primitives import serialization
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from .errors import OperationError, UsageError
 from .lab_engines import DOCKER, ENGINES, LabEngine, load_image
@@ -232,6 +229,8 @@ def lab_up(
         elif stale.status == "running":
             running.add(stale.name)
     starting = sum(h.name not in running for h in hosts)
+    import psutil  # here, not at the top: `raycluster doctor` imports this module for the lab verbs' defaults
+
     warnings = judge_resources(starting, count, psutil.virtual_memory().available, psutil.cpu_count() or 1)
     for warning in warnings:
         progress(f"warning: {warning}")
@@ -329,6 +328,9 @@ def render_inventory(
 def _ensure_key(lab_dir: Path) -> Path:
     key_path = lab_dir / "id_ed25519"
     if not key_path.exists():
+        from cryptography.hazmat.primitives import serialization
+        from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
         key = Ed25519PrivateKey.generate()
         private = key.private_bytes(
             serialization.Encoding.PEM, serialization.PrivateFormat.OpenSSH, serialization.NoEncryption()

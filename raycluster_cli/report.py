@@ -1,4 +1,8 @@
-"""Rendering: the only module that imports rich. Tables for people, one JSON document for programs."""
+"""Rendering: the only module that imports rich. Tables for people, one JSON document for programs.
+
+rich is imported where it draws, not at import time: a `--json` run that prints nothing on stderr never
+loads it (see tests/unit/test_cli_imports.py).
+"""
 
 from __future__ import annotations
 
@@ -8,16 +12,17 @@ import sys
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any, TextIO
-
-from rich.console import Console, Group, RenderableType
-from rich.progress import BarColumn, DownloadColumn, Progress, TaskID, TextColumn, TransferSpeedColumn
-from rich.table import Table
-from rich.text import Text
+from functools import cached_property
+from typing import TYPE_CHECKING, Any, TextIO
 
 from .checks import CheckResult, Status
 from .progress import Event, TransferProgress
 from .schema import SCHEMA_VERSION
+
+if TYPE_CHECKING:
+    from rich.console import Console, Group, RenderableType
+    from rich.progress import Progress, TaskID
+    from rich.table import Table
 
 _STATUS_STYLE = {Status.FAIL: "bold red", Status.WARN: "yellow", Status.OK: "green", Status.SKIP: "dim"}
 _ORDER = {Status.FAIL: 0, Status.WARN: 1, Status.SKIP: 2, Status.OK: 3}
@@ -29,10 +34,17 @@ class Output:
     def __init__(self, json_mode: bool, stdout: TextIO | None = None, stderr: TextIO | None = None) -> None:
         self.json_mode = json_mode
         self.stdout = stdout or sys.stdout
-        self.out = Console(file=self.stdout, highlight=False, soft_wrap=True)
-        self.err = Console(file=stderr or sys.stderr, highlight=False, soft_wrap=True)
+        self.stderr = stderr or sys.stderr
         self.events: list[str] = []  # every progress line so far: what an interrupted run had done
         self._documented = threading.Lock()
+
+    @cached_property
+    def out(self) -> Console:
+        return _console(self.stdout)
+
+    @cached_property
+    def err(self) -> Console:
+        return _console(self.stderr)
 
     def progress(self) -> Callable[[Event], None]:
         """A progress callback that prints one line per message (a transfer only when it is done)."""
@@ -50,14 +62,7 @@ class Output:
     @contextmanager
     def live_progress(self) -> Iterator[Callable[[Event], None]]:
         """A progress callback for lines and transfers: one bar per host receiving the image (on stderr)."""
-        bars = Progress(
-            TextColumn("[bold]{task.description}"),
-            BarColumn(),
-            DownloadColumn(),
-            TransferSpeedColumn(),
-            console=self.err,
-            transient=False,
-        )
+        bars: Progress | None = None  # made at the first transfer
         tasks: dict[str, TaskID] = {}
         finished: set[str] = set()
         lock = threading.Lock()
@@ -69,7 +74,9 @@ class Output:
                 _show(event)
 
         def _show(event: Event) -> None:
+            nonlocal bars
             if isinstance(event, TransferProgress):
+                bars = bars or _transfer_bars(self.err)
                 if event.host not in tasks:
                     if not bars.live.is_started:
                         bars.start()
@@ -84,14 +91,15 @@ class Output:
                     tasks.clear()
                     finished.clear()
             else:
-                (bars.console if bars.live.is_started else self.err).print(
+                (bars.console if bars and bars.live.is_started else self.err).print(
                     f"[dim]·[/dim] {_escape(event)}", markup=True
                 )
 
         try:
             yield sink
         finally:
-            bars.stop()
+            if bars is not None:
+                bars.stop()
 
     def warning(self, message: str) -> None:
         self.err.print(f"[bold yellow]warning:[/bold yellow] {_escape(message)}", markup=True)
@@ -118,6 +126,31 @@ class Output:
 
     def line(self, text: str) -> None:
         self.out.print(terminal_safe(text), markup=True)
+
+
+def _console(file: TextIO) -> Console:
+    from rich.console import Console
+
+    return Console(file=file, highlight=False, soft_wrap=True)
+
+
+def _transfer_bars(console: Console) -> Progress:
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
+
+    return Progress(
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        DownloadColumn(),
+        TransferSpeedColumn(),
+        console=console,
+        transient=False,
+    )
+
+
+def _table(**options: Any) -> Table:
+    from rich.table import Table
+
+    return Table(**options)
 
 
 # Terminal control sequences in text from hosts (log lines, error output, command output): CSI (colours,
@@ -150,7 +183,7 @@ def render_checks(output: Output, results: list[CheckResult]) -> None:
     for result in results:
         hosts.setdefault(result.host, []).append(result)
     for host, rows in hosts.items():
-        table = Table(title=f"host {host}", title_justify="left", show_lines=False, expand=False)
+        table = _table(title=f"host {host}", title_justify="left", show_lines=False, expand=False)
         table.add_column("status")
         table.add_column("check")
         table.add_column("finding")
@@ -178,7 +211,7 @@ def _render_network(output: Output, results: list[CheckResult]) -> None:
         return
     mtu = {r.host: r.data.get("mtu") for r in results if r.id == "mtu"}
     path = {r.host: r for r in results if r.id == "path-mtu"}
-    table = Table(title="network: head ↔ each worker", title_justify="left")
+    table = _table(title="network: head ↔ each worker", title_justify="left")
     for column in ("worker", "rtt (ms)", "→ head", "← head", "MTU", "path MTU", "tool"):
         table.add_column(column)
     for host, data in measured.items():
@@ -200,7 +233,7 @@ def _rate(bps: float) -> str:
 
 
 def render_up(output: Output, body: dict[str, Any]) -> None:
-    table = Table(title="Ray nodes", title_justify="left")
+    table = _table(title="Ray nodes", title_justify="left")
     table.add_column("host", min_width=15)
     for column in ("role", "node IP", "alive", "action", "CPU", "GPU", "other resources"):
         table.add_column(column)
@@ -263,7 +296,7 @@ def render_status(output: Output, body: dict[str, Any]) -> None:
 
 def status_view(body: dict[str, Any], title: str = "") -> Group:
     """The node table of `status` with its summary lines (also what `status --watch` redraws)."""
-    table = Table(title=title or f"cluster {body['cluster']}: {body['state']}", title_justify="left")
+    table = _table(title=title or f"cluster {body['cluster']}: {body['state']}", title_justify="left")
     table.add_column("host", min_width=15)
     table.add_column("role")
     table.add_column("container", min_width=9)
@@ -287,6 +320,9 @@ def status_view(body: dict[str, Any], title: str = "") -> Group:
         )
     totals = body["totals"]
     summary = ", ".join(f"{k} {v:g}" for k, v in totals["resources"].items() if k in {"CPU", "GPU"})
+    from rich.console import Group
+    from rich.text import Text
+
     lines: list[RenderableType] = [
         table,
         Text.from_markup(f"{totals['alive_nodes']}/{totals['hosts']} nodes alive; {summary or 'no resources'}"),
@@ -302,7 +338,7 @@ def _mark(text: str, good: bool) -> str:
 
 
 def render_logs(output: Output, body: dict[str, Any]) -> None:
-    table = Table(title=f"logs in {body['out']}", title_justify="left")
+    table = _table(title=f"logs in {body['out']}", title_justify="left")
     for column in ("host", "files", "MB", "error lines", "first error"):
         table.add_column(column)
     for host in body["hosts"]:

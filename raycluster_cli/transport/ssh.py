@@ -123,8 +123,7 @@ class SSHTransport:
     def _connect_once(self) -> paramiko.SSHClient:
         key = sshkeys.load(self.key_file, self.host) if self.key_file else None
         client = paramiko.SSHClient()
-        if self.known_hosts_file.exists():
-            client.load_host_keys(str(self.known_hosts_file))
+        sshkeys.add_known_keys(client, self.known_hosts_file, self._target)
         if self.known_hosts == "accept-new":
             client.set_missing_host_key_policy(_AcceptNewPolicy(self.known_hosts_file))
         else:

@@ -94,6 +94,36 @@ def _read(path: str, host: str) -> paramiko.PKey | None:
     raise _passphrase_error(host, path)
 
 
+def add_known_keys(client: paramiko.SSHClient, known_hosts_file: Path, target: str) -> None:
+    """Give `client` the keys `known_hosts_file` records for `target` (`host` or `[host]:port`).
+
+    What `client.load_host_keys(file)` would check at login, without parsing the whole file for every host:
+    the file is parsed once per run (again only when it changed, e.g. after accept-new recorded a key) and
+    each client gets only its own host's entries (hashed names included, as paramiko's lookup matches them).
+    """
+    known = _known_hosts(known_hosts_file)
+    entries = known.lookup(target) if known is not None else None
+    for key_type, key in (entries or {}).items():
+        client.get_host_keys().add(target, key_type, key)
+
+
+_known: dict[Path, tuple[tuple[int, int], paramiko.HostKeys]] = {}  # file → (its mtime and size, its keys)
+
+
+def _known_hosts(path: Path) -> paramiko.HostKeys | None:
+    try:
+        stat = path.stat()
+    except FileNotFoundError:
+        return None
+    stamp = (stat.st_mtime_ns, stat.st_size)
+    with _lock:
+        cached = _known.get(path)
+        if cached is None or cached[0] != stamp:
+            cached = (stamp, paramiko.HostKeys(str(path)))
+            _known[path] = cached
+        return cached[1]
+
+
 def _passphrase_error(host: str, path: str) -> AuthError:
     return AuthError(
         host,

@@ -1,0 +1,66 @@
+"""`doctor`, `status` and `down` on a few hosts are mostly the interpreter's start and its imports: importing
+the CLI must not load what only other verbs use. Each check runs in a fresh interpreter (this test process
+has imported everything already). Fails if someone puts one of these imports back at the top of cli.py."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+# What `import raycluster_cli.cli` must leave out, and why it is heavy or unneeded there.
+NOT_AT_IMPORT = [
+    "raycluster_cli.bench.client",  # bench
+    "raycluster_cli.cluster",  # up
+    "raycluster_cli.jobs",  # submit, dashboard (http.client, websockets)
+    "raycluster_cli.metrics",
+    "raycluster_cli.ops",  # exec
+    "raycluster_cli.report_bench",
+    "raycluster_cli.report_ops",
+    "http.client",
+    "rich",  # drawn on demand: a --json run that prints nothing on stderr never loads it
+    "psutil",  # lab up
+    "docker",  # the lab's SDK
+    "ray",
+    "torch",
+    "unittest",  # pulled in by invoke (below)
+]
+
+
+def _modules_after(code: str) -> set[str]:
+    script = f"import sys, json\n{code}\nprint(json.dumps(sorted(sys.modules)))"
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout
+    return set(json.loads(out.splitlines()[-1]))
+
+
+def test_importing_the_cli_loads_no_other_verbs_modules() -> None:
+    loaded = _modules_after("import raycluster_cli.cli")
+    eager = sorted(m for m in NOT_AT_IMPORT if m in loaded)
+    assert not eager, f"imported at `import raycluster_cli.cli`: {eager} (import them inside the verb that needs them)"
+
+
+def test_paramikos_invoke_is_imported_only_when_used() -> None:
+    """paramiko imports invoke only for ssh_config's `Match exec`: a stand-in defers it, and still works."""
+    loaded = _modules_after(
+        "import raycluster_cli.cli, paramiko.config\n"
+        "assert type(sys.modules['invoke']).__name__ == '_Deferred'\n"
+        "assert paramiko.config.invoke_import_error is None"
+    )
+    assert "invoke.tasks" not in loaded and "unittest" not in loaded
+    used = _modules_after(
+        "import raycluster_cli, paramiko.config\nassert paramiko.config.invoke.run('true', hide=True, warn=True).ok"
+    )
+    assert "invoke.runners" in used
+
+
+def test_match_exec_in_ssh_config_still_runs(tmp_path: Path) -> None:
+    config = tmp_path / "config"
+    config.write_text('Match exec "true"\n  User matched\nHost *\n  Port 2222\n')
+    code = (
+        "import raycluster_cli, paramiko\n"
+        f"c = paramiko.SSHConfig.from_path({str(config)!r})\n"
+        "print(c.lookup('192.0.2.1')['user'])"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "matched"
