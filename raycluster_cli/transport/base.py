@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import posixpath
 import shlex
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -39,7 +40,8 @@ class Transport(Protocol):
         ...
 
     def put(self, data: bytes, path: str, mode: int = 0o600) -> None:
-        """Write `data` to `path` atomically with `mode`, creating parent folders (mode 0700)."""
+        """Write `data` to `path` atomically with `mode`, creating missing folders: the file's own folder 0700,
+        the folders above it 0755 (as hoststate makes a cluster's folder and the state root)."""
         ...
 
     def feed(
@@ -73,10 +75,15 @@ def shell_path(path: str) -> str:
 def put_command(path: str, mode: int) -> str:
     """The shell command that `put` runs with the data on stdin (data never on a command line).
 
-    `path` may start with `~/` (the login user's home on the host)."""
-    directory = path.rsplit("/", 1)[0] or "/"
+    `path` may start with `~/` (the login user's home on the host). A missing folder on the way is made as
+    hoststate makes them: only the file's own folder is private (0700); those above it are 0755, so a
+    shared folder (`/etc/raycluster`) made by root under `umask 077` never locks another login out. The
+    file is written 0600 from the start, then given `mode`; existing folders keep their modes."""
+    directory = posixpath.dirname(path) or "."
+    above = posixpath.dirname(directory)
+    shared = f"(umask 022 && mkdir -p -- {shell_path(above)}) && " if above else ""
     tmp = shell_path(f"{path}.raycluster-tmp")
     return (
-        f"umask 077 && mkdir -p -- {shell_path(directory)} && cat > {tmp} && "
+        f"{shared}umask 077 && mkdir -p -- {shell_path(directory)} && cat > {tmp} && "
         f"chmod {mode:o} {tmp} && mv -f -- {tmp} {shell_path(path)}"
     )

@@ -147,6 +147,22 @@ def test_put_writes_the_token_0600_under_the_login_users_home_from_stdin(tmp_pat
     assert stat.S_IMODE(written.parent.stat().st_mode) == 0o700
 
 
+def test_put_makes_only_the_files_own_folder_private_and_the_folders_above_it_0755(tmp_path: Path) -> None:
+    """As root's `up` under `umask 077`: a shared folder that put makes on the way stays crossable by others."""
+    kept = tmp_path / "etc"
+    kept.mkdir(mode=0o711)  # an existing folder keeps its mode
+    kept.chmod(0o711)
+    command = put_command(f"{kept}/raycluster/demo/auth-token", 0o600)
+    done = subprocess.run(["sh", "-c", f"umask 077; {command}"], input="s3cret", capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    written = kept / "raycluster/demo/auth-token"
+    assert written.read_text() == "s3cret" and stat.S_IMODE(written.stat().st_mode) == 0o600
+    assert stat.S_IMODE(written.parent.stat().st_mode) == 0o700
+    assert stat.S_IMODE((kept / "raycluster").stat().st_mode) == 0o755
+    assert stat.S_IMODE(kept.stat().st_mode) == 0o711
+    assert [p.name for p in written.parent.iterdir()] == ["auth-token"]  # no temporary file left
+
+
 def test_make_and_remove_the_folder_without_sudo(tmp_path: Path) -> None:
     user = inv("ssh: {user: rayops}\n")
     host = user.hosts[1]
