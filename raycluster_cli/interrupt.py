@@ -50,14 +50,17 @@ def handled(
         if state.happened:
             return  # already stopping: a second Ctrl-C must not raise inside the cleanup
         state.signal = signal.Signals(number).name
+        # The last resort is armed first: the snapshot runs in the main thread wherever the signal caught
+        # it, and must never be what keeps the process alive. It is taken before the cancellation, which
+        # lets the host work end and forget its commands.
+        timer = threading.Timer(LAST_RESORT_S, last_resort, args=(state,))
+        timer.daemon = True
+        timer.start()
         try:
             state.running = running()
         except Exception:  # a snapshot for the report only; never fail the handler
             state.running = []
         cancel.request()
-        timer = threading.Timer(LAST_RESORT_S, last_resort, args=(state,))
-        timer.daemon = True
-        timer.start()
         raise KeyboardInterrupt
 
     cancel.reset()

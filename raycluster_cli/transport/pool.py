@@ -61,7 +61,9 @@ class SSHPool:
         self.inventory = inventory
         self.gate = LoginGate(inventory.ssh.max_parallel_logins)
         self._open: dict[str, SSHTransport] = {}
-        self._lock = threading.Lock()
+        # Re-entrant: a Ctrl-C handler runs in the main thread and asks `running()` while that thread may be
+        # inside `transport()` (up connects the head from it); a plain Lock deadlocked the handler there.
+        self._lock = threading.RLock()
         self.ssh_config = load_config(inventory.ssh.config_file)
         self.jumps = JumpHosts(self._jump_transport)
 

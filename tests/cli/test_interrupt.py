@@ -29,12 +29,17 @@ class SilentServer:
         self.port = port
         self.held = held
 
-    def wait_for_connection(self, timeout: float = 60) -> None:
-        """Until the CLI has dialled (so it runs and its signal handlers are in place)."""
+    def wait_for_connection(self, process: subprocess.Popen[str], timeout: float = 60) -> None:
+        """Until the CLI has dialled (so it runs and its signal handlers are in place). A CLI that ended
+        before dialling fails the test at once with its exit status and stderr (it used to wait the whole
+        timeout and then say only "never connected", e.g. when the inventory was refused with exit 2)."""
         deadline = time.monotonic() + timeout
-        while not self.held and time.monotonic() < deadline:
+        while not self.held and process.poll() is None and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert self.held, "the CLI never connected"
+        if not self.held and process.poll() is not None:
+            out, err = process.communicate()
+            pytest.fail(f"the CLI ended (exit {process.returncode}) before it dialled:\n{err}{out}")
+        assert self.held, f"the CLI never connected within {timeout:.0f}s"
 
 
 @pytest.fixture
@@ -90,12 +95,17 @@ def test_a_signal_stops_the_verb_within_5s_with_one_json_document(
         env=env,
         start_new_session=True,  # like a shell with job control: the signal is not ignored
     )
-    silent_port.wait_for_connection()  # every host now waits for its banner (60 s deadline)
+    silent_port.wait_for_connection(process)  # every host now waits for its banner (60 s deadline)
     time.sleep(0.5)
     assert process.poll() is None
     sent = time.monotonic()
     process.send_signal(signum)
-    process.send_signal(signum)  # a second Ctrl-C must not print a traceback
+    # More Ctrl-C while it stops must not print a traceback. Sent back to back, a second signal is merged
+    # by the kernel into the first one still pending (the test could not fail); so keep sending until it
+    # has ended, which lands signals in its handler, its cleanup and its exit.
+    while process.poll() is None and time.monotonic() - sent < 10:
+        time.sleep(0.002)
+        process.send_signal(signum)
     out, err = process.communicate(timeout=10)
     assert time.monotonic() - sent <= 5
     assert process.returncode == ExitCode.INTERRUPTED, err
