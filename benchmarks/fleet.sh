@@ -13,7 +13,9 @@
 #        ROUNDS=1 SIZES="1 3" P2P_HOSTS=2 RAY_NODES=0 IMAGE=<small image> benchmarks/fleet.sh   (smoke run)
 #        SIZES= RAY_NODES=0 benchmarks/fleet.sh   (only the image distribution; P2P_HOSTS=0: skip it)
 # Env: LAB (lab name, default "$RAYCLUSTER_LAB_NAME-bench"), SUBNET (default 10.80.0.0/24), HOSTS (lab size, at
-# least the largest N), IMAGE (the node image, default $RAYCLUSTER_NODE_IMAGE), KEEP=1 keeps the lab afterwards.
+# least the largest N), IMAGE (the node image, default $RAYCLUSTER_NODE_IMAGE), KEEP=1 keeps the lab afterwards,
+# BASELINE (a folder holding another checkout, e.g. `git worktree add /tmp/base main`): section 1 also times that
+# code's verbs ("doctor@base" …), alternated with this checkout's in every round, against the same floor.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 py=${PYTHON:-.venv/bin/python}
@@ -27,6 +29,7 @@ IMAGE=${IMAGE:-${RAYCLUSTER_NODE_IMAGE:-raycluster/node:0.1.0}}
 DOCKER=$(command -v /usr/bin/docker || command -v docker)
 out=$(mktemp -d /tmp/raycluster-fleet.XXXXXX)
 rc() { "$py" -m raycluster_cli.cli "$@"; }
+base() { (cd "$BASELINE" && "$py" -m raycluster_cli.cli "$@"); }  # -m finds the checkout in the current folder
 load() { cut -d' ' -f1 /proc/loadavg; }
 max=${HOSTS:-0}; for n in $SIZES $P2P_HOSTS $RAY_NODES; do [ "$n" -gt "$max" ] && max=$n; done
 echo "# fleet benchmark $(date -u +%FT%TZ) on $(nproc) cores, $(free -g | awk '/Mem:/{print $2}') GiB; lab $LAB ($max hosts); results in $out"
@@ -64,7 +67,12 @@ for n in $SIZES; do
   inv=$out/hosts-$n.yaml
   for ((r = 1; r <= ROUNDS; r++)); do
     { echo "floor $(timed floor "$inv" | cut -d' ' -f2) $(load)"
-      for verb in doctor status down; do echo "$verb $(timed rc "$verb" -i "$inv" --json | cut -d' ' -f2) $(load)"; done
+      for verb in doctor status down; do
+        runs="rc"; [ -z "${BASELINE:-}" ] || { ((r % 2)) && runs="rc base" || runs="base rc"; }
+        for how in $runs; do
+          echo "$verb$([ "$how" = base ] && echo @base) $(timed "$how" "$verb" -i "$inv" --json | cut -d' ' -f2) $(load)"
+        done
+      done
     } >>"$out/times-$n.txt"
   done
   "$py" benchmarks/fleet_summary.py times "$n" "$out/times-$n.txt"

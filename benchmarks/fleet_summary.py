@@ -1,6 +1,7 @@
 """Summaries for fleet.sh.
 
-`times N FILE`: FILE has lines "WHAT SECONDS LOAD"; prints each verb's median and its ratio to the floor's.
+`times N FILE`: FILE has lines "WHAT SECONDS LOAD"; prints each verb's median and its ratio to the floor's
+(with BASELINE, "VERB@base" too: the other checkout's, measured in the same rounds).
 `commands VERB BEFORE AFTER`: per-host session counts before and after one run of VERB; prints min/max.
 """
 
@@ -21,9 +22,9 @@ def times(n: str, path: str) -> None:
         loads.append(float(load))
     floor = statistics.median(seen["floor"])
     parts = [f"floor {floor:.2f}s"]
-    for verb in ("doctor", "status", "down"):
-        median = statistics.median(seen[verb])
-        parts.append(f"{verb} {median:.2f}s ({median / floor:.2f}x)")
+    for what in [name for verb in ("doctor", "status", "down") for name in (verb, f"{verb}@base") if name in seen]:
+        median = statistics.median(seen[what])
+        parts.append(f"{what} {median:.2f}s ({median / floor:.2f}x)")
     rounds = len(seen["floor"])
     print(f"{n:>3} hosts: " + ", ".join(parts) + f"; {rounds} rounds, load {min(loads):.1f}-{max(loads):.1f}")
 
