@@ -218,11 +218,12 @@ def up_command(
 
     def action(output: Output) -> int:
         from .cluster import up
+        from .report_up import up_view
 
         ignored = ignore_ids(ignore)
         with (
             _cluster(inventory_path) as (inv, pool),
-            output.live_progress() as progress,
+            up_view(output) as progress,
             cluster_lock(inv, "up", progress=progress),
         ):
             if insecure or inv.ray.auth == "none":

@@ -7,8 +7,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .containers import container_name
+from .facts import Fact
 from .inventory import HostConfig, Inventory
-from .transport import Transport, quote
+from .transport import quote
 
 _SEPARATOR = "--raycluster--"
 _GCS_TROUBLE = re.compile(r"(connect|reach).{0,40}\bGCS\b|\bGCS\b.{0,60}(unavailable|timed? ?out|refused)", re.I)
@@ -113,6 +114,6 @@ def _last_error(lines: list[str]) -> str:
     return lines[-1].strip()[:200] if lines else ""
 
 
-def gather(transport: Transport, inventory: Inventory, host: HostConfig) -> Evidence:
-    result = transport.run(evidence_command(inventory, host), timeout=60)
-    return parse_evidence(result.stdout)
+EVIDENCE: Fact[Evidence] = Fact(
+    "evidence", lambda ctx: evidence_command(ctx.inventory, ctx.host), lambda result: parse_evidence(result.stdout)
+)

@@ -1,10 +1,9 @@
-"""One Ray node container on one host: its environment, what `up` must do with it, and doing it."""
+"""One Ray node container on one host: the facts `up` reads there, what it must do, and the one command doing it."""
 
 from __future__ import annotations
 
 import hashlib
 import json
-import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,18 +18,19 @@ from .containers import (
     config_hash,
     container_name,
     docker_run_command,
-    env_file_content,
-    env_path_on_host,
     inspect_name_command,
     parse_ps,
     run_argv,
 )
 from .engine import image_id
 from .errors import OperationError
+from .facts import Fact, HostContext
+from .hoststate import cluster_dir, fix_hint, login_user, make_dir_command
 from .inventory import HostConfig, Inventory
-from .transport import Transport, quote
+from .transport import CommandResult, Transport, quote, shell_path
 
 DERIVED_ENV = ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME")
+_SEP = "--raycluster--"
 
 
 def node_env(inventory: Inventory, host: HostConfig, ip_addr_output: str) -> dict[str, str]:
@@ -47,12 +47,39 @@ def node_env(inventory: Inventory, host: HostConfig, ip_addr_output: str) -> dic
     return env
 
 
-def prepare(transport: Transport, inventory: Inventory, host: HostConfig) -> bytes:
-    """Write the host's env file (0600, in the host state folder, see hoststate.py); return its content."""
-    nics = transport.run("ip -o -4 addr show", timeout=30)
-    content = env_file_content(node_env(inventory, host, nics.stdout if nics.ok else ""))
-    transport.put(content, env_path_on_host(inventory, host))
-    return content
+@dataclass(frozen=True)
+class ContainerView:
+    """Our node container on a host as `up` needs it: the container (None: there is none), the image ID it
+    runs, and the digest of the env and token files it started with (None: not running)."""
+
+    container: Container | None
+    image_id: str = ""
+    files_digest: str | None = None
+
+
+def container_command(ctx: HostContext) -> str:
+    """The container named like ours; when it runs, its image ID and the digest of the files it reads at start
+    (bind mounts keep the file a container started with, even after `up` rewrote the host's copy)."""
+    name = quote(container_name(ctx.inventory, ctx.host))
+    files = f"cat {ENV_IN_CONTAINER} {TOKEN_IN_CONTAINER} 2>/dev/null | sha256sum"
+    return (
+        f"{inspect_name_command(container_name(ctx.inventory, ctx.host))}; echo {_SEP}; "
+        f"if [ \"$(docker inspect --format '{{{{.State.Running}}}}' {name} 2>/dev/null)\" = true ]; then "
+        f"docker inspect --format '{{{{.Image}}}}' {name}; echo {_SEP}; docker exec {name} sh -c {quote(files)}; fi"
+    )
+
+
+def parse_container_view(result: CommandResult) -> ContainerView:
+    parts = result.stdout.split(_SEP)
+    found = parse_ps(parts[0])
+    if not found:
+        return ContainerView(None)
+    seen = image_id(parts[1]) if len(parts) > 1 else ""
+    digest = parts[2].split()[0] if len(parts) > 2 and parts[2].split() else None
+    return ContainerView(found[0], seen, digest)
+
+
+CONTAINER: Fact[ContainerView] = Fact("container", container_command, parse_container_view)
 
 
 @dataclass(frozen=True)
@@ -67,20 +94,24 @@ def files_digest(env: bytes, token: bytes | None) -> str:
     return hashlib.sha256(env + (token or b"")).hexdigest()
 
 
-def plan_node(transport: Transport, inventory: Inventory, host: HostConfig, digest: str, force: str = "") -> Plan:
-    """What `up` must do on `host`; refuse a container named like ours that this cluster did not start."""
-    name = container_name(inventory, host)
-    found = parse_ps(transport.run(inspect_name_command(name)).stdout)
-    if not found:
+def plan_node(
+    inventory: Inventory, host: HostConfig, view: ContainerView, image_id: str, digest: str, force: str = ""
+) -> Plan:
+    """What `up` must do on `host` (pure); refuse a container named like ours that this cluster did not start.
+
+    `image_id` is the ID the inventory's image name has on the host now.
+    """
+    existing = view.container
+    if existing is None:
         return Plan("start")
-    existing = found[0]
     if existing.labels.get(LABEL_CLUSTER) != inventory.cluster or existing.labels.get(LABEL_ROLE) != host.role:
+        name = container_name(inventory, host)
         raise OperationError(
             f"{host.address}: a container named {name} exists that this cluster did not start",
             f"remove or rename it on {host.address} (docker rm -f {name}) if it is not needed",
         )
-    image_ids, seen = _container_view(transport, existing, inventory.image)
-    return Plan(*decide(existing, inventory, host, force, image_ids, seen, digest))
+    ids = (view.image_id, image_id or "?")
+    return Plan(*decide(existing, inventory, host, force, ids, view.files_digest, digest))
 
 
 def decide(
@@ -107,58 +138,93 @@ def decide(
     return "keep", ""
 
 
-def _container_view(transport: Transport, existing: Container, image: str) -> tuple[tuple[str, str], str | None]:
-    """The container's image ID, the image name's ID now, and the digest of the files the container started
-    with (bind mounts keep the file a container started with, even after `up` rewrote the host's copy)."""
-    sep = "--raycluster--"
-    files = f"cat {ENV_IN_CONTAINER} {TOKEN_IN_CONTAINER} 2>/dev/null | sha256sum"
-    out = transport.run(
-        f"docker inspect --format '{{{{.Image}}}}' {quote(existing.id)}; echo {sep}; "
-        f"docker image inspect --format '{{{{.Id}}}}' {quote(image)}; echo {sep}; "
-        f"docker exec {quote(existing.id)} sh -c {quote(files)}"
-    ).stdout
-    parts = out.split(sep)
-    ids = (image_id(parts[0]), image_id(parts[1]) or "?") if len(parts) > 1 else ("", "?")
-    digest = parts[2].split()[0] if len(parts) > 2 and parts[2].split() else None
-    return ids, digest
+_DIR_FAILED = 89
+_WRITE_FAILED = 90
+_RUN_FAILED = 91
 
 
-def apply(transport: Transport, inventory: Inventory, host: HostConfig, plan: Plan) -> str:
-    """Carry out a plan; return the action taken (running / started / restarted)."""
+def start_command(inventory: Inventory, host: HostConfig, plan: Plan, files: dict[str, bytes]) -> tuple[str, bytes]:
+    """One remote command (and its stdin) that makes the host state folder (hoststate.py), writes `files` there
+    (path → content, 0600, the data on stdin, never on a command line), then removes the old container if the
+    plan replaces it and starts the new one."""
+    folder = f"{make_dir_command(inventory, host)} || {{ echo 'raycluster: cannot make the folder' >&2; exit {_DIR_FAILED}; }}"
+    parts = ["umask 077"]
+    for path, data in files.items():
+        tmp = shell_path(f"{path}.raycluster-tmp")
+        # dd reads exactly its count from the shared stdin (a `head -c` could read ahead into the next file)
+        parts.append(
+            f"dd bs=1 count={len(data)} of={tmp} 2>/dev/null && chmod 600 {tmp} && mv -f -- {tmp} {shell_path(path)}"
+        )
+    write = " && ".join(parts) + f" || {{ echo 'raycluster: cannot write its files' >&2; exit {_WRITE_FAILED}; }}"
+    stdin = b"".join(files.values())
     if plan.action == "keep":
-        return "running"
-    if plan.action == "replace":
-        transport.run("docker rm -f " + quote(container_name(inventory, host)))
-    result = transport.run(docker_run_command(inventory, host), timeout=120)
+        return f"{folder}; {write}", stdin
+    name = quote(container_name(inventory, host))
+    remove = f"docker rm -f {name} >/dev/null 2>&1; " if plan.action == "replace" else ""
+    return f"{folder}; {write}; {remove}{docker_run_command(inventory, host)} || exit {_RUN_FAILED}", stdin
+
+
+def apply(transport: Transport, inventory: Inventory, host: HostConfig, plan: Plan, files: dict[str, bytes]) -> str:
+    """Carry out a plan in one remote command; return the action taken (running / started / restarted)."""
+    command, stdin = start_command(inventory, host, plan, files)
+    result = transport.run(command, stdin=stdin, timeout=120)
+    if result.rc == _DIR_FAILED:
+        raise OperationError(
+            f"{host.address}: cannot create {cluster_dir(inventory, host)} as {login_user(inventory, host)}: "
+            f"{result.first_line()}",
+            fix_hint(inventory, host),
+        )
+    if result.rc == _WRITE_FAILED:
+        raise OperationError(
+            f"{host.address}: cannot write {', '.join(files)}: {result.first_line()}", "check disk and permissions"
+        )
     if not result.ok:
         raise OperationError(
             f"{host.address}: docker run failed: {result.first_line()}",
             "check the image and docker.run_options in the inventory",
         )
-    return "started" if plan.action == "start" else "restarted"
+    return {"keep": "running", "start": "started"}.get(plan.action, "restarted")
 
 
-def wait_head(transport: Transport, inventory: Inventory, timeout_s: float) -> None:
-    name = container_name(inventory, inventory.head_host)
-    address = f"{inventory.head_address}:{inventory.ray.port}"
-    deadline = time.monotonic() + timeout_s
-    while True:
-        state = parse_ps(transport.run(inspect_name_command(name)).stdout)
-        if not state or not state[0].running:
-            raise OperationError(
-                f"{inventory.head_host.address}: the head container exited: {tail(transport, name)}",
-                f"see `docker logs {name}` on {inventory.head_host.address}",
-            )
-        check = transport.run(f"docker exec {quote(name)} ray health-check --address {quote(address)}", timeout=60)
-        if check.ok:
-            return
-        if time.monotonic() > deadline:
-            raise OperationError(
-                f"{inventory.head_host.address}: the head's GCS did not answer within {timeout_s:.0f}s: "
-                f"{tail(transport, name)}",
-                f"see `docker logs {name}` on {inventory.head_host.address}",
-            )
-        time.sleep(1.0)
+# `ray start` prints this once its node is registered in the GCS (ray/_private/node.py waits for that before
+# returning): a head that said it accepts drivers and workers; one that did not may still refuse them.
+RAY_STARTED = "Ray runtime started."
+EXITED = 3
+TIMED_OUT = 4
+
+
+def started_command(inventory: Inventory, host: HostConfig, timeout_s: float) -> str:
+    """A loop on the host: until its container's log says its Ray node is registered (exit 0), the container
+    stops running (exit 3) or `timeout_s` passes (exit 4); then the container's last log lines.
+
+    It runs only docker's CLI each half second: no Python start-up competes with the starting node."""
+    name = quote(container_name(inventory, host))
+    tail = f"docker logs --tail 3 {name} 2>&1"
+    return (
+        f"end=$(( $(date +%s) + {max(0, int(timeout_s))} )); while :; do "
+        f"docker logs {name} 2>&1 | grep -qF {quote(RAY_STARTED)} && exit 0; "
+        f"[ \"$(docker inspect --format '{{{{.State.Running}}}}' {name} 2>/dev/null)\" = true ] "
+        f"|| {{ {tail}; exit {EXITED}; }}; "
+        f'[ "$(date +%s)" -ge "$end" ] && {{ {tail}; exit {TIMED_OUT}; }}; sleep 0.5; done'
+    )
+
+
+def wait_started(transport: Transport, inventory: Inventory, host: HostConfig, timeout_s: float) -> CommandResult:
+    """Until the host's Ray node is registered (one remote command); the result says how it ended (rc 0, 3, 4)."""
+    return transport.run(started_command(inventory, host, timeout_s), timeout=timeout_s + 60)
+
+
+def start_failure(inventory: Inventory, host: HostConfig, result: CommandResult, timeout_s: float) -> OperationError:
+    """The error naming why a node did not start, from `wait_started`'s result."""
+    name = container_name(inventory, host)
+    last = " | ".join(line.strip() for line in result.stdout.splitlines() if line.strip())[-300:] or "(no log)"
+    if result.rc == EXITED:
+        what = f"the {host.role} container exited"
+    elif result.rc == TIMED_OUT:
+        what = f"the {host.role}'s Ray node did not start within {timeout_s:.0f}s"
+    else:
+        what = f"cannot wait for the {host.role}'s Ray node: {result.first_line()}"
+    return OperationError(f"{host.address}: {what}: {last}", f"see `docker logs {name}` on {host.address}")
 
 
 def probe(
@@ -169,22 +235,19 @@ def probe(
     gcs = f"{inventory.head_address}:{inventory.ray.port}"
     command = (
         f"docker exec {quote(name)} python -m raycluster_cli.probe --address {quote(gcs)} "
-        f"--expect {quote(','.join(expect))} --stale-ids {quote(','.join(stale or []))}"
+        f"--expect {quote(','.join(expect))} --stale-ids {quote(','.join(stale or []))} --timeout {timeout_s:.0f}"
     )
-    result = transport.run(f"{command} --timeout {timeout_s:.0f}", timeout=timeout_s + 60)
+    result = transport.run(command, timeout=timeout_s + 60)
     try:
-        document = json.loads(result.stdout.strip().splitlines()[-1])
-    except (ValueError, IndexError):
+        document = json.loads(result.stdout)  # the probe's stdout is its one document (Ray's output: stderr)
+    except ValueError:
+        document = None
+    if not isinstance(document, dict):
         raise OperationError(
             f"{inventory.head_host.address}: cannot read the cluster's nodes: {result.first_line()}",
             f"see `docker logs {name}`",
-        ) from None
+        )
     if "nodes" not in document:
         raise OperationError(f"{inventory.head_host.address}: {document.get('error')}", f"see `docker logs {name}`")
     nodes: list[dict[str, Any]] = document["nodes"]
     return nodes
-
-
-def tail(transport: Transport, name: str, lines: int = 3) -> str:
-    out = transport.run(f"docker logs --tail {lines} {quote(name)} 2>&1")
-    return " | ".join(line.strip() for line in out.stdout.splitlines() if line.strip())[-300:] or "(no log)"

@@ -1,7 +1,8 @@
 """Runs inside the head's container: wait until the expected node IPs are alive Ray nodes, print JSON.
 
 `raycluster up` and `status` call `docker exec <head> python -m raycluster_cli.probe --expect IP,...`.
-One `ray.init` per call keeps polling cheap.
+One `ray.init` per call keeps polling cheap. Its stdout carries nothing but its one JSON document: whatever Ray
+prints (its Python loggers and its C++ core worker write to fd 1 too) goes to stderr.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 import time
 
@@ -22,6 +24,7 @@ def main(argv: list[str] | None = None) -> int:
         "--stale-ids", default="", help="comma-separated node IDs whose containers were replaced: wait until dead"
     )
     args = parser.parse_args(argv)
+    document = _own_stdout()
     expected = {ip for ip in args.expect.split(",") if ip}
     stale = {node_id for node_id in args.stale_ids.split(",") if node_id}
 
@@ -30,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         ray.init(address=args.address, logging_level=logging.ERROR, log_to_driver=False)
     except Exception as exc:
-        print(json.dumps({"ok": False, "error": f"{type(exc).__name__}: {exc}".splitlines()[0]}))
+        _say(document, {"ok": False, "error": f"{type(exc).__name__}: {exc}".splitlines()[0]})
         return 1
     deadline = time.monotonic() + args.timeout
     while True:
@@ -55,8 +58,20 @@ def main(argv: list[str] | None = None) -> int:
         }
         for n in nodes
     ]
-    print(json.dumps({"ok": settled, "nodes": report}))
+    _say(document, {"ok": settled, "nodes": report})
     return 0 if settled else 1
+
+
+def _own_stdout() -> int:
+    """A copy of fd 1 for the document; fd 1 itself (and sys.stdout) then point at stderr, for Ray's output."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    os.dup2(2, 1)
+    return saved
+
+
+def _say(fd: int, document: dict[str, object]) -> None:
+    os.write(fd, (json.dumps(document) + "\n").encode())
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Literal
 
 
 @dataclass(frozen=True)
@@ -18,7 +19,27 @@ class TransferProgress:
     label: str = ""  # what to call the bar; default "image → <host>"
 
 
-Event = str | TransferProgress
+Phase = Literal["checking", "checked", "receiving", "starting", "waiting", "joined", "failed"]
+PHASES: tuple[Phase, ...] = ("checking", "checked", "receiving", "starting", "waiting", "joined", "failed")
+
+
+@dataclass(frozen=True)
+class HostPhase:
+    """Where one host is in `up`: checking → (receiving the image) → starting → waiting → joined, or failed.
+
+    `detail` says more (why it failed, what is being waited for); `joined` and `total` count the nodes
+    alive so far out of the inventory's, as `up` knew them when it reported this.
+    """
+
+    host: str
+    role: str
+    phase: Phase
+    detail: str = ""
+    joined: int = 0
+    total: int = 0
+
+
+Event = str | TransferProgress | HostPhase
 Progress = Callable[[Event], None]
 
 

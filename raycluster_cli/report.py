@@ -16,7 +16,7 @@ from functools import cached_property
 from typing import TYPE_CHECKING, Any, TextIO
 
 from .checks import CheckResult, Status
-from .progress import Event, TransferProgress
+from .progress import Event, HostPhase, TransferProgress
 from .schema import SCHEMA_VERSION
 
 if TYPE_CHECKING:
@@ -54,8 +54,9 @@ class Output:
                 if not event.done:
                     return
                 event = f"{event.label or 'image → ' + event.host}: {event.sent} bytes"
-            self.events.append(event)
-            self.err.print(f"[dim]·[/dim] {_escape(event)}", markup=True)
+            text = phase_text(event)
+            self.events.append(text)
+            self.err.print(f"[dim]·[/dim] {_escape(text)}", markup=True)
 
         return sink
 
@@ -69,7 +70,7 @@ class Output:
 
         def sink(event: Event) -> None:
             if not isinstance(event, TransferProgress):
-                self.events.append(event)
+                self.events.append(phase_text(event))
             with lock:
                 _show(event)
 
@@ -92,7 +93,7 @@ class Output:
                     finished.clear()
             else:
                 (bars.console if bars and bars.live.is_started else self.err).print(
-                    f"[dim]·[/dim] {_escape(event)}", markup=True
+                    f"[dim]·[/dim] {_escape(phase_text(event))}", markup=True
                 )
 
         try:
@@ -151,6 +152,15 @@ def _table(**options: Any) -> Table:
     from rich.table import Table
 
     return Table(**options)
+
+
+def phase_text(event: str | HostPhase) -> str:
+    """A progress line: the text itself, or `HOST ROLE: PHASE: DETAIL (J/N joined)` for a host's phase."""
+    if isinstance(event, str):
+        return event
+    detail = f": {event.detail}" if event.detail else ""
+    count = f" ({event.joined}/{event.total} joined)" if event.phase in ("joined", "failed") and event.total else ""
+    return f"{event.host} {event.role}: {event.phase}{detail}{count}"
 
 
 # Terminal control sequences in text from hosts (log lines, error output, command output): CSI (colours,

@@ -105,7 +105,7 @@ def test_up_refuses_on_failed_preflight(
     refused_inventory: Path, monkeypatch: pytest.MonkeyPatch, local_image: str | None
 ) -> None:
     # Whether this machine has the node image must not matter: SSH failing is the cause to report.
-    monkeypatch.setattr("raycluster_cli.cluster.local_image_id", lambda _: local_image)
+    monkeypatch.setattr("raycluster_cli.uprun.local_image_id", lambda _: local_image)
     code, out, _ = invoke("up", "-i", str(refused_inventory), "--json")
     assert code == ExitCode.FAILED
     doc = json.loads(out)

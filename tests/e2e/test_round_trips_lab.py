@@ -11,6 +11,8 @@ import pytest
 
 from raycluster_cli import inventory
 from raycluster_cli.checks import Status, run_checks
+from raycluster_cli.cluster import up
+from raycluster_cli.progress import HostPhase
 from raycluster_cli.transport.pool import SSHPool
 
 from .conftest import Lab
@@ -43,3 +45,24 @@ def test_doctor_runs_at_most_four_remote_commands_per_host(lab_hosts: Lab, exec_
     assert set(exec_counts) == {str(h.address) for h in inv.hosts}
     print(f"doctor: remote commands per host {dict(exec_counts)}")
     assert max(exec_counts.values()) <= 4, exec_counts
+
+
+def test_up_runs_at_most_eight_remote_commands_per_worker(lab_hosts: Lab, exec_counts: Counter[str]) -> None:
+    """Issue 11 item 2: from a stopped cluster to every node joined, ≤ 8 remote commands per worker."""
+    code, _, err = lab_hosts.cli("down")
+    assert code == 0, err
+    exec_counts.clear()
+    inv = inventory.load(lab_hosts.inventory).inventory
+    pool = SSHPool(inv)
+    events: list[object] = []
+    try:
+        result = up(inv, pool, progress=events.append)
+    finally:
+        pool.close()
+        lab_hosts.cli("down")
+    assert result.ok, [n.to_dict() for n in result.nodes]
+    print(f"up: remote commands per host {dict(exec_counts)}")
+    assert max(exec_counts[str(w.address)] for w in inv.workers) <= 8, exec_counts
+    joined = [e for e in events if isinstance(e, HostPhase) and e.phase == "joined"]
+    assert sorted(e.host for e in joined) == sorted(str(h.address) for h in inv.hosts)
+    assert max(e.joined for e in joined) == len(inv.hosts)

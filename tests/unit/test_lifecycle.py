@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 
@@ -9,7 +10,6 @@ import pytest
 
 from raycluster_cli import inventory
 from raycluster_cli.checks import CheckResult, Status
-from raycluster_cli.cluster import _missing_error, _wait_nodes
 from raycluster_cli.containers import LABEL_CLUSTER, LABEL_CONFIG, LABEL_ROLE, Container, config_hash, run_argv
 from raycluster_cli.diagnose import Evidence, diagnose, evidence_command, parse_evidence
 from raycluster_cli.errors import InventoryError, OperationError, TransportError
@@ -167,15 +167,15 @@ def test_decide_replaces_our_container_and_says_why(
 
 
 def test_plan_node_refuses_a_foreign_container_named_like_ours() -> None:
-    from raycluster_cli.nodes import plan_node
+    from raycluster_cli.nodes import parse_container_view, plan_node
 
     inv = _inv()
     row = '{"ID":"f00","Names":"raycluster-demo-worker","State":"running","Image":"x","Labels":""}'
-    fake = FakeTransport(HOSTS[1], {"docker ps": row})
+    view = parse_container_view(CommandResult(0, row + "\n--raycluster--\n" + A + "\n--raycluster--\nd1  -\n", ""))
+    assert view.container is not None and view.image_id == A and view.files_digest == "d1"
     with pytest.raises(OperationError) as info:
-        plan_node(fake, inv, inv.hosts[1], "d1")
+        plan_node(inv, inv.hosts[1], view, A, "d1")
     assert "did not start" in info.value.message and "docker rm -f raycluster-demo-worker" in info.value.hint
-    assert not any("rm -f" in c for c in fake.commands)
 
 
 # diagnosis of nodes that did not join ------------------------------------------------------------
@@ -425,14 +425,13 @@ class _Host(FakeTransport):
     def running(self) -> bool:
         return not (self.exits_always or (self.exits_first and self.starts == 1))
 
-    def run(self, command: str, *, stdin: bytes | None = None, timeout: float | None = 120.0) -> CommandResult:
+    def answer(self, command: str) -> CommandResult:
         self.commands.append(command)
-        if command.startswith("docker run"):
+        if "docker run" in command:
             self.starts += 1
             return CommandResult(0, "id", "")
-        if command.startswith("docker ps"):
-            state = "running" if self.running() else "exited"
-            return CommandResult(0, f'{{"ID":"c","Names":"n","State":"{state}","Image":"i","Labels":""}}', "")
+        if command.startswith("end=$(("):  # waiting for its Ray node to register
+            return CommandResult(0, "", "") if self.running() else CommandResult(3, "exited\n", "")
         return CommandResult(0, "", "")
 
 
@@ -441,23 +440,27 @@ class _Head(_Host):
         super().__init__(HOSTS[0], False)
         self.workers = workers
 
-    def run(self, command: str, *, stdin: bytes | None = None, timeout: float | None = 120.0) -> CommandResult:
+    def answer(self, command: str) -> CommandResult:
         if "raycluster_cli.probe" in command:
             nodes = [{"node_ip": HOSTS[0], "node_id": "h", "alive": True}] + [
                 {"node_ip": ip, "node_id": ip, "alive": w.running()} for ip, w in self.workers.items()
             ]
             return CommandResult(0, json.dumps({"nodes": nodes}), "")
-        return super().run(command, stdin=stdin, timeout=timeout)
+        return super().answer(command)
 
 
-def _wait(workers: dict[str, _Host]) -> tuple[list[dict[str, object]], list[str], list[str]]:
-    from raycluster_cli.cluster import _wait_nodes
+def _wait(workers: dict[str, _Host]) -> tuple[list[dict[str, object]], list[str], list[object]]:
+    from raycluster_cli.upjoin import NodesMissing, wait
+    from raycluster_cli.uprun import UpRun
 
     inv = _inv()
     hosts: dict[str, FakeTransport] = {HOSTS[0]: _Head(workers), **workers}
-    said: list[str] = []
-    nodes, retried = _wait_nodes(inv, lambda h: hosts[str(h.address)], list(HOSTS), [], 60, said.append)  # type: ignore[arg-type]
-    return nodes, retried, said
+    said: list[object] = []
+    run = UpRun(inv, lambda h: hosts[str(h.address)], said.append, 60, frozenset())
+    with contextlib.suppress(NodesMissing):
+        wait(run)
+    retried = [r.address for r in run.runs.values() if r.retried]
+    return run.nodes, retried, [s for s in said if isinstance(s, str) and s != "waiting for every node to join"]
 
 
 def test_a_worker_that_exited_while_starting_is_started_once_more() -> None:
@@ -484,90 +487,98 @@ class _FlakyHead(_Head):
         self.failures = failures
         self.probes = 0
 
-    def run(self, command: str, *, stdin: bytes | None = None, timeout: float | None = 120.0) -> CommandResult:
+    def answer(self, command: str) -> CommandResult:
         if "raycluster_cli.probe" in command:
             self.probes += 1
             if self.probes <= self.failures:
                 return CommandResult(1, "", "core_worker_process.cc:247: Failed to register worker to Raylet: IOError")
-        return super().run(command, stdin=stdin, timeout=timeout)
+        return super().answer(command)
 
 
 @pytest.mark.parametrize("failures", [1, 2, 3])
 def test_a_node_list_the_head_could_not_give_is_asked_again_a_few_times(
     failures: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from raycluster_cli import cluster
+    from raycluster_cli import upjoin
     from raycluster_cli.errors import OperationError
+    from raycluster_cli.uprun import UpRun
 
-    monkeypatch.setattr(cluster, "_PROBE_PAUSE_S", 0.0)
+    monkeypatch.setattr(upjoin, "_PROBE_PAUSE_S", 0.0)
     workers = {HOSTS[1]: _Host(HOSTS[1], False), HOSTS[2]: _Host(HOSTS[2], False)}
     head = _FlakyHead(workers, failures)
     hosts: dict[str, FakeTransport] = {HOSTS[0]: head, **workers}
-    said: list[str] = []
-
-    def wait() -> list[dict[str, object]]:
-        return cluster._wait_nodes(_inv(), lambda h: hosts[str(h.address)], list(HOSTS), [], 60, said.append)[0]  # type: ignore[arg-type]
-
-    if failures > cluster._PROBE_RETRIES:
+    said: list[object] = []
+    run = UpRun(_inv(), lambda h: hosts[str(h.address)], said.append, 60, frozenset())
+    if failures > upjoin.PROBE_RETRIES:
         with pytest.raises(OperationError, match="cannot read the cluster's nodes: core_worker_process"):
-            wait()
-        assert head.probes == cluster._PROBE_RETRIES + 1
+            upjoin.wait(run)
+        assert head.probes == upjoin.PROBE_RETRIES + 1
     else:
-        assert all(n["alive"] for n in wait())
-        assert len(said) == failures and "asking the head again" in said[0]
+        upjoin.wait(run)
+        assert all(n["alive"] for n in run.nodes) and all(r.alive for r in run.runs.values())
+        again = [s for s in said if isinstance(s, str) and "asking the head again" in s]
+        assert len(again) == failures
 
 
 class _Paused(_Host):
-    """A worker whose container is paused (frozen): `docker ps` says paused, its node never joins."""
+    """A worker whose container is paused (frozen): it still counts as running, its node never registers."""
 
-    def running(self) -> bool:
-        return False
-
-    def run(self, command: str, *, stdin: bytes | None = None, timeout: float | None = 120.0) -> CommandResult:
-        if command.startswith("docker ps"):
-            return CommandResult(0, '{"ID":"c","Names":"n","State":"paused","Image":"i","Labels":""}', "")
-        return super().run(command, stdin=stdin, timeout=timeout)
+    def answer(self, command: str) -> CommandResult:
+        if command.startswith("end=$(("):  # the wait on the host ends by its own deadline: rc 4, timed out
+            self.commands.append(command)
+            return CommandResult(4, "(paused)\n", "")
+        return super().answer(command)
 
 
 class _FreezesOnRestart(_Host):
     """A worker whose container exited, and whose host stops answering when it is started again."""
 
     def run(self, command: str, *, stdin: bytes | None = None, timeout: float | None = 120.0) -> CommandResult:
-        if command.startswith("docker rm") or command.startswith("docker run"):
+        if "docker run" in command and self.starts > 1:
             raise TransportError(self.host, "the host stopped answering (nothing received for 6s)", "check it")
         return super().run(command, stdin=stdin, timeout=timeout)
 
 
-def _wait_briefly(workers: dict[str, _Host]) -> tuple[list[dict[str, object]], list[str]]:
-    hosts: dict[str, FakeTransport] = {HOSTS[0]: _Head(workers), **workers}
-    return _wait_nodes(_inv(), lambda h: hosts[str(h.address)], list(HOSTS), [], 0.5, lambda _: None)  # type: ignore[arg-type]
-
-
 def test_a_paused_worker_is_waited_for_never_replaced() -> None:
     workers = {HOSTS[1]: _Host(HOSTS[1], False), HOSTS[2]: _Paused(HOSTS[2], False)}
-    nodes, retried = _wait_briefly(workers)
+    nodes, retried, _ = _wait(workers)
     assert retried == [] and workers[HOSTS[2]].starts == 1
-    assert {n["node_ip"]: n["alive"] for n in nodes} == {HOSTS[0]: True, HOSTS[1]: True, HOSTS[2]: False}
+    assert not any("docker run" in c or "docker rm" in c for c in workers[HOSTS[2]].commands)
+    assert {n["node_ip"] for n in nodes if n["alive"]} >= {HOSTS[0], HOSTS[1]}
 
 
 def test_a_worker_whose_restart_fails_stays_missing_and_the_wait_goes_on() -> None:
+    from raycluster_cli.upjoin import NodesMissing, wait
+    from raycluster_cli.uprun import UpRun
+
     workers = {HOSTS[1]: _Host(HOSTS[1], False), HOSTS[2]: _FreezesOnRestart(HOSTS[2], True, exits_always=True)}
-    nodes, retried = _wait_briefly(workers)  # no GroupError: the missing-nodes error names it afterwards
-    assert retried == [HOSTS[2]]
-    assert {n["node_ip"]: n["alive"] for n in nodes}[HOSTS[2]] is False
+    hosts: dict[str, FakeTransport] = {HOSTS[0]: _Head(workers), **workers}
+    run = UpRun(_inv(), lambda h: hosts[str(h.address)], lambda _: None, 60, frozenset())
+    with pytest.raises(NodesMissing) as caught:  # not a GroupError: the missing-nodes error names it
+        wait(run)
+    assert [r.address for r in run.runs.values() if r.retried] == [HOSTS[2]]
+    assert [d["host"] for d in caught.value.details] == [HOSTS[2]]
+    assert sorted(caught.value.joined) == sorted([HOSTS[0], HOSTS[1]])
 
 
 def test_nodes_missing_names_the_missing_host_and_the_joined_ones() -> None:
-    inv = _inv()
-    frozen = inv.hosts[2]
+    from raycluster_cli.upjoin import NodesMissing, wait
+    from raycluster_cli.uprun import UpRun
+
+    frozen = HOSTS[2]
+    workers = {HOSTS[1]: _Host(HOSTS[1], False), HOSTS[2]: _Host(HOSTS[2], False)}
+    hosts: dict[str, FakeTransport] = {HOSTS[0]: _Head(workers), HOSTS[1]: workers[HOSTS[1]]}
 
     def connect(host: inventory.HostConfig) -> FakeTransport:
-        if host == frozen:
-            raise TransportError(str(host.address), "the host stopped answering (nothing received for 6s)", "check it")
-        return FakeTransport(str(host.address), {})
+        if str(host.address) == frozen:
+            raise TransportError(frozen, "the host stopped answering (nothing received for 6s)", "check it")
+        return hosts[str(host.address)]
 
-    error = _missing_error(inv, connect, [frozen], [], 45)  # type: ignore[arg-type]
-    assert error.joined == [str(inv.hosts[0].address), str(inv.hosts[1].address)]
-    assert [d["host"] for d in error.details] == [str(frozen.address)]
+    run = UpRun(_inv(), connect, lambda _: None, 45, frozenset())  # type: ignore[arg-type]
+    with pytest.raises(NodesMissing) as caught:
+        wait(run)
+    error = caught.value
+    assert sorted(error.joined) == sorted([HOSTS[0], HOSTS[1]])
+    assert [d["host"] for d in error.details] == [frozen]
     assert "did not join within 45s" in error.message and "stopped answering" in error.message
-    assert error.hint == f"{frozen.address}: check it; then re-run `raycluster up`"
+    assert error.hint == f"{frozen}: check it; then re-run `raycluster up`"

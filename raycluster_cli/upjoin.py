@@ -1,0 +1,160 @@
+"""The last phases of `up` over the hosts' records (uprun.py): start the head, start the workers, wait.
+
+Each node's own container log says when Ray registered it (`ray start` prints "Ray runtime started." only once
+the GCS knows the node): `up` watches that on each host with one remote command that runs nothing but docker's
+CLI, so no Python start-up competes with a starting node. The head goes first, alone, until it is registered
+(a worker started earlier could meet a GCS that answers but does not know the head yet, and a driver could not
+attach); then every worker at once; then one look at the head's GCS confirms every node alive.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from .containers import container_name
+from .diagnose import EVIDENCE, diagnose
+from .errors import OperationError
+from .nodes import EXITED, apply, probe, start_failure, wait_started
+from .transport.fanout import error_message, fanout
+from .uprun import HostRun, UpRun
+
+
+class NodesMissing(OperationError):
+    """Some nodes did not join: one diagnosis (and log tail) per missing host in `details`."""
+
+    def __init__(self, message: str, hint: str, details: list[dict[str, Any]], joined: list[str] | None = None) -> None:
+        super().__init__(message, hint)
+        self.details = details
+        self.joined = joined or []  # the hosts whose nodes did join
+
+
+def start_head(run: UpRun) -> None:
+    """Start (or keep) the head and wait until its Ray node is registered."""
+    head = run.head
+    replaced = {r.node_ip for r in run.workers if r.plan.action != "keep"}
+    if head.plan.action == "keep" and replaced:
+        # The head stays: nodes of workers about to be replaced may linger in its GCS: note their IDs.
+        before = probe(run.connect(head.host), run.inventory, [], 0)
+        run.stale = [n["node_id"] for n in before if n["alive"] and n["node_ip"] in replaced]
+    for each in run.runs.values():
+        if each.reason:
+            run.progress(f"{each.address}: replacing the {each.role} container: {each.reason}")
+    _start(run, head)
+    error = _until_registered(run, head, time.monotonic() + run.timeout_s)
+    if error is not None:
+        raise error
+    run.progress(f"head ready; {len(run.workers)} worker(s) next")
+
+
+def _start(run: UpRun, host: HostRun) -> None:
+    """Write the host's files and start (or keep) its container: one remote command."""
+    keep = host.plan.action == "keep"
+    run.move(host, "starting", host.reason or ("its container runs as asked" if keep else ""))
+    try:
+        host.action = apply(run.connect(host.host), run.inventory, host.host, host.plan, run.files(host))
+    except Exception as exc:
+        run.fail([host], exc)
+        raise
+    run.move(host, "waiting", "for its Ray node to register")
+
+
+def _until_registered(run: UpRun, host: HostRun, deadline: float) -> OperationError | None:
+    """Wait until the host's node is registered; a container that exits while starting is started once more
+    (Ray gives a starting node a fixed 30 s to register, which a loaded host can miss). The error if not."""
+    while True:
+        timeout_s = max(0.0, deadline - time.monotonic())
+        result = wait_started(run.connect(host.host), run.inventory, host.host, timeout_s)
+        if result.ok:
+            run.move(host, "waiting", "registered; the head's GCS is asked")
+            return None
+        kept_head = host.role == "head" and host.action == "running"  # its workers were kept to join it
+        if result.rc != EXITED or host.retried or kept_head or time.monotonic() >= deadline:
+            error = start_failure(run.inventory, host.host, result, run.timeout_s)
+            run.move(host, "failed", error_message(error, host.address))
+            return error
+        run.progress(f"{host.address}: the {host.role} container exited while starting; starting it once more")
+        host.restarted()
+        _start(run, host)
+
+
+def start_workers(run: UpRun) -> None:
+    """Write each worker's files and start (or keep) its container, all at once: one remote command each."""
+    fanout(run.workers, lambda w: _start(run, w), what="start the workers").raise_failures()
+
+
+def wait(run: UpRun) -> None:
+    """Until every worker is registered (each seen on its host), then every node alive in the head's GCS.
+
+    Raises NodesMissing naming each node that did not join, with why (its container's state and log).
+    """
+    run.progress("waiting for every node to join")
+    deadline = time.monotonic() + run.timeout_s
+    waited = fanout(run.workers, lambda w: _until_registered(run, w, deadline), what="wait for the workers")
+    waited.check_interrupted()
+    for worker, error in waited.failed:
+        run.move(worker, "failed", error_message(error, worker.address))
+    registered = [r for r in run.runs.values() if r.phase != "failed"]
+    run.nodes = _read_nodes(run, sorted(r.node_ip for r in registered), deadline)
+    alive = {n["node_ip"]: n for n in run.nodes if n["alive"] and n["node_id"] not in run.stale}
+    for host in registered:
+        if host.node_ip in alive:
+            host.resources = alive[host.node_ip].get("resources", {})
+            run.move(host, "joined", host.action)
+    missing = [r for r in run.runs.values() if not r.alive]
+    if missing:
+        raise _missing_error(run, missing)
+
+
+PROBE_RETRIES = 2  # a node list the head could not give is asked again this often
+_PROBE_PAUSE_S = 2.0
+
+
+def _read_nodes(run: UpRun, expected: list[str], deadline: float) -> list[dict[str, Any]]:
+    """The head's node list once `expected` are alive (or the deadline). A driver that a loaded head's raylet
+    drops while registering ("Failed to register worker to Raylet") is transient: asked again a few times."""
+    failures = 0
+    while True:
+        window = max(0.0, deadline - time.monotonic())
+        try:
+            return probe(run.connect(run.head.host), run.inventory, expected, window, run.stale)
+        except OperationError as exc:
+            failures += 1
+            if failures > PROBE_RETRIES or time.monotonic() >= deadline:
+                raise
+            run.progress(f"{exc.message}; asking the head again")
+            time.sleep(_PROBE_PAUSE_S)
+
+
+def _missing_error(run: UpRun, missing: list[HostRun]) -> NodesMissing:
+    """Name each host whose node did not join, with its log tail and the likely cause; the hint is the fix of
+    the hosts that could not even be asked (frozen, cut off) when every missing host is such a one."""
+    run.cache.gather([r.host for r in missing], lambda ctx: [EVIDENCE], refresh=[EVIDENCE])
+    details: list[dict[str, Any]] = []
+    unreachable: list[str] = []
+    for host in missing:
+        error = run.cache.error(host.host)
+        if error is not None:
+            reason = error_message(error, host.address)
+            details.append({"host": host.address, "cause": f"{host.address}: {reason}", "log_tail": []})
+            unreachable.append(f"{host.address}: {getattr(error, 'hint', '') or 'check the host'}")
+            run.move(host, "failed", reason)
+            continue
+        evidence = run.cache.of(host.host).get(EVIDENCE)
+        cause = diagnose(run.inventory, host.host, evidence, run.nodes, len(missing))
+        details.append({"host": host.address, "cause": cause, "log_tail": evidence.log_tail})
+        run.move(host, "failed", cause)
+    first = missing[0].host
+    hint = (
+        f"{unreachable[0]}; then re-run `raycluster up`"
+        if len(unreachable) == len(missing)
+        else f"see `docker logs {container_name(run.inventory, first)}` on {first.address} (tail below), fix the "
+        "cause, re-run `raycluster up`"
+    )
+    return NodesMissing(
+        f"{len(missing)} node(s) did not join within {run.timeout_s:.0f}s: "
+        + "; ".join(str(d["cause"]) for d in details),
+        hint,
+        details,
+        [r.address for r in run.runs.values() if r.alive],
+    )

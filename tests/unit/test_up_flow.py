@@ -1,0 +1,196 @@
+"""`up` end to end over faked hosts (recorded outputs): the phase sequence, each host's record, remote commands."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from raycluster_cli import inventory
+from raycluster_cli.cluster import NodesMissing, PreflightFailed, up
+from raycluster_cli.errors import OperationError
+from raycluster_cli.inventory import HostConfig
+from raycluster_cli.nodes import RAY_STARTED
+from raycluster_cli.progress import HostPhase
+from raycluster_cli.transport import CommandResult
+from raycluster_cli.transport.fake import FakeTransport
+from raycluster_cli.uprun import RETRIED, HostRun, UpRun
+
+from ..counting import CountingConnect
+from .conftest import EXAMPLE
+from .test_checks import healthy
+
+HOSTS = ("192.0.2.11", "192.0.2.12", "192.0.2.13")
+WAIT_HEAD = "end=$(("
+
+
+class _Host(FakeTransport):
+    """A healthy host without our container; its container runs once started (`exits` starts that fail
+    first); the head's log says Ray started once its container runs, and the head answers the probe."""
+
+    def __init__(self, address: str, index: int, started: set[str], **overrides: CommandResult | str) -> None:
+        super().__init__(address, healthy(address, f"node-{index}", **overrides))
+        self.started = started
+        self.exits = 0  # how many starts exit at once
+        self.starts = 0
+        self.stdin: list[bytes] = []
+
+    def run(self, command: str, *, stdin: bytes | None = None, timeout: float | None = 120.0) -> CommandResult:
+        self.stdin.append(stdin or b"")
+        return super().run(command, stdin=stdin, timeout=timeout)
+
+    @property
+    def running(self) -> bool:
+        return self.host in self.started
+
+    def answer(self, command: str) -> CommandResult:
+        if "docker run --label" in command:
+            self.commands.append(command)
+            self.starts += 1
+            if self.starts > self.exits:
+                self.started.add(self.host)
+            return CommandResult(0, "c0ffee\n", "")
+        if command.startswith("docker ps --all"):
+            self.commands.append(command)
+            return CommandResult(0, "", "")
+        if command.startswith(WAIT_HEAD):
+            self.commands.append(command)
+            assert RAY_STARTED in command
+            return CommandResult(0, "", "") if self.running else CommandResult(3, "ValueError: bad option\n", "")
+        if "raycluster_cli.probe" in command:
+            self.commands.append(command)
+            nodes = [{"node_ip": ip, "node_id": ip, "alive": True, "resources": {"CPU": 1.0}} for ip in self.started]
+            return CommandResult(0, json.dumps({"ok": True, "nodes": nodes}) + "\n", "")
+        return super().answer(command)
+
+
+def _fleet(**overrides: dict[str, CommandResult | str]) -> tuple[dict[str, _Host], CountingConnect]:
+    started: set[str] = set()
+    fakes = {a: _Host(a, i, started, **overrides.get(a, {})) for i, a in enumerate(HOSTS, 1)}
+
+    def connect(host: HostConfig) -> _Host:
+        return fakes[str(host.address)]
+
+    return fakes, CountingConnect(connect)
+
+
+@pytest.fixture(autouse=True)
+def _state(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RAYCLUSTER_STATE_DIR", str(tmp_path))
+
+
+INV = EXAMPLE + "image_source: pull\n"  # nothing to stream from this machine's engine
+
+
+def _phases(events: list[object], host: str) -> list[str]:
+    return [e.phase for e in events if isinstance(e, HostPhase) and e.host == host]
+
+
+def test_up_is_three_remote_commands_per_worker_and_every_host_ends_joined() -> None:
+    """Issue 11 target: up ≤ 8 remote commands per worker (it was 18): gather, start, wait for it."""
+    _, counting = _fleet()
+    events: list[object] = []
+    result = up(inventory.parse(INV), counting, progress=events.append)
+    assert result.ok and all(n.action == "started" for n in result.nodes)
+    assert counting.counts[HOSTS[1]] == 3 and counting.counts[HOSTS[2]] == 3
+    assert counting.counts[HOSTS[0]] == 4  # gather, start, wait for it, one look at the GCS
+    for host in HOSTS:
+        assert _phases(events, host) == ["checking", "checked", "starting", "waiting", "waiting", "joined"]
+    waits = [e.detail for e in events if isinstance(e, HostPhase) and e.host == HOSTS[1] and e.phase == "waiting"]
+    assert waits == ["for its Ray node to register", "registered; the head's GCS is asked"]
+    last = [e for e in events if isinstance(e, HostPhase)][-1]
+    assert (last.joined, last.total) == (3, 3)
+    assert [n.to_dict()["resources"] for n in result.nodes] == [{"CPU": 1.0}] * 3
+
+
+def test_the_head_is_registered_before_any_worker_starts() -> None:
+    """A worker meets a head whose node the GCS knows (the GCS port alone answers before that)."""
+    _, counting = _fleet()
+    up(inventory.parse(INV), counting)
+    order = [(h, c) for h, c in counting.log]
+    runs = [i for i, (h, c) in enumerate(order) if "docker run --label" in c]
+    head_wait = next(i for i, (h, c) in enumerate(order) if c.startswith(WAIT_HEAD))
+    assert len(runs) == 3 and order[runs[0]][0] == HOSTS[0]
+    assert runs[0] < head_wait < min(runs[1:])
+
+
+def test_the_files_travel_on_stdin_never_on_the_command_line() -> None:
+    fakes, counting = _fleet()
+    up(inventory.parse(INV + "env: {SECRET: s3cr3t}\n"), counting)
+    started = [c for h, c in counting.log if "docker run --label" in c]
+    assert len(started) == 3
+    assert not any("s3cr3t" in c for c in started)
+    assert all("/etc/raycluster/demo/auth-token" in c and "/etc/raycluster/demo/" in c for c in started)
+    assert any(b"SECRET=s3cr3t" in data for data in fakes[HOSTS[1]].stdin)
+
+
+def test_a_head_that_exits_twice_is_named_with_its_log_and_no_worker_starts() -> None:
+    fakes, counting = _fleet()
+    fakes[HOSTS[0]].exits = 2
+    events: list[object] = []
+    with pytest.raises(OperationError) as info:
+        up(inventory.parse(INV), counting, progress=events.append)
+    assert "the head container exited: ValueError: bad option" in info.value.message, info.value.message
+    assert fakes[HOSTS[0]].starts == 2  # started once more: Ray's fixed 30 s to register can be missed
+    assert [e.host for e in events if isinstance(e, HostPhase) and e.phase == "failed"] == [HOSTS[0]]
+    assert not any("docker run --label" in c for h, c in counting.log if h != HOSTS[0])
+
+
+def test_a_head_that_exits_once_is_started_once_more_and_says_so() -> None:
+    fakes, counting = _fleet()
+    fakes[HOSTS[0]].exits = 1
+    result = up(inventory.parse(INV), counting)
+    head = result.nodes[0]
+    assert result.ok and head.action == "restarted" and RETRIED in head.reason
+
+
+def test_a_worker_that_exits_once_is_started_once_more() -> None:
+    fakes, counting = _fleet()
+    fakes[HOSTS[2]].exits = 1
+    events: list[object] = []
+    result = up(inventory.parse(INV), counting, progress=events.append)
+    assert result.ok and fakes[HOSTS[2]].starts == 2
+    assert [n.action for n in result.nodes] == ["started", "started", "restarted"]
+    assert _phases(events, HOSTS[2])[-4:] == ["starting", "waiting", "waiting", "joined"]
+    assert counting.counts[HOSTS[2]] == 5  # gather, start, wait, start once more, wait
+
+
+def test_a_worker_that_never_runs_is_named_and_failed() -> None:
+    fakes, counting = _fleet()
+    fakes[HOSTS[2]].exits = 99
+    events: list[object] = []
+    with pytest.raises(NodesMissing) as info:
+        up(inventory.parse(INV), counting, progress=events.append, timeout_s=60)
+    assert [d["host"] for d in info.value.details] == [HOSTS[2]]
+    assert _phases(events, HOSTS[2])[-1] == "failed" and fakes[HOSTS[2]].starts == 2
+    assert _phases(events, HOSTS[1])[-1] == "joined"
+
+
+def test_a_failing_check_stops_up_and_marks_that_host_failed() -> None:
+    _, counting = _fleet(**{HOSTS[1]: {r"^docker info": CommandResult(1, "", "Cannot connect to the Docker daemon")}})
+    events: list[object] = []
+    with pytest.raises(PreflightFailed):
+        up(inventory.parse(INV), counting, progress=events.append)
+    failed = [e for e in events if isinstance(e, HostPhase) and e.phase == "failed"]
+    assert [e.host for e in failed] == [HOSTS[1]] and failed[0].detail.startswith("docker: ")
+    assert not any("docker run --label" in c for _, c in counting.log)
+
+
+def test_the_record_moves_only_on_a_change_and_counts_the_joined() -> None:
+    events: list[object] = []
+    _, counting = _fleet()
+    run = UpRun(inventory.parse(INV), counting, events.append, 60, frozenset())
+    worker: HostRun = run.workers[0]
+    run.move(worker, "starting", "x")
+    run.move(worker, "starting", "x")
+    run.move(run.head, "joined", "started")
+    run.move(worker, "joined", "started")
+    assert [(e.phase, e.joined, e.total) for e in events if isinstance(e, HostPhase)] == [
+        ("starting", 0, 3),
+        ("joined", 1, 3),
+        ("joined", 2, 3),
+    ]
+    assert worker.alive and worker.address == HOSTS[1] and worker.role == "worker"
+    worker.restarted()
+    assert worker.retried and worker.plan.action == "replace" and worker.reason == RETRIED
