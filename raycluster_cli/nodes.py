@@ -147,7 +147,12 @@ def start_command(inventory: Inventory, host: HostConfig, plan: Plan, files: dic
     """One remote command (and its stdin) that makes the host state folder (hoststate.py), writes `files` there
     (path → content, 0600, the data on stdin, never on a command line), then removes the old container if the
     plan replaces it and starts the new one."""
-    folder = f"{make_dir_command(inventory, host)} || {{ echo 'raycluster: cannot make the folder' >&2; exit {_DIR_FAILED}; }}"
+    # </dev/null: a `sudo -n install` (ssh.sudo) must not share our stdin; sudo (use_pty) makes it non-blocking,
+    # and `dd` then fails with EAGAIN on data still on its way over SSH.
+    folder = (
+        f"{{ {make_dir_command(inventory, host)}; }} </dev/null "
+        f"|| {{ echo 'raycluster: cannot make the folder' >&2; exit {_DIR_FAILED}; }}"
+    )
     parts = ["umask 077"]
     for path, data in files.items():
         tmp = shell_path(f"{path}.raycluster-tmp")
