@@ -17,7 +17,7 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-from .progress import Event, HostPhase, TransferProgress
+from .progress import PHASES, Event, HostPhase, TransferProgress
 from .report import Output, phase_text, terminal_safe
 
 _STYLE = {
@@ -67,21 +67,43 @@ class UpBoard:
     def joined(self) -> int:
         return sum(r.phase == "joined" for r in self.rows.values())
 
-    def render(self) -> RenderableType:
+    def render(self, height: int = 0) -> RenderableType:
+        """The view; with `height` (the terminal's lines) smaller than the fleet, the hosts still moving or
+        failed come first, as many as fit, with a count per phase above them (a fleet of hundreds fits)."""
         total = self.total or len(self.rows)
         header = Text.assemble(("nodes joined: ", "bold"), (f"{self.joined}/{total}", "bold green"))
         if self.compress is not None and self.compress[0] < self.compress[1]:
             header.append(f"   compressing the image here {_mb(*self.compress)}", style="cyan")
+        rows = list(self.rows.items())
+        hidden = 0
+        if height and len(rows) > height - 3:
+            header.append("   " + "  ".join(f"{p} {n}" for p, n in self.counts().items()))
+            room = max(1, height - 4)
+            rows.sort(key=lambda item: _ATTENTION.get(item[1].phase, len(_ATTENTION)))
+            rows, hidden = rows[:room], len(rows) - room
         table = Table(show_edge=False, box=None, pad_edge=False)
         for column in ("host", "role", "phase", ""):
             table.add_column(column, overflow="fold")
-        for host, row in self.rows.items():
+        for host, row in rows:
             detail = row.detail
             if row.phase == "receiving" and row.total:
                 detail = f"the image {_mb(row.sent, row.total)}"
             phase = Text(row.phase, style=_STYLE.get(row.phase, ""))
             table.add_row(terminal_safe(host), row.role, phase, Text(terminal_safe(detail)))
+        if hidden:
+            return Group(header, table, Text(f"… and {hidden} more host(s), most of them joined", style="dim"))
         return Group(header, table)
+
+    def counts(self) -> dict[str, int]:
+        """How many hosts are in each phase (in the order of the phases), e.g. for a fleet's header."""
+        found: dict[str, int] = {}
+        for row in self.rows.values():
+            found[row.phase] = found.get(row.phase, 0) + 1
+        return {p: found[p] for p in (*PHASES, *found) if p in found}
+
+
+# Which hosts a too-small terminal shows first: failed, then those still moving, the joined last.
+_ATTENTION = {"failed": 0, "receiving": 1, "starting": 2, "waiting": 3, "checking": 4, "checked": 5, "joined": 6}
 
 
 def _mb(sent: int, total: int) -> str:
@@ -110,7 +132,11 @@ def up_view(output: Output) -> Iterator[Callable[[Event], None]]:
 
         yield line
         return
-    with Live(board.render(), console=output.err, refresh_per_second=4, transient=False) as live:
+
+    def fit() -> RenderableType:
+        return board.render(output.err.size.height)
+
+    with Live(fit(), console=output.err, refresh_per_second=4, transient=False) as live:
 
         def show(event: Event) -> None:
             with lock:
@@ -119,6 +145,6 @@ def up_view(output: Output) -> Iterator[Callable[[Event], None]]:
                     live.console.print(Text.assemble(("· ", "dim"), terminal_safe(event)), highlight=False)
                 elif board.take(event) and isinstance(event, HostPhase):
                     output.events.append(phase_text(event))
-                live.update(board.render())
+                live.update(fit())
 
         yield show

@@ -67,3 +67,23 @@ def test_on_a_terminal_the_table_is_updated_in_place() -> None:
     text = re.sub(r"\x1b\[[0-9;?]*[a-zA-Z]", "", raw)
     assert "nodes joined: 1/2" in text and "failed" in text and "running preflight checks" in text
     assert "\x1b[2K" in raw or "\x1b[1A" in raw  # lines erased and redrawn: updated in place
+
+
+def test_a_fleet_larger_than_the_terminal_shows_counts_and_the_hosts_that_need_attention_first() -> None:
+    board = UpBoard()
+    for i in range(200):
+        phase = "failed" if i == 150 else "waiting" if i % 50 == 7 else "joined"
+        board.take(
+            HostPhase(f"10.0.{i // 250}.{i % 250}", "worker", phase, "why" if phase == "failed" else "", total=200)
+        )  # type: ignore[arg-type]
+    console = Console(file=io.StringIO(), width=120)
+    console.print(board.render(height=12))
+    lines = console.file.getvalue().splitlines()  # type: ignore[attr-defined]
+    assert len(lines) <= 12
+    assert "nodes joined: 195/200" in lines[0] and "waiting 4" in lines[0] and "failed 1" in lines[0]
+    shown = "\n".join(lines)
+    assert "10.0.0.150" in shown and "10.0.0.7" in shown and "10.0.0.157" in shown  # failed, then waiting
+    assert "… and 192 more host(s)" in shown
+    console = Console(file=io.StringIO(), width=120)
+    console.print(board.render())  # no height: every host
+    assert len(console.file.getvalue().splitlines()) == 202  # type: ignore[attr-defined]
