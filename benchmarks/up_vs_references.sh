@@ -1,0 +1,149 @@
+#!/usr/bin/env bash
+# `raycluster up` against the references, in one run, on the local 3-host lab (issue 11 item 6):
+#   up        raycluster up (preflight, token, env files, head + 2 workers) until every node is alive
+#   floor     the hand floor: head container until its GCS answers, then both workers at once, until all alive
+#   rayup_v1  Ray's own launcher: `ray up` (provider: local, docker:) with RAY_UP_enable_autoscaler_v2=0
+#   rayup_v2  the same with Ray's default autoscaler (v2)
+# Every variant starts from no Ray container with the image already on every host (a re-deploy) and ends
+# when the head's GCS lists all 3 nodes alive (our probe inside the head's container). The variants are
+# alternated (a different one first each round); medians and ratios at the end, each run with the 1-minute
+# load average before it. A `ray up` run that has not got every node by RAYUP_TIMEOUT is counted as that
+# timeout (a lower bound, marked with >).
+# `ray up` needs rsync on the operator and on the hosts, ssh and `ray` on a login shell's PATH inside the
+# image: the script builds raycluster/node-rayup (FROM the node image) and installs rsync in the lab hosts.
+# Usage: benchmarks/up_vs_references.sh [ROUNDS]   (env: RAYCLUSTER_LAB_NAME, RAYCLUSTER_NODE_IMAGE, RAYUP_TIMEOUT)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+rounds=${1:-5}
+rayup_timeout=${RAYUP_TIMEOUT:-180}
+py=${PYTHON:-.venv/bin/python}
+ray=$(dirname "$py")/ray
+rc="$py -m raycluster_cli.cli"
+docker=$(command -v /usr/bin/docker || command -v docker)
+lab=${RAYCLUSTER_LAB_NAME:-raycluster-lab}
+image=${RAYCLUSTER_NODE_IMAGE:-raycluster/node:0.1.0}
+rayup_image="raycluster/node-rayup:${image##*:}"
+command -v rsync >/dev/null || { apt-get install -y -qq rsync >/dev/null || { echo "rsync needed here" >&2; exit 1; }; }
+inv=$($rc lab up --hosts 3 --json 2>/dev/null | $py -c 'import json,sys; print(json.load(sys.stdin)["inventory"])')
+field() { $py -c "import yaml; d = yaml.safe_load(open('$inv')); print($1)"; }
+ip1=$(field "d['hosts'][0]['address']"); ip2=$(field "d['hosts'][1]['address']"); ip3=$(field "d['hosts'][2]['address']")
+key=$(field "d['ssh']['key']")
+work=$(mktemp -d)
+now() { date +%s%N; }
+elapsed() { echo "$(( ($(now) - $1) / 1000000 ))"; }  # milliseconds since $1
+on() { $docker exec "$lab-h$1" "${@:2}"; }
+alive() {  # alive CONTAINER TIMEOUT: until the head's GCS lists the three nodes alive
+  on 1 docker exec "$1" python -m raycluster_cli.probe --address "$ip1:6379" --expect "$ip1,$ip2,$ip3" \
+    --timeout "$2" >/dev/null
+}
+
+# --- what `ray up` needs, once ---------------------------------------------------------------------------
+if ! $docker image inspect "$rayup_image" >/dev/null 2>&1 \
+  || [ "$($docker image inspect --format '{{index .Config.Labels "io.raycluster.base"}}' "$rayup_image")" \
+       != "$($docker image inspect --format '{{.Id}}' "$image")" ]; then
+  mkdir -p "$work/rayup"
+  cat >"$work/rayup/Dockerfile" <<EOF
+FROM $image
+RUN apt-get update && apt-get install -y --no-install-recommends openssh-client rsync \
+ && rm -rf /var/lib/apt/lists/* && echo 'export PATH=/opt/ray/bin:\$PATH' >/etc/profile.d/ray.sh
+LABEL io.raycluster.base="$($docker image inspect --format '{{.Id}}' "$image")"
+EOF
+  DOCKER_BUILDKIT=0 $docker build -q --network host -t "$rayup_image" "$work/rayup" >/dev/null
+fi
+for h in 1 2 3; do
+  want=$($docker image inspect --format '{{.Id}}' "$rayup_image")
+  if [ "$(on $h docker image inspect --format '{{.Id}}' "$rayup_image" 2>/dev/null)" != "$want" ]; then
+    $docker save "$rayup_image" | $docker exec -i "$lab-h$h" docker load -q >/dev/null
+  fi
+  on $h sh -c 'command -v rsync >/dev/null || { apt-get update -qq && apt-get install -y -qq rsync; }' >/dev/null 2>&1 \
+    || { echo "cannot install rsync in $lab-h$h (ray up needs it)" >&2; exit 1; }
+done
+cat >"$work/rayup.yaml" <<EOF
+cluster_name: rcbench
+max_workers: 2
+upscaling_speed: 10.0
+idle_timeout_minutes: 60
+provider: {type: local, head_ip: $ip1, worker_ips: [$ip2, $ip3]}
+auth: {ssh_user: root, ssh_private_key: $key}
+docker:
+  image: $rayup_image
+  container_name: rcbench_ray
+  pull_before_run: false
+  run_options: ["--shm-size=1g"]
+head_start_ray_commands:
+  - ray stop
+  - ulimit -n 65536; ray start --head --port=6379 --node-ip-address=$ip1 --object-store-memory=300000000 --autoscaling-config=~/ray_bootstrap_config.yaml
+worker_start_ray_commands:
+  - ray stop
+  - ulimit -n 65536; ray start --address=$ip1:6379 --object-store-memory=300000000
+EOF
+
+# --- the variants ------------------------------------------------------------------------------------------
+clean() {
+  $rc down -i "$inv" --json >/dev/null 2>&1 || true
+  for h in 1 2 3; do on $h sh -c 'docker rm -f floor-ray rcbench_ray >/dev/null 2>&1' || true; done
+}
+run_up() {
+  local t0; t0=$(now)
+  $rc up -i "$inv" --json >/dev/null 2>&1
+  elapsed "$t0"
+}
+run_floor() {
+  local t0; t0=$(now)
+  local opts=(docker run -d --name floor-ray --network host --shm-size 1g "$image")
+  on 1 "${opts[@]}" ray start --head --port=6379 --node-ip-address="$ip1" --dashboard-host="$ip1" \
+    --object-store-memory=300000000 --block >/dev/null
+  until on 1 docker exec floor-ray ray health-check --address "$ip1:6379" >/dev/null 2>&1; do sleep 0.5; done
+  for h in 2 3; do
+    ip=$([ $h = 2 ] && echo "$ip2" || echo "$ip3")
+    on $h "${opts[@]}" ray start --address="$ip1:6379" --node-ip-address="$ip" \
+      --object-store-memory=300000000 --block >/dev/null &
+  done
+  wait
+  alive floor-ray 300
+  elapsed "$t0"
+}
+run_rayup() {  # run_rayup V: autoscaler v1 (RAY_UP_enable_autoscaler_v2=0) or v2 (Ray's default)
+  local t0 flag=(); t0=$(now)
+  [ "$1" = v1 ] && flag=(env RAY_UP_enable_autoscaler_v2=0)
+  "${flag[@]}" "$ray" up -y --no-config-cache "$work/rayup.yaml" >"$work/rayup-$1.log" 2>&1
+  if alive rcbench_ray "$rayup_timeout"; then elapsed "$t0"; else echo "-$(( rayup_timeout * 1000 ))"; fi
+  "${flag[@]}" "$ray" down -y "$work/rayup.yaml" >>"$work/rayup-$1.log" 2>&1 || true
+}
+
+clean
+$rc up -i "$inv" --json >/dev/null 2>&1  # the first up makes the token and env files (what a re-deploy finds)
+variants=(up floor rayup_v1 rayup_v2)
+for round in $(seq 1 "$rounds"); do
+  for k in 0 1 2 3; do
+    v=${variants[$(( (k + round - 1) % 4 ))]}
+    clean
+    load=$(cut -d' ' -f1 /proc/loadavg)
+    case $v in
+      up) ms=$(run_up) ;;
+      floor) ms=$(run_floor) ;;
+      rayup_v1) ms=$(run_rayup v1) ;;
+      rayup_v2) ms=$(run_rayup v2) ;;
+    esac
+    echo "$round $v $ms $load" | tee -a "$work/runs" >&2
+  done
+done
+clean
+$py - "$work/runs" <<'PY'
+import statistics, sys
+runs = [line.split() for line in open(sys.argv[1]) if line.strip()]
+by = {}
+for _, variant, ms, load in runs:
+    by.setdefault(variant, []).append((int(ms), float(load)))
+def fmt(ms):  # a negative figure: the run had not finished at that timeout
+    return f">{-ms / 1000:.1f}" if ms < 0 else f"{ms / 1000:.1f}"
+med = {}
+for variant, values in by.items():
+    med[variant] = statistics.median(abs(ms) for ms, _ in values) / 1000
+    censored = " (some runs did not finish: lower bound)" if any(ms < 0 for ms, _ in values) else ""
+    print(f"{variant:9s} runs(s)={' '.join(fmt(ms) for ms, _ in values)} "
+          f"load1={' '.join(f'{load:.1f}' for _, load in values)} median={med[variant]:.1f}s{censored}")
+for ref in ("floor", "rayup_v1", "rayup_v2"):
+    if ref in med and "up" in med:
+        print(f"up / {ref} (medians): {med['up'] / med[ref]:.2f}")
+PY
