@@ -40,15 +40,27 @@ def quick_inventory(the_lab: Lab, path: Path) -> str:
 def frozen(the_lab: Lab, hostname: str) -> Iterator[None]:
     """The lab host frozen like a wedged kernel (its processes stop; TCP stays open) until the block ends."""
     name = the_lab.host(hostname).name
-    subprocess.run([DOCKER, "pause", name], check=True, capture_output=True)
+    pause(name)
     try:
         yield
     finally:
         subprocess.run([DOCKER, "unpause", name], capture_output=True)
 
 
+def pause(name: str, tries: int = 3) -> None:
+    """`docker pause` the container; the cgroup freezer can time out on a loaded machine (the engine then says
+    so and the container runs on), so a failed pause is tried again, and the last error is shown."""
+    for attempt in range(tries):
+        done = subprocess.run([DOCKER, "pause", name], capture_output=True, text=True)
+        if done.returncode == 0:
+            return
+        if attempt < tries - 1:
+            time.sleep(1)
+    raise AssertionError(f"docker pause {name} failed {tries} times: {done.stderr.strip()}")
+
+
 def freeze(the_lab: Lab, hostname: str) -> None:
-    subprocess.run([DOCKER, "pause", the_lab.host(hostname).name], check=True, capture_output=True)
+    pause(the_lab.host(hostname).name)
 
 
 def thaw(the_lab: Lab, hostname: str) -> None:

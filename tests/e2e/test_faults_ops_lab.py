@@ -19,7 +19,18 @@ import psutil
 import pytest
 
 from .conftest import DOCKER, IP1, IP2, IP3, Lab
-from .faults import CUT, LOGIN_DEADLINE_S, QUICK_SSH, SLACK_S, UNCUT, Verb, processes, quick_inventory, wait_until
+from .faults import (
+    CUT,
+    LOGIN_DEADLINE_S,
+    QUICK_SSH,
+    SLACK_S,
+    UNCUT,
+    Verb,
+    pause,
+    processes,
+    quick_inventory,
+    wait_until,
+)
 
 pytestmark = pytest.mark.lab
 KEEPALIVE_DEADLINE_S = 6  # QUICK_SSH: 2 s × 3 of silence
@@ -207,7 +218,7 @@ def test_a_worker_frozen_while_up_waits_ends_by_the_deadline_naming_it(lab_hosts
             verb.wait_for("waiting for every node to join", timeout=600)
             lab_hosts.sh("lab-h3", f"docker pause {RAY_CONTAINER}")
             inner_paused = True
-            subprocess.run([DOCKER, "pause", host], check=True, capture_output=True)
+            pause(host)
             frozen_at = time.monotonic()
             code, doc, ended = verb.finish(timeout=timeout + 300)
         finally:
