@@ -7,15 +7,17 @@
 # Every variant starts from no Ray container with the image already on every host (a re-deploy) and ends
 # when the head's GCS lists all 3 nodes alive (our probe inside the head's container). The variants are
 # alternated (a different one first each round); medians and ratios at the end, each run with the 1-minute
-# load average before it. A `ray up` run that has not got every node by RAYUP_TIMEOUT is counted as that
-# timeout (a lower bound, marked with >).
+# load average before it. A `ray up` run that has not got every node by RAYUP_TIMEOUT (RAYUP_V2_TIMEOUT for
+# autoscaler v2) is counted as that timeout (a lower bound, marked with >), with how many nodes were alive then.
 # `ray up` needs rsync on the operator and on the hosts, ssh and `ray` on a login shell's PATH inside the
 # image: the script builds raycluster/node-rayup (FROM the node image) and installs rsync in the lab hosts.
-# Usage: benchmarks/up_vs_references.sh [ROUNDS]   (env: RAYCLUSTER_LAB_NAME, RAYCLUSTER_NODE_IMAGE, RAYUP_TIMEOUT)
+# Usage: benchmarks/up_vs_references.sh [ROUNDS]
+#   (env: RAYCLUSTER_LAB_NAME, RAYCLUSTER_NODE_IMAGE, RAYUP_TIMEOUT, RAYUP_V2_TIMEOUT)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 rounds=${1:-5}
 rayup_timeout=${RAYUP_TIMEOUT:-180}
+rayup_v2_timeout=${RAYUP_V2_TIMEOUT:-$rayup_timeout}
 py=${PYTHON:-.venv/bin/python}
 ray=$(dirname "$py")/ray
 rc="$py -m raycluster_cli.cli"
@@ -106,8 +108,16 @@ run_floor() {
 run_rayup() {  # run_rayup V: autoscaler v1 (RAY_UP_enable_autoscaler_v2=0) or v2 (Ray's default)
   local t0 flag=(); t0=$(now)
   [ "$1" = v1 ] && flag=(env RAY_UP_enable_autoscaler_v2=0)
+  local limit=$rayup_timeout; [ "$1" = v2 ] && limit=$rayup_v2_timeout
   "${flag[@]}" "$ray" up -y --no-config-cache "$work/rayup.yaml" >"$work/rayup-$1.log" 2>&1
-  if alive rcbench_ray "$rayup_timeout"; then elapsed "$t0"; else echo "-$(( rayup_timeout * 1000 ))"; fi
+  if alive rcbench_ray "$limit"; then elapsed "$t0"; else
+    local n; n=$(on 1 docker exec rcbench_ray python -m raycluster_cli.probe --address "$ip1:6379" 2>/dev/null \
+      | $py -c 'import json,sys; print(sum(n["alive"] for n in json.loads(sys.stdin.read().strip().splitlines()[-1])["nodes"]))' \
+      2>/dev/null || echo "?")
+    echo "ray up $1: $n of 3 nodes alive after ${limit}s (monitor log kept in $work/monitor-$1-*.log)" >&2
+    on 1 docker exec rcbench_ray sh -c 'cat /tmp/ray/session_latest/logs/monitor.log' >"$work/monitor-$1-$(now).log" 2>&1 || true
+    echo "-$(( limit * 1000 ))"
+  fi
   "${flag[@]}" "$ray" down -y "$work/rayup.yaml" >>"$work/rayup-$1.log" 2>&1 || true
 }
 
