@@ -105,11 +105,16 @@ echo "## 4. up of $RAY_NODES Ray nodes (num_cpus 0.5 each) until all alive"
 if [ "$RAY_NODES" -gt 0 ]; then
   echo "free memory before: $(free -g | awk '/Mem:/{print $7}') GiB available"
   rc down -i "$out/ray.yaml" --json >/dev/null 2>&1 || true
-  t0=$(date +%s.%N)
-  if rc up -i "$out/ray.yaml" --json >"$out/up.json" 2>"$out/up.log"; then status=ok; else status="failed (see $out/up.log)"; fi
-  t1=$(date +%s.%N)
-  alive=$("$py" -c 'import json,sys; d=json.load(open(sys.argv[1])); print(sum(1 for n in d.get("nodes", []) if n.get("alive", True)))' "$out/up.json" 2>/dev/null || echo "?")
-  echo "up $RAY_NODES nodes: $(echo "$t1 - $t0" | bc) s, $status, nodes reported: $alive, load=$(load)"
+  for again in "" " again (every container kept)"; do
+    before=$(sessions "$RAY_NODES" | tr '\n' ' ')
+    t0=$(date +%s.%N)
+    if rc up -i "$out/ray.yaml" --json >"$out/up.json" 2>"$out/up.log"; then status=ok; else status="failed (see $out/up.log)"; fi
+    t1=$(date +%s.%N)
+    after=$(sessions "$RAY_NODES" | tr '\n' ' ')
+    alive=$("$py" -c 'import json,sys; d=json.load(open(sys.argv[1])); print(sum(1 for n in d.get("nodes", []) if n.get("alive", True)))' "$out/up.json" 2>/dev/null || echo "?")
+    echo "up $RAY_NODES nodes$again: $(echo "$t1 - $t0" | bc) s, $status, nodes reported: $alive, load=$(load)"
+    "$py" benchmarks/fleet_summary.py commands "up$again" "$before" "$after"
+  done
   t0=$(date +%s.%N); rc down -i "$out/ray.yaml" --json >/dev/null 2>&1 || true; t1=$(date +%s.%N)
   echo "down $RAY_NODES nodes: $(echo "$t1 - $t0" | bc) s, load=$(load)"
 fi
