@@ -6,7 +6,7 @@
 #     ("Starting session: command" lines at LogLevel VERBOSE in `docker logs <host>`);
 #  3. image distribution to P2P_HOSTS hosts that lack the image: bytes the operator sent (the lab bridge's
 #     tx_bytes, independent of the program) and wall time, peer-to-peer vs operator-only streaming;
-#  4. `up` of RAY_NODES Ray nodes (num_cpus 0.5 each) until all are alive, then `down`.
+#  4. `up` of RAY_NODES Ray nodes (num_cpus 1 each) until all are alive, then `down`.
 # Every figure is printed with the 1-minute load average when it was taken.
 #
 # Usage: benchmarks/fleet.sh            (ROUNDS=3 SIZES="1 10 30" P2P_HOSTS=8 RAY_NODES=8)
@@ -101,17 +101,18 @@ if [ "$P2P_HOSTS" -gt 0 ]; then
 fi
 
 echo
-echo "## 4. up of $RAY_NODES Ray nodes (num_cpus 0.5 each) until all alive"
+echo "## 4. up of $RAY_NODES Ray nodes (num_cpus 1 each) until all alive"
 if [ "$RAY_NODES" -gt 0 ]; then
   echo "free memory before: $(free -g | awk '/Mem:/{print $7}') GiB available"
   rc down -i "$out/ray.yaml" --json >/dev/null 2>&1 || true
   for again in "" " again (every container kept)"; do
     before=$(sessions "$RAY_NODES" | tr '\n' ' ')
     t0=$(date +%s.%N)
-    if rc up -i "$out/ray.yaml" --json >"$out/up.json" 2>"$out/up.log"; then status=ok; else status="failed (see $out/up.log)"; fi
+    log=$out/up${again:+-again}
+    if rc up -i "$out/ray.yaml" --json >"$log.json" 2>"$log.log"; then status=ok; else status="failed (see $log.log)"; fi
     t1=$(date +%s.%N)
     after=$(sessions "$RAY_NODES" | tr '\n' ' ')
-    alive=$("$py" -c 'import json,sys; d=json.load(open(sys.argv[1])); print(sum(1 for n in d.get("nodes", []) if n.get("alive", True)))' "$out/up.json" 2>/dev/null || echo "?")
+    alive=$("$py" -c 'import json,sys; d=json.load(open(sys.argv[1])); print(sum(1 for n in d.get("nodes", []) if n.get("alive", True)))' "$log.json" 2>/dev/null || echo "?")
     echo "up $RAY_NODES nodes$again: $(echo "$t1 - $t0" | bc) s, $status, nodes reported: $alive, load=$(load)"
     "$py" benchmarks/fleet_summary.py commands "up$again" "$before" "$after"
   done

@@ -1,5 +1,5 @@
 """Write the inventories fleet.sh uses from one fleet lab's `lab up --json` document: hosts-N.yaml for each
-size (first N hosts), p2p.yaml (the first P2P hosts), ray.yaml (the first RAY hosts, num_cpus 0.5 each).
+size (first N hosts), p2p.yaml (the first P2P hosts), ray.yaml (the first RAY hosts, num_cpus 1 each).
 
 Usage: fleet_inventories.py LAB_JSON OUT_DIR SIZE... p2p:N ray:N IMAGE
 """
@@ -14,7 +14,7 @@ from typing import Any
 import yaml
 
 
-def subset(base: dict[str, Any], count: int, image: str, num_cpus: float | None = None) -> dict[str, Any]:
+def subset(base: dict[str, Any], count: int, image: str, num_cpus: int | None = None) -> dict[str, Any]:
     hosts = base["hosts"][:count]
     doc = {**base, "image": image, "head": {"address": hosts[0]["address"]}}
     doc["hosts"] = [
@@ -41,7 +41,7 @@ def main() -> None:
         if count == 0:
             continue
         name = {"": f"hosts-{count}", "p2p": "p2p", "ray": "ray"}[kind]
-        doc = subset(base, count, image, 0.5 if kind == "ray" else None)
+        doc = subset(base, count, image, 1 if kind == "ray" else None)
         Path(out, f"{name}.yaml").write_text(yaml.safe_dump(doc, sort_keys=False))
 
 

@@ -205,7 +205,9 @@ class HostConfig(_Model):
     hostname: Annotated[str, _grammar(hostname_problem)] | None = Field(
         None, description="hostname of the Ray container; default: the host's own hostname"
     )
-    num_cpus: float | None = Field(None, gt=0, allow_inf_nan=False)
+    # `ray start --num-cpus` takes a whole number (0: a node that runs no tasks, e.g. a busy head of a large
+    # cluster); a fraction here would only fail later, inside the node's container.
+    num_cpus: int | None = Field(None, ge=0)
     num_gpus: int | None = Field(None, ge=0)
     resources: dict[str, Amount] = Field(default_factory=dict, description="custom Ray resources of this node")
     env: dict[str, str] = Field(default_factory=dict, description="environment of this host's Ray processes")

@@ -101,7 +101,7 @@ def hosts(draw: st.DrawFn, address: str, role: str) -> dict[str, Any]:
     if draw(st.booleans()):
         host["hostname"] = draw(hostnames)
     if draw(st.booleans()):
-        host["num_cpus"] = draw(st.floats(min_value=0.01, max_value=1e6, allow_nan=False))
+        host["num_cpus"] = draw(st.integers(0, 1024))
     if draw(st.booleans()):
         host["num_gpus"] = draw(st.integers(0, 64))
     host["resources"] = draw(st.dictionaries(st.text("az09_.:/-", min_size=1, max_size=8), amounts, max_size=2))

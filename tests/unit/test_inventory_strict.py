@@ -42,6 +42,8 @@ CASES = [
     ("cluster newline", BASE.replace("cluster: demo", 'cluster: "demo\\n"').encode(), "inv.yaml:1: cluster: 'demo\\n'"),
     ("num_cpus inf", _worker("num_cpus: .inf"), "inv.yaml:5: hosts[1].num_cpus: Input should be a finite number"),
     ("num_cpus nan", _worker("num_cpus: .nan"), "hosts[1].num_cpus: Input should be a finite number"),
+    # `ray start --num-cpus` refuses a fraction: caught here, not in the node's container after the image went out
+    ("num_cpus half", _worker("num_cpus: 0.5"), "hosts[1].num_cpus: Input should be a valid integer, got a number"),
     ("resource inf", _worker("resources: {a: .inf}"), "hosts[1].resources.a: Input should be a finite number"),
     ("timeout inf", (BASE + "ssh: {connect_timeout_s: .inf}\n").encode(), "ssh.connect_timeout_s: Input should be"),
     ("unspecified", BASE.replace("192.0.2.12", "0.0.0.0").encode(), "inv.yaml:5: hosts[1].address: 0.0.0.0 is not"),
