@@ -9,9 +9,8 @@ from typing import Any
 from .containers import container_name
 from .facts import Fact
 from .inventory import HostConfig, Inventory
-from .transport import quote
+from .transport import PART_SEPARATOR, quote
 
-_SEPARATOR = "--raycluster--"
 _GCS_TROUBLE = re.compile(r"(connect|reach).{0,40}\bGCS\b|\bGCS\b.{0,60}(unavailable|timed? ?out|refused)", re.I)
 _AUTH_TROUBLE = re.compile(r"unauthenticated|authentication (failed|token)|invalid (auth )?token", re.I)
 _ERROR_LINE = re.compile(r"error|exception|traceback|failed|killed|denied|refused", re.I)
@@ -33,7 +32,7 @@ def evidence_command(inventory: Inventory, host: HostConfig, lines: int = 15) ->
     name = quote(container_name(inventory, host))
     gcs = (inventory.head_address, inventory.ray.port)
     connect = f"import socket; socket.create_connection(({gcs[0]!r}, {gcs[1]}), 3)"
-    sep = f"echo {_SEPARATOR}"
+    sep = f"echo {PART_SEPARATOR}"
     return "; ".join(
         [
             "hostname",
@@ -51,7 +50,7 @@ def evidence_command(inventory: Inventory, host: HostConfig, lines: int = 15) ->
 
 
 def parse_evidence(text: str) -> Evidence:
-    parts = [p.strip("\n") for p in text.split(_SEPARATOR)]
+    parts = [p.strip("\n") for p in text.split(PART_SEPARATOR)]
     parts += [""] * (5 - len(parts))
     hostname, state_text, image, gcs, logs = parts[:5]
     state, _, code = state_text.strip().partition(" ")

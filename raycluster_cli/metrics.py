@@ -27,7 +27,6 @@ from .transport.pool import Connect
 SESSION = "/tmp/ray/session_latest"
 DISCOVERY = f"{SESSION}/prom_metrics_service_discovery.json"
 DASHBOARDS = f"{SESSION}/metrics/grafana/dashboards"
-_SEP = "--raycluster--"
 # Runs in the head's container: GET /metrics of each target (argv), one JSON line of sample counts.
 _SCRAPE = """
 import json, sys, urllib.request

@@ -27,10 +27,9 @@ from .errors import OperationError
 from .facts import Fact, HostContext
 from .hoststate import cluster_dir, fix_hint, login_user, make_dir_command
 from .inventory import HostConfig, Inventory
-from .transport import CommandResult, Transport, quote, shell_path
+from .transport import PART_SEPARATOR, CommandResult, Transport, quote, shell_path
 
 DERIVED_ENV = ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME")
-_SEP = "--raycluster--"
 
 
 def node_env(inventory: Inventory, host: HostConfig, ip_addr_output: str) -> dict[str, str]:
@@ -63,14 +62,14 @@ def container_command(ctx: HostContext) -> str:
     name = quote(container_name(ctx.inventory, ctx.host))
     files = f"cat {ENV_IN_CONTAINER} {TOKEN_IN_CONTAINER} 2>/dev/null | sha256sum"
     return (
-        f"{inspect_name_command(container_name(ctx.inventory, ctx.host))}; echo {_SEP}; "
+        f"{inspect_name_command(container_name(ctx.inventory, ctx.host))}; echo {PART_SEPARATOR}; "
         f"if [ \"$(docker inspect --format '{{{{.State.Running}}}}' {name} 2>/dev/null)\" = true ]; then "
-        f"docker inspect --format '{{{{.Image}}}}' {name}; echo {_SEP}; docker exec {name} sh -c {quote(files)}; fi"
+        f"docker inspect --format '{{{{.Image}}}}' {name}; echo {PART_SEPARATOR}; docker exec {name} sh -c {quote(files)}; fi"
     )
 
 
 def parse_container_view(result: CommandResult) -> ContainerView:
-    parts = result.stdout.split(_SEP)
+    parts = result.stdout.split(PART_SEPARATOR)
     found = parse_ps(parts[0])
     if not found:
         return ContainerView(None)

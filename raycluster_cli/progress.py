@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, get_args
 
 
 @dataclass(frozen=True)
@@ -20,7 +20,7 @@ class TransferProgress:
 
 
 Phase = Literal["checking", "checked", "receiving", "starting", "waiting", "joined", "failed"]
-PHASES: tuple[Phase, ...] = ("checking", "checked", "receiving", "starting", "waiting", "joined", "failed")
+PHASES: tuple[Phase, ...] = get_args(Phase)
 
 
 @dataclass(frozen=True)

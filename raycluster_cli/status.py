@@ -10,11 +10,10 @@ from .engine import image_id
 from .errors import RayclusterError
 from .inventory import HostConfig, Inventory
 from .nodes import probe
-from .transport import quote
+from .transport import PART_SEPARATOR, quote
 from .transport.fanout import error_message, fanout
 from .transport.pool import Connect
 
-_SEP = "--raycluster--"
 _VERSION = "from importlib.metadata import version; print(version('ray'))"
 
 
@@ -76,14 +75,14 @@ def host_command(inventory: Inventory, host: HostConfig) -> str:
     name = quote(container_name(inventory, host))
     labels = f'{{{{index .Config.Labels "{LABEL_CLUSTER}"}}}}/{{{{index .Config.Labels "{LABEL_ROLE}"}}}}'
     return (
-        f"docker inspect --format '{{{{.State.Status}}}} {{{{.Image}}}} {labels}' {name} 2>/dev/null; echo {_SEP}; "
+        f"docker inspect --format '{{{{.State.Status}}}} {{{{.Image}}}} {labels}' {name} 2>/dev/null; echo {PART_SEPARATOR}; "
         f"docker exec {name} python -c {quote(_VERSION)} 2>/dev/null"
     )
 
 
 def parse_host(inventory: Inventory, host: HostConfig, text: str) -> HostStatus:
     """HostStatus from the output of `host_command` (pure)."""
-    state_text, _, version = text.partition(_SEP)
+    state_text, _, version = text.partition(PART_SEPARATOR)
     fields = state_text.split()
     status = HostStatus(str(host.address), host.role, inventory.node_ip(host), "missing")
     if len(fields) >= 3:

@@ -64,6 +64,10 @@ def quote(*parts: object) -> str:
     return " ".join(shlex.quote(str(p)) for p in parts)
 
 
+# Printed between the parts of one remote command whose outputs are read apart (`echo PART_SEPARATOR`).
+PART_SEPARATOR = "--raycluster--"
+
+
 def shell_path(path: str) -> str:
     """A host path as one shell word: `~/rest` becomes `"$HOME"/rest` (the login user's home on that host)."""
     if path == "~" or path.startswith("~/"):
