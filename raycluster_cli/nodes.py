@@ -242,8 +242,11 @@ def probe(
         f"--expect {quote(','.join(expect))} --stale-ids {quote(','.join(stale or []))} --timeout {timeout_s:.0f}"
     )
     result = transport.run(command, timeout=timeout_s + 60)
+    # The probe's stdout is its one document (Ray's output: stderr); an older node image's probe printed Ray's
+    # output to stdout first, so its last line is read (the CLI and the image can be of different versions).
+    lines = result.stdout.strip().splitlines()
     try:
-        document = json.loads(result.stdout)  # the probe's stdout is its one document (Ray's output: stderr)
+        document = json.loads(lines[-1]) if lines else None
     except ValueError:
         document = None
     if not isinstance(document, dict):

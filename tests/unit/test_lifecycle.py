@@ -582,3 +582,14 @@ def test_nodes_missing_names_the_missing_host_and_the_joined_ones() -> None:
     assert [d["host"] for d in error.details] == [frozen]
     assert "did not join within 45s" in error.message and "stopped answering" in error.message
     assert error.hint == f"{frozen}: check it; then re-run `raycluster up`"
+
+
+def test_the_node_list_is_read_from_an_older_images_probe_that_printed_rays_output_first() -> None:
+    from raycluster_cli.nodes import probe
+
+    document = json.dumps({"ok": True, "nodes": [{"node_ip": HOSTS[0], "node_id": "h", "alive": True}]})
+    head = FakeTransport(HOSTS[0], {"raycluster_cli.probe": f"2026-11-30 INFO worker.py:1 -- Connecting\n{document}\n"})
+    assert [n["node_ip"] for n in probe(head, _inv(), [HOSTS[0]], 5)] == [HOSTS[0]]
+    junk = FakeTransport(HOSTS[0], {"raycluster_cli.probe": "Traceback (most recent call last):\n"})
+    with pytest.raises(OperationError, match="cannot read the cluster's nodes: Traceback"):
+        probe(junk, _inv(), [HOSTS[0]], 5)
