@@ -77,6 +77,12 @@ class Dialect:
             return '{{index .Labels "' + key + '"}}'
         return '{{.Label "' + key + '"}}'
 
+    def info_format(self) -> str:
+        """One `docker info --format` template: the version, the engine's folder and (Docker) the runtimes, a
+        line each (`{{println}}` is Go's template builtin, so the command stays on one line)."""
+        runtimes = "" if self.name == "podman" else "{{println}}{{json .Runtimes}}"
+        return f"{self.version_format}{{{{println}}}}{self.root_format}{runtimes}"
+
     def gpu_support_command(self) -> str:
         """Prints what makes GPUs reachable in containers: Docker's runtimes, or Podman's CDI device names."""
         if self.name == "podman":

@@ -45,12 +45,22 @@ class Fact(Generic[T]):
     A `timed` fact's stdout is rewritten by the gather to `operator <sent> <received>` (this machine's clock
     around the remote command), the fact's own output, then `elapsed <s>` (the host's time between the
     start and the end of the batch), so that a clock reading can subtract the time the batch took.
+
+    A derived fact (see `derived`) runs nothing itself: `derive(ctx, results)` computes it from the results
+    of the command facts it `needs`, so that one remote reading (one `docker info`, one `docker ps -a`) is
+    shared by every check and step that judges part of it.
     """
 
     name: str
-    command: Callable[[HostContext], str]
+    command: Callable[[HostContext], str] | None
     process: Callable[[CommandResult], T]
     timed: bool = False
+    needs: tuple[Fact[CommandResult], ...] = ()
+    derive: Callable[[HostContext, list[CommandResult]], T] | None = None
+
+    def commands(self) -> list[Fact[Any]]:
+        """The command facts gathering this one needs: itself, or the facts it is derived from."""
+        return list(self.needs) if self.derive is not None else [self]
 
 
 def raw(name: str, command: Callable[[HostContext], str], timed: bool = False) -> Fact[CommandResult]:
@@ -62,18 +72,43 @@ def _identity(result: CommandResult) -> CommandResult:
     return result
 
 
+def derived(
+    name: str, needs: tuple[Fact[CommandResult], ...], derive: Callable[[HostContext, list[CommandResult]], T]
+) -> Fact[T]:
+    """A fact computed on this machine from the results of `needs` (command facts), without a command of its own."""
+    return Fact(name, None, _no_process, needs=needs, derive=derive)
+
+
+def _no_process(result: CommandResult) -> Any:
+    raise TypeError("a derived fact has no output of its own to process")
+
+
+def command_facts(facts: Iterable[Fact[Any]]) -> list[Fact[Any]]:
+    """The command facts to run for `facts` (derived ones replaced by what they need), each once, in order."""
+    return list({f.name: f for fact in facts for f in fact.commands()}.values())
+
+
 @dataclass
 class HostFacts:
-    """One host's gathered facts: each fact's result by name, processed on first use and kept."""
+    """One host's gathered facts: each fact's result by name, processed (or derived) on first use and kept.
+
+    `context` (the inventory and the host) is what derived facts are computed with; the cache sets it."""
 
     address: str
     results: dict[str, CommandResult] = field(default_factory=dict)
+    context: HostContext | None = None
     _values: dict[str, Any] = field(default_factory=dict, repr=False)
 
     def has(self, fact: Fact[Any]) -> bool:
-        return fact.name in self.results
+        return all(f.name in self.results for f in fact.commands())
 
     def result(self, fact: Fact[Any]) -> CommandResult:
+        """The fact's command result; for a derived fact whose value is a CommandResult, that value."""
+        if fact.derive is not None:
+            value = self.get(fact)
+            if not isinstance(value, CommandResult):
+                raise TypeError(f"fact {fact.name!r} is derived into {type(value).__name__}, not a command result")
+            return value
         try:
             return self.results[fact.name]
         except KeyError:
@@ -81,7 +116,12 @@ class HostFacts:
 
     def get(self, fact: Fact[T]) -> T:
         if fact.name not in self._values:
-            self._values[fact.name] = fact.process(self.result(fact))
+            if fact.derive is not None:
+                if self.context is None:
+                    raise KeyError(f"fact {fact.name!r}: no host context on {self.address}")
+                self._values[fact.name] = fact.derive(self.context, [self.result(n) for n in fact.needs])
+            else:
+                self._values[fact.name] = fact.process(self.result(fact))
         value: T = self._values[fact.name]
         return value
 
@@ -89,6 +129,7 @@ class HostFacts:
         self.results.update(results)
         for name in results:
             self._values.pop(name, None)
+        self._values = {k: v for k, v in self._values.items() if k in self.results}  # derived: computed again
 
 
 def gather_host(
@@ -98,10 +139,10 @@ def gather_host(
 
     Raises (TransportError) only when the host cannot be reached or the batch itself breaks.
     """
-    wanted = list({f.name: f for f in facts}.values())
+    wanted = command_facts(facts)
     if not wanted:
         return {}
-    commands = [f.command(ctx) for f in wanted]
+    commands = [_command(f, ctx) for f in wanted]
     marker = "@@raycluster-facts-" + secrets.token_hex(6)
     sent = time.time()
     out = transport.run(batch_script(marker, commands, deadline_s), timeout=deadline_s + 30)
@@ -116,6 +157,12 @@ def gather_host(
             result = CommandResult(result.rc, f"operator {sent:.6f} {received:.6f}\n{result.stdout}{elapsed}", "")
         found[fact.name] = result
     return found
+
+
+def _command(fact: Fact[Any], ctx: HostContext) -> str:
+    if fact.command is None:
+        raise TypeError(f"fact {fact.name!r} has no command (a derived fact needs command facts)")
+    return fact.command(ctx)
 
 
 Wanted = Callable[[HostContext], Iterable[Fact[Any]]]
@@ -136,15 +183,15 @@ class FactCache:
 
     def gather(self, hosts: Iterable[HostConfig], wanted: Wanted, refresh: Iterable[Fact[Any]] = ()) -> None:
         """Gather on every host (in parallel) the facts `wanted(ctx)` names that it lacks, plus `refresh`."""
-        again = {f.name for f in refresh}
+        again = {f.name for f in command_facts(refresh)}
         todo = [h for h in hosts if str(h.address) not in self.errors]
         fanout(todo, lambda host: self._gather_one(host, wanted, again), what="gather facts").check_interrupted()
 
     def _gather_one(self, host: HostConfig, wanted: Wanted, again: set[str]) -> None:
         address = str(host.address)
-        facts = self.facts.setdefault(address, HostFacts(address))
-        ctx = HostContext(self.inventory, host)
-        missing = [f for f in wanted(ctx) if f.name in again or not facts.has(f)]
+        facts = self.of(host)
+        ctx = facts.context or HostContext(self.inventory, host)
+        missing = [f for f in command_facts(wanted(ctx)) if f.name in again or not facts.has(f)]
         if not missing:
             return
         try:
@@ -154,7 +201,10 @@ class FactCache:
             raise
 
     def of(self, host: HostConfig) -> HostFacts:
-        return self.facts.setdefault(str(host.address), HostFacts(str(host.address)))
+        address = str(host.address)
+        if address not in self.facts:
+            self.facts[address] = HostFacts(address, context=HostContext(self.inventory, host))
+        return self.facts[address]
 
     def error(self, host: HostConfig) -> BaseException | None:
         return self.errors.get(str(host.address))

@@ -18,13 +18,12 @@ from .containers import (
     config_hash,
     container_name,
     docker_run_command,
-    inspect_name_command,
-    parse_ps,
     run_argv,
 )
 from .engine import image_id
+from .enginefacts import CONTAINERS, parse_containers
 from .errors import OperationError
-from .facts import Fact, HostContext
+from .facts import Fact, HostContext, derived, raw
 from .hoststate import cluster_dir, fix_hint, login_user, make_dir_command
 from .inventory import HostConfig, Inventory
 from .transport import PART_SEPARATOR, CommandResult, Transport, quote, shell_path
@@ -57,28 +56,34 @@ class ContainerView:
 
 
 def container_command(ctx: HostContext) -> str:
-    """The container named like ours; when it runs, its image ID and the digest of the files it reads at start
-    (bind mounts keep the file a container started with, even after `up` rewrote the host's copy)."""
+    """When the container named like ours runs: the image ID it runs and the digest of the files it read at
+    start (bind mounts keep the file a container started with, even after `up` rewrote the host's copy).
+    Whether it exists, its state and labels come from the host's one `docker ps -a` (enginefacts.CONTAINERS)."""
     name = quote(container_name(ctx.inventory, ctx.host))
     files = f"cat {ENV_IN_CONTAINER} {TOKEN_IN_CONTAINER} 2>/dev/null | sha256sum"
     return (
-        f"{inspect_name_command(container_name(ctx.inventory, ctx.host))}; echo {PART_SEPARATOR}; "
-        f"if [ \"$(docker inspect --format '{{{{.State.Running}}}}' {name} 2>/dev/null)\" = true ]; then "
-        f"docker inspect --format '{{{{.Image}}}}' {name}; echo {PART_SEPARATOR}; docker exec {name} sh -c {quote(files)}; fi"
+        f"s=$(docker inspect --type container --format '{{{{.State.Running}}}} {{{{.Image}}}}' {name} 2>/dev/null)"
+        f' && [ "${{s%% *}}" = true ] || exit 0; echo "${{s#* }}"; echo {PART_SEPARATOR}; '
+        f"docker exec {name} sh -c {quote(files)}"
     )
 
 
-def parse_container_view(result: CommandResult) -> ContainerView:
-    parts = result.stdout.split(PART_SEPARATOR)
-    found = parse_ps(parts[0])
+def parse_container_view(ctx: HostContext, results: list[CommandResult]) -> ContainerView:
+    """Our container from the host's containers (`docker ps -a`) and, when it runs, `container_command`'s output."""
+    containers, running = results
+    name = container_name(ctx.inventory, ctx.host)
+    found = [r for r in parse_containers(containers) if r.name.lstrip("/") == name]
     if not found:
         return ContainerView(None)
-    seen = image_id(parts[1]) if len(parts) > 1 else ""
-    digest = parts[2].split()[0] if len(parts) > 2 and parts[2].split() else None
-    return ContainerView(found[0], seen, digest)
+    row = found[0]
+    parts = running.stdout.split(PART_SEPARATOR)
+    seen = image_id(parts[0])
+    digest = parts[1].split()[0] if len(parts) > 1 and parts[1].split() else None
+    return ContainerView(Container(row.id, row.name.lstrip("/"), row.state, row.image, row.labels), seen, digest)
 
 
-CONTAINER: Fact[ContainerView] = Fact("container", container_command, parse_container_view)
+CONTAINER_RUNNING = raw("container-running", container_command)
+CONTAINER: Fact[ContainerView] = derived("container", (CONTAINERS, CONTAINER_RUNNING), parse_container_view)
 
 
 @dataclass(frozen=True)

@@ -4,8 +4,8 @@ host facts they judge (each fact's command runs once per host, in the host's one
 from __future__ import annotations
 
 from .. import hoststate
-from ..engine import dialect_for
-from ..facts import raw
+from ..enginefacts import CONTAINERS, ENGINE, IMAGE
+from ..facts import derived, raw
 from ..transport import quote
 from . import access, hostnet, runtime
 from .base import Check, CheckContext
@@ -33,27 +33,24 @@ def _wants_gpus(ctx: CheckContext) -> bool:
     return (ctx.host.num_gpus or 0) > 0
 
 
-# `docker info --format` hides why the engine refused ("template: … nil pointer"): `docker ps` then says it
-# (permission denied on the socket, a sudo that wants a password, a daemon that is down).
-DOCKER_VERSION = raw(
-    "docker-version",
-    lambda ctx: (
-        f"docker info --format '{dialect_for(ctx.inventory, ctx.host).version_format}' 2>/dev/null "
-        "|| docker ps --quiet --last 1"
-    ),
-)
-IMAGE_ID = raw("image-id", lambda ctx: "docker image inspect --format '{{.Id}}' " + quote(ctx.inventory.image))
-IMAGE_RUNTIME = raw("image-runtime", runtime.versions_command)
+# The engine is read once per host (enginefacts: one `docker info`, one `docker image inspect`, one
+# `docker ps -a`); the checks' facts that need it are derived from those readings on this machine.
+DOCKER_VERSION = derived("docker-version", (ENGINE,), runtime.docker_view)
+IMAGE_ID = derived("image-id", (IMAGE,), runtime.image_view)
+IMAGE_RUNTIME = derived("image-runtime", (IMAGE,), runtime.image_runtime_view)
 IP_ADDR = raw("ip-addr", lambda ctx: "ip -o -4 addr show")
 ROUTE_TO_HEAD = raw("route-to-head", lambda ctx: "ip route get " + quote(ctx.inventory.head_address))
-HEAD_PORTS = raw("head-ports", hostnet.ports_command)
-WORKER_PORTS = raw("worker-ports", hostnet.worker_ports_command)
+PORTS = raw("ports", hostnet.ports_command)
+HEAD_PORTS = derived("head-ports", (PORTS, CONTAINERS), hostnet.head_ports_view)
+WORKER_PORTS = derived("worker-ports", (PORTS, CONTAINERS), hostnet.worker_ports_view)
 ETC_HOSTS = raw("etc-hosts", lambda ctx: "hostname; echo ---; cat /etc/hosts")
 CLOCK = raw("clock", lambda ctx: "date +%s.%N", timed=True)
 MEMINFO = raw("meminfo", lambda ctx: "cat /proc/meminfo")
-DISK = raw("disk", runtime.disk_command)
-GPUS = raw("gpus", runtime.gpus_command)
-PROCESSES = raw("processes", runtime.stale_ray_command)
+DISK = derived("disk", (ENGINE, MEMINFO, IMAGE), runtime.disk_view)
+GPU_DEVICES = raw("gpu-devices", runtime.gpus_command)
+GPUS = derived("gpus", (GPU_DEVICES, ENGINE), runtime.gpus_view)
+PROCESSES = raw("processes", runtime.processes_command)
+STALE_RAY = derived("stale-ray", (PROCESSES, CONTAINERS), runtime.stale_ray_view)
 STATE_DIR = raw("state-dir", lambda ctx: hoststate.probe_command(ctx.inventory, ctx.host))
 STATE_MOUNT = raw("state-mount", lambda ctx: hoststate.mount_command(ctx.inventory, ctx.host))
 
@@ -74,7 +71,7 @@ ALL_CHECKS: tuple[Check, ...] = (
     Check("memory", "free memory", MEMINFO, runtime.memory),
     Check("disk", "free disk", DISK, runtime.disk),
     Check("gpus", "GPUs and the NVIDIA runtime", GPUS, runtime.gpus, _wants_gpus),
-    Check("stale-ray", "no other Ray on the host", PROCESSES, runtime.stale_ray),
+    Check("stale-ray", "no other Ray on the host", STALE_RAY, runtime.stale_ray),
 )
 
 ALL_IDS: frozenset[str] = frozenset({"ssh", *CROSS_IDS, *(c.id for c in ALL_CHECKS)})

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from ..containers import LABEL_CLUSTER, LABEL_ROLE
-from ..transport import quote
+from ..enginefacts import parse_containers, running, split_sections
+from ..transport import CommandResult
 from .base import CheckContext, Finding, Status
 from .parsers import (
     is_loopback,
@@ -15,7 +16,6 @@ from .parsers import (
     parse_listening_ports,
     parse_route_source,
     resolve_in_hosts,
-    split_sections,
 )
 
 CLOCK_SKEW_LIMIT_S = 2.0
@@ -102,15 +102,33 @@ def etc_hosts(rc: int, out: str, err: str, ctx: CheckContext) -> Finding:
     return Finding(Status.OK, f"{name} → {address} in /etc/hosts", data=data)
 
 
-def _our_containers(ctx: CheckContext, role: str | None = None) -> str:
-    command = "docker ps --quiet --filter " + quote(f"label={LABEL_CLUSTER}={ctx.inventory.cluster}")
-    if role:
-        command += " --filter " + quote(f"label={LABEL_ROLE}={role}")
-    return command + " --filter status=running"
-
-
 def ports_command(ctx: CheckContext) -> str:
-    return "ss -ltnH; echo ---; " + _our_containers(ctx, "head")
+    """Listening TCP ports, then the INPUT chain's head (iptables, nft): the containers holding Ray's ports come
+    from the host's one `docker ps -a` (enginefacts.CONTAINERS), not from a command of their own."""
+    return (
+        "ss -ltnH; echo ---; iptables -S INPUT 2>&1 | head -n 5; echo ---; "
+        "nft list ruleset 2>&1 | grep -E 'table|hook input'"
+    )
+
+
+def _our_running(ctx: CheckContext, containers: CommandResult, role: str | None = None) -> str:
+    labels = {LABEL_CLUSTER: ctx.inventory.cluster, **({LABEL_ROLE: role} if role else {})}
+    return "".join(f"{row.id}\n" for row in running(parse_containers(containers), labels))
+
+
+def head_ports_view(ctx: CheckContext, results: list[CommandResult]) -> CommandResult:
+    """`ports_free`'s input: the listening ports, `---`, this cluster's running head container (if any)."""
+    ports, containers = results
+    listening = split_sections(ports.stdout, 1)[0]
+    return CommandResult(0, f"{listening}---\n{_our_running(ctx, containers, 'head')}", ports.stderr)
+
+
+def worker_ports_view(ctx: CheckContext, results: list[CommandResult]) -> CommandResult:
+    """`worker_ports`' input: the listening ports, this cluster's running containers, iptables, nft."""
+    ports, containers = results
+    listening, iptables, nft = split_sections(ports.stdout, 3)
+    ours = _our_running(ctx, containers)
+    return CommandResult(ports.rc, f"{listening}---\n{ours}---\n{iptables}---\n{nft}", ports.stderr)
 
 
 def ports_free(rc: int, out: str, err: str, ctx: CheckContext) -> Finding:
@@ -130,14 +148,6 @@ def ports_free(rc: int, out: str, err: str, ctx: CheckContext) -> Finding:
         f"port(s) {names} already in use on the head host",
         f"find the process with `ss -ltnp | grep :{taken[0]}` on {ctx.address} and stop it, "
         "or choose other ports under ray: in the inventory",
-    )
-
-
-def worker_ports_command(ctx: CheckContext) -> str:
-    return (
-        "ss -ltnH; echo ---; "
-        + _our_containers(ctx)
-        + "; echo ---; iptables -S INPUT 2>&1 | head -n 5; echo ---; nft list ruleset 2>&1 | grep -E 'table|hook input'"
     )
 
 

@@ -15,13 +15,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from ..enginefacts import split_sections
 from ..inventory import HostConfig, Inventory
 from ..progress import Progress
 from ..transport import CommandResult, Transport, quote
 from ..transport.fanout import error_message, fanout
 from ..transport.pool import Connect
 from .base import CheckResult, Status
-from .parsers import parse_ip_addr, parse_link_mtu, split_sections
+from .parsers import parse_ip_addr, parse_link_mtu
 
 NETWORK_IDS = frozenset({"network", "mtu", "path-mtu"})
 TEST_PORT = 5201

@@ -101,12 +101,6 @@ def parse_link_mtu(text: str) -> dict[str, int]:
     return found
 
 
-def split_sections(text: str, count: int) -> list[str]:
-    """Split the output of `a; echo ---; b; ...` into `count` sections (missing ones are empty)."""
-    parts = re.split(r"^---$\n?", text, flags=re.MULTILINE)
-    return (parts + [""] * count)[:count]
-
-
 @dataclass(frozen=True)
 class Firewall:
     checked: bool

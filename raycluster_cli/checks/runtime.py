@@ -7,10 +7,10 @@ import shlex
 from .. import hoststate
 from ..containers import LABEL_CLUSTER
 from ..engine import dialect_for, engine_of, image_id
-from ..transport import quote
+from ..enginefacts import NO_IMAGE, parse_containers, parse_engine, parse_image, running, split_sections
+from ..transport import CommandResult
 from ..versions import PYTHON_VERSION, RAY_VERSION
 from .base import CheckContext, Finding, Status
-from .parsers import split_sections
 from .parsers_runtime import (
     gib,
     parse_df,
@@ -83,26 +83,34 @@ def image(rc: int, out: str, err: str, ctx: CheckContext) -> Finding:
     )
 
 
-_VERSIONS_SCRIPT = (
-    "import sys, importlib.metadata as m; print('python', sys.version.split()[0]); print('ray', m.version('ray'))"
-)
-
-
-def versions_command(ctx: CheckContext) -> str:
-    """Ray and Python inside the image, cached on the host per image ID (a `docker run` costs a second)."""
-    run = quote("docker", "run", "--rm", "--network=none", "--entrypoint=python3", ctx.inventory.image, "-c")
-    return (
-        f"id=$(docker image inspect --format '{{{{.Id}}}}' {quote(ctx.inventory.image)} 2>/dev/null)"
-        " || { echo no-image; exit 0; }; "
-        'c="${XDG_CACHE_HOME:-$HOME/.cache}/raycluster/versions-${id#sha256:}"; '
-        'if [ ! -s "$c" ]; then mkdir -p "${c%/*}" && '
-        f'{run} {shlex.quote(_VERSIONS_SCRIPT)} > "$c.tmp" 2>&1 && mv -f "$c.tmp" "$c"'
-        ' || { cat "$c.tmp"; rm -f "$c.tmp"; exit 1; }; fi; cat "$c"'
+def docker_view(ctx: CheckContext, results: list[CommandResult]) -> CommandResult:
+    """`docker`'s input from the host's one `docker info` (enginefacts.ENGINE): the version, or the engine's
+    refusal (its stderr and exit status)."""
+    engine = results[0]
+    info = parse_engine(engine)
+    return CommandResult(
+        engine.rc, f"{info.version}\n" if info.version else engine.stdout.split("---")[0], engine.stderr
     )
 
 
+def image_view(ctx: CheckContext, results: list[CommandResult]) -> CommandResult:
+    """`image`'s input (the image ID, or the engine's error) from the host's one `docker image inspect`."""
+    found = parse_image(results[0])
+    if found.id:
+        return CommandResult(0, found.id + "\n", "")
+    return CommandResult(results[0].rc or 1, "", results[0].stderr)
+
+
+def image_runtime_view(ctx: CheckContext, results: list[CommandResult]) -> CommandResult:
+    """`image_runtime`'s input (Ray's and Python's versions, or `no-image`) from the same reading."""
+    found = parse_image(results[0])
+    if not found.id:
+        return CommandResult(0, NO_IMAGE + "\n", "")
+    return CommandResult(results[0].rc, found.versions, results[0].stderr)
+
+
 def image_runtime(rc: int, out: str, err: str, ctx: CheckContext) -> Finding:
-    if out.strip() == "no-image":
+    if out.strip() == NO_IMAGE:
         return Finding(Status.SKIP, "image absent: versions not checked (see the image check)")
     found = parse_versions(out)
     name = ctx.inventory.image
@@ -187,13 +195,15 @@ def memory(rc: int, out: str, err: str, ctx: CheckContext) -> Finding:
     return Finding(Status.OK, f"{gib(available)} memory available (object store {gib(store)})", data=data)
 
 
-def disk_command(ctx: CheckContext) -> str:
-    dialect = dialect_for(ctx.inventory, ctx.host)
-    return (
-        f'root=$(docker info --format "{dialect.root_format}" 2>/dev/null); root=${{root:-{dialect.default_root}}}; '
-        'echo "$root"; echo ---; df -P -B1 "$root" /tmp; echo ---; cat /proc/meminfo; echo ---; '
-        f"docker image inspect --format '{{{{.Size}}}}' {quote(ctx.inventory.image)} 2>/dev/null || echo absent"
-    )
+def disk_view(ctx: CheckContext, results: list[CommandResult]) -> CommandResult:
+    """`disk`'s input: the engine's folder and the free disk there and in /tmp (from `docker info`'s fact),
+    /proc/meminfo, and the image's size (from `docker image inspect`'s), sections split by `---`."""
+    engine, meminfo, image = results
+    info = parse_engine(engine)
+    size = parse_image(image).size
+    root = info.root or dialect_for(ctx.inventory, ctx.host).default_root
+    text = f"{root}\n---\n{info.df}---\n{meminfo.stdout}---\n{size if size is not None else 'absent'}\n"
+    return CommandResult(0, text, "")
 
 
 def disk(rc: int, out: str, err: str, ctx: CheckContext) -> Finding:
@@ -230,10 +240,21 @@ def disk(rc: int, out: str, err: str, ctx: CheckContext) -> Finding:
 
 
 def gpus_command(ctx: CheckContext) -> str:
+    """nvidia-smi, then (Podman) the CDI specs; Docker's runtimes come from the host's one `docker info`."""
+    dialect = dialect_for(ctx.inventory, ctx.host)
+    support = dialect.gpu_support_command() if dialect.name == "podman" else "true"
     return (
-        'nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader 2>&1; echo "rc=$?"; echo ---; '
-        + dialect_for(ctx.inventory, ctx.host).gpu_support_command()
+        f'nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader 2>&1; echo "rc=$?"; echo ---; {support}'
     )
+
+
+def gpus_view(ctx: CheckContext, results: list[CommandResult]) -> CommandResult:
+    """`gpus`' input: nvidia-smi, `---`, what makes GPUs reachable (Docker's runtimes or Podman's CDI specs)."""
+    smi, engine = results
+    if dialect_for(ctx.inventory, ctx.host).name == "podman":
+        return smi
+    first = split_sections(smi.stdout, 1)[0]
+    return CommandResult(smi.rc, f"{first}---\n{parse_engine(engine).runtimes}\n", smi.stderr)
 
 
 def gpus(rc: int, out: str, err: str, ctx: CheckContext) -> Finding:
@@ -281,18 +302,24 @@ def gpus(rc: int, out: str, err: str, ctx: CheckContext) -> Finding:
     return Finding(Status.OK, f"{len(found)} GPU(s) and {means}{extra}", data=data)
 
 
-def stale_ray_command(ctx: CheckContext) -> str:
-    dialect = dialect_for(ctx.inventory, ctx.host)
-    label = dialect.label_format(LABEL_CLUSTER)
+def processes_command(ctx: CheckContext) -> str:
+    """Every process, then a second look at each Ray process: gone by now (a short-lived worker), else its
+    cgroup, which names its container by the container's full ID (Docker's and Podman's, cgroup v1 and v2)."""
     return (
         "ps -eo pid=,args=; echo ---; "
-        f"docker ps --no-trunc --format '{{{{.ID}}}} {{{{.Names}}}} {label}' 2>/dev/null | "
-        'while read -r id name cluster; do echo "== $id $name $cluster"; '
-        f'docker top "$id" {dialect.top_host_pids} 2>/dev/null | tail -n +2; done; echo ---; '
-        # A second look at each Ray process: gone by now (a short-lived worker), else its cgroup names its container.
         "for p in $(ps -eo pid=,args= | awk '$2 ~ /(^|\\/)(raylet|gcs_server)$/ || $2 ~ /^ray::/ {print $1}'); do "
         """printf '%s ' "$p"; tr '\\n' ' ' 2>/dev/null < "/proc/$p/cgroup" || printf gone; echo; done"""
     )
+
+
+def stale_ray_view(ctx: CheckContext, results: list[CommandResult]) -> CommandResult:
+    """`stale_ray`'s input: the processes, `---`, a line `== <id> <name> <cluster label>` per running container
+    (from the host's one `docker ps -a`), `---`, the Ray processes' cgroups (which place them in a container)."""
+    processes, containers = results
+    ps_text, cgroups = split_sections(processes.stdout, 2)
+    rows = running(parse_containers(containers))
+    tops = "".join(f"== {r.id} {r.name} {r.labels.get(LABEL_CLUSTER, '')}\n" for r in rows)
+    return CommandResult(processes.rc, f"{ps_text}---\n{tops}---\n{cgroups}", processes.stderr)
 
 
 def stale_ray(rc: int, out: str, err: str, ctx: CheckContext) -> Finding:

@@ -1,5 +1,6 @@
 """Checks × hosts through the runner, with hosts faked by a table of command → output."""
 
+import json
 import time
 from pathlib import Path
 
@@ -14,28 +15,67 @@ from raycluster_cli.transport.fake import FakeTransport
 
 RECORDED = Path(__file__).parent / "recorded"
 IMAGE_ID = "sha256:" + "ab" * 32
-HEAD_PORTS = r"^ss -ltnH; echo ---; docker ps .*role=head"
-WORKER_PORTS = r"^ss -ltnH; echo ---; docker ps --quiet --filter label=io.raycluster.cluster=demo --filter status"
+# The host's one reading of each engine thing (enginefacts.py), and the other commands of the gather.
+ENGINE = r"^if i=\$\(docker info"
+IMAGE = r"^i=\$\(docker image inspect"
+CONTAINERS = r"^docker ps --all"
+PORTS = r"^ss -ltnH"  # listening ports, iptables, nft (both ports checks judge it, with CONTAINERS)
+PROCESSES = r"^ps -eo pid=,args="
 STATE_DIR = r'^echo "user '
 # A 6 GB host: Ray's default object store (30 %) fits the example's 2g /dev/shm.
 MEMINFO = "MemTotal:        6000000 kB\nMemFree:          500000 kB\nMemAvailable:    5000000 kB\n"
+DISK_LAB = (RECORDED / "disk_lab.txt").read_text().split("---\n")  # root, df, meminfo, image size
+RUNTIMES = '{"io.containerd.runc.v2":{"path":"runc"},"runc":{"path":"runc"}}'
+
+
+def engine(
+    version: str = "24.0.7", root: str = "/var/lib/docker", df: str = DISK_LAB[1], runtimes: str = RUNTIMES
+) -> str:
+    """What the engine fact prints: `docker info`'s version, folder and runtimes, `---`, df of folder and /tmp."""
+    return f"{version}\n{root}\n{runtimes.strip()}\n---\n{df}"
+
+
+def image(ident: str = IMAGE_ID, size: int = 1984499298, versions: str = "python 3.11.2\nray 2.60.0\n") -> str:
+    """What the image fact prints: `docker image inspect`'s ID and size, `---`, the versions inside it."""
+    return f"{ident} {size}\n---\n{versions}"
+
+
+NO_IMAGE = CommandResult(1, "no-image\n", "Error: No such image: raycluster/node:0.1.0")
+
+
+def ps_json(*rows: tuple[str, str, str, dict[str, str]]) -> str:
+    """Docker's `docker ps --format '{{json .}}'`: one object a line (ID, Names, State, Image, Labels)."""
+    return "".join(
+        json.dumps({"ID": i, "Names": n, "State": s, "Image": "raycluster/node:0.1.0", "Labels": labels_text(lb)})
+        + "\n"
+        for i, n, s, lb in rows
+    )
+
+
+def labels_text(labels: dict[str, str]) -> str:
+    return ",".join(f"{k}={v}" for k, v in labels.items())
+
+
+def disk_tables(text: str) -> dict[str, CommandResult | str]:
+    """The engine, meminfo and image answers that give the disk check the sections root, df, meminfo, size."""
+    root, df, meminfo, size = ([*text.split("---\n"), "", "", ""])[:4]
+    found = image(size=int(size)) if size.strip().isdigit() else NO_IMAGE
+    return {ENGINE: engine(root=root.strip(), df=df), r"^cat /proc/meminfo": meminfo, IMAGE: found}
 
 
 def healthy(address: str, name: str, **overrides: CommandResult | str) -> dict[str, CommandResult | str]:
     table: dict[str, CommandResult | str] = {
         r"^true$": "",
-        r"^docker info": "24.0.7\n",
-        r"^docker image inspect": IMAGE_ID + "\n",
+        ENGINE: engine(),
+        IMAGE: image(),
+        CONTAINERS: "",
         r"^ip -o -4 addr show": f"2: eth0    inet {address}/24 brd 192.0.2.255 scope global eth0\n",
         r"^ip route get": f"192.0.2.11 dev eth0 src {address} uid 0\n    cache\n",
         r"^hostname": f"{name}\n---\n127.0.0.1 localhost\n{address} {name}\n",
-        HEAD_PORTS: "LISTEN 0 128 0.0.0.0:22 0.0.0.0:*\n---\n",
-        WORKER_PORTS: "LISTEN 0 128 0.0.0.0:22 0.0.0.0:*\n---\n---\n-P INPUT ACCEPT\n---\n",
-        r"^id=\$\(docker image inspect": "python 3.11.2\nray 2.60.0\n",
+        PORTS: "LISTEN 0 128 0.0.0.0:22 0.0.0.0:*\n---\n-P INPUT ACCEPT\n---\n",
         r"^date ": f"{time.time():.9f}\n",
         r"^cat /proc/meminfo": MEMINFO,
-        r"^root=\$\(docker info": (RECORDED / "disk_lab.txt").read_text(),
-        r"^ps -eo pid=,args=": "    1 /sbin/init\n  212 sshd: /usr/sbin/sshd -D\n---\n",
+        PROCESSES: "    1 /sbin/init\n  212 sshd: /usr/sbin/sshd -D\n---\n",
         STATE_DIR: "user root 0\ndir /etc/raycluster/demo\nat /etc/raycluster root 755 directory\nwritable yes\n"
         "sudo unused\n",
     }
@@ -121,8 +161,8 @@ def test_docker_down_and_permission(example_yaml: str) -> None:
     denied = CommandResult(1, "", "permission denied while trying to connect to the Docker daemon socket")
     tables = fleet(
         **{
-            "192.0.2.12": healthy("192.0.2.12", "node-2", **{r"^docker info": down}),
-            "192.0.2.13": healthy("192.0.2.13", "node-3", **{r"^docker info": denied}),
+            "192.0.2.12": healthy("192.0.2.12", "node-2", **{ENGINE: down}),
+            "192.0.2.13": healthy("192.0.2.13", "node-3", **{ENGINE: denied}),
         }
     )
     results = {(r.host, r.id): r for r in run(example_yaml, tables)}
@@ -131,11 +171,11 @@ def test_docker_down_and_permission(example_yaml: str) -> None:
 
 
 def test_image_missing_and_different(example_yaml: str) -> None:
-    missing = CommandResult(1, "", "Error: No such image: raycluster/node:0.1.0")
+    missing = NO_IMAGE
     tables = fleet(
         **{
-            "192.0.2.12": healthy("192.0.2.12", "node-2", **{r"^docker image inspect": missing}),
-            "192.0.2.13": healthy("192.0.2.13", "node-3", **{r"^docker image inspect": "sha256:" + "cd" * 32}),
+            "192.0.2.12": healthy("192.0.2.12", "node-2", **{IMAGE: missing}),
+            "192.0.2.13": healthy("192.0.2.13", "node-3", **{IMAGE: image("sha256:" + "cd" * 32)}),
         }
     )
     results = run(example_yaml, tables)
@@ -174,7 +214,7 @@ def test_a_crashing_check_becomes_a_failure(example_yaml: str) -> None:
 
 def test_port_taken_on_head(example_yaml: str) -> None:
     taken = "LISTEN 0 4096 0.0.0.0:6379 0.0.0.0:*\n---\n"
-    tables = fleet(**{"192.0.2.11": healthy("192.0.2.11", "node-1", **{HEAD_PORTS: taken})})
+    tables = fleet(**{"192.0.2.11": healthy("192.0.2.11", "node-1", **{PORTS: taken})})
     results = run(example_yaml, tables)
     assert failures(results) == [("192.0.2.11", "ports-free")]
     bad = next(r for r in results if r.status == Status.FAIL)
@@ -182,15 +222,23 @@ def test_port_taken_on_head(example_yaml: str) -> None:
 
 
 def test_ports_held_by_our_running_head_are_fine(example_yaml: str) -> None:
-    ours = "LISTEN 0 4096 0.0.0.0:6379 0.0.0.0:*\n---\n3f2a9c\n"
-    tables = fleet(**{"192.0.2.11": healthy("192.0.2.11", "node-1", **{HEAD_PORTS: ours})})
+    listening = "LISTEN 0 4096 0.0.0.0:6379 0.0.0.0:*\n---\n"
+    head = {"io.raycluster.cluster": "demo", "io.raycluster.role": "head"}
+    ours = ps_json(("3f2a9c", "raycluster-demo-head", "running", head))
+    tables = fleet(**{"192.0.2.11": healthy("192.0.2.11", "node-1", **{PORTS: listening, CONTAINERS: ours})})
     assert failures(run(example_yaml, tables)) == []
+    # ...but not when that container has stopped, nor when it is another cluster's.
+    stopped = ps_json(("3f2a9c", "raycluster-demo-head", "exited", head))
+    other = ps_json(("3f2a9c", "raycluster-x-head", "running", {**head, "io.raycluster.cluster": "x"}))
+    for containers in (stopped, other):
+        tables = fleet(**{"192.0.2.11": healthy("192.0.2.11", "node-1", **{PORTS: listening, CONTAINERS: containers})})
+        assert failures(run(example_yaml, tables)) == [("192.0.2.11", "ports-free")]
 
 
 def test_a_run_limited_to_some_hosts_checks_only_those_and_no_cross_host_check(example_yaml: str) -> None:
     inv = inventory.parse(example_yaml)
     tables = fleet()
-    tables["192.0.2.12"] = healthy("192.0.2.12", "node-2", **{r"^docker image inspect": "sha256:" + "cd" * 32})
+    tables["192.0.2.12"] = healthy("192.0.2.12", "node-2", **{IMAGE: image("sha256:" + "cd" * 32)})
     runtime = [c for c in ALL_CHECKS if c.id == "image-runtime"]
     results = run_checks(
         inv, lambda h: FakeTransport(str(h.address), tables[str(h.address)]), runtime, hosts={"192.0.2.13"}

@@ -10,7 +10,19 @@ from raycluster_cli.inventory import HostConfig
 from raycluster_cli.transport.base import CommandResult
 from raycluster_cli.transport.fake import FakeTransport
 
-from .test_checks import HEAD_PORTS, WORKER_PORTS, fleet, healthy
+from .test_checks import (
+    CONTAINERS,
+    ENGINE,
+    IMAGE,
+    PORTS,
+    PROCESSES,
+    disk_tables,
+    engine,
+    fleet,
+    healthy,
+    image,
+    ps_json,
+)
 
 RECORDED = Path(__file__).parent / "recorded"
 HEAD, W2, W3 = "192.0.2.11", "192.0.2.12", "192.0.2.13"
@@ -76,7 +88,7 @@ def test_names_matrix_loopback_for_another_host(example_yaml: str) -> None:
 def test_worker_port_range_taken_and_firewall_dropping(example_yaml: str) -> None:
     ss = (RECORDED / "ss_worker_range.txt").read_text()
     drop = (RECORDED / "iptables_drop.txt").read_text()
-    results = run(example_yaml, on(W2, "node-2", **{WORKER_PORTS: f"{ss}---\n---\n{drop}---\n"}))
+    results = run(example_yaml, on(W2, "node-2", **{PORTS: f"{ss}---\n{drop}---\n"}))
     warn = results[(W2, "worker-ports")]
     assert warn.status == Status.WARN
     assert "2 port(s) of the worker range 10002-19999 already listening: 10005, 12345" in warn.message
@@ -85,14 +97,15 @@ def test_worker_port_range_taken_and_firewall_dropping(example_yaml: str) -> Non
 
 def test_worker_port_range_held_by_our_node_is_fine(example_yaml: str) -> None:
     ss = (RECORDED / "ss_worker_range.txt").read_text()
-    results = run(example_yaml, on(W2, "node-2", **{WORKER_PORTS: f"{ss}---\n82c21fa8c7db\n---\n---\n"}))
+    ours = ps_json(("82c21fa8c7db", "raycluster-demo-worker", "running", {"io.raycluster.cluster": "demo"}))
+    results = run(example_yaml, on(W2, "node-2", **{PORTS: f"{ss}---\n---\n", CONTAINERS: ours}))
     assert results[(W2, "worker-ports")].status == Status.OK
 
 
 def test_worker_ports_come_from_the_inventory(example_yaml: str) -> None:
     text = example_yaml.replace("\nhosts:", "\nray: {min_worker_port: 12000, max_worker_port: 12100}\nhosts:")
     ss = (RECORDED / "ss_worker_range.txt").read_text()
-    results = run(text, on(W2, "node-2", **{WORKER_PORTS: f"{ss}---\n---\n---\n"}))
+    results = run(text, on(W2, "node-2", **{PORTS: f"{ss}---\n---\n"}))
     assert results[(W2, "worker-ports")].status == Status.OK
     assert results[(W2, "worker-ports")].data["range"] == "12000-12100"
 
@@ -104,21 +117,23 @@ def test_clock_ahead_warns(example_yaml: str) -> None:
 
 
 def test_ray_version_mismatch_fails_python_mismatch_warns(example_yaml: str) -> None:
-    results = run(example_yaml, on(W2, "node-2", **{r"^id=\$\(docker image inspect": "python 3.11.2\nray 2.9.3\n"}))
+    results = run(example_yaml, on(W2, "node-2", **{IMAGE: image(versions="python 3.11.2\nray 2.9.3\n")}))
     bad = results[(W2, "image-runtime")]
     assert bad.status == Status.FAIL and "Ray 2.9.3, the CLI expects 2.60.0" in bad.message
     assert "ray[default]==2.60.0" in bad.hint
-    results = run(example_yaml, on(W3, "node-3", **{r"^id=\$\(docker image inspect": "python 3.12.1\nray 2.60.0\n"}))
+    results = run(example_yaml, on(W3, "node-3", **{IMAGE: image(versions="python 3.12.1\nray 2.60.0\n")}))
     assert results[(W3, "image-runtime")].status == Status.WARN
 
 
 def test_image_without_ray_and_absent_image(example_yaml: str) -> None:
-    broken = CommandResult(1, "ModuleNotFoundError: No module named 'ray'\n", "")
-    results = run(example_yaml, on(W2, "node-2", **{r"^id=\$\(docker image inspect": broken}))
+    broken = CommandResult(1, image(versions="ModuleNotFoundError: No module named 'ray'\n"), "")
+    results = run(example_yaml, on(W2, "node-2", **{IMAGE: broken}))
     assert results[(W2, "image-runtime")].status == Status.FAIL
     assert "No module named 'ray'" in results[(W2, "image-runtime")].message
-    results = run(example_yaml, on(W3, "node-3", **{r"^id=\$\(docker image inspect": "no-image\n"}))
+    missing = CommandResult(1, "no-image\n", "Error: No such image: raycluster/node:0.1.0")
+    results = run(example_yaml, on(W3, "node-3", **{IMAGE: missing}))
     assert results[(W3, "image-runtime")].status == Status.SKIP
+    assert results[(W3, "image")].status == Status.FAIL
 
 
 def test_shm_below_the_default_object_store(example_yaml: str) -> None:
@@ -152,7 +167,7 @@ def test_low_disk_fails_for_docker_and_warns_for_tmp(example_yaml: str) -> None:
         "/dev/sdb1 100000000000 99500000000 500000000 99% /data\n"
         "/dev/sda1 50000000000 49900000000 100000000 99% /\n---\n" + "MemTotal: 16000000 kB\n"
     )
-    results = run(example_yaml, on(W2, "node-2", **{r"^root=\$\(docker info": disk}))
+    results = run(example_yaml, on(W2, "node-2", **disk_tables(disk)))
     bad = results[(W2, "disk")]
     assert bad.status == Status.FAIL and "0.5 GiB free for Docker (/data/docker)" in bad.message
     assert "docker system prune" in bad.hint
@@ -168,8 +183,9 @@ hosts:
 """
 
 
-def gpu_answer(smi: str, runtimes: str) -> str:
-    return f"{smi}---\n{runtimes}\n"
+def gpu_answer(smi: str, runtimes: str) -> dict[str, str]:
+    """nvidia-smi's answer, and Docker's runtimes in the host's one `docker info`."""
+    return {r"^nvidia-smi": f"{smi}---\n", ENGINE: engine(runtimes=runtimes)}
 
 
 @pytest.mark.parametrize(
@@ -201,44 +217,51 @@ def gpu_answer(smi: str, runtimes: str) -> str:
     ],
     ids=["good", "no-runtime", "no-nvidia-smi", "no-driver", "too-few"],
 )
-def test_gpus(answer: str, status: Status, text: str) -> None:
-    results = run(GPU_YAML, on(W2, "node-2", **{r"^nvidia-smi": answer}))
+def test_gpus(answer: dict[str, str], status: Status, text: str) -> None:
+    results = run(GPU_YAML, on(W2, "node-2", **answer))
     assert results[(W2, "gpus")].status == status
     assert text in results[(W2, "gpus")].message
     assert (W3, "gpus") not in results  # only where GPUs are asked for
 
 
+def _recorded(name: str) -> str:
+    return (RECORDED / name).read_text()
+
+
+# Recorded on a lab host: Ray in a foreign container next to a container labelled as cluster `lab`'s (each with
+# its gcs_server, raylet and ray:: processes), plus a stopped container; then the same host without the foreign
+# one. The processes are placed in their containers by their cgroups; the containers come from `docker ps -a`.
+FOREIGN = {PROCESSES: _recorded("stale_ray_processes_h2.txt"), CONTAINERS: _recorded("stale_ray_containers_h2.jsonl")}
+OURS = {
+    PROCESSES: _recorded("stale_ray_processes_ours_h2.txt"),
+    CONTAINERS: _recorded("stale_ray_containers_ours_h2.jsonl"),
+}
+
+
 def test_stale_ray_container_and_host_process(example_yaml: str) -> None:
-    foreign = (RECORDED / "stale_ray_foreign_h2.txt").read_text()
     on_host = "   1 /sbin/init\n 4242 /usr/local/lib/python3.11/dist-packages/ray/core/src/ray/gcs/gcs_server\n---\n"
-    tables = fleet(
-        **{
-            W2: healthy(W2, "node-2", **{r"^ps -eo pid=,args=": foreign}),
-            W3: healthy(W3, "node-3", **{r"^ps -eo pid=,args=": on_host}),
-        }
-    )
+    tables = fleet(**{W2: healthy(W2, "node-2", **FOREIGN), W3: healthy(W3, "node-3", **{PROCESSES: on_host})})
     results = run(example_yaml.replace("cluster: demo", "cluster: lab"), tables)
     bad = results[(W2, "stale-ray")]
     assert bad.status == Status.FAIL and "foreign-ray" in bad.message and "raycluster-lab-worker" not in bad.message
+    assert "on the host itself" not in bad.message  # every Ray process of the host is placed in its container
     assert "docker rm -f foreign-ray" in bad.hint
     host = results[(W3, "stale-ray")]
     assert host.status == Status.FAIL and "4242 gcs_server" in host.message and "ray stop" in host.hint
 
 
 def test_our_own_cluster_is_not_stale(example_yaml: str) -> None:
-    ours = (RECORDED / "stale_ray_ours_h2.txt").read_text()
-    results = run(
-        example_yaml.replace("cluster: demo", "cluster: lab"), on(W2, "node-2", **{r"^ps -eo pid=,args=": ours})
-    )
+    results = run(example_yaml.replace("cluster: demo", "cluster: lab"), on(W2, "node-2", **OURS))
     assert results[(W2, "stale-ray")].status == Status.OK
     # ...but the same containers are foreign to another cluster.
-    results = run(example_yaml, on(W2, "node-2", **{r"^ps -eo pid=,args=": ours}))
+    results = run(example_yaml, on(W2, "node-2", **OURS))
     assert results[(W2, "stale-ray")].status == Status.FAIL
+    assert "raycluster-lab-worker" in results[(W2, "stale-ray")].message
 
 
 def test_head_ports_check_unchanged(example_yaml: str) -> None:
     taken = "LISTEN 0 4096 0.0.0.0:8265 0.0.0.0:*\n---\n"
-    results = run(example_yaml, on("192.0.2.11", "node-1", **{HEAD_PORTS: taken}))
+    results = run(example_yaml, on("192.0.2.11", "node-1", **{PORTS: taken}))
     assert results[("192.0.2.11", "ports-free")].status == Status.FAIL
 
 
@@ -250,14 +273,11 @@ def test_image_must_fit_where_it_is_missing(example_yaml: str) -> None:
             f"MemTotal: 6000000 kB\n---\n{image}\n"
         )
 
-    missing = CommandResult(1, "", "Error: No such image: raycluster/node:0.1.0")
     tables = fleet(
         **{
-            HEAD: healthy(HEAD, "node-1", **{r"^root=\$\(docker info": disk(500 * 10**9, "5000000000")}),
-            W2: healthy(
-                W2, "node-2", **{r"^root=\$\(docker info": disk(4 * 10**9, "absent"), r"^docker image inspect": missing}
-            ),
-            W3: healthy(W3, "node-3", **{r"^root=\$\(docker info": disk(400 * 10**9, "absent")}),
+            HEAD: healthy(HEAD, "node-1", **disk_tables(disk(500 * 10**9, "5000000000"))),
+            W2: healthy(W2, "node-2", **disk_tables(disk(4 * 10**9, "absent"))),
+            W3: healthy(W3, "node-3", **{**disk_tables(disk(400 * 10**9, "absent")), IMAGE: image()}),
         }
     )
     results = run(example_yaml, tables)

@@ -14,11 +14,21 @@ from raycluster_cli import inventory
 from raycluster_cli.checks import Status
 from raycluster_cli.checks.base import CheckContext
 from raycluster_cli.checks.catalog import DOCKER_VERSION
-from raycluster_cli.checks.runtime import disk, disk_command, gpus, gpus_command, image, stale_ray, stale_ray_command
+from raycluster_cli.checks.runtime import (
+    disk,
+    gpus,
+    gpus_command,
+    image,
+    processes_command,
+    stale_ray,
+    stale_ray_view,
+)
 from raycluster_cli.containers import parse_ps, run_argv
 from raycluster_cli.engine import DOCKER, PODMAN, adapt_run_argv, dialect_of, image_id, ps_rows
+from raycluster_cli.enginefacts import engine_command
 from raycluster_cli.lab import LabHost, render_inventory
 from raycluster_cli.status import parse_host
+from raycluster_cli.transport import CommandResult
 
 from .conftest import EXAMPLE
 
@@ -80,10 +90,12 @@ def test_podman_takes_gpus_as_cdi_devices() -> None:
 
 
 def test_doctor_asks_podman_for_its_version_and_storage_root() -> None:
-    assert "{{.Version.Version}}" in DOCKER_VERSION.command(_ctx(PODMAN_YAML))
-    assert "{{.ServerVersion}}" in DOCKER_VERSION.command(_ctx(EXAMPLE))
-    assert "{{.Store.GraphRoot}}" in disk_command(_ctx(PODMAN_YAML))
-    assert "{{.DockerRootDir}}" in disk_command(_ctx(EXAMPLE))
+    """One `docker info` per host carries the version and the storage root (and Docker's runtimes)."""
+    assert DOCKER_VERSION.needs[0].command is not None
+    podman, docker = engine_command(_ctx(PODMAN_YAML)), engine_command(_ctx(EXAMPLE))
+    assert "{{.Version.Version}}{{println}}{{.Store.GraphRoot}}'" in podman and "Runtimes" not in podman
+    assert "{{.ServerVersion}}{{println}}{{.DockerRootDir}}{{println}}{{json .Runtimes}}" in docker
+    assert podman.count("docker info") == 1 and docker.count("docker info") == 1
     found = disk(0, (RECORDED / "podman_disk.txt").read_text(), "", _ctx(PODMAN_YAML))
     assert found.status == Status.OK and "/var/lib/containers/storage" in found.message, found
 
@@ -94,10 +106,13 @@ def test_a_bare_podman_image_id_is_the_image_present() -> None:
     assert image(125, "", "Error: image not known", _ctx(PODMAN_YAML)).status == Status.FAIL
 
 
-def test_stale_ray_lists_a_podman_containers_host_pids_with_hpid() -> None:
-    command = stale_ray_command(_ctx(PODMAN_YAML))
-    assert 'docker top "$id" hpid' in command and '{{index .Labels "io.raycluster.cluster"}}' in command
-    assert "-eo pid" in stale_ray_command(_ctx(EXAMPLE)) and '{{.Label "' in stale_ray_command(_ctx(EXAMPLE))
+def test_stale_ray_places_podmans_containers_from_its_ps_and_the_cgroups() -> None:
+    """No engine command of its own: the running containers come from `docker ps -a` (Podman's JSON array,
+    labels an object), the Ray processes are placed by their cgroups (`libpod-<id>`)."""
+    assert "docker" not in processes_command(_ctx(PODMAN_YAML))
+    containers = CommandResult(0, (RECORDED / "podman_ps.json").read_text(), "")
+    view = stale_ray_view(_ctx(PODMAN_YAML), [CommandResult(0, "   1 /sbin/init\n---\n", ""), containers])
+    assert "== 4d3a23a383759240527219ceac9d3f5159c56d0c69cf04a812ce6fcfa7466c2f bystander other\n" in view.stdout
     # Recorded on a podman lab host: a foreign Ray container, and an idle one labelled for another cluster.
     found = stale_ray(0, (RECORDED / "podman_stale_ray.txt").read_text(), "", _ctx(PODMAN_YAML))
     assert found.status == Status.FAIL and found.data["containers"] == ["foreign"], found

@@ -167,12 +167,18 @@ def test_decide_replaces_our_container_and_says_why(
 
 
 def test_plan_node_refuses_a_foreign_container_named_like_ours() -> None:
+    from raycluster_cli.facts import HostContext
     from raycluster_cli.nodes import parse_container_view, plan_node
 
     inv = _inv()
     row = '{"ID":"f00","Names":"raycluster-demo-worker","State":"running","Image":"x","Labels":""}'
-    view = parse_container_view(CommandResult(0, row + "\n--raycluster--\n" + A + "\n--raycluster--\nd1  -\n", ""))
-    assert view.container is not None and view.image_id == A and view.files_digest == "d1"
+    other = '{"ID":"f01","Names":"raycluster-demo-worker-old","State":"exited","Image":"x","Labels":""}'
+    ps = CommandResult(0, f"{other}\n{row}\n", "")
+    ctx = HostContext(inv, inv.hosts[1])
+    view = parse_container_view(ctx, [ps, CommandResult(0, A + "\n--raycluster--\nd1  -\n", "")])
+    assert view.container is not None and view.container.id == "f00"
+    assert view.image_id == A and view.files_digest == "d1"
+    assert parse_container_view(ctx, [CommandResult(0, other + "\n", ""), CommandResult(0, "", "")]).container is None
     with pytest.raises(OperationError) as info:
         plan_node(inv, inv.hosts[1], view, A, "d1")
     assert "did not start" in info.value.message and "docker rm -f raycluster-demo-worker" in info.value.hint

@@ -12,8 +12,8 @@ from raycluster_cli.checks.parsers import (
     parse_ip_addr,
     parse_link_mtu,
     parse_listening_ports,
-    split_sections,
 )
+from raycluster_cli.enginefacts import split_sections
 
 RECORDED = Path(__file__).parent / "recorded"
 

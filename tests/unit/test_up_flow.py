@@ -19,7 +19,7 @@ from raycluster_cli.uprun import RETRIED, HostRun, UpRun
 
 from ..counting import CountingConnect
 from .conftest import EXAMPLE
-from .test_checks import healthy
+from .test_checks import ENGINE, healthy
 
 HOSTS = ("192.0.2.11", "192.0.2.12", "192.0.2.13")
 WAIT_HEAD = "end=$(("
@@ -168,7 +168,7 @@ def test_a_worker_that_never_runs_is_named_and_failed() -> None:
 
 
 def test_a_failing_check_stops_up_and_marks_that_host_failed() -> None:
-    _, counting = _fleet(**{HOSTS[1]: {r"^docker info": CommandResult(1, "", "Cannot connect to the Docker daemon")}})
+    _, counting = _fleet(**{HOSTS[1]: {ENGINE: CommandResult(1, "", "Cannot connect to the Docker daemon")}})
     events: list[object] = []
     with pytest.raises(PreflightFailed):
         up(inventory.parse(INV), counting, progress=events.append)
