@@ -212,7 +212,7 @@ def up_command(
     json_mode: JsonOpt = False,
     debug: DebugOpt = False,
 ) -> None:
-    """Start Ray in Docker: images where missing, the head first, then every worker in parallel; wait for all.
+    """Start Ray in Docker: images where missing, the head, every worker in parallel meanwhile; wait for all.
 
     Exit 0: every node joined; 1: preflight failed, or a node did not join (each named with its cause)."""
 

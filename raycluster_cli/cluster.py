@@ -1,4 +1,4 @@
-"""Cluster lifecycle: up (head first, then workers in parallel, wait until all joined).
+"""Cluster lifecycle: up (the head, every worker in parallel while it starts, wait until all joined).
 
 The phases themselves live in uprun.py (preflight, image, plan) and upjoin.py (head, workers, wait).
 
@@ -86,7 +86,8 @@ def up(
     insecure: bool = False,
     progress: Progress = quiet,
 ) -> UpResult:
-    """Checks → image where missing → token and env files → head → workers in parallel → wait for all.
+    """Checks → image where missing → token and env files → head → workers in parallel (while the head starts)
+    → wait for all.
 
     Named phases over one record per host (uprun.py, upjoin.py). Idempotent: a node whose container already
     runs as the inventory asks is kept; one of ours that differs is replaced and its NodeState says why.

@@ -26,6 +26,38 @@ ENV_IN_CONTAINER = "/run/raycluster/env"
 # The container's command sources the env file first, so that the Ray processes get the inventory's
 # `env` while the values stay out of `docker inspect` and every command line.
 _SOURCE_ENV = f'set -a && . {ENV_IN_CONTAINER} && set +a && exec "$@"'
+# A worker's container waits until the head's GCS answers before `ray start`, so that `up` starts every worker
+# while the head is still starting (its container made, the image's files read) instead of after: `ray start
+# --address` itself gives a GCS that is not there yet about 20 s and then fails. One Python process polls the
+# port (a new one each time would compete for the CPU the starting head needs); one line in the container's
+# log says it waits, one that it gave up (after GCS_WAIT_S: the container then exits, and `up` names why).
+GCS_WAIT_S = 600
+_WAIT_FOR_GCS = """import socket, sys, time
+head, port, limit = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
+end, said = time.monotonic() + limit, False
+while True:
+    try:
+        socket.create_connection((head, port), 2).close()
+        break
+    except OSError:
+        if time.monotonic() > end:
+            sys.exit(f"raycluster: the GCS of the head at {head}:{port} did not answer within {limit:.0f}s")
+        if not said:
+            print(f"raycluster: waiting for the GCS of the head at {head}:{port}", flush=True)
+            said = True
+        time.sleep(0.2)
+"""
+
+
+def start_script(inventory: Inventory, host: HostConfig) -> str:
+    """The container's shell command (its arguments: `ray start …`): the env file, then, on a worker, the
+    wait for the head's GCS, then `ray start` as the container's main process."""
+    if host.role == "head":
+        return _SOURCE_ENV
+    wait = shlex.join(
+        ["python3", "-c", _WAIT_FOR_GCS, inventory.head_address, str(inventory.ray.port), str(GCS_WAIT_S)]
+    )
+    return f'set -a && . {ENV_IN_CONTAINER} && set +a && {wait} && exec "$@"'
 
 
 def container_name(inventory: Inventory, host: HostConfig) -> str:
@@ -122,7 +154,7 @@ def run_argv(inventory: Inventory, host: HostConfig) -> list[str]:
         ]
     for option in docker.run_options:
         argv += shlex.split(option)
-    argv += [inventory.image, "sh", "-c", _SOURCE_ENV, "sh"]
+    argv += [inventory.image, "sh", "-c", start_script(inventory, host), "sh"]
     argv += ray_start_args(inventory, host)
     return adapt_run_argv(dialect_for(inventory, host), argv)
 

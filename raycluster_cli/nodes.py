@@ -236,14 +236,28 @@ def start_failure(inventory: Inventory, host: HostConfig, result: CommandResult,
     return OperationError(f"{host.address}: {what}: {last}", f"see `docker logs {name}` on {host.address}")
 
 
+# `up` asks the head's GCS while the workers register; the probe that asks notes its PID here (in the head's
+# container), so that `up` can end it early when a worker failed (see cancel_probe).
+PROBE_PID = "/tmp/raycluster-up-probe.pid"
+
+
 def probe(
-    transport: Transport, inventory: Inventory, expect: list[str], timeout_s: float, stale: list[str] | None = None
+    transport: Transport,
+    inventory: Inventory,
+    expect: list[str],
+    timeout_s: float,
+    stale: list[str] | None = None,
+    cancellable: bool = False,
 ) -> list[dict[str, Any]]:
-    """The cluster's nodes, after waiting (up to `timeout_s`) for `expect` to be live and `stale` dead."""
+    """The cluster's nodes, after waiting (up to `timeout_s`) for `expect` to be live and `stale` dead.
+
+    `cancellable`: the probe notes its PID, and `cancel_probe` ends it (its caller then gets an OperationError).
+    """
     name = container_name(inventory, inventory.head_host)
     gcs = f"{inventory.head_address}:{inventory.ray.port}"
+    note = "sh -c " + quote(f'echo $$ >{PROBE_PID} && exec "$@"') + " sh " if cancellable else ""
     command = (
-        f"docker exec {quote(name)} python -m raycluster_cli.probe --address {quote(gcs)} "
+        f"docker exec {quote(name)} {note}python -m raycluster_cli.probe --address {quote(gcs)} "
         f"--expect {quote(','.join(expect))} --stale-ids {quote(','.join(stale or []))} --timeout {timeout_s:.0f}"
     )
     result = transport.run(command, timeout=timeout_s + 60)
@@ -263,3 +277,10 @@ def probe(
         raise OperationError(f"{inventory.head_host.address}: {document.get('error')}", f"see `docker logs {name}`")
     nodes: list[dict[str, Any]] = document["nodes"]
     return nodes
+
+
+def cancel_probe(transport: Transport, inventory: Inventory) -> None:
+    """End a `cancellable` probe that still runs in the head's container (one remote command)."""
+    name = container_name(inventory, inventory.head_host)
+    end = f"kill $(cat {PROBE_PID}) 2>/dev/null; rm -f {PROBE_PID}"
+    transport.run(f"docker exec {quote(name)} sh -c {quote(end)}", timeout=30)

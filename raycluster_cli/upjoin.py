@@ -2,20 +2,26 @@
 
 Each node's own container log says when Ray registered it (`ray start` prints "Ray runtime started." only once
 the GCS knows the node): `up` watches that on each host with one remote command that runs nothing but docker's
-CLI, so no Python start-up competes with a starting node. The head goes first, alone, until it is registered
-(a worker started earlier could meet a GCS that answers but does not know the head yet, and a driver could not
-attach); then every worker at once; then one look at the head's GCS confirms every node alive.
+CLI, so no Python start-up competes with a starting node. The head's container starts first and every
+worker's right after it, without waiting: a worker's container waits until the head's GCS answers before its
+`ray start` (containers.start_script), and Ray's own `ray start` waits for the head's node to be known. So the
+workers' containers, their start and their Python imports overlap the head's start, where the hand-written way
+(head until its GCS answers, then the workers) does them in turn. Once the head is registered, one look at its
+GCS waits, in a thread, for every node to be alive while the workers' registrations are watched; a worker that
+failed ends that look early, and the nodes that did join are read once more.
 """
 
 from __future__ import annotations
 
+import contextlib
+import threading
 import time
 from typing import Any
 
 from .containers import container_name
 from .diagnose import EVIDENCE, diagnose
 from .errors import OperationError
-from .nodes import EXITED, apply, probe, start_failure, wait_started
+from .nodes import EXITED, Plan, apply, cancel_probe, probe, start_failure, wait_started
 from .transport.fanout import error_message, fanout
 from .uprun import HostRun, UpRun
 
@@ -30,7 +36,7 @@ class NodesMissing(OperationError):
 
 
 def start_head(run: UpRun) -> None:
-    """Start (or keep) the head and wait until its Ray node is registered."""
+    """Start (or keep) the head's container; `wait` waits for its node (the workers start meanwhile)."""
     head = run.head
     replaced = {r.node_ip for r in run.workers if r.plan.action != "keep"}
     if head.plan.action == "keep" and replaced:
@@ -41,10 +47,8 @@ def start_head(run: UpRun) -> None:
         if each.reason:
             run.progress(f"{each.address}: replacing the {each.role} container: {each.reason}")
     _start(run, head)
-    error = _until_registered(run, head, time.monotonic() + run.timeout_s)
-    if error is not None:
-        raise error
-    run.progress(f"head ready; {len(run.workers)} worker(s) next")
+    if run.workers:
+        run.progress(f"head starting; {len(run.workers)} worker(s) start now and join once its GCS answers")
 
 
 def _start(run: UpRun, host: HostRun) -> None:
@@ -84,18 +88,39 @@ def start_workers(run: UpRun) -> None:
 
 
 def wait(run: UpRun) -> None:
-    """Until every worker is registered (each seen on its host), then every node alive in the head's GCS.
+    """Until the head's node is registered, then every worker registered (each seen on its host) and every
+    node alive in the head's GCS (asked meanwhile).
 
-    Raises NodesMissing naming each node that did not join, with why (its container's state and log).
+    Raises the head's start failure, or NodesMissing naming each node that did not join, with why (its
+    container's state and log).
     """
     run.progress("waiting for every node to join")
     deadline = time.monotonic() + run.timeout_s
+    error = _until_registered(run, run.head, deadline)
+    if error is not None:
+        for worker in run.workers:
+            run.move(worker, "failed", f"the head at {run.head.address} did not start")
+        raise error
+    if run.head.retried and run.workers:  # the workers that met the first head's GCS join the second one
+        for worker in run.workers:
+            worker.plan = Plan("replace", "the head was started once more")
+            worker.reason = "; ".join(filter(None, [worker.reason, worker.plan.reason]))
+        start_workers(run)
+    look = _Look(run, sorted(r.node_ip for r in run.runs.values()), deadline)
     waited = fanout(run.workers, lambda w: _until_registered(run, w, deadline), what="wait for the workers")
-    waited.check_interrupted()
-    for worker, error in waited.failed:
-        run.move(worker, "failed", error_message(error, worker.address))
+    try:
+        waited.check_interrupted()
+    except KeyboardInterrupt:
+        look.cancel()
+        raise
+    for worker, failure in waited.failed:
+        run.move(worker, "failed", error_message(failure, worker.address))
     registered = [r for r in run.runs.values() if r.phase != "failed"]
-    run.nodes = _read_nodes(run, sorted(r.node_ip for r in registered), deadline)
+    if len(registered) == len(run.runs):
+        run.nodes = look.result()
+    else:
+        look.cancel()
+        run.nodes = _read_nodes(run, sorted(r.node_ip for r in registered), deadline)
     alive = {n["node_ip"]: n for n in run.nodes if n["alive"] and n["node_id"] not in run.stale}
     for host in registered:
         if host.node_ip in alive:
@@ -106,21 +131,63 @@ def wait(run: UpRun) -> None:
         raise _missing_error(run, missing)
 
 
+class _Look:
+    """The head's node list, asked in a thread while the workers register (the probe's Python and Ray
+    import, 1.5–2.5 s, then overlap their start instead of following it); `cancel` ends it early."""
+
+    def __init__(self, run: UpRun, expected: list[str], deadline: float) -> None:
+        self.run = run
+        self.cancelled = threading.Event()
+        self.nodes: list[dict[str, Any]] = []
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._ask, args=(expected, deadline), daemon=True, name="up-look")
+        self.thread.start()
+
+    def _ask(self, expected: list[str], deadline: float) -> None:
+        try:
+            self.nodes = _read_nodes(self.run, expected, deadline, self.cancelled)
+        except BaseException as exc:  # handed to the caller by result()
+            self.error = exc
+
+    def cancel(self) -> None:
+        """End the look (a worker failed: the nodes that joined are read once more instead)."""
+        self.cancelled.set()
+        if self.thread.is_alive():
+            with contextlib.suppress(Exception):  # else the look ends by its own deadline
+                cancel_probe(self.run.connect(self.run.head.host), self.run.inventory)
+
+    def result(self) -> list[dict[str, Any]]:
+        self.thread.join()
+        if self.error is not None:
+            raise self.error
+        return self.nodes
+
+
 PROBE_RETRIES = 2  # a node list the head could not give is asked again this often
 _PROBE_PAUSE_S = 2.0
 
 
-def _read_nodes(run: UpRun, expected: list[str], deadline: float) -> list[dict[str, Any]]:
+def _read_nodes(
+    run: UpRun, expected: list[str], deadline: float, cancelled: threading.Event | None = None
+) -> list[dict[str, Any]]:
     """The head's node list once `expected` are alive (or the deadline). A driver that a loaded head's raylet
-    drops while registering ("Failed to register worker to Raylet") is transient: asked again a few times."""
+    drops while registering ("Failed to register worker to Raylet") is transient: asked again a few times.
+    With `cancelled`, the probe can be ended early (cancel_probe) and is not asked again once it is set."""
     failures = 0
     while True:
         window = max(0.0, deadline - time.monotonic())
         try:
-            return probe(run.connect(run.head.host), run.inventory, expected, window, run.stale)
+            return probe(
+                run.connect(run.head.host),
+                run.inventory,
+                expected,
+                window,
+                run.stale,
+                cancellable=cancelled is not None,
+            )
         except OperationError as exc:
             failures += 1
-            if failures > PROBE_RETRIES or time.monotonic() >= deadline:
+            if failures > PROBE_RETRIES or time.monotonic() >= deadline or (cancelled and cancelled.is_set()):
                 raise
             run.progress(f"{exc.message}; asking the head again")
             time.sleep(_PROBE_PAUSE_S)

@@ -1,8 +1,16 @@
 import shlex
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
 
 from raycluster_cli import inventory
 from raycluster_cli.containers import (
     ENV_IN_CONTAINER,
+    GCS_WAIT_S,
     LABEL_CLUSTER,
     LABEL_CONFIG,
     TOKEN_IN_CONTAINER,
@@ -12,6 +20,7 @@ from raycluster_cli.containers import (
     env_file_content,
     parse_ps,
     run_argv,
+    start_script,
 )
 
 
@@ -108,3 +117,68 @@ def test_resources_become_one_json_argument(example_yaml: str) -> None:
 def test_env_file_quotes_values_and_sorts() -> None:
     content = env_file_content({"B": "two words", "A": "it's"}).decode()
     assert content == "A='it'\"'\"'s'\nB='two words'\n"
+
+
+def test_a_workers_container_waits_for_the_gcs_of_the_head_then_execs_ray_start(
+    example_yaml: str, tmp_path: Path
+) -> None:
+    """The worker's container command under a real /bin/sh (python3 and ray are fakes that record their
+    arguments): the env file, the wait on the head's GCS address, then `ray start` with its arguments."""
+    inv = inventory.parse(example_yaml)
+    script = start_script(inv, inv.hosts[1]).replace(ENV_IN_CONTAINER, str(tmp_path / "env"))
+    (tmp_path / "env").write_text("A=from-env-file\n")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    fakes = {"python3": 'echo "python3 A=$A $1 $3 $4 $5" >> "$D/calls"', "ray": 'echo "ray A=$A $*" >> "$D/calls"'}
+    for name, body in fakes.items():
+        (bin_dir / name).write_text(f"#!/bin/sh\n{body}\n")
+        (bin_dir / name).chmod(0o755)
+    done = subprocess.run(
+        ["/bin/sh", "-c", script, "sh", "ray", "start", "--block"],
+        capture_output=True,
+        text=True,
+        env={"PATH": f"{bin_dir}:/usr/bin:/bin", "D": str(tmp_path)},
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    calls = (tmp_path / "calls").read_text().splitlines()
+    assert calls == [f"python3 A=from-env-file -c 192.0.2.11 6379 {GCS_WAIT_S}", "ray A=from-env-file start --block"]
+    head_script = start_script(inv, inv.head_host)
+    assert "python3" not in head_script and head_script.endswith('exec "$@"')
+
+
+def _wait_code(example_yaml: str) -> str:
+    inv = inventory.parse(example_yaml)
+    argv = shlex.split(start_script(inv, inv.hosts[1]).split(" && ")[3])
+    assert argv[:2] == ["python3", "-c"]
+    return argv[2]
+
+
+def test_the_wait_polls_one_process_says_so_once_and_gives_up_at_its_limit(
+    example_yaml: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The wait's Python run in this process with the socket and the clock faked (no connection is opened)."""
+    code = _wait_code(example_yaml)
+    tries: list[tuple[str, int]] = []
+    clock = [0.0]
+
+    def connect(address: tuple[str, int], timeout: float) -> socket.socket:
+        tries.append(address)
+        if len(tries) < 4:
+            raise ConnectionRefusedError(111, "refused")
+        return socket.socket()  # never connected: closed at once
+
+    monkeypatch.setattr(socket, "create_connection", connect)
+    monkeypatch.setattr(time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(time, "sleep", lambda s: clock.__setitem__(0, clock[0] + s))
+    monkeypatch.setattr(sys, "argv", ["-c", "192.0.2.11", "6379", "600"])
+    exec(compile(code, "<wait>", "exec"), {})
+    assert tries == [("192.0.2.11", 6379)] * 4
+    assert capsys.readouterr().out == "raycluster: waiting for the GCS of the head at 192.0.2.11:6379\n"
+
+    tries.clear()
+    monkeypatch.setattr(socket, "create_connection", lambda a, t: (_ for _ in ()).throw(OSError("unreachable")))
+    monkeypatch.setattr(sys, "argv", ["-c", "192.0.2.11", "6379", "1"])
+    with pytest.raises(SystemExit) as ended:
+        exec(compile(code, "<wait>", "exec"), {})
+    assert str(ended.value) == "raycluster: the GCS of the head at 192.0.2.11:6379 did not answer within 1s"

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -442,16 +445,29 @@ class _Host(FakeTransport):
 
 
 class _Head(_Host):
+    """A head whose probe waits, as the real one does, until the expected nodes are alive (or its timeout),
+    and is ended by `cancel_probe` (exit 143, no document)."""
+
     def __init__(self, workers: dict[str, _Host]) -> None:
         super().__init__(HOSTS[0], False)
         self.workers = workers
+        self.cancelled = threading.Event()
+
+    def nodes(self) -> list[dict[str, object]]:
+        return [{"node_ip": HOSTS[0], "node_id": "h", "alive": True}] + [
+            {"node_ip": ip, "node_id": ip, "alive": w.running()} for ip, w in self.workers.items()
+        ]
 
     def answer(self, command: str) -> CommandResult:
         if "raycluster_cli.probe" in command:
-            nodes = [{"node_ip": HOSTS[0], "node_id": "h", "alive": True}] + [
-                {"node_ip": ip, "node_id": ip, "alive": w.running()} for ip, w in self.workers.items()
-            ]
-            return CommandResult(0, json.dumps({"nodes": nodes}), "")
+            expect = set(re.search(r"--expect (\S*)", command)[1].split(",")) - {"''"}  # type: ignore[index]
+            end = time.monotonic() + float(re.search(r"--timeout (\d+)", command)[1])  # type: ignore[index]
+            while not expect <= {n["node_ip"] for n in self.nodes() if n["alive"]} and time.monotonic() < end:
+                if "raycluster-up-probe.pid" in command and self.cancelled.wait(0.005):
+                    return CommandResult(143, "", "")
+            return CommandResult(0, json.dumps({"nodes": self.nodes()}), "")
+        if "kill $(cat /tmp/raycluster-up-probe.pid)" in command:
+            self.cancelled.set()
         return super().answer(command)
 
 
@@ -599,3 +615,81 @@ def test_the_node_list_is_read_from_an_older_images_probe_that_printed_rays_outp
     junk = FakeTransport(HOSTS[0], {"raycluster_cli.probe": "Traceback (most recent call last):\n"})
     with pytest.raises(OperationError, match="cannot read the cluster's nodes: Traceback"):
         probe(junk, _inv(), [HOSTS[0]], 5)
+
+
+# the order of up's last phases: every worker's container starts while the head is still starting -------
+
+
+class _Logged(_Host):
+    """A host that notes each container start and registration wait in a log shared by all hosts."""
+
+    def __init__(self, host: str, log: list[str], exits_first: bool = False, exits_always: bool = False) -> None:
+        super().__init__(host, exits_first, exits_always)
+        self.log = log
+
+    def answer(self, command: str) -> CommandResult:
+        if "docker run" in command:
+            self.log.append(f"{self.host} run" + (" (replacing)" if "docker rm -f" in command else ""))
+        elif command.startswith("end=$(("):
+            self.log.append(f"{self.host} registered?")
+        return super().answer(command)
+
+
+class _LoggedHead(_Logged, _Head):
+    def __init__(self, workers: dict[str, _Host], log: list[str], exits_first: bool = False, always: bool = False):
+        _Head.__init__(self, workers)
+        self.log, self.exits_first, self.exits_always = log, exits_first, always
+        self.starts = 0  # its first container is the one `up` starts (exits_first: that one exits)
+
+
+def _up_phases(head_exits_first: bool = False, head_exits_always: bool = False) -> tuple[list[str], object]:
+    from raycluster_cli.upjoin import start_head, start_workers, wait
+    from raycluster_cli.uprun import UpRun
+
+    log: list[str] = []
+    workers: dict[str, _Host] = {h: _Logged(h, log) for h in HOSTS[1:]}
+    hosts: dict[str, FakeTransport] = {HOSTS[0]: _LoggedHead(workers, log, head_exits_first, head_exits_always)}
+    hosts.update(workers)
+    run = UpRun(_inv(), lambda h: hosts[str(h.address)], lambda _: None, 60, frozenset())
+    start_head(run)
+    start_workers(run)
+    wait(run)
+    return log, run
+
+
+def test_every_worker_starts_before_the_head_is_registered_and_all_join() -> None:
+    log, run = _up_phases()
+    assert log[:3] == [f"{HOSTS[0]} run", f"{HOSTS[1]} run", f"{HOSTS[2]} run"] or log[:3] == [
+        f"{HOSTS[0]} run",
+        f"{HOSTS[2]} run",
+        f"{HOSTS[1]} run",
+    ]
+    assert log[3] == f"{HOSTS[0]} registered?"
+    assert all(r.alive for r in run.runs.values())  # type: ignore[attr-defined]
+
+
+def test_a_head_started_once_more_makes_every_worker_join_again() -> None:
+    log, run = _up_phases(head_exits_first=True)
+    head_again = log.index(f"{HOSTS[0]} run (replacing)")
+    assert log[head_again + 1] == f"{HOSTS[0]} registered?"  # the second head registered, then the workers again
+    again = [line for line in log[head_again + 2 :] if line.endswith("(replacing)")]
+    assert sorted(again) == [f"{HOSTS[1]} run (replacing)", f"{HOSTS[2]} run (replacing)"]
+    reasons = {r.address: r.reason for r in run.runs.values()}  # type: ignore[attr-defined]
+    assert reasons[HOSTS[1]] == reasons[HOSTS[2]] == "the head was started once more"
+    assert all(r.alive for r in run.runs.values())  # type: ignore[attr-defined]
+
+
+def test_a_head_that_does_not_start_fails_up_and_marks_the_workers() -> None:
+    with pytest.raises(OperationError, match="the head container exited") as caught:
+        _up_phases(head_exits_first=True, head_exits_always=True)
+    assert caught.value.hint.startswith("see `docker logs raycluster-")
+
+
+def test_a_failed_worker_ends_the_look_at_the_gcs_early() -> None:
+    """The head's GCS is asked for every node while the workers register; one worker's failure ends that
+    look at once (it would otherwise wait out the whole deadline) and the joined nodes are read again."""
+    workers = {HOSTS[1]: _Host(HOSTS[1], False), HOSTS[2]: _Host(HOSTS[2], True, exits_always=True)}
+    started = time.monotonic()
+    nodes, _, _ = _wait(workers)
+    assert time.monotonic() - started < 30  # the fake probe's deadline is 60 s
+    assert {n["node_ip"]: n["alive"] for n in nodes} == {HOSTS[0]: True, HOSTS[1]: True, HOSTS[2]: False}

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import re
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -35,6 +38,7 @@ class _Host(FakeTransport):
         self.exits = 0  # how many starts exit at once
         self.starts = 0
         self.stdin: list[bytes] = []
+        self.cancelled = threading.Event()
 
     def run(self, command: str, *, stdin: bytes | None = None, timeout: float | None = 120.0) -> CommandResult:
         self.stdin.append(stdin or b"")
@@ -58,10 +62,19 @@ class _Host(FakeTransport):
             self.commands.append(command)
             assert RAY_STARTED in command
             return CommandResult(0, "", "") if self.running else CommandResult(3, "ValueError: bad option\n", "")
-        if "raycluster_cli.probe" in command:
+        if "raycluster_cli.probe" in command:  # as the real one: until the expected nodes are alive, or ended
             self.commands.append(command)
+            expect = set(re.search(r"--expect (\S*)", command)[1].split(",")) - {"''"}  # type: ignore[index]
+            end = time.monotonic() + float(re.search(r"--timeout (\d+)", command)[1])  # type: ignore[index]
+            while not expect <= set(self.started) and time.monotonic() < end:
+                if self.cancelled.wait(0.005):
+                    return CommandResult(143, "", "")
             nodes = [{"node_ip": ip, "node_id": ip, "alive": True, "resources": {"CPU": 1.0}} for ip in self.started]
             return CommandResult(0, json.dumps({"ok": True, "nodes": nodes}) + "\n", "")
+        if "kill $(cat /tmp/raycluster-up-probe.pid)" in command:
+            self.commands.append(command)
+            self.cancelled.set()
+            return CommandResult(0, "", "")
         return super().answer(command)
 
 
@@ -104,15 +117,16 @@ def test_up_is_three_remote_commands_per_worker_and_every_host_ends_joined() -> 
     assert [n.to_dict()["resources"] for n in result.nodes] == [{"CPU": 1.0}] * 3
 
 
-def test_the_head_is_registered_before_any_worker_starts() -> None:
-    """A worker meets a head whose node the GCS knows (the GCS port alone answers before that)."""
+def test_every_worker_starts_while_the_head_starts() -> None:
+    """The workers' containers start right after the head's, before its registration is waited for (each
+    waits in its container for the head's GCS): their start overlaps the head's."""
     _, counting = _fleet()
     up(inventory.parse(INV), counting)
     order = [(h, c) for h, c in counting.log]
     runs = [i for i, (h, c) in enumerate(order) if "docker run --label" in c]
     head_wait = next(i for i, (h, c) in enumerate(order) if c.startswith(WAIT_HEAD))
     assert len(runs) == 3 and order[runs[0]][0] == HOSTS[0]
-    assert runs[0] < head_wait < min(runs[1:])
+    assert max(runs) < head_wait
 
 
 def test_the_files_travel_on_stdin_never_on_the_command_line() -> None:
@@ -125,7 +139,7 @@ def test_the_files_travel_on_stdin_never_on_the_command_line() -> None:
     assert any(b"SECRET=s3cr3t" in data for data in fakes[HOSTS[1]].stdin)
 
 
-def test_a_head_that_exits_twice_is_named_with_its_log_and_no_worker_starts() -> None:
+def test_a_head_that_exits_twice_is_named_with_its_log_and_its_workers_fail_with_it() -> None:
     fakes, counting = _fleet()
     fakes[HOSTS[0]].exits = 2
     events: list[object] = []
@@ -133,8 +147,18 @@ def test_a_head_that_exits_twice_is_named_with_its_log_and_no_worker_starts() ->
         up(inventory.parse(INV), counting, progress=events.append)
     assert "the head container exited: ValueError: bad option" in info.value.message, info.value.message
     assert fakes[HOSTS[0]].starts == 2  # started once more: Ray's fixed 30 s to register can be missed
-    assert [e.host for e in events if isinstance(e, HostPhase) and e.phase == "failed"] == [HOSTS[0]]
-    assert not any("docker run --label" in c for h, c in counting.log if h != HOSTS[0])
+    failed = {e.host: e.detail for e in events if isinstance(e, HostPhase) and e.phase == "failed"}
+    assert sorted(failed) == sorted(HOSTS)
+    assert failed[HOSTS[1]] == failed[HOSTS[2]] == f"the head at {HOSTS[0]} did not start"
+    assert fakes[HOSTS[1]].starts == fakes[HOSTS[2]].starts == 1  # started with the head, not again
+
+
+def test_a_head_started_once_more_is_joined_again_by_every_worker() -> None:
+    fakes, counting = _fleet()
+    fakes[HOSTS[0]].exits = 1
+    result = up(inventory.parse(INV), counting)
+    assert result.ok and fakes[HOSTS[1]].starts == fakes[HOSTS[2]].starts == 2
+    assert [n.reason for n in result.nodes[1:]] == ["the head was started once more"] * 2
 
 
 def test_a_head_that_exits_once_is_started_once_more_and_says_so() -> None:
