@@ -302,12 +302,19 @@ def gpus(rc: int, out: str, err: str, ctx: CheckContext) -> Finding:
     return Finding(Status.OK, f"{len(found)} GPU(s) and {means}{extra}", data=data)
 
 
+# A Ray process as parsers_runtime.is_ray_process sees one: its program is raylet or gcs_server, or it is ray::….
+_RAY_AWK = "$2 ~ /(^|\\/)(raylet|gcs_server)$/ || $2 ~ /^ray::/"
+
+
 def processes_command(ctx: CheckContext) -> str:
-    """Every process, then a second look at each Ray process: gone by now (a short-lived worker), else its
-    cgroup, which names its container by the container's full ID (Docker's and Podman's, cgroup v1 and v2)."""
+    """The Ray processes (and a line `# N processes`: ps answered), then a second look at each: gone by now (a
+    short-lived worker), else its cgroup, which names its container by the container's full ID (Docker's and
+    Podman's, cgroup v1 and v2). Only Ray's lines cross the wire: every process of the gather itself carries
+    the whole batch script in its arguments (50 kB a host)."""
     return (
-        "ps -eo pid=,args=; echo ---; "
-        "for p in $(ps -eo pid=,args= | awk '$2 ~ /(^|\\/)(raylet|gcs_server)$/ || $2 ~ /^ray::/ {print $1}'); do "
+        f'r=$(ps -eo pid=,args= | awk \'{{n++}} {_RAY_AWK} {{print}} END {{if (n) print "# " n " processes"}}\'); '
+        "printf '%s\\n' \"$r\"; echo ---; printf '%s\\n' \"$r\" | while read -r p rest; do "
+        "case $p in ''|*[!0-9]*) continue;; esac; "
         """printf '%s ' "$p"; tr '\\n' ' ' 2>/dev/null < "/proc/$p/cgroup" || printf gone; echo; done"""
     )
 

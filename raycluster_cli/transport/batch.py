@@ -1,7 +1,7 @@
 """Many shell commands in one remote command: run side by side on the host, each output framed for the caller.
 
 `batch_script` wraps commands into one POSIX sh script (each in the background, its stdout, stderr and exit
-status in files, one watchdog for the deadline); `parse_batch` splits the framed output again. A marker line
+status in files, one watchdog for the deadline, every frame printed by one `cat`); `parse_batch` splits the framed output again. A marker line
 with a random nonce separates the parts, so no output can forge one. `fake_batch_output` lets a fake transport
 answer a batch command by command (unit tests keep their command → output tables).
 """
@@ -20,7 +20,7 @@ DEFAULT_DEADLINE_S = 90.0
 
 # The batch: every command in the background with its output in files, one watchdog for the deadline, then
 # the files framed by a marker line that cannot occur in the output (it carries a random nonce).
-_JOB = '{{ ( {command} ) >"$t/{i}.o" 2>"$t/{i}.e" </dev/null; echo $? >"$t/{i}.x" && mv "$t/{i}.x" "$t/{i}.r"; }} </dev/null >/dev/null 2>&1 & p="$p $!"'
+_JOB = '{{ ( {command} ) >"$t/{i}.o" 2>"$t/{i}.e" </dev/null; echo $? >"$t/{i}.r"; }} </dev/null >/dev/null 2>&1 & p="$p $!"'
 _JOB_LINE = re.compile(r'^\{ \( (?P<command>.*) \) >"\$t/(?P<i>\d+)\.o" 2>"\$t/\d+\.e" </dev/null; ')
 
 
@@ -40,13 +40,17 @@ def batch_script(marker: str, commands: list[str], deadline_s: float = DEFAULT_D
         " </dev/null >/dev/null 2>&1 & d=$!",
         "wait $p",
         "kill $d 2>/dev/null",
+        # The frames are written by the shell's builtins into files, then one `cat` prints every file in order
+        # (a cat per file and a `mv` per command were most of the batch's own cost on a busy host).
+        "set --",
         f"for i in {indexes}; do",
-        '  printf \'%s out %s\\n\' "$m" "$i"; cat "$t/$i.o" 2>/dev/null',
-        '  printf \'\\n%s err %s\\n\' "$m" "$(cat "$t/$i.r" 2>/dev/null || echo ' + str(TIMED_OUT_RC) + ')"',
-        '  cat "$t/$i.e" 2>/dev/null',
-        f'  [ -e "$t/$i.r" ] || echo "raycluster: still running after {deadline_s:.0f}s on the host: stopped"',
-        "  printf '\\n'",
+        "  r=" + str(TIMED_OUT_RC) + '; [ -s "$t/$i.r" ] && read -r r <"$t/$i.r"',
+        '  printf \'%s out %s\\n\' "$m" "$i" >"$t/$i.a"; printf \'\\n%s err %s\\n\' "$m" "$r" >"$t/$i.b"',
+        f'  {{ [ -s "$t/$i.r" ] || echo "raycluster: still running after {deadline_s:.0f}s on the host: stopped"; '
+        "printf '\\n'; } >\"$t/$i.c\"",
+        '  set -- "$@" "$t/$i.a" "$t/$i.o" "$t/$i.b" "$t/$i.e" "$t/$i.c"',
         "done",
+        'cat "$@" 2>/dev/null',
         'printf \'%s time %s %s\\n\' "$m" "$s0" "$(date +%s.%N)"',
         'rm -rf "$t"',
     ]

@@ -20,7 +20,7 @@ ENGINE = r"^if i=\$\(docker info"
 IMAGE = r"^i=\$\(docker image inspect"
 CONTAINERS = r"^docker ps --all"
 PORTS = r"^ss -ltnH"  # listening ports, iptables, nft (both ports checks judge it, with CONTAINERS)
-PROCESSES = r"^ps -eo pid=,args="
+PROCESSES = r"^r=\$\(ps -eo pid=,args="
 STATE_DIR = r'^echo "user '
 # A 6 GB host: Ray's default object store (30 %) fits the example's 2g /dev/shm.
 MEMINFO = "MemTotal:        6000000 kB\nMemFree:          500000 kB\nMemAvailable:    5000000 kB\n"

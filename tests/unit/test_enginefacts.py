@@ -101,6 +101,9 @@ def test_up_reads_its_container_with_one_more_engine_call(engine_log: tuple[Path
     assert 1 <= calls.pop("run") <= hosts
     assert calls == {"info": hosts, "image": hosts, "ps": hosts, "inspect": hosts}
     assert all(cache.of(h).get(CONTAINER).container is None for h in inv.hosts)
+    # Only Ray's processes cross the wire (and a count): not the gather's own, whose arguments hold its script.
+    processes = cache.of(inv.hosts[0]).results["processes"].stdout
+    assert "@@raycluster-facts" not in processes and " processes\n" in processes
     assert cache.of(inv.hosts[0]).result(IMAGE_ID).stdout == f"sha256:{HEX}\n"
 
 
