@@ -145,6 +145,39 @@ def _latency(output: Output, latency: dict[str, Any]) -> None:
     output.out.print(lat)
 
 
+def _gap_text(gap: dict[str, Any]) -> str:
+    """Where the busiest stage idled: filling, between calls, draining (older results: outside/in its span)."""
+    stage = _escape(str(gap.get("stage")))
+    if gap.get("idle_fill_s") is not None:
+        return (
+            f" (busiest stage {stage} idle: {gap['idle_fill_s']:.2f}s filling, "
+            f"{gap['idle_between_s']:.2f}s between calls, {gap['idle_drain_s']:.2f}s draining)"
+        )
+    if gap.get("outside_span_s") is not None:
+        return (
+            f" (busiest stage {stage}: {gap['outside_span_s']:.2f}s filling/draining, "
+            f"{gap['idle_in_span_s']:.2f}s idle between calls)"
+        )
+    return ""
+
+
+def _idle_line(output: Output, body: dict[str, Any]) -> None:
+    """One line: each stage's idle (fill / between / drain) and how much of its CPU quota its node used."""
+    items = []
+    for stage in body.get("stages", []):
+        if stage.get("idle_fill_s") is None:
+            continue
+        text = (
+            f"{_escape(_host(stage))} {stage['idle_fill_s']:.2f}/{stage['idle_between_s']:.2f}/"
+            f"{stage['idle_drain_s']:.2f}s"
+        )
+        if stage.get("quota_used") is not None:
+            text += f" (quota {stage['quota_used']:.0%} used)"
+        items.append(text)
+    if items:
+        output.line("idle fill/between/drain: " + ", ".join(items))
+
+
 def _references(output: Output, body: dict[str, Any]) -> None:
     refs = body.get("references", {})
     parts = []
@@ -162,15 +195,10 @@ def _references(output: Output, body: dict[str, Any]) -> None:
         )
     if refs.get("ceiling"):
         text = f"of the pipeline ceiling {_ratio(refs['ceiling'].get('ratio'))}"
-        gap = refs["ceiling"].get("gap") or {}
-        if gap.get("outside_span_s") is not None:
-            text += (
-                f" (busiest stage {_escape(str(gap.get('stage')))}: {gap['outside_span_s']:.2f}s filling/draining, "
-                f"{gap['idle_in_span_s']:.2f}s idle between calls)"
-            )
-        parts.append(text)
+        parts.append(text + _gap_text(refs["ceiling"].get("gap") or {}))
     if parts:
         output.line("references (same run): " + "; ".join(parts))
+    _idle_line(output, body)
     choice = body.get("split_choice") or {}
     if choice.get("used") == "even" and body.get("config", {}).get("partition") == "balanced":
         output.line(f"[yellow]used the even split: {_escape(str(choice.get('reason')))}[/yellow]")

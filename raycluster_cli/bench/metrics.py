@@ -92,3 +92,55 @@ def relative_spread(values: Sequence[float]) -> float | None:
         return None
     mean = sum(data) / len(data)
     return (max(data) - min(data)) / mean if mean > 0 else None
+
+
+def idle_breakdown(
+    intervals: Sequence[Sequence[float]], wall_s: float, windows: int = 5
+) -> dict[str, float | list[float]]:
+    """Where a stage's idle time falls in a run of ``wall_s``, from its calls' (start, end) times.
+
+    The times are seconds after the run's start on the stage's own clock.  ``idle_fill_s``: before its
+    first call (the pipeline filling up to it); ``idle_drain_s``: after its last (the stages after it
+    finishing); ``idle_between_s``: the gaps between calls (no work had reached it: its upstream or
+    the driver running late, or every micro-batch queued elsewhere), also split over ``windows``
+    equal slices of the run (``idle_between_windows_s``) to show whether it starves throughout or
+    in the tail.  The three add up to the wall time not spent in calls.
+    """
+    spans = sorted((max(0.0, float(a)), max(float(a), float(b))) for a, b in intervals)
+    per_window = [0.0] * max(1, windows)
+    if not spans:
+        return {
+            "idle_fill_s": max(0.0, wall_s),
+            "idle_between_s": 0.0,
+            "idle_drain_s": 0.0,
+            "idle_between_windows_s": per_window,
+            "longest_gap_s": 0.0,
+        }
+    width = wall_s / len(per_window) if wall_s > 0 else 0.0
+    between = longest = 0.0
+    for (_, end), (start, _) in zip(spans, spans[1:]):
+        gap = max(0.0, start - end)
+        between += gap
+        longest = max(longest, gap)
+        if width > 0:  # the gap's share of each slice it overlaps
+            for w in range(len(per_window)):
+                low, high = w * width, (w + 1) * width
+                per_window[w] += max(0.0, min(start, high) - max(end, low))
+    return {
+        "idle_fill_s": min(spans[0][0], max(0.0, wall_s)),
+        "idle_between_s": between,
+        "idle_drain_s": max(0.0, wall_s - spans[-1][1]),
+        "idle_between_windows_s": per_window,
+        "longest_gap_s": longest,
+    }
+
+
+def quota_used(container_cpu_s: float | None, quota_cpus: float | None, wall_s: float) -> float | None:
+    """The fraction of its CPU quota a container used over ``wall_s`` (1.0: the quota bound all along).
+
+    None without a quota or a CPU reading.  Every process in the container counts: the stage's
+    forward passes, Ray's per-call work in the stage's process, and Ray's daemons on that node.
+    """
+    if container_cpu_s is None or not quota_cpus or quota_cpus <= 0 or wall_s <= 0:
+        return None
+    return float(container_cpu_s) / (quota_cpus * wall_s)

@@ -101,6 +101,7 @@ class _StageWorker:
     stats_began: float
     first_began: float | None
     last_ended: float
+    intervals: list[tuple[float, float]]
 
     def __init__(self, cfg: dict[str, Any], num_threads: int | None = None) -> None:
         self.cfg = ModelConfig.from_dict(cfg)
@@ -149,6 +150,7 @@ class _StageWorker:
         if self.first_began is None:
             self.first_began = began
         self.last_ended = ended
+        self.intervals.append((began - self.stats_began, ended - self.stats_began))
         self.calls += 1
         if onward and self.next is not None:
             return self.next.forward.remote(cache_id, out, positions, True)
@@ -177,6 +179,8 @@ class _StageWorker:
             "span_s": span,
             "calls": self.calls,
             "cached_micro_batches": cached,
+            # every forward's (start, end), seconds after reset_stats (the run's start, on this node's clock)
+            "intervals": [(round(a, 5), round(b, 5)) for a, b in self.intervals],
         }
 
     def reset_stats(self) -> None:
@@ -188,6 +192,7 @@ class _StageWorker:
         self.stats_began = time.perf_counter()
         self.first_began = None
         self.last_ended = 0.0
+        self.intervals = []
 
     def node_info(self) -> dict[str, Any]:
         return {

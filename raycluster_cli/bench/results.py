@@ -71,6 +71,13 @@ class StageReport:
     container_cpu_s: float | None = None  # CPU time of every process in the stage's container over the run
     others_cpus: float = 0.0  # CPU rate of the container's other processes (driver, GCS...): shares the quota
     span_s: float = 0.0  # from the start of its first forward to the end of its last (its own clock)
+    # Where idle_s falls (metrics.idle_breakdown): before the first call, between calls, after the last.
+    idle_fill_s: float | None = None
+    idle_between_s: float | None = None
+    idle_drain_s: float | None = None
+    idle_between_windows_s: list[float] = field(default_factory=list)  # between-call idle per fifth of the run
+    longest_gap_s: float | None = None
+    quota_used: float | None = None  # container CPU / (quota x wall): 1.0 = the quota bound the whole run
 
 
 @dataclass
@@ -195,6 +202,9 @@ def stage_report(
     others = 0.0
     if container_cpu is not None and window > 0 and not shares_node:
         others = max(0.0, float(container_cpu) - process_cpu) / window
+    idle: dict[str, Any] = {}
+    if "intervals" in stat:  # a node image older than the CLI does not send them
+        idle = metrics.idle_breakdown(stat["intervals"], wall_s, WINDOWS)
     return StageReport(
         replica=position[0],
         index=position[1],
@@ -216,6 +226,12 @@ def stage_report(
         container_cpu_s=float(container_cpu) if container_cpu is not None else None,
         others_cpus=others,
         span_s=float(stat.get("span_s", 0.0)),
+        idle_fill_s=idle.get("idle_fill_s"),
+        idle_between_s=idle.get("idle_between_s"),
+        idle_drain_s=idle.get("idle_drain_s"),
+        idle_between_windows_s=list(idle.get("idle_between_windows_s", [])),
+        longest_gap_s=idle.get("longest_gap_s"),
+        quota_used=None if shares_node else metrics.quota_used(container_cpu, quota, window),
     )
 
 

@@ -115,16 +115,22 @@ def ceiling_gap(wall_s: float, stage: dict[str, Any]) -> dict[str, Any]:
     pipeline filling (the first micro-batch's prefill through the stages before it) and draining.
     ``idle_in_span_s`` is the time it waited for work in between (Ray's per-call work on its own
     process, and its upstream running late).  Both are measured on the stage's own clock, so
-    clock skew between nodes does not enter.
+    clock skew between nodes does not enter.  With the stage's call times (``idle_fill_s`` ...,
+    ``metrics.idle_breakdown``) the outside part is split into filling and draining, and the
+    between-call idle per fifth of the run is passed on.
     """
     busy = float(stage["busy_s"])
     span = float(stage.get("span_s") or 0.0)
-    return {
+    gap: dict[str, Any] = {
         "stage": stage.get("host", stage.get("node_ip")),
         "busy_s": busy,
         "outside_span_s": max(0.0, wall_s - span) if span else None,
         "idle_in_span_s": max(0.0, span - busy) if span else None,
     }
+    for key in ("idle_fill_s", "idle_between_s", "idle_drain_s", "idle_between_windows_s", "quota_used"):
+        if stage.get(key) is not None:
+            gap[key] = stage[key]
+    return gap
 
 
 def torch_threads(advertised_cpus: float, usable_cores: int, quota_cpus: float | None = None) -> int:

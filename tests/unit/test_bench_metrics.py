@@ -60,3 +60,59 @@ def test_capacity_time_leaves_the_quota_other_processes_used() -> None:
     # A bad reading never makes the share vanish: at least a tenth of the quota.
     assert metrics.capacity_time(1.0, 1.0, 0.5, others_cpus=5.0) == pytest.approx(20.0)
     assert metrics.capacity_time(3.0, 2.0, None, others_cpus=0.5) == 3.0
+
+
+def test_idle_breakdown_splits_idle_into_fill_between_and_drain() -> None:
+    # a 10 s run: first call at 1.0, a 2 s gap at 4..6 (second and third fifths), last call ends at 9.5
+    calls = [(1.0, 2.0), (2.0, 4.0), (6.0, 9.5)]
+    got = metrics.idle_breakdown(calls, 10.0, windows=5)
+    assert got["idle_fill_s"] == pytest.approx(1.0)
+    assert got["idle_between_s"] == pytest.approx(2.0)
+    assert got["idle_drain_s"] == pytest.approx(0.5)
+    assert got["idle_between_windows_s"] == pytest.approx([0.0, 0.0, 2.0, 0.0, 0.0])  # [4,6) is the third fifth
+    assert got["longest_gap_s"] == pytest.approx(2.0)
+    busy = sum(b - a for a, b in calls)
+    assert got["idle_fill_s"] + got["idle_between_s"] + got["idle_drain_s"] == pytest.approx(10.0 - busy)
+
+
+def test_idle_breakdown_gap_across_slices_and_unsorted_calls() -> None:
+    got = metrics.idle_breakdown([(7.0, 8.0), (0.0, 1.0)], 10.0, windows=5)  # gap 1..7 spans slices 0..3
+    assert got["idle_between_windows_s"] == pytest.approx([1.0, 2.0, 2.0, 1.0, 0.0])
+    assert got["idle_fill_s"] == 0.0 and got["idle_drain_s"] == pytest.approx(2.0)
+
+
+def test_idle_breakdown_without_calls_is_all_fill() -> None:
+    got = metrics.idle_breakdown([], 4.0, windows=2)
+    assert got["idle_fill_s"] == 4.0 and got["idle_between_s"] == 0.0 and got["idle_drain_s"] == 0.0
+    assert got["idle_between_windows_s"] == [0.0, 0.0]
+
+
+def test_quota_used() -> None:
+    # the 0.25-CPU node of session 6: 5.27 CPU-s in a 21.5 s run is 98 % of its quota
+    assert metrics.quota_used(5.27, 0.25, 21.5) == pytest.approx(5.27 / 5.375)
+    assert metrics.quota_used(None, 0.25, 21.5) is None
+    assert metrics.quota_used(5.0, None, 21.5) is None
+    assert metrics.quota_used(5.0, 0.25, 0.0) is None
+
+
+def test_stage_report_carries_the_idle_breakdown_and_the_quota_used() -> None:
+    from raycluster_cli.bench.config import ModelConfig
+    from raycluster_cli.bench.results import stage_report
+
+    cfg = ModelConfig(layers=4)
+    info = {"node_ip": "192.0.2.3", "node_id": "n3", "num_threads": 1, "cpu_quota": 0.25}
+    stat = {
+        "busy_s": 8.0,
+        "cpu_s": 2.0,
+        "process_cpu_s": 2.2,
+        "container_cpu_s": 2.4,
+        "stats_wall_s": 10.0,
+        "span_s": 9.0,
+        "calls": 2,
+        "intervals": [(0.5, 4.5), (5.5, 9.5)],
+    }
+    report = stage_report((0, 2), (3, 6), info, stat, cfg, 10.0, False)
+    assert (report.idle_fill_s, report.idle_between_s, report.idle_drain_s) == pytest.approx((0.5, 1.0, 0.5))
+    assert report.idle_s == pytest.approx(2.0) and report.quota_used == pytest.approx(2.4 / 2.5)
+    old = stage_report((0, 2), (3, 6), info, {k: v for k, v in stat.items() if k != "intervals"}, cfg, 10.0, True)
+    assert old.idle_fill_s is None and old.quota_used is None  # an older node image; a shared container

@@ -16,8 +16,16 @@ def _doc() -> dict[str, Any]:
     lat = {"p50": 0.1, "p90": 0.2, "p99": 0.3}
     return {
         "stages": [
-            {**stage, "index": 0, "host": "192.0.2.1", "layers": 16, "busy_s": 2.0, "has_embedding": True},
-            {**stage, "index": 1, "host": "192.0.2.2", "layers": 4, "busy_s": 1.0, "has_head": True},
+            {
+                **stage,
+                **{"index": 0, "host": "192.0.2.1", "layers": 16, "busy_s": 2.0, "has_embedding": True},
+                **{"idle_fill_s": 0.1, "idle_between_s": 0.3, "idle_drain_s": 0.1, "quota_used": 0.99},
+            },
+            {
+                **stage,
+                **{"index": 1, "host": "192.0.2.2", "layers": 4, "busy_s": 1.0, "has_head": True},
+                **{"idle_fill_s": 0.2, "idle_between_s": 0.1, "idle_drain_s": 0.2},
+            },
         ],
         "replicas": [{"index": 0, "requests": 8, "micro_batches": 2}],
         "tokens_per_s": 123.4,
@@ -54,6 +62,7 @@ def test_render_bench_shows_every_part() -> None:
         "16+emb",
         "0.250",
         "4+head",
+        "idle fill/between/drain: 192.0.2.1 0.10/0.30/0.10s (quota 99% used), 192.0.2.2 0.20/0.10/0.20s",
         "█" * 30,
         "█" * 15,
         "123.4 tokens/s",
@@ -148,3 +157,13 @@ def test_the_even_fallback_and_lost_nodes_are_said() -> None:
     assert "used the even split: the even split measured 90.0" in text
     assert "vs balanced split 1.06× (85.0 tok/s ±2%)" in text
     assert "node lost: 192.0.2.2 (stage 0, replica 1) during counted run: 6 request(s) retried" in text
+
+
+def test_render_bench_splits_the_busiest_stage_idle_into_fill_between_drain() -> None:
+    doc = _doc()
+    gap = {"stage": "lab-h1", "busy_s": 17.0, "idle_fill_s": 0.05, "idle_between_s": 3.9, "idle_drain_s": 0.25}
+    doc["references"]["ceiling"]["gap"] = gap
+    buffer = io.StringIO()
+    render_bench(Output(False, stdout=buffer, stderr=io.StringIO()), doc)
+    expected = "(busiest stage lab-h1 idle: 0.05s filling, 3.90s between calls, 0.25s draining)"
+    assert expected in buffer.getvalue()

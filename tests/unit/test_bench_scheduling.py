@@ -122,6 +122,10 @@ def test_ceiling_gap_splits_the_wall_time_of_the_busiest_stage() -> None:
     gap = ceiling_gap(10.0, {"node_ip": "192.0.2.2", "busy_s": 8.0, "span_s": 9.5})
     assert gap == {"stage": "192.0.2.2", "busy_s": 8.0, "outside_span_s": pytest.approx(0.5), "idle_in_span_s": 1.5}
     assert ceiling_gap(10.0, {"busy_s": 8.0})["outside_span_s"] is None  # an older stage report without a span
+    stage = {"busy_s": 8.0, "span_s": 9.5, "idle_fill_s": 0.2, "idle_between_s": 1.5, "idle_drain_s": 0.3}
+    gap = ceiling_gap(10.0, {**stage, "idle_between_windows_s": [0.3] * 5, "quota_used": 0.8})
+    assert (gap["idle_fill_s"], gap["idle_between_s"], gap["idle_drain_s"], gap["quota_used"]) == (0.2, 1.5, 0.3, 0.8)
+    assert gap["idle_between_windows_s"] == [0.3] * 5
 
 
 def test_cgroup_cpu_usage() -> None:
