@@ -6,6 +6,7 @@ wall-clock window; their spread says how well the pipeline is balanced.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 
@@ -40,6 +41,12 @@ def capacity_time(busy_s: float, cpu_s: float, quota_cpus: float | None, others_
     ``others_cpus`` is the CPU rate the container's other processes used meanwhile (on the head: the
     driver, the GCS, the dashboard); they draw on the same quota, so the stage's share is what they
     leave (never taken below a tenth of the quota, against a bad reading).
+
+    ``cpu_s`` is all the CPU the stage's process used over the run, not only inside its forward
+    passes: Ray's per-call work in that process (receiving the step, sending its output on) is paid
+    from the same quota.  On a 0.25-CPU node it was 0.64 of 4.8 CPU-s (about 2 ms per call), worth
+    2.8 s of the quota's wall time; left out, the split gave those nodes 13 % too much work and
+    they, not the busiest stage by wall clock, set the pace (session 7, docs/PERFORMANCE.md).
     """
     if quota_cpus is None or quota_cpus <= 0:
         return float(busy_s)
@@ -118,7 +125,7 @@ def idle_breakdown(
         }
     width = wall_s / len(per_window) if wall_s > 0 else 0.0
     between = longest = 0.0
-    for (_, end), (start, _) in zip(spans, spans[1:]):
+    for (_, end), (start, _) in itertools.pairwise(spans):
         gap = max(0.0, start - end)
         between += gap
         longest = max(longest, gap)

@@ -165,7 +165,7 @@ class _StageWorker:
     def release(self, cache_id: int) -> bool:
         return self.stage.release(cache_id) if self.stage is not None else False
 
-    def stats(self) -> dict[str, float | int | None]:
+    def stats(self) -> dict[str, Any]:
         cached = len(self.stage.cached_ids()) if self.stage is not None else 0
         span = self.last_ended - self.first_began if self.first_began is not None else 0.0
         container = container_cpu_usage()

@@ -62,7 +62,7 @@ class StageReport:
     busy_s: float  # wall time inside forward: compute, plus any CPU-quota throttling during it
     cpu_s: float  # CPU time of the stage's process inside forward (all its threads)
     cpu_quota: float | None  # the container's CFS quota in CPUs, None when unlimited
-    capacity_s: float  # busy time against the quota: max(busy_s, cpu_s / cpu_quota), see metrics.capacity_time
+    capacity_s: float  # busy time against the quota: max(busy_s, process_cpu_s / its share), metrics.capacity_time
     idle_s: float
     calls: int
     num_threads: int
@@ -217,7 +217,7 @@ def stage_report(
         busy_s=busy,
         cpu_s=cpu,
         cpu_quota=quota,
-        capacity_s=metrics.capacity_time(busy, cpu, quota, others),
+        capacity_s=metrics.capacity_time(busy, process_cpu or cpu, quota, others),
         idle_s=max(0.0, wall_s - busy),
         calls=int(stat["calls"]),
         num_threads=int(info["num_threads"]),

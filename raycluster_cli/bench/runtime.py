@@ -163,7 +163,9 @@ class _Workload:
         n = params.requests
         self.prompts = make_prompts(cfg.vocab, n, params.prompt_len, params.seed)
         self.pieces = prefill_chunks(params.prompt_len, params.prefill_chunk)
-        self.limit = in_flight_limit(len(replicas[0]), n, params.micro_batch, params.rate, params.in_flight)
+        self.limit = in_flight_limit(
+            len(replicas[0]), n, params.micro_batch, params.rate, params.in_flight, len(replicas)
+        )
         self.arrivals = arrival_times(n, params.rate, params.seed)
         self.rng = random.Random(params.seed)
         self.tokens: list[list[int]] = [[] for _ in range(n)]

@@ -118,6 +118,23 @@ def test_in_flight_offline_admits_every_micro_batch_up_to_four_per_stage() -> No
     assert in_flight_limit(1, 1, 4, None) == 2
 
 
+def test_in_flight_offline_splits_the_micro_batches_into_equal_waves() -> None:
+    # session 7: 64 requests of 4 on 3 stages ran as 12 + a tail of 4; equal waves keep 8 in flight
+    assert in_flight_limit(3, 64, 4, None) == 8  # 16 micro-batches: 8 + 8
+    assert in_flight_limit(3, 72, 4, None) == 9  # 18: 9 + 9
+    assert in_flight_limit(3, 76, 4, None) == 10  # 19: 10 + 9
+    assert in_flight_limit(3, 100, 4, None) == 9  # 25: 9 + 9 + 7
+    assert in_flight_limit(3, 48, 4, None) == 12  # 12: one wave, all at once
+    assert in_flight_limit(3, 52, 4, None) == 7  # 13: 7 + 6, never below 2 x stages
+    assert in_flight_limit(3, 128, 4, None, replicas=2) == 8  # 16 per replica
+    assert in_flight_limit(3, 64, 4, 2.0) == 6  # Poisson arrivals: unchanged
+    for batches in range(1, 200):  # waves of at most 4 x stages; the last short by fewer than there are waves
+        limit = in_flight_limit(3, 4 * batches, 4, None)
+        waves = -(-batches // limit)
+        last = batches - limit * (waves - 1)
+        assert limit <= 12 and (waves == 1 or last > limit - waves), batches
+
+
 def test_ceiling_gap_splits_the_wall_time_of_the_busiest_stage() -> None:
     gap = ceiling_gap(10.0, {"node_ip": "192.0.2.2", "busy_s": 8.0, "span_s": 9.5})
     assert gap == {"stage": "192.0.2.2", "busy_s": 8.0, "outside_span_s": pytest.approx(0.5), "idle_in_span_s": 1.5}
