@@ -66,6 +66,11 @@ def _stage_metrics_present(stage: dict[str, Any]) -> None:
     for key in ("host", "layers", "busy_s", "cpu_s", "capacity_s", "idle_s", "predicted_s", "calls", "num_threads"):
         assert stage.get(key) is not None, key
     assert stage["busy_s"] > 0 and stage["predicted_s"] > 0 and stage["device"] == "cpu"
+    # the idle split from the stage's own call times adds up to its idle time (clocks differ by a round trip)
+    parts = stage["idle_fill_s"] + stage["idle_between_s"] + stage["idle_drain_s"]
+    assert abs(parts - stage["idle_s"]) < 0.05 + 0.02 * stage["idle_s"], (parts, stage["idle_s"])
+    assert len(stage["idle_between_windows_s"]) == 5
+    assert sum(stage["idle_between_windows_s"]) == pytest.approx(stage["idle_between_s"], abs=0.05)
 
 
 def test_bench_three_stages_on_three_hosts_with_every_metric(cluster: Cluster, tmp_path: Path) -> None:
