@@ -34,6 +34,9 @@ load() { cut -d' ' -f1 /proc/loadavg; }
 max=${HOSTS:-0}; for n in $SIZES $P2P_HOSTS $RAY_NODES; do [ "$n" -gt "$max" ] && max=$n; done
 echo "# fleet benchmark $(date -u +%FT%TZ) on $(nproc) cores, $(free -g | awk '/Mem:/{print $2}') GiB; lab $LAB ($max hosts); results in $out"
 
+# Bytecode as an installed CLI has it (pip compiles at install): with PYTHONDONTWRITEBYTECODE set (as in this
+# project's sessions) every start of a source checkout would compile its ~50 modules again.
+"$py" -m compileall -q raycluster_cli ${BASELINE:+"$BASELINE/raycluster_cli"} >/dev/null
 rc lab up --hosts "$max" --name "$LAB" --subnet "$SUBNET" --no-node-image --json >"$out/lab.json" 2>"$out/lab.log"
 "$py" benchmarks/fleet_inventories.py "$out/lab.json" "$out" $SIZES "p2p:$P2P_HOSTS" "ray:$RAY_NODES" "$IMAGE"
 mapfile -t names < <("$py" -c 'import json,sys; [print(h["name"]) for h in json.load(open(sys.argv[1]))["hosts"]]' "$out/lab.json")
