@@ -26,11 +26,14 @@ ENV_IN_CONTAINER = "/run/raycluster/env"
 # The container's command sources the env file first, so that the Ray processes get the inventory's
 # `env` while the values stay out of `docker inspect` and every command line.
 _SOURCE_ENV = f'set -a && . {ENV_IN_CONTAINER} && set +a && exec "$@"'
-# A worker's container waits until the head's GCS answers before `ray start`, so that `up` starts every worker
-# while the head is still starting (its container made, the image's files read) instead of after: `ray start
-# --address` itself gives a GCS that is not there yet about 20 s and then fails. One Python process polls the
-# port (a new one each time would compete for the CPU the starting head needs); one line in the container's
-# log says it waits, one that it gave up (after GCS_WAIT_S: the container then exits, and `up` names why).
+# A worker's container waits until the head's GCS answers, and then until the GCS knows the head's node, before
+# `ray start`, so that `up` starts every worker while the head is still starting (its container made, Ray
+# imported) instead of after: `ray start --address` itself gives a GCS that is not there yet about 20 s, and
+# looks for the head's node only every 2 s. One Python process polls the port (no new process each time to
+# compete for the CPU the starting head needs), then imports Ray, asks the GCS for the head's node every 0.1 s
+# and runs `ray start` in the same process, as Ray's own `ray` script does (no second import). One line in the
+# container's log says it waits; one that it gave up (after GCS_WAIT_S: the container exits, `up` names why).
+# A Ray without the GCS client this uses (another version) skips that look: `ray start` then finds the head.
 GCS_WAIT_S = 600
 _WAIT_FOR_GCS = """import socket, sys, time
 head, port, limit = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
@@ -46,18 +49,36 @@ while True:
             print(f"raycluster: waiting for the GCS of the head at {head}:{port}", flush=True)
             said = True
         time.sleep(0.2)
+try:
+    from ray._raylet import GcsClient
+    from ray.core.generated.gcs_service_pb2 import GetAllNodeInfoRequest
+
+    selector = GetAllNodeInfoRequest.NodeSelector(is_head_node=True)
+    gcs = GcsClient(address=f"{head}:{port}")
+    while not gcs.get_all_node_info(timeout=5, node_selectors=[selector]) and time.monotonic() < end:
+        time.sleep(0.1)
+except Exception:
+    pass
+if sys.argv[4:5] == ["ray"]:
+    from ray.scripts.scripts import main
+
+    sys.argv = sys.argv[4:]
+    sys.exit(main())
+import os
+
+os.execvp(sys.argv[4], sys.argv[4:])
 """
 
 
 def start_script(inventory: Inventory, host: HostConfig) -> str:
     """The container's shell command (its arguments: `ray start …`): the env file, then, on a worker, the
-    wait for the head's GCS, then `ray start` as the container's main process."""
+    wait for the head's GCS and node, then `ray start`, in the container's main process."""
     if host.role == "head":
         return _SOURCE_ENV
     wait = shlex.join(
         ["python3", "-c", _WAIT_FOR_GCS, inventory.head_address, str(inventory.ray.port), str(GCS_WAIT_S)]
     )
-    return f'set -a && . {ENV_IN_CONTAINER} && set +a && {wait} && exec "$@"'
+    return f'set -a && . {ENV_IN_CONTAINER} && set +a && exec {wait} "$@"'
 
 
 def container_name(inventory: Inventory, host: HostConfig) -> str:

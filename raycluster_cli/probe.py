@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
         settled = expected <= alive and len(fresh_ips) == len(alive) and not any(n["NodeID"] in stale for n in live)
         if settled or time.monotonic() >= deadline:
             break
-        time.sleep(0.5)
+        time.sleep(0.2)
     report = [
         {
             "node_ip": n["NodeManagerAddress"],

@@ -3,6 +3,7 @@ import socket
 import subprocess
 import sys
 import time
+import types
 from pathlib import Path
 
 import pytest
@@ -119,20 +120,21 @@ def test_env_file_quotes_values_and_sorts() -> None:
     assert content == "A='it'\"'\"'s'\nB='two words'\n"
 
 
-def test_a_workers_container_waits_for_the_gcs_of_the_head_then_execs_ray_start(
+def test_a_workers_container_sources_its_env_then_runs_the_wait_with_ray_starts_arguments(
     example_yaml: str, tmp_path: Path
 ) -> None:
-    """The worker's container command under a real /bin/sh (python3 and ray are fakes that record their
-    arguments): the env file, the wait on the head's GCS address, then `ray start` with its arguments."""
+    """The worker's container command under a real /bin/sh (python3 is a fake that records its arguments): the
+    env file, then the wait (the head's GCS address, its limit) in the container's main process, handed
+    `ray start` and its arguments to run."""
     inv = inventory.parse(example_yaml)
     script = start_script(inv, inv.hosts[1]).replace(ENV_IN_CONTAINER, str(tmp_path / "env"))
     (tmp_path / "env").write_text("A=from-env-file\n")
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    fakes = {"python3": 'echo "python3 A=$A $1 $3 $4 $5" >> "$D/calls"', "ray": 'echo "ray A=$A $*" >> "$D/calls"'}
-    for name, body in fakes.items():
-        (bin_dir / name).write_text(f"#!/bin/sh\n{body}\n")
-        (bin_dir / name).chmod(0o755)
+    (bin_dir / "python3").write_text(
+        '#!/bin/sh\necho "A=$A $1 $3 $4 $5" >"$D/calls"; shift 5; echo "$*" >>"$D/calls"\n'
+    )
+    (bin_dir / "python3").chmod(0o755)
     done = subprocess.run(
         ["/bin/sh", "-c", script, "sh", "ray", "start", "--block"],
         capture_output=True,
@@ -142,22 +144,66 @@ def test_a_workers_container_waits_for_the_gcs_of_the_head_then_execs_ray_start(
     )
     assert done.returncode == 0, done.stderr
     calls = (tmp_path / "calls").read_text().splitlines()
-    assert calls == [f"python3 A=from-env-file -c 192.0.2.11 6379 {GCS_WAIT_S}", "ray A=from-env-file start --block"]
+    assert calls == [f"A=from-env-file -c 192.0.2.11 6379 {GCS_WAIT_S}", "ray start --block"]
     head_script = start_script(inv, inv.head_host)
     assert "python3" not in head_script and head_script.endswith('exec "$@"')
 
 
 def _wait_code(example_yaml: str) -> str:
     inv = inventory.parse(example_yaml)
-    argv = shlex.split(start_script(inv, inv.hosts[1]).split(" && ")[3])
+    argv = shlex.split(start_script(inv, inv.hosts[1]).split(" && ")[3].removeprefix("exec "))
     assert argv[:2] == ["python3", "-c"]
     return argv[2]
 
 
-def test_the_wait_polls_one_process_says_so_once_and_gives_up_at_its_limit(
+class _FakeRay:
+    """The parts of Ray the wait uses, as modules in sys.modules: a GCS client that knows the head's node
+    from its `known_after`-th answer on, and `ray start`'s entry point, which records its argv."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, known_after: int, with_client: bool = True) -> None:
+        self.asked = 0
+        self.address = ""
+        self.started: list[str] = []
+        fake = self
+
+        class GcsClient:
+            def __init__(self, address: str) -> None:
+                fake.address = address
+
+            def get_all_node_info(self, timeout: float, node_selectors: list[object]) -> dict[str, object]:
+                fake.asked += 1
+                return {"head": object()} if fake.asked >= known_after else {}
+
+        class NodeSelector:
+            def __init__(self, is_head_node: bool) -> None:
+                assert is_head_node
+
+        def main() -> int:
+            fake.started = list(sys.argv)
+            return 0
+
+        request = type("GetAllNodeInfoRequest", (), {"NodeSelector": NodeSelector})
+        modules: dict[str, dict[str, object]] = {
+            "ray": {},
+            "ray._raylet": {"GcsClient": GcsClient} if with_client else {},
+            "ray.core": {},
+            "ray.core.generated": {},
+            "ray.core.generated.gcs_service_pb2": {"GetAllNodeInfoRequest": request},
+            "ray.scripts": {},
+            "ray.scripts.scripts": {"main": main},
+        }
+        for name, attributes in modules.items():
+            module = types.ModuleType(name)
+            module.__dict__.update(attributes)
+            monkeypatch.setitem(sys.modules, name, module)
+
+
+def test_the_wait_polls_one_process_asks_for_the_heads_node_then_runs_ray_start_in_it(
     example_yaml: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """The wait's Python run in this process with the socket and the clock faked (no connection is opened)."""
+    """The wait's Python run in this process with the socket, the clock and Ray faked (no connection is
+    opened): the port until it answers (one line says so), the head's node until the GCS knows it, then
+    `ray start` in the same process."""
     code = _wait_code(example_yaml)
     tries: list[tuple[str, int]] = []
     clock = [0.0]
@@ -171,14 +217,24 @@ def test_the_wait_polls_one_process_says_so_once_and_gives_up_at_its_limit(
     monkeypatch.setattr(socket, "create_connection", connect)
     monkeypatch.setattr(time, "monotonic", lambda: clock[0])
     monkeypatch.setattr(time, "sleep", lambda s: clock.__setitem__(0, clock[0] + s))
-    monkeypatch.setattr(sys, "argv", ["-c", "192.0.2.11", "6379", "600"])
-    exec(compile(code, "<wait>", "exec"), {})
+    monkeypatch.setattr(sys, "argv", ["-c", "192.0.2.11", "6379", "600", "ray", "start", "--block"])
+    ray = _FakeRay(monkeypatch, known_after=3)
+    with pytest.raises(SystemExit) as ended:
+        exec(compile(code, "<wait>", "exec"), {})
+    assert ended.value.code == 0
     assert tries == [("192.0.2.11", 6379)] * 4
     assert capsys.readouterr().out == "raycluster: waiting for the GCS of the head at 192.0.2.11:6379\n"
+    assert (ray.address, ray.asked, ray.started) == ("192.0.2.11:6379", 3, ["ray", "start", "--block"])
 
-    tries.clear()
+    # A Ray without that GCS client (another version): `ray start` at once, which looks for the head itself.
+    monkeypatch.setattr(sys, "argv", ["-c", "192.0.2.11", "6379", "600", "ray", "start", "--block"])
+    other = _FakeRay(monkeypatch, known_after=1, with_client=False)
+    with pytest.raises(SystemExit):
+        exec(compile(code, "<wait>", "exec"), {})
+    assert (other.asked, other.started) == (0, ["ray", "start", "--block"])
+
     monkeypatch.setattr(socket, "create_connection", lambda a, t: (_ for _ in ()).throw(OSError("unreachable")))
-    monkeypatch.setattr(sys, "argv", ["-c", "192.0.2.11", "6379", "1"])
+    monkeypatch.setattr(sys, "argv", ["-c", "192.0.2.11", "6379", "1", "ray", "start"])
     with pytest.raises(SystemExit) as ended:
         exec(compile(code, "<wait>", "exec"), {})
     assert str(ended.value) == "raycluster: the GCS of the head at 192.0.2.11:6379 did not answer within 1s"

@@ -693,3 +693,29 @@ def test_a_failed_worker_ends_the_look_at_the_gcs_early() -> None:
     nodes, _, _ = _wait(workers)
     assert time.monotonic() - started < 30  # the fake probe's deadline is 60 s
     assert {n["node_ip"]: n["alive"] for n in nodes} == {HOSTS[0]: True, HOSTS[1]: True, HOSTS[2]: False}
+
+
+@pytest.mark.parametrize("running", ["true", "false"])
+def test_the_registration_watch_under_a_real_shell(running: str, tmp_path: Path) -> None:
+    """`started_command` under /bin/sh with a fake docker: the log says "Ray runtime started." on its fourth
+    reading (exit 0, the state read every other time), or the container stopped (exit 3 with its log tail)."""
+    import subprocess
+
+    from raycluster_cli.nodes import EXITED, started_command
+
+    inv = _inv()
+    docker = tmp_path / "docker"
+    docker.write_text(
+        '#!/bin/sh\necho "$1" >> "$D/calls"\n'
+        'if [ "$1" = inspect ]; then echo "$RUNNING"; exit 0; fi\n'
+        'n=$(grep -c "^logs" "$D/calls"); [ "$n" -ge 4 ] && echo "Ray runtime started."; echo "last line"\n'
+    )
+    docker.chmod(0o755)
+    env = {"PATH": f"{tmp_path}:/usr/bin:/bin", "D": str(tmp_path), "RUNNING": running}
+    done = subprocess.run(["/bin/sh", "-c", started_command(inv, inv.hosts[1], 30)], env=env, capture_output=True,
+                          text=True, timeout=60)  # fmt: skip
+    calls = (tmp_path / "calls").read_text().split()
+    if running == "true":
+        assert done.returncode == 0 and calls == ["logs", "inspect", "logs", "logs", "inspect", "logs"]
+    else:
+        assert done.returncode == EXITED and calls == ["logs", "inspect", "logs"] and "last line" in done.stdout
