@@ -25,7 +25,8 @@ TOKEN_IN_CONTAINER = "/run/raycluster/auth-token"
 ENV_IN_CONTAINER = "/run/raycluster/env"
 # The container's command sources the env file first, so that the Ray processes get the inventory's
 # `env` while the values stay out of `docker inspect` and every command line.
-_SOURCE_ENV = f'set -a && . {ENV_IN_CONTAINER} && set +a && exec "$@"'
+_ENV = f"set -a && . {ENV_IN_CONTAINER} && set +a"
+_SOURCE_ENV = f'{_ENV} && exec "$@"'
 # A worker's container waits until the head's GCS answers, and then until the GCS knows the head's node, before
 # `ray start`, so that `up` starts every worker while the head is still starting (its container made, Ray
 # imported) instead of after: `ray start --address` itself gives a GCS that is not there yet about 20 s, and
@@ -78,7 +79,7 @@ def start_script(inventory: Inventory, host: HostConfig) -> str:
     wait = shlex.join(
         ["python3", "-c", _WAIT_FOR_GCS, inventory.head_address, str(inventory.ray.port), str(GCS_WAIT_S)]
     )
-    return f'set -a && . {ENV_IN_CONTAINER} && set +a && exec {wait} "$@"'
+    return f'{_ENV} && exec {wait} "$@"'
 
 
 def container_name(inventory: Inventory, host: HostConfig) -> str:

@@ -108,11 +108,7 @@ def wait(run: UpRun) -> None:
         start_workers(run)
     look = _Look(run, sorted(r.node_ip for r in run.runs.values()), deadline)
     waited = fanout(run.workers, lambda w: _until_registered(run, w, deadline), what="wait for the workers")
-    try:
-        waited.check_interrupted()
-    except KeyboardInterrupt:
-        look.cancel()
-        raise
+    waited.check_interrupted()  # the look ends by its own deadline: no remote command runs after an interrupt
     for worker, failure in waited.failed:
         run.move(worker, "failed", error_message(failure, worker.address))
     registered = [r for r in run.runs.values() if r.phase != "failed"]
