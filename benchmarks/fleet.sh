@@ -28,8 +28,11 @@ SUBNET=${SUBNET:-10.80.0.0/24}
 IMAGE=${IMAGE:-${RAYCLUSTER_NODE_IMAGE:-raycluster/node:0.1.0}}
 DOCKER=$(command -v /usr/bin/docker || command -v docker)
 out=$(mktemp -d /tmp/raycluster-fleet.XXXXXX)
-rc() { "$py" -m raycluster_cli.cli "$@"; }
-base() { (cd "$BASELINE" && "$py" -m raycluster_cli.cli "$@"); }  # -m finds the checkout in the current folder
+# Each checkout as its `raycluster` command runs it: `python -m raycluster_cli` where the package has a __main__
+# (logins started before the CLI's imports, prelogin.py), else (older commits) `python -m raycluster_cli.cli`.
+entry() { if [ -e "$1/raycluster_cli/__main__.py" ]; then echo raycluster_cli; else echo raycluster_cli.cli; fi; }
+rc() { "$py" -m "$(entry .)" "$@"; }
+base() { (cd "$BASELINE" && "$py" -m "$(entry .)" "$@"); }  # -m finds the checkout in the current folder
 load() { cut -d' ' -f1 /proc/loadavg; }
 max=${HOSTS:-0}; for n in $SIZES $P2P_HOSTS $RAY_NODES; do [ "$n" -gt "$max" ] && max=$n; done
 echo "# fleet benchmark $(date -u +%FT%TZ) on $(nproc) cores, $(free -g | awk '/Mem:/{print $2}') GiB; lab $LAB ($max hosts); results in $out"

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Annotated, Any, cast
 
 import typer
 
-from . import __version__, interrupt, inventory, lab
+from . import __version__, interrupt, inventory, lab, prelogin
 from .bench.options import BenchOptions, ValidationError, flag_of
 from .checks import Status, demote, ignore_ids, run_checks
 from .errors import ExitCode, GroupError, RayclusterError, UsageError
@@ -145,11 +145,16 @@ def _failed(output: Output, exc: RayclusterError) -> int:
 
 @contextmanager
 def _cluster(inventory_path: str | None) -> Iterator[tuple[Inventory, SSHPool]]:
-    """The loaded inventory and an SSH pool to its hosts, closed afterwards."""
-    loaded = inventory.load(inventory_path)
-    inventory.check_key_files(loaded)
+    """The loaded inventory and an SSH pool to its hosts (logging in since the start: prelogin.py), closed
+    afterwards."""
+    ahead = prelogin.take(inventory_path)
+    if ahead is None:
+        loaded = inventory.load(inventory_path)
+        inventory.check_key_files(loaded)
+        pool = SSHPool(loaded.inventory)
+    else:
+        loaded, pool = ahead
     inv = loaded.inventory
-    pool = SSHPool(inv)
     _pools.append(pool)
     try:
         yield inv, pool

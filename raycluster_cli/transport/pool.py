@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections import deque
+from collections.abc import Callable, Iterable
 from types import TracebackType
 
 from ..engine import with_engine
@@ -51,6 +52,15 @@ class LoginGate:
         self._slots.release()
 
 
+class _Ahead:
+    """One host's login started before its first use (see SSHPool.log_in_ahead)."""
+
+    def __init__(self) -> None:
+        self.started = False
+        self.done = threading.Event()
+        self.error: BaseException | None = None
+
+
 class SSHPool:
     """One SSH connection per host, opened on first use (through the login gate), closed together.
 
@@ -61,6 +71,7 @@ class SSHPool:
         self.inventory = inventory
         self.gate = LoginGate(inventory.ssh.max_parallel_logins)
         self._open: dict[str, SSHTransport] = {}
+        self._ahead: dict[str, _Ahead] = {}  # logins started ahead, until each host's first use
         # Re-entrant: a Ctrl-C handler runs in the main thread and asks `running()` while that thread may be
         # inside `transport()` (up connects the head from it); a plain Lock deadlocked the handler there.
         self._lock = threading.RLock()
@@ -100,7 +111,51 @@ class SSHPool:
                 )
             return self._open[key]
 
+    def log_in_ahead(self, hosts: Iterable[HostConfig]) -> None:
+        """Start these hosts' logins now, in the background, while the caller does other work.
+
+        At most `ssh.max_parallel_logins` threads (the login gate applies as always), daemon threads so a
+        login that hangs never holds the process's exit. A host's first use waits for its login and sees
+        its failure, once (a later use logs in afresh, as without this); a host no thread reached yet is
+        logged in by its first user."""
+        with self._lock:
+            queue = deque(h for h in hosts if str(h.address) not in self._ahead)
+            for host in queue:
+                self._ahead[str(host.address)] = _Ahead()
+        workers = min(len(queue), self.inventory.ssh.max_parallel_logins)
+        for _ in range(workers):
+            threading.Thread(target=self._log_in_queued, args=(queue,), name="login-ahead", daemon=True).start()
+
+    def _log_in_queued(self, queue: deque[HostConfig]) -> None:
+        while True:
+            with self._lock:
+                if not queue:
+                    return
+                host = queue.popleft()
+                ahead = self._ahead.get(str(host.address))
+                if ahead is None:
+                    continue  # its first user came first and logs in itself
+                ahead.started = True
+            try:
+                self.transport(host).connect()
+            except BaseException as exc:  # handed to the host's first user
+                ahead.error = exc
+            finally:
+                ahead.done.set()
+
+    def _wait_ahead(self, host: HostConfig) -> None:
+        """The login started ahead for this host, if any: wait for it; its failure is raised here, once."""
+        with self._lock:
+            ahead = self._ahead.pop(str(host.address), None)
+        if ahead is None or not ahead.started:
+            return
+        while not ahead.done.wait(0.2):
+            cancel.check(f"connecting to {host.address}")
+        if ahead.error is not None:
+            raise ahead.error
+
     def __call__(self, host: HostConfig) -> Transport:
+        self._wait_ahead(host)
         transport = self.transport(host)
         transport.connect()
         return with_engine(self.inventory, host, transport)

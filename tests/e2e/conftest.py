@@ -45,8 +45,8 @@ class Lab:
         return next(h for h in self.info.hosts if h.hostname == hostname)
 
     def cli(self, *args: str, timeout: float = 600, inventory: str | None = None) -> tuple[int, dict[str, Any], str]:
-        """Run `raycluster ARGS -i <lab inventory> --json` as a real process."""
-        command = [sys.executable, "-m", "raycluster_cli.cli", *args, "-i", inventory or self.inventory, "--json"]
+        """Run `raycluster ARGS -i <lab inventory> --json` as a real process (the command's own path: prelogin.py)."""
+        command = [sys.executable, "-m", "raycluster_cli", *args, "-i", inventory or self.inventory, "--json"]
         done = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
         try:
             document = json.loads(done.stdout)
@@ -131,13 +131,13 @@ def lab_hosts(tmp_path_factory: pytest.TempPathFactory, session_state: Path) -> 
     the_lab = Lab(info)
     # Lab hosts keep their engines' volumes between sessions: start from no cluster at all.
     subprocess.run(
-        [sys.executable, "-m", "raycluster_cli.cli", "down", "-i", the_lab.inventory],
+        [sys.executable, "-m", "raycluster_cli", "down", "-i", the_lab.inventory],
         capture_output=True,
         timeout=300,
     )
     yield the_lab
     subprocess.run(
-        [sys.executable, "-m", "raycluster_cli.cli", "down", "-i", the_lab.inventory],
+        [sys.executable, "-m", "raycluster_cli", "down", "-i", the_lab.inventory],
         capture_output=True,
         timeout=300,
     )
