@@ -7,6 +7,7 @@ loads it (see tests/unit/test_cli_imports.py).
 from __future__ import annotations
 
 import json
+import os
 import re
 import sys
 import threading
@@ -56,7 +57,7 @@ class Output:
                 event = f"{event.label or 'image → ' + event.host}: {event.sent} bytes"
             text = phase_text(event)
             self.events.append(text)
-            self.err.print(f"[dim]·[/dim] {_escape(text)}", markup=True)
+            self.bullet(text)
 
         return sink
 
@@ -91,16 +92,35 @@ class Output:
                         bars.remove_task(task)
                     tasks.clear()
                     finished.clear()
+            elif bars and bars.live.is_started:
+                bars.console.print(f"[dim]·[/dim] {_escape(phase_text(event))}", markup=True)
             else:
-                (bars.console if bars and bars.live.is_started else self.err).print(
-                    f"[dim]·[/dim] {_escape(phase_text(event))}", markup=True
-                )
+                self.bullet(phase_text(event))
 
         try:
             yield sink
         finally:
             if bars is not None:
                 bars.stop()
+
+    def bullet(self, text: str) -> None:
+        """One progress line on stderr: `· text`, the bullet dimmed on a terminal."""
+        if self._plain_stderr():
+            self.stderr.write(f"· {terminal_safe(text)}\n")
+            self.stderr.flush()
+        else:
+            self.err.print(f"[dim]·[/dim] {_escape(text)}", markup=True)
+
+    def _plain_stderr(self) -> bool:
+        """Whether rich would draw no style on stderr (no terminal, none forced by rich's own TTY_COMPATIBLE or
+        FORCE_COLOR, no console given): then progress lines are written as they are, and a `--json` run that
+        only prints those (down's) never imports rich, between two round trips to its hosts."""
+        if "err" in self.__dict__ or os.environ.get("TTY_COMPATIBLE") == "1" or os.environ.get("FORCE_COLOR"):
+            return False
+        try:
+            return not self.stderr.isatty()
+        except (AttributeError, ValueError):
+            return True
 
     def warning(self, message: str) -> None:
         self.err.print(f"[bold yellow]warning:[/bold yellow] {_escape(message)}", markup=True)

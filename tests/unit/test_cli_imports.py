@@ -64,3 +64,20 @@ def test_match_exec_in_ssh_config_still_runs(tmp_path: Path) -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "matched"
+
+
+def test_progress_lines_without_a_terminal_do_not_import_rich() -> None:
+    """`down --json` prints progress lines on stderr between two round trips to its hosts: where stderr is
+    no terminal they are plain text, written without importing rich (on a terminal the bullet is dimmed)."""
+    code = (
+        "import io, os\n"
+        "os.environ.pop('FORCE_COLOR', None); os.environ.pop('TTY_COMPATIBLE', None)\n"
+        "from raycluster_cli.report import Output\n"
+        "err = io.StringIO()\n"
+        "output = Output(True, stderr=err)\n"
+        "output.progress()('removing [x] on 1 host(s)')\n"
+        "with output.live_progress() as progress:\n"
+        "    progress('purging \\x1b[31mred\\x1b[0m')\n"
+        "assert err.getvalue() == '· removing [x] on 1 host(s)\\n· purging red\\n', err.getvalue()\n"
+    )
+    assert "rich" not in _modules_after(code)
