@@ -666,7 +666,7 @@ def lab_up_command(
             hostname, sep, value = item.partition("=")
             if not sep:
                 raise RayclusterError(f"--cpus {item!r} is not HOSTNAME=CPUS", "e.g. --cpus lab-h2=0.5")
-            options[hostname] = [f"--cpus={value}"]
+            options[hostname] = lab.cpu_options(value, "--cpus")
         info = lab.lab_up(
             hosts,
             lab_dir=lab_dir,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import io
 import ipaddress
+import math
 import os
 import socket
 import tarfile
@@ -163,24 +164,38 @@ def judge_resources(starting: int, total: int, available: int, cores: int) -> li
     return warnings
 
 
+CFS_PERIOD_US = 5_000  # the lab's CFS period for a host's CPU quota (Docker's --cpus means 100 ms)
+MIN_CFS_QUOTA_US = 1_000  # the kernel refuses a smaller quota
+
+
+def cpu_options(value: str, option: str = "--cpu-quotas") -> list[str]:
+    """``docker run`` options that make a Ray container ``value`` CPUs fast, evenly over time.
+
+    The lab stands in for slower machines with a CFS quota. With Docker's ``--cpus`` (a 100 ms period) a
+    0.25-CPU container that waited for work runs its next 25 ms at full core speed and then stops for 75 ms:
+    a real machine a quarter as fast is a quarter as fast all the time. A 5 ms period (longer only where the
+    quota would fall under the kernel's 1 ms) spreads the same share over each call, as Kubernetes' shorter
+    ``cpu-cfs-quota-period`` does for latency.
+    """
+    try:
+        cpus = float(value)
+    except ValueError:
+        cpus = -1.0
+    if not 0 < cpus <= 1024:
+        raise UsageError(f"{option}: {value!r} is not a number of CPUs", "e.g. --cpu-quotas 1.0,0.5,0.25")
+    period = max(CFS_PERIOD_US, math.ceil(MIN_CFS_QUOTA_US / cpus))
+    return [f"--cpu-period={period}", f"--cpu-quota={round(cpus * period)}"]
+
+
 def quota_options(spec: str, count: int) -> dict[str, list[str]]:
-    """``"1.0,0.5,0.25"``: the Ray container on lab-h1 gets ``--cpus=1.0``, lab-h2 ``0.5``, lab-h3 ``0.25``.
+    """``"1.0,0.5,0.25"``: the Ray container on lab-h1 gets 1 CPU, lab-h2 0.5, lab-h3 0.25 (`cpu_options`).
 
     Unequal hosts on one machine, for `bench` to balance (``make demo`` uses them).
     """
     values = [v.strip() for v in spec.split(",") if v.strip()]
     if len(values) > count:
         raise UsageError(f"--cpu-quotas has {len(values)} values for {count} host(s)", "give one per host at most")
-    options: dict[str, list[str]] = {}
-    for index, value in enumerate(values, start=1):
-        try:
-            cpus = float(value)
-        except ValueError:
-            cpus = -1.0
-        if not 0 < cpus <= 1024:
-            raise UsageError(f"--cpu-quotas: {value!r} is not a number of CPUs", "e.g. --cpu-quotas 1.0,0.5,0.25")
-        options[f"lab-h{index}"] = [f"--cpus={cpus:g}"]
-    return options
+    return {f"lab-h{index}": cpu_options(value) for index, value in enumerate(values, start=1)}
 
 
 def lab_up(

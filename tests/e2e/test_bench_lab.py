@@ -19,6 +19,8 @@ from typing import Any
 
 import pytest
 
+from raycluster_cli import lab
+
 from ..bench_checkpoints import write_random_gpt2
 from .conftest import DOCKER, IP3, Lab
 
@@ -134,7 +136,7 @@ def test_slow_host_gets_fewer_layers_and_balanced_evens_out_busy_time(cluster: C
 
     def limit(inv: dict[str, Any]) -> None:
         for index, host in enumerate(inv["hosts"]):
-            host.setdefault("docker", {})["run_options"] = [f"--cpus={quotas[f'lab-h{index + 1}']}"]
+            host.setdefault("docker", {})["run_options"] = lab.cpu_options(quotas[f"lab-h{index + 1}"])
 
     cluster.use(cluster.lab.variant(tmp_path / "unequal.yaml", limit))
     doc = cluster.bench("--layers=24", "--requests=16", "--max-new-tokens=8", "--partition=balanced")

@@ -29,17 +29,27 @@ def test_bad_bench_flags_are_usage_errors(args: list[str], match: str) -> None:
 
 def test_lab_cpu_quotas_go_to_the_hosts_in_order() -> None:
     assert lab.quota_options("1.0,0.5,0.25", 3) == {
-        "lab-h1": ["--cpus=1"],
-        "lab-h2": ["--cpus=0.5"],
-        "lab-h3": ["--cpus=0.25"],
+        "lab-h1": ["--cpu-period=5000", "--cpu-quota=5000"],
+        "lab-h2": ["--cpu-period=5000", "--cpu-quota=2500"],
+        "lab-h3": ["--cpu-period=5000", "--cpu-quota=1250"],
     }
-    assert lab.quota_options("0.5", 3) == {"lab-h1": ["--cpus=0.5"]}
+    assert lab.quota_options("0.5", 3) == {"lab-h1": ["--cpu-period=5000", "--cpu-quota=2500"]}
     with pytest.raises(UsageError, match="4 values for 3"):
         lab.quota_options("1,1,1,1", 3)
     with pytest.raises(UsageError, match="'fast' is not a number"):
         lab.quota_options("1,fast", 3)
     with pytest.raises(UsageError, match="'0' is not a number"):
         lab.quota_options("0", 3)
+
+
+def test_a_lab_quota_uses_a_short_cfs_period_never_under_the_kernels_1ms_quota() -> None:
+    # 5 ms periods: the share is spread over each call instead of 100 ms bursts (Docker's --cpus)
+    assert lab.cpu_options("2") == ["--cpu-period=5000", "--cpu-quota=10000"]
+    # 0.1 CPU of a 5 ms period would be 0.5 ms, which the kernel refuses: the period grows to 10 ms
+    assert lab.cpu_options("0.1") == ["--cpu-period=10000", "--cpu-quota=1000"]
+    assert lab.cpu_options("0.15") == ["--cpu-period=6667", "--cpu-quota=1000"]
+    with pytest.raises(UsageError, match=r"^--cpus: 'x' is not a number"):
+        lab.cpu_options("x", "--cpus")
 
 
 def test_every_bench_option_is_a_flag() -> None:
