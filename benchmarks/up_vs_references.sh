@@ -11,6 +11,9 @@
 # autoscaler v2) is counted as that timeout (a lower bound, marked with >), with how many nodes were alive then.
 # `ray up` needs rsync on the operator and on the hosts, ssh and `ray` on a login shell's PATH inside the
 # image: the script builds raycluster/node-rayup (FROM the node image) and installs rsync in the lab hosts.
+# Each run also records how busy this machine's CPUs were over it (/proc/stat: CPU-seconds used ÷ (wall × cores))
+# and the CPU-seconds themselves: on a lab whose hosts share this machine's cores, a variant that keeps every
+# core busy cannot be made faster by reordering its steps, only by doing less.
 # Usage: benchmarks/up_vs_references.sh [ROUNDS]
 #   (env: RAYCLUSTER_LAB_NAME, RAYCLUSTER_NODE_IMAGE, RAYUP_TIMEOUT, RAYUP_V2_TIMEOUT)
 set -euo pipefail
@@ -33,6 +36,8 @@ key=$(field "d['ssh']['key']")
 work=$(mktemp -d)
 now() { date +%s%N; }
 elapsed() { echo "$(( ($(now) - $1) / 1000000 ))"; }  # milliseconds since $1
+cpu_ticks() { awk '/^cpu /{print $2+$3+$4+$7+$8+$9}' /proc/stat; }  # busy jiffies of all cores (user nice system irq softirq steal)
+hz=$(getconf CLK_TCK); cores=$(nproc)
 on() { $docker exec "$lab-h$1" "${@:2}"; }
 alive() {  # alive CONTAINER TIMEOUT: until the head's GCS lists the three nodes alive
   on 1 docker exec "$1" python -m raycluster_cli.probe --address "$ip1:6379" --expect "$ip1,$ip2,$ip3" \
@@ -129,22 +134,28 @@ for round in $(seq 1 "$rounds"); do
     v=${variants[$(( (k + round - 1) % 4 ))]}
     clean
     load=$(cut -d' ' -f1 /proc/loadavg)
+    ticks0=$(cpu_ticks)
     case $v in
       up) ms=$(run_up) ;;
       floor) ms=$(run_floor) ;;
       rayup_v1) ms=$(run_rayup v1) ;;
       rayup_v2) ms=$(run_rayup v2) ;;
     esac
-    echo "$round $v $ms $load" | tee -a "$work/runs" >&2
+    cpu_s=$(awk -v a="$ticks0" -v b="$(cpu_ticks)" -v hz="$hz" 'BEGIN{printf "%.2f", (b - a) / hz}')
+    echo "$round $v $ms $load $cpu_s" | tee -a "$work/runs" >&2
   done
 done
 clean
-$py - "$work/runs" <<'PY'
+$py - "$work/runs" "$cores" <<'PY'
 import statistics, sys
 runs = [line.split() for line in open(sys.argv[1]) if line.strip()]
+cores = int(sys.argv[2])
 by = {}
-for _, variant, ms, load in runs:
+cpu = {}
+for _, variant, ms, load, cpu_s in runs:
     by.setdefault(variant, []).append((int(ms), float(load)))
+    if int(ms) > 0:  # busy fraction over the run: CPU-seconds / (wall x cores)
+        cpu.setdefault(variant, []).append((float(cpu_s), float(cpu_s) / (int(ms) / 1000 * cores)))
 def fmt(ms):  # a negative figure: the run had not finished at that timeout
     return f">{-ms / 1000:.1f}" if ms < 0 else f"{ms / 1000:.1f}"
 med = {}
@@ -153,6 +164,11 @@ for variant, values in by.items():
     censored = " (some runs did not finish: lower bound)" if any(ms < 0 for ms, _ in values) else ""
     print(f"{variant:9s} runs(s)={' '.join(fmt(ms) for ms, _ in values)} "
           f"load1={' '.join(f'{load:.1f}' for _, load in values)} median={med[variant]:.1f}s{censored}")
+    if variant in cpu:
+        used = [c for c, _ in cpu[variant]]
+        busy = [b for _, b in cpu[variant]]
+        print(f"{'':9s} cpu_s={' '.join(f'{c:.1f}' for c in used)} busy={' '.join(f'{b:.2f}' for b in busy)} "
+              f"median cpu_s={statistics.median(used):.1f} busy={statistics.median(busy):.2f} of {cores} cores")
 for ref in ("floor", "rayup_v1", "rayup_v2"):
     if ref in med and "up" in med:
         print(f"up / {ref} (medians): {med['up'] / med[ref]:.2f}")
