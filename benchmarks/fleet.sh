@@ -18,7 +18,7 @@
 # code's verbs ("doctor@base" …), alternated with this checkout's in every round, against the same floor.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-py=${PYTHON:-.venv/bin/python}
+py=$(realpath -s "${PYTHON:-.venv/bin/python}")  # absolute: base() runs it from the BASELINE folder
 ROUNDS=${ROUNDS:-3}
 SIZES=${SIZES-1 10 30}
 P2P_HOSTS=${P2P_HOSTS:-8}
