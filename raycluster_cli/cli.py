@@ -18,7 +18,6 @@ import typer
 
 from . import __version__, interrupt, inventory, lab, prelogin
 from .bench.options import BenchOptions, ValidationError, flag_of
-from .checks import Status, demote, ignore_ids, run_checks
 from .errors import ExitCode, GroupError, RayclusterError, UsageError
 from .inventory import Inventory
 from .logs import DEFAULT_MAX_MIB, DEFAULT_TIMEOUT_S
@@ -41,8 +40,8 @@ from .transport.pool import SSHPool
 if TYPE_CHECKING:
     from .checks.network import Tool
 
-# Each verb imports what only it needs (bench, up, jobs, logs, metrics, exec, the live displays) inside its
-# action: `doctor`, `status` and `down` on a few hosts are mostly the interpreter's start and these imports,
+# Each verb imports what only it needs (the checks, bench, up, jobs, logs, metrics, exec, the live displays)
+# inside its action: `doctor`, `status` and `down` on a few hosts are mostly the interpreter's start and these imports,
 # and tests/unit/test_cli_imports.py keeps them out of `import raycluster_cli.cli`.
 
 app = typer.Typer(
@@ -189,6 +188,8 @@ def doctor(
     """Preflight every host over SSH; each finding names the host and the fix. Exit 1 on any failure."""
 
     def action(output: Output) -> int:
+        from .checks import Status, demote, ignore_ids, run_checks
+
         ignored = ignore_ids(ignore)
         if network_tool not in ("auto", "iperf3", "builtin"):
             raise UsageError(f"--network-tool {network_tool!r} is unknown", "use auto, iperf3 or builtin")
@@ -222,6 +223,7 @@ def up_command(
     Exit 0: every node joined; 1: preflight failed, or a node did not join (each named with its cause)."""
 
     def action(output: Output) -> int:
+        from .checks import Status, ignore_ids
         from .cluster import up
         from .report_up import up_view
 

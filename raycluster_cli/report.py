@@ -16,7 +16,6 @@ from contextlib import contextmanager
 from functools import cached_property
 from typing import TYPE_CHECKING, Any, TextIO
 
-from .checks import CheckResult, Status
 from .progress import Event, HostPhase, TransferProgress
 from .schema import SCHEMA_VERSION
 
@@ -25,8 +24,12 @@ if TYPE_CHECKING:
     from rich.progress import Progress, TaskID
     from rich.table import Table
 
-_STATUS_STYLE = {Status.FAIL: "bold red", Status.WARN: "yellow", Status.OK: "green", Status.SKIP: "dim"}
-_ORDER = {Status.FAIL: 0, Status.WARN: 1, Status.SKIP: 2, Status.OK: 3}
+    from .checks import CheckResult
+
+# By each checks.Status's value (a StrEnum: the member and its value are one key): `status` and `down` render
+# no checks and do not import them.
+_STATUS_STYLE = {"fail": "bold red", "warn": "yellow", "ok": "green", "skip": "dim"}
+_ORDER = {"fail": 0, "warn": 1, "skip": 2, "ok": 3}
 
 
 class Output:
@@ -228,6 +231,8 @@ def render_checks(output: Output, results: list[CheckResult]) -> None:
             )
         output.out.print(table)
     _render_network(output, results)
+    from .checks import Status
+
     failed = sum(r.status == Status.FAIL for r in results)
     warned = sum(r.status == Status.WARN for r in results)
     verdict = "[bold red]FAILED[/bold red]" if failed else "[bold green]PASSED[/bold green]"

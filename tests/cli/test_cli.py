@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from raycluster_cli import cli
+from raycluster_cli import checks, cli
 from raycluster_cli.errors import ExitCode
 
 runner = CliRunner()
@@ -126,7 +126,7 @@ def test_interrupt_exits_130(refused_inventory: Path, monkeypatch: pytest.Monkey
     def interrupted(*args: object, **kwargs: object) -> None:
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(cli, "run_checks", interrupted)
+    monkeypatch.setattr(checks, "run_checks", interrupted)
     code, _, err = invoke("doctor", "-i", str(refused_inventory))
     assert code == ExitCode.INTERRUPTED
     assert "interrupted" in err
@@ -136,7 +136,7 @@ def test_unexpected_error_is_one_line_without_debug(refused_inventory: Path, mon
     def broken(*args: object, **kwargs: object) -> None:
         raise RuntimeError("boom")
 
-    monkeypatch.setattr(cli, "run_checks", broken)
+    monkeypatch.setattr(checks, "run_checks", broken)
     code, _, err = invoke("doctor", "-i", str(refused_inventory))
     assert code == ExitCode.FAILED
     assert "boom" in err and "Traceback" not in err

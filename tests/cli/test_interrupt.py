@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from raycluster_cli import cli
+from raycluster_cli import checks, cli
 from raycluster_cli.errors import ExitCode
 
 
@@ -119,7 +119,7 @@ def test_an_interrupted_json_run_prints_one_document(tmp_path: Path, monkeypatch
     def interrupted(*args: object, **kwargs: object) -> None:
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(cli, "run_checks", interrupted)
+    monkeypatch.setattr(checks, "run_checks", interrupted)
     result = CliRunner().invoke(cli.app, ["doctor", "-i", str(_inventory(tmp_path, 1)), "--json"])
     assert result.exit_code == ExitCode.INTERRUPTED
     doc = json.loads(result.stdout)

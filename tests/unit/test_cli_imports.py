@@ -5,13 +5,18 @@ has imported everything already). Fails if someone puts one of these imports bac
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 # What `import raycluster_cli.cli` must leave out, and why it is heavy or unneeded there.
 NOT_AT_IMPORT = [
     "raycluster_cli.bench.client",  # bench
+    "raycluster_cli.checks.catalog",  # doctor and up (status and down use checks.parsers only)
+    "raycluster_cli.checks.runner",
     "raycluster_cli.cluster",  # up
     "raycluster_cli.jobs",  # submit, dashboard (http.client, websockets)
     "raycluster_cli.metrics",
@@ -81,3 +86,27 @@ def test_progress_lines_without_a_terminal_do_not_import_rich() -> None:
         "assert err.getvalue() == '· removing [x] on 1 host(s)\\n· purging red\\n', err.getvalue()\n"
     )
     assert "rich" not in _modules_after(code)
+
+
+@pytest.mark.parametrize("verb", ["status", "down"])
+def test_status_and_down_load_neither_the_checks_nor_rich(verb: str, tmp_path: Path) -> None:
+    """The whole `raycluster status|down --json` against a loopback port that refuses at once."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    inventory = tmp_path / "inventory.yaml"
+    inventory.write_text(
+        "cluster: t\nimage: raycluster/node:0.1.0\n"
+        f"ssh: {{port: {port}, key: null, known_hosts_file: {tmp_path / 'kh'}, connect_retries: 0}}\n"
+        "hosts:\n  - {address: 127.0.0.1, role: head}\n"
+    )
+    code = (
+        f"import os; os.environ['RAYCLUSTER_STATE_DIR'] = {str(tmp_path / 'state')!r}\n"
+        f"sys.argv = ['raycluster', {verb!r}, '-i', {str(inventory)!r}, '--json']\n"
+        "from raycluster_cli import prelogin\n"
+        "try:\n    prelogin.main()\nexcept SystemExit as exc:\n    assert exc.code == 1, exc.code\n"
+    )
+    loaded = _modules_after(code)
+    assert "raycluster_cli.status" in loaded  # the verb ran
+    heavy = ["raycluster_cli.checks.base", "raycluster_cli.checks.catalog", "raycluster_cli.checks.runner", "rich"]
+    assert not [m for m in heavy if m in loaded]
