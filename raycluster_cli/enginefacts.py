@@ -70,16 +70,18 @@ _VERSIONS_SCRIPT = (
 def image_command(ctx: HostContext) -> str:
     """`docker image inspect` once: `<id> <size>`, then `---` and Ray and Python inside the image, cached on the
     host per image ID (a `docker run` costs a second); `no-image` (exit 1, the engine's error on stderr) when
-    the image is absent."""
+    the image is absent. Each reader writes its own temporary file and renames it into place: readers side by
+    side (two verbs on one host, hosts sharing an NFS home) once shared one `.tmp`, and the one whose file
+    had been renamed away failed the image-runtime check."""
     image = quote(ctx.inventory.image)
     run = quote("docker", "run", "--rm", "--network=none", "--entrypoint=python3", ctx.inventory.image, "-c")
     return (
         f"i=$(docker image inspect --format '{{{{.Id}}}} {{{{.Size}}}}' {image}) || {{ echo {NO_IMAGE}; exit 1; }}; "
         'echo "$i"; echo ---; id=${i%% *}; '
         'c="${XDG_CACHE_HOME:-$HOME/.cache}/raycluster/versions-${id#sha256:}"; '
-        'if [ ! -s "$c" ]; then mkdir -p "${c%/*}" && '
-        f'{run} {shlex.quote(_VERSIONS_SCRIPT)} > "$c.tmp" 2>&1 && mv -f "$c.tmp" "$c"'
-        ' || { cat "$c.tmp"; rm -f "$c.tmp"; exit 1; }; fi; cat "$c"'
+        'if [ ! -s "$c" ]; then t=; mkdir -p "${c%/*}" && t=$(mktemp "$c.XXXXXX") && '
+        f'{run} {shlex.quote(_VERSIONS_SCRIPT)} > "$t" 2>&1 && mv -f "$t" "$c"'
+        ' || { cat "${t:-$c}"; rm -f "$t"; exit 1; }; fi; cat "$c"'
     )
 
 

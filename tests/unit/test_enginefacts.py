@@ -13,7 +13,7 @@ import pytest
 from raycluster_cli import inventory
 from raycluster_cli.checks import Status, run_checks
 from raycluster_cli.checks.catalog import IMAGE_ID, IP_ADDR
-from raycluster_cli.enginefacts import parse_containers, parse_engine, parse_image, running
+from raycluster_cli.enginefacts import image_command, parse_containers, parse_engine, parse_image, running
 from raycluster_cli.facts import FactCache, HostContext
 from raycluster_cli.inventory import HostConfig
 from raycluster_cli.nodes import CONTAINER
@@ -22,14 +22,15 @@ from raycluster_cli.transport import CommandResult
 from .conftest import EXAMPLE
 
 HEX = "ab" * 32
-# A stand-in for the engine's CLI: each call appends its arguments to $DOCKER_LOG and answers like Docker 20.10.
+# A stand-in for the engine's CLI: each call appends its arguments to $DOCKER_LOG and answers like Docker 20.10
+# (its `docker run` takes $DOCKER_RUN_S between its two lines, as a real one takes about a second).
 FAKE_DOCKER = f"""#!/bin/sh
 echo "$*" >> "$DOCKER_LOG"
 case "$1 $2" in
   "info --format") printf '20.10.24\\n/var/lib/docker\\n{{"runc":{{"path":"runc"}}}}\\n' ;;
   "image inspect") echo "sha256:{HEX} 1984499298" ;;
   "ps --all") ;;
-  "run --rm") printf 'python 3.11.2\\nray 2.60.0\\n' ;;
+  "run --rm") printf 'python 3.11.2\\n'; sleep "${{DOCKER_RUN_S:-0}}"; printf 'ray 2.60.0\\n' ;;
   *) echo "fake docker: $*" >&2; exit 1 ;;
 esac
 """
@@ -80,14 +81,34 @@ def test_doctor_starts_the_engines_cli_three_times_per_host(engine_log: tuple[Pa
     hosts = len(inv.hosts)
     first = run_checks(inv, connect)
     by_id = {(r.host, r.id): r for r in first}
-    assert all(by_id[(str(h.address), c)].status == Status.OK for h in inv.hosts for c in ("docker", "image"))
-    assert by_id[("192.0.2.12", "image-runtime")].status == Status.OK
+    checks = ("docker", "image", "image-runtime")
+    assert all(by_id[(str(h.address), c)].status == Status.OK for h in inv.hosts for c in checks)
     calls = _calls(log)
     assert 1 <= calls.pop("run") <= hosts  # the fake hosts share one cache, read side by side
     assert calls == {"info": hosts, "image": hosts, "ps": hosts}
     log.unlink()
     run_checks(inv, connect)
     assert _calls(log) == {"info": hosts, "image": hosts, "ps": hosts}
+
+
+def test_readers_side_by_side_of_one_versions_cache_all_get_the_versions(
+    engine_log: tuple[Path, dict[str, str]],
+) -> None:
+    """Several readers of one host's cache at once (two verbs on one host; hosts whose home is one NFS share):
+    each writes its own temporary file, so none loses its file to another's rename (they once shared one
+    `.tmp`, and the loser failed the image-runtime check)."""
+    _, env = engine_log
+    env = {**env, "DOCKER_RUN_S": "0.3"}
+    inv = inventory.parse(EXAMPLE)
+    command = image_command(HostContext(inv, inv.hosts[0]))
+    readers = [
+        subprocess.Popen(["/bin/sh", "-c", command], stdout=subprocess.PIPE, text=True, env=env) for _ in range(6)
+    ]
+    outputs = [(r.communicate(timeout=60)[0], r.returncode) for r in readers]
+    versions = "python 3.11.2\nray 2.60.0\n"
+    assert all(rc == 0 and parse_image(CommandResult(rc, out, "")).versions == versions for out, rc in outputs)
+    (cached,) = (Path(env["XDG_CACHE_HOME"]) / "raycluster").iterdir()  # no temporary file left behind
+    assert cached.name == f"versions-{HEX}" and cached.read_text() == versions
 
 
 def test_up_reads_its_container_with_one_more_engine_call(engine_log: tuple[Path, dict[str, str]]) -> None:

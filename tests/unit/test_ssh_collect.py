@@ -1,7 +1,12 @@
-"""The SSH transport reads a command's output to its end, even when sshd reports the exit status first."""
+"""The SSH transport reads a command's output to its end, even when sshd reports the exit status first.
 
-import time
+The tests of a deadline run `collect` on a simulated clock (`clock`): its only waits are `time.sleep`, so each
+sleep advances the clock by exactly its length, and a deadline is judged against the fake channel's own
+sequence of polls, not against how the machine scheduled this process (on a loaded machine a 10 ms sleep
+can last 300 ms, which once ended a 50 ms grace before the fake's output had arrived)."""
+
 from collections import deque
+from types import SimpleNamespace
 
 import pytest
 
@@ -56,13 +61,33 @@ def test_output_after_the_exit_status_is_kept() -> None:
     assert result.stdout == b"".join(lines).decode()
 
 
-def test_no_eof_ends_after_the_grace_period() -> None:
-    sshio.EOF_GRACE_S, saved = 0.05, sshio.EOF_GRACE_S
-    try:
-        result = sshio.collect(ExitFirstChannel([b"started\n"], eof=False), 10, "192.0.2.11")  # type: ignore[arg-type]
-    finally:
-        sshio.EOF_GRACE_S = saved
+class Clock:
+    """Simulated time for sshio: `monotonic` reads it, `sleep` advances it."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds
+
+
+@pytest.fixture
+def clock(monkeypatch: pytest.MonkeyPatch) -> Clock:
+    fake = Clock()
+    monkeypatch.setattr(sshio, "time", SimpleNamespace(monotonic=fake.monotonic, sleep=fake.sleep))
+    return fake
+
+
+def test_no_eof_ends_after_the_grace_period(clock: Clock) -> None:
+    """A command that exited but whose output never ends (a daemon holds its stdout): the output that came
+    after the exit status is kept, and the read ends once the grace has passed, not before."""
+    started = clock.now
+    result = sshio.collect(ExitFirstChannel([b"started\n"], eof=False), 10, "192.0.2.11")  # type: ignore[arg-type]
     assert result.stdout == "started\n" and result.rc == 0
+    assert sshio.EOF_GRACE_S < clock.now - started < sshio.EOF_GRACE_S + 0.1
 
 
 class DroppingTransport:
@@ -113,11 +138,12 @@ def test_streamed_output_goes_to_the_sink_as_it_arrives_and_is_not_kept() -> Non
     assert (result.stdout, result.rc) == ("", 0)
 
 
-def test_a_stream_silent_past_its_stall_deadline_fails_naming_host_and_command() -> None:
-    started = time.monotonic()
+def test_a_stream_silent_past_its_stall_deadline_fails_naming_host_and_command(clock: Clock) -> None:
+    started = clock.now
     with pytest.raises(sshio.Stalled) as caught:
         sshio.collect(
             TrickleThenSilent([b"x"]), 30, "192.0.2.11", "docker logs c", on_output=lambda s, d: None, stall_s=0.5
         )  # type: ignore[arg-type]
-    assert 0.5 <= time.monotonic() - started < 3
+    # the stall counts from the last chunk (it came on the 5th turn, after 4 sleeps of 10 ms), not from the start
+    assert 0.54 < clock.now - started < 0.56
     assert "192.0.2.11" in caught.value.one_line() and "docker logs c" in caught.value.one_line()
