@@ -27,6 +27,7 @@ from .facts import Fact, HostContext, derived, raw
 from .hoststate import cluster_dir, fix_hint, login_user, make_dir_command
 from .inventory import HostConfig, Inventory
 from .transport import PART_SEPARATOR, CommandResult, Transport, quote, shell_path
+from .transport.sshio import DeadlineExceeded
 
 DERIVED_ENV = ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME")
 
@@ -262,7 +263,15 @@ def probe(
         f"docker exec {quote(name)} {note}python -m raycluster_cli.probe --address {quote(gcs)} "
         f"--expect {quote(','.join(expect))} --stale-ids {quote(','.join(stale or []))} --timeout {timeout_s:.0f}"
     )
-    result = transport.run(command, timeout=timeout_s + 60)
+    try:
+        result = transport.run(command, timeout=timeout_s + 60)
+    except DeadlineExceeded:
+        # A probe that never answers: a head container frozen while asked (`docker exec` then waits) says so.
+        if _paused(transport, name):
+            raise _paused_error(inventory, name) from None
+        raise
+    if result.rc != 0 and "is paused" in result.stderr:  # Docker refuses an exec into a paused container
+        raise _paused_error(inventory, name)
     # The probe's stdout is its one document (Ray's output: stderr); an older node image's probe printed Ray's
     # output to stdout first, so its last line is read (the CLI and the image can be of different versions).
     lines = result.stdout.strip().splitlines()
@@ -279,6 +288,23 @@ def probe(
         raise OperationError(f"{inventory.head_host.address}: {document.get('error')}", f"see `docker logs {name}`")
     nodes: list[dict[str, Any]] = document["nodes"]
     return nodes
+
+
+def _paused(transport: Transport, name: str) -> bool:
+    """Whether the container is paused (`docker pause`, a freezer cgroup): one engine call, False if unknown."""
+    try:
+        done = transport.run(f"docker inspect --format '{{{{.State.Paused}}}}' {quote(name)}", timeout=30)
+    except Exception:
+        return False
+    return done.rc == 0 and done.stdout.strip() == "true"
+
+
+def _paused_error(inventory: Inventory, name: str) -> OperationError:
+    head = inventory.head_host.address
+    return OperationError(
+        f"{head}: the head's container {name} is paused, so its GCS cannot answer for the cluster's nodes",
+        f"run `docker unpause {name}` on {head} (or find what paused it), then re-run `raycluster up`",
+    )
 
 
 def cancel_probe(transport: Transport, inventory: Inventory) -> None:

@@ -242,3 +242,47 @@ def test_a_worker_frozen_while_up_waits_ends_by_the_deadline_naming_it(lab_hosts
     # With the host answering again, `up` completes the cluster.
     code, doc, err = lab_hosts.cli("up", "--timeout", "180", inventory=quick, timeout=900)
     assert code == 0 and all(n["alive"] for n in doc["nodes"]), err
+
+
+# up: the head's container paused while up asks its GCS for the nodes ------------------------------------
+
+
+def test_the_heads_container_paused_while_up_asks_its_gcs_ends_by_the_deadline_naming_it(
+    lab_hosts: Lab, quick: str
+) -> None:
+    """lab-h3's link to the head's GCS is cut before `up`, so the head's GCS is still being asked for every
+    node when, the head registered and the probe running inside its container, that container is paused in
+    lab-h1's engine (a frozen head: the running probe stops answering, a new `docker exec` is refused). `up` ends by
+    its deadline (`--timeout`: the node list read once lab-h3's wait ended is refused at once), exit 1, one
+    JSON document naming the head, that its container is paused, and the fix."""
+    timeout = 45
+    gcs_cut = f"iptables -{{}} OUTPUT -p tcp -d {IP1} --dport 6379 -j DROP"
+    code, _, err = lab_hosts.cli("down", inventory=quick)
+    assert code == 0, err
+    lab_hosts.sh("lab-h3", gcs_cut.format("I"))
+    paused = False
+    try:
+        verb = Verb("up", "--timeout", str(timeout), inventory=quick)
+        try:
+            verb.wait_for("waiting for every node to join", timeout=600)
+            asked = wait_until(lambda: processes(lab_hosts, "lab-h1", r"raycluster_cli\.probe") != [], 120, 0.2)
+            assert asked, verb.stderr
+            lab_hosts.sh("lab-h1", f"docker pause {RAY_CONTAINER}")
+            paused, paused_at = True, time.monotonic()
+            code, doc, ended = verb.finish(timeout=timeout + 300)
+        finally:
+            if verb.process.poll() is None:
+                verb.process.kill()
+        assert code == 1 and doc["ok"] is False, verb.stderr
+        assert ended - paused_at <= timeout + SLACK_S, verb.stderr
+        error = doc["error"]
+        assert error["message"].startswith(f"{IP1}: the head's container") and "is paused" in error["message"], error
+        assert "docker unpause raycluster-lab-head` on " + IP1 in error["hint"] and "re-run" in error["hint"], error
+        assert "unexpected" not in verb.stderr and verb.session_alive() == []
+        print(f"up ended {ended - paused_at:.0f}s after the pause: {error['message']} — {error['hint']}")
+    finally:
+        if paused:
+            lab_hosts.sh_result("lab-h1", f"docker unpause {RAY_CONTAINER}")
+        lab_hosts.sh_result("lab-h3", gcs_cut.format("D"))
+    code, doc, err = lab_hosts.cli("up", "--timeout", "180", inventory=quick, timeout=900)
+    assert code == 0 and all(n["alive"] for n in doc["nodes"]), err
