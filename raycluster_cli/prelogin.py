@@ -1,4 +1,4 @@
-"""SSH logins started before the CLI's own imports: what `doctor`, `status` and `down` on a few hosts wait for.
+"""SSH logins started before the CLI's own imports: what `doctor`, `status`, `down` (and `up`'s preflight) wait for.
 
 On one host these verbs are mostly the interpreter's start, the imports (typer, the checks, the rendering)
 and one login. `main` (the `raycluster` command and `python -m raycluster_cli`) reads the inventory that the
@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     from .inventory import LoadedInventory
     from .transport.pool import SSHPool
 
-VERBS = frozenset({"doctor", "status", "down"})  # short verbs that log into every host at once
+VERBS = frozenset({"doctor", "status", "down", "up"})  # verbs whose first step is a login into every host
 
 _ahead: tuple[str | None, LoadedInventory, SSHPool] | None = None
 

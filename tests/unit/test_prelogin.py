@@ -39,7 +39,8 @@ hosts:
         (["status", "-i"], (False, None)),  # the CLI reports the missing value
         (["status", "-i", "a.yaml", "--help"], (False, None)),
         (["doctor", "--debug"], (False, None)),  # every login in --debug's log
-        (["up", "-i", "a.yaml"], (False, None)),
+        (["up", "-i", "a.yaml"], (True, "a.yaml")),  # its preflight logs into every host first
+        (["logs", "-i", "a.yaml"], (False, None)),
         (["exec", "-i", "a.yaml", "--", "true"], (False, None)),
         ([], (False, None)),
     ],
