@@ -1,4 +1,5 @@
 import socket
+from types import SimpleNamespace
 
 import pytest
 
@@ -28,3 +29,29 @@ def _no_network(monkeypatch: pytest.MonkeyPatch) -> None:
 
     monkeypatch.setattr(socket.socket, "connect", refuse)
     monkeypatch.setattr(socket, "create_connection", refuse)
+
+
+class Clock:
+    """Simulated time for transport/sshio.py: `monotonic` reads it, `sleep` advances it by exactly its length.
+
+    sshio's only waits are `time.sleep` and a channel's own timeout (fakes sleep through `sshio.time`), so a
+    deadline is judged against the fake's sequence of events, not against how a loaded machine scheduled this
+    process (there a 10 ms sleep can last 300 ms)."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds
+
+
+@pytest.fixture
+def clock(monkeypatch: pytest.MonkeyPatch) -> Clock:
+    from raycluster_cli.transport import sshio
+
+    fake = Clock()
+    monkeypatch.setattr(sshio, "time", SimpleNamespace(monotonic=fake.monotonic, sleep=fake.sleep))
+    return fake

@@ -1,16 +1,16 @@
 """The SSH transport reads a command's output to its end, even when sshd reports the exit status first.
 
-The tests of a deadline run `collect` on a simulated clock (`clock`): its only waits are `time.sleep`, so each
-sleep advances the clock by exactly its length, and a deadline is judged against the fake channel's own
-sequence of polls, not against how the machine scheduled this process (on a loaded machine a 10 ms sleep
-can last 300 ms, which once ended a 50 ms grace before the fake's output had arrived)."""
+The tests of a deadline run `collect` on a simulated clock (conftest's `clock`): a deadline is judged against
+the fake channel's own sequence of polls (on a loaded machine a 10 ms sleep once lasted longer than a 50 ms
+grace, which then ended before the fake's output had arrived)."""
 
 from collections import deque
-from types import SimpleNamespace
 
 import pytest
 
 from raycluster_cli.transport import ssh, sshio
+
+from .conftest import Clock
 
 
 class ExitFirstChannel:
@@ -59,26 +59,6 @@ def test_output_after_the_exit_status_is_kept() -> None:
     lines = [b"1: lo inet 127.0.0.1/8\n", b"2: eth0 inet 192.0.2.11/24\n", b"3: eth1 inet 198.51.100.1/24\n"]
     result = sshio.collect(ExitFirstChannel(lines), 10, "192.0.2.11")  # type: ignore[arg-type]
     assert result.stdout == b"".join(lines).decode()
-
-
-class Clock:
-    """Simulated time for sshio: `monotonic` reads it, `sleep` advances it."""
-
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def monotonic(self) -> float:
-        return self.now
-
-    def sleep(self, seconds: float) -> None:
-        self.now += seconds
-
-
-@pytest.fixture
-def clock(monkeypatch: pytest.MonkeyPatch) -> Clock:
-    fake = Clock()
-    monkeypatch.setattr(sshio, "time", SimpleNamespace(monotonic=fake.monotonic, sleep=fake.sleep))
-    return fake
 
 
 def test_no_eof_ends_after_the_grace_period(clock: Clock) -> None:

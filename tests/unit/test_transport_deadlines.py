@@ -15,6 +15,8 @@ from raycluster_cli.transport.keepalive import KeepAlive
 from raycluster_cli.transport.pool import LoginGate
 from raycluster_cli.transport.ssh import SSHTransport
 
+from .conftest import Clock
+
 
 @pytest.fixture(autouse=True)
 def _no_cancel() -> Iterator[None]:
@@ -46,7 +48,7 @@ class SilentChannel:
         return False
 
     def send(self, data: bytes) -> int:
-        time.sleep(self.timeout)
+        sshio.time.sleep(self.timeout)  # the channel's timeout passes on sshio's clock (simulated or real)
         raise TimeoutError
 
 
@@ -59,11 +61,11 @@ class SlowReader(SilentChannel):
         return 1000
 
 
-def test_a_command_that_never_ends_fails_at_its_deadline_naming_host_and_command() -> None:
-    started = time.monotonic()
+def test_a_command_that_never_ends_fails_at_its_deadline_naming_host_and_command(clock: Clock) -> None:
+    started = clock.now
     with pytest.raises(sshio.DeadlineExceeded) as caught:
         sshio.collect(SilentChannel(), 0.3, "192.0.2.11", "docker exec x ray health-check")  # type: ignore[arg-type]
-    assert time.monotonic() - started < 2
+    assert 0.3 < clock.now - started < 0.32  # the first 10 ms turn past the deadline
     line = caught.value.one_line()
     assert "192.0.2.11" in line and "ray health-check" in line and "0s deadline" in line
 
@@ -75,8 +77,8 @@ def test_a_channel_closed_without_exit_status_is_an_eof() -> None:
         sshio.collect(channel, 5, "192.0.2.11")  # type: ignore[arg-type]
 
 
-def test_a_stalled_stream_fails_after_the_stall_deadline() -> None:
-    started = time.monotonic()
+def test_a_stalled_stream_fails_after_the_stall_deadline(clock: Clock) -> None:
+    started = clock.now
     with pytest.raises(sshio.Stalled) as caught:
         sshio.send_stream(
             SilentChannel(),  # type: ignore[arg-type]
@@ -86,8 +88,8 @@ def test_a_stalled_stream_fails_after_the_stall_deadline() -> None:
             on_sent=None,
             drain=lambda: None,
         )
-    elapsed = time.monotonic() - started
-    assert 0.5 <= elapsed < 2.0
+    elapsed = clock.now - started
+    assert 0.5 < elapsed <= 0.5 + 0.2 + 1e-6  # the first send timeout (0.2 s) that ends past the stall deadline
     assert "192.0.2.12" in caught.value.one_line() and "stalled" in caught.value.message
 
 
