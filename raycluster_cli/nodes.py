@@ -303,7 +303,8 @@ def _paused_error(inventory: Inventory, name: str) -> OperationError:
     head = inventory.head_host.address
     return OperationError(
         f"{head}: the head's container {name} is paused, so its GCS cannot answer for the cluster's nodes",
-        f"run `docker unpause {name}` on {head} (or find what paused it), then re-run `raycluster up`",
+        f"run `docker unpause {name}` on {head} (or find what paused it), then `raycluster down` and `raycluster up`"
+        " (Ray's processes in a container frozen this long may not outlive the pause)",
     )
 
 

@@ -32,7 +32,9 @@ class ProbeNeverAnswers(FakeTransport):
 
 def _assert_names_the_pause(error: OperationError) -> None:
     assert error.message.startswith(f"{HEAD}: the head's container {NAME} is paused"), error.message
-    assert f"docker unpause {NAME}` on {HEAD}" in error.hint and "re-run `raycluster up`" in error.hint
+    assert (
+        f"docker unpause {NAME}` on {HEAD}" in error.hint and "then `raycluster down` and `raycluster up`" in error.hint
+    )
 
 
 def test_an_exec_refused_by_a_paused_head_says_so_with_the_fix() -> None:
