@@ -1,4 +1,5 @@
 import socket
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -13,6 +14,21 @@ hosts:
   - {address: 192.0.2.12, role: worker}
   - {address: 192.0.2.13, role: worker, docker: {run_options: ["--cpus=0.5"]}}
 """
+
+
+def refusing_inventory(tmp_path: Path, ssh: str) -> Path:
+    """A one-host inventory whose host is a loopback port nothing listens on (the login is refused at once);
+    ``ssh``: more keys of its ``ssh`` mapping, e.g. ``"connect_retries: 0"``."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    inventory = tmp_path / "inventory.yaml"
+    inventory.write_text(
+        "cluster: t\nimage: raycluster/node:0.1.0\n"
+        f"ssh: {{port: {port}, key: null, known_hosts_file: {tmp_path / 'kh'}, {ssh}}}\n"
+        "hosts:\n  - {address: 127.0.0.1, role: head}\n"
+    )
+    return inventory
 
 
 @pytest.fixture

@@ -5,12 +5,13 @@ has imported everything already). Fails if someone puts one of these imports bac
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from .conftest import refusing_inventory
 
 # What `import raycluster_cli.cli` must leave out, and why it is heavy or unneeded there.
 NOT_AT_IMPORT = [
@@ -91,15 +92,7 @@ def test_progress_lines_without_a_terminal_do_not_import_rich() -> None:
 @pytest.mark.parametrize("verb", ["status", "down"])
 def test_status_and_down_load_neither_the_checks_nor_rich(verb: str, tmp_path: Path) -> None:
     """The whole `raycluster status|down --json` against a loopback port that refuses at once."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    inventory = tmp_path / "inventory.yaml"
-    inventory.write_text(
-        "cluster: t\nimage: raycluster/node:0.1.0\n"
-        f"ssh: {{port: {port}, key: null, known_hosts_file: {tmp_path / 'kh'}, connect_retries: 0}}\n"
-        "hosts:\n  - {address: 127.0.0.1, role: head}\n"
-    )
+    inventory = refusing_inventory(tmp_path, "connect_retries: 0")
     code = (
         f"import os; os.environ['RAYCLUSTER_STATE_DIR'] = {str(tmp_path / 'state')!r}\n"
         f"sys.argv = ['raycluster', {verb!r}, '-i', {str(inventory)!r}, '--json']\n"

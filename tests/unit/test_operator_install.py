@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import ast
 import json
-import socket
 import subprocess
 import sys
 import tomllib
 from pathlib import Path
+
+from .conftest import refusing_inventory
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "raycluster_cli"
@@ -90,15 +91,7 @@ print(json.dumps({"codes": codes, "asked": asked, "loaded": sorted(m for m in sy
 
 
 def test_doctor_up_down_never_import_ray(tmp_path: Path) -> None:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    inventory = tmp_path / "inventory.yaml"
-    inventory.write_text(
-        "cluster: t\nimage: raycluster/node:0.1.0\n"
-        f"ssh: {{port: {port}, key: null, known_hosts_file: {tmp_path / 'kh'}, connect_timeout_s: 3}}\n"
-        "hosts:\n  - {address: 127.0.0.1, role: head}\n"
-    )
+    inventory = refusing_inventory(tmp_path, "connect_timeout_s: 3")
     done = subprocess.run(
         [sys.executable, "-c", _PROBE, str(inventory), str(tmp_path / "state")],
         capture_output=True,
