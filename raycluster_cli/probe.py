@@ -1,8 +1,11 @@
 """Runs inside the head's container: wait until the expected node IPs are alive Ray nodes, print JSON.
 
 `raycluster up` and `status` call `docker exec <head> python -m raycluster_cli.probe --expect IP,...`.
-One `ray.init` per call keeps polling cheap. Its stdout carries nothing but its one JSON document: whatever Ray
-prints (its Python loggers and its C++ core worker write to fd 1 too) goes to stderr.
+It asks the GCS's node table with a plain GCS client, as `ray status` does: no `ray.init`, so no driver is
+registered, no core worker starts and the head's raylet starts no worker processes for it (a first driver makes
+it start one per CPU, seconds of CPU while `up`'s workers are joining on the same cores). A Ray without that
+client falls back to `ray.init` and `ray.nodes()`. Its stdout carries nothing but its one JSON document:
+whatever Ray prints (its Python loggers and its C++ core worker write to fd 1 too) goes to stderr.
 """
 
 from __future__ import annotations
@@ -13,6 +16,8 @@ import logging
 import os
 import sys
 import time
+from collections.abc import Callable
+from typing import Any
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -28,38 +33,82 @@ def main(argv: list[str] | None = None) -> int:
     expected = {ip for ip in args.expect.split(",") if ip}
     stale = {node_id for node_id in args.stale_ids.split(",") if node_id}
 
-    import ray
-
     try:
-        ray.init(address=args.address, logging_level=logging.ERROR, log_to_driver=False)
+        nodes_now = _node_table(args.address)
     except Exception as exc:
         _say(document, {"ok": False, "error": f"{type(exc).__name__}: {exc}".splitlines()[0]})
         return 1
     deadline = time.monotonic() + args.timeout
     while True:
-        nodes = ray.nodes()
-        live = [n for n in nodes if n.get("Alive")]
-        fresh_ips = [n["NodeManagerAddress"] for n in live if n["NodeID"] not in stale]
+        try:
+            nodes = nodes_now()
+        except Exception as exc:  # the GCS stopped answering while waited on
+            _say(document, {"ok": False, "error": f"{type(exc).__name__}: {exc}".splitlines()[0]})
+            return 1
+        live = [n for n in nodes if n["alive"]]
+        fresh_ips = [n["node_ip"] for n in live if n["node_id"] not in stale]
         alive = set(fresh_ips)
         # A node whose container was killed stays "alive" in the GCS until its health checks fail. The
         # cluster is settled when every expected IP has a fresh live node, each IP only one, and every
         # replaced node is dead, so that no work can be scheduled on a ghost.
-        settled = expected <= alive and len(fresh_ips) == len(alive) and not any(n["NodeID"] in stale for n in live)
+        settled = expected <= alive and len(fresh_ips) == len(alive) and not any(n["node_id"] in stale for n in live)
         if settled or time.monotonic() >= deadline:
             break
         time.sleep(0.2)
-    report = [
-        {
-            "node_ip": n["NodeManagerAddress"],
-            "node_id": n["NodeID"],
-            "hostname": n.get("NodeManagerHostname", ""),
-            "alive": bool(n.get("Alive")),
-            "resources": {k: v for k, v in n.get("Resources", {}).items() if not k.startswith("node:")},
-        }
-        for n in nodes
-    ]
-    _say(document, {"ok": settled, "nodes": report})
+    _say(document, {"ok": settled, "nodes": nodes})
     return 0 if settled else 1
+
+
+Node = dict[str, Any]
+
+
+def _node_table(address: str) -> Callable[[], list[Node]]:
+    """A function that reads the GCS's node table, connected once (raises if the GCS cannot be reached)."""
+    import ray
+
+    try:
+        from ray._private.services import canonicalize_bootstrap_address_or_die
+        from ray._raylet import GcsClient  # type: ignore[attr-defined]
+
+        client = GcsClient(address=canonicalize_bootstrap_address_or_die(address))
+        client.get_all_node_info  # noqa: B018 - a Ray whose client lacks it takes the driver's way
+    except (ImportError, AttributeError, TypeError):
+        ray.init(address=address, logging_level=logging.ERROR, log_to_driver=False)
+        return lambda: [_from_driver(n) for n in ray.nodes()]
+
+    def read() -> list[Node]:
+        table = client.get_all_node_info(timeout=GCS_CALL_S)
+        return [_from_gcs(node_id.hex(), info) for node_id, info in table.items()]
+
+    read()  # the first call proves the GCS answers (and authenticates this client), as ray.init did
+    return read
+
+
+GCS_CALL_S = 10  # one node-table read; the caller's deadline is the remote command's own
+
+
+def _from_gcs(node_id: str, info: Any) -> Node:
+    return {
+        "node_ip": info.node_manager_address,
+        "node_id": node_id,
+        "hostname": info.node_manager_hostname,
+        "alive": info.state == 0,  # GcsNodeInfo.ALIVE
+        "resources": _resources(dict(info.resources_total)),
+    }
+
+
+def _from_driver(n: dict[str, Any]) -> Node:
+    return {
+        "node_ip": n["NodeManagerAddress"],
+        "node_id": n["NodeID"],
+        "hostname": n.get("NodeManagerHostname", ""),
+        "alive": bool(n.get("Alive")),
+        "resources": _resources(n.get("Resources", {})),
+    }
+
+
+def _resources(resources: dict[str, float]) -> dict[str, float]:
+    return {k: v for k, v in resources.items() if not k.startswith("node:")}
 
 
 def _own_stdout() -> int:
