@@ -40,4 +40,3 @@ def test_the_driver_fallback_reports_the_same_fields() -> None:
     from_gcs = probe._from_gcs("ab12", _info("10.0.0.2", gcs_pb2.GcsNodeInfo.ALIVE, CPU=4.0, **{"node:10.0.0.2": 1.0}))
 
     assert probe._from_driver(record) == from_gcs
-
