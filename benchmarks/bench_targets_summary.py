@@ -68,7 +68,8 @@ def summarise(directory: Path, name: str) -> None:
             f"{doc['tokens_per_s']:.1f} tok/s ±{50 * (doc.get('tokens_per_s_spread') or 0):.0f}%, "
             f"x even {_fmt(balanced_over_even(doc))}, imbalance {doc['imbalance']:.3f} "
             f"(quotas {doc['imbalance_capacity']:.3f}), x ceiling {_fmt(refs['ceiling']['ratio'])}, "
-            f"x unsharded {_fmt(refs.get('unsharded', {}).get('ratio'))}, hop {1000 * doc['hop_overhead']['per_hop_s']:.2f} ms"
+            f"x unsharded {_fmt(refs.get('unsharded', {}).get('ratio'))}, hop {1000 * doc['hop_overhead']['per_hop_s']:.2f} ms, "
+            f"whole bench {_fmt(doc.get('total_s'), 0)} s"
         )
     if not good:
         return

@@ -79,7 +79,7 @@ class BenchOptions(BaseModel):
     calibration_repeats: int = Field(5, ge=1, description="timed rounds per unit type (median)")
     calibration_sample_s: float = Field(0.25, gt=0.0, description="least seconds per calibration sample")
     min_blocks_per_node: int = Field(
-        16, ge=1, description="blocks the slowest node holds when --layers is sized automatically"
+        48, ge=1, description="blocks the slowest node holds when --layers is sized automatically"
     )
     threads: int | None = Field(None, ge=1, description="torch threads per stage (default: the node's CPUs)")
     step_timeout_s: float = Field(

@@ -20,7 +20,12 @@ from raycluster_cli.bench.options import BenchOptions
 
 log = logging.getLogger("raycluster.bench")
 Ranges = list[list[tuple[int, int]]]
-COUNTED_FLOOR = 4  # the counted run has at least this many times a pilot's least requests
+# The counted run has at least this many times a pilot's least requests: 2 x (stages + 1) micro-batches per
+# replica, all in flight from the start (offline, fewer than 4 x stages are admitted at once:
+# scheduling.in_flight_limit), so the stages idle only in the first and last step's fill and drain (session 4
+# saw a run sized to 4 micro-batches on 3 stages idle 19% of it). 4 before the default model grew 3x deeper (session 10): the run's length is the number of calls times
+# a call's compute, and the deeper model is what makes the per-call overhead small (see size_model).
+COUNTED_FLOOR = 2
 
 
 @dataclass
@@ -108,7 +113,14 @@ class Session:
         self.calibrations = dict(zip(first_on_node, found, strict=True))
 
     def size_model(self) -> None:
-        """``--layers`` left out: enough blocks that the slowest node gets its share; then the cost rows."""
+        """``--layers`` left out: enough blocks that the slowest node gets its share; then the cost rows.
+
+        Ray's own handling of each call on a stage's node (taking the micro-batch in, sending the result out:
+        about 3 ms of CPU per call at full speed) is outside the stage's clock T_i and costs a slow node a
+        larger share of its time. Measured on hosts at 1.0/0.25/0.25 CPU (session 10, one run each): with the
+        slowest node holding 14 blocks it was 12% of that node's CPU and the wall-clock imbalance 0.24; with 44
+        blocks, 4% and 0.02 (--min-blocks-per-node, 48 by default).
+        """
         o = self.options
         if not o.layers and not o.model_path and not o.manual_counts:
             rows = [
@@ -234,9 +246,8 @@ class Session:
         # on 3 stages, whose busiest stage then idled 3.4 s of 17.6 s).
         requests = experiment.requests_for(o.duration_s, tokens_per_s, o, COUNTED_FLOOR * self.least_requests())
         self.params = experiment.replace_params(self.params, requests=requests)
-        self.progress(
-            f"counted run sized to {requests} requests (about {o.duration_s:.0f}s at {tokens_per_s:.1f} tok/s)"
-        )
+        expected_s = requests * o.max_new_tokens / max(tokens_per_s, 1e-9)
+        self.progress(f"counted run sized to {requests} requests (about {expected_s:.0f}s at {tokens_per_s:.1f} tok/s)")
 
     def main_doc(self, result: Any, ranges: Ranges) -> dict[str, Any]:
         replicas = result.replica_dicts()
