@@ -139,6 +139,15 @@ def _sleeps(lab_hosts: Lab, hostname: str, marker: str) -> list[str]:
     return processes(lab_hosts, hostname, rf"^sleep {marker}$")
 
 
+def _assert_sleep_ends(lab_hosts: Lab, marker: str) -> None:
+    """The container's command ends once the host side has ended: the guard notices the connection's end
+    within a second, then its trap runs one `docker exec` to kill the command's session. The bound is a
+    liveness bound (a loaded CI machine took over 20 s once); what is still there is shown if it holds."""
+    if not wait_until(lambda: not _sleeps(lab_hosts, "lab-h1", marker), 60):
+        left = processes(lab_hosts, "lab-h1", rf"sleep {marker}|raycluster-guard|docker exec|setsid|\.raycluster-exec")
+        pytest.fail(f"sleep {marker} still runs in lab-h1's container 60 s after the host side ended: {left}")
+
+
 def test_exec_interrupted_leaves_no_process_in_the_container(lab_hosts: Lab, cluster_up: str) -> None:
     marker = "600"
     assert _sleeps(lab_hosts, "lab-h1", marker) == [], "a sleep 600 from elsewhere runs on lab-h1"
@@ -155,7 +164,7 @@ def test_exec_interrupted_leaves_no_process_in_the_container(lab_hosts: Lab, clu
     assert any(r["host"] == IP1 and "sleep 600" in r["command"] for r in doc["interrupted"]["running"]), doc
     assert "Traceback" not in verb.stderr and verb.session_alive() == []
     # The host side ended with the connection; its trap ended the container's process group.
-    assert wait_until(lambda: not _sleeps(lab_hosts, "lab-h1", marker), 20), _sleeps(lab_hosts, "lab-h1", marker)
+    _assert_sleep_ends(lab_hosts, marker)
     assert wait_until(lambda: not processes(lab_hosts, "lab-h1", r"raycluster-guard|docker exec"), 20)
 
 
@@ -170,7 +179,7 @@ def test_exec_whose_operator_dies_leaves_no_process_in_the_container(lab_hosts: 
     finally:
         if verb.process.poll() is None:
             verb.process.kill()
-    assert wait_until(lambda: not _sleeps(lab_hosts, "lab-h1", marker), 20), _sleeps(lab_hosts, "lab-h1", marker)
+    _assert_sleep_ends(lab_hosts, marker)
 
 
 def test_exec_whose_connection_is_cut_ends_on_the_host_too(lab_hosts: Lab, cluster_up: str) -> None:
