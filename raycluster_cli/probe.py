@@ -19,6 +19,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+GCS_CALL_S = 10  # one node-table read; the caller's deadline is the remote command's own
+Node = dict[str, Any]
+
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m raycluster_cli.probe")
@@ -33,33 +36,27 @@ def main(argv: list[str] | None = None) -> int:
     expected = {ip for ip in args.expect.split(",") if ip}
     stale = {node_id for node_id in args.stale_ids.split(",") if node_id}
 
-    try:
+    try:  # the GCS cannot be reached, or stopped answering while waited on: one error document
         nodes_now = _node_table(args.address)
+        deadline = time.monotonic() + args.timeout
+        while True:
+            nodes = nodes_now()
+            live = [n for n in nodes if n["alive"]]
+            fresh_ips = [n["node_ip"] for n in live if n["node_id"] not in stale]
+            alive = set(fresh_ips)
+            # A node whose container was killed stays "alive" in the GCS until its health checks fail. The
+            # cluster is settled when every expected IP has a fresh live node, each IP only one, and every
+            # replaced node is dead, so that no work can be scheduled on a ghost.
+            one_each = len(fresh_ips) == len(alive)
+            settled = expected <= alive and one_each and not any(n["node_id"] in stale for n in live)
+            if settled or time.monotonic() >= deadline:
+                break
+            time.sleep(0.2)
     except Exception as exc:
         _say(document, {"ok": False, "error": f"{type(exc).__name__}: {exc}".splitlines()[0]})
         return 1
-    deadline = time.monotonic() + args.timeout
-    while True:
-        try:
-            nodes = nodes_now()
-        except Exception as exc:  # the GCS stopped answering while waited on
-            _say(document, {"ok": False, "error": f"{type(exc).__name__}: {exc}".splitlines()[0]})
-            return 1
-        live = [n for n in nodes if n["alive"]]
-        fresh_ips = [n["node_ip"] for n in live if n["node_id"] not in stale]
-        alive = set(fresh_ips)
-        # A node whose container was killed stays "alive" in the GCS until its health checks fail. The
-        # cluster is settled when every expected IP has a fresh live node, each IP only one, and every
-        # replaced node is dead, so that no work can be scheduled on a ghost.
-        settled = expected <= alive and len(fresh_ips) == len(alive) and not any(n["node_id"] in stale for n in live)
-        if settled or time.monotonic() >= deadline:
-            break
-        time.sleep(0.2)
     _say(document, {"ok": settled, "nodes": nodes})
     return 0 if settled else 1
-
-
-Node = dict[str, Any]
 
 
 def _node_table(address: str) -> Callable[[], list[Node]]:
@@ -82,9 +79,6 @@ def _node_table(address: str) -> Callable[[], list[Node]]:
 
     read()  # the first call proves the GCS answers (and authenticates this client), as ray.init did
     return read
-
-
-GCS_CALL_S = 10  # one node-table read; the caller's deadline is the remote command's own
 
 
 def _from_gcs(node_id: str, info: Any) -> Node:

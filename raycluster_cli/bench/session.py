@@ -22,9 +22,10 @@ log = logging.getLogger("raycluster.bench")
 Ranges = list[list[tuple[int, int]]]
 # The counted run has at least this many times a pilot's least requests: 2 x (stages + 1) micro-batches per
 # replica, all in flight from the start (offline, fewer than 4 x stages are admitted at once:
-# scheduling.in_flight_limit), so the stages idle only in the first and last step's fill and drain (session 4
-# saw a run sized to 4 micro-batches on 3 stages idle 19% of it). 4 before the default model grew 3x deeper (session 10): the run's length is the number of calls times
-# a call's compute, and the deeper model is what makes the per-call overhead small (see size_model).
+# scheduling.in_flight_limit), so the stages idle only in the first and last step's fill and drain (session 4:
+# a run sized to 4 micro-batches on 3 stages idled its busiest stage 3.4 s of 17.6 s). It was 4 until the
+# default model grew 3x deeper (session 10): a run lasts its calls times a call's compute, and the deeper
+# model is what makes Ray's per-call overhead small (see size_model).
 COUNTED_FLOOR = 2
 
 
@@ -241,9 +242,7 @@ class Session:
     def resize(self, tokens_per_s: float) -> None:
         """The counted run's requests from a measured throughput (``--requests`` left out)."""
         o = self.options
-        # At least 4 x (stages + 1) micro-batches per replica: with fewer the pipeline spends much of the
-        # run filling and draining (session 4: a pilot slowed by a neighbour sized a run to 4 micro-batches
-        # on 3 stages, whose busiest stage then idled 3.4 s of 17.6 s).
+        # Never fewer than COUNTED_FLOOR x a pilot's least requests (why: at COUNTED_FLOOR).
         requests = experiment.requests_for(o.duration_s, tokens_per_s, o, COUNTED_FLOOR * self.least_requests())
         self.params = experiment.replace_params(self.params, requests=requests)
         expected_s = requests * o.max_new_tokens / max(tokens_per_s, 1e-9)
