@@ -21,9 +21,8 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationErr
 from . import strictyaml
 from .errors import InventoryError
 from .grammar import host_dir_problem, hostname_problem, image_problem, login_problem
+from .paths import DEFAULT_INVENTORY, INVENTORY_ENV, resolve_path
 
-DEFAULT_INVENTORY = "inventory.yaml"
-INVENTORY_ENV = "RAYCLUSTER_INVENTORY"
 # Every pattern is applied with fullmatch: `$` would let a trailing newline through ("demo\n").
 _NAME = re.compile(r"[a-z0-9][a-z0-9_.-]{0,62}", re.ASCII)
 _SIZE = re.compile(r"\d{1,15}(\.\d{1,6})?[bkmg]?", re.IGNORECASE | re.ASCII)
@@ -345,14 +344,6 @@ class Inventory(_Model):
 class LoadedInventory:
     inventory: Inventory
     path: Path
-
-
-def resolve_path(explicit: str | os.PathLike[str] | None) -> Path:
-    """`-i/--inventory`, else `$RAYCLUSTER_INVENTORY`, else ./inventory.yaml."""
-    if explicit:
-        return Path(explicit)
-    from_env = os.environ.get(INVENTORY_ENV)
-    return Path(from_env) if from_env else Path(DEFAULT_INVENTORY)
 
 
 def load(explicit: str | os.PathLike[str] | None = None) -> LoadedInventory:

@@ -48,21 +48,41 @@ def inventory_argument(argv: Sequence[str]) -> tuple[bool, str | None]:
 
 
 def start(argv: Sequence[str]) -> None:
-    """Read the inventory and start its hosts' logins, if this command line is one that logs into them."""
+    """Read the inventory and start its hosts' logins, if this command line is one that logs into them.
+
+    The logins the last run of this inventory made start first, before the inventory is read (logins.py);
+    the pool adopts each one the validated inventory asks for in the same way, and logs in to the rest."""
     global _ahead
     wanted, path = inventory_argument(argv)
     if not wanted:
         return
+    quick = None
     try:
+        from . import logins
+
+        quick, seen = logins.start(path)  # the last run's logins, before pydantic and the inventory's models
         from . import inventory
         from .transport.pool import SSHPool
 
         loaded = inventory.load(path)
         inventory.check_key_files(loaded)
-        pool = SSHPool(loaded.inventory)
-        pool.log_in_ahead(loaded.inventory.hosts)
+        inv = loaded.inventory
+        adopt = quick if quick is not None and quick.parallel == inv.ssh.max_parallel_logins else None
+        pool = SSHPool(inv, gate=adopt.gate if adopt else None)
+        params = {str(h.address): pool.login_params(h) for h in inv.hosts}
+        for host in inv.hosts:
+            taken = adopt.take(str(host.address), params[str(host.address)]) if adopt else None
+            if taken is not None:
+                pool.adopt(host, *taken)
+        pool.log_in_ahead(inv.hosts)
+        direct = {address: p for address, p in params.items() if p is not None}
+        if len(direct) == len(params):  # no host behind a jump host: keep the routes for the next run
+            logins.save(loaded.path, inv.ssh.config_file, inv.ssh.max_parallel_logins, direct, seen)
     except Exception:
         return  # the CLI reads the inventory again and reports the problem its own way
+    finally:
+        if quick is not None:
+            quick.discard()  # every login the validated inventory did not ask for, unused
     _ahead = (path, loaded, pool)
 
 

@@ -23,17 +23,13 @@ from pathlib import Path
 
 from .errors import OperationError
 from .inventory import Inventory
+from .paths import state_root
 from .progress import Progress, quiet
 from .transport import cancel
 
 TOKEN_PATTERN = re.compile(r"[A-Za-z0-9._~+/=-]{32,1024}", re.ASCII)
 LOCK_WAIT_S = 10.0
 _LOCK_NAME = "lock"
-
-
-def state_root() -> Path:
-    base = os.environ.get("XDG_STATE_HOME") or os.path.expanduser("~/.local/state")
-    return Path(os.environ.get("RAYCLUSTER_STATE_DIR") or Path(base) / "raycluster")
 
 
 def state_dir(inventory: Inventory) -> Path:

@@ -9,56 +9,19 @@ connections by default, beyond which it drops new ones).
 from __future__ import annotations
 
 import threading
-import time
 from collections import deque
 from collections.abc import Callable, Iterable
-from types import TracebackType
 
 from ..engine import with_engine
 from ..inventory import HostConfig, Inventory
 from . import cancel
 from .base import Transport
+from .gate import Ahead, LoginGate
 from .jumps import JumpHosts
 from .ssh import Sock, SSHTransport
-from .sshconfig import Hop, load_config, resolve
+from .sshconfig import Hop, Route, load_config, resolve
 
 Connect = Callable[[HostConfig], Transport]
-
-STAGGER_S = 0.01  # between the starts of two logins
-
-
-class LoginGate:
-    """A bounded, staggered gate around SSH logins (a context manager shared by every connection)."""
-
-    def __init__(self, parallel: int, stagger_s: float = STAGGER_S) -> None:
-        self._slots = threading.BoundedSemaphore(max(1, parallel))
-        self._lock = threading.Lock()
-        self._stagger_s = stagger_s
-        self._next_start = 0.0
-
-    def __enter__(self) -> None:
-        while not self._slots.acquire(timeout=0.2):
-            cancel.check("logging in")
-        with self._lock:
-            now = time.monotonic()
-            wait = self._next_start - now
-            self._next_start = max(now, self._next_start) + self._stagger_s
-        if wait > 0:
-            time.sleep(wait)
-
-    def __exit__(
-        self, kind: type[BaseException] | None, value: BaseException | None, trace: TracebackType | None
-    ) -> None:
-        self._slots.release()
-
-
-class _Ahead:
-    """One host's login started before its first use (see SSHPool.log_in_ahead)."""
-
-    def __init__(self) -> None:
-        self.started = False
-        self.done = threading.Event()
-        self.error: BaseException | None = None
 
 
 class SSHPool:
@@ -67,11 +30,11 @@ class SSHPool:
     Hosts are reached as OpenSSH would (`~/.ssh/config`, `ssh.proxy_jump`: see sshconfig.py), behind one
     shared connection per jump host (jumps.py); each host's engine commands go through engine.py."""
 
-    def __init__(self, inventory: Inventory) -> None:
+    def __init__(self, inventory: Inventory, gate: LoginGate | None = None) -> None:
         self.inventory = inventory
-        self.gate = LoginGate(inventory.ssh.max_parallel_logins)
+        self.gate = gate or LoginGate(inventory.ssh.max_parallel_logins)
         self._open: dict[str, SSHTransport] = {}
-        self._ahead: dict[str, _Ahead] = {}  # logins started ahead, until each host's first use
+        self._ahead: dict[str, Ahead] = {}  # logins started ahead, until each host's first use
         # Re-entrant: a Ctrl-C handler runs in the main thread and asks `running()` while that thread may be
         # inside `transport()` (up connects the head from it); a plain Lock deadlocked the handler there.
         self._lock = threading.RLock()
@@ -94,6 +57,25 @@ class SSHPool:
         """A jump host's connection: outside the login gate (a target holds a slot while its jump logs in)."""
         return SSHTransport(hop.host, user=hop.user, port=hop.port, key_file=hop.key, sock=sock, **self._options(None))  # type: ignore[arg-type]
 
+    def login_params(self, host: HostConfig) -> dict[str, object] | None:
+        """How this host is logged in to (SSHTransport's arguments), or None if it is behind a jump host.
+
+        What logins.py keeps from one run to start the next run's logins before the inventory is read."""
+        route = resolve(self.inventory, host, self.ssh_config)
+        if route.jumps:
+            return None
+        return self._params(route, host)
+
+    def _params(self, route: Route, host: HostConfig) -> dict[str, object]:
+        target = route.target
+        return {
+            "host": target.host,
+            "user": target.user,
+            "port": target.port,
+            "key_file": target.key,
+            **self._options(host),
+        }
+
     def transport(self, host: HostConfig) -> SSHTransport:
         """This host's transport (not yet connected on first use)."""
         key = str(host.address)
@@ -101,15 +83,18 @@ class SSHPool:
             if key not in self._open:
                 route = resolve(self.inventory, host, self.ssh_config)
                 self._open[key] = SSHTransport(
-                    route.target.host,
-                    user=route.target.user,
-                    port=route.target.port,
-                    key_file=route.target.key,
                     sock=self.jumps.sock_for(route),
                     gate=self.gate,
-                    **self._options(host),  # type: ignore[arg-type]
+                    **self._params(route, host),  # type: ignore[arg-type]
                 )
             return self._open[key]
+
+    def adopt(self, host: HostConfig, transport: SSHTransport, ahead: Ahead) -> None:
+        """Take `transport` (a login logins.py started for this host with its `login_params`) as this host's,
+        its login handed to the host's first use as a login started ahead."""
+        with self._lock:
+            self._open[str(host.address)] = transport
+            self._ahead[str(host.address)] = ahead
 
     def log_in_ahead(self, hosts: Iterable[HostConfig]) -> None:
         """Start these hosts' logins now, in the background, while the caller does other work.
@@ -121,7 +106,7 @@ class SSHPool:
         with self._lock:
             queue = deque(h for h in hosts if str(h.address) not in self._ahead)
             for host in queue:
-                self._ahead[str(host.address)] = _Ahead()
+                self._ahead[str(host.address)] = Ahead()
         workers = min(len(queue), self.inventory.ssh.max_parallel_logins)
         for _ in range(workers):
             threading.Thread(target=self._log_in_queued, args=(queue,), name="login-ahead", daemon=True).start()

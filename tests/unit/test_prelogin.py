@@ -49,6 +49,11 @@ def test_which_command_lines_log_in_ahead(argv: list[str], expected: tuple[bool,
     assert prelogin.inventory_argument(argv) == expected
 
 
+@pytest.fixture(autouse=True)
+def _state(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RAYCLUSTER_STATE_DIR", str(tmp_path / "state"))  # the routes logins.py keeps
+
+
 def _inventory(tmp_path: Path) -> Path:
     key = tmp_path / "id_ed25519"
     key.write_text("not read: the tests stop before the login\n")
@@ -114,7 +119,7 @@ def test_a_bad_inventory_starts_nothing(tmp_path: Path) -> None:
 # the CLI module are imported (the login itself is replaced: nothing leaves the machine).
 SCRIPT = textwrap.dedent(
     """
-    import gc, json, sys
+    import gc, json, os, sys
     from raycluster_cli.errors import TransportError
     from raycluster_cli.transport import pool, ssh
 
@@ -131,6 +136,7 @@ SCRIPT = textwrap.dedent(
 
     pool.SSHPool.log_in_ahead = ahead
     ssh.SSHTransport.connect = connect
+    os.environ["RAYCLUSTER_STATE_DIR"] = sys.argv[2]
     sys.argv = ["raycluster", "status", "-i", sys.argv[1], "--json"]
     from raycluster_cli import prelogin
     try:
@@ -145,7 +151,9 @@ SCRIPT = textwrap.dedent(
 
 def test_the_login_starts_before_the_clis_imports(tmp_path: Path) -> None:
     path = _inventory(tmp_path)
-    done = subprocess.run([sys.executable, "-c", SCRIPT, str(path)], capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        [sys.executable, "-c", SCRIPT, str(path), str(tmp_path / "state")], capture_output=True, text=True, timeout=60
+    )
     seen = json.loads(done.stdout.splitlines()[-1])
     document = json.loads("\n".join(done.stdout.splitlines()[:-1]))
     assert seen["loaded"] == [], f"imported before the login began: {seen['loaded']}"
