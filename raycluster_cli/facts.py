@@ -9,14 +9,13 @@ parser is pure, so parsing is tested from recorded output.
 
 from __future__ import annotations
 
-import secrets
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
 from .inventory import HostConfig, Inventory
-from .transport import CommandResult, Transport
+from .transport import CommandResult, Transport, prefetch
 from .transport.batch import batch_script, parse_batch
 from .transport.fanout import fanout
 from .transport.pool import Connect
@@ -143,10 +142,11 @@ def gather_host(
     if not wanted:
         return {}
     commands = [_command(f, ctx) for f in wanted]
-    marker = "@@raycluster-facts-" + secrets.token_hex(6)
+    marker = prefetch.new_marker()
     sent = time.time()
-    out = transport.run(batch_script(marker, commands, deadline_s), timeout=deadline_s + 30)
-    received = time.time()
+    with prefetch.read_only():  # facts only read: the next run of this command line may start it ahead
+        out = transport.run(batch_script(marker, commands, deadline_s), timeout=deadline_s + 30)
+    sent, received = out.window or (sent, time.time())  # when it really ran (ahead of this call, or now)
     batch = parse_batch(marker, out.stdout, len(commands))
     if batch is None:
         return {f.name: CommandResult(out.rc or 1, "", f"fact batch broke: {out.first_line()}") for f in wanted}

@@ -79,12 +79,24 @@ def _read(path: Path) -> bytes | None:
 class QuickLogins:
     """The logins started from a cache: handed to the pool host by host (`take`), the rest closed (`discard`)."""
 
-    def __init__(self, parallel: int, started: dict[str, tuple[dict[str, Any], SSHTransport, Ahead]]) -> None:
+    def __init__(
+        self,
+        parallel: int,
+        started: dict[str, tuple[dict[str, Any], SSHTransport, Ahead]],
+        first: dict[str, tuple[str, float | None]] | None = None,
+    ) -> None:
         self.parallel = parallel
         self.gate = LoginGate(parallel)
         self._started = started
         self._lock = threading.Lock()
         self._discarded: set[str] = set()
+        # Per host, the read-only command the last run of this command line began with (prefetch.py): run
+        # right after the login, its result waiting for the CLI's own call.
+        self._first = {
+            address: (command, timeout, started[address][1].expect(command, timeout))
+            for address, (command, timeout) in (first or {}).items()
+            if address in started
+        }
 
     def start(self) -> None:
         queue = deque(self._started)
@@ -107,8 +119,15 @@ class QuickLogins:
                 ahead.error = exc
             with self._lock:
                 ahead.done.set()
-                if address in self._discarded:
+                discarded = address in self._discarded
+                if discarded:
                     transport.close()
+            first = self._first.get(address)
+            if first is not None:
+                command, timeout, pending = first
+                if ahead.error is None and not discarded:
+                    transport.start_ahead(command, timeout, pending)
+                pending.done.set()
 
     def take(self, address: str, params: dict[str, Any] | None) -> tuple[SSHTransport, Ahead] | None:
         """This host's login, if it was started with exactly `params` (once); else None."""
@@ -128,8 +147,13 @@ class QuickLogins:
                     transport.close()
 
 
-def start(explicit: str | None) -> tuple[QuickLogins | None, dict[str, Any] | None]:
-    """Start the logins the last run of this inventory made, if its stamp still holds.
+def command_line_key(argv: list[str]) -> str:
+    return json.dumps(argv)
+
+
+def start(explicit: str | None, argv: list[str] | None = None) -> tuple[QuickLogins | None, dict[str, Any] | None]:
+    """Start the logins the last run of this inventory made, if its stamp still holds, and (for the same
+    command line `argv`) the read-only command it began with on each host.
 
     Returns the logins (None: nothing started) and the cache document read (for `save` to compare)."""
     path = resolve_path(explicit).resolve()
@@ -145,13 +169,20 @@ def start(explicit: str | None) -> tuple[QuickLogins | None, dict[str, Any] | No
         started = {
             str(address): (params, SSHTransport(**params), Ahead()) for address, params in document["logins"].items()
         }
+        first = {
+            str(address): (str(command), None if timeout is None else float(timeout))
+            for address, (command, timeout) in document.get("first", {}).get(command_line_key(argv or []), {}).items()
+        }
     except (ValueError, KeyError, TypeError, AttributeError):
         return None, None  # not a document this version wrote: the next save replaces it
-    quick = QuickLogins(parallel, started)
+    quick = QuickLogins(parallel, started, first)
     for _, transport, _ in started.values():
         transport.gate = quick.gate
     quick.start()
     return quick, document
+
+
+KEPT_COMMAND_LINES = 8  # per inventory, the most recent command lines whose first commands are kept
 
 
 def save(
@@ -160,14 +191,26 @@ def save(
     parallel: int,
     logins: dict[str, dict[str, Any]],
     seen: dict[str, Any] | None,
+    argv: list[str] | None = None,
+    first: dict[str, tuple[str, float | None]] | None = None,
 ) -> None:
-    """Keep these logins for the next run of the inventory at `path` (resolved); written only if changed.
+    """Keep these logins for the next run of the inventory at `path` (resolved), and the read-only command
+    this command line `argv` began with per host (`first`); written only if changed.
 
     Best effort: a state folder that cannot be written costs only the next run's head start."""
     data = _read(path)
     if data is None:
         return
-    document = {"stamp": stamp(data, ssh_config_file), "parallel": parallel, "logins": logins}
+    document: dict[str, Any] = {"stamp": stamp(data, ssh_config_file), "parallel": parallel, "logins": logins}
+    kept: dict[str, Any] = {}
+    if seen is not None and seen.get("stamp") == document["stamp"] and isinstance(seen.get("first"), dict):
+        kept = dict(seen["first"])
+    if argv is not None:
+        key = command_line_key(argv)
+        kept.pop(key, None)
+        if first:
+            kept[key] = {address: list(entry) for address, entry in first.items()}  # the newest last
+    document["first"] = dict(list(kept.items())[-KEPT_COMMAND_LINES:])
     if document == seen:
         return
     target = cache_file(path)

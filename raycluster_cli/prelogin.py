@@ -14,15 +14,18 @@ from __future__ import annotations
 import gc
 import sys
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     from .inventory import LoadedInventory
     from .transport.pool import SSHPool
 
 VERBS = frozenset({"doctor", "status", "down", "up"})  # verbs whose first step is a login into every host
 
 _ahead: tuple[str | None, LoadedInventory, SSHPool] | None = None
+_keep: tuple[Path, str | None, int, dict[str, dict[str, Any]], dict[str, Any] | None, list[str], SSHPool] | None = None
 
 
 def inventory_argument(argv: Sequence[str]) -> tuple[bool, str | None]:
@@ -52,7 +55,7 @@ def start(argv: Sequence[str]) -> None:
 
     The logins the last run of this inventory made start first, before the inventory is read (logins.py);
     the pool adopts each one the validated inventory asks for in the same way, and logs in to the rest."""
-    global _ahead
+    global _ahead, _keep
     wanted, path = inventory_argument(argv)
     if not wanted:
         return
@@ -60,7 +63,7 @@ def start(argv: Sequence[str]) -> None:
     try:
         from . import logins
 
-        quick, seen = logins.start(path)  # the last run's logins, before pydantic and the inventory's models
+        quick, seen = logins.start(path, list(argv))  # the last run's logins, before pydantic and the models
         from . import inventory
         from .transport.pool import SSHPool
 
@@ -77,7 +80,7 @@ def start(argv: Sequence[str]) -> None:
         pool.log_in_ahead(inv.hosts)
         direct = {address: p for address, p in params.items() if p is not None}
         if len(direct) == len(params):  # no host behind a jump host: keep the routes for the next run
-            logins.save(loaded.path, inv.ssh.config_file, inv.ssh.max_parallel_logins, direct, seen)
+            _keep = (loaded.path, inv.ssh.config_file, inv.ssh.max_parallel_logins, direct, seen, list(argv), pool)
     except Exception:
         return  # the CLI reads the inventory again and reports the problem its own way
     finally:
@@ -109,4 +112,22 @@ def main() -> None:
     finally:
         gc.freeze()
         gc.enable()
-    cli_main()
+    try:
+        cli_main()
+    finally:
+        remember()
+
+
+def remember() -> None:
+    """Keep this run's logins and first read-only commands for the next run (logins.py); never fails."""
+    global _keep
+    keep, _keep = _keep, None
+    if keep is None:
+        return
+    path, config_file, parallel, direct, seen, argv, pool = keep
+    try:
+        from . import logins
+
+        logins.save(path, config_file, parallel, direct, seen, argv, pool.first_read_only())
+    except Exception:
+        return

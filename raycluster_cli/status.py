@@ -10,7 +10,7 @@ from .engine import image_id
 from .errors import RayclusterError
 from .inventory import HostConfig, Inventory
 from .nodes import probe
-from .transport import PART_SEPARATOR, quote
+from .transport import PART_SEPARATOR, prefetch, quote
 from .transport.fanout import error_message, fanout
 from .transport.pool import Connect
 
@@ -108,7 +108,10 @@ def merge_nodes(hosts: list[HostStatus], nodes: list[dict[str, Any]] | None) -> 
 
 def status(inventory: Inventory, connect: Connect) -> StatusResult:
     def one(host: HostConfig) -> HostStatus:
-        return parse_host(inventory, host, connect(host).run(host_command(inventory, host), timeout=60).stdout)
+        transport = connect(host)
+        with prefetch.read_only():  # a look only: the next run of this command line may start it ahead
+            out = transport.run(host_command(inventory, host), timeout=60)
+        return parse_host(inventory, host, out.stdout)
 
     hosts: list[HostStatus] = []
     found = fanout(inventory.hosts, one, what="inspect the containers")

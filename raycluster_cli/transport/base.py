@@ -5,7 +5,7 @@ from __future__ import annotations
 import posixpath
 import shlex
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import BinaryIO, Protocol
 
 CHUNK = 256 * 1024
@@ -16,6 +16,9 @@ class CommandResult:
     rc: int
     stdout: str
     stderr: str
+    # The operator's wall clock when the command was sent and its output received, set only when it ran before
+    # the caller asked (started ahead, see prefetch.py): a caller that times the command uses these instead.
+    window: tuple[float, float] | None = field(default=None, compare=False)
 
     @property
     def ok(self) -> bool:

@@ -35,6 +35,7 @@ class SSHPool:
         self.gate = gate or LoginGate(inventory.ssh.max_parallel_logins)
         self._open: dict[str, SSHTransport] = {}
         self._ahead: dict[str, Ahead] = {}  # logins started ahead, until each host's first use
+        self._firsts: dict[str, tuple[str, float | None]] = {}  # of closed transports (see first_read_only)
         # Re-entrant: a Ctrl-C handler runs in the main thread and asks `running()` while that thread may be
         # inside `transport()` (up connects the head from it); a plain Lock deadlocked the handler there.
         self._lock = threading.RLock()
@@ -151,8 +152,17 @@ class SSHPool:
             transports = list(self._open.values())
         return [{"host": t.host, "command": command} for t in transports for command in t.running()]
 
+    def first_read_only(self) -> dict[str, tuple[str, float | None]]:
+        """Per host, the first command the verb declared read-only (prefetch.py), also once closed."""
+        with self._lock:
+            return {**self._firsts, **self._current_firsts()}
+
+    def _current_firsts(self) -> dict[str, tuple[str, float | None]]:
+        return {key: t.first_read_only for key, t in self._open.items() if t.first_read_only is not None}
+
     def close(self) -> None:
         with self._lock:
+            self._firsts.update(self._current_firsts())
             transports = list(self._open.values())
             self._open.clear()
         for transport in transports:

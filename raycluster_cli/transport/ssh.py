@@ -27,7 +27,7 @@ from typing import Any, BinaryIO
 import paramiko
 
 from ..errors import TransportError
-from . import cancel, sshkeys
+from . import cancel, prefetch, sshkeys
 from .base import CommandResult, put_command
 from .guard import guarded
 from .keepalive import KeepAlive
@@ -91,6 +91,8 @@ class SSHTransport:
         self._keepalive: KeepAlive | None = None
         self._lock = threading.Lock()
         self._running: dict[int, str] = {}  # channel id → command, while it runs
+        self.first_read_only: tuple[str, float | None] | None = None  # the first declared read-only command
+        self._ahead: dict[tuple[str, float | None], prefetch.Pending] = {}  # commands started ahead (prefetch.py)
 
     @property
     def _target(self) -> str:
@@ -162,7 +164,47 @@ class SSHTransport:
     # Commands ------------------------------------------------------------------------------------
 
     def run(self, command: str, *, stdin: bytes | None = None, timeout: float | None = 120.0) -> CommandResult:
+        if stdin is None:
+            if self.first_read_only is None and prefetch.declared_read_only():
+                self.first_read_only = (prefetch.shape(command)[0], timeout)
+            if self._ahead:
+                ahead = self._started_ahead(command, timeout)
+                if ahead is not None:
+                    return ahead
         return self._command(command, stdin=stdin, timeout=timeout)
+
+    # Read-only commands started ahead (prefetch.py) ------------------------------------------------
+
+    def expect(self, blanked: str, timeout: float | None) -> prefetch.Pending:
+        """Announce that `blanked` (a kept read-only command) will be started ahead on this host."""
+        pending = prefetch.Pending(None)
+        self._ahead[(blanked, timeout)] = pending
+        return pending
+
+    def start_ahead(self, blanked: str, timeout: float | None, pending: prefetch.Pending) -> None:
+        """Run the announced command now (in the caller's thread, after the login); a failure to run it at
+        all leaves no result, and the CLI's own call then runs it itself."""
+        command, pending.marker = prefetch.fill(blanked)
+        try:
+            sent = time.time()
+            result = self._command(command, timeout=timeout)
+            pending.result = CommandResult(result.rc, result.stdout, result.stderr, (sent, time.time()))
+        except Exception as exc:
+            log.debug("%s: the command started ahead failed (%s); it runs again when asked", self.host, exc)
+        finally:
+            pending.done.set()
+
+    def _started_ahead(self, command: str, timeout: float | None) -> CommandResult | None:
+        blanked, marker = prefetch.shape(command)
+        pending = self._ahead.pop((blanked, timeout), None)
+        if pending is None:
+            return None
+        while not pending.done.wait(0.2):
+            cancel.check(f"running a command on {self.host}")
+        if pending.result is None:
+            return None
+        log.debug("%s: answered by the same command started after the login: %s", self.host, summary(command))
+        return prefetch.rebrand(pending.result, pending.marker, marker)
 
     def stream(
         self, command: str, on_output: OutputSink, *, timeout: float | None = None, stall_s: float | None = None

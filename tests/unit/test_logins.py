@@ -81,6 +81,7 @@ def _run(path: Path) -> Any:
     pool = taken[1]
     for host in taken[0].inventory.hosts:
         pool._wait_ahead(host)
+    prelogin.remember()  # as the CLI's end does
     return pool
 
 
