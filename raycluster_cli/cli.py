@@ -16,11 +16,11 @@ from typing import TYPE_CHECKING, Annotated, Any, cast
 
 import typer
 
-from . import __version__, interrupt, inventory, lab, prelogin
+from . import __version__, interrupt, inventory, prelogin
 from .bench.options import BenchOptions, ValidationError, flag_of
 from .errors import ExitCode, GroupError, RayclusterError, UsageError
+from .flagdefaults import DEFAULT_MAX_MIB, DEFAULT_SUBNET, DEFAULT_TIMEOUT_S, LAB_NAME, MAX_HOSTS, NODE_IMAGE
 from .inventory import Inventory
-from .logs import DEFAULT_MAX_MIB, DEFAULT_TIMEOUT_S
 from .report import (
     Output,
     render_checks,
@@ -32,13 +32,12 @@ from .report import (
 )
 from .schema import SCHEMA_VERSION
 from .state import cluster_lock, state_dir, token_file
-from .status import StatusResult, status
-from .teardown import down
 from .transport import cancel
 from .transport.pool import SSHPool
 
 if TYPE_CHECKING:
     from .checks.network import Tool
+    from .status import StatusResult
 
 # Each verb imports what only it needs (the checks, bench, up, jobs, logs, metrics, exec, the live displays)
 # inside its action: `doctor`, `status` and `down` on a few hosts are mostly the interpreter's start and these imports,
@@ -286,6 +285,8 @@ def down_command(
     The image stays on the hosts unless --purge. Exit 0: done (also when nothing was there); 1: a host failed."""
 
     def action(output: Output) -> int:
+        from .teardown import down
+
         with (
             _cluster(inventory_path) as (inv, pool),
             output.live_progress() as progress,
@@ -312,6 +313,8 @@ def status_command(
     0 after Ctrl-C (the normal end)."""
 
     def action(output: Output) -> int:
+        from .status import status
+
         if watch and json_mode:
             raise UsageError("--watch redraws a table; --json prints one document", "use one of them")
         with _cluster(inventory_path) as (inv, pool):
@@ -642,11 +645,11 @@ app.command("bench")(bench_command)
 
 @lab_app.command("up")
 def lab_up_command(
-    hosts: Annotated[int, typer.Option("--hosts", min=1, max=lab.MAX_HOSTS, help="how many lab hosts")] = 3,
+    hosts: Annotated[int, typer.Option("--hosts", min=1, max=MAX_HOSTS, help="how many lab hosts")] = 3,
     lab_dir: Annotated[Path | None, typer.Option("--dir", help="where the lab keeps its key and inventory")] = None,
-    subnet: Annotated[str, typer.Option(help="the lab network's IPv4 subnet")] = lab.DEFAULT_SUBNET,
-    image: Annotated[str, typer.Option(help="node image to load into every lab host")] = lab.NODE_IMAGE,
-    name: Annotated[str, typer.Option(help="the lab's name (container prefix, network, label)")] = lab.LAB_NAME,
+    subnet: Annotated[str, typer.Option(help="the lab network's IPv4 subnet")] = DEFAULT_SUBNET,
+    image: Annotated[str, typer.Option(help="node image to load into every lab host")] = NODE_IMAGE,
+    name: Annotated[str, typer.Option(help="the lab's name (container prefix, network, label)")] = LAB_NAME,
     node_image: Annotated[
         bool, typer.Option("--node-image/--no-node-image", help="load the node image into the hosts (fleet labs: no)")
     ] = True,
@@ -663,6 +666,8 @@ def lab_up_command(
     """Start N lab hosts (sshd + dockerd, or podman, each), load the node image, write their inventory."""
 
     def action(output: Output) -> int:
+        from . import lab
+
         options = lab.quota_options(cpu_quotas, hosts) if cpu_quotas else {}
         for item in cpus or []:
             hostname, sep, value = item.partition("=")
@@ -694,13 +699,15 @@ def lab_up_command(
 def lab_down_command(
     lab_dir: Annotated[Path | None, typer.Option("--dir", help="the lab's folder")] = None,
     keep_volumes: Annotated[bool, typer.Option(help="keep the hosts' Docker volumes (images) for next time")] = False,
-    name: Annotated[str, typer.Option(help="the lab's name (container prefix, network, label)")] = lab.LAB_NAME,
+    name: Annotated[str, typer.Option(help="the lab's name (container prefix, network, label)")] = LAB_NAME,
     json_mode: JsonOpt = False,
     debug: DebugOpt = False,
 ) -> None:
     """Remove every lab host, the lab network and (unless kept) their volumes."""
 
     def action(output: Output) -> int:
+        from . import lab
+
         removed = lab.lab_down(lab_dir=lab_dir, keep_volumes=keep_volumes, name=name, progress=output.progress())
         if json_mode:
             output.document(True, {"removed": removed})

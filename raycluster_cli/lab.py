@@ -24,22 +24,17 @@ from typing import Any
 import yaml
 
 from .errors import OperationError, UsageError
+from .flagdefaults import DEFAULT_SUBNET, LAB_NAME, MAX_HOSTS, NODE_IMAGE
 from .lab_engines import DOCKER, ENGINES, LabEngine, load_image
 from .progress import Progress, quiet
 from .state import state_root
 
 LAB_LABEL = "io.raycluster.lab"
-# Several labs can live side by side on one machine (for example one per test session): each has its
-# own name (container-name prefix, network name and label value), subnet and node image.
-LAB_NAME = os.environ.get("RAYCLUSTER_LAB_NAME", "raycluster-lab")
-DEFAULT_SUBNET = os.environ.get("RAYCLUSTER_LAB_SUBNET", "10.77.0.0/24")
-NODE_IMAGE = os.environ.get("RAYCLUSTER_NODE_IMAGE", "raycluster/node:0.1.0")
 # What one lab host costs this machine: sshd + dockerd idle (30 hosts measured ~3 GB), and a Ray node with
 # a small object store that `up` will start in it; past HOSTS_PER_CORE hosts a core, Ray nodes crawl.
 LAB_HOST_MEMORY = 128 * 2**20
 RAY_NODE_MEMORY = 3 * 2**29
 HOSTS_PER_CORE = 4
-MAX_HOSTS = 200
 # Every capability Docker 20.10 knows but CAP_SYS_RESOURCE, which this kind of sandbox withholds
 # (so --privileged fails there).
 _CAPS = [

@@ -21,6 +21,7 @@ from typing import Any, BinaryIO
 from .containers import container_name
 from .engine import dialect_for
 from .errors import OperationError
+from .flagdefaults import DEFAULT_MAX_MIB, DEFAULT_TIMEOUT_S
 from .inventory import HostConfig, Inventory
 from .transport import Transport, quote
 from .transport.fanout import error_message, fanout
@@ -29,8 +30,6 @@ from .transport.pool import Connect
 ERROR_LINE = re.compile(r"\bERROR\b|Traceback \(most recent call last\)|\bFATAL\b|\bCRITICAL\b|^\w*Error: ")
 _SESSION_LOGS = "/tmp/ray/session_latest/logs"
 MIB = 1024 * 1024
-DEFAULT_MAX_MIB = 100
-DEFAULT_TIMEOUT_S = 300.0
 _LINE_LIMIT = 64 * 1024  # an error line is judged on its first 64 KiB (a line without newlines stays bounded)
 
 

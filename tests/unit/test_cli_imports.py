@@ -24,6 +24,11 @@ NOT_AT_IMPORT = [
     "raycluster_cli.ops",  # exec
     "raycluster_cli.report_bench",
     "raycluster_cli.report_ops",
+    "raycluster_cli.lab",  # lab (its flags' defaults are in flagdefaults.py)
+    "raycluster_cli.logs",  # logs (likewise)
+    "raycluster_cli.status",  # status
+    "raycluster_cli.teardown",  # down
+    "tarfile",  # lab and logs
     "http.client",
     "rich",  # drawn on demand: a --json run that prints nothing on stderr never loads it
     "psutil",  # lab up
@@ -100,6 +105,6 @@ def test_status_and_down_load_neither_the_checks_nor_rich(verb: str, tmp_path: P
         "try:\n    prelogin.main()\nexcept SystemExit as exc:\n    assert exc.code == 1, exc.code\n"
     )
     loaded = _modules_after(code)
-    assert "raycluster_cli.status" in loaded  # the verb ran
+    assert {"status": "raycluster_cli.status", "down": "raycluster_cli.teardown"}[verb] in loaded  # the verb ran
     heavy = ["raycluster_cli.checks.base", "raycluster_cli.checks.catalog", "raycluster_cli.checks.runner", "rich"]
     assert not [m for m in heavy if m in loaded]
