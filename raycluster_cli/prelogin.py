@@ -16,6 +16,8 @@ import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from . import defer_metadata
+
 if TYPE_CHECKING:
     from pathlib import Path
 
@@ -106,10 +108,12 @@ def main() -> None:
     # and those objects frozen (never traversed again, also not by the collection at exit), the start costs
     # ~15% less CPU. It is on again before the verb runs: a long verb's cycles are collected as always.
     gc.disable()
+    undo = defer_metadata()
     try:
         start(sys.argv[1:])
         from .cli import main as cli_main
     finally:
+        undo()
         gc.freeze()
         gc.enable()
     try:
