@@ -15,7 +15,8 @@
 # and the CPU-seconds themselves: on a lab whose hosts share this machine's cores, a variant that keeps every
 # core busy cannot be made faster by reordering its steps, only by doing less.
 # Usage: benchmarks/up_vs_references.sh [ROUNDS]
-#   (env: RAYCLUSTER_LAB_NAME, RAYCLUSTER_NODE_IMAGE, RAYUP_TIMEOUT, RAYUP_V2_TIMEOUT)
+#   (env: RAYCLUSTER_LAB_NAME, RAYCLUSTER_NODE_IMAGE, RAYUP_TIMEOUT, RAYUP_V2_TIMEOUT, VARIANTS: which of
+#    "up floor rayup_v1 rayup_v2" to alternate, all four by default)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 rounds=${1:-5}
@@ -28,7 +29,9 @@ docker=$(command -v /usr/bin/docker || command -v docker)
 lab=${RAYCLUSTER_LAB_NAME:-raycluster-lab}
 image=${RAYCLUSTER_NODE_IMAGE:-raycluster/node:0.1.0}
 rayup_image="raycluster/node-rayup:${image##*:}"
-command -v rsync >/dev/null || { apt-get install -y -qq rsync >/dev/null || { echo "rsync needed here" >&2; exit 1; }; }
+read -r -a variants <<<"${VARIANTS:-up floor rayup_v1 rayup_v2}"
+rayup=0; [[ " ${variants[*]} " == *" rayup_"* ]] && rayup=1
+[ "$rayup" = 0 ] || command -v rsync >/dev/null || { apt-get install -y -qq rsync >/dev/null || { echo "rsync needed here" >&2; exit 1; }; }
 inv=$($rc lab up --hosts 3 --json 2>/dev/null | $py -c 'import json,sys; print(json.load(sys.stdin)["inventory"])')
 field() { $py -c "import yaml; d = yaml.safe_load(open('$inv')); print($1)"; }
 ip1=$(field "d['hosts'][0]['address']"); ip2=$(field "d['hosts'][1]['address']"); ip3=$(field "d['hosts'][2]['address']")
@@ -45,6 +48,7 @@ alive() {  # alive CONTAINER TIMEOUT: until the head's GCS lists the three nodes
 }
 
 # --- what `ray up` needs, once ---------------------------------------------------------------------------
+if [ "$rayup" = 1 ]; then
 if ! $docker image inspect "$rayup_image" >/dev/null 2>&1 \
   || [ "$($docker image inspect --format '{{index .Config.Labels "io.raycluster.base"}}' "$rayup_image")" \
        != "$($docker image inspect --format '{{.Id}}' "$image")" ]; then
@@ -65,6 +69,7 @@ for h in 1 2 3; do
   on $h sh -c 'command -v rsync >/dev/null || { apt-get update -qq && apt-get install -y -qq rsync; }' >/dev/null 2>&1 \
     || { echo "cannot install rsync in $lab-h$h (ray up needs it)" >&2; exit 1; }
 done
+fi
 cat >"$work/rayup.yaml" <<EOF
 cluster_name: rcbench
 max_workers: 2
@@ -128,10 +133,10 @@ run_rayup() {  # run_rayup V: autoscaler v1 (RAY_UP_enable_autoscaler_v2=0) or v
 
 clean
 $rc up -i "$inv" --json >/dev/null 2>&1  # the first up makes the token and env files (what a re-deploy finds)
-variants=(up floor rayup_v1 rayup_v2)
+n=${#variants[@]}
 for round in $(seq 1 "$rounds"); do
-  for k in 0 1 2 3; do
-    v=${variants[$(( (k + round - 1) % 4 ))]}
+  for ((k = 0; k < n; k++)); do
+    v=${variants[$(( (k + round - 1) % n ))]}
     clean
     load=$(cut -d' ' -f1 /proc/loadavg)
     ticks0=$(cpu_ticks)

@@ -90,6 +90,7 @@ class QuickLogins:
         self._started = started
         self._lock = threading.Lock()
         self._discarded: set[str] = set()
+        self._taken: set[str] = set()  # handed to the pool (the login threads still see every host)
         # Per host, the read-only command the last run of this command line began with (prefetch.py): run
         # right after the login, its result waiting for the CLI's own call.
         self._first = {
@@ -123,25 +124,25 @@ class QuickLogins:
                 if discarded:
                     transport.close()
             first = self._first.get(address)
-            if first is not None:
-                command, timeout, pending = first
-                if ahead.error is None and not discarded:
-                    transport.start_ahead(command, timeout, pending)
-                pending.done.set()
+            if first is not None and ahead.error is None and not discarded:
+                # In a thread of its own: this one logs in to the next host meanwhile.
+                threading.Thread(target=transport.start_ahead, args=first, name="read-ahead", daemon=True).start()
 
     def take(self, address: str, params: dict[str, Any] | None) -> tuple[SSHTransport, Ahead] | None:
         """This host's login, if it was started with exactly `params` (once); else None."""
         with self._lock:
             entry = self._started.get(address)
-            if entry is None or params is None or entry[0] != params or address in self._discarded:
+            if entry is None or params is None or entry[0] != params or address in self._discarded | self._taken:
                 return None
-            del self._started[address]
+            self._taken.add(address)
             return entry[1], entry[2]
 
     def discard(self) -> None:
         """Close every login not taken (now if it has ended, else as soon as it does)."""
         with self._lock:
             for address, (_, transport, ahead) in self._started.items():
+                if address in self._taken:
+                    continue
                 self._discarded.add(address)
                 if ahead.done.is_set() or not ahead.started:
                     transport.close()

@@ -74,9 +74,21 @@ def rebrand(result: CommandResult, ran: str | None, wanted: str | None) -> Comma
 
 
 class Pending:
-    """A command started ahead on one host: its result once it ended (None: it failed to run at all)."""
+    """A command to start ahead on one host: its result once it ended (None: it failed to run at all).
+
+    Whoever claims it first runs it: the thread that starts it after the login, or the CLI's own call when
+    it comes first (the login is slow, or never got to this host). A call that finds it claimed by the other
+    waits for it to end, which the command's own deadline bounds."""
 
     def __init__(self, marker: str | None) -> None:
         self.marker = marker
         self.done = threading.Event()
         self.result: CommandResult | None = None
+        self._lock = threading.Lock()
+        self._claimed = False
+
+    def claim(self) -> bool:
+        """True for the first caller only."""
+        with self._lock:
+            claimed, self._claimed = self._claimed, True
+            return not claimed

@@ -182,8 +182,10 @@ class SSHTransport:
         return pending
 
     def start_ahead(self, blanked: str, timeout: float | None, pending: prefetch.Pending) -> None:
-        """Run the announced command now (in the caller's thread, after the login); a failure to run it at
-        all leaves no result, and the CLI's own call then runs it itself."""
+        """Run the announced command now (after the login), unless the CLI's own call came first; a failure
+        to run it at all leaves no result, and the CLI's call then runs it itself."""
+        if not pending.claim():
+            return  # the CLI asked first and runs it itself
         command, pending.marker = prefetch.fill(blanked)
         try:
             sent = time.time()
@@ -197,8 +199,8 @@ class SSHTransport:
     def _started_ahead(self, command: str, timeout: float | None) -> CommandResult | None:
         blanked, marker = prefetch.shape(command)
         pending = self._ahead.pop((blanked, timeout), None)
-        if pending is None:
-            return None
+        if pending is None or pending.claim():
+            return None  # nothing started ahead, or not yet: the caller runs it (and it is never started)
         while not pending.done.wait(0.2):
             cancel.check(f"running a command on {self.host}")
         if pending.result is None:

@@ -93,6 +93,17 @@ def test_a_call_waits_for_the_command_still_running_ahead(monkeypatch: pytest.Mo
     assert [name for name, _ in host.ran] == ["ahead"]
 
 
+def test_a_call_that_comes_first_runs_the_command_itself_and_it_is_never_started_ahead(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    host = Host(monkeypatch)
+    transport = _transport()
+    pending = transport.expect("docker ps", 60)
+    assert transport.run("docker ps", timeout=60).stdout == "out of docker ps"  # nothing waits for the thread
+    transport.start_ahead("docker ps", 60, pending)  # the thread, late
+    assert [name for name, _ in host.ran] == ["MainThread"]
+
+
 def test_a_command_that_failed_ahead_runs_again_when_asked(monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[str] = []
 
@@ -167,6 +178,11 @@ def _verb(path: Path, argv: list[str], command: str | None) -> None:
     assert taken is not None
     inventory, pool = taken
     transport = pool(inventory.inventory.hosts[0])
+    for pending in list(transport._ahead.values()):  # let the thread started after the login claim it first
+        for _ in range(200):
+            if pending._claimed:
+                break
+            threading.Event().wait(0.01)
     if command is not None:
         with prefetch.read_only():
             transport.run(command, timeout=60)
@@ -187,7 +203,7 @@ def test_the_next_run_of_the_same_command_line_starts_its_first_command_after_th
 
     host.ran.clear()
     _verb(path, status, "docker inspect x")
-    assert [name for name, _ in host.ran] == ["login-cached"]  # ran after the login; the CLI's call waited for it
+    assert [name for name, _ in host.ran] == ["read-ahead"]  # ran after the login; the CLI's call waited for it
 
     host.ran.clear()
     _verb(path, ["status", "-i", str(path)], "docker inspect x")  # another command line: nothing ahead
@@ -195,7 +211,7 @@ def test_the_next_run_of_the_same_command_line_starts_its_first_command_after_th
 
     host.ran.clear()
     _verb(path, status, None)  # this time the verb asked nothing read-only: forgotten for the next run
-    assert [name for name, _ in host.ran] == ["login-cached"]  # (this run's was still started ahead)
+    assert [name for name, _ in host.ran] == ["read-ahead"]  # (this run's was still started ahead)
     assert json.dumps(status) not in json.loads(logins.cache_file(path.resolve()).read_text())["first"]
 
 
@@ -208,3 +224,47 @@ def test_an_edited_inventory_starts_no_command_ahead(tmp_path: Path, monkeypatch
     host.ran.clear()
     _verb(path, status, "docker inspect x")
     assert [name for name, _ in host.ran] == ["MainThread"]
+
+
+def test_many_hosts_through_a_narrow_gate_all_answer(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """More hosts than login threads, the pool adopting them while the threads still work through the queue:
+    every host's first call returns (a host whose login thread never got to it runs the command itself)."""
+    host = Host(monkeypatch)
+    slow = ssh.SSHTransport.connect
+
+    def connect(transport: ssh.SSHTransport) -> None:
+        threading.Event().wait(0.02)
+        slow(transport)
+
+    monkeypatch.setattr(ssh.SSHTransport, "connect", connect)
+    hosts = "".join(f"  - {{address: 192.0.2.{10 + i}, role: {'head' if i == 0 else 'worker'}}}\n" for i in range(10))
+    path = _inventory(tmp_path)
+    path.write_text(path.read_text().split("hosts:")[0] + "hosts:\n" + hosts + "ssh_extra: null\n")
+    path.write_text(
+        path.read_text()
+        .replace("ssh_extra: null\n", "")
+        .replace("config_file: null", "config_file: null, max_parallel_logins: 2")
+    )
+    argv = ["status", "-i", str(path)]
+
+    def verb() -> list[str]:
+        prelogin.start(argv)
+        taken = prelogin.take(str(path))
+        assert taken is not None
+        inventory, pool = taken
+        outs = []
+        for h in inventory.inventory.hosts:
+            with prefetch.read_only():
+                outs.append(pool(h).run(f"look {h.address}", timeout=60).stdout)
+        pool.close()
+        prelogin.remember()
+        return outs
+
+    assert len(verb()) == 10
+    host.ran.clear()
+    done: list[list[str]] = []
+    worker = threading.Thread(target=lambda: done.append(verb()))
+    worker.start()
+    worker.join(30)
+    assert done and len(done[0]) == 10, "a host's first call never returned"
+    assert sorted(command for _, command in host.ran) == sorted(f"look 192.0.2.{10 + i}" for i in range(10))
