@@ -707,6 +707,7 @@ def test_the_registration_watch_under_a_real_shell(running: str, tmp_path: Path)
     docker = tmp_path / "docker"
     docker.write_text(
         '#!/bin/sh\necho "$1" >> "$D/calls"\n'
+        'case "$3" in *Pid*) exit 1;; esac\n'  # an engine without these fields: the loop asks docker
         'if [ "$1" = inspect ]; then echo "$RUNNING"; exit 0; fi\n'
         'n=$(grep -c "^logs" "$D/calls"); [ "$n" -ge 4 ] && echo "Ray runtime started."; echo "last line"\n'
     )
@@ -716,6 +717,43 @@ def test_the_registration_watch_under_a_real_shell(running: str, tmp_path: Path)
                           text=True, timeout=60)  # fmt: skip
     calls = (tmp_path / "calls").read_text().split()
     if running == "true":
-        assert done.returncode == 0 and calls == ["logs", "inspect", "logs", "logs", "inspect", "logs"]
+        assert done.returncode == 0 and calls == ["inspect", "logs", "inspect", "logs", "logs", "inspect", "logs"]
     else:
-        assert done.returncode == EXITED and calls == ["logs", "inspect", "logs"] and "last line" in done.stdout
+        assert (
+            done.returncode == EXITED and calls == ["inspect", "logs", "inspect", "logs"] and "last line" in done.stdout
+        )
+
+
+@pytest.mark.parametrize("alive", [True, False])
+def test_the_registration_watch_reads_the_log_file_and_proc_without_the_engine(alive: bool, tmp_path: Path) -> None:
+    """With the container's log file readable and its first process known, the loop runs no docker command
+    while it waits: the file gets "Ray runtime started." after a second (exit 0); or the process is gone and the
+    engine, asked once, says the container stopped (exit 3 with its log tail)."""
+    import os
+    import subprocess
+    import threading
+
+    from raycluster_cli.nodes import EXITED, started_command
+
+    inv = _inv()
+    log = tmp_path / "json.log"
+    log.write_text('{"log":"starting\\n"}\n')
+    gone = subprocess.run(["/bin/sh", "-c", "echo $$"], capture_output=True, text=True).stdout.strip()  # reaped
+    pid = os.getpid() if alive else int(gone)
+    docker = tmp_path / "docker"
+    docker.write_text(
+        '#!/bin/sh\necho "$1" >> "$D/calls"\n'
+        'case "$3" in *Pid*) echo "$PID $LOG"; exit 0;; esac\n'
+        'if [ "$1" = inspect ]; then echo false; exit 0; fi\n'
+        'echo "last line"\n'
+    )
+    docker.chmod(0o755)
+    env = {"PATH": f"{tmp_path}:/usr/bin:/bin", "D": str(tmp_path), "PID": str(pid), "LOG": str(log)}
+    threading.Timer(1.0, lambda: log.write_text(log.read_text() + '{"log":"Ray runtime started.\\n"}\n')).start()
+    done = subprocess.run(["/bin/sh", "-c", started_command(inv, inv.hosts[1], 30)], env=env, capture_output=True,
+                          text=True, timeout=60)  # fmt: skip
+    calls = (tmp_path / "calls").read_text().split()
+    if alive:
+        assert done.returncode == 0 and calls == ["inspect"]  # one inspect, then only the file and /proc
+    else:
+        assert done.returncode == EXITED and calls == ["inspect", "inspect", "logs"] and "last line" in done.stdout
