@@ -114,10 +114,7 @@ class QuickLogins:
                 if address in self._discarded:
                     continue
                 ahead.started = True
-            try:
-                transport.connect()
-            except BaseException as exc:  # handed to the host's first user, as SSHPool.log_in_ahead does
-                ahead.error = exc
+            ahead.attempt(transport.connect)  # its failure handed to the host's first user, as in SSHPool
             with self._lock:
                 ahead.done.set()
                 discarded = address in self._discarded

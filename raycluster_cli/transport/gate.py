@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from types import TracebackType
 
 from . import cancel
@@ -47,3 +48,10 @@ class Ahead:
         self.started = False
         self.done = threading.Event()
         self.error: BaseException | None = None
+
+    def attempt(self, log_in: Callable[[], None]) -> None:
+        """Run the login; its failure is kept for the host's first user (never raised in the login's thread)."""
+        try:
+            log_in()
+        except BaseException as exc:
+            self.error = exc

@@ -123,9 +123,7 @@ class SSHPool:
                     continue  # its first user came first and logs in itself
                 ahead.started = True
             try:
-                self.transport(host).connect()
-            except BaseException as exc:  # handed to the host's first user
-                ahead.error = exc
+                ahead.attempt(lambda: self.transport(host).connect())  # noqa: B023 (called at once)
             finally:
                 ahead.done.set()
 
