@@ -198,6 +198,8 @@ def test_a_repeated_key_is_refused_at_any_level(data: dict[str, Any], draw: st.D
     # Only a key whose value ends on its own line: a long scalar that the dumper folded onto more indented
     # lines would be cut in two by the copy (invalid YAML, not a repeated key).
     keyed = [i for i in keyed if i + 1 == len(lines) or indent(lines[i + 1]) <= indent(lines[i])]
+    # Nor a quoted scalar that goes on past its line (a value with a newline: `key: '` then a blank line).
+    keyed = [i for i in keyed if _whole_mapping(lines[i].strip())]
     assume(keyed)
     index = draw.draw(st.sampled_from(keyed))
     lines.insert(index + 1, lines[index])  # the same key again, in the same mapping, on the next line
@@ -207,6 +209,13 @@ def test_a_repeated_key_is_refused_at_any_level(data: dict[str, Any], draw: st.D
         assert f"inv.yaml:{index + 2}:" in error.message and "duplicate key" in error.message, error.message
     else:
         raise AssertionError("a repeated key was accepted")
+
+
+def _whole_mapping(line: str) -> bool:
+    try:
+        return isinstance(yaml.safe_load(line), dict)
+    except yaml.YAMLError:
+        return False
 
 
 @SETTINGS
