@@ -43,11 +43,15 @@ class Fact(Generic[T]):
 
     A `timed` fact's stdout is rewritten by the gather to `operator <sent> <received>` (this machine's clock
     around the remote command), the fact's own output, then `elapsed <s>` (the host's time between the
-    start and the end of the batch), so that a clock reading can subtract the time the batch took.
+    start and the end of the batch), so that a clock reading can subtract the time the batch took: a clock
+    fact prints the batch's own start (`batch.BATCH_START`), the one reading whose place in that time is known.
 
     A derived fact (see `derived`) runs nothing itself: `derive(ctx, results)` computes it from the results
     of the command facts it `needs`, so that one remote reading (one `docker info`, one `docker ps -a`) is
     shared by every check and step that judges part of it.
+
+    A `quick` fact only reads the kernel's state or small local files (no engine, no network, no folder that
+    may be a network mount): the batch runs it one after another with the other quick facts, in one job.
     """
 
     name: str
@@ -56,15 +60,18 @@ class Fact(Generic[T]):
     timed: bool = False
     needs: tuple[Fact[CommandResult], ...] = ()
     derive: Callable[[HostContext, list[CommandResult]], T] | None = None
+    quick: bool = False
 
     def commands(self) -> list[Fact[Any]]:
         """The command facts gathering this one needs: itself, or the facts it is derived from."""
         return list(self.needs) if self.derive is not None else [self]
 
 
-def raw(name: str, command: Callable[[HostContext], str], timed: bool = False) -> Fact[CommandResult]:
+def raw(
+    name: str, command: Callable[[HostContext], str], timed: bool = False, quick: bool = False
+) -> Fact[CommandResult]:
     """A fact whose value is the command's result itself (its judge parses it)."""
-    return Fact(name, command, _identity, timed)
+    return Fact(name, command, _identity, timed, quick=quick)
 
 
 def _identity(result: CommandResult) -> CommandResult:
@@ -145,9 +152,10 @@ def gather_host(
     marker = prefetch.new_marker()
     sent = time.time()
     with prefetch.read_only():  # facts only read: the next run of this command line may start it ahead
-        out = transport.run(batch_script(marker, commands, deadline_s), timeout=deadline_s + 30)
+        quick = [i for i, f in enumerate(wanted) if f.quick]
+        out = transport.run(batch_script(marker, commands, deadline_s, quick), timeout=deadline_s + 30)
     sent, received = out.window or (sent, time.time())  # when it really ran (ahead of this call, or now)
-    batch = parse_batch(marker, out.stdout, len(commands))
+    batch = parse_batch(marker, out.stdout, len(commands), deadline_s)
     if batch is None:
         return {f.name: CommandResult(out.rc or 1, "", f"fact batch broke: {out.first_line()}") for f in wanted}
     found = {}

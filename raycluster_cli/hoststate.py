@@ -111,7 +111,10 @@ def fix_hint(inventory: Inventory, host: HostConfig) -> str:
 
 def _nearest_existing(folder: str) -> str:
     """Shell text that sets $p to `folder`, or its nearest existing parent when it does not exist yet."""
-    return f'd={folder}; p=$d; while [ ! -e "$p" ] && [ "$p" != / ]; do p=$(dirname "$p"); done; '
+    return (
+        f'd={folder}; p=$d; while [ ! -e "$p" ] && [ "$p" != / ]; do '
+        "case $p in */*) q=${p%/*}; p=${q:-/};; *) p=.;; esac; done; "  # dirname, without a process a level
+    )
 
 
 def probe_command(inventory: Inventory, host: HostConfig) -> str:
@@ -125,7 +128,7 @@ def probe_command(inventory: Inventory, host: HostConfig) -> str:
         else "echo sudo unused"
     )
     return (
-        'echo "user $(id -un) $(id -u)"; '
+        'echo "user $(id -un) ${EUID:-$(id -u)}"; '  # bash knows the user ID without a process
         + _nearest_existing(shell_path(folder))
         + 'echo "dir $d"; echo "at $p $(stat -c \'%U %a %F\' "$p" 2>/dev/null)"; '
         'if [ -d "$p" ] && [ -w "$p" ] && [ -x "$p" ]; then echo writable yes; else echo writable no; fi; ' + sudo

@@ -7,6 +7,7 @@ from .. import hoststate
 from ..enginefacts import CONTAINERS, ENGINE, IMAGE
 from ..facts import derived, raw
 from ..transport import quote
+from ..transport.batch import BATCH_START
 from . import access, hostnet, runtime
 from .base import Check, CheckContext
 from .cross import CROSS_IDS, IMAGE_ID_CHECK
@@ -38,14 +39,14 @@ def _wants_gpus(ctx: CheckContext) -> bool:
 DOCKER_VERSION = derived("docker-version", (ENGINE,), runtime.docker_view)
 IMAGE_ID = derived("image-id", (IMAGE,), runtime.image_view)
 IMAGE_RUNTIME = derived("image-runtime", (IMAGE,), runtime.image_runtime_view)
-IP_ADDR = raw("ip-addr", lambda ctx: "ip -o -4 addr show")
-ROUTE_TO_HEAD = raw("route-to-head", lambda ctx: "ip route get " + quote(ctx.inventory.head_address))
-PORTS = raw("ports", hostnet.ports_command)
+IP_ADDR = raw("ip-addr", lambda ctx: "ip -o -4 addr show", quick=True)
+ROUTE_TO_HEAD = raw("route-to-head", lambda ctx: "ip route get " + quote(ctx.inventory.head_address), quick=True)
+PORTS = raw("ports", hostnet.ports_command, quick=True)
 HEAD_PORTS = derived("head-ports", (PORTS, CONTAINERS), hostnet.head_ports_view)
 WORKER_PORTS = derived("worker-ports", (PORTS, CONTAINERS), hostnet.worker_ports_view)
-ETC_HOSTS = raw("etc-hosts", lambda ctx: "hostname; echo ---; cat /etc/hosts")
-CLOCK = raw("clock", lambda ctx: "date +%s.%N", timed=True)
-MEMINFO = raw("meminfo", lambda ctx: "cat /proc/meminfo")
+ETC_HOSTS = raw("etc-hosts", lambda ctx: hostnet.ETC_HOSTS_COMMAND, quick=True)
+CLOCK = raw("clock", lambda ctx: f"echo {BATCH_START}", timed=True, quick=True)
+MEMINFO = raw("meminfo", lambda ctx: "cat /proc/meminfo", quick=True)
 DISK = derived("disk", (ENGINE, MEMINFO, IMAGE), runtime.disk_view)
 GPU_DEVICES = raw("gpu-devices", runtime.gpus_command)
 GPUS = derived("gpus", (GPU_DEVICES, ENGINE), runtime.gpus_view)

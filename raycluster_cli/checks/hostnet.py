@@ -102,6 +102,12 @@ def etc_hosts(rc: int, out: str, err: str, ctx: CheckContext) -> Finding:
     return Finding(Status.OK, f"{name} → {address} in /etc/hosts", data=data)
 
 
+# The host's name as `hostname` prints it (the kernel's), read by the shell itself where /proc has it.
+ETC_HOSTS_COMMAND = (
+    'h=; read -r h 2>/dev/null </proc/sys/kernel/hostname; echo "${h:-$(hostname)}"; echo ---; cat /etc/hosts'
+)
+
+
 def ports_command(ctx: CheckContext) -> str:
     """Listening TCP ports, then the INPUT chain's head (iptables, nft): the containers holding Ray's ports come
     from the host's one `docker ps -a` (enginefacts.CONTAINERS), not from a command of their own."""

@@ -310,12 +310,14 @@ def processes_command(ctx: CheckContext) -> str:
     """The Ray processes (and a line `# N processes`: ps answered), then a second look at each: gone by now (a
     short-lived worker), else its cgroup, which names its container by the container's full ID (Docker's and
     Podman's, cgroup v1 and v2). Only Ray's lines cross the wire: every process of the gather itself carries
-    the whole batch script in its arguments (50 kB a host)."""
+    the whole batch script in its arguments (50 kB a host). One awk reads the cgroups, after the whole list
+    (a process per Ray process was most of the cost on a host running Ray)."""
     return (
-        f'r=$(ps -eo pid=,args= | awk \'{{n++}} {_RAY_AWK} {{print}} END {{if (n) print "# " n " processes"}}\'); '
-        "printf '%s\\n' \"$r\"; echo ---; printf '%s\\n' \"$r\" | while read -r p rest; do "
-        "case $p in ''|*[!0-9]*) continue;; esac; "
-        """printf '%s ' "$p"; tr '\\n' ' ' 2>/dev/null < "/proc/$p/cgroup" || printf gone; echo; done"""
+        f"ps -eo pid=,args= | awk '{{n++}} {_RAY_AWK} {{print; ray[++k] = $1}} "
+        'END {if (n) print "# " n " processes"; print "---"; '
+        'for (j = 1; j <= k; j++) {f = "/proc/" ray[j] "/cgroup"; s = ""; seen = 0; '
+        'while ((getline line < f) > 0) {s = s line " "; seen = 1}; close(f); '
+        'print ray[j] " " (seen ? s : "gone")}}\''
     )
 
 

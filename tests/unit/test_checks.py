@@ -20,7 +20,9 @@ ENGINE = r"^if i=\$\(docker info"
 IMAGE = r"^i=\$\(docker image inspect"
 CONTAINERS = r"^docker ps --all"
 PORTS = r"^ss -ltnH"  # listening ports, iptables, nft (both ports checks judge it, with CONTAINERS)
-PROCESSES = r"^r=\$\(ps -eo pid=,args="
+PROCESSES = r"^ps -eo pid=,args="
+ETC_HOSTS = r"^h=; read -r h"  # the host's name, ---, /etc/hosts
+CLOCK = r'^echo "\$s0"$'  # the batch's start, as the host's clock read it
 STATE_DIR = r'^echo "user '
 # A 6 GB host: Ray's default object store (30 %) fits the example's 2g /dev/shm.
 MEMINFO = "MemTotal:        6000000 kB\nMemFree:          500000 kB\nMemAvailable:    5000000 kB\n"
@@ -71,9 +73,9 @@ def healthy(address: str, name: str, **overrides: CommandResult | str) -> dict[s
         CONTAINERS: "",
         r"^ip -o -4 addr show": f"2: eth0    inet {address}/24 brd 192.0.2.255 scope global eth0\n",
         r"^ip route get": f"192.0.2.11 dev eth0 src {address} uid 0\n    cache\n",
-        r"^hostname": f"{name}\n---\n127.0.0.1 localhost\n{address} {name}\n",
+        ETC_HOSTS: f"{name}\n---\n127.0.0.1 localhost\n{address} {name}\n",
         PORTS: "LISTEN 0 128 0.0.0.0:22 0.0.0.0:*\n---\n-P INPUT ACCEPT\n---\n",
-        r"^date ": f"{time.time():.9f}\n",
+        CLOCK: f"{time.time():.9f}\n",
         r"^cat /proc/meminfo": MEMINFO,
         PROCESSES: "    1 /sbin/init\n  212 sshd: /usr/sbin/sshd -D\n---\n",
         STATE_DIR: "user root 0\ndir /etc/raycluster/demo\nat /etc/raycluster root 755 directory\nwritable yes\n"
@@ -118,9 +120,7 @@ def test_healthy_fleet_passes(example_yaml: str) -> None:
 
 def test_loopback_hostname_fails_on_that_host_only(example_yaml: str) -> None:
     debian = (RECORDED / "etc_hosts_debian_default.txt").read_text()
-    tables = fleet(
-        **{"192.0.2.12": healthy("192.0.2.12", "gpu-node-2", **{r"^hostname": f"gpu-node-2\n---\n{debian}"})}
-    )
+    tables = fleet(**{"192.0.2.12": healthy("192.0.2.12", "gpu-node-2", **{ETC_HOSTS: f"gpu-node-2\n---\n{debian}"})})
     results = run(example_yaml, tables)
     assert failures(results) == [("192.0.2.12", "etc-hosts")]
     bad = next(r for r in results if r.status == Status.FAIL)
@@ -131,8 +131,8 @@ def test_loopback_hostname_fails_on_that_host_only(example_yaml: str) -> None:
 def test_missing_and_wrong_hostname(example_yaml: str) -> None:
     tables = fleet(
         **{
-            "192.0.2.12": healthy("192.0.2.12", "n2", **{r"^hostname": "n2\n---\n127.0.0.1 localhost\n"}),
-            "192.0.2.13": healthy("192.0.2.13", "n3", **{r"^hostname": "n3\n---\n192.0.2.99 n3\n"}),
+            "192.0.2.12": healthy("192.0.2.12", "n2", **{ETC_HOSTS: "n2\n---\n127.0.0.1 localhost\n"}),
+            "192.0.2.13": healthy("192.0.2.13", "n3", **{ETC_HOSTS: "n3\n---\n192.0.2.99 n3\n"}),
         }
     )
     results = {(r.host, r.id): r for r in run(example_yaml, tables)}
@@ -207,7 +207,7 @@ def test_ignore_rejects_unknown_ids() -> None:
 
 
 def test_a_crashing_check_becomes_a_failure(example_yaml: str) -> None:
-    tables = fleet(**{"192.0.2.12": healthy("192.0.2.12", "node-2", **{r"^hostname": CommandResult(0, "", "")})})
+    tables = fleet(**{"192.0.2.12": healthy("192.0.2.12", "node-2", **{ETC_HOSTS: CommandResult(0, "", "")})})
     results = run(example_yaml, tables)
     assert ("192.0.2.12", "etc-hosts") in failures(results)
 

@@ -11,8 +11,10 @@ from raycluster_cli.transport.base import CommandResult
 from raycluster_cli.transport.fake import FakeTransport
 
 from .test_checks import (
+    CLOCK,
     CONTAINERS,
     ENGINE,
+    ETC_HOSTS,
     IMAGE,
     PORTS,
     PROCESSES,
@@ -70,7 +72,7 @@ def test_missing_ip_binary_warns_instead_of_failing(example_yaml: str) -> None:
 
 def test_names_matrix_flags_the_host_with_the_wrong_line(example_yaml: str) -> None:
     hosts = "node-3\n---\n127.0.0.1 localhost\n192.0.2.13 node-3\n# the head moved\n192.0.2.99\tnode-1 head\n"
-    results = run(example_yaml, on(W3, "node-3", **{r"^hostname": hosts}))
+    results = run(example_yaml, on(W3, "node-3", **{ETC_HOSTS: hosts}))
     bad = results[(W3, "names")]
     assert bad.status == Status.FAIL
     assert "node-1 (host 192.0.2.11) → 192.0.2.99, should be 192.0.2.11" in bad.message
@@ -81,7 +83,7 @@ def test_names_matrix_flags_the_host_with_the_wrong_line(example_yaml: str) -> N
 
 def test_names_matrix_loopback_for_another_host(example_yaml: str) -> None:
     hosts = "node-2\n---\n127.0.0.1 localhost node-3\n192.0.2.12 node-2\n"
-    results = run(example_yaml, on(W2, "node-2", **{r"^hostname": hosts}))
+    results = run(example_yaml, on(W2, "node-2", **{ETC_HOSTS: hosts}))
     assert "node-3 (host 192.0.2.13) → loopback 127.0.0.1" in results[(W2, "names")].message
 
 
@@ -111,7 +113,7 @@ def test_worker_ports_come_from_the_inventory(example_yaml: str) -> None:
 
 
 def test_clock_ahead_warns(example_yaml: str) -> None:
-    results = run(example_yaml, on(W2, "node-2", **{r"^date ": "4102444800.0\n"}))  # the year 2100
+    results = run(example_yaml, on(W2, "node-2", **{CLOCK: "4102444800.0\n"}))  # the year 2100
     assert results[(W2, "clock")].status == Status.WARN
     assert "ahead of" in results[(W2, "clock")].message and "NTP" in results[(W2, "clock")].hint
 

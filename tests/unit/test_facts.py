@@ -8,7 +8,7 @@ import time
 import pytest
 
 from raycluster_cli import inventory
-from raycluster_cli.checks import run_checks
+from raycluster_cli.checks import catalog, run_checks
 from raycluster_cli.checks.parsers import parse_clock
 from raycluster_cli.facts import FactCache, HostContext, gather_host, raw
 from raycluster_cli.inventory import HostConfig
@@ -28,18 +28,21 @@ class ShellTransport:
 
     host = "local"
 
-    def __init__(self) -> None:
+    def __init__(self, shell: str = "/bin/sh") -> None:
         self.calls = 0
+        self.shell = shell
 
     def run(self, command: str, *, stdin: bytes | None = None, timeout: float | None = 120.0) -> CommandResult:
         self.calls += 1
-        done = subprocess.run(["/bin/sh", "-c", command], capture_output=True, text=True, timeout=timeout)
+        done = subprocess.run([self.shell, "-c", command], capture_output=True, text=True, timeout=timeout)
         return CommandResult(done.returncode, done.stdout, done.stderr)
 
 
-def _run(commands: list[str], deadline: float = 30) -> list[CommandResult]:
-    out = ShellTransport().run(batch_script(MARKER, commands, deadline))
-    batch = parse_batch(MARKER, out.stdout, len(commands))
+def _run(
+    commands: list[str], deadline: float = 30, quick: tuple[int, ...] = (), shell: str = "/bin/sh"
+) -> list[CommandResult]:
+    out = ShellTransport(shell).run(batch_script(MARKER, commands, deadline, quick))
+    batch = parse_batch(MARKER, out.stdout, len(commands), deadline)
     assert batch is not None, out
     assert batch.elapsed is not None and batch.elapsed >= 0
     return batch.results
@@ -51,6 +54,31 @@ def test_each_command_keeps_its_stdout_stderr_and_exit_status() -> None:
     assert results[1] == CommandResult(0, "no newline", "")
     assert results[2] == CommandResult(0, "two\n\n", "")
     assert results[3] == CommandResult(0, "", "")
+
+
+@pytest.mark.parametrize("shell", ["/bin/sh", "bash"])
+def test_quick_commands_run_one_after_another_in_one_job_and_keep_their_own_frames(shell: str, tmp_path) -> None:
+    log = tmp_path / "order"
+    commands = [f"sleep 0.3; echo first >>{log}; echo one", "echo err >&2; exit 4", f"cat {log}", "printf 'x'"]
+    results = _run(commands, quick=(0, 1, 2), shell=shell)
+    assert results[0] == CommandResult(0, "one\n", "")
+    assert results[1] == CommandResult(4, "", "err\n")
+    assert results[2] == CommandResult(0, "first\n", "")  # the one before it in the job had finished
+    assert results[3] == CommandResult(0, "x", "")
+    script = batch_script(MARKER, commands, quick=(0, 1, 2))
+    assert script.count(" & p=") == 2  # one job for the quick ones, one for the other
+
+
+def test_a_quick_command_still_running_at_the_deadline_leaves_the_next_not_started() -> None:
+    started = time.monotonic()
+    results = _run(["echo before", "echo on >&2; sleep 30", "echo never", "echo own"], deadline=2, quick=(0, 1, 2))
+    assert time.monotonic() - started < 6
+    assert results[0] == CommandResult(0, "before\n", "")
+    assert results[1].rc == TIMED_OUT_RC and results[1].stderr.startswith("on\n")
+    assert "still running after 2s" in results[1].stderr
+    assert results[2].rc == TIMED_OUT_RC and results[2].stdout == ""
+    assert "not started: the command before it on the host was still running after 2s" in results[2].stderr
+    assert results[3] == CommandResult(0, "own\n", "")  # in a job of its own
 
 
 def test_an_exit_in_one_command_ends_only_that_command() -> None:
@@ -131,6 +159,22 @@ def test_doctor_is_one_remote_command_per_host(example_yaml: str) -> None:
     assert {r.status.value for r in results} <= {"ok", "warn"}
     assert dict(counting.counts) == {"192.0.2.11": 1, "192.0.2.12": 1, "192.0.2.13": 1}
     assert len({r.id for r in results}) >= 15
+
+
+@pytest.mark.parametrize("shell", ["/bin/sh", "bash"])
+def test_the_clock_fact_reads_the_batchs_start_not_its_own_turn(shell: str) -> None:
+    """The clock check's fact prints the batch's start stamp: a quick command ahead of it in its job (here a
+    1 s one) does not read as skew, which it did when the fact read the clock in its own turn."""
+    inv = inventory.parse(EXAMPLE)
+    slow = raw("slow", lambda ctx: "sleep 1", quick=True)
+    found = gather_host(ShellTransport(shell), HostContext(inv, inv.hosts[1]), [slow, catalog.CLOCK])
+    reading = parse_clock(found["clock"].stdout)
+    assert reading is not None and abs(reading.skew_s) <= reading.uncertainty_s + 0.05, found["clock"].stdout
+
+
+def test_a_clock_with_a_decimal_comma_keeps_its_fraction() -> None:
+    reading = parse_clock("operator 100.0 100.2\n100,1\n")  # bash's $EPOCHREALTIME in a locale with a comma
+    assert reading is not None and reading.skew_s == pytest.approx(0.0) and reading.uncertainty_s == pytest.approx(0.1)
 
 
 def test_clock_reading_subtracts_the_time_the_batch_took_on_the_host() -> None:

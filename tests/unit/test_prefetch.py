@@ -136,7 +136,7 @@ def test_a_facts_batch_is_kept_without_its_marker_and_answers_with_the_callers(
     result = transport.run(batch_script(mine, ["hostname", "nproc"]), timeout=120)
     assert len(host.ran) == 1 and mine not in host.ran[0][1]  # ran ahead with a marker of its own
     assert pending.marker is not None and pending.marker not in result.stdout
-    assert result.stdout.count(mine) == 5  # 2 x (out, err) and the time line: parseable with the caller's
+    assert result.stdout.count(mine) == 7  # 2 x (out, err, rc) and the time line: parseable with the caller's
     assert batch_script(mine, ["hostname"]) != batch_script(prefetch.new_marker(), ["hostname"])
 
 
