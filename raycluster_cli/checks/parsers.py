@@ -137,10 +137,9 @@ class ClockReading:
 
 
 def parse_clock(text: str) -> ClockReading | None:
-    """From `operator <sent> <received>`, the host's clock (`date +%s.%N`, where busybox prints a literal %N, or
-    bash's $EPOCHREALTIME) and, when the reading was taken in a batch of commands, `elapsed <s>`: the host's
-    time from the start to the end of the batch, which the round trip is known to contain (so it narrows the
-    uncertainty)."""
+    """From `operator <sent> <received>`, the host's `date +%s.%N` (busybox prints a literal %N) and, when the
+    reading was taken in a batch of commands, `elapsed <s>`: the host's time from the start to the end of the
+    batch, which the round trip is known to contain (so it narrows the uncertainty)."""
     lines = [line.strip() for line in text.splitlines() if line.strip()]
     if len(lines) < 2 or not lines[0].startswith("operator "):
         return None
@@ -149,7 +148,7 @@ def parse_clock(text: str) -> ClockReading | None:
         t0, t1 = float(sent), float(received)
     except ValueError:
         return None
-    match = re.match(r"^(\d+)(?:[.,](\d+))?", lines[1])  # bash's $EPOCHREALTIME has the locale's point
+    match = re.match(r"^(\d+)(?:\.(\d+))?", lines[1])
     if not match:
         return None
     resolution = 0.0 if match.group(2) else 1.0

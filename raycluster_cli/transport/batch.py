@@ -35,8 +35,9 @@ _JOB_LINE = re.compile(
     r"""^(?:\{ )?printf '\\n%s out (?P<i>\d+)\\n' "\$m" >"\$t/\d+\.o"; printf '\\n%s err \d+\\n' "\$m" >"\$t/\d+\.e"; """
     r"""\( (?P<command>.*) \) >>"\$t/\d+\.o" 2>>"\$t/\d+\.e" </dev/null; printf """
 )
-# The host's clock, without a process where the shell keeps it (bash 5: $EPOCHREALTIME).
-NOW = "${EPOCHREALTIME:-$(date +%s.%N)}"
+# The host's clock. (Not bash's $EPOCHREALTIME, a process less: the lab plays a host whose clock is off with
+# a `date` in front of the real one, which the builtin would not see.)
+NOW = "$(date +%s.%N)"
 # What a command of the batch prints to give the host's clock when the batch started, before any command (a
 # command's own reading may wait behind the others on a busy host: a clock reading needs a known place).
 BATCH_START = '"$s0"'
@@ -135,7 +136,7 @@ def parse_batch(marker: str, text: str, count: int, deadline_s: float = DEFAULT_
 
 def _elapsed(value: str) -> float | None:
     try:
-        start, end = (float(part.replace(",", ".")) for part in value.split())  # bash's stamp has the locale's point
+        start, end = (float(part) for part in value.split())
     except ValueError:
         return None  # busybox's date prints a literal %N: no sub-second stamps
     return end - start if end >= start else None

@@ -172,11 +172,6 @@ def test_the_clock_fact_reads_the_batchs_start_not_its_own_turn(shell: str) -> N
     assert reading is not None and abs(reading.skew_s) <= reading.uncertainty_s + 0.05, found["clock"].stdout
 
 
-def test_a_clock_with_a_decimal_comma_keeps_its_fraction() -> None:
-    reading = parse_clock("operator 100.0 100.2\n100,1\n")  # bash's $EPOCHREALTIME in a locale with a comma
-    assert reading is not None and reading.skew_s == pytest.approx(0.0) and reading.uncertainty_s == pytest.approx(0.1)
-
-
 def test_clock_reading_subtracts_the_time_the_batch_took_on_the_host() -> None:
     reading = parse_clock("operator 100.0 104.0\n102.5\nelapsed 3.0\n")
     assert reading is not None
