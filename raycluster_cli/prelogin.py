@@ -14,6 +14,7 @@ from __future__ import annotations
 import gc
 import sys
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from . import defer_metadata
@@ -27,7 +28,22 @@ if TYPE_CHECKING:
 VERBS = frozenset({"doctor", "status", "down", "up"})  # verbs whose first step is a login into every host
 
 _ahead: tuple[str | None, LoadedInventory, SSHPool] | None = None
-_keep: tuple[Path, str | None, int, dict[str, dict[str, Any]], dict[str, Any] | None, list[str], SSHPool] | None = None
+
+
+@dataclass(frozen=True)
+class _Kept:
+    """What `remember` saves at the end of a run whose hosts are all reached directly (logins.save)."""
+
+    path: Path  # the inventory file
+    config_file: str | None  # the inventory's ssh config file
+    parallel: int  # ssh.max_parallel_logins
+    direct: dict[str, dict[str, Any]]  # each host's login parameters
+    seen: dict[str, Any] | None  # what logins.start found kept from the last run
+    argv: list[str]
+    pool: SSHPool
+
+
+_keep: _Kept | None = None
 
 
 def inventory_argument(argv: Sequence[str]) -> tuple[bool, str | None]:
@@ -82,7 +98,7 @@ def start(argv: Sequence[str]) -> None:
         pool.log_in_ahead(inv.hosts)
         direct = {address: p for address, p in params.items() if p is not None}
         if len(direct) == len(params):  # no host behind a jump host: keep the routes for the next run
-            _keep = (loaded.path, inv.ssh.config_file, inv.ssh.max_parallel_logins, direct, seen, list(argv), pool)
+            _keep = _Kept(loaded.path, inv.ssh.config_file, inv.ssh.max_parallel_logins, direct, seen, list(argv), pool)
     except Exception:
         return  # the CLI reads the inventory again and reports the problem its own way
     finally:
@@ -128,10 +144,11 @@ def remember() -> None:
     keep, _keep = _keep, None
     if keep is None:
         return
-    path, config_file, parallel, direct, seen, argv, pool = keep
     try:
         from . import logins
 
-        logins.save(path, config_file, parallel, direct, seen, argv, pool.first_read_only())
+        logins.save(
+            keep.path, keep.config_file, keep.parallel, keep.direct, keep.seen, keep.argv, keep.pool.first_read_only()
+        )
     except Exception:
         return
