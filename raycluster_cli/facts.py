@@ -151,8 +151,8 @@ def gather_host(
     commands = [_command(f, ctx) for f in wanted]
     marker = prefetch.new_marker()
     sent = time.time()
+    quick = [i for i, f in enumerate(wanted) if f.quick]
     with prefetch.read_only():  # facts only read: the next run of this command line may start it ahead
-        quick = [i for i, f in enumerate(wanted) if f.quick]
         out = transport.run(batch_script(marker, commands, deadline_s, quick), timeout=deadline_s + 30)
     sent, received = out.window or (sent, time.time())  # when it really ran (ahead of this call, or now)
     batch = parse_batch(marker, out.stdout, len(commands), deadline_s)

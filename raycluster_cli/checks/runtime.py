@@ -311,7 +311,7 @@ def processes_command(ctx: CheckContext) -> str:
     short-lived worker), else its cgroup, which names its container by the container's full ID (Docker's and
     Podman's, cgroup v1 and v2). Only Ray's lines cross the wire: every process of the gather itself carries
     the whole batch script in its arguments (50 kB a host). One awk reads the cgroups, after the whole list
-    (a process per Ray process was most of the cost on a host running Ray)."""
+    (before: a `tr` per Ray process)."""
     return (
         f"ps -eo pid=,args= | awk '{{n++}} {_RAY_AWK} {{print; ray[++k] = $1}} "
         'END {if (n) print "# " n " processes"; print "---"; '

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import time
+from pathlib import Path
 
 import pytest
 
@@ -57,7 +58,7 @@ def test_each_command_keeps_its_stdout_stderr_and_exit_status() -> None:
 
 
 @pytest.mark.parametrize("shell", ["/bin/sh", "bash"])
-def test_quick_commands_run_one_after_another_in_one_job_and_keep_their_own_frames(shell: str, tmp_path) -> None:
+def test_quick_commands_run_one_after_another_in_one_job_and_keep_their_own_frames(shell: str, tmp_path: Path) -> None:
     log = tmp_path / "order"
     commands = [f"sleep 0.3; echo first >>{log}; echo one", "echo err >&2; exit 4", f"cat {log}", "printf 'x'"]
     results = _run(commands, quick=(0, 1, 2), shell=shell)
