@@ -105,18 +105,27 @@ def test_a_host_frozen_after_login_fails_in_time_naming_it(lab_hosts: Lab, quick
     assert IP3 in text and "stopped answering" in text, text
 
 
+# A `docker` in front of the real one that answers 4 s late: lab-h3's batch of facts is still running when the
+# freeze lands (a lean batch can finish in the moment between "logged in" and `docker pause`, and then there
+# is nothing left to freeze; CI saw that once).
+SLOW_DOCKER = '#!/bin/sh\nsleep 4\nexec /usr/bin/docker "$@"\n'
+
+
 def test_doctor_process_with_a_host_frozen_just_after_login(lab_hosts: Lab, quick: str) -> None:
-    verb = Verb("doctor", inventory=quick)
+    lab_hosts.sh("lab-h3", f"cat > /usr/local/bin/docker <<'EOF'\n{SLOW_DOCKER}EOF\nchmod +x /usr/local/bin/docker")
     try:
+        verb = Verb("doctor", inventory=quick)
         verb.wait_for(rf"{IP3}: logged in", timeout=120)
         freeze(lab_hosts, "lab-h3")
         frozen_at = time.monotonic()
         code, doc, ended = verb.finish(timeout=120)
     finally:
         thaw(lab_hosts, "lab-h3")
+        lab_hosts.sh("lab-h3", "rm -f /usr/local/bin/docker")
     assert code == 1 and ended - frozen_at <= KEEPALIVE_DEADLINE_S + LOGIN_DEADLINE_S + SLACK_S
     failed = [c for c in doc["checks"] if c["status"] == "fail"]
     assert [c["host"] for c in failed] == [IP3], failed
+    assert "stopped answering" in str(failed), failed  # the freeze, not the slow `docker`, failed it
 
 
 def _no_stream_left(the_lab: Lab, timeout: float = 30) -> None:
