@@ -65,19 +65,21 @@ def _start(run: UpRun, host: HostRun) -> None:
 
 def _until_registered(run: UpRun, host: HostRun, deadline: float) -> OperationError | None:
     """Wait until the host's node is registered; a container that exits while starting is started once more
-    (Ray gives a starting node a fixed 30 s to register, which a loaded host can miss). The error if not."""
+    (Ray gives a starting node a fixed 30 s to register, which a loaded host can miss), and so is one that `up`
+    found running and kept but that exited before its wait (a head that outlived a long freeze can exit a few
+    seconds after it; its workers then join the new head: `wait`). The error if not."""
     while True:
         timeout_s = max(0.0, deadline - time.monotonic())
         result = wait_started(run.connect(host.host), run.inventory, host.host, timeout_s)
         if result.ok:
             run.move(host, "waiting", "registered; the head's GCS is asked")
             return None
-        kept_head = host.role == "head" and host.action == "running"  # its workers were kept to join it
-        if result.rc != EXITED or host.retried or kept_head or time.monotonic() >= deadline:
+        if result.rc != EXITED or host.retried or time.monotonic() >= deadline:
             error = start_failure(run.inventory, host.host, result, run.timeout_s)
             run.move(host, "failed", error_message(error, host.address))
             return error
-        run.progress(f"{host.address}: the {host.role} container exited while starting; starting it once more")
+        when = "up found it running, and it exited" if host.plan.action == "keep" else "exited while starting"
+        run.progress(f"{host.address}: the {host.role} container {when}; starting it once more")
         host.restarted()
         _start(run, host)
 

@@ -28,6 +28,7 @@ from .transport.fanout import error_message
 from .transport.pool import Connect
 
 RETRIED = "its container exited while starting: started once more"
+RETRIED_KEPT = "its running container exited while up waited: started once more"
 _HOSTS_NAMED = 20  # in the one-line message; --json lists every check
 
 
@@ -78,10 +79,12 @@ class HostRun:
         return self.phase == "joined"
 
     def restarted(self) -> None:
-        """Its container exited while starting and is started once more (Ray's fixed 30 s to register)."""
+        """Its container exited while starting (Ray's fixed 30 s to register), or a container `up` found running
+        exited while `up` waited: it is started once more."""
+        why = RETRIED_KEPT if self.plan.action == "keep" else RETRIED
         self.retried = True
         self.plan = Plan("replace")
-        self.reason = "; ".join(filter(None, [self.reason, RETRIED]))
+        self.reason = "; ".join(filter(None, [self.reason, why]))
 
 
 class UpRun:

@@ -302,3 +302,49 @@ def test_the_heads_container_paused_while_up_asks_its_gcs_ends_by_the_deadline_n
     assert code == 0, err
     code, doc, err = lab_hosts.cli("up", "--timeout", "180", inventory=quick, timeout=900)
     assert code == 0 and all(n["alive"] for n in doc["nodes"]), err
+
+
+# up: the head's container, found running and kept, killed before up waits for it ----------------------
+
+# On lab-h3, a `docker run` that first leaves a mark, then takes 8 s: the window in which the head is killed.
+SLOW_RUN = (
+    '#!/bin/sh\nif [ "$1" = run ]; then touch /tmp/raycluster-test-run-started; sleep 8; fi\n'
+    'exec /usr/bin/docker "$@"\n'
+)
+
+
+def test_a_kept_head_killed_before_up_waits_for_it_is_started_again_and_every_worker_rejoins(
+    lab_hosts: Lab, quick: str
+) -> None:
+    """The cluster runs; lab-h3's worker container is removed, so `up` keeps the head and lab-h2's worker and
+    starts lab-h3's. While lab-h3's `docker run` is under way (before `up` waits for the head), the head's
+    container is killed in lab-h1's engine (as a head that outlived a long freeze can exit a few seconds after
+    the unpause). `up` starts the head once more, the workers join the new head, exit 0."""
+    code, doc, err = lab_hosts.cli("up", "--timeout", "180", inventory=quick, timeout=900)
+    assert code == 0 and all(n["alive"] for n in doc["nodes"]), err
+    lab_hosts.sh("lab-h3", f"docker rm -f {RAY_CONTAINER}")
+    lab_hosts.sh(
+        "lab-h3",
+        f"rm -f /tmp/raycluster-test-run-started; cat > /usr/local/bin/docker <<'EOF'\n{SLOW_RUN}EOF\n"
+        "chmod +x /usr/local/bin/docker",
+    )
+    try:
+        verb = Verb("up", "--timeout", "180", inventory=quick)
+        try:
+            marked = wait_until(
+                lambda: lab_hosts.sh_result("lab-h3", "test -e /tmp/raycluster-test-run-started").returncode == 0,
+                600,
+                0.2,
+            )
+            assert marked, verb.stderr
+            lab_hosts.sh("lab-h1", f"docker kill {RAY_CONTAINER}")
+            code, doc, _ = verb.finish(timeout=900)
+        finally:
+            if verb.process.poll() is None:
+                verb.process.kill()
+    finally:
+        lab_hosts.sh_result("lab-h3", "rm -f /usr/local/bin/docker /tmp/raycluster-test-run-started")
+    assert code == 0 and all(n["alive"] for n in doc["nodes"]), verb.stderr[-4000:]
+    actions = {n["host"]: n["action"] for n in doc["nodes"]}
+    assert actions[IP1] == "restarted", doc["nodes"]
+    assert f"{IP1}: the head container up found it running, and it exited; starting it once more" in verb.stderr

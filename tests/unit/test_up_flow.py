@@ -11,14 +11,15 @@ from pathlib import Path
 import pytest
 
 from raycluster_cli import inventory
+from raycluster_cli import uprun as uprun_module
 from raycluster_cli.cluster import NodesMissing, PreflightFailed, up
 from raycluster_cli.errors import OperationError
 from raycluster_cli.inventory import HostConfig
-from raycluster_cli.nodes import RAY_STARTED
+from raycluster_cli.nodes import RAY_STARTED, Plan
 from raycluster_cli.progress import HostPhase
 from raycluster_cli.transport import CommandResult
 from raycluster_cli.transport.fake import FakeTransport
-from raycluster_cli.uprun import RETRIED, HostRun, UpRun
+from raycluster_cli.uprun import RETRIED, RETRIED_KEPT, HostRun, UpRun
 
 from ..counting import CountingConnect
 from .conftest import EXAMPLE
@@ -55,6 +56,9 @@ class _Host(FakeTransport):
             if self.starts > self.exits:
                 self.started.add(self.host)
             return CommandResult(0, "c0ffee\n", "")
+        if "cannot write its files" in command:  # a kept container's files written, nothing started
+            self.commands.append(command)
+            return CommandResult(0, "", "")
         if command.startswith("docker ps --all"):
             self.commands.append(command)
             return CommandResult(0, "", "")
@@ -167,6 +171,28 @@ def test_a_head_that_exits_once_is_started_once_more_and_says_so() -> None:
     result = up(inventory.parse(INV), counting)
     head = result.nodes[0]
     assert result.ok and head.action == "restarted" and RETRIED in head.reason
+
+
+def test_a_running_head_that_exits_before_its_wait_is_started_once_more_and_rejoined(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A head `up` found running (kept) whose container exits before its wait (after a long freeze, Ray's
+    processes can end a few seconds after the unpause) is started once more, and every worker, kept or not,
+    joins the new head; before, `up` failed there and only `down` + `up` completed the cluster."""
+    fakes, counting = _fleet()
+    planned = uprun_module.plan_node
+
+    def keep_head(inventory: object, host: HostConfig, *args: object, **kwargs: object) -> Plan:
+        return Plan("keep") if host.role == "head" else planned(inventory, host, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(uprun_module, "plan_node", keep_head)
+    events: list[object] = []
+    result = up(inventory.parse(INV), counting, progress=events.append)  # the kept head's container is not running
+    head = result.nodes[0]
+    assert result.ok and head.action == "restarted" and RETRIED_KEPT in head.reason, head
+    assert fakes[HOSTS[0]].starts == 1 and fakes[HOSTS[1]].starts == fakes[HOSTS[2]].starts == 2
+    said = [e for e in events if isinstance(e, str)]
+    assert f"{HOSTS[0]}: the head container up found it running, and it exited; starting it once more" in said
 
 
 def test_a_worker_that_exits_once_is_started_once_more() -> None:
