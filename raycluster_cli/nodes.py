@@ -205,7 +205,9 @@ TIMED_OUT = 4
 
 def started_command(inventory: Inventory, host: HostConfig, timeout_s: float) -> str:
     """A loop on the host: until its container's log says its Ray node is registered (exit 0), the container
-    stops running (exit 3) or `timeout_s` passes (exit 4); then the container's last log lines.
+    stops running (exit 3) or `timeout_s` passes (exit 4); then the container's last log lines. A container
+    that is not running at the start is exit 3 even if its log says registered: a container `up` kept has
+    that line from its first start, and may have exited since.
 
     It reads the container's log file itself (grep, every quarter second) and checks the container's first
     process in /proc (every half second), after one `docker inspect` for both: a loop of docker CLI calls
@@ -218,8 +220,10 @@ def started_command(inventory: Inventory, host: HostConfig, timeout_s: float) ->
     logged = quote(RAY_STARTED)
     return (
         f"end=$(( $(date +%s) + {max(0, int(timeout_s))} )); "
-        f"set -- $(docker inspect --format '{{{{.State.Pid}}}} {{{{.LogPath}}}}' {name} 2>/dev/null); "
-        f'p=${{1:-0}}; l=${{2:-}}; [ -n "$l" ] && [ -r "$l" ] || l=; n=0; while :; do '
+        f"set -- $(docker inspect --format '{{{{.State.Pid}}}} {{{{.State.Running}}}} {{{{.LogPath}}}}' {name} "
+        f"2>/dev/null); "
+        f'[ "${{2:-}}" = false ] && {{ {tail}; exit {EXITED}; }}; '
+        f'p=${{1:-0}}; l=${{3:-}}; [ -n "$l" ] && [ -r "$l" ] || l=; n=0; while :; do '
         f'if [ -n "$l" ]; then grep -qF {logged} "$l" && exit 0; '
         f"else docker logs {name} 2>&1 | grep -qF {logged} && exit 0; fi; n=$((n + 1)); "
         f"if [ $((n % 2)) = 1 ]; then "

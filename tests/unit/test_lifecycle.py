@@ -743,7 +743,7 @@ def test_the_registration_watch_reads_the_log_file_and_proc_without_the_engine(a
     docker = tmp_path / "docker"
     docker.write_text(
         '#!/bin/sh\necho "$1" >> "$D/calls"\n'
-        'case "$3" in *Pid*) echo "$PID $LOG"; exit 0;; esac\n'
+        'case "$3" in *Pid*) echo "$PID true $LOG"; exit 0;; esac\n'
         'if [ "$1" = inspect ]; then echo false; exit 0; fi\n'
         'echo "last line"\n'
     )
@@ -757,3 +757,25 @@ def test_the_registration_watch_reads_the_log_file_and_proc_without_the_engine(a
         assert done.returncode == 0 and calls == ["inspect"]  # one inspect, then only the file and /proc
     else:
         assert done.returncode == EXITED and calls == ["inspect", "inspect", "logs"] and "last line" in done.stdout
+
+
+def test_the_registration_watch_does_not_trust_the_log_of_a_container_that_no_longer_runs(tmp_path: Path) -> None:
+    """A container `up` kept has "Ray runtime started." in its log from its first start; if it exited since
+    (the engine says Running false), the watch says exited (exit 3 with its log tail), not registered."""
+    import subprocess
+
+    from raycluster_cli.nodes import EXITED, started_command
+
+    inv = _inv()
+    log = tmp_path / "json.log"
+    log.write_text('{"log":"Ray runtime started.\\n"}\n')
+    docker = tmp_path / "docker"
+    docker.write_text(
+        '#!/bin/sh\necho "$1" >> "$D/calls"\ncase "$3" in *Pid*) echo "0 false $LOG"; exit 0;; esac\necho "last line"\n'
+    )
+    docker.chmod(0o755)
+    env = {"PATH": f"{tmp_path}:/usr/bin:/bin", "D": str(tmp_path), "LOG": str(log)}
+    done = subprocess.run(["/bin/sh", "-c", started_command(inv, inv.hosts[1], 30)], env=env, capture_output=True,
+                          text=True, timeout=60)  # fmt: skip
+    assert done.returncode == EXITED and "last line" in done.stdout, done
+    assert (tmp_path / "calls").read_text().split() == ["inspect", "logs"]
