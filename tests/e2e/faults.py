@@ -105,6 +105,15 @@ class Verb:
         self._new = threading.Condition()
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
+        # stdout has a reader of its own: Popen.communicate() would also read stderr, and every line it took
+        # would be missing from `lines` (seen: a restart's progress lines lost while finish() waited)
+        self._out: list[str] = []
+        self._out_reader = threading.Thread(target=self._read_out, daemon=True)
+        self._out_reader.start()
+
+    def _read_out(self) -> None:
+        assert self.process.stdout is not None
+        self._out.append(self.process.stdout.read())
 
     def _read(self) -> None:
         assert self.process.stderr is not None
@@ -137,9 +146,11 @@ class Verb:
 
     def finish(self, timeout: float = 900) -> tuple[int, dict[str, Any], float]:
         """Exit code, the JSON document, and when it ended (monotonic)."""
-        out, _ = self.process.communicate(timeout=timeout)
+        self.process.wait(timeout=timeout)
         ended = time.monotonic()
         self._reader.join(timeout=10)
+        self._out_reader.join(timeout=10)
+        out = "".join(self._out)
         try:
             document = json.loads(out)
         except ValueError:
