@@ -78,8 +78,12 @@ def _until_registered(run: UpRun, host: HostRun, deadline: float) -> OperationEr
             error = start_failure(run.inventory, host.host, result, run.timeout_s)
             run.move(host, "failed", error_message(error, host.address))
             return error
-        when = "up found it running, and it exited" if host.plan.action == "keep" else "exited while starting"
-        run.progress(f"{host.address}: the {host.role} container {when}; starting it once more")
+        when = (
+            ", found running, exited before up waited for it"
+            if host.plan.action == "keep"
+            else " exited while starting"
+        )
+        run.progress(f"{host.address}: the {host.role} container{when}; starting it once more")
         host.restarted()
         _start(run, host)
 

@@ -348,5 +348,5 @@ def test_a_kept_head_killed_before_up_waits_for_it_is_started_again_and_every_wo
     actions = {n["host"]: n["action"] for n in doc["nodes"]}
     assert actions[IP1] == "restarted", doc["nodes"]
     said = [line for line in verb.lines if "once more" in line]
-    assert any(f"{IP1}: the head container up found it running, and it exited; starting it once more" in line
+    assert any(f"{IP1}: the head container, found running, exited before up waited for it; starting it once more" in line
                for line in said), said  # fmt: skip

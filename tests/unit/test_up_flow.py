@@ -192,7 +192,9 @@ def test_a_running_head_that_exits_before_its_wait_is_started_once_more_and_rejo
     assert result.ok and head.action == "restarted" and RETRIED_KEPT in head.reason, head
     assert fakes[HOSTS[0]].starts == 1 and fakes[HOSTS[1]].starts == fakes[HOSTS[2]].starts == 2
     said = [e for e in events if isinstance(e, str)]
-    assert f"{HOSTS[0]}: the head container up found it running, and it exited; starting it once more" in said
+    assert (
+        f"{HOSTS[0]}: the head container, found running, exited before up waited for it; starting it once more" in said
+    )
 
 
 def test_a_worker_that_exits_once_is_started_once_more() -> None:
