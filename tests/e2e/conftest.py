@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -74,6 +75,17 @@ class Lab:
             text=True,
             timeout=180,
         )
+
+    @contextmanager
+    def shim(self, hostname: str, command: str, script: str) -> Iterator[None]:
+        """`script` as /usr/local/bin/`command` on a lab host (in front of the real one on every login's PATH)
+        until the block ends."""
+        path = f"/usr/local/bin/{command}"
+        self.sh(hostname, f"cat > {path} <<'EOF'\n{script}EOF\nchmod +x {path}")
+        try:
+            yield
+        finally:
+            self.sh_result(hostname, f"rm -f {path}")
 
     def start_engine(self, hostname: str, timeout_s: float = 60.0) -> None:
         """(Re)start a lab host's own dockerd (as its init would) and wait until it answers."""

@@ -121,15 +121,12 @@ def test_worker_port_range_in_use_warns(lab_hosts: Lab) -> None:
 def test_clock_skew_warns(lab_hosts: Lab) -> None:
     # The lab hosts share this machine's kernel clock: a `date` in front of the real one plays a host 30 s ahead.
     shim = '#!/bin/sh\nexec /bin/date -d "@$(( $(/bin/date +%s) + 30 ))" "$@"\n'
-    lab_hosts.sh("lab-h3", f"cat > /usr/local/bin/date <<'EOF'\n{shim}EOF\nchmod +x /usr/local/bin/date")
-    try:
+    with lab_hosts.shim("lab-h3", "date", shim):
         code, doc, _ = lab_hosts.cli("doctor")
-        assert code == 0, failed(doc)
-        assert warned(doc) == [(IP3, "clock")]
-        skew = finding(doc, IP3, "clock")
-        assert "ahead of" in skew["message"] and 28 < skew["data"]["skew_s"] < 32
-    finally:
-        lab_hosts.sh("lab-h3", "rm -f /usr/local/bin/date")
+    assert code == 0, failed(doc)
+    assert warned(doc) == [(IP3, "clock")]
+    skew = finding(doc, IP3, "clock")
+    assert "ahead of" in skew["message"] and 28 < skew["data"]["skew_s"] < 32
 
 
 @pytest.mark.parametrize("tool", ["auto", "builtin"])

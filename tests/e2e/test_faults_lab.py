@@ -112,16 +112,15 @@ SLOW_DOCKER = '#!/bin/sh\nsleep 4\nexec /usr/bin/docker "$@"\n'
 
 
 def test_doctor_process_with_a_host_frozen_just_after_login(lab_hosts: Lab, quick: str) -> None:
-    lab_hosts.sh("lab-h3", f"cat > /usr/local/bin/docker <<'EOF'\n{SLOW_DOCKER}EOF\nchmod +x /usr/local/bin/docker")
-    try:
-        verb = Verb("doctor", inventory=quick)
-        verb.wait_for(rf"{IP3}: logged in", timeout=120)
-        freeze(lab_hosts, "lab-h3")
-        frozen_at = time.monotonic()
-        code, doc, ended = verb.finish(timeout=120)
-    finally:
-        thaw(lab_hosts, "lab-h3")
-        lab_hosts.sh("lab-h3", "rm -f /usr/local/bin/docker")
+    with lab_hosts.shim("lab-h3", "docker", SLOW_DOCKER):
+        try:
+            verb = Verb("doctor", inventory=quick)
+            verb.wait_for(rf"{IP3}: logged in", timeout=120)
+            freeze(lab_hosts, "lab-h3")
+            frozen_at = time.monotonic()
+            code, doc, ended = verb.finish(timeout=120)
+        finally:
+            thaw(lab_hosts, "lab-h3")
     assert code == 1 and ended - frozen_at <= KEEPALIVE_DEADLINE_S + LOGIN_DEADLINE_S + SLACK_S
     failed = [c for c in doc["checks"] if c["status"] == "fail"]
     assert [c["host"] for c in failed] == [IP3], failed

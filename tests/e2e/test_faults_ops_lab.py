@@ -323,12 +323,8 @@ def test_a_kept_head_killed_before_up_waits_for_it_is_started_again_and_every_wo
     code, doc, err = lab_hosts.cli("up", "--timeout", "180", inventory=quick, timeout=900)
     assert code == 0 and all(n["alive"] for n in doc["nodes"]), err
     lab_hosts.sh("lab-h3", f"docker rm -f {RAY_CONTAINER}")
-    lab_hosts.sh(
-        "lab-h3",
-        f"rm -f /tmp/raycluster-test-run-started; cat > /usr/local/bin/docker <<'EOF'\n{SLOW_RUN}EOF\n"
-        "chmod +x /usr/local/bin/docker",
-    )
-    try:
+    lab_hosts.sh("lab-h3", "rm -f /tmp/raycluster-test-run-started")
+    with lab_hosts.shim("lab-h3", "docker", SLOW_RUN):
         verb = Verb("up", "--timeout", "180", inventory=quick)
         try:
             marked = wait_until(
@@ -342,8 +338,7 @@ def test_a_kept_head_killed_before_up_waits_for_it_is_started_again_and_every_wo
         finally:
             if verb.process.poll() is None:
                 verb.process.kill()
-    finally:
-        lab_hosts.sh_result("lab-h3", "rm -f /usr/local/bin/docker /tmp/raycluster-test-run-started")
+    lab_hosts.sh_result("lab-h3", "rm -f /tmp/raycluster-test-run-started")
     assert code == 0 and all(n["alive"] for n in doc["nodes"]), verb.stderr[-4000:]
     actions = {n["host"]: n["action"] for n in doc["nodes"]}
     assert actions[IP1] == "restarted", doc["nodes"]
