@@ -16,13 +16,14 @@
 # core busy cannot be made faster by reordering its steps, only by doing less.
 # Usage: benchmarks/up_vs_references.sh [ROUNDS]
 #   (env: RAYCLUSTER_LAB_NAME, RAYCLUSTER_NODE_IMAGE, RAYUP_TIMEOUT, RAYUP_V2_TIMEOUT, VARIANTS: which of
-#    "up floor rayup_v1 rayup_v2" to alternate, all four by default)
+#    "up floor rayup_v1 rayup_v2 up_base" to alternate, the first four by default; BASELINE: a folder holding
+#    another checkout, e.g. `git worktree add /tmp/base main`, whose `up` the variant up_base runs)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 rounds=${1:-5}
 rayup_timeout=${RAYUP_TIMEOUT:-180}
 rayup_v2_timeout=${RAYUP_V2_TIMEOUT:-$rayup_timeout}
-py=${PYTHON:-.venv/bin/python}
+py=$(realpath -s "${PYTHON:-.venv/bin/python}")  # absolute: run_up runs it from BASELINE too
 ray=$(dirname "$py")/ray
 rc="$py -m raycluster_cli"  # as the `raycluster` command runs (logins started before the CLI's imports)
 docker=$(command -v /usr/bin/docker || command -v docker)
@@ -30,6 +31,8 @@ lab=${RAYCLUSTER_LAB_NAME:-raycluster-lab}
 image=${RAYCLUSTER_NODE_IMAGE:-raycluster/node:0.1.0}
 rayup_image="raycluster/node-rayup:${image##*:}"
 read -r -a variants <<<"${VARIANTS:-up floor rayup_v1 rayup_v2}"
+[[ " ${variants[*]} " != *" up_base "* ]] || [ -d "${BASELINE:-}/raycluster_cli" ] \
+  || { echo "up_base needs BASELINE: a folder holding another checkout" >&2; exit 2; }
 rayup=0; [[ " ${variants[*]} " == *" rayup_"* ]] && rayup=1
 [ "$rayup" = 0 ] || command -v rsync >/dev/null || { apt-get install -y -qq rsync >/dev/null || { echo "rsync needed here" >&2; exit 1; }; }
 inv=$($rc lab up --hosts 3 --json 2>/dev/null | $py -c 'import json,sys; print(json.load(sys.stdin)["inventory"])')
@@ -95,9 +98,9 @@ clean() {
   $rc down -i "$inv" --json >/dev/null 2>&1 || true
   for h in 1 2 3; do on $h sh -c 'docker rm -f floor-ray rcbench_ray >/dev/null 2>&1' || true; done
 }
-run_up() {
-  local t0; t0=$(now)
-  $rc up -i "$inv" --json >/dev/null 2>&1
+run_up() {  # run_up [FOLDER]: this checkout's `up`, or that of the checkout in FOLDER (-m finds it there)
+  local t0 inv_abs; t0=$(now); inv_abs=$(realpath "$inv")
+  (cd "${1:-.}" && $py -m raycluster_cli up -i "$inv_abs" --json >/dev/null 2>&1)
   elapsed "$t0"
 }
 run_floor() {
@@ -142,6 +145,7 @@ for round in $(seq 1 "$rounds"); do
     ticks0=$(cpu_ticks)
     case $v in
       up) ms=$(run_up) ;;
+      up_base) ms=$(run_up "$BASELINE") ;;
       floor) ms=$(run_floor) ;;
       rayup_v1) ms=$(run_rayup v1) ;;
       rayup_v2) ms=$(run_rayup v2) ;;
@@ -174,7 +178,7 @@ for variant, values in by.items():
         busy = [b for _, b in cpu[variant]]
         print(f"{'':9s} cpu_s={' '.join(f'{c:.1f}' for c in used)} busy={' '.join(f'{b:.2f}' for b in busy)} "
               f"median cpu_s={statistics.median(used):.1f} busy={statistics.median(busy):.2f} of {cores} cores")
-for ref in ("floor", "rayup_v1", "rayup_v2"):
+for ref in ("floor", "rayup_v1", "rayup_v2", "up_base"):
     if ref in med and "up" in med:
         print(f"up / {ref} (medians): {med['up'] / med[ref]:.2f}")
 PY
