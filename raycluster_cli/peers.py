@@ -110,10 +110,21 @@ def receive_command(archive: str, decompress: str, image: str, source: str = "")
     """The receiver's side, with the archive on stdin (from the operator) or from `source` (`IP PORT` of a
     sender's listener, secret first on stdin): keep a copy, load it, print the loaded image ID last.
 
-    The pipeline runs under `timeout` (its process group is what the operator's stall watch kills: the
-    pid is written next to the archive)."""
+    The archive is written to its file as it arrives and `docker load` follows that file (`tail --pid -f`):
+    a load that stops reading for a while (a multi-GB layer being committed) no longer holds up the copy, so
+    the stall watch (the file's growth) sees the network alone. Where `tail` cannot follow a writer (busybox),
+    `tee` splits the stream as before. It all runs under `timeout` (its process group is what the operator's
+    stall watch kills: the pid is written next to the archive)."""
     part = f"{archive}.part"
-    load = f"tee {quote(part)} | {decompress} | docker load -q"
+    follow = (
+        f": >{quote(part)}; exec 5<&0; cat <&5 >>{quote(part)} & c=$!; exec 5<&-; "
+        f"tail -c +1 -s 0.2 --pid=$c -f {quote(part)} | {decompress} | docker load -q "
+        '|| { r=$?; kill "$c" 2>/dev/null; exit "$r"; }; wait "$c"'
+    )
+    load = (
+        f"if tail --pid=1 -c 0 /dev/null >/dev/null 2>&1; then {follow}; "
+        f"else tee {quote(part)} | {decompress} | docker load -q; fi"
+    )
     if source:
         address, port = source.split()
         dial = f"/dev/tcp/{address}/{port}"
@@ -157,11 +168,15 @@ def cleanup_command(archive: str) -> str:
 
 
 class Watch:
-    """Poll a receiver's byte count for its progress bar; stop the copy when no byte arrived for STALL_S."""
+    """Poll a receiver's byte count for its progress bar; stop the copy when no byte arrived for STALL_S.
 
-    def __init__(self, transport: Transport, archive: str, report: Callable[[int], None]) -> None:
-        self.transport, self.archive, self.report = transport, archive, report
+    Once all `total` bytes are there the watch ends: what remains is the host's `docker load` reading its file,
+    which may go quiet for longer than STALL_S (a large layer committed) and is bounded by the copy's deadline."""
+
+    def __init__(self, transport: Transport, archive: str, report: Callable[[int], None], total: int = 0) -> None:
+        self.transport, self.archive, self.report, self.total = transport, archive, report, total
         self.stalled = False
+        self.seen = 0  # the receiver's bytes at the last poll
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
@@ -182,8 +197,10 @@ class Watch:
                 continue  # the copy itself reports a lost host
             size = int(text) if text.isdigit() else 0
             if size != seen:
-                seen, since = size, time.monotonic()
+                seen, since, self.seen = size, time.monotonic(), size
                 self.report(size)
+                if self.total and size >= self.total:
+                    return
             elif time.monotonic() - since > STALL_S:
                 self.stalled = True
                 with contextlib.suppress(Exception):

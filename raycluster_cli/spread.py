@@ -191,14 +191,19 @@ class Spread:
             peers.receive_command(archive, receiver.decompress, self.job.image, f"{copy.address} {copy.port}")
         )
         report = lambda n: self.progress(TransferProgress(receiver.host, n, total, label=label))  # noqa: E731
-        with peers.Watch(receiver.transport, archive, report) as watch:
+        with peers.Watch(receiver.transport, archive, report, total) as watch:
             result = receiver.transport.run(command, stdin=secret, timeout=peers.DEADLINE_S + 60)
         listener.join(peers.CONNECT_S + 60)
         self.progress(TransferProgress(receiver.host, total, total, done=True, label=label))
         if not result.ok and _listener_failed(heard[0] if heard else None):
             sender.serves = False
         if watch.stalled:
-            raise OperationError(f"{receiver.host}: no byte from {sender.host} for {peers.STALL_S:.0f}s", "")
+            why = _listener_said(heard[0] if heard else None)
+            raise OperationError(
+                f"{receiver.host}: no byte from {sender.host} for {peers.STALL_S:.0f}s "
+                f"({watch.seen / 1e6:.0f} of {total / 1e6:.0f} MB had arrived{'; the listener: ' + why if why else ''})",
+                "",
+            )
         self._check(receiver, result, f"copy from {sender.host}")
         return self._done(receiver, sender.host, started, total)
 
@@ -227,6 +232,16 @@ class Spread:
                 f"expected {self.job.image_id[7:19]}",
                 "the image may have been re-tagged meanwhile: re-run `raycluster up`",
             )
+
+
+def _listener_said(heard: CommandResult | BaseException | None) -> str:
+    """The sender's listener's own word on a copy that went wrong ("" when it served it or is not done)."""
+    if heard is None:
+        return ""
+    if isinstance(heard, CommandResult):
+        return "" if heard.ok else heard.first_line()
+    text = str(heard).strip()
+    return text.splitlines()[0] if text else type(heard).__name__
 
 
 def _listener_failed(heard: CommandResult | BaseException | None) -> bool:

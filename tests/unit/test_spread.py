@@ -154,6 +154,19 @@ def test_watch_stops_a_copy_that_stalls(monkeypatch: pytest.MonkeyPatch) -> None
     assert any("kill -TERM" in c for c in host.commands)
 
 
+def test_watch_ends_without_a_stall_once_the_whole_archive_is_there(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The copy is complete; the host's `docker load` reads its file for longer than STALL_S (a 2 GB image on
+    the fleet lab took 40–60 s): that is not a stalled copy. Ended as one, the operator sent it again."""
+    monkeypatch.setattr(peers, "POLL_S", 0.01)
+    monkeypatch.setattr(peers, "STALL_S", 0.1)
+    host = Host("192.0.2.10", {"stat -c": "500", "kill -TERM": ""})
+    seen: list[int] = []
+    with peers.Watch(host, "/var/tmp/x.tar.zst", seen.append, total=500) as watch:
+        threading.Event().wait(0.5)  # five times STALL_S
+    assert not watch.stalled and seen == [500]
+    assert not any("kill -TERM" in c for c in host.commands)
+
+
 def test_commands_keep_secrets_off_the_command_line_and_bound_every_wait() -> None:
     copy = peers.Copy.new("192.0.2.10", "192.0.2.11", "10.0.0.10")
     listen = peers.listener_command(copy, "/var/tmp/raycluster-images/a.tar.zst", "img:1")

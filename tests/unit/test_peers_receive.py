@@ -1,0 +1,92 @@
+"""The receiver's side of an image copy (peers.receive_command) under a real bash, with real `tail`, `gzip`
+and `timeout`, and a fake `docker` that records what it loads: the archive arrives on stdin, as the
+operator's stream gives it (a peer's copy reaches the same pipeline through /dev/tcp). No connection is
+opened."""
+
+from __future__ import annotations
+
+import gzip
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from raycluster_cli import peers
+
+# A `docker load` that reads nothing until the archive file has $SIZE bytes (at most 20 s), as a daemon
+# committing a multi-GB layer stops reading for a while; it notes the file's size when it starts reading.
+FAKE_DOCKER = """#!/bin/sh
+case "$1" in
+load)
+  i=0
+  while [ "$(stat -c %s "$PART" 2>/dev/null || echo 0)" -lt "$SIZE" ] && [ "$i" -lt 200 ]; do
+    sleep 0.1; i=$((i + 1))
+  done
+  stat -c %s "$PART" >"$D/part-at-load"
+  cat >"$D/loaded" && echo "Loaded image ID: sha256:abc" ;;
+image) echo "sha256:abc" ;;
+esac
+"""
+
+
+def _receive(tmp_path: Path, feed: bytes, wait_for: int, path: str = "") -> subprocess.CompletedProcess[bytes]:
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    (bin_dir / "docker").write_text(FAKE_DOCKER)
+    (bin_dir / "docker").chmod(0o755)
+    archive = tmp_path / "images" / "a.tar.gz"
+    command = peers.receive_script(peers.receive_command(str(archive), "gzip -dc", "img:1"))
+    env = {
+        "PATH": f"{path}{bin_dir}:/usr/bin:/bin",
+        "D": str(tmp_path),
+        "PART": f"{archive}.part",
+        "SIZE": str(wait_for),
+    }
+    return subprocess.run(["bash", "-c", command], input=feed, capture_output=True, env=env, timeout=60)
+
+
+@pytest.fixture
+def image() -> tuple[bytes, bytes]:
+    """An image's bytes (incompressible, several pipe buffers) and its gzip archive."""
+    content = os.urandom(3 << 20)
+    return content, gzip.compress(content, compresslevel=1)
+
+
+def test_the_archive_arrives_whole_while_docker_load_reads_nothing(tmp_path: Path, image: tuple[bytes, bytes]) -> None:
+    """With `tee` in the pipeline, a load that stopped reading held up the copy after a pipe buffer (the stall
+    watch then ended a live copy: three of eight peer copies of the 832 MB node image on the fleet lab)."""
+    content, archive = image
+    done = _receive(tmp_path, archive, wait_for=len(archive))
+    assert done.returncode == 0, done.stderr.decode()
+    assert int((tmp_path / "part-at-load").read_text()) == len(archive)  # all of it there before the load read
+    assert (tmp_path / "loaded").read_bytes() == content
+    assert (tmp_path / "images" / "a.tar.gz").read_bytes() == archive  # kept whole, to serve other hosts
+    assert not (tmp_path / "images" / "a.tar.gz.part").exists()
+    assert done.stdout.decode().splitlines()[-1] == "sha256:abc"
+
+
+def test_a_stream_cut_short_fails_and_keeps_no_archive(tmp_path: Path, image: tuple[bytes, bytes]) -> None:
+    _, archive = image
+    half = archive[: len(archive) // 2]
+    done = _receive(tmp_path, half, wait_for=len(half))
+    assert done.returncode != 0
+    assert not (tmp_path / "images" / "a.tar.gz").exists()  # only a complete archive serves other hosts
+
+
+def test_a_tail_that_cannot_follow_a_writer_loads_through_tee(tmp_path: Path, image: tuple[bytes, bytes]) -> None:
+    """busybox's tail has no --pid: the stream is split with `tee`, as before."""
+    content, archive = image
+    busybox = tmp_path / "busybox"
+    busybox.mkdir()
+    (busybox / "tail").write_text(
+        '#!/bin/sh\ncase "$*" in *--pid*) echo "tail: unrecognized option" >&2; exit 1 ;; esac\n'
+        'exec /usr/bin/tail "$@"\n'
+    )
+    (busybox / "tail").chmod(0o755)
+    done = _receive(tmp_path, archive, wait_for=0, path=f"{busybox}:")
+    assert done.returncode == 0, done.stderr.decode()
+    assert (tmp_path / "loaded").read_bytes() == content
+    at_load = int((tmp_path / "part-at-load").read_text())
+    assert at_load < len(archive), (at_load, len(archive), done.stderr.decode())  # tee: read as it came
+    assert (tmp_path / "images" / "a.tar.gz").read_bytes() == archive
