@@ -101,8 +101,9 @@ if [ "$P2P_HOSTS" -gt 0 ]; then
     for ((i = 0; i < P2P_HOSTS; i++)); do
       "$DOCKER" exec "${names[$i]}" sh -c "docker rmi -f $IMAGE >/dev/null 2>&1; rm -rf /var/tmp/raycluster-images; true"
     done
-    "$py" benchmarks/fleet_distribute.py "$out/p2p.yaml" "$mode" "$bridge" "$out/archives" >>"$out/p2p.txt"
-    tail -1 "$out/p2p.txt" | sed "s/\$/ load=$(load)/"
+    "$py" benchmarks/fleet_distribute.py "$out/p2p.yaml" "$mode" "$bridge" "$out/archives" >"$out/p2p-$mode.txt"
+    cat "$out/p2p-$mode.txt" >>"$out/p2p.txt"
+    sed "\$s/\$/ load=$(load)/" "$out/p2p-$mode.txt"  # the summary last, after any fallback's reason
   done
 fi
 

@@ -38,6 +38,9 @@ def main() -> None:
     sent = int(Path(bridge).read_text()) - before
     pool.close()
     sources = collections.Counter("operator" if t.source.startswith("operator") else "peer" for t in done)
+    for t in done:  # a host the operator served because its peer copy failed: why (one line each)
+        if t.source.startswith("operator ("):
+            print(f"  {t.host}: {t.source}")
     print(
         f"{mode}: {len(done)} hosts in {wall:.1f}s; operator sent {sent / 1e6:.1f} MB = {sent / size:.2f} x the "
         f"{size / 1e6:.1f} MB archive; sources {dict(sources)}"
