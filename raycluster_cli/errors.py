@@ -50,6 +50,10 @@ class TransportError(RayclusterError):
         self.host = host
 
 
+class HostStoppedAnswering(TransportError):
+    """The connection died under a command because the host stopped answering (keepalive, or no channel)."""
+
+
 class HostKeyError(TransportError):
     """The host's SSH key is unknown (strict mode) or has changed."""
 

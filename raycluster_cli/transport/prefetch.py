@@ -84,6 +84,7 @@ class Pending:
         self.marker = marker
         self.done = threading.Event()
         self.result: CommandResult | None = None
+        self.error: BaseException | None = None  # the host stopped answering under it: the CLI's call raises it
         self._lock = threading.Lock()
         self._claimed = False
 

@@ -26,7 +26,7 @@ from typing import Any, BinaryIO
 
 import paramiko
 
-from ..errors import TransportError
+from ..errors import HostStoppedAnswering, TransportError
 from . import cancel, prefetch, sshkeys
 from .base import CommandResult, put_command
 from .guard import guarded
@@ -183,7 +183,9 @@ class SSHTransport:
 
     def start_ahead(self, blanked: str, timeout: float | None, pending: prefetch.Pending) -> None:
         """Run the announced command now (after the login), unless the CLI's own call came first; a failure
-        to run it at all leaves no result, and the CLI's call then runs it itself."""
+        to run it at all leaves no result, and the CLI's call then runs it itself, except where the host
+        stopped answering under it: the CLI's call gets that error, as it would have running the command on
+        this connection itself (running it again would first wait out a login to a frozen host)."""
         if not pending.claim():
             return  # the CLI asked first and runs it itself
         command, pending.marker = prefetch.fill(blanked)
@@ -191,6 +193,8 @@ class SSHTransport:
             sent = time.time()
             result = self._command(command, timeout=timeout)
             pending.result = CommandResult(result.rc, result.stdout, result.stderr, (sent, time.time()))
+        except HostStoppedAnswering as exc:
+            pending.error = exc
         except Exception as exc:
             log.debug("%s: the command started ahead failed (%s); it runs again when asked", self.host, exc)
         finally:
@@ -203,6 +207,8 @@ class SSHTransport:
             return None  # nothing started ahead, or not yet: the caller runs it (and it is never started)
         while not pending.done.wait(0.2):
             cancel.check(f"running a command on {self.host}")
+        if pending.error is not None:
+            raise pending.error
         if pending.result is None:
             return None
         log.debug("%s: answered by the same command started after the login: %s", self.host, summary(command))
@@ -348,7 +354,7 @@ class SSHTransport:
         self._forget()
         what = f"`{summary(command)}`"
         if lost and keepalive is not None:
-            return TransportError(
+            return HostStoppedAnswering(
                 self.host,
                 f"the host stopped answering (nothing received for {keepalive.dead_after:.0f}s) during {what}",
                 "check that the host is up and not frozen (console, load); re-run when it answers",
@@ -360,7 +366,7 @@ class SSHTransport:
                 "check sshd's MaxSessions and the host's load, and re-run",
             )
         if "opening channel" in str(exc).lower():
-            return TransportError(
+            return HostStoppedAnswering(
                 self.host,
                 f"the host stopped answering: no SSH channel for {what} within {self.connect_timeout:.0f}s",
                 "check that the host is up and not frozen (console, load); re-run when it answers",

@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 from raycluster_cli import facts, logins, prelogin
+from raycluster_cli.errors import HostStoppedAnswering
 from raycluster_cli.transport import CommandResult, prefetch, ssh
 from raycluster_cli.transport.batch import batch_script, fake_batch_output
 
@@ -120,6 +121,28 @@ def test_a_command_that_failed_ahead_runs_again_when_asked(monkeypatch: pytest.M
     assert pending.done.is_set() and pending.result is None
     assert transport.run("docker ps", timeout=60).stdout == "fine"
     assert len(calls) == 2
+
+
+def test_a_host_that_stopped_answering_under_the_command_started_ahead_fails_the_call_at_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The keepalive dropped the connection under the command run ahead (a frozen host): the CLI's call gets
+    that error, as it would have running the command itself. Running it again first waited out a login to
+    the frozen host, and the verb then named the login ("no SSH banner"), not the freeze (the lab's
+    run-ahead fault test)."""
+    calls: list[str] = []
+
+    def frozen(command: str) -> CommandResult:
+        calls.append(command)
+        raise HostStoppedAnswering("192.0.2.10", "the host stopped answering (nothing received for 6s) during x")
+
+    Host(monkeypatch, frozen)
+    transport = _transport()
+    pending = transport.expect("docker ps", 60)
+    transport.start_ahead("docker ps", 60, pending)
+    with pytest.raises(HostStoppedAnswering, match="stopped answering"):
+        transport.run("docker ps", timeout=60)
+    assert len(calls) == 1  # not run again
 
 
 def test_a_facts_batch_is_kept_without_its_marker_and_answers_with_the_callers(
