@@ -5,14 +5,17 @@ left on the hosts; the rerun completes the cluster. Deadlines are short (faults.
 
 from __future__ import annotations
 
+import json
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
 
 from raycluster_cli import inventory as inventory_module
-from raycluster_cli import lab
+from raycluster_cli import lab, logins
 from raycluster_cli.checks import run_checks
 from raycluster_cli.logs import collect
 from raycluster_cli.status import status
@@ -37,7 +40,7 @@ from .faults import (
 pytestmark = pytest.mark.lab
 KEEPALIVE_DEADLINE_S = 6  # QUICK_SSH: 2 s × 3 of silence
 STALL_DEADLINE_S = 5
-OURS_ON_HOST = r"docker load|gzip -dc|zstd -dc|raycluster-guard"
+OURS_ON_HOST = r"docker load|gzip -dc|zstd -dc|tail -c \+1|raycluster-guard"
 
 
 @pytest.fixture(scope="module")
@@ -125,6 +128,56 @@ def test_doctor_process_with_a_host_frozen_just_after_login(lab_hosts: Lab, quic
     failed = [c for c in doc["checks"] if c["status"] == "fail"]
     assert [c["host"] for c in failed] == [IP3], failed
     assert "stopped answering" in str(failed), failed  # the freeze, not the slow `docker`, failed it
+
+
+# The same late `docker`, leaving a mark first: the command's own path has no --debug lines to wait for.
+CALLED = "/tmp/raycluster-test-docker-called"
+MARKED_SLOW_DOCKER = f'#!/bin/sh\ntouch {CALLED}\nsleep 4\nexec /usr/bin/docker "$@"\n'
+
+
+@pytest.mark.parametrize("verb", ["doctor", "status", "down"])
+def test_a_host_frozen_while_its_login_and_first_command_run_ahead_from_the_last_run_fails_in_time_naming_it(
+    lab_hosts: Lab, quick: str, verb: str
+) -> None:
+    """The command's own path (prelogin.py; --debug turns it off). A first run of the same command line keeps
+    its logins and each host's first read-only command (logins.py; `down` has none). In the second, lab-h3's
+    login starts from that record before the inventory is read and its first command runs ahead of the CLI;
+    lab-h3 freezes while that command runs (a `docker` 4 s late, which leaves a mark first). The verb ends
+    within its deadlines, exit 1, naming lab-h3 as having stopped answering (not a second login that found no
+    banner: the run-ahead's failure used to send the CLI's call to log in again), and the next run does what
+    the first did."""
+    argv = [verb, "-i", quick, "--json"]  # as Lab.cli runs it: the record is kept per command line
+    lab_hosts.sh("lab-h3", f"rm -f {CALLED}")
+    before, _, err = lab_hosts.cli(verb, inventory=quick)  # whatever it exits with, the record is kept
+    record = json.loads(logins.cache_file(Path(quick).resolve()).read_text())
+    first = record.get("first", {}).get(logins.command_line_key(argv), {})
+    assert IP3 in record["logins"], record  # the login the second run starts before reading the inventory
+    assert (IP3 in first) == (verb != "down"), record  # and the command run ahead (down begins by removing)
+    with lab_hosts.shim("lab-h3", "docker", MARKED_SLOW_DOCKER):
+        command = [sys.executable, "-m", "raycluster_cli", *argv]
+        process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            called = wait_until(lambda: lab_hosts.sh_result("lab-h3", f"test -e {CALLED}").returncode == 0, 60, 0.1)
+            assert called, "lab-h3's docker was never called"
+            freeze(lab_hosts, "lab-h3")
+            frozen_at = time.monotonic()
+            out, err = process.communicate(timeout=120)
+            ended = time.monotonic()
+        finally:
+            thaw(lab_hosts, "lab-h3")
+            if process.poll() is None:
+                process.kill()
+    assert process.returncode == 1, err
+    assert ended - frozen_at <= KEEPALIVE_DEADLINE_S + LOGIN_DEADLINE_S + SLACK_S, (ended - frozen_at, err)
+    assert "Traceback" not in err
+    text = str(json.loads(out))
+    assert IP3 in text and "stopped answering" in text, text
+    if verb == "doctor":
+        failed = [c for c in json.loads(out)["checks"] if c["status"] == "fail"]
+        assert [c["host"] for c in failed] == [IP3], failed
+    lab_hosts.sh("lab-h3", f"rm -f {CALLED}")
+    code, doc, err = lab_hosts.cli(verb, inventory=quick)  # the host answers again: as before the freeze
+    assert code == before and "stopped answering" not in str(doc), (code, before, doc)
 
 
 def _no_stream_left(the_lab: Lab, timeout: float = 30) -> None:
