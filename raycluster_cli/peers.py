@@ -176,7 +176,7 @@ class Watch:
     def __init__(self, transport: Transport, archive: str, report: Callable[[int], None], total: int = 0) -> None:
         self.transport, self.archive, self.report, self.total = transport, archive, report, total
         self.stalled = False
-        self.seen = 0  # the receiver's bytes at the last poll
+        self.seen = -1  # the receiver's bytes at the last poll that answered (-1: none yet)
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
@@ -189,15 +189,15 @@ class Watch:
         self._thread.join(timeout=10)
 
     def _run(self) -> None:
-        seen, since = -1, time.monotonic()
+        since = time.monotonic()
         while not self._done.wait(POLL_S):
             try:
                 text = self.transport.run(size_command(self.archive), timeout=30).stdout.strip()
             except Exception:
                 continue  # the copy itself reports a lost host
             size = int(text) if text.isdigit() else 0
-            if size != seen:
-                seen, since, self.seen = size, time.monotonic(), size
+            if size != self.seen:
+                self.seen, since = size, time.monotonic()
                 self.report(size)
                 if self.total and size >= self.total:
                     return

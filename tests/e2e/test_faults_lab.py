@@ -148,7 +148,7 @@ def test_a_host_frozen_while_its_login_and_first_command_run_ahead_from_the_last
     the first did."""
     argv = [verb, "-i", quick, "--json"]  # as Lab.cli runs it: the record is kept per command line
     lab_hosts.sh("lab-h3", f"rm -f {CALLED}")
-    before, _, err = lab_hosts.cli(verb, inventory=quick)  # whatever it exits with, the record is kept
+    before, _, _ = lab_hosts.cli(verb, inventory=quick)  # whatever it exits with, the record is kept
     record = json.loads(logins.cache_file(Path(quick).resolve()).read_text())
     first = record.get("first", {}).get(logins.command_line_key(argv), {})
     assert IP3 in record["logins"], record  # the login the second run starts before reading the inventory
@@ -170,10 +170,11 @@ def test_a_host_frozen_while_its_login_and_first_command_run_ahead_from_the_last
     assert process.returncode == 1, err
     assert ended - frozen_at <= KEEPALIVE_DEADLINE_S + LOGIN_DEADLINE_S + SLACK_S, (ended - frozen_at, err)
     assert "Traceback" not in err
-    text = str(json.loads(out))
+    document = json.loads(out)
+    text = str(document)
     assert IP3 in text and "stopped answering" in text, text
     if verb == "doctor":
-        failed = [c for c in json.loads(out)["checks"] if c["status"] == "fail"]
+        failed = [c for c in document["checks"] if c["status"] == "fail"]
         assert [c["host"] for c in failed] == [IP3], failed
     lab_hosts.sh("lab-h3", f"rm -f {CALLED}")
     code, doc, err = lab_hosts.cli(verb, inventory=quick)  # the host answers again: as before the freeze
