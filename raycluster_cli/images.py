@@ -9,6 +9,9 @@ arrival is checked against this machine's image ID.
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
+import os
 import shutil
 import subprocess
 import time
@@ -159,7 +162,8 @@ def _spread(
         return [(t, Outcome(error=o.error)) for t, o in found]
     here = {tool for tool in ("zstd", "pigz") if shutil.which(tool)}
     codec = choose_codec(here, [tools for _, (_, tools) in reached])
-    job = Job(inventory.image, image_id, _archive(inventory.image, image_id, codec, archive_dir, progress), codec)
+    archive = _archive(inventory.image, image_id, codec, archive_dir, progress)
+    job = Job(inventory.image, image_id, archive, codec, archive_digest(archive))
     receivers = {
         t.host: Receiver(
             t,
@@ -168,6 +172,7 @@ def _spread(
             decompressor(codec, tools),
             {"bash", "timeout"} <= tools,
             archive_dir=archive_dir_on_host(inventory, host_of[t.host]),
+            sums="sha256sum" in tools,
         )
         for t, (transport, tools) in reached
     }
@@ -186,7 +191,9 @@ def _spread(
     return outcomes
 
 
-TOOLS_COMMAND = "for t in zstd pigz bash timeout python3; do command -v $t >/dev/null 2>&1 && echo $t; done; true"
+TOOLS_COMMAND = (
+    "for t in zstd pigz bash timeout python3 sha256sum; do command -v $t >/dev/null 2>&1 && echo $t; done; true"
+)
 
 
 def choose_codec(here: set[str], hosts: list[frozenset[str]]) -> str:
@@ -234,6 +241,24 @@ def _archive(image: str, image_id: str, codec: str, archive_dir: Path, progress:
     )
     progress(TransferProgress("(compress)", done, done, done=True, label=label))
     return path
+
+
+def archive_digest(archive: Path) -> str:
+    """The archive's SHA-256 (hex), computed once and kept beside it (`<archive>.sha256`, made with the
+    archive's own rights); a kept digest older than the archive is computed again."""
+    kept = archive.with_name(archive.name + ".sha256")
+    with contextlib.suppress(OSError):
+        if kept.stat().st_mtime >= archive.stat().st_mtime:
+            text = kept.read_text().strip()
+            if len(text) == 64 and all(c in "0123456789abcdef" for c in text):
+                return text
+    with archive.open("rb") as source:
+        digest = hashlib.file_digest(source, "sha256").hexdigest()
+    with contextlib.suppress(OSError):
+        partial = kept.with_name(kept.name + ".partial")
+        partial.write_text(digest + "\n")
+        os.replace(partial, kept)
+    return digest
 
 
 def ensure_room(directory: Path, needed: int, what: str) -> None:

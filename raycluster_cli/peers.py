@@ -9,6 +9,10 @@ archive to serve others. The secret reaches both ends on stdin, never on a comma
 serves the first connection that presents it and closes. Every copy has a deadline, a stall timeout on
 both ends and a short connect window, so a host that cannot reach another fails fast and is served by
 the operator instead. The image ID is verified on arrival, as after an operator stream.
+
+A host serves others as soon as its archive is whole, while its own `docker load` still runs (40–60 s of a
+multi-GB image, against seconds for the copy): the archive's SHA-256 (the operator's, computed once) is
+checked as it arrives, and only an archive that matches is published under its serving name.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ CONNECT_S = 20.0  # how long a receiver tries to reach the sender's listener bef
 STALL_S = 60.0  # no byte for this long ends a copy (both ends, and the operator's watch)
 DEADLINE_S = 1800.0  # the whole copy
 POLL_S = 2.0  # how often the operator reads a receiver's byte count for its progress bar
+READY_POLL_S = 0.5  # once every byte is there: how often it looks whether the archive was published
 
 # The sender's listener: serve ARCHIVE to the first connection that presents the secret (read on stdin), then
 # exit. argv: address port archive stall_s wait_s. Prints the bytes sent.
@@ -106,20 +111,30 @@ def listener_command(copy: Copy, archive: str, image: str) -> str:
     )
 
 
-def receive_command(archive: str, decompress: str, image: str, source: str = "") -> str:
+def receive_command(archive: str, decompress: str, image: str, source: str = "", digest: str = "") -> str:
     """The receiver's side, with the archive on stdin (from the operator) or from `source` (`IP PORT` of a
     sender's listener, secret first on stdin): keep a copy, load it, print the loaded image ID last.
 
     The archive is written to its file as it arrives and `docker load` follows that file (`tail --pid -f`):
     a load that stops reading for a while (a multi-GB layer being committed) no longer holds up the copy, so
-    the stall watch (the file's growth) sees the network alone. Where `tail` cannot follow a writer (busybox),
-    `tee` splits the stream as before. It all runs under `timeout` (its process group is what the operator's
-    stall watch kills: the pid is written next to the archive)."""
+    the stall watch (the file's growth) sees the network alone. With `digest` (the archive's SHA-256, hex), a
+    second follower sums the file as it grows, and once the copy is whole and matches, the file is linked
+    under the archive's own name, which is what a listener serves: the host can serve others while its load
+    runs on (`size_command` sees the link). Where `tail` cannot follow a writer (busybox), `tee` splits the
+    stream as before and the archive is served after the load. It all runs under `timeout` (its process
+    group is what the operator's stall watch kills: the pid is written next to the archive)."""
     part = f"{archive}.part"
+    publish = (
+        f"{{ tail -c +1 -s 0.2 --pid=$c -f {quote(part)} | sha256sum | {{ read -r s _; "
+        f'[ "$s" = {quote(digest)} ] && ln -f {quote(part)} {quote(archive)}; }}; true; }} & p=$!; '
+        if digest
+        else ""
+    )
+    wait_all = 'wait "$c" && wait "$p"' if digest else 'wait "$c"'
     follow = (
-        f": >{quote(part)}; exec 5<&0; cat <&5 >>{quote(part)} & c=$!; exec 5<&-; "
+        f": >{quote(part)}; exec 5<&0; cat <&5 >>{quote(part)} & c=$!; exec 5<&-; {publish}"
         f"tail -c +1 -s 0.2 --pid=$c -f {quote(part)} | {decompress} | docker load -q "
-        '|| { r=$?; kill "$c" 2>/dev/null; exit "$r"; }; wait "$c"'
+        f'|| {{ r=$?; kill "$c" 2>/dev/null; exit "$r"; }}; {wait_all}'
     )
     load = (
         f"if tail --pid=1 -c 0 /dev/null >/dev/null 2>&1; then {follow}; "
@@ -143,7 +158,9 @@ def receive_command(archive: str, decompress: str, image: str, source: str = "")
     return (
         f"umask 077; mkdir -p {quote(_folder(archive))} && rm -f {quote(part)} && {fetch}"
         f"pid=$!; echo $pid > {quote(part)}.pid; wait $pid; rc=$?; rm -f {quote(part)}.pid; "
-        f'[ "$rc" = 0 ] || exit "$rc"; mv -f {quote(part)} {quote(archive)} && '
+        f'[ "$rc" = 0 ] || exit "$rc"; '
+        f"{{ if [ {quote(part)} -ef {quote(archive)} ]; then rm -f {quote(part)}; "  # published while it loaded
+        f"else mv -f {quote(part)} {quote(archive)}; fi; }} && "
         f"docker image inspect --format '{{{{.Id}}}}' {quote(image)}"
     )
 
@@ -154,7 +171,10 @@ def receive_script(command: str) -> str:
 
 
 def size_command(archive: str) -> str:
-    return f"stat -c %s {quote(archive + '.part')} 2>/dev/null || echo 0"
+    """The bytes of the copy so far, then the word `ready` once it is published under the archive's name (the
+    same file: an archive left from an earlier run is not this copy)."""
+    part, name = quote(archive + ".part"), quote(archive)
+    return f's=$(stat -c %s {part} 2>/dev/null || echo 0); if [ {part} -ef {name} ]; then echo "$s ready"; else echo "$s"; fi'
 
 
 def stop_command(archive: str) -> str:
@@ -168,13 +188,25 @@ def cleanup_command(archive: str) -> str:
 
 
 class Watch:
-    """Poll a receiver's byte count for its progress bar; stop the copy when no byte arrived for STALL_S.
+    """Poll a receiver's byte count for its progress bar; stop the copy when no byte arrived for STALL_S
+    (`stall`: operator streams have their own deadline and are watched for `on_ready` only).
 
-    Once all `total` bytes are there the watch ends: what remains is the host's `docker load` reading its file,
-    which may go quiet for longer than STALL_S (a large layer committed) and is bounded by the copy's deadline."""
+    Once all `total` bytes are there no stall is watched: what remains is the host's `docker load` reading its
+    file, which may go quiet for longer than STALL_S (a large layer committed) and is bounded by the copy's
+    deadline. With `on_ready`, the watch then looks every READY_POLL_S whether the archive was published
+    (its checksum matched) and calls `on_ready` once when it was; without it, the watch ends there."""
 
-    def __init__(self, transport: Transport, archive: str, report: Callable[[int], None], total: int = 0) -> None:
+    def __init__(
+        self,
+        transport: Transport,
+        archive: str,
+        report: Callable[[int], None],
+        total: int = 0,
+        on_ready: Callable[[], None] | None = None,
+        stall: bool = True,
+    ) -> None:
         self.transport, self.archive, self.report, self.total = transport, archive, report, total
+        self.on_ready, self.stall = on_ready, stall
         self.stalled = False
         self.seen = -1  # the receiver's bytes at the last poll that answered (-1: none yet)
         self._done = threading.Event()
@@ -188,20 +220,26 @@ class Watch:
         self._done.set()
         self._thread.join(timeout=10)
 
+    def _whole(self) -> bool:
+        return bool(self.total) and self.seen >= self.total
+
     def _run(self) -> None:
         since = time.monotonic()
-        while not self._done.wait(POLL_S):
+        while not self._done.wait(READY_POLL_S if self._whole() else POLL_S):
             try:
-                text = self.transport.run(size_command(self.archive), timeout=30).stdout.strip()
+                words = self.transport.run(size_command(self.archive), timeout=30).stdout.split()
             except Exception:
                 continue  # the copy itself reports a lost host
-            size = int(text) if text.isdigit() else 0
-            if size != self.seen:
+            size = int(words[0]) if words and words[0].isdigit() else 0
+            if "ready" in words[1:] and self.on_ready is not None:
+                self.on_ready()
+                return
+            if size > self.seen:
                 self.seen, since = size, time.monotonic()
                 self.report(size)
-                if self.total and size >= self.total:
+                if self._whole() and self.on_ready is None:
                     return
-            elif time.monotonic() - since > STALL_S:
+            elif self.stall and not self._whole() and time.monotonic() - since > STALL_S:
                 self.stalled = True
                 with contextlib.suppress(Exception):
                     self.transport.run(stop_command(self.archive), timeout=30)

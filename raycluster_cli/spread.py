@@ -2,16 +2,23 @@
 serves one that lacks it, so the number of holders doubles each round (O(log N) rounds for N hosts) while
 the operator uploads one copy. A host whose peer copy fails is served by the operator (as Dragonfly's
 peers go back to the source); a sender whose listener failed serves no one else.
+
+A host holds the image for this purpose as soon as its archive is whole and its checksum matches the
+operator's (peers.receive_command publishes it then), not when its own `docker load` ends: a round then
+takes the copy's time, and the loads (most of the time of a multi-GB image) run side by side.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 from . import peers
 from .engine import image_id
@@ -56,6 +63,7 @@ class Job:
     image_id: str
     archive: Path  # the compressed archive on this machine
     codec: str
+    digest: str = ""  # the archive's SHA-256 (hex): a host whose copy matches serves others while it loads
 
     def remote(self, directory: str = peers.ARCHIVE_DIR) -> str:
         """Where a host keeps its copy of the archive while it may serve others (`directory`: its login user's)."""
@@ -74,6 +82,8 @@ class Receiver:
     fallback: str = ""  # why its peer copy failed (then the operator serves it)
     result: Outcome[ImageTransfer] | None = None
     serves: bool = True  # False once its listener failed
+    sums: bool = False  # has sha256sum: can check its copy and serve others before its load ends
+    serving: bool = False  # already among the holders (its archive whole, or its copy done)
     archive_dir: str = peers.ARCHIVE_DIR  # where this host keeps the archive (hoststate.archive_dir)
 
     @property
@@ -88,6 +98,7 @@ class Spread:
         self.direct: deque[Receiver] = deque(r for r in receivers if not r.peer_ok)
         self.idle: deque[Receiver] = deque()  # holders free to serve
         self.running: dict[Future[ImageTransfer], tuple[str, Receiver, Receiver | None]] = {}
+        self.ready: dict[Future[None], Receiver] = {}  # set by a copy's watch once its archive is published
         self.seeded = 0
 
     def run(self) -> list[Receiver]:
@@ -97,9 +108,14 @@ class Spread:
             while self.pending or self.direct or self.running:
                 cancel.check("image distribution")
                 self._start(pool)
-                finished, _ = wait(list(self.running), return_when=FIRST_COMPLETED)
+                watched: list[Future[Any]] = [*self.running, *self.ready]
+                finished, _ = wait(watched, return_when=FIRST_COMPLETED)
                 for future in finished:
-                    self._finish(future)
+                    published = self.ready.pop(future, None)
+                    if published is not None:
+                        self._hold(published)
+                    else:
+                        self._finish(future)
         except BaseException:
             # Interrupted (Ctrl-C reaches this thread): start nothing more and do not wait for the copies
             # still running; their transports are being closed and the hosts' guards end their commands.
@@ -108,6 +124,26 @@ class Spread:
             raise
         pool.shutdown(wait=True)
         return self.receivers
+
+    def _hold(self, receiver: Receiver) -> None:
+        """`receiver` has the archive: it joins the holders that serve others (once)."""
+        if receiver.peer_ok and receiver.serves and not receiver.serving:
+            receiver.serving = True
+            self.idle.append(receiver)
+
+    def _readiness(self, receiver: Receiver) -> tuple[str, Callable[[], None] | None]:
+        """The digest to check on `receiver` and what its watch calls once its copy is published ("", None: it
+        serves after its load). Called where its copy is scheduled (this thread), which waits on the result."""
+        if not (self.job.digest and receiver.sums and receiver.peer_ok and receiver.serves and not receiver.serving):
+            return "", None
+        future: Future[None] = Future()
+        self.ready[future] = receiver
+
+        def published() -> None:
+            self.progress(f"{receiver.host}: archive whole (SHA-256 checked); it serves others while it loads")
+            future.set_result(None)
+
+        return self.job.digest, published
 
     def _operator_next(self) -> Receiver | None:
         """Fallbacks first; then seeds, and more of them only when no holder is or will soon be free."""
@@ -124,18 +160,21 @@ class Spread:
             receiver = self._operator_next()
             if receiver is None:
                 break
-            self.running[pool.submit(self._stream, receiver)] = ("operator", receiver, None)
+            ready = self._readiness(receiver)
+            self.running[pool.submit(self._stream, receiver, *ready)] = ("operator", receiver, None)
         while self.idle and self.pending:
             sender, receiver = self.idle.popleft(), self.pending.popleft()
-            self.running[pool.submit(self._peer, sender, receiver)] = ("peer", receiver, sender)
+            ready = self._readiness(receiver)
+            self.running[pool.submit(self._peer, sender, receiver, *ready)] = ("peer", receiver, sender)
 
     def _finish(self, future: Future[ImageTransfer]) -> None:
         kind, receiver, sender = self.running.pop(future)
+        for waiting in [f for f, r in self.ready.items() if r is receiver]:  # its copy ended unpublished
+            del self.ready[waiting]
         error = future.exception()
         if error is None:
             receiver.result = Outcome(value=future.result())
-            if receiver.peer_ok and receiver.serves:
-                self.idle.append(receiver)
+            self._hold(receiver)
         elif kind == "operator":
             receiver.result = Outcome(error=error)
         else:
@@ -146,7 +185,9 @@ class Spread:
 
     # the two kinds of copy ------------------------------------------------------------------------------
 
-    def _stream(self, receiver: Receiver) -> ImageTransfer:
+    def _stream(
+        self, receiver: Receiver, digest: str = "", on_ready: Callable[[], None] | None = None
+    ) -> ImageTransfer:
         """The operator sends its archive over the receiver's SSH connection."""
         started = time.monotonic()
         total = self.job.archive.stat().st_size
@@ -159,15 +200,22 @@ class Spread:
             self.progress(TransferProgress(receiver.host, sent, total))
 
         archive = self.job.remote(receiver.archive_dir)
-        command = peers.receive_script(peers.receive_command(archive, receiver.decompress, self.job.image))
-        with self.job.archive.open("rb") as source:
+        command = peers.receive_script(peers.receive_command(archive, receiver.decompress, self.job.image, "", digest))
+        with (
+            self.job.archive.open("rb") as source,
+            peers.Watch(receiver.transport, archive, lambda n: None, total, on_ready, stall=False)
+            if on_ready is not None
+            else contextlib.nullcontext(),
+        ):
             result = receiver.transport.feed(command, source, on_sent=on_sent, timeout=peers.DEADLINE_S)
         self.progress(TransferProgress(receiver.host, sent, total, done=True))
         self._check(receiver, result, "docker load")
         after = f" (after a peer copy failed: {receiver.fallback})" if receiver.fallback else ""
         return self._done(receiver, "operator" + after, started, sent)
 
-    def _peer(self, sender: Receiver, receiver: Receiver) -> ImageTransfer:
+    def _peer(
+        self, sender: Receiver, receiver: Receiver, digest: str = "", on_ready: Callable[[], None] | None = None
+    ) -> ImageTransfer:
         """`sender` serves its copy of the archive to `receiver` over the cluster network."""
         started = time.monotonic()
         total = self.job.archive.stat().st_size
@@ -188,10 +236,10 @@ class Spread:
         self.progress(TransferProgress(receiver.host, 0, total, label=label))
         archive = self.job.remote(receiver.archive_dir)
         command = peers.receive_script(
-            peers.receive_command(archive, receiver.decompress, self.job.image, f"{copy.address} {copy.port}")
+            peers.receive_command(archive, receiver.decompress, self.job.image, f"{copy.address} {copy.port}", digest)
         )
         report = lambda n: self.progress(TransferProgress(receiver.host, n, total, label=label))  # noqa: E731
-        with peers.Watch(receiver.transport, archive, report, total) as watch:
+        with peers.Watch(receiver.transport, archive, report, total, on_ready) as watch:
             result = receiver.transport.run(command, stdin=secret, timeout=peers.DEADLINE_S + 60)
         listener.join(peers.CONNECT_S + 60)
         self.progress(TransferProgress(receiver.host, total, total, done=True, label=label))

@@ -6,6 +6,7 @@ opened."""
 from __future__ import annotations
 
 import gzip
+import hashlib
 import os
 import subprocess
 from pathlib import Path
@@ -16,6 +17,8 @@ from raycluster_cli import peers
 
 # A `docker load` that reads nothing until the archive file has $SIZE bytes (at most 20 s), as a daemon
 # committing a multi-GB layer stops reading for a while; it notes the file's size when it starts reading.
+# With $PUBLISHED_WAIT (tenths of a second), it then waits that long at most for the archive to be published
+# under its serving name, and notes whether it was, while the load still runs.
 FAKE_DOCKER = """#!/bin/sh
 case "$1" in
 load)
@@ -24,24 +27,31 @@ load)
     sleep 0.1; i=$((i + 1))
   done
   stat -c %s "$PART" >"$D/part-at-load"
+  i=0
+  while [ ! "$PART" -ef "$ARCHIVE" ] && [ "$i" -lt "${PUBLISHED_WAIT:-0}" ]; do sleep 0.1; i=$((i + 1)); done
+  if [ "$PART" -ef "$ARCHIVE" ]; then echo yes; else echo no; fi >"$D/published-while-loading"
   cat >"$D/loaded" && echo "Loaded image ID: sha256:abc" ;;
 image) echo "sha256:abc" ;;
 esac
 """
 
 
-def _receive(tmp_path: Path, feed: bytes, wait_for: int, path: str = "") -> subprocess.CompletedProcess[bytes]:
+def _receive(
+    tmp_path: Path, feed: bytes, wait_for: int, path: str = "", digest: str = "", published_wait: int = 0
+) -> subprocess.CompletedProcess[bytes]:
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir(exist_ok=True)
     (bin_dir / "docker").write_text(FAKE_DOCKER)
     (bin_dir / "docker").chmod(0o755)
     archive = tmp_path / "images" / "a.tar.gz"
-    command = peers.receive_script(peers.receive_command(str(archive), "gzip -dc", "img:1"))
+    command = peers.receive_script(peers.receive_command(str(archive), "gzip -dc", "img:1", "", digest))
     env = {
         "PATH": f"{path}{bin_dir}:/usr/bin:/bin",
         "D": str(tmp_path),
         "PART": f"{archive}.part",
+        "ARCHIVE": str(archive),
         "SIZE": str(wait_for),
+        "PUBLISHED_WAIT": str(published_wait),
     }
     return subprocess.run(["bash", "-c", command], input=feed, capture_output=True, env=env, timeout=60)
 
@@ -90,3 +100,57 @@ def test_a_tail_that_cannot_follow_a_writer_loads_through_tee(tmp_path: Path, im
     at_load = int((tmp_path / "part-at-load").read_text())
     assert at_load < len(archive), (at_load, len(archive), done.stderr.decode())  # tee: read as it came
     assert (tmp_path / "images" / "a.tar.gz").read_bytes() == archive
+
+
+def test_a_whole_archive_whose_checksum_matches_is_served_while_the_load_still_runs(
+    tmp_path: Path, image: tuple[bytes, bytes]
+) -> None:
+    content, archive = image
+    digest = hashlib.sha256(archive).hexdigest()
+    done = _receive(tmp_path, archive, wait_for=len(archive), digest=digest, published_wait=150)
+    assert done.returncode == 0, done.stderr.decode()
+    assert (tmp_path / "published-while-loading").read_text().strip() == "yes"
+    assert (tmp_path / "loaded").read_bytes() == content
+    assert (tmp_path / "images" / "a.tar.gz").read_bytes() == archive
+    assert not (tmp_path / "images" / "a.tar.gz.part").exists()
+    assert done.stdout.decode().splitlines()[-1] == "sha256:abc"
+
+
+def test_an_archive_whose_checksum_differs_is_served_only_after_its_load(
+    tmp_path: Path, image: tuple[bytes, bytes]
+) -> None:
+    content, archive = image
+    wrong = hashlib.sha256(archive + b"x").hexdigest()
+    done = _receive(tmp_path, archive, wait_for=len(archive), digest=wrong, published_wait=15)
+    assert done.returncode == 0, done.stderr.decode()
+    assert (tmp_path / "published-while-loading").read_text().strip() == "no"
+    assert (tmp_path / "loaded").read_bytes() == content
+    assert (tmp_path / "images" / "a.tar.gz").read_bytes() == archive  # the load verified the image: kept
+
+
+def test_a_stream_cut_short_is_never_published(tmp_path: Path, image: tuple[bytes, bytes]) -> None:
+    _, archive = image
+    half = archive[: len(archive) // 2]
+    done = _receive(tmp_path, half, wait_for=len(half), digest=hashlib.sha256(archive).hexdigest(), published_wait=15)
+    assert done.returncode != 0
+    assert (tmp_path / "published-while-loading").read_text().strip() == "no"
+    assert not (tmp_path / "images" / "a.tar.gz").exists()
+
+
+@pytest.mark.parametrize("shell", ["sh", "bash"])
+def test_the_size_command_says_ready_only_for_this_copy_published(tmp_path: Path, shell: str) -> None:
+    """An archive left from an earlier run has the serving name too, but is another file than this copy."""
+    archive = tmp_path / "a.tar.zst"
+    part = tmp_path / "a.tar.zst.part"
+
+    def size() -> str:
+        run = subprocess.run([shell, "-c", peers.size_command(str(archive))], capture_output=True, timeout=10)
+        return run.stdout.decode().strip()
+
+    assert size() == "0"
+    part.write_bytes(b"x" * 10)
+    archive.write_bytes(b"y" * 10)  # stale
+    assert size() == "10"
+    archive.unlink()
+    os.link(part, archive)
+    assert size() == "10 ready"

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import hashlib
 import re
 import threading
 from pathlib import Path
+from typing import Any, BinaryIO
 
 import pytest
 
@@ -41,11 +43,15 @@ class Host(FakeTransport):
             return super().run(command, stdin=stdin, timeout=timeout)
 
 
-def _host(address: str, loaded: str = A, tools: str = "zstd\nbash\ntimeout\n", **extra: CommandResult | str) -> Host:
+def _table(loaded: str = A, tools: str = "zstd\nbash\ntimeout\n") -> dict[str, CommandResult | str]:
     table: dict[str, CommandResult | str] = {re.escape(TOOLS_COMMAND): tools}
     table.update({"python3 -c": "123", "/dev/tcp/": f"Loaded image: img:1\n{loaded}\n"})
     table.update({"docker load": f"Loaded image: img:1\n{loaded}\n", "stat -c": "0", "rm -f": ""})
-    return Host(address, {**table, **extra})
+    return table
+
+
+def _host(address: str, loaded: str = A, tools: str = "zstd\nbash\ntimeout\n", **extra: CommandResult | str) -> Host:
+    return Host(address, {**_table(loaded, tools), **extra})
 
 
 def _plan(inv: Inventory) -> list[ImageTransfer]:
@@ -196,3 +202,79 @@ def test_each_host_keeps_the_archive_in_its_login_users_folder(archive: Path) ->
         touching = [c for c in hosts[address].commands if peers.ARCHIVE_DIR in c]
         assert touching and all(f"{folder}/" in c and other not in c for c in touching), touching
         assert any(c.startswith(f"rm -f {folder}/") for c in touching)  # removed after, from the same folder
+
+
+class Loading(Host):
+    """A host whose `docker load` (the end of every receive) waits until every host has begun to receive (at
+    most `limit` s); its size command says `ready` once its copy began, as a receiver that published its
+    checksummed archive does."""
+
+    def __init__(self, host: str, table: dict[str, CommandResult | str], fleet: Fleet) -> None:
+        super().__init__(host, table)
+        self.fleet = fleet
+        self.receiving = False
+
+    def _load(self) -> None:
+        self.receiving = True
+        self.fleet.began(self.host)
+
+    def run(self, command: str, *, stdin: bytes | None = None, timeout: float | None = 120.0) -> CommandResult:
+        if command.startswith("s=$(stat -c %s"):
+            with self.lock:
+                self.commands.append(command)
+            return CommandResult(0, "1000 ready\n" if self.receiving else "0\n", "")
+        if "/dev/tcp/" in command:
+            self._load()
+        return super().run(command, stdin=stdin, timeout=timeout)
+
+    def feed(self, command: str, source: BinaryIO, **kwargs: Any) -> CommandResult:
+        self._load()
+        return super().feed(command, source, **kwargs)
+
+
+class Fleet:
+    def __init__(self, count: int, limit: float) -> None:
+        self.count, self.limit = count, limit
+        self.receiving: list[str] = []
+        self.all_began = threading.Event()
+        self.loads_waited: list[bool] = []  # per load: whether every host had begun before it ended
+        self.lock = threading.Lock()
+
+    def began(self, host: str) -> None:
+        with self.lock:
+            self.receiving.append(host)
+            if len(self.receiving) == self.count:
+                self.all_began.set()
+        self.loads_waited.append(self.all_began.wait(self.limit))
+
+
+def test_a_host_serves_others_as_soon_as_its_archive_is_published_before_its_load_ends(
+    archive: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each load here lasts until all 8 hosts have begun to receive: only hosts that serve while they load
+    get there (served after their loads, the copies would follow one another: each load would end at its limit)."""
+    monkeypatch.setattr(peers, "POLL_S", 0.02)
+    monkeypatch.setattr(peers, "READY_POLL_S", 0.02)
+    inv = _fleet(8)
+    fleet = Fleet(8, limit=5.0)
+    tools = "zstd\nbash\ntimeout\nsha256sum\n"
+    hosts = {str(h.address): Loading(str(h.address), _table(tools=tools), fleet) for h in inv.hosts}
+    events: list[object] = []
+    done = distribute(inv, lambda h: hosts[str(h.address)], _plan(inv), A, archive.parent, events.append)
+    assert len(done) == 8 and sum(bool(h.fed) for h in hosts.values()) == 1  # still one copy from here
+    assert fleet.loads_waited == [True] * 8  # no load ended before every host had begun to receive
+    digest = hashlib.sha256(archive.read_bytes()).hexdigest()
+    receives = [c for h in hosts.values() for c in h.commands if "docker load" in c]
+    assert len(receives) == 8 and all(digest in c for c in receives)  # each checks the operator's checksum
+    assert (archive.parent / (archive.name + ".sha256")).read_text().strip() == digest  # computed once, kept
+    said = [e for e in events if isinstance(e, str) and "serves others while it loads" in e]
+    assert len(said) == 7  # every host but the last one to receive (no one is left to serve)
+
+
+def test_a_host_without_sha256sum_serves_after_its_load(archive: Path) -> None:
+    inv = _fleet(3)
+    hosts = {str(h.address): _host(str(h.address)) for h in inv.hosts}  # zstd, bash, timeout
+    done = distribute(inv, lambda h: hosts[str(h.address)], _plan(inv), A, archive.parent)
+    assert len(done) == 3
+    receives = [c for h in hosts.values() for c in h.commands if "docker load" in c]
+    assert receives and not [c for c in receives if "sha256sum" in c]
