@@ -113,7 +113,7 @@ class Spread:
                 for future in finished:
                     published = self.ready.pop(future, None)
                     if published is not None:
-                        self._hold(published)
+                        self._published(published)
                     else:
                         self._finish(future)
         except BaseException:
@@ -130,6 +130,16 @@ class Spread:
         if receiver.peer_ok and receiver.serves and not receiver.serving:
             receiver.serving = True
             self.idle.append(receiver)
+
+    def _published(self, receiver: Receiver) -> None:
+        """`receiver`'s archive is whole and checked: it serves others from now on, and the host that sent it
+        (its listener done) is free again, without waiting for the receiver's load."""
+        self._hold(receiver)
+        for future, (kind, each, sender) in list(self.running.items()):
+            if each is receiver and sender is not None:
+                self.running[future] = (kind, each, None)  # released here, not again when the copy ends
+                if sender.serves:
+                    self.idle.append(sender)
 
     def _readiness(self, receiver: Receiver) -> tuple[str, Callable[[], None] | None]:
         """The digest to check on `receiver` and what its watch calls once its copy is published ("", None: it
