@@ -173,6 +173,7 @@ def _spread(
             {"bash", "timeout"} <= tools,
             archive_dir=archive_dir_on_host(inventory, host_of[t.host]),
             sums="sha256sum" in tools,
+            listens="python3" in tools,
         )
         for t, (transport, tools) in reached
     }

@@ -3,9 +3,12 @@ serves one that lacks it, so the number of holders doubles each round (O(log N) 
 the operator uploads one copy. A host whose peer copy fails is served by the operator (as Dragonfly's
 peers go back to the source); a sender whose listener failed serves no one else.
 
-A host holds the image for this purpose as soon as its archive is whole and its checksum matches the
-operator's (peers.receive_command publishes it then), not when its own `docker load` ends: a round then
-takes the copy's time, and the loads (most of the time of a multi-GB image) run side by side.
+A copy is done for the scheduler as soon as the receiver's archive is whole and its checksum matches the
+operator's (peers.receive_command publishes it then), not when the receiver's `docker load` ends: its
+sender is free to serve the next host, and a receiver whose listener runs on the host's own python3 serves
+others from then on, while it loads. A round then takes the copy's time, and the loads (most of the time
+of a multi-GB image) run side by side. A host without python3 runs its listener in the image, so it serves
+once its load is done.
 """
 
 from __future__ import annotations
@@ -82,7 +85,8 @@ class Receiver:
     fallback: str = ""  # why its peer copy failed (then the operator serves it)
     result: Outcome[ImageTransfer] | None = None
     serves: bool = True  # False once its listener failed
-    sums: bool = False  # has sha256sum: can check its copy and serve others before its load ends
+    sums: bool = False  # has sha256sum: can check its copy as it arrives (its sender is then free)
+    listens: bool = False  # has python3 for its listener: can serve others before its own load ends
     serving: bool = False  # already among the holders (its archive whole, or its copy done)
     archive_dir: str = peers.ARCHIVE_DIR  # where this host keeps the archive (hoststate.archive_dir)
 
@@ -132,25 +136,30 @@ class Spread:
             self.idle.append(receiver)
 
     def _published(self, receiver: Receiver) -> None:
-        """`receiver`'s archive is whole and checked: it serves others from now on, and the host that sent it
-        (its listener done) is free again, without waiting for the receiver's load."""
-        self._hold(receiver)
+        """`receiver`'s archive is whole and checked: the host that sent it (its listener done) is free again,
+        without waiting for the receiver's load, and a receiver that listens without the image serves others
+        from now on."""
+        if receiver.listens:
+            self._hold(receiver)
         for future, (kind, each, sender) in list(self.running.items()):
             if each is receiver and sender is not None:
                 self.running[future] = (kind, each, None)  # released here, not again when the copy ends
                 if sender.serves:
                     self.idle.append(sender)
 
-    def _readiness(self, receiver: Receiver) -> tuple[str, Callable[[], None] | None]:
-        """The digest to check on `receiver` and what its watch calls once its copy is published ("", None: it
-        serves after its load). Called where its copy is scheduled (this thread), which waits on the result."""
-        if not (self.job.digest and receiver.sums and receiver.peer_ok and receiver.serves and not receiver.serving):
+    def _readiness(self, receiver: Receiver, peer: bool) -> tuple[str, Callable[[], None] | None]:
+        """The digest to check on `receiver` and what its watch calls once its copy is published ("", None: no
+        use in knowing before the copy ends). Called where its copy is scheduled (this thread), which waits on
+        the result. Worth knowing for a peer copy (its sender is freed) and for a host that serves early."""
+        early = receiver.listens and receiver.peer_ok and receiver.serves and not receiver.serving
+        if not (self.job.digest and receiver.sums and (peer or early)):
             return "", None
         future: Future[None] = Future()
         self.ready[future] = receiver
+        then = "it serves others while it loads" if early else "it loads (its listener needs the image)"
 
         def published() -> None:
-            self.progress(f"{receiver.host}: archive whole (SHA-256 checked); it serves others while it loads")
+            self.progress(f"{receiver.host}: archive whole (SHA-256 checked); {then}")
             future.set_result(None)
 
         return self.job.digest, published
@@ -170,11 +179,11 @@ class Spread:
             receiver = self._operator_next()
             if receiver is None:
                 break
-            ready = self._readiness(receiver)
+            ready = self._readiness(receiver, peer=False)
             self.running[pool.submit(self._stream, receiver, *ready)] = ("operator", receiver, None)
         while self.idle and self.pending:
             sender, receiver = self.idle.popleft(), self.pending.popleft()
-            ready = self._readiness(receiver)
+            ready = self._readiness(receiver, peer=True)
             self.running[pool.submit(self._peer, sender, receiver, *ready)] = ("peer", receiver, sender)
 
     def _finish(self, future: Future[ImageTransfer]) -> None:

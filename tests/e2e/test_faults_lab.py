@@ -40,7 +40,7 @@ from .faults import (
 pytestmark = pytest.mark.lab
 KEEPALIVE_DEADLINE_S = 6  # QUICK_SSH: 2 s × 3 of silence
 STALL_DEADLINE_S = 5
-OURS_ON_HOST = r"docker load|gzip -dc|zstd -dc|tail -c \+1|raycluster-guard"
+OURS_ON_HOST = r"docker load|gzip -dc|zstd -dc|tail -c \+1|sha256sum|raycluster-guard"
 
 
 @pytest.fixture(scope="module")

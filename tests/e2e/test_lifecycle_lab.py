@@ -211,9 +211,17 @@ def test_z_down_purge_removes_image_and_token_files_then_up_streams_to_every_hos
     for hostname in ("lab-h1", "lab-h2", "lab-h3"):
         assert lab_hosts.sh_result(hostname, f"docker image inspect {lab.NODE_IMAGE}").returncode != 0
         assert lab_hosts.sh_result(hostname, "test -e /etc/raycluster/lab").returncode != 0
-    # The default `down` keeps the image; after a purge, `up` streams it everywhere again.
-    doc = _up(lab_hosts)
+    # The default `down` keeps the image; after a purge, `up` streams it everywhere again: the operator sends one
+    # copy, that host serves the others, and each peer copy is done for the scheduler once its archive is whole
+    # and its checksum matches (the lab hosts have no python3: they serve only once loaded themselves).
+    code, doc, err = lab_hosts.cli("up", timeout=1500)
+    assert code == 0 and all(n["alive"] for n in doc["nodes"]), err
     assert sorted(t["host"] for t in doc["images"]) == sorted([IP1, IP2, IP3])
+    sources = {t["host"]: t["source"] for t in doc["images"]}
+    seed = [host for host, source in sources.items() if source == "operator"]
+    assert len(seed) == 1 and all(source in (IP1, IP2, IP3) for source in sources.values() if source != "operator")
+    served = [host for host, source in sources.items() if source != "operator"]
+    assert all(f"{host}: archive whole (SHA-256 checked); it loads (its listener" in err for host in served), err
     code, doc, _ = lab_hosts.cli("down")
     assert code == 0 and doc["purged"] == []
     assert lab_hosts.sh("lab-h2", f"docker image inspect --format '{{{{.Id}}}}' {lab.NODE_IMAGE}").strip()

@@ -209,9 +209,9 @@ class Loading(Host):
     most `limit` s); its size command says `ready` once its copy began, as a receiver that published its
     checksummed archive does."""
 
-    def __init__(self, host: str, table: dict[str, CommandResult | str], fleet: Fleet) -> None:
+    def __init__(self, host: str, table: dict[str, CommandResult | str], fleet: Fleet, seed_waits: bool = True) -> None:
         super().__init__(host, table)
-        self.fleet = fleet
+        self.fleet, self.seed_waits = fleet, seed_waits
         self.receiving = False
 
     def _load(self) -> None:
@@ -228,7 +228,8 @@ class Loading(Host):
         return super().run(command, stdin=stdin, timeout=timeout)
 
     def feed(self, command: str, source: BinaryIO, **kwargs: Any) -> CommandResult:
-        self._load()
+        if self.seed_waits:
+            self._load()
         return super().feed(command, source, **kwargs)
 
 
@@ -257,7 +258,7 @@ def test_a_host_serves_others_as_soon_as_its_archive_is_published_before_its_loa
     monkeypatch.setattr(peers, "READY_POLL_S", 0.02)
     inv = _fleet(8)
     fleet = Fleet(8, limit=5.0)
-    tools = "zstd\nbash\ntimeout\nsha256sum\n"
+    tools = "zstd\nbash\ntimeout\nsha256sum\npython3\n"
     hosts = {str(h.address): Loading(str(h.address), _table(tools=tools), fleet) for h in inv.hosts}
     events: list[object] = []
     done = distribute(inv, lambda h: hosts[str(h.address)], _plan(inv), A, archive.parent, events.append)
@@ -283,3 +284,24 @@ def test_a_host_without_sha256sum_serves_after_its_load(archive: Path) -> None:
     assert len(done) == 3
     receives = [c for h in hosts.values() for c in h.commands if "docker load" in c]
     assert receives and not [c for c in receives if "sha256sum" in c]
+
+
+def test_without_python3_a_host_serves_after_its_load_but_its_sender_is_free_once_its_archive_is_published(
+    archive: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Its listener runs in the image, which it has only once loaded. The seed's load ends at once here; every
+    peer's lasts until all 7 have begun to receive: only a seed freed when each copy's archive is published,
+    not when the receiver's load ends, serves all 7 before those loads end."""
+    monkeypatch.setattr(peers, "POLL_S", 0.02)
+    monkeypatch.setattr(peers, "READY_POLL_S", 0.02)
+    inv = _fleet(8)
+    fleet = Fleet(7, limit=5.0)
+    tools = "zstd\nbash\ntimeout\nsha256sum\n"
+    hosts = {str(h.address): Loading(str(h.address), _table(tools=tools), fleet, seed_waits=False) for h in inv.hosts}
+    events: list[object] = []
+    done = distribute(inv, lambda h: hosts[str(h.address)], _plan(inv), A, archive.parent, events.append)
+    seed = next(t.host for t in done if t.source == "operator")
+    assert len(done) == 8 and {t.source for t in done if t.host != seed} == {seed}
+    assert fleet.loads_waited == [True] * 7
+    said = [e for e in events if isinstance(e, str) and "archive whole" in e]
+    assert said and all(e.endswith("it loads (its listener needs the image)") for e in said)
