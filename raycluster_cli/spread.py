@@ -17,7 +17,7 @@ import contextlib
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -66,7 +66,7 @@ class Job:
     image_id: str
     archive: Path  # the compressed archive on this machine
     codec: str
-    digest: str = ""  # the archive's SHA-256 (hex): a host whose copy matches serves others while it loads
+    digest: str = ""  # the archive's SHA-256 (hex): a copy that matches is done before the receiver's load
 
     def remote(self, directory: str = peers.ARCHIVE_DIR) -> str:
         """Where a host keeps its copy of the archive while it may serve others (`directory`: its login user's)."""
@@ -114,12 +114,7 @@ class Spread:
                 self._start(pool)
                 watched: list[Future[Any]] = [*self.running, *self.ready]
                 finished, _ = wait(watched, return_when=FIRST_COMPLETED)
-                for future in finished:
-                    published = self.ready.pop(future, None)
-                    if published is not None:
-                        self._published(published)
-                    else:
-                        self._finish(future)
+                self._settle(finished)
         except BaseException:
             # Interrupted (Ctrl-C reaches this thread): start nothing more and do not wait for the copies
             # still running; their transports are being closed and the hosts' guards end their commands.
@@ -128,6 +123,14 @@ class Spread:
             raise
         pool.shutdown(wait=True)
         return self.receivers
+
+    def _settle(self, finished: Iterable[Future[Any]]) -> None:
+        """Ended copies and published archives, in any order (both of one copy can come at once)."""
+        for future in finished:
+            if future in self.running:
+                self._finish(future)
+            elif (published := self.ready.pop(future, None)) is not None:  # not if its copy just ended
+                self._published(published)
 
     def _hold(self, receiver: Receiver) -> None:
         """`receiver` has the archive: it joins the holders that serve others (once)."""

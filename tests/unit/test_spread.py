@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import re
 import threading
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -305,3 +306,25 @@ def test_without_python3_a_host_serves_after_its_load_but_its_sender_is_free_onc
     assert fleet.loads_waited == [True] * 7
     said = [e for e in events if isinstance(e, str) and "archive whole" in e]
     assert said and all(e.endswith("it loads (its listener needs the image)") for e in said)
+
+
+@pytest.mark.parametrize("ready_first", [True, False])
+def test_a_copy_that_ends_as_its_archive_is_published_frees_its_sender_once(archive: Path, ready_first: bool) -> None:
+    """Both futures of one copy can be among those that `wait` returns together, in either order."""
+    sender, receiver = (
+        spread.Receiver(ImageTransfer(a, "missing", "stream"), a, _host(a), "zstd -dc", True, sums=True)
+        for a in ("192.0.2.10", "192.0.2.11")
+    )
+    job = spread.Job("img:1", A, archive, "zstd", "d" * 64)
+    run = spread.Spread([receiver], job, lambda e: None)
+    run.pending.clear()
+    copy: Future[ImageTransfer] = Future()
+    copy.set_result(ImageTransfer(receiver.host, "missing", "stream", source=sender.host))
+    run.running[copy] = ("peer", receiver, sender)
+    digest, published = run._readiness(receiver, peer=True)
+    assert digest == "d" * 64 and published is not None
+    published()
+    (ready,) = run.ready
+    run._settle([ready, copy] if ready_first else [copy, ready])
+    assert not run.running and not run.ready
+    assert sorted(r.host for r in run.idle) == [sender.host, receiver.host]  # each once: freed, and a holder
