@@ -97,11 +97,14 @@ done
 echo
 echo "## 3. image distribution of $IMAGE to $P2P_HOSTS hosts that lack it"
 if [ "$P2P_HOSTS" -gt 0 ]; then
-  for mode in operator peers; do
+  for mode in operator peers ${BASELINE:+peers@base}; do
     for ((i = 0; i < P2P_HOSTS; i++)); do
       "$DOCKER" exec "${names[$i]}" sh -c "docker rmi -f $IMAGE >/dev/null 2>&1; rm -rf /var/tmp/raycluster-images; true"
     done
-    "$py" benchmarks/fleet_distribute.py "$out/p2p.yaml" "$mode" "$bridge" "$out/archives" >"$out/p2p-$mode.txt"
+    # peers@base: this script's driver with the BASELINE checkout's package (PYTHONPATH comes first)
+    PYTHONPATH=$([ "$mode" = peers@base ] && realpath "$BASELINE" || true) \
+      "$py" benchmarks/fleet_distribute.py "$out/p2p.yaml" "${mode%@base}" "$bridge" "$out/archives" \
+      | sed "s/^peers:/$mode:/" >"$out/p2p-$mode.txt"
     cat "$out/p2p-$mode.txt" >>"$out/p2p.txt"
     sed "\$s/\$/ load=$(load)/" "$out/p2p-$mode.txt"  # the summary last, after any fallback's reason
   done

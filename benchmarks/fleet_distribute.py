@@ -3,7 +3,11 @@ bytes the operator sent (the lab bridge's tx_bytes, measured outside the program
 where each host got it from. Mode `peers`: as `up` does (one seed, hosts serve hosts); `operator`: every
 host streamed from this machine (OPERATOR_STREAMS at a time), as before peer copies.
 
+Also when every host's archive was whole (the copies, from the progress events: the first that reports all its
+bytes there), apart from the wall time, which ends with the last host's `docker load` and image-ID check.
+
 Usage: fleet_distribute.py INVENTORY operator|peers BRIDGE_TX_BYTES_FILE ARCHIVE_DIR
+(PYTHONPATH=<another checkout> runs that checkout's distribution: the variant peers@base of fleet.sh)
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import time
 from pathlib import Path
 
 from raycluster_cli import images, inventory
+from raycluster_cli.progress import TransferProgress
 from raycluster_cli.transport.pool import SSHPool
 
 
@@ -22,8 +27,8 @@ def main() -> None:
     inv = inventory.load(path).inventory
     image_id = images.local_image_id(inv.image)
     assert image_id, f"{inv.image} is not in this machine's engine"
-    images._archive(inv.image, image_id, "zstd", Path(archive_dir), lambda _: None)  # cached: not timed
-    size = next(Path(archive_dir).glob(f"{image_id[7:19]}.*")).stat().st_size
+    archive = images._archive(inv.image, image_id, "zstd", Path(archive_dir), lambda _: None)  # cached: not timed
+    size = archive.stat().st_size
     if mode == "operator":
         # The reference: hosts that cannot receive from a peer (no bash found) are all streamed by the operator.
         images.TOOLS_COMMAND = images.TOOLS_COMMAND.replace(" bash timeout", "")
@@ -31,9 +36,20 @@ def main() -> None:
     pool = SSHPool(inv)
     for host in inv.hosts:
         pool(host)  # connections first: their handshakes are not the image
+    whole: dict[str, float] = {}  # host -> seconds after the start when all its archive's bytes were there
+
+    def progress(event: object) -> None:
+        if (
+            isinstance(event, TransferProgress)
+            and event.total
+            and event.sent >= event.total
+            and event.host != "(compress)"
+        ):
+            whole.setdefault(event.host, time.monotonic() - started)
+
     before = int(Path(bridge).read_text())
     started = time.monotonic()
-    done = images.distribute(inv, pool, plan, image_id, Path(archive_dir))
+    done = images.distribute(inv, pool, plan, image_id, Path(archive_dir), progress)
     wall = time.monotonic() - started
     sent = int(Path(bridge).read_text()) - before
     pool.close()
@@ -41,8 +57,9 @@ def main() -> None:
     for t in done:  # a host the operator served because its peer copy failed: why (one line each)
         if t.source.startswith("operator ("):
             print(f"  {t.host}: {t.source}")
+    copies = f" (every archive whole at {max(whole.values()):.1f}s)" if len(whole) == len(done) else ""
     print(
-        f"{mode}: {len(done)} hosts in {wall:.1f}s; operator sent {sent / 1e6:.1f} MB = {sent / size:.2f} x the "
+        f"{mode}: {len(done)} hosts in {wall:.1f}s{copies}; operator sent {sent / 1e6:.1f} MB = {sent / size:.2f} x the "
         f"{size / 1e6:.1f} MB archive; sources {dict(sources)}"
     )
 
