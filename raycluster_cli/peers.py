@@ -10,9 +10,11 @@ serves the first connection that presents it and closes. Every copy has a deadli
 both ends and a short connect window, so a host that cannot reach another fails fast and is served by
 the operator instead. The image ID is verified on arrival, as after an operator stream.
 
-A host serves others as soon as its archive is whole, while its own `docker load` still runs (40–60 s of a
-multi-GB image, against seconds for the copy): the archive's SHA-256 (the operator's, computed once) is
-checked as it arrives, and only an archive that matches is published under its serving name.
+A copy is done as soon as the receiver's archive is whole, while its own `docker load` still runs (40–60 s of
+a multi-GB image, against seconds for the copy): the archive's SHA-256 (the operator's, computed once) is
+checked as it arrives, and only an archive that matches is published under its serving name. Its sender is
+then free, and a receiver whose listener runs on the host's python3 serves others from then on; one whose
+listener runs in the image serves once its load is done (spread.py).
 """
 
 from __future__ import annotations

@@ -132,11 +132,22 @@ class Spread:
             elif (published := self.ready.pop(future, None)) is not None:  # not if its copy just ended
                 self._published(published)
 
+    @staticmethod
+    def _may_hold(receiver: Receiver) -> bool:
+        """Whether `receiver` can still join the holders (it receives from peers, its listener never failed,
+        and it has not joined yet)."""
+        return receiver.peer_ok and receiver.serves and not receiver.serving
+
     def _hold(self, receiver: Receiver) -> None:
         """`receiver` has the archive: it joins the holders that serve others (once)."""
-        if receiver.peer_ok and receiver.serves and not receiver.serving:
+        if self._may_hold(receiver):
             receiver.serving = True
             self.idle.append(receiver)
+
+    def _free(self, sender: Receiver) -> None:
+        """A sender whose copy is done serves again, unless its listener failed."""
+        if sender.serves:
+            self.idle.append(sender)
 
     def _published(self, receiver: Receiver) -> None:
         """`receiver`'s archive is whole and checked: the host that sent it (its listener done) is free again,
@@ -146,15 +157,14 @@ class Spread:
             self._hold(receiver)
         for future, (kind, each, sender) in list(self.running.items()):
             if each is receiver and sender is not None:
-                self.running[future] = (kind, each, None)  # released here, not again when the copy ends
-                if sender.serves:
-                    self.idle.append(sender)
+                self.running[future] = (kind, each, None)  # freed here, not again when the copy ends
+                self._free(sender)
 
     def _readiness(self, receiver: Receiver, peer: bool) -> tuple[str, Callable[[], None] | None]:
         """The digest to check on `receiver` and what its watch calls once its copy is published ("", None: no
         use in knowing before the copy ends). Called where its copy is scheduled (this thread), which waits on
         the result. Worth knowing for a peer copy (its sender is freed) and for a host that serves early."""
-        early = receiver.listens and receiver.peer_ok and receiver.serves and not receiver.serving
+        early = receiver.listens and self._may_hold(receiver)
         if not (self.job.digest and receiver.sums and (peer or early)):
             return "", None
         future: Future[None] = Future()
@@ -202,8 +212,8 @@ class Spread:
         else:
             receiver.fallback = getattr(error, "message", str(error))
             self.direct.append(receiver)
-        if sender is not None and sender.serves:
-            self.idle.append(sender)
+        if sender is not None:
+            self._free(sender)
 
     # the two kinds of copy ------------------------------------------------------------------------------
 
