@@ -353,6 +353,43 @@ def _ensure_key(lab_dir: Path) -> Path:
     return key_path
 
 
+def _networks_over(client: Any, subnet: str, name: str) -> list[tuple[str, str, str | None]]:
+    """The Docker networks other than `name` whose subnets overlap `subnet`: (network, its subnet, the lab it
+    belongs to or None)."""
+    wanted = ipaddress.ip_network(subnet)
+    found = []
+    for network in client.networks.list():
+        attrs = network.attrs or {}
+        if network.name == name:
+            continue
+        for pool in (attrs.get("IPAM") or {}).get("Config") or []:
+            theirs = pool.get("Subnet")
+            try:
+                overlaps = bool(theirs) and ipaddress.ip_network(theirs).overlaps(wanted)
+            except (TypeError, ValueError):  # an IPv6 pool against an IPv4 subnet, or a malformed one
+                overlaps = False
+            if overlaps:
+                found.append((network.name, theirs, (attrs.get("Labels") or {}).get(LAB_LABEL)))
+    return found
+
+
+def free_subnet(preferred: str, name: str = LAB_NAME, client: Any = None) -> str:
+    """`preferred` if no Docker network but the lab's own (`name`) overlaps it, else the first /24 of the same
+    size in 10.64.0.0/10 that none overlaps: for the tests' second labs, which must not fail because a lab left
+    by an interrupted run holds their default subnet."""
+    client = client or docker_client()
+    if not _networks_over(client, preferred, name):
+        return preferred
+    size = ipaddress.ip_network(preferred).prefixlen
+    for candidate in ipaddress.ip_network("10.64.0.0/10").subnets(new_prefix=max(size, 10)):
+        if not _networks_over(client, str(candidate), name):
+            return str(candidate)
+    raise OperationError(
+        f"no free subnet for the lab {name}: every /{size} of 10.64.0.0/10 overlaps a Docker network",
+        "remove the labs you no longer need with `raycluster lab down --name NAME`",
+    )
+
+
 def _ensure_network(client: Any, name: str, subnet: str) -> None:
     import docker
 
@@ -362,9 +399,15 @@ def _ensure_network(client: Any, name: str, subnet: str) -> None:
     try:
         client.networks.create(name, driver="bridge", ipam=ipam, labels={LAB_LABEL: name})
     except docker.errors.APIError as exc:
+        others = _networks_over(client, subnet, name)
+        labs = sorted({lab for _, _, lab in others if lab})
+        if labs:
+            fix = f"remove that lab with `raycluster lab down --name {labs[0]}`, or pick another subnet with --subnet"
+        else:
+            fix = "pick another subnet with --subnet, or remove the network that overlaps it"
+        held = ", ".join(f"{net} ({theirs})" for net, theirs, _ in others) or "another network"
         raise OperationError(
-            f"cannot create the lab network {subnet}: {exc.explanation}",
-            "pick another subnet with --subnet, or remove the network that overlaps it",
+            f"cannot create the lab network {subnet}: {exc.explanation}; held by {held}", fix
         ) from None
 
 

@@ -27,7 +27,8 @@ REQUIRE = os.environ.get("RAYCLUSTER_REQUIRE_LAB") == "1"
 DOCKER = "/usr/bin/docker" if os.path.exists("/usr/bin/docker") else (shutil.which("docker") or "docker")
 # The fleet lab: its own name and subnet, so that it lives beside the 3-host lab in one session.
 FLEET_NAME = os.environ.get("RAYCLUSTER_FLEET_LAB_NAME", f"{lab.LAB_NAME}-fleet")
-FLEET_SUBNET = os.environ.get("RAYCLUSTER_FLEET_SUBNET", "10.79.0.0/24")  # 10.78: the network test
+# Its subnet: RAYCLUSTER_FLEET_SUBNET, else 10.79.0.0/24 (10.78: the network test) unless another network holds it.
+FLEET_SUBNET = os.environ.get("RAYCLUSTER_FLEET_SUBNET", "10.79.0.0/24")
 FLEET_HOSTS = int(os.environ.get("RAYCLUSTER_FLEET_HOSTS", "30"))
 # The lab hosts' addresses (the subnet comes from RAYCLUSTER_LAB_SUBNET, 10.77.0.0/24 by default).
 IP1, IP2, IP3 = (h.address for h in lab.lab_hosts(3))
@@ -125,8 +126,9 @@ def fleet_lab(tmp_path_factory: pytest.TempPathFactory, session_state: Path) -> 
     _need_engine()
     lab_dir = Path(tmp_path_factory.mktemp("fleet"))
     progress = lambda m: print(f"[fleet] {m}", file=sys.stderr)  # noqa: E731
+    subnet = FLEET_SUBNET if "RAYCLUSTER_FLEET_SUBNET" in os.environ else lab.free_subnet(FLEET_SUBNET, FLEET_NAME)
     info = lab.lab_up(
-        FLEET_HOSTS, lab_dir=lab_dir, name=FLEET_NAME, subnet=FLEET_SUBNET, load_node_image=False, progress=progress
+        FLEET_HOSTS, lab_dir=lab_dir, name=FLEET_NAME, subnet=subnet, load_node_image=False, progress=progress
     )
     yield Lab(info)
     lab.lab_down(lab_dir=lab_dir, name=FLEET_NAME, keep_volumes=os.environ.get("RAYCLUSTER_LAB_PURGE") != "1")

@@ -45,8 +45,8 @@ def test_healthy_lab_runs_every_check_without_failure(lab_hosts: Lab) -> None:
 def second_network(lab_hosts: Lab) -> Iterator[str]:
     """A second Docker network on lab-h2 plus a route that makes the kernel leave towards the head from it."""
     name = f"{lab.LAB_NAME}-second"
-    subnet = second_subnet()
     docker("network", "rm", name)  # one left by an earlier, interrupted session would make the create fail
+    subnet = ipaddress.IPv4Network(lab.free_subnet(str(second_subnet()), name))  # another, if a network holds it
     made = docker("network", "create", "--subnet", str(subnet), "--label", f"{lab.LAB_LABEL}={lab.LAB_NAME}", name)
     assert made.returncode == 0, made.stderr
     host = lab_hosts.host("lab-h2").name

@@ -9,7 +9,7 @@ import pytest
 
 from raycluster_cli import lab
 
-from .conftest import FLEET_HOSTS, FLEET_NAME, FLEET_SUBNET, Lab
+from .conftest import FLEET_HOSTS, FLEET_NAME, Lab
 from .findings import failed
 
 pytestmark = [pytest.mark.lab, pytest.mark.fleet]
@@ -17,7 +17,8 @@ pytestmark = [pytest.mark.lab, pytest.mark.fleet]
 
 def test_fleet_lab_is_its_own_lab(fleet_lab: Lab) -> None:
     assert len(fleet_lab.info.hosts) == FLEET_HOSTS
-    subnet = ipaddress.ip_network(FLEET_SUBNET)
+    network = lab.docker_client().networks.get(FLEET_NAME)
+    subnet = ipaddress.ip_network(network.attrs["IPAM"]["Config"][0]["Subnet"])
     assert all(ipaddress.ip_address(h.address) in subnet for h in fleet_lab.info.hosts)
     assert all(h.name.startswith(f"{FLEET_NAME}-h") for h in fleet_lab.info.hosts)
     client = lab.docker_client()
