@@ -201,11 +201,18 @@ def apply(transport: Transport, inventory: Inventory, host: HostConfig, plan: Pl
 RAY_STARTED = "Ray runtime started."
 EXITED = 3
 TIMED_OUT = 4
+PAUSED = 5
+# A node not registered after this many quarter-second turns (about 15 s; a node registers in 4–10 s on a loaded
+# lab) has its container asked whether it is paused, every 20 turns; paused twice in a row ends the wait.
+_PAUSE_AFTER = 60
+_PAUSE_EVERY = 20
 
 
 def started_command(inventory: Inventory, host: HostConfig, timeout_s: float) -> str:
     """A loop on the host: until its container's log says its Ray node is registered (exit 0), the container
-    stops running (exit 3) or `timeout_s` passes (exit 4); then the container's last log lines. A container
+    stops running (exit 3), is found paused twice about 5 s apart once the wait has lasted about 15 s (exit 5:
+    a frozen container's process stays in /proc, and nothing else would end the wait before `timeout_s`) or
+    `timeout_s` passes (exit 4); then the container's last log lines. A container
     that is not running at the start is exit 3 even if its log says registered: a container `up` kept has
     that line from its first start, and may have exited since.
 
@@ -223,14 +230,17 @@ def started_command(inventory: Inventory, host: HostConfig, timeout_s: float) ->
         f"set -- $(docker inspect --format '{{{{.State.Pid}}}} {{{{.State.Running}}}} {{{{.LogPath}}}}' {name} "
         f"2>/dev/null); "
         f'[ "${{2:-}}" = false ] && {{ {tail}; exit {EXITED}; }}; '
-        f'p=${{1:-0}}; l=${{3:-}}; [ -n "$l" ] && [ -r "$l" ] || l=; n=0; while :; do '
+        f'p=${{1:-0}}; l=${{3:-}}; [ -n "$l" ] && [ -r "$l" ] || l=; n=0; z=0; while :; do '
         f'if [ -n "$l" ]; then grep -qF {logged} "$l" && exit 0; '
         f"else docker logs {name} 2>&1 | grep -qF {logged} && exit 0; fi; n=$((n + 1)); "
         f"if [ $((n % 2)) = 1 ]; then "
         f'{{ [ "$p" != 0 ] && [ -e "/proc/$p" ]; }} '
         f"|| [ \"$(docker inspect --format '{{{{.State.Running}}}}' {name} 2>/dev/null)\" = true ] "
         f"|| {{ {tail}; exit {EXITED}; }}; "
-        f'[ "$(date +%s)" -ge "$end" ] && {{ {tail}; exit {TIMED_OUT}; }}; fi; sleep 0.25; done'
+        f'[ "$(date +%s)" -ge "$end" ] && {{ {tail}; exit {TIMED_OUT}; }}; fi; '
+        f"if [ $n -ge {_PAUSE_AFTER} ] && [ $((n % {_PAUSE_EVERY})) = 0 ]; then "
+        f"if [ \"$(docker inspect --format '{{{{.State.Paused}}}}' {name} 2>/dev/null)\" = true ]; then z=$((z + 1)); "
+        f"[ $z -ge 2 ] && {{ {tail}; exit {PAUSED}; }}; else z=0; fi; fi; sleep 0.25; done"
     )
 
 
@@ -245,6 +255,12 @@ def start_failure(inventory: Inventory, host: HostConfig, result: CommandResult,
     last = " | ".join(line.strip() for line in result.stdout.splitlines() if line.strip())[-300:] or "(no log)"
     if result.rc == EXITED:
         what = f"the {host.role} container exited"
+    elif result.rc == PAUSED:
+        return OperationError(
+            f"{host.address}: the {host.role}'s container {name} is paused (docker pause, or a freezer cgroup), so its"
+            f" Ray node cannot register: {last}",
+            f"run `docker unpause {name}` on {host.address} (or find what paused it), then re-run `raycluster up`",
+        )
     elif result.rc == TIMED_OUT:
         what = f"the {host.role}'s Ray node did not start within {timeout_s:.0f}s"
     else:

@@ -304,6 +304,46 @@ def test_the_heads_container_paused_while_up_asks_its_gcs_ends_by_the_deadline_n
     assert code == 0 and all(n["alive"] for n in doc["nodes"]), err
 
 
+# up: the head's container paused before its node registers ----------------------------------------------
+
+
+def test_the_heads_container_paused_before_its_node_registers_ends_long_before_the_deadline(
+    lab_hosts: Lab, quick: str
+) -> None:
+    """The head's container is paused in lab-h1's engine as soon as `up` has started it, before Ray can
+    register its node: its process stays in /proc and its log never moves, so only the engine can say why.
+    `up` ends once the wait has found it paused twice (about 20 s), not at `--timeout` (120 s): exit 1, one
+    JSON document naming the head, that its container is paused, and the fix; the workers are not blamed."""
+    timeout = 120
+    code, _, err = lab_hosts.cli("down", inventory=quick)
+    assert code == 0, err
+    paused = False
+    try:
+        verb = Verb("up", "--timeout", str(timeout), inventory=quick)
+        try:
+            verb.wait_for("head starting", timeout=600)
+            lab_hosts.sh("lab-h1", f"docker pause {RAY_CONTAINER}")
+            paused, paused_at = True, time.monotonic()
+            code, doc, ended = verb.finish(timeout=timeout + 300)
+        finally:
+            if verb.process.poll() is None:
+                verb.process.kill()
+        assert code == 1 and doc["ok"] is False, verb.stderr
+        assert ended - paused_at <= 30 + SLACK_S, verb.stderr  # 15 s, then two looks 5 s apart
+        error = doc["error"]
+        assert error["message"].startswith(f"{IP1}: the head's container") and "is paused" in error["message"], error
+        assert "docker unpause raycluster-lab-head` on " + IP1 in error["hint"], error
+        assert "unexpected" not in verb.stderr and verb.session_alive() == []
+        print(f"up ended {ended - paused_at:.0f}s after the pause: {error['message']} — {error['hint']}")
+    finally:
+        if paused:
+            lab_hosts.sh_result("lab-h1", f"docker unpause {RAY_CONTAINER}")
+    code, _, err = lab_hosts.cli("down", inventory=quick)
+    assert code == 0, err
+    code, doc, err = lab_hosts.cli("up", "--timeout", "180", inventory=quick, timeout=900)
+    assert code == 0 and all(n["alive"] for n in doc["nodes"]), err
+
+
 # up: the head's container, found running and kept, killed before up waits for it ----------------------
 
 # On lab-h3, a `docker run` that first leaves a mark, then takes 8 s: the window in which the head is killed.

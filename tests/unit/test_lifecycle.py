@@ -779,3 +779,40 @@ def test_the_registration_watch_does_not_trust_the_log_of_a_container_that_no_lo
                           text=True, timeout=60)  # fmt: skip
     assert done.returncode == EXITED and "last line" in done.stdout, done
     assert (tmp_path / "calls").read_text().split() == ["inspect", "logs"]
+
+
+def test_the_registration_watch_ends_when_the_container_stays_paused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A paused container's first process stays in /proc and its log never moves: once the wait has lasted a
+    while, the engine is asked whether it is paused; a pause seen once and then gone does not end the wait,
+    one seen twice in a row does (exit 5 with the log tail), long before the deadline."""
+    import os
+    import subprocess
+
+    from raycluster_cli import nodes
+
+    monkeypatch.setattr(nodes, "_PAUSE_AFTER", 4)  # the turns before the first question, and between questions
+    monkeypatch.setattr(nodes, "_PAUSE_EVERY", 2)
+    inv = _inv()
+    log = tmp_path / "json.log"
+    log.write_text('{"log":"starting\\n"}\n')
+    (tmp_path / "answers").write_text("true\nfalse\ntrue\ntrue\n")
+    docker = tmp_path / "docker"
+    docker.write_text(
+        '#!/bin/sh\necho "$1 $3" >> "$D/calls"\n'
+        'case "$3" in *Pid*) echo "$PID true $LOG"; exit 0;; '
+        '*Paused*) head -n 1 "$D/answers"; sed -i 1d "$D/answers"; exit 0;; esac\n'
+        'echo "last line"\n'
+    )
+    docker.chmod(0o755)
+    env = {"PATH": f"{tmp_path}:/usr/bin:/bin", "D": str(tmp_path), "PID": str(os.getpid()), "LOG": str(log)}
+    started = time.monotonic()
+    done = subprocess.run(["/bin/sh", "-c", nodes.started_command(inv, inv.hosts[1], 60)], env=env,
+                          capture_output=True, text=True, timeout=90)  # fmt: skip
+    assert done.returncode == nodes.PAUSED and "last line" in done.stdout, done
+    assert time.monotonic() - started < 30
+    calls = (tmp_path / "calls").read_text().splitlines()
+    assert sum("Paused" in c for c in calls) == 4 and (tmp_path / "answers").read_text() == ""
+    error = nodes.start_failure(inv, inv.hosts[1], nodes.CommandResult(nodes.PAUSED, done.stdout, ""), 60)
+    assert "is paused" in error.message and error.hint.startswith("run `docker unpause ")
