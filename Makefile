@@ -46,13 +46,17 @@ unit: venv
 	$(BIN)/pytest -q tests/unit tests/cli
 
 # Everything: lint, types, unit and CLI tests, and the lab tests on a real 3-host lab.
+# The lab's subnet: RAYCLUSTER_LAB_SUBNET, else 10.77.0.0/24 unless another Docker network holds it (a lab left
+# by an interrupted run, say), then the first free /24 of 10.64.0.0/10.
+LAB_SUBNET = $${RAYCLUSTER_LAB_SUBNET:-$$($(BIN)/python -c 'from raycluster_cli import lab; print(lab.free_subnet(lab.DEFAULT_SUBNET))' 2>/dev/null || echo 10.77.0.0/24)}
+
 test: lint images
-	RAYCLUSTER_REQUIRE_LAB=1 $(BIN)/pytest -ra -m "not fleet" --junitxml=test-results/junit.xml tests
+	RAYCLUSTER_REQUIRE_LAB=1 RAYCLUSTER_LAB_SUBNET=$(LAB_SUBNET) $(BIN)/pytest -ra -m "not fleet" --junitxml=test-results/junit.xml tests
 
 # The fleet tests: a second lab of $(FLEET_HOSTS) hosts without the node image, beside the 3-host one.
 FLEET_HOSTS ?= 30
 test-fleet: venv images
-	RAYCLUSTER_REQUIRE_LAB=1 RAYCLUSTER_FLEET_HOSTS=$(FLEET_HOSTS) \
+	RAYCLUSTER_REQUIRE_LAB=1 RAYCLUSTER_LAB_SUBNET=$(LAB_SUBNET) RAYCLUSTER_FLEET_HOSTS=$(FLEET_HOSTS) \
 	  $(BIN)/pytest -ra -m fleet --junitxml=test-results/junit-fleet.xml tests/e2e
 
 clean:

@@ -17,7 +17,11 @@
 # Usage: benchmarks/up_vs_references.sh [ROUNDS]
 #   (env: RAYCLUSTER_LAB_NAME, RAYCLUSTER_NODE_IMAGE, RAYUP_TIMEOUT, RAYUP_V2_TIMEOUT, VARIANTS: which of
 #    "up floor rayup_v1 rayup_v2 up_base" to alternate, the first four by default; BASELINE: a folder holding
-#    another checkout, e.g. `git worktree add /tmp/base main`, whose `up` the variant up_base runs)
+#    another checkout, e.g. `git worktree add /tmp/base main`, whose `up` the variant up_base runs;
+#    CPUSETS: the cores each lab host may use, one list per host separated by spaces: "0 1 1" puts the head
+#    alone on core 0 and both workers on core 1, hosts that no longer share every core. Each host's own
+#    processes (`docker update --cpuset-cpus`) and the cgroup its engine puts its containers under (the lab
+#    host's name below the cpuset root) are pinned; every core again at the end)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 rounds=${1:-5}
@@ -109,6 +113,7 @@ run_floor() {
   on 1 "${opts[@]}" ray start --head --port=6379 --node-ip-address="$ip1" --dashboard-host="$ip1" \
     --object-store-memory=300000000 --block >/dev/null
   until on 1 docker exec floor-ray ray health-check --address "$ip1:6379" >/dev/null 2>&1; do sleep 0.5; done
+  echo "floor: the head's GCS answered $(elapsed "$t0") ms after the start; the workers start now" >&2
   for h in 2 3; do
     ip=$([ $h = 2 ] && echo "$ip2" || echo "$ip3")
     on $h "${opts[@]}" ray start --address="$ip1:6379" --node-ip-address="$ip" \
@@ -134,8 +139,30 @@ run_rayup() {  # run_rayup V: autoscaler v1 (RAY_UP_enable_autoscaler_v2=0) or v
   "${flag[@]}" "$ray" down -y "$work/rayup.yaml" >>"$work/rayup-$1.log" 2>&1 || true
 }
 
+cpuset_dir() {  # the cgroup (v1 or v2) that lab host H's engine makes its containers' cgroups in
+  if [ -d /sys/fs/cgroup/cpuset ]; then echo "/sys/fs/cgroup/cpuset/$lab-h$1"; else echo "/sys/fs/cgroup/$lab-h$1"; fi
+}
+pin() {  # pin H CPUS, with no container of the host's engine running (a cgroup v1 parent cannot shrink under them)
+  local d; d=$(cpuset_dir "$1")
+  $docker update --cpuset-cpus "$2" "$lab-h$1" >/dev/null
+  [ -d "$d" ] || { mkdir "$d" && cat "$(dirname "$d")/cpuset.mems" >"$d/cpuset.mems"; }
+  echo "$2" >"$d/cpuset.cpus"
+}
+all_cores="0-$(( cores - 1 ))"
 clean
+if [ -n "${CPUSETS:-}" ]; then
+  read -r -a cpusets <<<"$CPUSETS"
+  [ "${#cpusets[@]}" = 3 ] || { echo "CPUSETS: give 3 core lists, one per host" >&2; exit 2; }
+  for h in 1 2 3; do pin "$h" "${cpusets[$((h - 1))]}"; done
+  trap 'clean; for h in 1 2 3; do pin "$h" "$all_cores" || true; done' EXIT
+fi
 $rc up -i "$inv" --json >/dev/null 2>&1  # the first up makes the token and env files (what a re-deploy finds)
+if [ -n "${CPUSETS:-}" ]; then  # what the pins gave each host's Ray container
+  for h in 1 2 3; do
+    echo "host $h: Ray container $(on $h sh -c 'docker exec $(docker ps -q --filter label=io.raycluster.cluster) \
+      grep Cpus_allowed_list /proc/1/status' | tr -s '\t' ' ')" >&2
+  done
+fi
 n=${#variants[@]}
 for round in $(seq 1 "$rounds"); do
   for ((k = 0; k < n; k++)); do
