@@ -11,7 +11,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -253,7 +253,48 @@ def test_a_worker_frozen_while_up_waits_ends_by_the_deadline_naming_it(lab_hosts
     assert code == 0 and all(n["alive"] for n in doc["nodes"]), err
 
 
-# up: the head's container paused while up asks its GCS for the nodes ------------------------------------
+# up: the head's container paused, while up asks its GCS for the nodes or before its node registers -------
+
+
+def _up_with_the_head_paused(
+    lab_hosts: Lab, quick: str, timeout: int, ready: Callable[[Verb], None]
+) -> tuple[int, dict[str, Any], float, Verb]:
+    """`up --timeout TIMEOUT`; once `ready(verb)` returns, the head's Ray container is paused in lab-h1's engine
+    until `up` ends (unpaused after). Its exit code, its document, the seconds from the pause to its end."""
+    paused = False
+    try:
+        verb = Verb("up", "--timeout", str(timeout), inventory=quick)
+        try:
+            ready(verb)
+            lab_hosts.sh("lab-h1", f"docker pause {RAY_CONTAINER}")
+            paused, paused_at = True, time.monotonic()
+            code, doc, ended = verb.finish(timeout=timeout + 300)
+        finally:
+            if verb.process.poll() is None:
+                verb.process.kill()
+    finally:
+        if paused:
+            lab_hosts.sh_result("lab-h1", f"docker unpause {RAY_CONTAINER}")
+    return code, doc, ended - paused_at, verb
+
+
+def _says_the_head_is_paused(code: int, doc: dict[str, Any], verb: Verb) -> dict[str, Any]:
+    """Exit 1, one document whose error names the head, that its container is paused, and `docker unpause`."""
+    assert code == 1 and doc["ok"] is False, verb.stderr
+    error: dict[str, Any] = doc["error"]
+    assert error["message"].startswith(f"{IP1}: the head's container") and "is paused" in error["message"], error
+    assert "docker unpause raycluster-lab-head` on " + IP1 in error["hint"], error
+    assert "unexpected" not in verb.stderr and verb.session_alive() == []
+    return error
+
+
+def _down_then_up(lab_hosts: Lab, quick: str) -> None:
+    """The fix the hints name, and a cluster of every node again: a head frozen a while can exit after the
+    unpause (it did once in CI, after a plain re-run of `up` had found it running), so `down` first."""
+    code, _, err = lab_hosts.cli("down", inventory=quick)
+    assert code == 0, err
+    code, doc, err = lab_hosts.cli("up", "--timeout", "180", inventory=quick, timeout=900)
+    assert code == 0 and all(n["alive"] for n in doc["nodes"]), err
 
 
 def test_the_heads_container_paused_while_up_asks_its_gcs_ends_by_the_deadline_naming_it(
@@ -269,42 +310,21 @@ def test_the_heads_container_paused_while_up_asks_its_gcs_ends_by_the_deadline_n
     code, _, err = lab_hosts.cli("down", inventory=quick)
     assert code == 0, err
     lab_hosts.sh("lab-h3", gcs_cut.format("I"))
-    paused = False
+
+    def probing(verb: Verb) -> None:
+        verb.wait_for("waiting for every node to join", timeout=600)
+        asked = wait_until(lambda: processes(lab_hosts, "lab-h1", r"raycluster_cli\.probe") != [], 120, 0.2)
+        assert asked, verb.stderr
+
     try:
-        verb = Verb("up", "--timeout", str(timeout), inventory=quick)
-        try:
-            verb.wait_for("waiting for every node to join", timeout=600)
-            asked = wait_until(lambda: processes(lab_hosts, "lab-h1", r"raycluster_cli\.probe") != [], 120, 0.2)
-            assert asked, verb.stderr
-            lab_hosts.sh("lab-h1", f"docker pause {RAY_CONTAINER}")
-            paused, paused_at = True, time.monotonic()
-            code, doc, ended = verb.finish(timeout=timeout + 300)
-        finally:
-            if verb.process.poll() is None:
-                verb.process.kill()
-        assert code == 1 and doc["ok"] is False, verb.stderr
-        assert ended - paused_at <= timeout + SLACK_S, verb.stderr
-        error = doc["error"]
-        assert error["message"].startswith(f"{IP1}: the head's container") and "is paused" in error["message"], error
-        assert (
-            "docker unpause raycluster-lab-head` on " + IP1 in error["hint"]
-            and "`raycluster down` and `raycluster up`" in error["hint"]
-        ), error
-        assert "unexpected" not in verb.stderr and verb.session_alive() == []
-        print(f"up ended {ended - paused_at:.0f}s after the pause: {error['message']} — {error['hint']}")
+        code, doc, after, verb = _up_with_the_head_paused(lab_hosts, quick, timeout, probing)
     finally:
-        if paused:
-            lab_hosts.sh_result("lab-h1", f"docker unpause {RAY_CONTAINER}")
         lab_hosts.sh_result("lab-h3", gcs_cut.format("D"))
-    # the fix the hint names: a head frozen this long can exit after the unpause (it did once in CI, after a
-    # plain re-run of `up` had found it running), so `down` first, then `up` completes the cluster
-    code, _, err = lab_hosts.cli("down", inventory=quick)
-    assert code == 0, err
-    code, doc, err = lab_hosts.cli("up", "--timeout", "180", inventory=quick, timeout=900)
-    assert code == 0 and all(n["alive"] for n in doc["nodes"]), err
-
-
-# up: the head's container paused before its node registers ----------------------------------------------
+    error = _says_the_head_is_paused(code, doc, verb)
+    assert after <= timeout + SLACK_S, verb.stderr
+    assert "`raycluster down` and `raycluster up`" in error["hint"], error
+    print(f"up ended {after:.0f}s after the pause: {error['message']} — {error['hint']}")
+    _down_then_up(lab_hosts, quick)
 
 
 def test_the_heads_container_paused_before_its_node_registers_ends_long_before_the_deadline(
@@ -313,35 +333,17 @@ def test_the_heads_container_paused_before_its_node_registers_ends_long_before_t
     """The head's container is paused in lab-h1's engine as soon as `up` has started it, before Ray can
     register its node: its process stays in /proc and its log never moves, so only the engine can say why.
     `up` ends once the wait has found it paused twice (about 20 s), not at `--timeout` (120 s): exit 1, one
-    JSON document naming the head, that its container is paused, and the fix; the workers are not blamed."""
+    JSON document naming the head, that its container is paused, and the fix."""
     timeout = 120
     code, _, err = lab_hosts.cli("down", inventory=quick)
     assert code == 0, err
-    paused = False
-    try:
-        verb = Verb("up", "--timeout", str(timeout), inventory=quick)
-        try:
-            verb.wait_for("head starting", timeout=600)
-            lab_hosts.sh("lab-h1", f"docker pause {RAY_CONTAINER}")
-            paused, paused_at = True, time.monotonic()
-            code, doc, ended = verb.finish(timeout=timeout + 300)
-        finally:
-            if verb.process.poll() is None:
-                verb.process.kill()
-        assert code == 1 and doc["ok"] is False, verb.stderr
-        assert ended - paused_at <= 30 + SLACK_S, verb.stderr  # 15 s, then two looks 5 s apart
-        error = doc["error"]
-        assert error["message"].startswith(f"{IP1}: the head's container") and "is paused" in error["message"], error
-        assert "docker unpause raycluster-lab-head` on " + IP1 in error["hint"], error
-        assert "unexpected" not in verb.stderr and verb.session_alive() == []
-        print(f"up ended {ended - paused_at:.0f}s after the pause: {error['message']} — {error['hint']}")
-    finally:
-        if paused:
-            lab_hosts.sh_result("lab-h1", f"docker unpause {RAY_CONTAINER}")
-    code, _, err = lab_hosts.cli("down", inventory=quick)
-    assert code == 0, err
-    code, doc, err = lab_hosts.cli("up", "--timeout", "180", inventory=quick, timeout=900)
-    assert code == 0 and all(n["alive"] for n in doc["nodes"]), err
+    code, doc, after, verb = _up_with_the_head_paused(
+        lab_hosts, quick, timeout, lambda verb: verb.wait_for("head starting", timeout=600)
+    )
+    error = _says_the_head_is_paused(code, doc, verb)
+    assert after <= 30 + SLACK_S, verb.stderr  # 15 s, then two looks 5 s apart
+    print(f"up ended {after:.0f}s after the pause: {error['message']} — {error['hint']}")
+    _down_then_up(lab_hosts, quick)
 
 
 # up: the head's container, found running and kept, killed before up waits for it ----------------------
