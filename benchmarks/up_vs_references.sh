@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# `raycluster up` against the references, in one run, on the local 3-host lab (issue 11 item 6):
+# `raycluster up` against the references, in one run, on a local lab of HOSTS hosts, 3 by default (issue 11 item 6):
 #   up        raycluster up (preflight, token, env files, head + 2 workers) until every node is alive
-#   floor     the hand floor: head container until its GCS answers, then both workers at once, until all alive
+#   floor     the hand floor: head container until its GCS answers, then every worker at once, until all alive
 #   rayup_v1  Ray's own launcher: `ray up` (provider: local, docker:) with RAY_UP_enable_autoscaler_v2=0
 #   rayup_v2  the same with Ray's default autoscaler (v2)
 # Every variant starts from no Ray container with the image already on every host (a re-deploy) and ends
-# when the head's GCS lists all 3 nodes alive (our probe inside the head's container). The variants are
+# when the head's GCS lists every node alive (our probe inside the head's container). The variants are
 # alternated (a different one first each round); medians and ratios at the end, each run with the 1-minute
 # load average before it. A `ray up` run that has not got every node by RAYUP_TIMEOUT (RAYUP_V2_TIMEOUT for
 # autoscaler v2) is counted as that timeout (a lower bound, marked with >), with how many nodes were alive then.
@@ -15,7 +15,8 @@
 # and the CPU-seconds themselves: on a lab whose hosts share this machine's cores, a variant that keeps every
 # core busy cannot be made faster by reordering its steps, only by doing less.
 # Usage: benchmarks/up_vs_references.sh [ROUNDS]
-#   (env: RAYCLUSTER_LAB_NAME, RAYCLUSTER_NODE_IMAGE, RAYUP_TIMEOUT, RAYUP_V2_TIMEOUT, VARIANTS: which of
+#   (env: HOSTS, the lab's hosts, 3 by default (2 or more; give each size a lab name of its own);
+#    RAYCLUSTER_LAB_NAME, RAYCLUSTER_NODE_IMAGE, RAYUP_TIMEOUT, RAYUP_V2_TIMEOUT; VARIANTS: which of
 #    "up floor rayup_v1 rayup_v2 up_base" to alternate, the first four by default; BASELINE: a folder holding
 #    another checkout, e.g. `git worktree add /tmp/base main`, whose `up` the variant up_base runs;
 #    CPUSETS: the cores each lab host may use, one list per host separated by spaces: "0 1 1" puts the head
@@ -39,9 +40,15 @@ read -r -a variants <<<"${VARIANTS:-up floor rayup_v1 rayup_v2}"
   || { echo "up_base needs BASELINE: a folder holding another checkout" >&2; exit 2; }
 rayup=0; [[ " ${variants[*]} " == *" rayup_"* ]] && rayup=1
 [ "$rayup" = 0 ] || command -v rsync >/dev/null || { apt-get install -y -qq rsync >/dev/null || { echo "rsync needed here" >&2; exit 1; }; }
-inv=$($rc lab up --hosts 3 --json 2>/dev/null | $py -c 'import json,sys; print(json.load(sys.stdin)["inventory"])')
+nhosts=${HOSTS:-3}  # the lab's hosts: a head and HOSTS-1 workers
+[ "$nhosts" -ge 2 ] || { echo "HOSTS: 2 or more" >&2; exit 2; }
+hosts=$(seq 1 "$nhosts"); workers=$(seq 2 "$nhosts")
+inv=$($rc lab up --hosts "$nhosts" --json 2>/dev/null | $py -c 'import json,sys; print(json.load(sys.stdin)["inventory"])')
 field() { $py -c "import yaml; d = yaml.safe_load(open('$inv')); print($1)"; }
-ip1=$(field "d['hosts'][0]['address']"); ip2=$(field "d['hosts'][1]['address']"); ip3=$(field "d['hosts'][2]['address']")
+read -r -a ips <<<"$(field "' '.join(h['address'] for h in d['hosts'])")"
+[ "${#ips[@]}" = "$nhosts" ] || { echo "the lab's inventory has ${#ips[@]} hosts, not $nhosts: use a lab name of its own" >&2; exit 2; }
+ip1=${ips[0]}
+all_ips=$(IFS=,; echo "${ips[*]}"); worker_ips=$(IFS=,; echo "${ips[*]:1}")
 key=$(field "d['ssh']['key']")
 work=$(mktemp -d)
 now() { date +%s%N; }
@@ -49,8 +56,8 @@ elapsed() { echo "$(( ($(now) - $1) / 1000000 ))"; }  # milliseconds since $1
 cpu_ticks() { awk '/^cpu /{print $2+$3+$4+$7+$8+$9}' /proc/stat; }  # busy jiffies of all cores (user nice system irq softirq steal)
 hz=$(getconf CLK_TCK); cores=$(nproc)
 on() { $docker exec "$lab-h$1" "${@:2}"; }
-alive() {  # alive CONTAINER TIMEOUT: until the head's GCS lists the three nodes alive
-  on 1 docker exec "$1" python -m raycluster_cli.probe --address "$ip1:6379" --expect "$ip1,$ip2,$ip3" \
+alive() {  # alive CONTAINER TIMEOUT: until the head's GCS lists every node alive
+  on 1 docker exec "$1" python -m raycluster_cli.probe --address "$ip1:6379" --expect "$all_ips" \
     --timeout "$2" >/dev/null
 }
 
@@ -68,7 +75,7 @@ LABEL io.raycluster.base="$($docker image inspect --format '{{.Id}}' "$image")"
 EOF
   DOCKER_BUILDKIT=0 $docker build -q --network host -t "$rayup_image" "$work/rayup" >/dev/null
 fi
-for h in 1 2 3; do
+for h in $hosts; do
   want=$($docker image inspect --format '{{.Id}}' "$rayup_image")
   if [ "$(on $h docker image inspect --format '{{.Id}}' "$rayup_image" 2>/dev/null)" != "$want" ]; then
     $docker save "$rayup_image" | $docker exec -i "$lab-h$h" docker load -q >/dev/null
@@ -79,10 +86,10 @@ done
 fi
 cat >"$work/rayup.yaml" <<EOF
 cluster_name: rcbench
-max_workers: 2
+max_workers: $(( nhosts - 1 ))
 upscaling_speed: 10.0
 idle_timeout_minutes: 60
-provider: {type: local, head_ip: $ip1, worker_ips: [$ip2, $ip3]}
+provider: {type: local, head_ip: $ip1, worker_ips: [$worker_ips]}
 auth: {ssh_user: root, ssh_private_key: $key}
 docker:
   image: $rayup_image
@@ -100,7 +107,7 @@ EOF
 # --- the variants ------------------------------------------------------------------------------------------
 clean() {
   $rc down -i "$inv" --json >/dev/null 2>&1 || true
-  for h in 1 2 3; do on $h sh -c 'docker rm -f floor-ray rcbench_ray >/dev/null 2>&1' || true; done
+  for h in $hosts; do on $h sh -c 'docker rm -f floor-ray rcbench_ray >/dev/null 2>&1' || true; done
 }
 run_up() {  # run_up [FOLDER]: this checkout's `up`, or that of the checkout in FOLDER (-m finds it there)
   local t0 inv_abs; t0=$(now); inv_abs=$(realpath "$inv")
@@ -114,8 +121,8 @@ run_floor() {
     --object-store-memory=300000000 --block >/dev/null
   until on 1 docker exec floor-ray ray health-check --address "$ip1:6379" >/dev/null 2>&1; do sleep 0.5; done
   echo "floor: the head's GCS answered $(elapsed "$t0") ms after the start; the workers start now" >&2
-  for h in 2 3; do
-    ip=$([ $h = 2 ] && echo "$ip2" || echo "$ip3")
+  for h in $workers; do
+    ip=${ips[$((h - 1))]}
     on $h "${opts[@]}" ray start --address="$ip1:6379" --node-ip-address="$ip" \
       --object-store-memory=300000000 --block >/dev/null &
   done
@@ -132,7 +139,7 @@ run_rayup() {  # run_rayup V: autoscaler v1 (RAY_UP_enable_autoscaler_v2=0) or v
     local n; n=$(on 1 docker exec rcbench_ray python -m raycluster_cli.probe --address "$ip1:6379" 2>/dev/null \
       | $py -c 'import json,sys; print(sum(n["alive"] for n in json.loads(sys.stdin.read().strip().splitlines()[-1])["nodes"]))' \
       2>/dev/null || echo "?")
-    echo "ray up $1: $n of 3 nodes alive after ${limit}s (monitor log kept in $work/monitor-$1-*.log)" >&2
+    echo "ray up $1: $n of $nhosts nodes alive after ${limit}s (monitor log kept in $work/monitor-$1-*.log)" >&2
     on 1 docker exec rcbench_ray sh -c 'cat /tmp/ray/session_latest/logs/monitor.log' >"$work/monitor-$1-$(now).log" 2>&1 || true
     echo "-$(( limit * 1000 ))"
   fi
@@ -152,13 +159,13 @@ all_cores="0-$(( cores - 1 ))"
 clean
 if [ -n "${CPUSETS:-}" ]; then
   read -r -a cpusets <<<"$CPUSETS"
-  [ "${#cpusets[@]}" = 3 ] || { echo "CPUSETS: give 3 core lists, one per host" >&2; exit 2; }
-  for h in 1 2 3; do pin "$h" "${cpusets[$((h - 1))]}"; done
-  trap 'clean; for h in 1 2 3; do pin "$h" "$all_cores" || true; done' EXIT
+  [ "${#cpusets[@]}" = "$nhosts" ] || { echo "CPUSETS: give $nhosts core lists, one per host" >&2; exit 2; }
+  for h in $hosts; do pin "$h" "${cpusets[$((h - 1))]}"; done
+  trap 'clean; for h in $hosts; do pin "$h" "$all_cores" || true; done' EXIT
 fi
 $rc up -i "$inv" --json >/dev/null 2>&1  # the first up makes the token and env files (what a re-deploy finds)
 if [ -n "${CPUSETS:-}" ]; then  # what the pins gave each host's Ray container
-  for h in 1 2 3; do
+  for h in $hosts; do
     echo "host $h: Ray container $(on $h sh -c 'docker exec $(docker ps -q --filter label=io.raycluster.cluster) \
       grep Cpus_allowed_list /proc/1/status' | tr -s '\t' ' ')" >&2
   done
