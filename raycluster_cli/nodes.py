@@ -258,7 +258,7 @@ def start_failure(inventory: Inventory, host: HostConfig, result: CommandResult,
     elif result.rc == PAUSED:
         return OperationError(
             f"{host.address}: the {host.role}'s container {name} is paused (docker pause, or a freezer cgroup), so its"
-            f" Ray node cannot register: {last}",
+            f" Ray node cannot register" + ("" if last == "(no log)" else f": {last}"),
             f"run `docker unpause {name}` on {host.address} (or find what paused it), then re-run `raycluster up`",
         )
     elif result.rc == TIMED_OUT:

@@ -816,3 +816,6 @@ def test_the_registration_watch_ends_when_the_container_stays_paused(
     assert sum("Paused" in c for c in calls) == 4 and (tmp_path / "answers").read_text() == ""
     error = nodes.start_failure(inv, inv.hosts[1], nodes.CommandResult(nodes.PAUSED, done.stdout, ""), 60)
     assert "is paused" in error.message and error.hint.startswith("run `docker unpause ")
+    assert error.message.endswith("cannot register: last line")
+    quiet = nodes.start_failure(inv, inv.hosts[1], nodes.CommandResult(nodes.PAUSED, "", ""), 60)
+    assert quiet.message.endswith("so its Ray node cannot register")  # no "(no log)" after a paused start
