@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # `raycluster up` against the references, in one run, on a local lab of HOSTS hosts, 3 by default (issue 11 item 6):
-#   up        raycluster up (preflight, token, env files, head + 2 workers) until every node is alive
+#   up        raycluster up (preflight, token, env files, head + workers) until every node is alive
 #   floor     the hand floor: head container until its GCS answers, then every worker at once, until all alive
 #   rayup_v1  Ray's own launcher: `ray up` (provider: local, docker:) with RAY_UP_enable_autoscaler_v2=0
 #   rayup_v2  the same with Ray's default autoscaler (v2)
@@ -146,7 +146,7 @@ run_rayup() {  # run_rayup V: autoscaler v1 (RAY_UP_enable_autoscaler_v2=0) or v
   "${flag[@]}" "$ray" down -y "$work/rayup.yaml" >>"$work/rayup-$1.log" 2>&1 || true
 }
 
-cpuset_dir() {  # the cgroup (v1 or v2) that lab host H's engine makes its containers' cgroups in
+cpuset_dir() {  # the cgroup that lab host H's engine makes its containers' cgroups in (run on v1 only so far)
   if [ -d /sys/fs/cgroup/cpuset ]; then echo "/sys/fs/cgroup/cpuset/$lab-h$1"; else echo "/sys/fs/cgroup/$lab-h$1"; fi
 }
 pin() {  # pin H CPUS, with no container of the host's engine running (a cgroup v1 parent cannot shrink under them)

@@ -353,12 +353,12 @@ def _ensure_key(lab_dir: Path) -> Path:
     return key_path
 
 
-def _networks_over(client: Any, subnet: str, name: str) -> list[tuple[str, str, str | None]]:
-    """The Docker networks other than `name` whose subnets overlap `subnet`: (network, its subnet, the lab it
-    belongs to or None)."""
+def _networks_over(networks: list[Any], subnet: str, name: str) -> list[tuple[str, str, str | None]]:
+    """Of `networks` (the engine's, listed once), those other than `name` whose subnets overlap `subnet`:
+    (network, its subnet, the lab it belongs to or None)."""
     wanted = ipaddress.ip_network(subnet)
     found = []
-    for network in client.networks.list():
+    for network in networks:
         attrs = network.attrs or {}
         if network.name == name:
             continue
@@ -377,12 +377,12 @@ def free_subnet(preferred: str, name: str = LAB_NAME, client: Any = None) -> str
     """`preferred` if no Docker network but the lab's own (`name`) overlaps it, else the first /24 of the same
     size in 10.64.0.0/10 that none overlaps: for the tests' second labs, which must not fail because a lab left
     by an interrupted run holds their default subnet."""
-    client = client or docker_client()
-    if not _networks_over(client, preferred, name):
+    networks = (client or docker_client()).networks.list()
+    if not _networks_over(networks, preferred, name):
         return preferred
     size = ipaddress.ip_network(preferred).prefixlen
     for candidate in ipaddress.ip_network("10.64.0.0/10").subnets(new_prefix=max(size, 10)):
-        if not _networks_over(client, str(candidate), name):
+        if not _networks_over(networks, str(candidate), name):
             return str(candidate)
     raise OperationError(
         f"no free subnet for the lab {name}: every /{size} of 10.64.0.0/10 overlaps a Docker network",
@@ -399,7 +399,7 @@ def _ensure_network(client: Any, name: str, subnet: str) -> None:
     try:
         client.networks.create(name, driver="bridge", ipam=ipam, labels={LAB_LABEL: name})
     except docker.errors.APIError as exc:
-        others = _networks_over(client, subnet, name)
+        others = _networks_over(client.networks.list(), subnet, name)
         labs = sorted({lab for _, _, lab in others if lab})
         if labs:
             fix = f"remove that lab with `raycluster lab down --name {labs[0]}`, or pick another subnet with --subnet"

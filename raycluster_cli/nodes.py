@@ -252,13 +252,14 @@ def wait_started(transport: Transport, inventory: Inventory, host: HostConfig, t
 def start_failure(inventory: Inventory, host: HostConfig, result: CommandResult, timeout_s: float) -> OperationError:
     """The error naming why a node did not start, from `wait_started`'s result."""
     name = container_name(inventory, host)
-    last = " | ".join(line.strip() for line in result.stdout.splitlines() if line.strip())[-300:] or "(no log)"
+    log_tail = " | ".join(line.strip() for line in result.stdout.splitlines() if line.strip())[-300:]
+    last = log_tail or "(no log)"
     if result.rc == EXITED:
         what = f"the {host.role} container exited"
     elif result.rc == PAUSED:
         return OperationError(
             f"{host.address}: the {host.role}'s container {name} is paused (docker pause, or a freezer cgroup), so its"
-            f" Ray node cannot register" + ("" if last == "(no log)" else f": {last}"),
+            f" Ray node cannot register" + (f": {log_tail}" if log_tail else ""),
             f"run `docker unpause {name}` on {host.address} (or find what paused it), then re-run `raycluster up`",
         )
     elif result.rc == TIMED_OUT:

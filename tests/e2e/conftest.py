@@ -27,12 +27,18 @@ REQUIRE = os.environ.get("RAYCLUSTER_REQUIRE_LAB") == "1"
 DOCKER = "/usr/bin/docker" if os.path.exists("/usr/bin/docker") else (shutil.which("docker") or "docker")
 # The fleet lab: its own name and subnet, so that it lives beside the 3-host lab in one session.
 FLEET_NAME = os.environ.get("RAYCLUSTER_FLEET_LAB_NAME", f"{lab.LAB_NAME}-fleet")
-# Its subnet: RAYCLUSTER_FLEET_SUBNET, else 10.79.0.0/24 (10.78: the network test) unless another network holds it.
-FLEET_SUBNET = os.environ.get("RAYCLUSTER_FLEET_SUBNET", "10.79.0.0/24")
+FLEET_SUBNET_DEFAULT = "10.79.0.0/24"  # 10.78: the network test
 FLEET_HOSTS = int(os.environ.get("RAYCLUSTER_FLEET_HOSTS", "30"))
 # The lab hosts' addresses (the subnet comes from RAYCLUSTER_LAB_SUBNET, 10.77.0.0/24 by default).
 IP1, IP2, IP3 = (h.address for h in lab.lab_hosts(3))
 UNUSED_IP = str(ipaddress.ip_network(lab.DEFAULT_SUBNET).network_address + 99)  # in the subnet, on no host
+
+
+def lab_subnet(variable: str, default: str, name: str) -> str:
+    """A second lab's subnet: the environment's `variable` if set, else `default` unless another Docker network
+    holds it (a lab left by an interrupted run), then a free one (lab.free_subnet)."""
+    given = os.environ.get(variable)
+    return given if given else lab.free_subnet(default, name)
 
 
 @dataclass
@@ -126,7 +132,7 @@ def fleet_lab(tmp_path_factory: pytest.TempPathFactory, session_state: Path) -> 
     _need_engine()
     lab_dir = Path(tmp_path_factory.mktemp("fleet"))
     progress = lambda m: print(f"[fleet] {m}", file=sys.stderr)  # noqa: E731
-    subnet = FLEET_SUBNET if "RAYCLUSTER_FLEET_SUBNET" in os.environ else lab.free_subnet(FLEET_SUBNET, FLEET_NAME)
+    subnet = lab_subnet("RAYCLUSTER_FLEET_SUBNET", FLEET_SUBNET_DEFAULT, FLEET_NAME)
     info = lab.lab_up(
         FLEET_HOSTS, lab_dir=lab_dir, name=FLEET_NAME, subnet=subnet, load_node_image=False, progress=progress
     )

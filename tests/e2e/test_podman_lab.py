@@ -22,13 +22,12 @@ import pytest
 from raycluster_cli import lab
 from raycluster_cli.errors import OperationError
 
-from .conftest import REQUIRE, Lab, _need_engine
+from .conftest import REQUIRE, Lab, _need_engine, lab_subnet
 
 pytestmark = pytest.mark.lab
 
 NAME = os.environ.get("RAYCLUSTER_PODMAN_LAB_NAME", f"{lab.LAB_NAME}-podman")
-SUBNET = os.environ.get("RAYCLUSTER_PODMAN_LAB_SUBNET", "10.76.0.0/24")  # 10.77 lab, 10.78 network, 10.79 fleet
-CHOSEN = "RAYCLUSTER_PODMAN_LAB_SUBNET" in os.environ  # else another subnet if a network holds 10.76
+SUBNET = "10.76.0.0/24"  # RAYCLUSTER_PODMAN_LAB_SUBNET, or a free one; 10.77 lab, 10.78 network, 10.79 fleet
 CLUSTER = "lab-podman"
 HEAD, WORKER = f"raycluster-{CLUSTER}-head", f"raycluster-{CLUSTER}-worker"
 HOSTNAMES = ("lab-h1", "lab-h2", "lab-h3")
@@ -43,7 +42,7 @@ def podman_lab(tmp_path_factory: pytest.TempPathFactory, session_state: Path) ->
             3,
             lab_dir=lab_dir,
             name=NAME,
-            subnet=SUBNET if CHOSEN else lab.free_subnet(SUBNET, NAME),
+            subnet=lab_subnet("RAYCLUSTER_PODMAN_LAB_SUBNET", SUBNET, NAME),
             engine="podman",
             load_node_image=False,  # `up` streams it, into `podman load`
             progress=lambda m: print(f"[podman lab] {m}", file=sys.stderr),
