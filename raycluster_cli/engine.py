@@ -183,8 +183,8 @@ class EngineTransport:
     def engine_command(self, command: str) -> str:
         return self.prefix + command
 
-    def run(self, command: str, *, stdin: bytes | None = None, timeout: float | None = 120.0) -> CommandResult:
-        return self.inner.run(self.engine_command(command), stdin=stdin, timeout=timeout)
+    def run(self, command: str, **options: Any) -> CommandResult:
+        return self.inner.run(self.engine_command(command), **options)
 
     def feed(self, command: str, source: BinaryIO, **options: Any) -> CommandResult:
         return self.inner.feed(self.engine_command(command), source, **options)

@@ -37,7 +37,9 @@ CONNECT_S = 20.0  # how long a receiver tries to reach the sender's listener bef
 STALL_S = 60.0  # no byte for this long ends a copy (both ends, and the operator's watch)
 DEADLINE_S = 1800.0  # the whole copy
 POLL_S = 2.0  # how often the operator reads a receiver's byte count for its progress bar
-READY_POLL_S = 0.5  # once every byte is there: how often it looks whether the archive was published
+# What a receive command prints (a line of its own, before the image ID) the moment its archive is whole, its
+# SHA-256 matched and it was published under its serving name: the operator hears it as it happens.
+PUBLISHED = "raycluster: archive whole, SHA-256 matched, published"
 
 # The sender's listener: serve ARCHIVE to the first connection that presents the secret (read on stdin), then
 # exit. argv: address port archive stall_s wait_s. Prints the bytes sent.
@@ -121,14 +123,16 @@ def receive_command(archive: str, decompress: str, image: str, source: str = "",
     a load that stops reading for a while (a multi-GB layer being committed) no longer holds up the copy, so
     the stall watch (the file's growth) sees the network alone. With `digest` (the archive's SHA-256, hex), a
     second follower sums the file as it grows, and once the copy is whole and matches, the file is linked
-    under the archive's own name, which is what a listener serves: the host can serve others while its load
-    runs on (`size_command` sees the link). Where `tail` cannot follow a writer (busybox), `tee` splits the
-    stream as before and the archive is served after the load. It all runs under `timeout` (its process
-    group is what the operator's stall watch kills: the pid is written next to the archive)."""
+    under the archive's own name, which is what a listener serves, and the command prints PUBLISHED: the
+    operator hears it at once (a line of the command's own output), and the host serves others while its load
+    runs on. Where `tail` cannot follow a writer (busybox), `tee` splits the stream as before and the archive
+    is served after the load. It all runs under `timeout` (its process group is what the operator's stall
+    watch kills: the pid is written next to the archive)."""
     part = f"{archive}.part"
     publish = (
         f"{{ tail -c +1 -s 0.2 --pid=$c -f {quote(part)} | sha256sum | {{ read -r s _; "
-        f'[ "$s" = {quote(digest)} ] && ln -f {quote(part)} {quote(archive)}; }}; true; }} & p=$!; '
+        f'[ "$s" = {quote(digest)} ] && ln -f {quote(part)} {quote(archive)} && echo {quote(PUBLISHED)}; }}; '
+        "true; } & p=$!; "
         if digest
         else ""
     )
@@ -173,10 +177,8 @@ def receive_script(command: str) -> str:
 
 
 def size_command(archive: str) -> str:
-    """The bytes of the copy so far, then the word `ready` once it is published under the archive's name (the
-    same file: an archive left from an earlier run is not this copy)."""
-    part, name = quote(archive + ".part"), quote(archive)
-    return f's=$(stat -c %s {part} 2>/dev/null || echo 0); if [ {part} -ef {name} ]; then echo "$s ready"; else echo "$s"; fi'
+    """The bytes of the copy so far."""
+    return f"stat -c %s {quote(archive + '.part')} 2>/dev/null || echo 0"
 
 
 def stop_command(archive: str) -> str:
@@ -190,25 +192,14 @@ def cleanup_command(archive: str) -> str:
 
 
 class Watch:
-    """Poll a receiver's byte count for its progress bar; stop the copy when no byte arrived for STALL_S
-    (`stall`: operator streams have their own deadline and are watched for `on_ready` only).
+    """Poll a receiver's byte count for its progress bar; stop the copy when no byte arrived for STALL_S.
 
-    Once all `total` bytes are there no stall is watched: what remains is the host's `docker load` reading its
+    Once all `total` bytes are there the watch ends: what remains is the host's `docker load` reading its
     file, which may go quiet for longer than STALL_S (a large layer committed) and is bounded by the copy's
-    deadline. With `on_ready`, the watch then looks every READY_POLL_S whether the archive was published
-    (its checksum matched) and calls `on_ready` once when it was; without it, the watch ends there."""
+    deadline. (That the archive is whole and checked, the receive command says itself: PUBLISHED.)"""
 
-    def __init__(
-        self,
-        transport: Transport,
-        archive: str,
-        report: Callable[[int], None],
-        total: int = 0,
-        on_ready: Callable[[], None] | None = None,
-        stall: bool = True,
-    ) -> None:
+    def __init__(self, transport: Transport, archive: str, report: Callable[[int], None], total: int = 0) -> None:
         self.transport, self.archive, self.report, self.total = transport, archive, report, total
-        self.on_ready, self.stall = on_ready, stall
         self.stalled = False
         self.seen = -1  # the receiver's bytes at the last poll that answered (-1: none yet)
         self._done = threading.Event()
@@ -222,26 +213,20 @@ class Watch:
         self._done.set()
         self._thread.join(timeout=10)
 
-    def _whole(self) -> bool:
-        return bool(self.total) and self.seen >= self.total
-
     def _run(self) -> None:
         since = time.monotonic()
-        while not self._done.wait(READY_POLL_S if self._whole() else POLL_S):
+        while not self._done.wait(POLL_S):
             try:
                 words = self.transport.run(size_command(self.archive), timeout=30).stdout.split()
             except Exception:
                 continue  # the copy itself reports a lost host
             size = int(words[0]) if words and words[0].isdigit() else 0
-            if "ready" in words[1:] and self.on_ready is not None:
-                self.on_ready()
-                return
             if size > self.seen:
                 self.seen, since = size, time.monotonic()
                 self.report(size)
-                if self._whole() and self.on_ready is None:
+                if self.total and size >= self.total:
                     return
-            elif self.stall and not self._whole() and time.monotonic() - since > STALL_S:
+            elif time.monotonic() - since > STALL_S:
                 self.stalled = True
                 with contextlib.suppress(Exception):
                     self.transport.run(stop_command(self.archive), timeout=30)

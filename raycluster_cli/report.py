@@ -294,6 +294,7 @@ def render_up(output: Output, body: dict[str, Any]) -> None:
             f"image {item['method']}ed to {item['host']} ({item['reason']}): "
             f"{item['bytes_sent'] / 1e6:.0f} MB {item['codec']} in {item['seconds']:.0f}s"
             + (f" from {_escape(item['source'])}" if item.get("source") else "")
+            + (", its archive's SHA-256 checked on arrival" if item.get("checksum") == "sha256" else "")
         )
     if all(n.get("action") == "running" for n in body["nodes"]) and not body.get("images"):
         output.line("nothing to do: every node was already running as the inventory asks")

@@ -13,7 +13,6 @@ once its load is done.
 
 from __future__ import annotations
 
-import contextlib
 import threading
 import time
 from collections import deque
@@ -45,6 +44,7 @@ class ImageTransfer:
     bytes_sent: int = 0  # bytes of the archive this host received
     codec: str = ""
     source: str = ""  # "operator", the address of the peer that served it, or "operator (after …)"
+    checksum: str = ""  # "sha256": its archive matched the operator's SHA-256 as it arrived ("": not checked)
 
     def to_dict(self) -> dict[str, object]:
         return {
@@ -55,6 +55,7 @@ class ImageTransfer:
             "bytes_sent": self.bytes_sent,
             "codec": self.codec,
             "source": self.source,
+            "checksum": self.checksum,
         }
 
 
@@ -233,17 +234,14 @@ class Spread:
 
         archive = self.job.remote(receiver.archive_dir)
         command = peers.receive_script(peers.receive_command(archive, receiver.decompress, self.job.image, "", digest))
-        with (
-            self.job.archive.open("rb") as source,
-            peers.Watch(receiver.transport, archive, lambda n: None, total, on_ready, stall=False)
-            if on_ready is not None
-            else contextlib.nullcontext(),
-        ):
-            result = receiver.transport.feed(command, source, on_sent=on_sent, timeout=peers.DEADLINE_S)
+        with self.job.archive.open("rb") as source:
+            result = receiver.transport.feed(
+                command, source, on_sent=on_sent, timeout=peers.DEADLINE_S, on_line=_told(on_ready)
+            )
         self.progress(TransferProgress(receiver.host, sent, total, done=True))
         self._check(receiver, result, "docker load")
         after = f" (after a peer copy failed: {receiver.fallback})" if receiver.fallback else ""
-        return self._done(receiver, "operator" + after, started, sent)
+        return self._done(receiver, "operator" + after, started, sent, result)
 
     def _peer(
         self, sender: Receiver, receiver: Receiver, digest: str = "", on_ready: Callable[[], None] | None = None
@@ -271,8 +269,10 @@ class Spread:
             peers.receive_command(archive, receiver.decompress, self.job.image, f"{copy.address} {copy.port}", digest)
         )
         report = lambda n: self.progress(TransferProgress(receiver.host, n, total, label=label))  # noqa: E731
-        with peers.Watch(receiver.transport, archive, report, total, on_ready) as watch:
-            result = receiver.transport.run(command, stdin=secret, timeout=peers.DEADLINE_S + 60)
+        with peers.Watch(receiver.transport, archive, report, total) as watch:
+            result = receiver.transport.run(
+                command, stdin=secret, timeout=peers.DEADLINE_S + 60, on_line=_told(on_ready)
+            )
         listener.join(peers.CONNECT_S + 60)
         self.progress(TransferProgress(receiver.host, total, total, done=True, label=label))
         if not result.ok and _listener_failed(heard[0] if heard else None):
@@ -285,9 +285,9 @@ class Spread:
                 "",
             )
         self._check(receiver, result, f"copy from {sender.host}")
-        return self._done(receiver, sender.host, started, total)
+        return self._done(receiver, sender.host, started, total, result)
 
-    def _done(self, receiver: Receiver, source: str, started: float, size: int) -> ImageTransfer:
+    def _done(self, receiver: Receiver, source: str, started: float, size: int, result: CommandResult) -> ImageTransfer:
         return replace(
             receiver.transfer,
             method="stream",
@@ -295,6 +295,7 @@ class Spread:
             bytes_sent=size,
             codec=self.job.codec,
             source=source,
+            checksum="sha256" if peers.PUBLISHED in result.stdout.splitlines() else "",
         )
 
     def _check(self, receiver: Receiver, result: CommandResult, what: str) -> None:
@@ -312,6 +313,13 @@ class Spread:
                 f"expected {self.job.image_id[7:19]}",
                 "the image may have been re-tagged meanwhile: re-run `raycluster up`",
             )
+
+
+def _told(on_ready: Callable[[], None] | None) -> Callable[[str], None] | None:
+    """What reads a receive command's lines as they come: `on_ready` once it says its archive was published."""
+    if on_ready is None:
+        return None
+    return lambda line: on_ready() if line == peers.PUBLISHED else None
 
 
 def _listener_said(heard: CommandResult | BaseException | None) -> str:

@@ -21,24 +21,17 @@ class CountingTransport:
         self.counts[self.host] += 1
         self.log.append((self.host, command))
 
-    def run(self, command: str, *, stdin: bytes | None = None, timeout: float | None = 120.0) -> CommandResult:
+    def run(self, command: str, **options: Any) -> CommandResult:
         self._count(command)
-        return self.inner.run(command, stdin=stdin, timeout=timeout)
+        return self.inner.run(command, **options)
 
     def put(self, data: bytes, path: str, mode: int = 0o600) -> None:
         self._count(f"put {path}")
         self.inner.put(data, path, mode)
 
-    def feed(
-        self,
-        command: str,
-        source: BinaryIO,
-        *,
-        on_sent: Callable[[int], None] | None = None,
-        timeout: float | None = None,
-    ) -> CommandResult:
+    def feed(self, command: str, source: BinaryIO, **options: Any) -> CommandResult:
         self._count(command)
-        return self.inner.feed(command, source, on_sent=on_sent, timeout=timeout)
+        return self.inner.feed(command, source, **options)
 
     def close(self) -> None:
         self.inner.close()

@@ -38,8 +38,16 @@ class Transport(Protocol):
 
     host: str
 
-    def run(self, command: str, *, stdin: bytes | None = None, timeout: float | None = 120.0) -> CommandResult:
-        """Run `command` in a POSIX shell; never raises for a non-zero exit (only for a lost host)."""
+    def run(
+        self,
+        command: str,
+        *,
+        stdin: bytes | None = None,
+        timeout: float | None = 120.0,
+        on_line: Callable[[str], None] | None = None,
+    ) -> CommandResult:
+        """Run `command` in a POSIX shell; never raises for a non-zero exit (only for a lost host). With
+        `on_line`, each line of its stdout is handed over as soon as it is whole (it is kept in the result too)."""
         ...
 
     def put(self, data: bytes, path: str, mode: int = 0o600) -> None:
@@ -54,9 +62,10 @@ class Transport(Protocol):
         *,
         on_sent: Callable[[int], None] | None = None,
         timeout: float | None = None,
+        on_line: Callable[[str], None] | None = None,
     ) -> CommandResult:
         """Run `command` with `source` streamed to its stdin in chunks (for data too big to hold in memory);
-        `on_sent(n)` after each chunk of n bytes."""
+        `on_sent(n)` after each chunk of n bytes; `on_line` as for `run`."""
         ...
 
     def close(self) -> None: ...

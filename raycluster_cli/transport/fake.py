@@ -25,11 +25,18 @@ class FakeTransport:
         self.fed: dict[str, bytes] = {}
         self.round_trips = 0
 
-    def run(self, command: str, *, stdin: bytes | None = None, timeout: float | None = 120.0) -> CommandResult:
+    def run(
+        self,
+        command: str,
+        *,
+        stdin: bytes | None = None,
+        timeout: float | None = 120.0,
+        on_line: Callable[[str], None] | None = None,
+    ) -> CommandResult:
         self.round_trips += 1
         if split_batch(command) is not None:
             return fake_batch_output(command, self.answer)
-        return self.answer(command)
+        return _told(self.answer(command), on_line)
 
     def answer(self, command: str) -> CommandResult:
         """The table's answer to one command (recorded in `commands`)."""
@@ -50,13 +57,22 @@ class FakeTransport:
         *,
         on_sent: Callable[[int], None] | None = None,
         timeout: float | None = None,
+        on_line: Callable[[str], None] | None = None,
     ) -> CommandResult:
         data = source.read()
         self.fed[command] = data
         if on_sent is not None:
             on_sent(len(data))
         self.round_trips += 1
-        return self.answer(command)
+        return _told(self.answer(command), on_line)
 
     def close(self) -> None:
         pass
+
+
+def _told(result: CommandResult, on_line: Callable[[str], None] | None) -> CommandResult:
+    """Each line of the answer's stdout goes to `on_line` (all at once here: the answer is ready-made)."""
+    if on_line is not None:
+        for line in result.stdout.splitlines():
+            on_line(line)
+    return result

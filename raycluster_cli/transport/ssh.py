@@ -31,7 +31,7 @@ from . import cancel, prefetch, sshkeys
 from .base import CommandResult, put_command
 from .guard import guarded
 from .keepalive import KeepAlive
-from .sshio import OutputSink, collect, heartbeat, send_stream, summary
+from .sshio import Lines, LineSink, OutputSink, collect, heartbeat, send_stream, summary
 
 log = logging.getLogger("raycluster.transport")
 logging.getLogger("paramiko").addHandler(logging.NullHandler())  # its thread's tracebacks are not for users
@@ -163,7 +163,17 @@ class SSHTransport:
 
     # Commands ------------------------------------------------------------------------------------
 
-    def run(self, command: str, *, stdin: bytes | None = None, timeout: float | None = 120.0) -> CommandResult:
+    def run(
+        self,
+        command: str,
+        *,
+        stdin: bytes | None = None,
+        timeout: float | None = 120.0,
+        on_line: LineSink | None = None,
+    ) -> CommandResult:
+        if on_line is not None:
+            lines = Lines(on_line)
+            return lines.result(self._command(command, stdin=stdin, timeout=timeout, on_output=lines).rc)
         if stdin is None:
             if self.first_read_only is None and prefetch.declared_read_only():
                 self.first_read_only = (prefetch.shape(command)[0], timeout)
@@ -260,31 +270,30 @@ class SSHTransport:
         *,
         on_sent: Callable[[int], None] | None = None,
         timeout: float | None = None,
+        on_line: LineSink | None = None,
     ) -> CommandResult:
         started = time.monotonic()
         channel = self._open_channel(command, window_size=8 * 1024 * 1024, max_packet_size=256 * 1024)
-        out, err = bytearray(), bytearray()
+        lines = Lines(on_line)
 
         def drain() -> None:
             # What the command says meanwhile, so that a chatty command never blocks the stream.
             while channel.recv_ready():
-                out.extend(channel.recv(65536))
+                lines("stdout", channel.recv(65536))
             while channel.recv_stderr_ready():
-                err.extend(channel.recv_stderr(65536))
+                lines("stderr", channel.recv_stderr(65536))
 
         try:
             channel.exec_command(guarded(command, timeout, self.stall_s) if self.guard else command)
             send_stream(channel, source, host=self.host, stall_s=self.stall_s, on_sent=on_sent, drain=drain)
             channel.shutdown_write()
-            rest = collect(channel, timeout, self.host, command)
+            rc = collect(channel, timeout, self.host, command, on_output=lines).rc
         except BaseException as exc:
             raise self._failed(channel, exc, command) from None
         self._finish(channel)
-        log.debug("%s: exit %d in %.2fs: %s (stdin streamed)", self.host, rest.rc, time.monotonic() - started,
+        log.debug("%s: exit %d in %.2fs: %s (stdin streamed)", self.host, rc, time.monotonic() - started,
                   summary(command))  # fmt: skip
-        return CommandResult(
-            rest.rc, out.decode(errors="replace") + rest.stdout, err.decode(errors="replace") + rest.stderr
-        )
+        return lines.result(rc)
 
     def put(self, data: bytes, path: str, mode: int = 0o600) -> None:
         result = self.run(put_command(path, mode), stdin=data, timeout=60)

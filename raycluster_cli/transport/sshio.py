@@ -40,6 +40,29 @@ def summary(command: str, limit: int = 60) -> str:
 
 
 OutputSink = Callable[[str, bytes], None]  # ("stdout" | "stderr", bytes as they arrive)
+LineSink = Callable[[str], None]  # one line of a command's stdout (without its newline), as soon as it is whole
+
+
+class Lines:
+    """An OutputSink that keeps a command's output, as `collect` does without one, and hands each line of
+    stdout to `on_line` the moment it is whole: a command can tell the operator something before it ends."""
+
+    def __init__(self, on_line: LineSink | None) -> None:
+        self.on_line = on_line
+        self.out, self.err = bytearray(), bytearray()
+        self._told = 0  # where the next line to hand on starts
+
+    def __call__(self, stream: str, data: bytes) -> None:
+        if stream == "stderr":
+            self.err += data
+            return
+        self.out += data
+        while self.on_line is not None and (end := self.out.find(b"\n", self._told)) >= 0:
+            line, self._told = self.out[self._told : end].decode(errors="replace"), end + 1
+            self.on_line(line)
+
+    def result(self, rc: int) -> CommandResult:
+        return CommandResult(rc, self.out.decode(errors="replace"), self.err.decode(errors="replace"))
 
 
 def collect(

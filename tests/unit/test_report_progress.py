@@ -42,7 +42,17 @@ def test_render_up_status_logs_down() -> None:
                 "bytes_sent": 9e8,
                 "codec": "gzip",
                 "seconds": 40,
-            }
+            },
+            {
+                "host": "192.0.2.13",
+                "method": "stream",
+                "reason": "missing",
+                "bytes_sent": 9e8,
+                "codec": "zstd",
+                "seconds": 20,
+                "source": "192.0.2.12",
+                "checksum": "sha256",
+            },
         ],
         "warnings": ["Ray token authentication is OFF"],
         "seconds": 12.5,
@@ -56,7 +66,8 @@ def test_render_up_status_logs_down() -> None:
     }
     text = _render(render_up, up)
     assert "192.0.2.12: restarted: env changed" in text and "special=2" in text
-    assert "image streamed to 192.0.2.12 (missing): 900 MB gzip in 40s" in text and "warning:" in text
+    assert "image streamed to 192.0.2.12 (missing): 900 MB gzip in 40s\n" in text and "warning:" in text
+    assert "192.0.2.13 (missing): 900 MB zstd in 20s from 192.0.2.12, its archive's SHA-256 checked on arrival" in text
     assert "dashboard       http://a:8265" in text
     host = {
         **node,

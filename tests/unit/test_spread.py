@@ -5,7 +5,9 @@ from __future__ import annotations
 import hashlib
 import re
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -37,11 +39,11 @@ class Host(FakeTransport):
         self.stdin: list[bytes] = []
         self.lock = threading.Lock()
 
-    def run(self, command: str, *, stdin: bytes | None = None, timeout: float | None = 120.0) -> CommandResult:
+    def run(self, command: str, *, stdin: bytes | None = None, **options: Any) -> CommandResult:
         with self.lock:
             if stdin is not None:
                 self.stdin.append(stdin)
-            return super().run(command, stdin=stdin, timeout=timeout)
+            return super().run(command, stdin=stdin, **options)
 
 
 def _table(loaded: str = A, tools: str = "zstd\nbash\ntimeout\n") -> dict[str, CommandResult | str]:
@@ -207,31 +209,37 @@ def test_each_host_keeps_the_archive_in_its_login_users_folder(archive: Path) ->
 
 class Loading(Host):
     """A host whose `docker load` (the end of every receive) waits until every host has begun to receive (at
-    most `limit` s); its size command says `ready` once its copy began, as a receiver that published its
-    checksummed archive does."""
+    most `limit` s); its receive command says PUBLISHED as its copy begins (before that wait), as one whose
+    checksummed archive is whole before its load ends does."""
 
     def __init__(self, host: str, table: dict[str, CommandResult | str], fleet: Fleet, seed_waits: bool = True) -> None:
         super().__init__(host, table)
         self.fleet, self.seed_waits = fleet, seed_waits
-        self.receiving = False
 
-    def _load(self) -> None:
-        self.receiving = True
-        self.fleet.began(self.host)
+    def _receive(self, command: str, on_line: Callable[[str], None] | None, wait: bool) -> bool:
+        """Whether this receive checks the archive's checksum: it then says PUBLISHED before its load waits."""
+        checks = "sha256sum" in command
+        if checks and on_line is not None:
+            on_line(peers.PUBLISHED)
+        if wait:
+            self.fleet.began(self.host)
+        return checks
 
-    def run(self, command: str, *, stdin: bytes | None = None, timeout: float | None = 120.0) -> CommandResult:
-        if command.startswith("s=$(stat -c %s"):
-            with self.lock:
-                self.commands.append(command)
-            return CommandResult(0, "1000 ready\n" if self.receiving else "0\n", "")
-        if "/dev/tcp/" in command:
-            self._load()
-        return super().run(command, stdin=stdin, timeout=timeout)
+    @staticmethod
+    def _said(result: CommandResult, checks: bool) -> CommandResult:
+        return replace(result, stdout=f"{peers.PUBLISHED}\n{result.stdout}") if checks else result
 
-    def feed(self, command: str, source: BinaryIO, **kwargs: Any) -> CommandResult:
-        if self.seed_waits:
-            self._load()
-        return super().feed(command, source, **kwargs)
+    def run(self, command: str, *, on_line: Callable[[str], None] | None = None, **options: Any) -> CommandResult:
+        if "/dev/tcp/" not in command:
+            return super().run(command, **options)
+        checks = self._receive(command, on_line, wait=True)
+        return self._said(super().run(command, **options), checks)
+
+    def feed(
+        self, command: str, source: BinaryIO, *, on_line: Callable[[str], None] | None = None, **options: Any
+    ) -> CommandResult:
+        checks = self._receive(command, on_line, wait=self.seed_waits)
+        return self._said(super().feed(command, source, **options), checks)
 
 
 class Fleet:
@@ -255,8 +263,6 @@ def test_a_host_serves_others_as_soon_as_its_archive_is_published_before_its_loa
 ) -> None:
     """Each load here lasts until all 8 hosts have begun to receive: only hosts that serve while they load
     get there (served after their loads, the copies would follow one another: each load would end at its limit)."""
-    monkeypatch.setattr(peers, "POLL_S", 0.02)
-    monkeypatch.setattr(peers, "READY_POLL_S", 0.02)
     inv = _fleet(8)
     fleet = Fleet(8, limit=5.0)
     tools = "zstd\nbash\ntimeout\nsha256sum\npython3\n"
@@ -269,6 +275,7 @@ def test_a_host_serves_others_as_soon_as_its_archive_is_published_before_its_loa
     receives = [c for h in hosts.values() for c in h.commands if "docker load" in c]
     assert len(receives) == 8 and all(digest in c for c in receives)  # each checks the operator's checksum
     assert (archive.parent / (archive.name + ".sha256")).read_text().strip() == digest  # computed once, kept
+    assert {t.checksum for t in done} == {"sha256"} and {t.to_dict()["checksum"] for t in done} == {"sha256"}
     said = {e.split(":")[0] for e in events if isinstance(e, str) and "serves others while it loads" in e}
     senders = {t.source for t in done if t.source != "operator"}
     assert len(senders) >= 3 and senders <= said  # each host that served did so once its archive was published
@@ -293,8 +300,6 @@ def test_without_python3_a_host_serves_after_its_load_but_its_sender_is_free_onc
     """Its listener runs in the image, which it has only once loaded. The seed's load ends at once here; every
     peer's lasts until all 7 have begun to receive: only a seed freed when each copy's archive is published,
     not when the receiver's load ends, serves all 7 before those loads end."""
-    monkeypatch.setattr(peers, "POLL_S", 0.02)
-    monkeypatch.setattr(peers, "READY_POLL_S", 0.02)
     inv = _fleet(8)
     fleet = Fleet(7, limit=5.0)
     tools = "zstd\nbash\ntimeout\nsha256sum\n"
@@ -306,6 +311,9 @@ def test_without_python3_a_host_serves_after_its_load_but_its_sender_is_free_onc
     assert fleet.loads_waited == [True] * 7
     said = [e for e in events if isinstance(e, str) and "archive whole" in e]
     assert said and all(e.endswith("it loads (its listener needs the image)") for e in said)
+    # Each peer copy's notice came from its own receive command; the seed's stream was not checked (no use).
+    assert sorted(e.split(":")[0] for e in said) == sorted(t.host for t in done if t.host != seed)
+    assert {t.host: t.checksum for t in done} == {t.host: "" if t.host == seed else "sha256" for t in done}
 
 
 @pytest.mark.parametrize("ready_first", [True, False])

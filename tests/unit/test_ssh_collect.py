@@ -127,3 +127,36 @@ def test_a_stream_silent_past_its_stall_deadline_fails_naming_host_and_command(c
     # the stall counts from the last chunk (it came on the 5th turn, after 4 sleeps of 10 ms), not from the start
     assert 0.54 < clock.now - started < 0.56
     assert "192.0.2.11" in caught.value.one_line() and "docker logs c" in caught.value.one_line()
+
+
+def test_each_line_of_stdout_is_handed_over_as_soon_as_it_is_whole_and_all_of_it_is_kept() -> None:
+    """A receive command says PUBLISHED long before it ends: the operator must hear it then, not at the end."""
+    chunks = [b"Loaded ima", b"ge: img:1\nraycluster: archive", b" whole\n", b"sha256:abc"]
+    channel = ExitFirstChannel(chunks)
+    heard: list[tuple[str, int]] = []
+    lines = sshio.Lines(lambda line: heard.append((line, len(channel.pending))))
+    result = sshio.collect(channel, 10, "192.0.2.11", on_output=lines)  # type: ignore[arg-type]
+    # Each line when the chunk that ends it had come (chunks still pending then), the unfinished last one never.
+    assert heard == [("Loaded image: img:1", 2), ("raycluster: archive whole", 1)]
+    assert result.stdout == "" and lines.result(result.rc).stdout == b"".join(chunks).decode()
+
+
+def test_the_ssh_transports_run_and_feed_hand_lines_over_and_keep_the_output(tmp_path) -> None:
+    import io
+
+    from .test_transport_deadlines import DoneChannel, OpenClient
+
+    for call in ("run", "feed"):
+        transport = ssh.SSHTransport("192.0.2.15", known_hosts_file=str(tmp_path / "kh"), connect_timeout=4)
+        channel = DoneChannel()
+        channel.data = b"one\ntwo\nthree"
+        channel.sendall = lambda data: None  # type: ignore[attr-defined]
+        channel.send_ready = lambda: True  # type: ignore[attr-defined]
+        channel.send = lambda data: len(data)  # type: ignore[attr-defined]
+        transport._client = OpenClient(channel)  # type: ignore[assignment]
+        heard: list[str] = []
+        if call == "run":
+            result = transport.run("true", on_line=heard.append)
+        else:
+            result = transport.feed("cat", io.BytesIO(b"x" * 10), on_line=heard.append)
+        assert heard == ["one", "two"] and result.stdout == "one\ntwo\nthree" and result.rc == 0, call
