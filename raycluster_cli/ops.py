@@ -77,7 +77,9 @@ def exec_command(inventory: Inventory, host: HostConfig, words: list[str], tag: 
     command runs in a session of its own (`setsid -w`) whose id it writes to a file in the container;
     when the host side is ended (the remote guard ends it when the connection goes, at the deadline, on
     Ctrl-C), its trap kills that whole session in the container — from a session of its own on the
-    host, so the guard's final SIGKILL does not cut the trap short."""
+    host, so the guard's final SIGKILL does not cut the trap short. The same stop runs when the `docker
+    exec` client ends by itself while the command still runs; after a command that ended, its pid file is
+    gone and the stop kills nothing."""
     name = quote(container_name(inventory, host))
     pidfile = f"/tmp/.raycluster-exec-{tag or secrets.token_hex(6)}"
     script = (
@@ -89,10 +91,12 @@ def exec_command(inventory: Inventory, host: HostConfig, words: list[str], tag: 
     )
     stop = f"p=$(cat {pidfile}) && {{ kill -TERM -$p 2>/dev/null || kill -TERM $p; }}; rm -f {pidfile}"
     killer = preamble(engine_of(inventory, host)) + f"docker exec {name} sh -c {quote(stop)}"
-    on_end = f"$r sh -c {quote(killer)} >/dev/null 2>&1; exit 143"
+    # TERM and HUP are ignored first (and so in the stop's own process until it has a session of its own): a
+    # second signal to the session must not end the stop before it has left the session.
+    stop_all = f"trap '' TERM HUP; $r sh -c {quote(killer)} >/dev/null 2>&1"
     return (
-        f"r=; command -v setsid >/dev/null && r=setsid; trap {quote(on_end)} TERM HUP; "
-        f"docker exec {name} sh -c {quote(inner)} & wait $!"
+        f"r=; command -v setsid >/dev/null && r=setsid; trap {quote(stop_all + '; exit 143')} TERM HUP; "
+        f"docker exec {name} sh -c {quote(inner)} & wait $!; s=$?; {stop_all}; exit $s"
     )
 
 

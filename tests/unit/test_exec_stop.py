@@ -106,3 +106,33 @@ def test_without_the_stop_the_container_process_would_stay(fake_path: dict[str, 
         assert _running(marker)
     finally:
         _end(marker)
+
+
+# A `docker exec` client that ends by itself after a second, leaving what it started running (as dockerd does).
+DETACHING_DOCKER = """#!/bin/sh
+[ "$1" = exec ] || exit 125
+shift 2
+setsid "$@" </dev/null >/dev/null 2>&1 &
+sleep 1
+"""
+
+
+def test_the_command_in_the_container_ends_when_the_docker_exec_client_ends_by_itself(tmp_path: Path) -> None:
+    """No signal reaches the host side here: its `docker exec` client just ends while the command runs on."""
+    docker = tmp_path / "docker"
+    docker.write_text(DETACHING_DOCKER)
+    docker.chmod(0o755)
+    env = dict(os.environ, PATH=f"{tmp_path}:{os.environ['PATH']}")
+    marker = _marker()
+    tag = f"t{os.getpid()}d"
+    command = guard.guarded(exec_command(INV, HEAD, [marker], tag=tag), None)
+    host_side = subprocess.Popen(["sh", "-c", command], env=env, start_new_session=True)
+    try:
+        assert _until(lambda: _running(marker), 10)
+        host_side.wait(timeout=20)
+        assert _until(lambda: not _running(marker), 8), f"{marker} still runs after its docker exec client ended"
+        assert _until(lambda: not Path(f"/tmp/.raycluster-exec-{tag}").exists(), 3)
+    finally:
+        _end(marker)
+        if host_side.poll() is None:
+            os.killpg(host_side.pid, 9)
