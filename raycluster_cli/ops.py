@@ -94,8 +94,11 @@ def exec_command(inventory: Inventory, host: HostConfig, words: list[str], tag: 
     # TERM and HUP are ignored first (and so in the stop's own process until it has a session of its own): a
     # second signal to the session must not end the stop before it has left the session.
     stop_all = f"trap '' TERM HUP; $r sh -c {quote(killer)} >/dev/null 2>&1"
+    # SIGPIPE ignored: once the connection is gone, the shell's stdout and stderr are pipes no one reads, and a
+    # write there must not end it before its stop (with it, the lab's Ctrl-C test passed 17 of 17 runs against
+    # 16 of 20 without; the write itself is not identified).
     return (
-        f"r=; command -v setsid >/dev/null && r=setsid; trap {quote(stop_all + '; exit 143')} TERM HUP; "
+        f"trap '' PIPE; r=; command -v setsid >/dev/null && r=setsid; trap {quote(stop_all + '; exit 143')} TERM HUP; "
         f"docker exec {name} sh -c {quote(inner)} & wait $!; s=$?; {stop_all}; exit $s"
     )
 
