@@ -14,13 +14,21 @@ import argparse
 import json
 import logging
 import os
+import socket
 import sys
 import time
 from collections.abc import Callable
 from typing import Any
 
 GCS_CALL_S = 10  # one node-table read; the caller's deadline is the remote command's own
+# Ray's GCS client retries a connect for about 40 s when nothing listens at the address; a plain TCP connect
+# first says within this many seconds that the GCS is not there (its port refuses, or nothing answers).
+GCS_CONNECT_S = 5.0
 Node = dict[str, Any]
+
+
+class GcsAbsent(Exception):
+    """Nothing accepts connections at the GCS's address (its message is the whole error, no type name)."""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -53,7 +61,8 @@ def main(argv: list[str] | None = None) -> int:
                 break
             time.sleep(0.2)
     except Exception as exc:
-        _say(document, {"ok": False, "error": f"{type(exc).__name__}: {exc}".splitlines()[0]})
+        said = str(exc) if isinstance(exc, GcsAbsent) else f"{type(exc).__name__}: {exc}"
+        _say(document, {"ok": False, "error": said.splitlines()[0]})
         return 1
     _say(document, {"ok": settled, "nodes": nodes})
     return 0 if settled else 1
@@ -61,6 +70,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _node_table(address: str) -> Callable[[], list[Node]]:
     """A function that reads the GCS's node table, connected once (raises if the GCS cannot be reached)."""
+    _accepts(address, GCS_CONNECT_S)
     import ray
 
     try:
@@ -79,6 +89,28 @@ def _node_table(address: str) -> Callable[[], list[Node]]:
 
     read()  # the first call proves the GCS answers (and authenticates this client), as ray.init did
     return read
+
+
+def _accepts(address: str, within: float) -> None:
+    """Return once a TCP connect to `address` (HOST:PORT; "auto" is not checked) succeeds; raise a
+    GcsAbsent that names the address if none does within `within` seconds (tried every 0.2 s)."""
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit():
+        return
+    end = time.monotonic() + within
+    while True:
+        left = end - time.monotonic()
+        try:
+            socket.create_connection((host.strip("[]"), int(port)), timeout=max(0.1, min(2.0, left))).close()
+            return
+        except OSError as exc:
+            if time.monotonic() + 0.2 >= end:
+                why = exc.strerror or type(exc).__name__
+                raise GcsAbsent(
+                    f"the head's GCS at {address} does not accept connections ({why}, for {within:g}s): "
+                    "its gcs_server is not running, or the port is closed on the head"
+                ) from None
+            time.sleep(0.2)
 
 
 def _from_gcs(node_id: str, info: Any) -> Node:

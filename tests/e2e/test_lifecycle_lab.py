@@ -132,6 +132,26 @@ def test_status_reports_a_dead_worker_before_up_heals_it(lab_hosts: Lab) -> None
     assert code == 0 and doc["state"] == "healthy"
 
 
+def test_status_of_a_head_whose_gcs_port_refuses_says_so_instead_of_waiting_on_rays_client(lab_hosts: Lab) -> None:
+    """New connections to the head's GCS port are refused in lab-h1's own network namespace (where the head's
+    container and the probe run; the raylets' established connections stay). Ray's GCS client would retry its
+    connect for about 40 s; `status` names the GCS and the refusal, then is healthy again once the port opens."""
+    _up(lab_hosts)
+    rule = "INPUT -p tcp --syn --dport 6379 -j REJECT --reject-with tcp-reset"
+    lab_hosts.sh("lab-h1", f"iptables -I {rule}")
+    try:
+        code, doc, err = lab_hosts.cli("status", timeout=120)
+    finally:
+        lab_hosts.sh("lab-h1", f"iptables -D {rule}")
+    assert code == 1, err
+    head = next(h for h in doc["hosts"] if h["host"] == IP1)
+    assert head["container"] == "running" and head["healthy"] is False
+    assert head["error"].startswith(f"{IP1}: the head's GCS at {IP1}:6379 does not accept connections"), head
+    assert "Connection refused" in head["error"], head
+    code, doc, err = lab_hosts.cli("status")
+    assert code == 0 and doc["state"] == "healthy", err
+
+
 def test_logs_collects_a_folder_per_host(lab_hosts: Lab, tmp_path: Path) -> None:
     _up(lab_hosts)
     out = tmp_path / "logs"
