@@ -28,16 +28,25 @@ ENV_IN_CONTAINER = "/run/raycluster/env"
 _ENV = f"set -a && . {ENV_IN_CONTAINER} && set +a"
 _SOURCE_ENV = f'{_ENV} && exec "$@"'
 # A worker's container waits until the head's GCS answers, and then until the GCS knows the head's node, before
-# `ray start`, so that `up` starts every worker while the head is still starting (its container made, Ray
-# imported) instead of after: `ray start --address` itself gives a GCS that is not there yet about 20 s, and
-# looks for the head's node only every 2 s. One Python process polls the port (no new process each time to
-# compete for the CPU the starting head needs), then imports Ray, asks the GCS for the head's node every 0.1 s
-# and runs `ray start` in the same process, as Ray's own `ray` script does (no second import). One line in the
-# container's log says it waits; one that it gave up (after GCS_WAIT_S: the container exits, `up` names why).
-# A Ray without the GCS client this uses (another version) skips that look: `ray start` then finds the head.
+# `ray start`, so that `up` starts every worker while the head is still starting instead of after: `ray start
+# --address` itself gives a GCS that is not there yet about 20 s, and looks for the head's node only every 2 s.
+# One Python process first imports what it and `ray start` need (Ray's GCS client and `ray start`'s entry point:
+# about 1 CPU-second, half of it `ray start`'s own modules), then polls the port (no new process each time),
+# asks the GCS for the head's node every 0.1 s, and runs `ray start` in the same process, as Ray's own `ray`
+# script does (no second import). On a host with cores of its own the imports overlap the head's start, so
+# that `ray start` begins at once when the head's node is known. One line in the container's log says it
+# waits; one that it gave up (after GCS_WAIT_S: the container exits, `up` names why). A Ray without the GCS
+# client this uses (another version) skips that look: `ray start` then finds the head.
 GCS_WAIT_S = 600
 _WAIT_FOR_GCS = """import socket, sys, time
 head, port, limit = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
+try:
+    from ray._raylet import GcsClient
+    from ray.core.generated.gcs_service_pb2 import GetAllNodeInfoRequest
+except Exception:
+    GcsClient = None
+if sys.argv[4:5] == ["ray"]:
+    from ray.scripts.scripts import main
 end, said = time.monotonic() + limit, False
 while True:
     try:
@@ -50,19 +59,15 @@ while True:
             print(f"raycluster: waiting for the GCS of the head at {head}:{port}", flush=True)
             said = True
         time.sleep(0.2)
-try:
-    from ray._raylet import GcsClient
-    from ray.core.generated.gcs_service_pb2 import GetAllNodeInfoRequest
-
-    selector = GetAllNodeInfoRequest.NodeSelector(is_head_node=True)
-    gcs = GcsClient(address=f"{head}:{port}")
-    while not gcs.get_all_node_info(timeout=5, node_selectors=[selector]) and time.monotonic() < end:
-        time.sleep(0.1)
-except Exception:
-    pass
+if GcsClient is not None:
+    try:
+        selector = GetAllNodeInfoRequest.NodeSelector(is_head_node=True)
+        gcs = GcsClient(address=f"{head}:{port}")
+        while not gcs.get_all_node_info(timeout=5, node_selectors=[selector]) and time.monotonic() < end:
+            time.sleep(0.1)
+    except Exception:
+        pass
 if sys.argv[4:5] == ["ray"]:
-    from ray.scripts.scripts import main
-
     sys.argv = sys.argv[4:]
     sys.exit(main())
 import os

@@ -164,6 +164,7 @@ class _FakeRay:
         self.asked = 0
         self.address = ""
         self.started: list[str] = []
+        self.events: list[str] = []  # the import of `ray start`'s entry point, each connect: in order
         fake = self
 
         class GcsClient:
@@ -182,6 +183,12 @@ class _FakeRay:
             fake.started = list(sys.argv)
             return 0
 
+        def entry_point(name: str) -> object:  # `from ray.scripts.scripts import main` says when it ran
+            if name != "main":
+                raise AttributeError(name)
+            fake.events.append("import ray start")
+            return main
+
         request = type("GetAllNodeInfoRequest", (), {"NodeSelector": NodeSelector})
         modules: dict[str, dict[str, object]] = {
             "ray": {},
@@ -190,7 +197,7 @@ class _FakeRay:
             "ray.core.generated": {},
             "ray.core.generated.gcs_service_pb2": {"GetAllNodeInfoRequest": request},
             "ray.scripts": {},
-            "ray.scripts.scripts": {"main": main},
+            "ray.scripts.scripts": {"__getattr__": entry_point},
         }
         for name, attributes in modules.items():
             module = types.ModuleType(name)
@@ -210,6 +217,7 @@ def test_the_wait_polls_one_process_asks_for_the_heads_node_then_runs_ray_start_
 
     def connect(address: tuple[str, int], timeout: float) -> socket.socket:
         tries.append(address)
+        ray.events.append("connect")
         if len(tries) < 4:
             raise ConnectionRefusedError(111, "refused")
         return socket.socket()  # never connected: closed at once
@@ -223,6 +231,8 @@ def test_the_wait_polls_one_process_asks_for_the_heads_node_then_runs_ray_start_
         exec(compile(code, "<wait>", "exec"), {})
     assert ended.value.code == 0
     assert tries == [("192.0.2.11", 6379)] * 4
+    # `ray start`'s modules are imported before the wait, while the head starts, not after its node is known.
+    assert ray.events == ["import ray start"] + ["connect"] * 4
     assert capsys.readouterr().out == "raycluster: waiting for the GCS of the head at 192.0.2.11:6379\n"
     assert (ray.address, ray.asked, ray.started) == ("192.0.2.11:6379", 3, ["ray", "start", "--block"])
 
