@@ -22,7 +22,9 @@
 #    CPUSETS: the cores each lab host may use, one list per host separated by spaces: "0 1 1" puts the head
 #    alone on core 0 and both workers on core 1, hosts that no longer share every core. Each host's own
 #    processes (`docker update --cpuset-cpus`) and the cgroup its engine puts its containers under (the lab
-#    host's name below the cpuset root) are pinned; every core again at the end)
+#    host's name below the cpuset root) are pinned; every core again at the end; TIMELINE=1: after each `up`
+#    and floor run, one line per node on stderr with when its container started, its GCS and dashboard
+#    (head), its raylet and its registration, in ms after the run's start, from its container and Ray logs)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 rounds=${1:-5}
@@ -109,10 +111,41 @@ clean() {
   $rc down -i "$inv" --json >/dev/null 2>&1 || true
   for h in $hosts; do on $h sh -c 'docker rm -f floor-ray rcbench_ray >/dev/null 2>&1' || true; done
 }
+timeline() {  # timeline T0: per node, the times (ms after T0) of its steps, from the Ray container on each host
+  [ "${TIMELINE:-0}" = 1 ] || return 0
+  local h line
+  for h in $hosts; do
+    line=$(on $h sh -c 'c=$(docker ps -q --filter label=io.raycluster.cluster --filter status=running | head -n1)
+      [ -n "$c" ] || c=$(docker ps -q --filter name=^floor-ray$)
+      [ -n "$c" ] || exit 0
+      echo "started $(docker inspect --format "{{.State.StartedAt}}" "$c")"
+      echo "registered $(docker logs -t "$c" 2>&1 | grep -m1 "Ray runtime started" | cut -d" " -f1)"
+      docker exec "$c" sh -c "cd /tmp/ray/session_latest/logs 2>/dev/null || exit 0
+        for f in gcs_server.out dashboard.log raylet.out dashboard_agent.log; do
+          [ -f \$f ] && echo \"\$f \$(grep -m1 -oE \"[0-9]{4}-[0-9]{2}-[0-9]{2} [0-9:]{8},[0-9]{3}\" \$f)\"
+        done"' 2>/dev/null | $py -c '
+import sys
+from datetime import datetime, timezone
+t0 = int(sys.argv[1]) / 1e9
+out = []
+for line in sys.stdin:
+    what, _, when = line.strip().partition(" ")
+    if not when:
+        continue
+    if "T" in when:  # Docker: RFC 3339 with nanoseconds, UTC
+        stamp = datetime.fromisoformat(when[:26].rstrip("Z") + "+00:00").timestamp()
+    else:  # Ray: local time (UTC in the image), milliseconds after a comma
+        stamp = datetime.strptime(when, "%Y-%m-%d %H:%M:%S,%f").replace(tzinfo=timezone.utc).timestamp()
+    out.append(f"{what.split(chr(46))[0]}+{(stamp - t0) * 1000:.0f}")
+print(" ".join(out))' "$1")
+    echo "  host $h: $line" >&2
+  done
+}
 run_up() {  # run_up [FOLDER]: this checkout's `up`, or that of the checkout in FOLDER (-m finds it there)
   local t0 inv_abs; t0=$(now); inv_abs=$(realpath "$inv")
   (cd "${1:-.}" && $py -m raycluster_cli up -i "$inv_abs" --json >/dev/null 2>&1)
   elapsed "$t0"
+  timeline "$t0"
 }
 run_floor() {
   local t0; t0=$(now)
@@ -129,6 +162,7 @@ run_floor() {
   wait
   alive floor-ray 300
   elapsed "$t0"
+  timeline "$t0"
 }
 run_rayup() {  # run_rayup V: autoscaler v1 (RAY_UP_enable_autoscaler_v2=0) or v2 (Ray's default)
   local t0 flag=(); t0=$(now)
