@@ -210,6 +210,12 @@ def _escape(text: str) -> str:
     return escape(terminal_safe(text))
 
 
+def host_error(host: str, error: str) -> str:
+    """A host's error as shown after its name: without the name when the error already begins with it
+    (errors raised for a host name it first; the line then reads `HOST: message`, not `HOST: HOST: message`)."""
+    return error.removeprefix(f"{host}: ")
+
+
 def render_checks(output: Output, results: list[CheckResult]) -> None:
     """One table per host, failures first, each with its fix."""
     hosts: dict[str, list[CheckResult]] = {}
@@ -365,7 +371,9 @@ def status_view(body: dict[str, Any], title: str = "") -> Group:
     ]
     for host in body["hosts"]:
         if host.get("error"):
-            lines.append(Text.from_markup(f"[red]{host['host']}:[/red] {_escape(host['error'])}"))
+            lines.append(
+                Text.from_markup(f"[red]{host['host']}:[/red] {_escape(host_error(host['host'], host['error']))}")
+            )
     return Group(*lines)
 
 
@@ -384,7 +392,7 @@ def render_logs(output: Output, body: dict[str, Any]) -> None:
             str(host["files"]),
             f"{host['bytes'] / 1e6:.1f}",
             _mark(str(host["error_lines"]), host["error_lines"] == 0),
-            _escape(first[:120]),
+            _escape(host_error(host["host"], first)[:120]),
         )
     output.out.print(table)
     for host in body["hosts"]:

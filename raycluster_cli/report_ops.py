@@ -10,7 +10,7 @@ from typing import Any
 from rich.live import Live
 from rich.table import Table
 
-from .report import Output, _escape, status_view, terminal_safe
+from .report import Output, _escape, host_error, status_view, terminal_safe
 from .transport.stream import Stream
 
 
@@ -37,7 +37,8 @@ def render_exec(output: Output, body: dict[str, Any]) -> None:
     several = len(body["hosts"]) > 1
     for host in body["hosts"]:
         if host["error"]:
-            output.err.print(f"[bold red]{host['host']}:[/bold red] {_escape(host['error'])}", markup=True)
+            error = host_error(host["host"], host["error"])
+            output.err.print(f"[bold red]{host['host']}:[/bold red] {_escape(error)}", markup=True)
         elif several and host["rc"] != 0:
             output.err.print(f"[yellow]{host['host']}: exit status {host['rc']}[/yellow]", markup=True)
 

@@ -105,3 +105,39 @@ def test_render_up_status_logs_down() -> None:
     assert "x: ERROR boom" in _render(render_logs, logs)
     down = {"removed": [], "purged": [{"host": "192.0.2.12", "item": "image raycluster/node:0.1.0"}], "errors": []}
     assert "purged image raycluster/node:0.1.0 on 192.0.2.12" in _render(render_down, down)
+
+
+def test_a_hosts_error_that_names_its_host_is_shown_after_the_name_once() -> None:
+    from raycluster_cli.report import render_status
+    from raycluster_cli.report_ops import render_exec
+
+    def status_of(error: str) -> dict[str, object]:
+        host = {
+            "host": "192.0.2.11",
+            "role": "head",
+            "node_ip": "192.0.2.11",
+            "container": "unreachable",
+            "ray_node": "unknown",
+            "healthy": False,
+            "resources": {},
+            "image_id": "",
+            "ray_version": "",
+            "error": error,
+        }
+        return {
+            "cluster": "demo",
+            "state": "down",
+            "hosts": [host],
+            "totals": {"hosts": 1, "alive_nodes": 0, "resources": {}},
+        }
+
+    # Errors raised for a host begin with its name (the JSON keeps them whole); the line names it once.
+    text = _render(render_status, status_of("192.0.2.11: connection refused on port 22"))
+    assert "192.0.2.11: connection refused on port 22\n" in text and "192.0.2.11: 192.0.2.11" not in text
+    assert "192.0.2.11: docker: not found\n" in _render(render_status, status_of("docker: not found"))
+
+    err = io.StringIO()
+    render_exec(
+        Output(False, stderr=err), {"hosts": [{"host": "192.0.2.11", "rc": 255, "error": "192.0.2.11: timed out"}]}
+    )
+    assert err.getvalue() == "192.0.2.11: timed out\n"
