@@ -21,10 +21,17 @@ def _sh(script: str, **kwargs: object) -> subprocess.CompletedProcess[bytes]:
 
 
 def test_output_and_exit_status_pass_through_at_once() -> None:
-    started = time.monotonic()
-    done = _sh(guard.guarded("echo out; echo err >&2; exit 3", 60))
-    assert (done.returncode, done.stdout, done.stderr) == (3, b"out\n", b"err\n")
-    assert time.monotonic() - started < 1.0
+    # A guard that waited for its watcher would take at least the watcher's 1 s turn every time; a loaded
+    # machine can slow a correct one past 1 s now and then: the fastest of three runs is what is bounded.
+    took = []
+    for _ in range(3):
+        started = time.monotonic()
+        done = _sh(guard.guarded("echo out; echo err >&2; exit 3", 60))
+        took.append(time.monotonic() - started)
+        assert (done.returncode, done.stdout, done.stderr) == (3, b"out\n", b"err\n")
+        if took[-1] < 1.0:
+            break
+    assert min(took) < 1.0, took
 
 
 def test_a_stream_on_stdin_passes_through_whole() -> None:
