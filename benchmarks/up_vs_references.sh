@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # `raycluster up` against the references, in one run, on a local lab of HOSTS hosts, 3 by default (issue 11 item 6):
 #   up        raycluster up (preflight, token, env files, head + workers) until every node is alive
-#   floor     the hand floor: head container until its GCS answers, then every worker at once, until all alive
+#   floor     the hand floor: head container until its GCS answers (its port accepts a connection), then every
+#             worker at once, until all alive
 #   rayup_v1  Ray's own launcher: `ray up` (provider: local, docker:) with RAY_UP_enable_autoscaler_v2=0
 #   rayup_v2  the same with Ray's default autoscaler (v2)
 # Every variant starts from no Ray container with the image already on every host (a re-deploy) and ends
@@ -22,7 +23,10 @@
 #    CPUSETS: the cores each lab host may use, one list per host separated by spaces: "0 1 1" puts the head
 #    alone on core 0 and both workers on core 1, hosts that no longer share every core. Each host's own
 #    processes (`docker update --cpuset-cpus`) and the cgroup its engine puts its containers under (the lab
-#    host's name below the cpuset root) are pinned; every core again at the end; TIMELINE=1: after each `up`
+#    host's name below the cpuset root) are pinned; every core again at the end; QUOTAS: a CPU quota for
+#    each host's Ray container, one number per host separated by spaces ("0.66 0.66 0.66": three hosts that
+#    each have two thirds of a core of their own, as hosts that share no CPU), for `up` (the lab's
+#    inventory, `lab up --cpus`) and the floor (the same `docker run` options), not for `ray up`; TIMELINE=1: after each `up`
 #    and floor run, one line per node on stderr with when its container started, its GCS and dashboard
 #    (head), its raylet and its registration, in ms after the run's start, from its container and Ray logs)
 set -euo pipefail
@@ -45,7 +49,14 @@ rayup=0; [[ " ${variants[*]} " == *" rayup_"* ]] && rayup=1
 nhosts=${HOSTS:-3}  # the lab's hosts: a head and HOSTS-1 workers
 [ "$nhosts" -ge 2 ] || { echo "HOSTS: 2 or more" >&2; exit 2; }
 hosts=$(seq 1 "$nhosts"); workers=$(seq 2 "$nhosts")
-inv=$($rc lab up --hosts "$nhosts" --json 2>/dev/null | $py -c 'import json,sys; print(json.load(sys.stdin)["inventory"])')
+read -r -a quotas <<<"${QUOTAS:-}"
+[ "${#quotas[@]}" = 0 ] || [ "${#quotas[@]}" = "$nhosts" ] || { echo "QUOTAS: give $nhosts numbers, one per host" >&2; exit 2; }
+lab_cpus=(); floor_cpus=()  # per host: `lab up --cpus` and the floor's `docker run` options (the same quota)
+for ((k = 0; k < ${#quotas[@]}; k++)); do
+  lab_cpus+=(--cpus "lab-h$((k + 1))=${quotas[$k]}")
+  floor_cpus[$((k + 1))]=$($py -c 'import sys; from raycluster_cli.lab import cpu_options; print(" ".join(cpu_options(sys.argv[1])))' "${quotas[$k]}")
+done
+inv=$($rc lab up --hosts "$nhosts" "${lab_cpus[@]}" --json 2>/dev/null | $py -c 'import json,sys; print(json.load(sys.stdin)["inventory"])')
 field() { $py -c "import yaml; d = yaml.safe_load(open('$inv')); print($1)"; }
 read -r -a ips <<<"$(field "' '.join(h['address'] for h in d['hosts'])")"
 [ "${#ips[@]}" = "$nhosts" ] || { echo "the lab's inventory has ${#ips[@]} hosts, not $nhosts: use a lab name of its own" >&2; exit 2; }
@@ -149,14 +160,18 @@ run_up() {  # run_up [FOLDER]: this checkout's `up`, or that of the checkout in 
 }
 run_floor() {
   local t0; t0=$(now)
-  local opts=(docker run -d --name floor-ray --network host --shm-size 1g "$image")
-  on 1 "${opts[@]}" ray start --head --port=6379 --node-ip-address="$ip1" --dashboard-host="$ip1" \
+  local opts=(docker run -d --name floor-ray --network host --shm-size 1g)
+  # shellcheck disable=SC2086  # the host's quota options, one word each
+  on 1 "${opts[@]}" ${floor_cpus[1]:-} "$image" ray start --head --port=6379 --node-ip-address="$ip1" --dashboard-host="$ip1" \
     --object-store-memory=300000000 --block >/dev/null
-  until on 1 docker exec floor-ray ray health-check --address "$ip1:6379" >/dev/null 2>&1; do sleep 0.5; done
+  # The GCS's port polled by a plain TCP connect from the head's host (since session 18; `ray health-check` in
+  # the head's container before, a Python start every 0.5 s on the CPU the starting head needs).
+  until on 1 bash -c "exec 3<>/dev/tcp/$ip1/6379" 2>/dev/null; do sleep 0.2; done
   echo "floor: the head's GCS answered $(elapsed "$t0") ms after the start; the workers start now" >&2
   for h in $workers; do
     ip=${ips[$((h - 1))]}
-    on $h "${opts[@]}" ray start --address="$ip1:6379" --node-ip-address="$ip" \
+    # shellcheck disable=SC2086
+    on $h "${opts[@]}" ${floor_cpus[$h]:-} "$image" ray start --address="$ip1:6379" --node-ip-address="$ip" \
       --object-store-memory=300000000 --block >/dev/null &
   done
   wait
