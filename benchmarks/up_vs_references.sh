@@ -26,9 +26,10 @@
 #    host's name below the cpuset root) are pinned; every core again at the end; QUOTAS: a CPU quota for
 #    each host's Ray container, one number per host separated by spaces ("0.66 0.66 0.66": three hosts that
 #    each have two thirds of a core of their own, as hosts that share no CPU), for `up` (the lab's
-#    inventory, `lab up --cpus`) and the floor (the same `docker run` options), not for `ray up`; TIMELINE=1: after each `up`
-#    and floor run, one line per node on stderr with when its container started, its GCS and dashboard
-#    (head), its raylet and its registration, in ms after the run's start, from its container and Ray logs)
+#    inventory, `lab up --cpus`) and the floor (the same `docker run` options), not for `ray up`;
+#    TIMELINE=1: after each `up` and floor run, one line per node on stderr with when its container started,
+#    its GCS and dashboard (head), its raylet and its registration, in ms after the run's start, from its
+#    container and Ray logs)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 rounds=${1:-5}
