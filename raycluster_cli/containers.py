@@ -27,26 +27,46 @@ ENV_IN_CONTAINER = "/run/raycluster/env"
 # `env` while the values stay out of `docker inspect` and every command line.
 _ENV = f"set -a && . {ENV_IN_CONTAINER} && set +a"
 _SOURCE_ENV = f'{_ENV} && exec "$@"'
-# A worker's container waits until the head's GCS answers, and then until the GCS knows the head's node, before
-# `ray start`, so that `up` starts every worker while the head is still starting instead of after: `ray start
-# --address` itself gives a GCS that is not there yet about 20 s, and looks for the head's node only every 2 s.
-# One Python process first imports what it and `ray start` need (Ray's GCS client and `ray start`'s entry point:
-# about 1 CPU-second, half of it `ray start`'s own modules), then polls the port (no new process each time),
-# asks the GCS for the head's node every 0.1 s, and runs `ray start` in the same process, as Ray's own `ray`
-# script does (no second import). On a host with cores of its own the imports overlap the head's start, so
-# that `ray start` begins at once when the head's node is known. One line in the container's log says it
-# waits; one that it gave up (after GCS_WAIT_S: the container exits, `up` names why). A Ray without the GCS
-# client this uses (another version) skips that look: `ray start` then finds the head.
+# A worker's container waits until the head's GCS answers before `ray start`, so that `up` starts every worker
+# while the head is still starting instead of after: `ray start --address` itself gives a GCS that is not there
+# yet about 20 s, and looks for the head's node, and the session's name, only every 2 s. One Python process first
+# imports what it and `ray start` need (Ray's GCS client and `ray start`'s entry point: about 1 CPU-second, half
+# of it `ray start`'s own modules), then polls the port (no new process each time), and runs `ray start` in the
+# same process, as Ray's own `ray` script does (no second import). One line in the container's log says it waits;
+# one that it gave up (after GCS_WAIT_S: the container exits, `up` names why).
+#
+# Ray's `ray start` of a worker then reads the head's node record, for two things only: the head's temp folder
+# (the worker's default) and session folder. The head registers its node last, after its dashboard, raylet and
+# agents, so that lookup holds every worker back until the head is done, however early it started. In the mode
+# "early" (see `early_start`) the wait reads the session's name, which the head writes right after its GCS
+# starts, and answers that lookup itself while the head's node is not registered: the temp folder is Ray's own
+# default in this container (RAY_TMPDIR, else TMPDIR, else /tmp, joined with "ray"), which is the head's because
+# `up` chooses this mode only where the head and this worker give their containers the same values of those
+# variables in the same image; the session folder is that temp folder joined with the session's name, as the
+# head's is. The worker's raylet then starts as soon as the session is known, long before the head registers.
+# Once the head's node is registered, Ray's own record is used. A Ray without these internals (another
+# version) falls back to waiting for the head's node, and a Ray without the GCS client to `ray start` at once.
 GCS_WAIT_S = 600
-_WAIT_FOR_GCS = """import socket, sys, time
-head, port, limit = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
+_WAIT_FOR_GCS = """import os, socket, sys, time
+head, port, limit, mode, command = sys.argv[1], int(sys.argv[2]), float(sys.argv[3]), sys.argv[4], sys.argv[5:]
 try:
     from ray._raylet import GcsClient
     from ray.core.generated.gcs_service_pb2 import GetAllNodeInfoRequest
 except Exception:
     GcsClient = None
-if sys.argv[4:5] == ["ray"]:
+early = mode == "early" and GcsClient is not None and command[:1] == ["ray"]
+if command[:1] == ["ray"]:
     from ray.scripts.scripts import main
+if early:
+    try:
+        import ray._private.node as node
+        from ray._common.utils import get_default_ray_temp_dir
+        from ray.core.generated.gcs_pb2 import GcsNodeInfo
+
+        lookup = node.get_all_node_info_until_retrieved
+        early = {"temp_dir", "session_dir"} <= set(GcsNodeInfo.DESCRIPTOR.fields_by_name)
+    except Exception:
+        early = False
 end, said = time.monotonic() + limit, False
 while True:
     try:
@@ -63,26 +83,72 @@ if GcsClient is not None:
     try:
         selector = GetAllNodeInfoRequest.NodeSelector(is_head_node=True)
         gcs = GcsClient(address=f"{head}:{port}")
-        while not gcs.get_all_node_info(timeout=5, node_selectors=[selector]) and time.monotonic() < end:
+        session = None
+        while early and session is None and time.monotonic() < end:
+            session = gcs.internal_kv_get(b"session_name", b"session")
+            if session is None:
+                time.sleep(0.1)
+        early = session is not None
+        while not early and not gcs.get_all_node_info(timeout=5, node_selectors=[selector]) and time.monotonic() < end:
             time.sleep(0.1)
     except Exception:
-        pass
-if sys.argv[4:5] == ["ray"]:
-    sys.argv = sys.argv[4:]
-    sys.exit(main())
-import os
+        early = False
+if early:
+    temp = get_default_ray_temp_dir()
+    record = GcsNodeInfo(temp_dir=temp, session_dir=os.path.join(temp, session.decode()), state=GcsNodeInfo.ALIVE)
 
-os.execvp(sys.argv[4], sys.argv[4:])
+    def head_record(client, node_selectors=None, **options):
+        if not node_selectors or not all(s.is_head_node for s in node_selectors):
+            return lookup(client, node_selectors=node_selectors, **options)
+        try:
+            known = list(client.get_all_node_info(timeout=5, node_selectors=node_selectors).values())
+        except Exception:
+            known = []
+        return known or [record]
+
+    node.get_all_node_info_until_retrieved = head_record
+if command[:1] == ["ray"]:
+    sys.argv = command
+    sys.exit(main())
+os.execvp(command[0], command)
 """
+# The environment variables that decide Ray's default temp folder in a container (ray._common.utils).
+_TEMP_DIR_ENV = ("RAY_TMPDIR", "TMPDIR")
+
+
+def early_start(inventory: Inventory, host: HostConfig) -> bool:
+    """Whether `host`'s wait may answer Ray's lookup of the head's folders itself (see _WAIT_FOR_GCS): true
+    when the head's container and this one resolve Ray's default temp folder alike, that is when the
+    inventory's env gives both the same values of RAY_TMPDIR and TMPDIR, and their `docker.run_options` set
+    the container's environment with the same options (or none). The image is the cluster's, the same."""
+    head = inventory.head_host
+    for name in _TEMP_DIR_ENV:
+        if inventory.env_for(head).get(name) != inventory.env_for(host).get(name):
+            return False
+    return _env_options(inventory, head) == _env_options(inventory, host)
+
+
+def _env_options(inventory: Inventory, host: HostConfig) -> list[str]:
+    """The words of `host`'s run options that give the container environment (-e, --env, --env-file), each
+    with its value, in order."""
+    words = [word for option in inventory.docker_for(host).run_options for word in shlex.split(option)]
+    picked: list[str] = []
+    for index, word in enumerate(words):
+        if word in ("-e", "--env", "--env-file"):
+            picked += words[index : index + 2]
+        elif word.startswith(("--env=", "--env-file=")) or (word.startswith("-e") and not word.startswith("--")):
+            picked.append(word)
+    return picked
 
 
 def start_script(inventory: Inventory, host: HostConfig) -> str:
     """The container's shell command (its arguments: `ray start …`): the env file, then, on a worker, the
-    wait for the head's GCS and node, then `ray start`, in the container's main process."""
+    wait for the head's GCS, then `ray start`, in the container's main process."""
     if host.role == "head":
         return _SOURCE_ENV
+    mode = "early" if early_start(inventory, host) else "head"
     wait = shlex.join(
-        ["python3", "-c", _WAIT_FOR_GCS, inventory.head_address, str(inventory.ray.port), str(GCS_WAIT_S)]
+        ["python3", "-c", _WAIT_FOR_GCS, inventory.head_address, str(inventory.ray.port), str(GCS_WAIT_S), mode]
     )
     return f'{_ENV} && exec {wait} "$@"'
 

@@ -4,9 +4,11 @@ Each node's own container log says when Ray registered it (`ray start` prints "R
 the GCS knows the node): `up` watches that on each host with one remote command that runs nothing but docker's
 CLI, so no Python start-up competes with a starting node. The head's container starts first and every
 worker's right after it, without waiting: a worker's container waits until the head's GCS answers before its
-`ray start` (containers.start_script), and Ray's own `ray start` waits for the head's node to be known. So the
-workers' containers, their start and their Python imports overlap the head's start, where the hand-written way
-(head until its GCS answers, then the workers) does them in turn. Once the head is registered, one look at its
+`ray start` (containers.start_script), and then, unless the inventory gives the head and the worker different
+temp folders, starts its Ray without waiting for the head's node to register (Ray's own `ray start` would: the
+head registers last, after its dashboard, raylet and agents). So the workers' containers, their imports and
+their whole Ray start overlap the head's start, where the hand-written way (head until its GCS answers, then
+the workers) does them in turn and its workers' raylets wait for the head's node. Once the head is registered, one look at its
 GCS waits, in a thread, for every node to be alive while the workers' registrations are watched; a worker that
 failed ends that look early, and the nodes that did join are read once more.
 """

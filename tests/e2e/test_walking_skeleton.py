@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Iterator
+from datetime import datetime
 from pathlib import Path
 
 import pytest
@@ -54,6 +56,33 @@ def test_up_brings_three_alive_nodes(lab_hosts: Lab) -> None:
     assert doc["head"] == lab_hosts.info.hosts[0].address
     assert sorted(n["host"] for n in doc["nodes"]) == sorted(h.address for h in lab_hosts.info.hosts)
     assert all(n["alive"] for n in doc["nodes"])
+
+
+NODE_RECORDS = (
+    'python -c "import json; from ray._raylet import GcsClient; '
+    f"nodes = GcsClient(address='{IP1}:6379').get_all_node_info(timeout=30).values(); "
+    "print(json.dumps([[n.node_manager_address, n.is_head_node, n.start_time_ms, n.temp_dir, n.session_dir] "
+    'for n in nodes if n.state == 0]))"'
+)
+
+
+def test_the_workers_ray_started_before_the_head_registered_in_the_heads_folders(lab_hosts: Lab) -> None:
+    """`up` of the test before: no worker's Ray waited for the head's node to register (Ray's own `ray start`
+    would have). Each worker's raylet started (its node record's start time) before the head's `ray start`
+    said "Ray runtime started." (the head registers after its dashboard, raylet and agents), and the worker's
+    record names the head's temp and session folders, the ones the wait answered Ray's lookup with."""
+    records = json.loads(lab_hosts.sh("lab-h1", f"docker exec raycluster-lab-head timeout 60 {NODE_RECORDS}"))
+    nodes = {address: (head, start_ms, temp, session) for address, head, start_ms, temp, session in records}
+    assert sorted(nodes) == sorted(h.address for h in lab_hosts.info.hosts)
+    head = nodes[IP1]
+    assert head[0] is True and head[2] == "/tmp/ray" and head[3].startswith("/tmp/ray/session_")
+    said = lab_hosts.sh("lab-h1", "docker logs -t raycluster-lab-head 2>&1 | grep -m1 'Ray runtime started'")
+    stamp = said.split()[0]  # RFC 3339 in UTC with nanoseconds: 2026-12-03T14:33:01.123456789Z
+    registered_ms = datetime.fromisoformat(stamp[:23] + "+00:00").timestamp() * 1000
+    for address in (IP2, IP3):
+        is_head, start_ms, temp, session = nodes[address]
+        assert (is_head, temp, session) == (False, head[2], head[3])
+        assert start_ms < registered_ms, f"{address}'s raylet started {start_ms - registered_ms:.0f} ms after"
 
 
 def test_second_up_changes_nothing(lab_hosts: Lab) -> None:

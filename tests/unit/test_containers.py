@@ -132,7 +132,7 @@ def test_a_workers_container_sources_its_env_then_runs_the_wait_with_ray_starts_
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     (bin_dir / "python3").write_text(
-        '#!/bin/sh\necho "A=$A $1 $3 $4 $5" >"$D/calls"; shift 5; echo "$*" >>"$D/calls"\n'
+        '#!/bin/sh\necho "A=$A $1 $3 $4 $5 $6" >"$D/calls"; shift 6; echo "$*" >>"$D/calls"\n'
     )
     (bin_dir / "python3").chmod(0o755)
     done = subprocess.run(
@@ -144,7 +144,7 @@ def test_a_workers_container_sources_its_env_then_runs_the_wait_with_ray_starts_
     )
     assert done.returncode == 0, done.stderr
     calls = (tmp_path / "calls").read_text().splitlines()
-    assert calls == [f"A=from-env-file -c 192.0.2.11 6379 {GCS_WAIT_S}", "ray start --block"]
+    assert calls == [f"A=from-env-file -c 192.0.2.11 6379 {GCS_WAIT_S} early", "ray start --block"]
     head_script = start_script(inv, inv.head_host)
     assert "python3" not in head_script and head_script.endswith('exec "$@"')
 
@@ -157,30 +157,64 @@ def _wait_code(example_yaml: str) -> str:
 
 
 class _FakeRay:
-    """The parts of Ray the wait uses, as modules in sys.modules: a GCS client that knows the head's node
-    from its `known_after`-th answer on, and `ray start`'s entry point, which records its argv."""
+    """The parts of Ray the wait uses, as modules in sys.modules: a GCS client that knows the head's node from
+    its `known_after`-th answer on and the session's name from its `session_after`-th, Ray's lookup of the
+    head's node (`ray._private.node`), and `ray start`'s entry point, which records its argv and, as Ray's
+    `ray start` of a worker does, looks up the head's node through `ray._private.node` (what it got:
+    `looked_up`). `with_internals=False`: a Ray without that lookup (another version)."""
 
-    def __init__(self, monkeypatch: pytest.MonkeyPatch, known_after: int, with_client: bool = True) -> None:
+    def __init__(
+        self,
+        monkeypatch: pytest.MonkeyPatch,
+        known_after: int,
+        with_client: bool = True,
+        session_after: int = 1,
+        with_internals: bool = True,
+    ) -> None:
         self.asked = 0
+        self.kv_asked = 0
         self.address = ""
         self.started: list[str] = []
+        self.looked_up: list[object] = []
         self.events: list[str] = []  # the import of `ray start`'s entry point, each connect: in order
+        self.head = object()
         fake = self
 
         class GcsClient:
             def __init__(self, address: str) -> None:
-                fake.address = address
+                fake.address = fake.address or address  # the wait's client; `ray start`'s own comes second
 
             def get_all_node_info(self, timeout: float, node_selectors: list[object]) -> dict[str, object]:
                 fake.asked += 1
-                return {"head": object()} if fake.asked >= known_after else {}
+                return {"head": fake.head} if fake.asked >= known_after else {}
+
+            def internal_kv_get(self, key: bytes, namespace: bytes) -> bytes | None:
+                assert (key, namespace) == (b"session_name", b"session")
+                fake.kv_asked += 1
+                return b"session_7" if fake.kv_asked >= session_after else None
 
         class NodeSelector:
             def __init__(self, is_head_node: bool) -> None:
-                assert is_head_node
+                self.is_head_node = is_head_node
+
+        class GcsNodeInfo:
+            DESCRIPTOR = types.SimpleNamespace(fields_by_name={"temp_dir": 1, "session_dir": 2, "state": 3})
+            ALIVE = 0
+
+            def __init__(self, **fields: object) -> None:
+                self.fields = fields
+
+        def ray_lookup(client: object, node_selectors: object = None, **options: object) -> list[object]:
+            return ["Ray's own lookup"]
 
         def main() -> int:
             fake.started = list(sys.argv)
+            node = sys.modules["ray._private.node"]
+            if hasattr(node, "get_all_node_info_until_retrieved"):
+                head = NodeSelector(is_head_node=True)
+                fake.looked_up = node.get_all_node_info_until_retrieved(
+                    GcsClient("again"), timeout_per_retry=5, node_selectors=[head]
+                )
             return 0
 
         def entry_point(name: str) -> object:  # `from ray.scripts.scripts import main` says when it ran
@@ -189,12 +223,20 @@ class _FakeRay:
             fake.events.append("import ray start")
             return main
 
+        self.ray_lookup = ray_lookup
+        self.GcsClient, self.NodeSelector = GcsClient, NodeSelector
         request = type("GetAllNodeInfoRequest", (), {"NodeSelector": NodeSelector})
+        internals = {"get_all_node_info_until_retrieved": ray_lookup} if with_internals else {}
         modules: dict[str, dict[str, object]] = {
             "ray": {},
             "ray._raylet": {"GcsClient": GcsClient} if with_client else {},
+            "ray._private": {},
+            "ray._private.node": internals,
+            "ray._common": {},
+            "ray._common.utils": {"get_default_ray_temp_dir": lambda: "/fake-tmp/ray"},
             "ray.core": {},
             "ray.core.generated": {},
+            "ray.core.generated.gcs_pb2": {"GcsNodeInfo": GcsNodeInfo},
             "ray.core.generated.gcs_service_pb2": {"GetAllNodeInfoRequest": request},
             "ray.scripts": {},
             "ray.scripts.scripts": {"__getattr__": entry_point},
@@ -225,7 +267,7 @@ def test_the_wait_polls_one_process_asks_for_the_heads_node_then_runs_ray_start_
     monkeypatch.setattr(socket, "create_connection", connect)
     monkeypatch.setattr(time, "monotonic", lambda: clock[0])
     monkeypatch.setattr(time, "sleep", lambda s: clock.__setitem__(0, clock[0] + s))
-    monkeypatch.setattr(sys, "argv", ["-c", "192.0.2.11", "6379", "600", "ray", "start", "--block"])
+    monkeypatch.setattr(sys, "argv", ["-c", "192.0.2.11", "6379", "600", "head", "ray", "start", "--block"])
     ray = _FakeRay(monkeypatch, known_after=3)
     with pytest.raises(SystemExit) as ended:
         exec(compile(code, "<wait>", "exec"), {})
@@ -235,16 +277,83 @@ def test_the_wait_polls_one_process_asks_for_the_heads_node_then_runs_ray_start_
     assert ray.events == ["import ray start"] + ["connect"] * 4
     assert capsys.readouterr().out == "raycluster: waiting for the GCS of the head at 192.0.2.11:6379\n"
     assert (ray.address, ray.asked, ray.started) == ("192.0.2.11:6379", 3, ["ray", "start", "--block"])
+    assert (ray.kv_asked, ray.looked_up) == (0, ["Ray's own lookup"])  # the mode "head": Ray's lookup as it is
 
     # A Ray without that GCS client (another version): `ray start` at once, which looks for the head itself.
-    monkeypatch.setattr(sys, "argv", ["-c", "192.0.2.11", "6379", "600", "ray", "start", "--block"])
+    monkeypatch.setattr(sys, "argv", ["-c", "192.0.2.11", "6379", "600", "early", "ray", "start", "--block"])
     other = _FakeRay(monkeypatch, known_after=1, with_client=False)
     with pytest.raises(SystemExit):
         exec(compile(code, "<wait>", "exec"), {})
-    assert (other.asked, other.started) == (0, ["ray", "start", "--block"])
+    assert (other.asked, other.kv_asked, other.started) == (0, 0, ["ray", "start", "--block"])
+    assert other.looked_up == ["Ray's own lookup"]
 
     monkeypatch.setattr(socket, "create_connection", lambda a, t: (_ for _ in ()).throw(OSError("unreachable")))
-    monkeypatch.setattr(sys, "argv", ["-c", "192.0.2.11", "6379", "1", "ray", "start"])
+    monkeypatch.setattr(sys, "argv", ["-c", "192.0.2.11", "6379", "1", "early", "ray", "start"])
     with pytest.raises(SystemExit) as ended:
         exec(compile(code, "<wait>", "exec"), {})
     assert str(ended.value) == "raycluster: the GCS of the head at 192.0.2.11:6379 did not answer within 1s"
+
+
+def test_the_early_wait_answers_rays_lookup_of_the_heads_folders_until_the_head_registers(
+    example_yaml: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The mode "early": once the GCS answers, the wait polls for the session's name (the head writes it right
+    after its GCS starts) and runs `ray start` without waiting for the head's node. Ray's lookup of the head's
+    node then gets the head's folders (Ray's default temp folder in this container, the session's folder in
+    it) while the head is not registered, the head's own record once it is, and Ray's own lookup for any other
+    question. A Ray without that lookup waits for the head's node as in the mode "head"."""
+    code = _wait_code(example_yaml)
+    clock = [0.0]
+    monkeypatch.setattr(socket, "create_connection", lambda address, timeout: socket.socket())
+    monkeypatch.setattr(time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(time, "sleep", lambda s: clock.__setitem__(0, clock[0] + s))
+    argv = ["-c", "192.0.2.11", "6379", "600", "early", "ray", "start", "--block"]
+
+    def run(ray: _FakeRay) -> None:
+        monkeypatch.setattr(sys, "argv", list(argv))
+        with pytest.raises(SystemExit) as ended:
+            exec(compile(code, "<wait>", "exec"), {})
+        assert ended.value.code == 0
+        assert ray.started == ["ray", "start", "--block"]
+
+    unregistered = _FakeRay(monkeypatch, known_after=100, session_after=3)
+    run(unregistered)
+    assert unregistered.kv_asked == 3
+    # Only `ray start`'s lookup asked for the head's node: the wait did not wait for it.
+    assert unregistered.asked == 1
+    [record] = unregistered.looked_up
+    assert record.fields == {"temp_dir": "/fake-tmp/ray", "session_dir": "/fake-tmp/ray/session_7", "state": 0}
+    lookup = sys.modules["ray._private.node"].get_all_node_info_until_retrieved
+    assert lookup is not unregistered.ray_lookup
+    client = unregistered.GcsClient("again")
+    assert lookup(client, node_selectors=[unregistered.NodeSelector(is_head_node=False)]) == ["Ray's own lookup"]
+    assert lookup(client, timeout_per_retry=5) == ["Ray's own lookup"]
+
+    registered = _FakeRay(monkeypatch, known_after=1)
+    run(registered)
+    assert registered.looked_up == [registered.head]
+
+    other = _FakeRay(monkeypatch, known_after=3, with_internals=False)
+    run(other)
+    assert (other.kv_asked, other.asked, other.looked_up) == (0, 3, [])
+
+
+def test_a_worker_starts_early_only_where_it_resolves_rays_temp_folder_as_the_head_does(example_yaml: str) -> None:
+    """The mode is "early" unless the inventory gives the head and the worker different RAY_TMPDIR or TMPDIR
+    (env, cluster-wide or per host) or different environment options in docker.run_options."""
+
+    def mode(text: str) -> str:
+        inv = inventory.parse(text)
+        argv = shlex.split(start_script(inv, inv.hosts[1]).split(" && ")[3].removeprefix("exec "))
+        return argv[6]
+
+    assert mode(example_yaml) == "early"
+    worker = "- {address: 192.0.2.12, role: worker}"
+    assert worker in example_yaml
+    with_worker = lambda extra: example_yaml.replace(worker, worker[:-1] + ", " + extra + "}")  # noqa: E731
+    assert mode(with_worker("env: {TMPDIR: /scratch}")) == "head"
+    assert mode(with_worker("env: {RAY_TMPDIR: /scratch}")) == "head"
+    assert mode(with_worker("env: {OTHER: x}")) == "early"
+    assert mode(with_worker("docker: {run_options: ['--env TMPDIR=/scratch']}")) == "head"
+    assert mode(with_worker("docker: {run_options: ['-eTMPDIR=/scratch']}")) == "head"
+    assert mode(with_worker("docker: {run_options: ['--cpus=2']}")) == "early"
