@@ -10,6 +10,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -79,6 +80,13 @@ def _run(path: Path) -> Any:
     taken = prelogin.take(str(path))
     assert taken is not None
     pool = taken[1]
+    # Until a login thread has taken each host: a host's first use that comes sooner logs in itself (the
+    # pool's race, right as it is), which on a loaded machine made the thread names below a matter of timing.
+    with pool._lock:
+        aheads = list(pool._ahead.values())
+    deadline = time.monotonic() + 30
+    while not all(ahead.started for ahead in aheads) and time.monotonic() < deadline:
+        time.sleep(0.01)
     for host in taken[0].inventory.hosts:
         pool._wait_ahead(host)
     prelogin.remember()  # as the CLI's end does
