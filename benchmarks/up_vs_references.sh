@@ -26,7 +26,8 @@
 #    host's name below the cpuset root) are pinned; every core again at the end; QUOTAS: a CPU quota for
 #    each host's Ray container, one number per host separated by spaces ("0.66 0.66 0.66": three hosts that
 #    each have two thirds of a core of their own, as hosts that share no CPU), for `up` (the lab's
-#    inventory, `lab up --cpus`) and the floor (the same `docker run` options), not for `ray up`;
+#    inventory, `lab up --cpus`), the floor (the same `docker run` options) and `ray up` (its docker
+#    run_options, one list for every host: only where QUOTAS gives every host the same quota);
 #    TIMELINE=1: after each `up` and floor run, one line per node on stderr with when its container started,
 #    its GCS and dashboard (head), its raylet and its registration, in ms after the run's start, from its
 #    container and Ray logs)
@@ -98,6 +99,15 @@ for h in $hosts; do
     || { echo "cannot install rsync in $lab-h$h (ray up needs it)" >&2; exit 1; }
 done
 fi
+# `ray up`'s docker run_options are one list for all hosts: the hosts' quota when QUOTAS gives them all the same.
+rayup_run_options='"--shm-size=1g"'
+if [ "${#quotas[@]}" != 0 ] && [ "$rayup" = 1 ]; then
+  if [ "$(printf '%s\n' "${quotas[@]}" | sort -u | wc -l)" = 1 ]; then
+    for word in ${floor_cpus[1]}; do rayup_run_options+=", \"$word\""; done
+  else
+    echo "QUOTAS differ between hosts: ray up runs without them (its run_options are the same on every host)" >&2
+  fi
+fi
 cat >"$work/rayup.yaml" <<EOF
 cluster_name: rcbench
 max_workers: $(( nhosts - 1 ))
@@ -109,7 +119,7 @@ docker:
   image: $rayup_image
   container_name: rcbench_ray
   pull_before_run: false
-  run_options: ["--shm-size=1g"]
+  run_options: [$rayup_run_options]
 head_start_ray_commands:
   - ray stop
   - ulimit -n 65536; ray start --head --port=6379 --node-ip-address=$ip1 --object-store-memory=300000000 --autoscaling-config=~/ray_bootstrap_config.yaml
