@@ -122,9 +122,9 @@ def early_start(inventory: Inventory, host: HostConfig) -> bool:
     inventory's env gives both the same values of RAY_TMPDIR and TMPDIR, and their `docker.run_options` set
     the container's environment with the same options (or none). The image is the cluster's, the same."""
     head = inventory.head_host
-    for name in _TEMP_DIR_ENV:
-        if inventory.env_for(head).get(name) != inventory.env_for(host).get(name):
-            return False
+    head_env, env = inventory.env_for(head), inventory.env_for(host)
+    if any(head_env.get(name) != env.get(name) for name in _TEMP_DIR_ENV):
+        return False
     return _env_options(inventory, head) == _env_options(inventory, host)
 
 

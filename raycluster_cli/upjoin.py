@@ -8,9 +8,9 @@ worker's right after it, without waiting: a worker's container waits until the h
 temp folders, starts its Ray without waiting for the head's node to register (Ray's own `ray start` would: the
 head registers last, after its dashboard, raylet and agents). So the workers' containers, their imports and
 their whole Ray start overlap the head's start, where the hand-written way (head until its GCS answers, then
-the workers) does them in turn and its workers' raylets wait for the head's node. Once the head is registered, one look at its
-GCS waits, in a thread, for every node to be alive while the workers' registrations are watched; a worker that
-failed ends that look early, and the nodes that did join are read once more.
+the workers) does them in turn and its workers' raylets wait for the head's node. Once the head is registered,
+one look at its GCS waits, in a thread, for every node to be alive while the workers' registrations are
+watched; a worker that failed ends that look early, and the nodes that did join are read once more.
 """
 
 from __future__ import annotations
