@@ -269,9 +269,21 @@ def start_failure(inventory: Inventory, host: HostConfig, result: CommandResult,
     return OperationError(f"{host.address}: {what}: {last}", f"see `docker logs {name}` on {host.address}")
 
 
-# `up` asks the head's GCS while the workers register; the probe that asks notes its PID here (in the head's
-# container), so that `up` can end it early when a worker failed (see cancel_probe).
-PROBE_PID = "/tmp/raycluster-up-probe.pid"
+# `up` asks the GCS while the nodes register; the probe that asks, in a node's container, notes its PID in a file
+# named by its look (`cancellable`, a key), so that `up` can end it early when a node failed (see cancel_probe).
+# An end asked before the probe started is a second file it finds at its start. Each look removes the files of
+# the looks before it in that container.
+_LOOK_FILES = "/tmp/raycluster-look-"
+
+
+def _look_wrapper(key: str) -> str:
+    """The command that runs the probe (its arguments) in the container as a look that `cancel_probe` can end."""
+    mine = f"{_LOOK_FILES}{key}"
+    script = (
+        f'for f in {_LOOK_FILES}*; do case "$f" in {mine}.*) ;; *) rm -f "$f" ;; esac; done; '
+        f'echo $$ >{mine}.pid && {{ [ -e {mine}.end ] && exit 143; exec "$@"; }}'
+    )
+    return "sh -c " + quote(script) + " sh "
 
 
 def probe(
@@ -280,28 +292,35 @@ def probe(
     expect: list[str],
     timeout_s: float,
     stale: list[str] | None = None,
-    cancellable: bool = False,
+    cancellable: str = "",
+    host: HostConfig | None = None,
 ) -> list[dict[str, Any]]:
     """The cluster's nodes, after waiting (up to `timeout_s`) for `expect` to be live and `stale` dead.
 
-    `cancellable`: the probe notes its PID, and `cancel_probe` ends it (its caller then gets an OperationError).
+    `cancellable`: a key (letters and digits) naming this look; `cancel_probe` with it ends the probe, whether it
+    runs already or not (its caller then gets an OperationError).
+    `host`: asked from that worker's container (its node's GCS connection is the head's GCS too) once its node
+    registered (the same wait as `wait_started`, in the same remote command); from the head's by default.
     """
-    name = container_name(inventory, inventory.head_host)
+    on = host or inventory.head_host
+    name = container_name(inventory, on)
     gcs = f"{inventory.head_address}:{inventory.ray.port}"
-    note = "sh -c " + quote(f'echo $$ >{PROBE_PID} && exec "$@"') + " sh " if cancellable else ""
+    note = _look_wrapper(cancellable) if cancellable else ""
     command = (
         f"docker exec {quote(name)} {note}python -m raycluster_cli.probe --address {quote(gcs)} "
         f"--expect {quote(','.join(expect))} --stale-ids {quote(','.join(stale or []))} --timeout {timeout_s:.0f}"
     )
+    if on is not inventory.head_host:
+        command = f"( {started_command(inventory, on, timeout_s)} ) >/dev/null 2>&1 && {command}"
     try:
         result = transport.run(command, timeout=timeout_s + 60)
     except DeadlineExceeded:
         # A probe that never answers: a head container frozen while asked (`docker exec` then waits) says so.
         if _paused(transport, name):
-            raise _paused_error(inventory, name) from None
+            raise _paused_error(on, name) from None
         raise
     if result.rc != 0 and "is paused" in result.stderr:  # Docker refuses an exec into a paused container
-        raise _paused_error(inventory, name)
+        raise _paused_error(on, name)
     # The probe's stdout is its one document (Ray's output: stderr); an older node image's probe printed Ray's
     # output to stdout first, so its last line is read (the CLI and the image can be of different versions).
     lines = result.stdout.strip().splitlines()
@@ -311,11 +330,10 @@ def probe(
         document = None
     if not isinstance(document, dict):
         raise OperationError(
-            f"{inventory.head_host.address}: cannot read the cluster's nodes: {result.first_line()}",
-            f"see `docker logs {name}`",
+            f"{on.address}: cannot read the cluster's nodes: {result.first_line()}", f"see `docker logs {name}`"
         )
     if "nodes" not in document:
-        raise OperationError(f"{inventory.head_host.address}: {document.get('error')}", f"see `docker logs {name}`")
+        raise OperationError(f"{on.address}: {document.get('error')}", f"see `docker logs {name}`")
     nodes: list[dict[str, Any]] = document["nodes"]
     return nodes
 
@@ -329,17 +347,19 @@ def _paused(transport: Transport, name: str) -> bool:
     return done.rc == 0 and done.stdout.strip() == "true"
 
 
-def _paused_error(inventory: Inventory, name: str) -> OperationError:
-    head = inventory.head_host.address
+def _paused_error(host: HostConfig, name: str) -> OperationError:
+    what = "its GCS cannot answer" if host.role == "head" else "it cannot ask the head's GCS"
     return OperationError(
-        f"{head}: the head's container {name} is paused, so its GCS cannot answer for the cluster's nodes",
-        f"run `docker unpause {name}` on {head} (or find what paused it), then `raycluster down` and `raycluster up`"
-        " (Ray's processes in a container frozen this long may not outlive the pause)",
+        f"{host.address}: the {host.role}'s container {name} is paused, so {what} for the cluster's nodes",
+        f"run `docker unpause {name}` on {host.address} (or find what paused it), then `raycluster down` and "
+        "`raycluster up` (Ray's processes in a container frozen this long may not outlive the pause)",
     )
 
 
-def cancel_probe(transport: Transport, inventory: Inventory) -> None:
-    """End a `cancellable` probe that still runs in the head's container (one remote command)."""
-    name = container_name(inventory, inventory.head_host)
-    end = f"kill $(cat {PROBE_PID}) 2>/dev/null; rm -f {PROBE_PID}"
+def cancel_probe(transport: Transport, inventory: Inventory, key: str, host: HostConfig | None = None) -> None:
+    """End the probe of look `key` in the container of `host` (the head's by default; one remote command):
+    the probe if it runs, or its start if it has not started yet."""
+    name = container_name(inventory, host or inventory.head_host)
+    mine = f"{_LOOK_FILES}{key}"
+    end = f"touch {mine}.end; kill $(cat {mine}.pid 2>/dev/null) 2>/dev/null; true"
     transport.run(f"docker exec {quote(name)} sh -c {quote(end)}", timeout=30)

@@ -8,24 +8,30 @@ worker's right after it, without waiting: a worker's container waits until the h
 temp folders, starts its Ray without waiting for the head's node to register (Ray's own `ray start` would: the
 head registers last, after its dashboard, raylet and agents). So the workers' containers, their imports and
 their whole Ray start overlap the head's start, where the hand-written way (head until its GCS answers, then
-the workers) does them in turn and its workers' raylets wait for the head's node. Once the head is registered,
-one look at its GCS waits, in a thread, for every node to be alive while the workers' registrations are
-watched; a worker that failed ends that look early, and the nodes that did join are read once more.
+the workers) does them in turn and its workers' raylets wait for the head's node. One look at the GCS waits, in
+a thread, for every node to be alive while the registrations are watched: from such a worker's container,
+started with the wait for the head (it asks once that worker registered, on a CPU Ray no longer needs there),
+so it is already asking when the head registers; else from the head's container once the head registered. A
+node that failed ends that look early, and the nodes that did join are read once more (from the head).
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
+import secrets
 import threading
 import time
 from typing import Any
 
-from .containers import container_name
+from .containers import container_name, early_start
 from .diagnose import EVIDENCE, diagnose
 from .errors import OperationError
 from .nodes import EXITED, Plan, apply, cancel_probe, probe, start_failure, wait_started
 from .transport.fanout import error_message, fanout
 from .uprun import HostRun, UpRun
+
+log = logging.getLogger(__name__)
 
 
 class NodesMissing(OperationError):
@@ -104,17 +110,24 @@ def wait(run: UpRun) -> None:
     """
     run.progress("waiting for every node to join")
     deadline = time.monotonic() + run.timeout_s
+    expected = sorted(r.node_ip for r in run.runs.values())
+    early = _early_look(run, expected, deadline)
     error = _until_registered(run, run.head, deadline)
     if error is not None:
+        if early is not None:
+            early.cancel()
         for worker in run.workers:
             run.move(worker, "failed", f"the head at {run.head.address} did not start")
         raise error
     if run.head.retried and run.workers:  # the workers that met the first head's GCS join the second one
+        if early is not None:  # its container is replaced: the head is asked instead
+            early.cancel()
+            early = None
         for worker in run.workers:
             worker.plan = Plan("replace", "the head was started once more")
             worker.reason = "; ".join(filter(None, [worker.reason, worker.plan.reason]))
         start_workers(run)
-    look = _Look(run, sorted(r.node_ip for r in run.runs.values()), deadline)
+    look = early or _Look(run, expected, deadline, run.head)
     waited = fanout(run.workers, lambda w: _until_registered(run, w, deadline), what="wait for the workers")
     waited.check_interrupted()  # the look ends by its own deadline: no remote command runs after an interrupt
     for worker, failure in waited.failed:
@@ -135,33 +148,66 @@ def wait(run: UpRun) -> None:
         raise _missing_error(run, missing)
 
 
-class _Look:
-    """The head's node list, asked in a thread while the workers register (the probe's Python and Ray
-    import, 1.5–2.5 s, then overlap their start instead of following it); `cancel` ends it early."""
+def _early_look(run: UpRun, expected: list[str], deadline: float) -> _Look | None:
+    """The look from a worker's container, started now, before the head registered: one remote command waits
+    there until that worker's node registered, then asks the GCS from its container, where Ray's CPU is idle
+    by then, until every node is alive. Only for a worker that starts its Ray while the head starts (its wait
+    answers Ray's lookup of the head: containers.early_start); others register after the head, and the head's
+    own container is asked once the head registered instead."""
+    for worker in run.workers:
+        if early_start(run.inventory, worker.host):
+            return _Look(run, expected, deadline, worker)
+    return None
 
-    def __init__(self, run: UpRun, expected: list[str], deadline: float) -> None:
+
+class _Look:
+    """The GCS's node list, asked in a thread while the nodes register, from `on`'s container (the probe's
+    Python and Ray import, 1.5–2.5 s, then overlap their start instead of following it); `cancel` ends it
+    early. A worker's look is asked once; if it fails, `result` asks the head's container instead."""
+
+    def __init__(self, run: UpRun, expected: list[str], deadline: float, on: HostRun) -> None:
         self.run = run
+        self.on = on
+        self.expected = expected
+        self.deadline = deadline
         self.cancelled = threading.Event()
+        self.key = secrets.token_hex(6)  # names this look's probe, which cancel ends
         self.nodes: list[dict[str, Any]] = []
         self.error: BaseException | None = None
-        self.thread = threading.Thread(target=self._ask, args=(expected, deadline), daemon=True, name="up-look")
+        self.thread = threading.Thread(target=self._ask, daemon=True, name="up-look")
         self.thread.start()
 
-    def _ask(self, expected: list[str], deadline: float) -> None:
+    def _ask(self) -> None:
         try:
-            self.nodes = _read_nodes(self.run, expected, deadline, self.cancelled)
+            if self.on is self.run.head:
+                self.nodes = _read_nodes(self.run, self.expected, self.deadline, (self.cancelled, self.key))
+            else:
+                window = max(0.0, self.deadline - time.monotonic())
+                self.nodes = probe(
+                    self.run.connect(self.on.host),
+                    self.run.inventory,
+                    self.expected,
+                    window,
+                    self.run.stale,
+                    cancellable=self.key,
+                    host=self.on.host,
+                )
         except BaseException as exc:  # handed to the caller by result()
             self.error = exc
 
     def cancel(self) -> None:
-        """End the look (a worker failed: the nodes that joined are read once more instead)."""
+        """End the look (a worker failed: the nodes that joined are read once more instead). A look whose
+        worker failed is left to its own deadline: that host may not answer."""
         self.cancelled.set()
-        if self.thread.is_alive():
+        if self.thread.is_alive() and self.on.phase != "failed":
             with contextlib.suppress(Exception):  # else the look ends by its own deadline
-                cancel_probe(self.run.connect(self.run.head.host), self.run.inventory)
+                cancel_probe(self.run.connect(self.on.host), self.run.inventory, self.key, self.on.host)
 
     def result(self) -> list[dict[str, Any]]:
         self.thread.join()
+        if self.error is not None and self.on is not self.run.head and isinstance(self.error, Exception):
+            log.debug("the look from %s failed (%s); asking the head", self.on.address, self.error)
+            return _read_nodes(self.run, self.expected, self.deadline)
         if self.error is not None:
             raise self.error
         return self.nodes
@@ -172,11 +218,12 @@ _PROBE_PAUSE_S = 2.0
 
 
 def _read_nodes(
-    run: UpRun, expected: list[str], deadline: float, cancelled: threading.Event | None = None
+    run: UpRun, expected: list[str], deadline: float, cancelled: tuple[threading.Event, str] | None = None
 ) -> list[dict[str, Any]]:
     """The head's node list once `expected` are alive (or the deadline). A driver that a loaded head's raylet
     drops while registering ("Failed to register worker to Raylet") is transient: asked again a few times.
-    With `cancelled`, the probe can be ended early (cancel_probe) and is not asked again once it is set."""
+    With `cancelled` (an event and the look's key), the probe can be ended early (cancel_probe with that key)
+    and is not asked again once the event is set."""
     failures = 0
     while True:
         window = max(0.0, deadline - time.monotonic())
@@ -187,11 +234,11 @@ def _read_nodes(
                 expected,
                 window,
                 run.stale,
-                cancellable=cancelled is not None,
+                cancellable=cancelled[1] if cancelled else "",
             )
         except OperationError as exc:
             failures += 1
-            if failures > PROBE_RETRIES or time.monotonic() >= deadline or (cancelled and cancelled.is_set()):
+            if failures > PROBE_RETRIES or time.monotonic() >= deadline or (cancelled and cancelled[0].is_set()):
                 raise
             run.progress(f"{exc.message}; asking the head again")
             time.sleep(_PROBE_PAUSE_S)

@@ -301,10 +301,11 @@ def test_the_heads_container_paused_while_up_asks_its_gcs_ends_by_the_deadline_n
     lab_hosts: Lab, quick: str
 ) -> None:
     """lab-h3's link to the head's GCS is cut before `up`, so the head's GCS is still being asked for every
-    node when, the head registered and the probe running inside its container, that container is paused in
-    lab-h1's engine (a frozen head: the running probe stops answering, a new `docker exec` is refused). `up` ends by
-    its deadline (`--timeout`: the node list read once lab-h3's wait ended is refused at once), exit 1, one
-    JSON document naming the head, that its container is paused, and the fix."""
+    node (by the probe in lab-h2's worker container, once that node registered) when, the head registered, its
+    container is paused in lab-h1's engine (a frozen head: its GCS stops answering, a new `docker exec` is
+    refused). `up` ends by its deadline (`--timeout`: the node list read from the head once lab-h3's wait ended
+    is refused at once), exit 1, one JSON document naming the head, that its container is paused, and the
+    fix."""
     timeout = 45
     gcs_cut = f"iptables -{{}} OUTPUT -p tcp -d {IP1} --dport 6379 -j DROP"
     code, _, err = lab_hosts.cli("down", inventory=quick)
@@ -313,7 +314,8 @@ def test_the_heads_container_paused_while_up_asks_its_gcs_ends_by_the_deadline_n
 
     def probing(verb: Verb) -> None:
         verb.wait_for("waiting for every node to join", timeout=600)
-        asked = wait_until(lambda: processes(lab_hosts, "lab-h1", r"raycluster_cli\.probe") != [], 120, 0.2)
+        verb.wait_for(f"{IP1}.*registered; the head's GCS is asked", timeout=600)
+        asked = wait_until(lambda: processes(lab_hosts, "lab-h2", r"raycluster_cli\.probe") != [], 120, 0.2)
         assert asked, verb.stderr
 
     try:

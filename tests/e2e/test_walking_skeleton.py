@@ -85,6 +85,17 @@ def test_the_workers_ray_started_before_the_head_registered_in_the_heads_folders
         assert start_ms < registered_ms, f"{address}'s raylet started {start_ms - registered_ms:.0f} ms after"
 
 
+LOOKS = "ls /tmp | grep -c '^raycluster-look-.*\\.pid$' || true"
+
+
+def test_up_asked_for_every_node_from_a_workers_container_not_the_heads(lab_hosts: Lab) -> None:
+    """`up` of the tests before asked the GCS for every node (its look) from lab-h2's worker container, where
+    Ray's CPU is idle once that node registered, not from the head's, whose CPU the head's own start needs."""
+    worker = lab_hosts.sh("lab-h2", f'docker exec raycluster-lab-worker sh -c "{LOOKS}"').strip()
+    head = lab_hosts.sh("lab-h1", f'docker exec raycluster-lab-head sh -c "{LOOKS}"').strip()
+    assert (worker, head) == ("1", "0")
+
+
 def test_second_up_changes_nothing(lab_hosts: Lab) -> None:
     code, doc, err = lab_hosts.cli("up")
     assert code == 0, err

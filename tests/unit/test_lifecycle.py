@@ -463,10 +463,10 @@ class _Head(_Host):
             expect = set(re.search(r"--expect (\S*)", command)[1].split(",")) - {"''"}  # type: ignore[index]
             end = time.monotonic() + float(re.search(r"--timeout (\d+)", command)[1])  # type: ignore[index]
             while not expect <= {n["node_ip"] for n in self.nodes() if n["alive"]} and time.monotonic() < end:
-                if "raycluster-up-probe.pid" in command and self.cancelled.wait(0.005):
+                if "raycluster-look-" in command and self.cancelled.wait(0.005):
                     return CommandResult(143, "", "")
             return CommandResult(0, json.dumps({"nodes": self.nodes()}), "")
-        if "kill $(cat /tmp/raycluster-up-probe.pid)" in command:
+        if "kill $(cat /tmp/raycluster-look-" in command:
             self.cancelled.set()
         return super().answer(command)
 

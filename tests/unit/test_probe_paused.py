@@ -4,11 +4,15 @@ it ran (the exec waits until its deadline, then the container's state is read)."
 
 from __future__ import annotations
 
+import subprocess
+import time
+from pathlib import Path
+
 import pytest
 
-from raycluster_cli import inventory
+from raycluster_cli import inventory, nodes
 from raycluster_cli.errors import OperationError
-from raycluster_cli.nodes import probe
+from raycluster_cli.nodes import cancel_probe, probe
 from raycluster_cli.transport import CommandResult
 from raycluster_cli.transport.fake import FakeTransport
 from raycluster_cli.transport.sshio import DeadlineExceeded
@@ -40,7 +44,7 @@ def _assert_names_the_pause(error: OperationError) -> None:
 def test_an_exec_refused_by_a_paused_head_says_so_with_the_fix() -> None:
     head = FakeTransport(HEAD, {"raycluster_cli.probe": CommandResult(1, "", REFUSED)})
     with pytest.raises(OperationError) as caught:
-        probe(head, inventory.parse(EXAMPLE), [HEAD], 5, cancellable=True)
+        probe(head, inventory.parse(EXAMPLE), [HEAD], 5, cancellable="k1")
     _assert_names_the_pause(caught.value)
 
 
@@ -57,3 +61,48 @@ def test_a_probe_past_its_deadline_on_a_running_or_unknown_container_stays_a_dea
     head = ProbeNeverAnswers(HEAD, {r"State\.Paused": state})
     with pytest.raises(DeadlineExceeded):
         probe(head, inventory.parse(EXAMPLE), [HEAD], 5)
+
+
+# ending a look's probe (cancel_probe), in a real shell: the container's side of both commands ----------------
+
+
+def _in_container(command: str) -> str:
+    """The part of a `docker exec NAME …` command that runs in the container."""
+    prefix = f"docker exec {NAME} "
+    assert command.startswith(prefix), command
+    return command[len(prefix) :]
+
+
+def _look(key: str) -> str:
+    """The container's side of a cancellable probe, its Python replaced by a long sleep."""
+    head = FakeTransport(HEAD, {"raycluster_cli.probe": CommandResult(1, "", "")})
+    with pytest.raises(OperationError):
+        probe(head, inventory.parse(EXAMPLE), [HEAD], 5, cancellable=key)
+    side = _in_container(head.commands[0])
+    return side[: side.index("python -m raycluster_cli.probe")] + "sleep 30"
+
+
+def _end(key: str) -> str:
+    head = FakeTransport(HEAD, {"": ""})
+    cancel_probe(head, inventory.parse(EXAMPLE), key)
+    return _in_container(head.commands[0])
+
+
+def test_a_running_look_is_ended_and_one_ended_before_it_started_never_runs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(nodes, "_LOOK_FILES", f"{tmp_path}/look-")
+    running = subprocess.Popen(["sh", "-c", _look("a1")])
+    pid_file = tmp_path / "look-a1.pid"
+    deadline = time.monotonic() + 10
+    while not (pid_file.exists() and pid_file.read_text().strip()) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    started = time.monotonic()
+    assert subprocess.run(["sh", "-c", _end("a1")]).returncode == 0
+    assert running.wait(10) != 0 and time.monotonic() - started < 5  # the sleep was killed, not waited for
+
+    assert subprocess.run(["sh", "-c", _end("b2")]).returncode == 0  # ended before it started
+    begun = time.monotonic()
+    assert subprocess.run(["sh", "-c", _look("b2")], timeout=10).returncode == 143
+    assert time.monotonic() - begun < 5
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["look-b2.end", "look-b2.pid"]  # a1's files removed

@@ -68,6 +68,8 @@ class _Host(FakeTransport):
             return CommandResult(0, "", "") if self.running else CommandResult(3, "ValueError: bad option\n", "")
         if "raycluster_cli.probe" in command:  # as the real one: until the expected nodes are alive, or ended
             self.commands.append(command)
+            if command.startswith(f"( {WAIT_HEAD}") and not self.running:  # a worker's look: its node first
+                return CommandResult(3, "", "")
             expect = set(re.search(r"--expect (\S*)", command)[1].split(",")) - {"''"}  # type: ignore[index]
             end = time.monotonic() + float(re.search(r"--timeout (\d+)", command)[1])  # type: ignore[index]
             while not expect <= set(self.started) and time.monotonic() < end:
@@ -75,7 +77,7 @@ class _Host(FakeTransport):
                     return CommandResult(143, "", "")
             nodes = [{"node_ip": ip, "node_id": ip, "alive": True, "resources": {"CPU": 1.0}} for ip in self.started]
             return CommandResult(0, json.dumps({"ok": True, "nodes": nodes}) + "\n", "")
-        if "kill $(cat /tmp/raycluster-up-probe.pid)" in command:
+        if "kill $(cat /tmp/raycluster-look-" in command:
             self.commands.append(command)
             self.cancelled.set()
             return CommandResult(0, "", "")
@@ -105,13 +107,14 @@ def _phases(events: list[object], host: str) -> list[str]:
 
 
 def test_up_is_three_remote_commands_per_worker_and_every_host_ends_joined() -> None:
-    """Issue 11 target: up ≤ 8 remote commands per worker (it was 18): gather, start, wait for it."""
+    """Issue 11 target: up ≤ 8 remote commands per worker (it was 18): gather, start, wait for it; one worker
+    also asks the GCS for every node (the look), in place of the head."""
     _, counting = _fleet()
     events: list[object] = []
     result = up(inventory.parse(INV), counting, progress=events.append)
     assert result.ok and all(n.action == "started" for n in result.nodes)
-    assert counting.counts[HOSTS[1]] == 3 and counting.counts[HOSTS[2]] == 3
-    assert counting.counts[HOSTS[0]] == 4  # gather, start, wait for it, one look at the GCS
+    assert counting.counts[HOSTS[1]] == 4  # gather, start, wait for it, the look
+    assert counting.counts[HOSTS[2]] == 3 and counting.counts[HOSTS[0]] == 3
     for host in HOSTS:
         assert _phases(events, host) == ["checking", "checked", "starting", "waiting", "waiting", "joined"]
     waits = [e.detail for e in events if isinstance(e, HostPhase) and e.host == HOSTS[1] and e.phase == "waiting"]
@@ -119,6 +122,71 @@ def test_up_is_three_remote_commands_per_worker_and_every_host_ends_joined() -> 
     last = [e for e in events if isinstance(e, HostPhase)][-1]
     assert (last.joined, last.total) == (3, 3)
     assert [n.to_dict()["resources"] for n in result.nodes] == [{"CPU": 1.0}] * 3
+
+
+def _looks(counting: CountingConnect) -> list[str]:
+    return [h for h, c in counting.log if "raycluster_cli.probe" in c]
+
+
+def test_the_look_waits_in_a_workers_container_before_the_head_registered() -> None:
+    """The look at the GCS is asked while the head starts, from the first worker's container, chained after
+    that worker's own registration: it waits there when the head registers, and the head's container (whose
+    CPU the head's own start needs) runs no probe. Before, it started once the head had registered."""
+    fakes, counting = _fleet()
+    asked = threading.Event()
+    worker_answer, head_answer = fakes[HOSTS[1]].answer, fakes[HOSTS[0]].answer
+    looked_before: list[bool] = []
+
+    def worker(command: str) -> CommandResult:
+        if "raycluster_cli.probe" in command:
+            asked.set()
+        return worker_answer(command)
+
+    def head(command: str) -> CommandResult:
+        if command.startswith(WAIT_HEAD):
+            looked_before.append(asked.wait(5))
+        return head_answer(command)
+
+    fakes[HOSTS[1]].answer = worker  # type: ignore[method-assign]
+    fakes[HOSTS[0]].answer = head  # type: ignore[method-assign]
+    assert up(inventory.parse(INV), counting).ok
+    assert looked_before == [True]
+    assert _looks(counting) == [HOSTS[1]]
+    look = next(c for h, c in counting.log if "raycluster_cli.probe" in c)
+    assert look.startswith(f"( {WAIT_HEAD}") and "docker exec raycluster-demo-worker " in look
+
+
+def test_a_look_from_a_worker_that_fails_asks_the_head() -> None:
+    fakes, counting = _fleet()
+    answer = fakes[HOSTS[1]].answer
+
+    def broken(command: str) -> CommandResult:
+        if "raycluster_cli.probe" in command:
+            return CommandResult(126, "", "OCI runtime exec failed: exec failed: unable to start container process")
+        return answer(command)
+
+    fakes[HOSTS[1]].answer = broken  # type: ignore[method-assign]
+    result = up(inventory.parse(INV), counting)
+    assert result.ok and all(n.action == "started" for n in result.nodes)
+    assert _looks(counting) == [HOSTS[1], HOSTS[0]]
+
+
+@pytest.mark.parametrize(
+    ("scratch", "looked_from"), [((HOSTS[1],), HOSTS[2]), ((HOSTS[1], HOSTS[2]), HOSTS[0])], ids=["one", "both"]
+)
+def test_the_look_is_asked_from_a_worker_only_where_that_worker_joins_early(
+    scratch: tuple[str, ...], looked_from: str
+) -> None:
+    """A worker whose temp folder differs from the head's registers after the head (containers.early_start):
+    the look is asked from the first worker that does not, else from the head once it registered."""
+    inv = INV
+    for address in scratch:
+        inv = inv.replace(
+            f"{{address: {address}, role: worker", f"{{address: {address}, env: {{TMPDIR: /s}}, role: worker"
+        )
+    _, counting = _fleet()
+    assert up(inventory.parse(inv), counting).ok
+    assert _looks(counting) == [looked_from]
 
 
 def test_every_worker_starts_while_the_head_starts() -> None:
@@ -217,6 +285,19 @@ def test_a_worker_that_never_runs_is_named_and_failed() -> None:
     assert [d["host"] for d in info.value.details] == [HOSTS[2]]
     assert _phases(events, HOSTS[2])[-1] == "failed" and fakes[HOSTS[2]].starts == 2
     assert _phases(events, HOSTS[1])[-1] == "joined"
+    # the look that waited in HOSTS[1]'s container for all three was ended; the joined were read from the head
+    assert any("kill $(cat /tmp/raycluster-look-" in c for c in fakes[HOSTS[1]].commands)
+    assert _looks(counting) == [HOSTS[1], HOSTS[0]]
+
+
+def test_a_look_whose_worker_never_ran_is_left_and_the_head_is_asked() -> None:
+    fakes, counting = _fleet()
+    fakes[HOSTS[1]].exits = 99
+    with pytest.raises(NodesMissing) as info:
+        up(inventory.parse(INV), counting, timeout_s=60)
+    assert [d["host"] for d in info.value.details] == [HOSTS[1]]
+    assert not any("kill $(cat /tmp/raycluster-look-" in c for c in fakes[HOSTS[1]].commands)
+    assert _looks(counting) == [HOSTS[1], HOSTS[0]]
 
 
 def test_a_failing_check_stops_up_and_marks_that_host_failed() -> None:
