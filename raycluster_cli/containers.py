@@ -85,7 +85,7 @@ if GcsClient is not None:
         gcs = GcsClient(address=f"{head}:{port}")
         session = None
         while early and session is None and time.monotonic() < end:
-            session = gcs.internal_kv_get(b"session_name", b"session")
+            session = gcs.internal_kv_get(b"session_name", b"session", timeout=5)
             if session is None:
                 time.sleep(0.1)
         early = session is not None

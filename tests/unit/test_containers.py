@@ -188,8 +188,8 @@ class _FakeRay:
                 fake.asked += 1
                 return {"head": fake.head} if fake.asked >= known_after else {}
 
-            def internal_kv_get(self, key: bytes, namespace: bytes) -> bytes | None:
-                assert (key, namespace) == (b"session_name", b"session")
+            def internal_kv_get(self, key: bytes, namespace: bytes, timeout: float | None = None) -> bytes | None:
+                assert (key, namespace, timeout) == (b"session_name", b"session", 5)  # never Ray's unbounded default
                 fake.kv_asked += 1
                 return b"session_7" if fake.kv_asked >= session_after else None
 
