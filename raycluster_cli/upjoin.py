@@ -180,7 +180,7 @@ class _Look:
     def _ask(self) -> None:
         try:
             if self.on is self.run.head:
-                self.nodes = _read_nodes(self.run, self.expected, self.deadline, (self.cancelled, self.key))
+                self.nodes = _read_nodes(self.run, self.expected, self.deadline, self)
             else:
                 window = max(0.0, self.deadline - time.monotonic())
                 self.nodes = probe(
@@ -217,13 +217,10 @@ PROBE_RETRIES = 2  # a node list the head could not give is asked again this oft
 _PROBE_PAUSE_S = 2.0
 
 
-def _read_nodes(
-    run: UpRun, expected: list[str], deadline: float, cancelled: tuple[threading.Event, str] | None = None
-) -> list[dict[str, Any]]:
+def _read_nodes(run: UpRun, expected: list[str], deadline: float, look: _Look | None = None) -> list[dict[str, Any]]:
     """The head's node list once `expected` are alive (or the deadline). A driver that a loaded head's raylet
     drops while registering ("Failed to register worker to Raylet") is transient: asked again a few times.
-    With `cancelled` (an event and the look's key), the probe can be ended early (cancel_probe with that key)
-    and is not asked again once the event is set."""
+    For a `look`, the probe can be ended early (its `cancel`) and is not asked again once it was."""
     failures = 0
     while True:
         window = max(0.0, deadline - time.monotonic())
@@ -234,11 +231,11 @@ def _read_nodes(
                 expected,
                 window,
                 run.stale,
-                cancellable=cancelled[1] if cancelled else "",
+                cancellable=look.key if look else "",
             )
         except OperationError as exc:
             failures += 1
-            if failures > PROBE_RETRIES or time.monotonic() >= deadline or (cancelled and cancelled[0].is_set()):
+            if failures > PROBE_RETRIES or time.monotonic() >= deadline or (look and look.cancelled.is_set()):
                 raise
             run.progress(f"{exc.message}; asking the head again")
             time.sleep(_PROBE_PAUSE_S)
