@@ -48,7 +48,7 @@ unit: venv
 # Everything: lint, types, unit and CLI tests, and the lab tests on a real 3-host lab.
 # The lab's subnet: RAYCLUSTER_LAB_SUBNET, else 10.77.0.0/24 unless another Docker network holds it (a lab left
 # by an interrupted run, say), then the first free /24 of 10.64.0.0/10.
-LAB_SUBNET = $${RAYCLUSTER_LAB_SUBNET:-$$($(BIN)/python -c 'from raycluster_cli import lab; print(lab.free_subnet(lab.DEFAULT_SUBNET))' 2>/dev/null || echo 10.77.0.0/24)}
+LAB_SUBNET = $${RAYCLUSTER_LAB_SUBNET:-$$($(BIN)/python -c 'from raycluster_cli.lab.hosts import DEFAULT_SUBNET, free_subnet; print(free_subnet(DEFAULT_SUBNET))' 2>/dev/null || echo 10.77.0.0/24)}
 
 test: lint images
 	RAYCLUSTER_REQUIRE_LAB=1 RAYCLUSTER_LAB_SUBNET=$(LAB_SUBNET) $(BIN)/pytest -ra -m "not fleet" --junitxml=test-results/junit.xml tests

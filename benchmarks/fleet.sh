@@ -29,7 +29,7 @@ IMAGE=${IMAGE:-${RAYCLUSTER_NODE_IMAGE:-raycluster/node:0.1.0}}
 DOCKER=$(command -v /usr/bin/docker || command -v docker)
 out=$(mktemp -d /tmp/raycluster-fleet.XXXXXX)
 # Each checkout as its `raycluster` command runs it: `python -m raycluster_cli` where the package has a __main__
-# (logins started before the CLI's imports, prelogin.py), else (older commits) `python -m raycluster_cli.cli`.
+# (logins started before the CLI's imports, cli/entry.py), else (older commits) `python -m raycluster_cli.cli`.
 entry() { if [ -e "$1/raycluster_cli/__main__.py" ]; then echo raycluster_cli; else echo raycluster_cli.cli; fi; }
 rc() { "$py" -m "$(entry .)" "$@"; }
 base() { (cd "$BASELINE" && "$py" -m "$(entry .)" "$@"); }  # -m finds the checkout in the current folder

@@ -17,7 +17,8 @@ import sys
 import time
 from pathlib import Path
 
-from raycluster_cli import images, inventory
+from raycluster_cli.config import inventory
+from raycluster_cli.image import deliver as images
 from raycluster_cli.progress import TransferProgress
 from raycluster_cli.transport.pool import SSHPool
 

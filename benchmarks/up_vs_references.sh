@@ -56,7 +56,7 @@ read -r -a quotas <<<"${QUOTAS:-}"
 lab_cpus=(); floor_cpus=()  # per host: `lab up --cpus` and the floor's `docker run` options (the same quota)
 for ((k = 0; k < ${#quotas[@]}; k++)); do
   lab_cpus+=(--cpus "lab-h$((k + 1))=${quotas[$k]}")
-  floor_cpus[$((k + 1))]=$($py -c 'import sys; from raycluster_cli.lab import cpu_options; print(" ".join(cpu_options(sys.argv[1])))' "${quotas[$k]}")
+  floor_cpus[$((k + 1))]=$($py -c 'import sys; from raycluster_cli.lab.hosts import cpu_options; print(" ".join(cpu_options(sys.argv[1])))' "${quotas[$k]}")
 done
 inv=$($rc lab up --hosts "$nhosts" "${lab_cpus[@]}" --json 2>/dev/null | $py -c 'import json,sys; print(json.load(sys.stdin)["inventory"])')
 field() { $py -c "import yaml; d = yaml.safe_load(open('$inv')); print($1)"; }
@@ -72,7 +72,7 @@ cpu_ticks() { awk '/^cpu /{print $2+$3+$4+$7+$8+$9}' /proc/stat; }  # busy jiffi
 hz=$(getconf CLK_TCK); cores=$(nproc)
 on() { $docker exec "$lab-h$1" "${@:2}"; }
 alive() {  # alive CONTAINER TIMEOUT: until the head's GCS lists every node alive
-  on 1 docker exec "$1" python -m raycluster_cli.probe --address "$ip1:6379" --expect "$all_ips" \
+  on 1 docker exec "$1" python -m raycluster_cli.host.probe --address "$ip1:6379" --expect "$all_ips" \
     --timeout "$2" >/dev/null
 }
 
@@ -196,7 +196,7 @@ run_rayup() {  # run_rayup V: autoscaler v1 (RAY_UP_enable_autoscaler_v2=0) or v
   local limit=$rayup_timeout; [ "$1" = v2 ] && limit=$rayup_v2_timeout
   "${flag[@]}" "$ray" up -y --no-config-cache "$work/rayup.yaml" >"$work/rayup-$1.log" 2>&1
   if alive rcbench_ray "$limit"; then elapsed "$t0"; else
-    local n; n=$(on 1 docker exec rcbench_ray python -m raycluster_cli.probe --address "$ip1:6379" 2>/dev/null \
+    local n; n=$(on 1 docker exec rcbench_ray python -m raycluster_cli.host.probe --address "$ip1:6379" 2>/dev/null \
       | $py -c 'import json,sys; print(sum(n["alive"] for n in json.loads(sys.stdin.read().strip().splitlines()[-1])["nodes"]))' \
       2>/dev/null || echo "?")
     echo "ray up $1: $n of $nhosts nodes alive after ${limit}s (monitor log kept in $work/monitor-$1-*.log)" >&2

@@ -1,4 +1,9 @@
-"""raycluster: a Ray cluster in Docker on your own machines, checked first and proven balanced."""
+"""raycluster: a Ray cluster in Docker on your own machines, checked first and proven balanced.
+
+The folders are the layers, top to bottom: cli → render → verbs → image, checks → host → transport → config; the
+modules at this root (errors, progress, cancel, schema, versions) import none of them. bench/ runs in the node
+image. docs/ARCHITECTURE.md draws it.
+"""
 
 import importlib
 import importlib.util

@@ -1,6 +1,6 @@
-"""`python -m raycluster_cli`: the `raycluster` command (logins started ahead, see prelogin.py)."""
+"""`python -m raycluster_cli`: the `raycluster` command (logins started ahead, see cli/entry.py)."""
 
-from .prelogin import main
+from raycluster_cli.cli.entry import main
 
 if __name__ == "__main__":
     main()

@@ -6,7 +6,7 @@ from collections import Counter
 from collections.abc import Callable
 from typing import Any, BinaryIO
 
-from raycluster_cli.inventory import HostConfig
+from raycluster_cli.config.inventory import HostConfig
 from raycluster_cli.transport import CommandResult, Transport
 
 

@@ -92,9 +92,9 @@ def _run_to_doc(argv: list[str] | None) -> tuple[dict[str, Any], int]:
     try:
         args = build_parser().parse_args(argv)
         options = parse_options(args.options)
-        from raycluster_cli.bench import experiment
+        from raycluster_cli.bench import session
 
-        return experiment.run(options, ProgressFile(args.progress)), 0
+        return session.run(options, ProgressFile(args.progress)), 0
     except (Exception, KeyboardInterrupt) as exc:  # the CLI wants one JSON document, whatever happened
         expected = isinstance(exc, _UsageError | ValueError) or hasattr(exc, "failure")
         log.error("benchmark failed", exc_info=not expected)

@@ -1,7 +1,7 @@
-"""One benchmark invocation: place the workers, calibrate, size the work, pick the split, run, compare.
+"""The benchmark's decisions, pure where they can be: which nodes, how big a model, which split, how many
+requests, and how a reference reads against the counted run. ``session.run`` drives one invocation with them.
 
-``run(options, progress)`` is what ``python -m raycluster_cli.bench.driver`` executes inside the head
-container; it returns the JSON-ready result document.  The order is fixed: calibrate every node (per
+The order of an invocation is fixed: calibrate every node (per
 unit type, median of repeats); size the model (``--layers``: every node gets a share proportional to
 its speed) and measure a stage boundary with no-op stages; pilots correct the calibration and size
 the counted run (``--duration-s``); the even split gets a pilot of its own and is used instead when
@@ -15,12 +15,10 @@ import dataclasses
 import ipaddress
 import logging
 import math
-import time
 from collections.abc import Callable
 from typing import Any
 
 from raycluster_cli.bench.options import BenchOptions
-from raycluster_cli.schema import SCHEMA_VERSION
 
 log = logging.getLogger("raycluster.bench")
 Report = Callable[..., None]
@@ -120,35 +118,6 @@ def requests_for(duration_s: float, tokens_per_s: float, options: BenchOptions, 
     """Requests that keep the pipeline busy for ``duration_s`` at ``tokens_per_s``, whole micro-batches."""
     batches = math.ceil(duration_s * tokens_per_s / (options.max_new_tokens * options.micro_batch))
     return max(least, batches * options.micro_batch)
-
-
-def run(options: BenchOptions, progress: Report) -> dict[str, Any]:
-    from raycluster_cli.bench.session import Session
-
-    options = options.effective()
-    started = time.perf_counter()
-    session = Session.start(options, progress)
-    try:
-        ranges, choice = session.choose_split()
-        params = session.params
-        result = session.measure(ranges, params, "counted run")
-        doc = session.main_doc(result, ranges)
-        doc["split_choice"] = choice
-        if options.check_output:
-            progress("checking output against the unsharded model")
-            from raycluster_cli.bench.runtime import check_output
-
-            doc["output_check"] = check_output(session.cfg, params, result, options.check_requests)
-        doc["references"] = session.references(result, ranges, choice)
-        if options.sweep:
-            doc["sweep"] = session.sweep(options.sweep, ranges)
-    finally:
-        session.stop()
-    doc.update(session.calibration_doc())
-    doc["lost_nodes"] = session.lost
-    doc["total_s"] = time.perf_counter() - started
-    doc["config"] = session.config_doc(doc["partition_ranges"][0])
-    return {"schema_version": SCHEMA_VERSION, "ok": True, **doc}
 
 
 def with_predictions(

@@ -1,6 +1,6 @@
 """The live state of one benchmark: nodes, stage workers, calibrated costs, lost replicas.
 
-``experiment.run`` drives a ``Session`` through its phases; every phase reports progress through
+``run`` drives a ``Session`` through its phases; every phase reports progress through
 the callback it was given (``phase, done, total``), and every workload run goes through
 ``measure``, which skips replicas that lost a node earlier and records the ones that lose one now.
 """
@@ -8,6 +8,7 @@ the callback it was given (``phase, done, total``), and every workload run goes 
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -17,6 +18,7 @@ import torch
 from raycluster_cli.bench import experiment, pilots, pipeline, runtime, scheduling
 from raycluster_cli.bench.model import prefill_chunks
 from raycluster_cli.bench.options import BenchOptions
+from raycluster_cli.schema import SCHEMA_VERSION
 
 log = logging.getLogger("raycluster.bench")
 Ranges = list[list[tuple[int, int]]]
@@ -343,3 +345,32 @@ class Session:
             "latency_origin": "request_arrival",
             "warmup": "one micro-batch per replica, not counted",
         }
+
+
+def run(options: BenchOptions, progress: experiment.Report) -> dict[str, Any]:
+    """One benchmark invocation (what ``python -m raycluster_cli.bench.driver`` runs in the head's container): the
+    JSON-ready result document."""
+    options = options.effective()
+    started = time.perf_counter()
+    session = Session.start(options, progress)
+    try:
+        ranges, choice = session.choose_split()
+        params = session.params
+        result = session.measure(ranges, params, "counted run")
+        doc = session.main_doc(result, ranges)
+        doc["split_choice"] = choice
+        if options.check_output:
+            progress("checking output against the unsharded model")
+            from raycluster_cli.bench.runtime import check_output
+
+            doc["output_check"] = check_output(session.cfg, params, result, options.check_requests)
+        doc["references"] = session.references(result, ranges, choice)
+        if options.sweep:
+            doc["sweep"] = session.sweep(options.sweep, ranges)
+    finally:
+        session.stop()
+    doc.update(session.calibration_doc())
+    doc["lost_nodes"] = session.lost
+    doc["total_s"] = time.perf_counter() - started
+    doc["config"] = session.config_doc(doc["partition_ranges"][0])
+    return {"schema_version": SCHEMA_VERSION, "ok": True, **doc}

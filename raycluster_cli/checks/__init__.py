@@ -1,7 +1,7 @@
-"""Preflight checks: each a command run on a host plus a pure parser of its output.
+"""doctor's preflight checks: each judges facts gathered on a host (host/facts.py) → CheckResult(status, message,
+hint); `network` measures head ↔ worker links.
 
-The names below are imported on first use (PEP 562): `status` and `down` use one parser module
-(`checks.parsers`, through nodes.py) and do not load the checks themselves.
+May import host/, transport/, config/ and the root modules. The names below are imported on first use (PEP 562).
 """
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from .base import Check, CheckContext, CheckResult, Finding, Status
-    from .catalog import ALL_CHECKS
-    from .runner import demote, ignore_ids, run_checks
+    from raycluster_cli.checks.base import Check, CheckContext, CheckResult, Finding, Status
+    from raycluster_cli.checks.catalog import ALL_CHECKS
+    from raycluster_cli.checks.runner import demote, ignore_ids, run_checks
 
 _WHERE = {
     "Check": ".base",

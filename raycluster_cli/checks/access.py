@@ -8,8 +8,8 @@ host and the fix.
 
 from __future__ import annotations
 
-from ..hoststate import USER_DEFAULT, cluster_dir, fix_hint, login_user, uses_sudo
-from .base import CheckContext, Finding, Status
+from raycluster_cli.checks.base import CheckContext, Finding, Status
+from raycluster_cli.host.folders import USER_DEFAULT, cluster_dir, fix_hint, login_user, uses_sudo
 
 
 def _fields(out: str) -> dict[str, str]:

@@ -7,8 +7,8 @@ from dataclasses import asdict, dataclass, field
 from enum import StrEnum
 from typing import Any
 
-from ..facts import Fact, HostContext
-from ..transport import CommandResult
+from raycluster_cli.host.facts import Fact, HostContext
+from raycluster_cli.transport import CommandResult
 
 
 class Status(StrEnum):

@@ -3,14 +3,14 @@ host facts they judge (each fact's command runs once per host, in the host's one
 
 from __future__ import annotations
 
-from .. import hoststate
-from ..enginefacts import CONTAINERS, ENGINE, IMAGE
-from ..facts import derived, raw
-from ..transport import quote
-from ..transport.batch import BATCH_START
-from . import access, hostnet, runtime
-from .base import Check, CheckContext
-from .cross import CROSS_IDS, IMAGE_ID_CHECK
+from raycluster_cli.checks import access, hostnet, runtime
+from raycluster_cli.checks.base import Check, CheckContext
+from raycluster_cli.checks.cross import CROSS_IDS, IMAGE_ID_CHECK
+from raycluster_cli.host import folders as hoststate
+from raycluster_cli.host.engine_facts import CONTAINERS, ENGINE, IMAGE
+from raycluster_cli.host.facts import derived, raw
+from raycluster_cli.transport import quote
+from raycluster_cli.transport.batch import BATCH_START
 
 __all__ = ["ALL_CHECKS", "ALL_IDS", "IMAGE_ID_CHECK"]
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from collections import Counter
 
-from ..inventory import Inventory
-from ..transport import CommandResult
-from .base import CheckResult, Status
-from .parsers import is_loopback, parse_etc_hosts, resolve_in_hosts
+from raycluster_cli.checks.base import CheckResult, Status
+from raycluster_cli.config.inventory import Inventory
+from raycluster_cli.host.parsers import is_loopback, parse_etc_hosts, resolve_in_hosts
+from raycluster_cli.transport import CommandResult
 
 IMAGE_ID_CHECK = "image"
 HOSTS_CHECK = "etc-hosts"
@@ -109,3 +109,34 @@ def image_fits(inventory: Inventory, results: list[CheckResult], outputs: Output
 
 
 CROSS_CHECKS = (image_same, image_fits, names_matrix)
+
+
+def image_ids_found(results: list[CheckResult]) -> dict[str, str | None]:
+    """Each host's image ID as the `image` check found it (None: the host lacks the image)."""
+    ids: dict[str, str | None] = {}
+    for result in results:
+        if result.id == IMAGE_ID_CHECK and result.status != Status.SKIP:  # SKIP: not checked (unreachable)
+            ids[result.host] = result.data.get("image_id") if result.status == Status.OK else None
+    return ids
+
+
+def demote_fixed_image_checks(results: list[CheckResult], fixing: set[str], verb: str) -> list[CheckResult]:
+    """Image checks that `up` is about to fix become warnings saying so (`up {verb} it`) (pure).
+
+    `image` failures on the hosts in `fixing`, and `image-same` everywhere when every differing host is being
+    fixed (afterwards all hosts have the same image).
+    """
+    if not fixing:
+        return results
+    fixed_all = all(r.host in fixing or r.status == Status.OK for r in results if r.id == IMAGE_ID_CHECK)
+    out = []
+    for result in results:
+        fixed = result.status == Status.FAIL and (
+            (result.id == IMAGE_ID_CHECK and result.host in fixing) or (result.id == "image-same" and fixed_all)
+        )
+        if fixed:
+            result = CheckResult(
+                result.id, result.host, Status.WARN, f"{result.message} (up {verb} it)", result.hint, result.data
+            )
+        out.append(result)
+    return out

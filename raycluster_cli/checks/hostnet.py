@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-from ..containers import LABEL_CLUSTER, LABEL_ROLE
-from ..enginefacts import parse_containers, running, split_sections
-from ..transport import CommandResult
-from .base import CheckContext, Finding, Status
-from .parsers import (
+from raycluster_cli.checks.base import CheckContext, Finding, Status
+from raycluster_cli.host.containers import LABEL_CLUSTER, LABEL_ROLE
+from raycluster_cli.host.engine_facts import parse_containers, running, split_sections
+from raycluster_cli.host.parsers import (
     is_loopback,
     node_addresses,
     parse_clock,
@@ -17,6 +16,7 @@ from .parsers import (
     parse_route_source,
     resolve_in_hosts,
 )
+from raycluster_cli.transport import CommandResult
 
 CLOCK_SKEW_LIMIT_S = 2.0
 _NO_IP = "install iproute2 (the `ip` command)"

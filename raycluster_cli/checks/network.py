@@ -15,14 +15,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from ..enginefacts import split_sections
-from ..inventory import HostConfig, Inventory
-from ..progress import Progress
-from ..transport import CommandResult, Transport, quote
-from ..transport.fanout import error_message, fanout
-from ..transport.pool import Connect
-from .base import CheckResult, Status
-from .parsers import parse_ip_addr, parse_link_mtu
+from raycluster_cli.checks.base import CheckResult, Status
+from raycluster_cli.config.inventory import HostConfig, Inventory
+from raycluster_cli.host.engine_facts import split_sections
+from raycluster_cli.host.parsers import parse_ip_addr, parse_link_mtu
+from raycluster_cli.progress import Progress
+from raycluster_cli.transport import CommandResult, Transport, quote
+from raycluster_cli.transport.fanout import error_message, fanout
+from raycluster_cli.transport.pool import Connect
 
 NETWORK_IDS = frozenset({"network", "mtu", "path-mtu"})
 TEST_PORT = 5201

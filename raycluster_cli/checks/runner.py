@@ -5,16 +5,16 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from ..errors import RayclusterError, UsageError
-from ..facts import Fact, FactCache, HostFacts, Wanted
-from ..inventory import HostConfig, Inventory
-from ..transport import CommandResult
-from ..transport.fanout import error_message
-from ..transport.pool import Connect
-from .base import Check, CheckContext, CheckResult, Finding, Status
-from .catalog import ALL_CHECKS, ALL_IDS
-from .cross import CROSS_CHECKS, Outputs
-from .network import NETWORK_IDS
+from raycluster_cli.checks.base import Check, CheckContext, CheckResult, Finding, Status
+from raycluster_cli.checks.catalog import ALL_CHECKS, ALL_IDS
+from raycluster_cli.checks.cross import CROSS_CHECKS, Outputs
+from raycluster_cli.checks.network import NETWORK_IDS
+from raycluster_cli.config.inventory import HostConfig, Inventory
+from raycluster_cli.errors import RayclusterError, UsageError
+from raycluster_cli.host.facts import Fact, FactCache, HostFacts, Wanted
+from raycluster_cli.transport import CommandResult
+from raycluster_cli.transport.fanout import error_message
+from raycluster_cli.transport.pool import Connect
 
 
 def run_checks(

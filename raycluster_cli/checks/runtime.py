@@ -4,14 +4,8 @@ from __future__ import annotations
 
 import shlex
 
-from .. import hoststate
-from ..containers import LABEL_CLUSTER
-from ..engine import dialect_for, engine_of, image_id
-from ..enginefacts import NO_IMAGE, parse_containers, parse_engine, parse_image, running, split_sections
-from ..transport import CommandResult
-from ..versions import PYTHON_VERSION, RAY_VERSION
-from .base import CheckContext, Finding, Status
-from .parsers_runtime import (
+from raycluster_cli.checks.base import CheckContext, Finding, Status
+from raycluster_cli.checks.parsers_runtime import (
     gib,
     parse_df,
     parse_docker_size,
@@ -21,6 +15,20 @@ from .parsers_runtime import (
     parse_runtimes,
     parse_versions,
 )
+from raycluster_cli.host import folders as hoststate
+from raycluster_cli.host.containers import LABEL_CLUSTER
+from raycluster_cli.host.engine import dialect_for, image_id
+from raycluster_cli.host.engine_facts import (
+    NO_IMAGE,
+    parse_containers,
+    parse_engine,
+    parse_image,
+    running,
+    split_sections,
+)
+from raycluster_cli.transport import CommandResult
+from raycluster_cli.transport.engine_shim import engine_of
+from raycluster_cli.versions import PYTHON_VERSION, RAY_VERSION
 
 GIB = 1024**3
 DOCKER_DEFAULT_SHM = 64 * 1024**2

@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
-from .base import CommandResult
+from raycluster_cli.transport.base import CommandResult
 
 TIMED_OUT_RC = 124
 DEFAULT_DEADLINE_S = 90.0

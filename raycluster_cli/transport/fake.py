@@ -10,8 +10,8 @@ import re
 from collections.abc import Callable, Mapping
 from typing import BinaryIO
 
-from .base import CommandResult
-from .batch import fake_batch_output, split_batch
+from raycluster_cli.transport.base import CommandResult
+from raycluster_cli.transport.batch import fake_batch_output, split_batch
 
 
 class FakeTransport:

@@ -17,8 +17,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Generic, TypeVar, overload
 
-from ..errors import GroupError, error_text
-from . import cancel
+from raycluster_cli import cancel
+from raycluster_cli.errors import GroupError, error_text
 
 T = TypeVar("T")
 K = TypeVar("K")

@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable
 from types import TracebackType
 
-from . import cancel
+from raycluster_cli import cancel
 
 STAGGER_S = 0.01  # between the starts of two logins
 

@@ -19,7 +19,7 @@ later. Processes that detach on purpose (`setsid`, `docker run -d`) are not affe
 
 from __future__ import annotations
 
-from .base import quote
+from raycluster_cli.transport.base import quote
 
 MARGIN_S = 30  # the guard's deadline = the client's deadline + this: the client reports first
 

@@ -9,8 +9,8 @@ from typing import Any
 
 import paramiko
 
-from ..errors import TransportError
-from .sshconfig import Hop, Route
+from raycluster_cli.errors import TransportError
+from raycluster_cli.transport.sshconfig import Hop, Route
 
 Sock = Callable[[float], Any]
 MakeTransport = Callable[[Hop, "Sock | None"], Any]  # an SSHTransport to `hop` (through `sock` when given)

@@ -12,14 +12,14 @@ import threading
 from collections import deque
 from collections.abc import Callable, Iterable
 
-from ..engine import with_engine
-from ..inventory import HostConfig, Inventory
-from . import cancel
-from .base import Transport
-from .gate import Ahead, LoginGate
-from .jumps import JumpHosts
-from .ssh import Sock, SSHTransport
-from .sshconfig import Hop, Route, load_config, resolve
+from raycluster_cli import cancel
+from raycluster_cli.config.inventory import HostConfig, Inventory
+from raycluster_cli.transport.base import Transport
+from raycluster_cli.transport.engine_shim import with_engine
+from raycluster_cli.transport.gate import Ahead, LoginGate
+from raycluster_cli.transport.jumps import JumpHosts
+from raycluster_cli.transport.ssh import Sock, SSHTransport
+from raycluster_cli.transport.sshconfig import Hop, Route, load_config, resolve
 
 Connect = Callable[[HostConfig], Transport]
 

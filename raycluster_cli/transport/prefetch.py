@@ -20,7 +20,7 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from .base import CommandResult
+from raycluster_cli.transport.base import CommandResult
 
 MARKER_PREFIX = "@@raycluster-facts-"
 _MARKER = re.compile(re.escape(MARKER_PREFIX) + r"[0-9a-f]{12}")

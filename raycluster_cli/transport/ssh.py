@@ -26,12 +26,13 @@ from typing import Any, BinaryIO
 
 import paramiko
 
-from ..errors import HostStoppedAnswering, TransportError
-from . import cancel, prefetch, sshkeys
-from .base import CommandResult, put_command
-from .guard import guarded
-from .keepalive import KeepAlive
-from .sshio import Lines, LineSink, OutputSink, collect, heartbeat, send_stream, summary
+from raycluster_cli import cancel
+from raycluster_cli.errors import HostStoppedAnswering, TransportError
+from raycluster_cli.transport import prefetch, sshkeys
+from raycluster_cli.transport.base import CommandResult, put_command
+from raycluster_cli.transport.guard import guarded
+from raycluster_cli.transport.keepalive import KeepAlive
+from raycluster_cli.transport.sshio import Lines, LineSink, OutputSink, collect, heartbeat, send_stream, summary
 
 log = logging.getLogger("raycluster.transport")
 logging.getLogger("paramiko").addHandler(logging.NullHandler())  # its thread's tracebacks are not for users
@@ -95,7 +96,7 @@ class SSHTransport:
         self._ahead: dict[tuple[str, float | None], prefetch.Pending] = {}  # commands started ahead (prefetch.py)
 
     @property
-    def _target(self) -> str:
+    def target(self) -> str:
         return self.host if self.port == 22 else f"[{self.host}]:{self.port}"
 
     # Connecting ----------------------------------------------------------------------------------
@@ -125,7 +126,7 @@ class SSHTransport:
     def _connect_once(self) -> paramiko.SSHClient:
         key = sshkeys.load(self.key_file, self.host) if self.key_file else None
         client = paramiko.SSHClient()
-        sshkeys.add_known_keys(client, self.known_hosts_file, self._target)
+        sshkeys.add_known_keys(client, self.known_hosts_file, self.target)
         if self.known_hosts == "accept-new":
             client.set_missing_host_key_policy(_AcceptNewPolicy(self.known_hosts_file))
         else:

@@ -19,8 +19,8 @@ from pathlib import Path
 
 import paramiko
 
-from ..errors import InventoryError
-from ..inventory import HostConfig, Inventory
+from raycluster_cli.config.inventory import HostConfig, Inventory
+from raycluster_cli.errors import InventoryError
 
 _JUMP = re.compile(r"^(?:(?P<user>[^@\s,:]+)@)?(?P<host>\[[0-9A-Fa-f:]+\]|[^@\s,:\[\]]+)(?::(?P<port>\d{1,5}))?$")
 

@@ -15,9 +15,9 @@ from typing import BinaryIO
 
 import paramiko
 
-from ..errors import TransportError
-from . import cancel
-from .base import CHUNK, CommandResult
+from raycluster_cli import cancel
+from raycluster_cli.errors import TransportError
+from raycluster_cli.transport.base import CHUNK, CommandResult
 
 # How long to wait for the end of the output once the command has exited: sshd may send the exit status
 # before the last of the output, and a command that leaves a daemon holding its stdout never sends EOF.

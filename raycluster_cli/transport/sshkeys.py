@@ -13,14 +13,26 @@ import errno
 import os
 import threading
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import paramiko
 
-from ..errors import AuthError, HostKeyError, TransportError
+from raycluster_cli.errors import AuthError, HostKeyError, TransportError
 
-if TYPE_CHECKING:
-    from .ssh import SSHTransport
+
+class Login(Protocol):
+    """What a login's errors name: the SSH transport (ssh.py) as these functions read it."""
+
+    host: str
+    user: str
+    port: int
+    key_file: str | None
+    known_hosts_file: Path
+    connect_timeout: float
+
+    @property
+    def target(self) -> str: ...  # the host as known_hosts names it: HOST, or [HOST]:PORT
+
 
 PASSPHRASE_ENV = "RAYCLUSTER_SSH_PASSPHRASE"
 # What paramiko says when the host accepted the TCP connection but its sshd did not finish the handshake in
@@ -133,7 +145,7 @@ def _passphrase_error(host: str, path: str) -> AuthError:
     )
 
 
-def connect_error(ssh: SSHTransport, exc: Exception) -> TransportError:
+def connect_error(ssh: Login, exc: Exception) -> TransportError:
     """What went wrong while connecting to `ssh.host`, as one TransportError (`transient` when a retry may help)."""
     host, port = ssh.host, ssh.port
     if isinstance(exc, TransportError):
@@ -142,7 +154,7 @@ def connect_error(ssh: SSHTransport, exc: Exception) -> TransportError:
         return HostKeyError(
             host,
             "SSH host key has CHANGED since it was recorded (possible man-in-the-middle)",
-            f"if the host was reinstalled: ssh-keygen -f {ssh.known_hosts_file} -R '{ssh._target}'",
+            f"if the host was reinstalled: ssh-keygen -f {ssh.known_hosts_file} -R '{ssh.target}'",
         )
     if isinstance(exc, paramiko.PasswordRequiredException):
         return _passphrase_error(host, ssh.key_file or "(a default key in ~/.ssh)")
@@ -195,7 +207,7 @@ def connect_error(ssh: SSHTransport, exc: Exception) -> TransportError:
     return TransportError(host, f"SSH login failed: {type(exc).__name__}: {exc}", "re-run with --debug")
 
 
-def _auth_failed(ssh: SSHTransport) -> AuthError:
+def _auth_failed(ssh: Login) -> AuthError:
     if ssh.key_file and ssh.key_file in _encrypted and passphrase() is None:
         return _passphrase_error(ssh.host, ssh.key_file)
     key = ssh.key_file or "agent and default keys ~/.ssh/id_*"

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Literal
 
-from .base import CommandResult, Transport
+from raycluster_cli.transport.base import CommandResult, Transport
 
 Stream = Literal["stdout", "stderr"]
 LineSink = Callable[[Stream, str], None]

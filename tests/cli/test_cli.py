@@ -12,7 +12,9 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from raycluster_cli import checks, cli
+from raycluster_cli import checks
+from raycluster_cli.cli import app as cli
+from raycluster_cli.cli import lifecycle
 from raycluster_cli.errors import ExitCode
 
 runner = CliRunner()
@@ -105,7 +107,7 @@ def test_up_refuses_on_failed_preflight(
     refused_inventory: Path, monkeypatch: pytest.MonkeyPatch, local_image: str | None
 ) -> None:
     # Whether this machine has the node image must not matter: SSH failing is the cause to report.
-    monkeypatch.setattr("raycluster_cli.uprun.local_image_id", lambda _: local_image)
+    monkeypatch.setattr("raycluster_cli.verbs.up_phases.local_image_id", lambda _: local_image)
     code, out, _ = invoke("up", "-i", str(refused_inventory), "--json")
     assert code == ExitCode.FAILED
     doc = json.loads(out)
@@ -202,12 +204,12 @@ def test_up_insecure_warns_on_stderr_before_anything(refused_inventory: Path) ->
 
 
 def test_next_steps_name_the_token_file_not_the_token() -> None:
-    steps = cli._next_steps("192.0.2.11", 6379, "http://192.0.2.11:8265", "/state/demo/auth-token", "inv.yaml")
+    steps = lifecycle._next_steps("192.0.2.11", 6379, "http://192.0.2.11:8265", "/state/demo/auth-token", "inv.yaml")
     assert steps["ray_address"] == "192.0.2.11:6379"
     assert steps["submit_job"].startswith("RAY_AUTH_MODE=token RAY_AUTH_TOKEN_PATH=/state/demo/auth-token ray job")
     assert "--address http://192.0.2.11:8265" in steps["submit_job"]
     assert steps["status"] == "raycluster status -i inv.yaml"
-    insecure = cli._next_steps("192.0.2.11", 6379, "http://192.0.2.11:8265", None, None)
+    insecure = lifecycle._next_steps("192.0.2.11", 6379, "http://192.0.2.11:8265", None, None)
     assert insecure["submit_job"].startswith("ray job submit") and insecure["logs"] == "raycluster logs"
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from raycluster_cli import cli
+from raycluster_cli.cli import app as cli
 from raycluster_cli.errors import ExitCode
 
 from .test_cli import refused_inventory  # noqa: F401  (the fixture)

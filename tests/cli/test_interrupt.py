@@ -20,7 +20,8 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from raycluster_cli import checks, cli
+from raycluster_cli import checks
+from raycluster_cli.cli import app as cli
 from raycluster_cli.errors import ExitCode
 
 

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 import yaml
 
-from raycluster_cli import lab
+from raycluster_cli.lab import hosts as lab
 
 REQUIRE = os.environ.get("RAYCLUSTER_REQUIRE_LAB") == "1"
 # The engine's own client (/usr/bin/docker from Debian's docker.io), else the one on PATH: tests act on the lab
@@ -53,7 +53,7 @@ class Lab:
         return next(h for h in self.info.hosts if h.hostname == hostname)
 
     def cli(self, *args: str, timeout: float = 600, inventory: str | None = None) -> tuple[int, dict[str, Any], str]:
-        """Run `raycluster ARGS -i <lab inventory> --json` as a real process (the command's own path: prelogin.py)."""
+        """Run `raycluster ARGS -i <lab inventory> --json` as a real process (the command's own path: cli/ahead.py)."""
         command = [sys.executable, "-m", "raycluster_cli", *args, "-i", inventory or self.inventory, "--json"]
         done = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
         try:

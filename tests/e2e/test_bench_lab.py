@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from raycluster_cli import lab
+from raycluster_cli.lab import hosts as lab
 
 from ..bench_checkpoints import write_random_gpt2
 from .conftest import DOCKER, IP3, Lab

@@ -10,7 +10,7 @@ import pytest
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from raycluster_cli import lab
+from raycluster_cli.lab import hosts as lab
 
 from .conftest import IP1, IP2, IP3, UNUSED_IP, Lab
 from .findings import failed, finding

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from raycluster_cli import lab
+from raycluster_cli.lab import hosts as lab
 
 from .conftest import DOCKER, IP1, IP2, IP3, UNUSED_IP, Lab
 from .findings import failed, finding, problems, warned

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from raycluster_cli import lab
+from raycluster_cli.lab import hosts as lab
 
 from .conftest import IP1, IP2, IP3, Lab
 from .findings import failed, finding, problems, warned

@@ -14,13 +14,14 @@ from pathlib import Path
 
 import pytest
 
-from raycluster_cli import inventory as inventory_module
-from raycluster_cli import lab, logins
 from raycluster_cli.checks import run_checks
-from raycluster_cli.logs import collect
-from raycluster_cli.status import status
-from raycluster_cli.teardown import down
+from raycluster_cli.config import inventory as inventory_module
+from raycluster_cli.lab import hosts as lab
+from raycluster_cli.transport import logins
 from raycluster_cli.transport.pool import SSHPool
+from raycluster_cli.verbs.down import down
+from raycluster_cli.verbs.logs import collect
+from raycluster_cli.verbs.status import status
 
 from .conftest import IP1, IP2, IP3, Lab
 from .faults import (
@@ -139,7 +140,7 @@ MARKED_SLOW_DOCKER = f'#!/bin/sh\ntouch {CALLED}\nsleep 4\nexec /usr/bin/docker 
 def test_a_host_frozen_while_its_login_and_first_command_run_ahead_from_the_last_run_fails_in_time_naming_it(
     lab_hosts: Lab, quick: str, verb: str
 ) -> None:
-    """The command's own path (prelogin.py; --debug turns it off). A first run of the same command line keeps
+    """The command's own path (cli/ahead.py; --debug turns it off). A first run of the same command line keeps
     its logins and each host's first read-only command (logins.py; `down` has none). In the second, lab-h3's
     login starts from that record before the inventory is read and its first command runs ahead of the CLI;
     lab-h3 freezes while that command runs (a `docker` 4 s late, which leaves a mark first). The verb ends

@@ -13,7 +13,9 @@ from typing import Any
 
 import pytest
 
-from raycluster_cli import images, inventory, lab
+from raycluster_cli.config import inventory
+from raycluster_cli.image import deliver as images
+from raycluster_cli.lab import hosts as lab
 from raycluster_cli.progress import Event
 from raycluster_cli.transport.pool import SSHPool
 

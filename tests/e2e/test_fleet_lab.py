@@ -7,7 +7,7 @@ import ipaddress
 
 import pytest
 
-from raycluster_cli import lab
+from raycluster_cli.lab import hosts as lab
 
 from .conftest import FLEET_HOSTS, FLEET_NAME, Lab
 from .findings import failed

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from raycluster_cli import lab
+from raycluster_cli.lab import hosts as lab
 
 from .conftest import DOCKER, IP1, IP2, IP3, Lab
 

@@ -14,10 +14,10 @@ from typing import Any
 
 import pytest
 
-from raycluster_cli import lab
-from raycluster_cli.images import distribute, local_image_id
-from raycluster_cli.inventory import load
-from raycluster_cli.spread import ImageTransfer
+from raycluster_cli.config.inventory import load
+from raycluster_cli.image.deliver import distribute, local_image_id
+from raycluster_cli.image.schedule import ImageTransfer
+from raycluster_cli.lab import hosts as lab
 from raycluster_cli.transport.pool import SSHPool
 
 from .conftest import DOCKER, IP2, IP3, Lab

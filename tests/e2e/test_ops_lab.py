@@ -25,7 +25,7 @@ from typing import Any
 import pytest
 import yaml
 
-from raycluster_cli import inventory, state
+from raycluster_cli.config import inventory, state
 
 from .conftest import IP1, IP2, IP3, UNUSED_IP, Lab
 

@@ -19,8 +19,8 @@ from typing import Any
 
 import pytest
 
-from raycluster_cli import lab
 from raycluster_cli.errors import OperationError
+from raycluster_cli.lab import hosts as lab
 
 from .conftest import REQUIRE, Lab, _need_engine, lab_subnet
 

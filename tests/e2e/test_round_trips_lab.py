@@ -9,11 +9,11 @@ from typing import Any
 import paramiko
 import pytest
 
-from raycluster_cli import inventory
 from raycluster_cli.checks import Status, run_checks
-from raycluster_cli.cluster import up
+from raycluster_cli.config import inventory
 from raycluster_cli.progress import HostPhase
 from raycluster_cli.transport.pool import SSHPool
+from raycluster_cli.verbs.up import up
 
 from .conftest import Lab
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from raycluster_cli import lab
+from raycluster_cli.lab import hosts as lab
 
 from .conftest import IP1, IP2, IP3, Lab
 

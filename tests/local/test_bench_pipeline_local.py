@@ -44,7 +44,7 @@ def local_ray() -> Iterator[None]:
 
 
 def _run(**fields: Any) -> dict[str, Any]:
-    """experiment.run with small, fast options (stages stacked on the one local node)."""
+    """session.run with small, fast options (stages stacked on the one local node)."""
     base: dict[str, Any] = {
         "allow_shared_nodes": True,
         "threads": 1,
@@ -54,7 +54,7 @@ def _run(**fields: Any) -> dict[str, Any]:
         "d_model": 32,
     }
     events: list[tuple[Any, ...]] = []
-    doc = experiment.run(BenchOptions(**{**base, **fields}), lambda *a, **k: events.append(a))
+    doc = session.run(BenchOptions(**{**base, **fields}), lambda *a, **k: events.append(a))
     assert events and all(isinstance(e[0], str) for e in events)  # every phase reported its progress
     return doc
 

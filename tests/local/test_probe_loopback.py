@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from raycluster_cli import probe
+from raycluster_cli.host import probe
 
 
 def _closed_port() -> int:
@@ -27,7 +27,7 @@ def test_a_gcs_port_that_refuses_gives_one_error_document_naming_it_within_the_c
     address = f"127.0.0.1:{_closed_port()}"
     # Ray's own client would still be retrying at this deadline; the probe has answered long before it.
     done = subprocess.run(
-        [sys.executable, "-m", "raycluster_cli.probe", "--address", address, "--expect", "127.0.0.1"],
+        [sys.executable, "-m", "raycluster_cli.host.probe", "--address", address, "--expect", "127.0.0.1"],
         capture_output=True,
         text=True,
         timeout=probe.GCS_CONNECT_S + 20,

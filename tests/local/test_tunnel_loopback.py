@@ -9,7 +9,7 @@ import threading
 import pytest
 
 from raycluster_cli.errors import TransportError, UsageError
-from raycluster_cli.tunnel import Tunnel
+from raycluster_cli.transport.tunnel import Tunnel
 
 
 def _echo_server() -> tuple[socket.socket, int]:

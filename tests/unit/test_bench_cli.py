@@ -7,9 +7,10 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from raycluster_cli import cli, lab
 from raycluster_cli.bench.options import BenchOptions, flag_of
+from raycluster_cli.cli import app as cli
 from raycluster_cli.errors import ExitCode, UsageError
+from raycluster_cli.lab import hosts as lab
 
 
 @pytest.mark.parametrize(

@@ -8,12 +8,12 @@ from typing import Any
 
 import pytest
 
-from raycluster_cli import inventory
-from raycluster_cli.bench import client
-from raycluster_cli.bench.client import BenchEvent, BenchFailed, run_bench
+from raycluster_cli import cancel
 from raycluster_cli.bench.options import BenchOptions
-from raycluster_cli.transport import cancel
+from raycluster_cli.config import inventory
 from raycluster_cli.transport.base import CommandResult
+from raycluster_cli.verbs import bench as client
+from raycluster_cli.verbs.bench import BenchEvent, BenchFailed, run_bench
 
 RUNNING = json.dumps({"ID": "c1", "Names": "ray-demo-head", "State": "running", "Image": "x", "Labels": ""})
 

@@ -6,9 +6,9 @@ import io
 from pathlib import Path
 from typing import Any
 
-from raycluster_cli.bench.client import BenchEvent
-from raycluster_cli.report import Output
-from raycluster_cli.report_bench import bench_progress, render_bench, save_svg
+from raycluster_cli.render.base import Output
+from raycluster_cli.render.bench import bench_progress, render_bench, save_svg
+from raycluster_cli.verbs.bench import BenchEvent
 
 
 def _doc() -> dict[str, Any]:

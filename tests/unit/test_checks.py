@@ -6,10 +6,10 @@ from pathlib import Path
 
 import pytest
 
-from raycluster_cli import inventory
 from raycluster_cli.checks import ALL_CHECKS, Status, ignore_ids, run_checks
+from raycluster_cli.config import inventory
+from raycluster_cli.config.inventory import HostConfig
 from raycluster_cli.errors import TransportError, UsageError
-from raycluster_cli.inventory import HostConfig
 from raycluster_cli.transport.base import CommandResult
 from raycluster_cli.transport.fake import FakeTransport
 

@@ -4,9 +4,9 @@ from pathlib import Path
 
 import pytest
 
-from raycluster_cli import inventory
 from raycluster_cli.checks import CheckResult, Status, run_checks
-from raycluster_cli.inventory import HostConfig
+from raycluster_cli.config import inventory
+from raycluster_cli.config.inventory import HostConfig
 from raycluster_cli.transport.base import CommandResult
 from raycluster_cli.transport.fake import FakeTransport
 

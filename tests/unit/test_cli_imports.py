@@ -13,21 +13,21 @@ import pytest
 
 from .conftest import refusing_inventory
 
-# What `import raycluster_cli.cli` must leave out, and why it is heavy or unneeded there.
+# What `import raycluster_cli.cli.app` must leave out, and why it is heavy or unneeded there.
 NOT_AT_IMPORT = [
-    "raycluster_cli.bench.client",  # bench
+    "raycluster_cli.verbs.bench",  # bench
     "raycluster_cli.checks.catalog",  # doctor and up (status and down use checks.parsers only)
     "raycluster_cli.checks.runner",
-    "raycluster_cli.cluster",  # up
-    "raycluster_cli.jobs",  # submit, dashboard (http.client, websockets)
-    "raycluster_cli.metrics",
-    "raycluster_cli.ops",  # exec
-    "raycluster_cli.report_bench",
-    "raycluster_cli.report_ops",
-    "raycluster_cli.lab",  # lab (its flags' defaults are in flagdefaults.py)
-    "raycluster_cli.logs",  # logs (likewise)
-    "raycluster_cli.status",  # status
-    "raycluster_cli.teardown",  # down
+    "raycluster_cli.verbs.up",  # up
+    "raycluster_cli.verbs.jobs",  # submit, dashboard (http.client, websockets)
+    "raycluster_cli.verbs.metrics",
+    "raycluster_cli.verbs.execute",  # exec
+    "raycluster_cli.render.bench",
+    "raycluster_cli.render.operate",
+    "raycluster_cli.lab.hosts",  # lab (its flags' defaults are in flagdefaults.py)
+    "raycluster_cli.verbs.logs",  # logs (likewise)
+    "raycluster_cli.verbs.status",  # status
+    "raycluster_cli.verbs.down",  # down
     "tarfile",  # lab and logs
     "http.client",
     "rich",  # drawn on demand: a --json run that prints nothing on stderr never loads it
@@ -46,15 +46,17 @@ def _modules_after(code: str) -> set[str]:
 
 
 def test_importing_the_cli_loads_no_other_verbs_modules() -> None:
-    loaded = _modules_after("import raycluster_cli.cli")
+    loaded = _modules_after("import raycluster_cli.cli.app")
     eager = sorted(m for m in NOT_AT_IMPORT if m in loaded)
-    assert not eager, f"imported at `import raycluster_cli.cli`: {eager} (import them inside the verb that needs them)"
+    assert not eager, (
+        f"imported at `import raycluster_cli.cli.app`: {eager} (import them inside the verb that needs them)"
+    )
 
 
 def test_paramikos_invoke_is_imported_only_when_used() -> None:
     """paramiko imports invoke only for ssh_config's `Match exec`: a stand-in defers it, and still works."""
     loaded = _modules_after(
-        "import raycluster_cli.cli, paramiko.config\n"
+        "import raycluster_cli.cli.app, paramiko.config\n"
         "assert type(sys.modules['invoke']).__name__ == '_Deferred'\n"
         "assert paramiko.config.invoke_import_error is None"
     )
@@ -83,7 +85,7 @@ def test_progress_lines_without_a_terminal_do_not_import_rich() -> None:
     code = (
         "import io, os\n"
         "os.environ.pop('FORCE_COLOR', None); os.environ.pop('TTY_COMPATIBLE', None)\n"
-        "from raycluster_cli.report import Output\n"
+        "from raycluster_cli.render.base import Output\n"
         "err = io.StringIO()\n"
         "output = Output(True, stderr=err)\n"
         "output.progress()('removing [x] on 1 host(s)')\n"
@@ -101,10 +103,12 @@ def test_status_and_down_load_neither_the_checks_nor_rich(verb: str, tmp_path: P
     code = (
         f"import os; os.environ['RAYCLUSTER_STATE_DIR'] = {str(tmp_path / 'state')!r}\n"
         f"sys.argv = ['raycluster', {verb!r}, '-i', {str(inventory)!r}, '--json']\n"
-        "from raycluster_cli import prelogin\n"
-        "try:\n    prelogin.main()\nexcept SystemExit as exc:\n    assert exc.code == 1, exc.code\n"
+        "from raycluster_cli.cli import ahead, entry\n"
+        "try:\n    entry.main()\nexcept SystemExit as exc:\n    assert exc.code == 1, exc.code\n"
     )
     loaded = _modules_after(code)
-    assert {"status": "raycluster_cli.status", "down": "raycluster_cli.teardown"}[verb] in loaded  # the verb ran
+    assert {"status": "raycluster_cli.verbs.status", "down": "raycluster_cli.verbs.down"}[
+        verb
+    ] in loaded  # the verb ran
     heavy = ["raycluster_cli.checks.base", "raycluster_cli.checks.catalog", "raycluster_cli.checks.runner", "rich"]
     assert not [m for m in heavy if m in loaded]

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from raycluster_cli import inventory
-from raycluster_cli.containers import (
+from raycluster_cli.config import inventory
+from raycluster_cli.host.containers import (
     ENV_IN_CONTAINER,
     GCS_WAIT_S,
     LABEL_CLUSTER,

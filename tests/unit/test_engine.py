@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from raycluster_cli import inventory
-from raycluster_cli.engine import EngineTransport, engine_of, preamble, with_engine
+from raycluster_cli.config import inventory
 from raycluster_cli.errors import InventoryError
+from raycluster_cli.transport.engine_shim import EngineTransport, engine_of, preamble, with_engine
 from raycluster_cli.transport.fake import FakeTransport
 
 from .conftest import EXAMPLE

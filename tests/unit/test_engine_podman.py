@@ -10,7 +10,6 @@ from pathlib import Path
 import pytest
 import yaml
 
-from raycluster_cli import inventory
 from raycluster_cli.checks import Status
 from raycluster_cli.checks.base import CheckContext
 from raycluster_cli.checks.catalog import DOCKER_VERSION
@@ -23,12 +22,13 @@ from raycluster_cli.checks.runtime import (
     stale_ray,
     stale_ray_view,
 )
-from raycluster_cli.containers import parse_ps, run_argv
-from raycluster_cli.engine import DOCKER, PODMAN, adapt_run_argv, dialect_of, image_id, ps_rows
-from raycluster_cli.enginefacts import engine_command
-from raycluster_cli.lab import LabHost, render_inventory
-from raycluster_cli.status import parse_host
+from raycluster_cli.config import inventory
+from raycluster_cli.host.containers import parse_ps, run_argv
+from raycluster_cli.host.engine import DOCKER, PODMAN, adapt_run_argv, dialect_of, image_id, ps_rows
+from raycluster_cli.host.engine_facts import engine_command
+from raycluster_cli.lab.hosts import LabHost, render_inventory
 from raycluster_cli.transport import CommandResult
+from raycluster_cli.verbs.status import parse_host
 
 from .conftest import EXAMPLE
 

@@ -10,13 +10,13 @@ from pathlib import Path
 
 import pytest
 
-from raycluster_cli import inventory
 from raycluster_cli.checks import Status, run_checks
 from raycluster_cli.checks.catalog import IMAGE_ID, IP_ADDR
-from raycluster_cli.enginefacts import image_command, parse_containers, parse_engine, parse_image, running
-from raycluster_cli.facts import FactCache, HostContext
-from raycluster_cli.inventory import HostConfig
-from raycluster_cli.nodes import CONTAINER
+from raycluster_cli.config import inventory
+from raycluster_cli.config.inventory import HostConfig
+from raycluster_cli.host.engine_facts import image_command, parse_containers, parse_engine, parse_image, running
+from raycluster_cli.host.facts import FactCache, HostContext
+from raycluster_cli.host.node import CONTAINER
 from raycluster_cli.transport import CommandResult
 
 from .conftest import EXAMPLE

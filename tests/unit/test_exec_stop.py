@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from raycluster_cli import inventory
-from raycluster_cli.ops import exec_command
+from raycluster_cli.config import inventory
 from raycluster_cli.transport import guard
+from raycluster_cli.verbs.execute import exec_command
 
 from .conftest import EXAMPLE
 

@@ -11,7 +11,7 @@ import pytest
 
 from raycluster_cli.checks.hostnet import ETC_HOSTS_COMMAND
 from raycluster_cli.checks.runtime import processes_command
-from raycluster_cli.hoststate import _nearest_existing
+from raycluster_cli.host.folders import _nearest_existing
 
 SHELLS = ["/bin/sh", "bash"]
 

@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from raycluster_cli import inventory
 from raycluster_cli.checks import catalog, run_checks
-from raycluster_cli.checks.parsers import parse_clock
-from raycluster_cli.facts import FactCache, HostContext, gather_host, raw
-from raycluster_cli.inventory import HostConfig
+from raycluster_cli.config import inventory
+from raycluster_cli.config.inventory import HostConfig
+from raycluster_cli.host.facts import FactCache, HostContext, gather_host, raw
+from raycluster_cli.host.parsers import parse_clock
 from raycluster_cli.transport import CommandResult
 from raycluster_cli.transport.batch import TIMED_OUT_RC, batch_script, fake_batch_output, parse_batch, split_batch
 from raycluster_cli.transport.fake import FakeTransport

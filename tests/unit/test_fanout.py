@@ -61,7 +61,7 @@ def test_group_result_names_every_failed_host_not_only_the_first() -> None:
 def test_queued_work_never_starts_after_an_interrupt() -> None:
     import pytest
 
-    from raycluster_cli.transport import cancel
+    from raycluster_cli import cancel
 
     started: list[int] = []
 

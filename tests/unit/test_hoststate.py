@@ -10,12 +10,13 @@ from pathlib import Path
 
 import pytest
 
-from raycluster_cli import hoststate, inventory
 from raycluster_cli.checks import Status, access
 from raycluster_cli.checks.base import CheckContext
 from raycluster_cli.checks.runtime import docker
-from raycluster_cli.containers import docker_run_command, env_path_on_host, token_path_on_host
+from raycluster_cli.config import inventory
 from raycluster_cli.errors import InventoryError
+from raycluster_cli.host import folders as hoststate
+from raycluster_cli.host.containers import docker_run_command, env_path_on_host, token_path_on_host
 from raycluster_cli.transport.base import put_command, shell_path
 
 BASE = """cluster: demo

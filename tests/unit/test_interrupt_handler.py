@@ -11,7 +11,8 @@ import textwrap
 SCRIPT = textwrap.dedent(
     """
     import os, signal
-    from raycluster_cli import interrupt, inventory
+    from raycluster_cli.cli import interrupt
+    from raycluster_cli.config import inventory
     from raycluster_cli.transport.pool import SSHPool
 
     inv = inventory.parse(

@@ -2,7 +2,7 @@ from pathlib import Path
 
 import pytest
 
-from raycluster_cli import inventory
+from raycluster_cli.config import inventory
 from raycluster_cli.errors import ExitCode, InventoryError
 
 

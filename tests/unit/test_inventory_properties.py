@@ -15,9 +15,9 @@ import yaml
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from raycluster_cli import inventory
+from raycluster_cli.config import inventory
+from raycluster_cli.config.references import hostname_problem, image_problem, login_problem
 from raycluster_cli.errors import InventoryError
-from raycluster_cli.grammar import hostname_problem, image_problem, login_problem
 
 SETTINGS = settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 FIELDS = ["cluster", "image", "hosts", "address", "role", "head", "worker", "ssh", "user", "docker", "run_options",

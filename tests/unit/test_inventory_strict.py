@@ -4,9 +4,10 @@ from pathlib import Path
 
 import pytest
 
-from raycluster_cli import inventory, strictyaml
+from raycluster_cli.config import inventory
+from raycluster_cli.config import strict_yaml as strictyaml
+from raycluster_cli.config.references import hostname_problem, image_problem
 from raycluster_cli.errors import ExitCode, InventoryError
-from raycluster_cli.grammar import hostname_problem, image_problem
 
 BASE = """cluster: demo
 image: raycluster/node:0.1.0

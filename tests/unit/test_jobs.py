@@ -10,10 +10,10 @@ from typing import Any
 
 import pytest
 
-from raycluster_cli import inventory
+from raycluster_cli.config import inventory
 from raycluster_cli.errors import OperationError, UsageError
-from raycluster_cli.jobs import JobResult, TailUnavailable, follow_job, package_directory, read_token, submit_job
-from raycluster_cli.websocket import Silence
+from raycluster_cli.transport.websocket import Silence
+from raycluster_cli.verbs.jobs import JobResult, TailUnavailable, follow_job, package_directory, read_token, submit_job
 
 from .conftest import EXAMPLE
 

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from raycluster_cli import lab
 from raycluster_cli.errors import UsageError
+from raycluster_cli.lab import hosts as lab
 
 
 def test_hosts_of_a_named_lab_in_its_own_subnet() -> None:

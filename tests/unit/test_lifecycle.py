@@ -11,17 +11,18 @@ from pathlib import Path
 
 import pytest
 
-from raycluster_cli import inventory
 from raycluster_cli.checks import CheckResult, Status
-from raycluster_cli.containers import LABEL_CLUSTER, LABEL_CONFIG, LABEL_ROLE, Container, config_hash, run_argv
-from raycluster_cli.diagnose import Evidence, diagnose, evidence_command, parse_evidence
+from raycluster_cli.checks.cross import demote_fixed_image_checks, image_ids_found
+from raycluster_cli.config import inventory
 from raycluster_cli.errors import InventoryError, OperationError, TransportError
-from raycluster_cli.images import ImageTransfer, demote_fixed_checks, plan_transfers, remote_image_ids
-from raycluster_cli.logs import count_errors
-from raycluster_cli.nodes import decide, node_env
-from raycluster_cli.status import HostStatus, StatusResult, host_command, merge_nodes, parse_host
+from raycluster_cli.host.containers import LABEL_CLUSTER, LABEL_CONFIG, LABEL_ROLE, Container, config_hash, run_argv
+from raycluster_cli.host.diagnose import Evidence, diagnose, evidence_command, parse_evidence
+from raycluster_cli.host.node import decide, node_env
+from raycluster_cli.image.deliver import ImageTransfer, plan_transfers
 from raycluster_cli.transport import CommandResult
 from raycluster_cli.transport.fake import FakeTransport
+from raycluster_cli.verbs.logs import count_errors
+from raycluster_cli.verbs.status import HostStatus, StatusResult, host_command, merge_nodes, parse_host
 
 from .conftest import EXAMPLE
 
@@ -80,8 +81,8 @@ def test_up_demotes_the_image_checks_it_is_about_to_fix() -> None:
     checks = _image_checks({HOSTS[0]: A, HOSTS[1]: None, HOSTS[2]: B})
     checks.append(CheckResult("image-same", HOSTS[2], Status.FAIL, "differs", "hint"))
     checks.append(CheckResult("docker", HOSTS[0], Status.FAIL, "dead", "hint"))
-    plan = plan_transfers(_inv(), A, remote_image_ids(checks))
-    after = {(r.id, r.host): r for r in demote_fixed_checks(checks, plan)}
+    plan = plan_transfers(_inv(), A, image_ids_found(checks))
+    after = {(r.id, r.host): r for r in demote_fixed_image_checks(checks, {t.host for t in plan}, "streams")}
     assert after[("image", HOSTS[1])].status == Status.WARN
     assert after[("image", HOSTS[1])].message.endswith("(up streams it)")
     assert after[("image-same", HOSTS[2])].status == Status.WARN
@@ -90,8 +91,8 @@ def test_up_demotes_the_image_checks_it_is_about_to_fix() -> None:
 
 def test_nothing_is_demoted_without_a_plan() -> None:
     checks = _image_checks({HOSTS[0]: None})
-    assert demote_fixed_checks(checks, []) == checks
-    assert demote_fixed_checks(checks, [ImageTransfer(HOSTS[1], "missing", "stream")])[0].status == Status.FAIL
+    assert demote_fixed_image_checks(checks, set(), "streams") == checks
+    assert demote_fixed_image_checks(checks, {HOSTS[1]}, "streams")[0].status == Status.FAIL
 
 
 # per-host settings and node decisions ------------------------------------------------------------
@@ -170,8 +171,8 @@ def test_decide_replaces_our_container_and_says_why(
 
 
 def test_plan_node_refuses_a_foreign_container_named_like_ours() -> None:
-    from raycluster_cli.facts import HostContext
-    from raycluster_cli.nodes import parse_container_view, plan_node
+    from raycluster_cli.host.facts import HostContext
+    from raycluster_cli.host.node import parse_container_view, plan_node
 
     inv = _inv()
     row = '{"ID":"f00","Names":"raycluster-demo-worker","State":"running","Image":"x","Labels":""}'
@@ -320,7 +321,7 @@ def test_diagnosis_exited_because_the_gcs_was_unreachable() -> None:
 
 
 def test_stream_sends_the_cached_archive_and_verifies_the_image_id(tmp_path: Path) -> None:
-    from raycluster_cli.images import distribute
+    from raycluster_cli.image.deliver import distribute
     from raycluster_cli.progress import TransferProgress
 
     inv = _inv()
@@ -339,7 +340,7 @@ def test_stream_sends_the_cached_archive_and_verifies_the_image_id(tmp_path: Pat
 
 
 def test_stream_fails_when_the_loaded_image_has_another_id(tmp_path: Path) -> None:
-    from raycluster_cli.images import distribute
+    from raycluster_cli.image.deliver import distribute
 
     (tmp_path / "aaaaaaaaaaaa.tar.gz").write_bytes(b"x")
     fake = FakeTransport(
@@ -351,7 +352,7 @@ def test_stream_fails_when_the_loaded_image_has_another_id(tmp_path: Path) -> No
 
 
 def test_pull_runs_docker_pull_and_names_the_host_that_failed() -> None:
-    from raycluster_cli.images import distribute
+    from raycluster_cli.image.deliver import distribute
 
     inv = _inv("image_source: pull\n")
     good = FakeTransport(HOSTS[1], {"docker pull": "sha256:x"})
@@ -365,7 +366,7 @@ def test_pull_runs_docker_pull_and_names_the_host_that_failed() -> None:
 
 
 def test_files_digest_changes_with_env_and_token() -> None:
-    from raycluster_cli.nodes import files_digest
+    from raycluster_cli.host.node import files_digest
 
     base = files_digest(b"A='1'\n", b"tok")
     assert base != files_digest(b"A='2'\n", b"tok")
@@ -387,8 +388,8 @@ def _purge_hosts(rmi: CommandResult) -> dict[str, FakeTransport]:
 
 
 def test_down_purge_removes_image_host_files_and_local_state(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from raycluster_cli.state import ensure_token, state_dir
-    from raycluster_cli.teardown import down
+    from raycluster_cli.config.state import ensure_token, state_dir
+    from raycluster_cli.verbs.down import down
 
     monkeypatch.setenv("RAYCLUSTER_STATE_DIR", str(tmp_path))
     inv = _inv()
@@ -406,8 +407,8 @@ def test_down_purge_removes_image_host_files_and_local_state(tmp_path: Path, mon
 
 
 def test_down_purge_keeps_the_local_token_while_a_host_failed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from raycluster_cli.state import ensure_token, state_dir
-    from raycluster_cli.teardown import down
+    from raycluster_cli.config.state import ensure_token, state_dir
+    from raycluster_cli.verbs.down import down
 
     monkeypatch.setenv("RAYCLUSTER_STATE_DIR", str(tmp_path))
     inv = _inv()
@@ -459,7 +460,7 @@ class _Head(_Host):
         ]
 
     def answer(self, command: str) -> CommandResult:
-        if "raycluster_cli.probe" in command:
+        if "raycluster_cli.host.probe" in command:
             expect = set(re.search(r"--expect (\S*)", command)[1].split(",")) - {"''"}  # type: ignore[index]
             end = time.monotonic() + float(re.search(r"--timeout (\d+)", command)[1])  # type: ignore[index]
             while not expect <= {n["node_ip"] for n in self.nodes() if n["alive"]} and time.monotonic() < end:
@@ -472,15 +473,15 @@ class _Head(_Host):
 
 
 def _wait(workers: dict[str, _Host]) -> tuple[list[dict[str, object]], list[str], list[object]]:
-    from raycluster_cli.upjoin import NodesMissing, wait
-    from raycluster_cli.uprun import UpRun
+    from raycluster_cli.verbs.up_hosts import NodesMissing
+    from raycluster_cli.verbs.up_phases import UpRun
 
     inv = _inv()
     hosts: dict[str, FakeTransport] = {HOSTS[0]: _Head(workers), **workers}
     said: list[object] = []
     run = UpRun(inv, lambda h: hosts[str(h.address)], said.append, 60, frozenset())
     with contextlib.suppress(NodesMissing):
-        wait(run)
+        run.wait()
     retried = [r.address for r in run.runs.values() if r.retried]
     return run.nodes, retried, [s for s in said if isinstance(s, str) and s != "waiting for every node to join"]
 
@@ -510,7 +511,7 @@ class _FlakyHead(_Head):
         self.probes = 0
 
     def answer(self, command: str) -> CommandResult:
-        if "raycluster_cli.probe" in command:
+        if "raycluster_cli.host.probe" in command:
             self.probes += 1
             if self.probes <= self.failures:
                 return CommandResult(1, "", "core_worker_process.cc:247: Failed to register worker to Raylet: IOError")
@@ -521,22 +522,22 @@ class _FlakyHead(_Head):
 def test_a_node_list_the_head_could_not_give_is_asked_again_a_few_times(
     failures: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from raycluster_cli import upjoin
     from raycluster_cli.errors import OperationError
-    from raycluster_cli.uprun import UpRun
+    from raycluster_cli.verbs import up_look
+    from raycluster_cli.verbs.up_phases import UpRun
 
-    monkeypatch.setattr(upjoin, "_PROBE_PAUSE_S", 0.0)
+    monkeypatch.setattr(up_look, "_PROBE_PAUSE_S", 0.0)
     workers = {HOSTS[1]: _Host(HOSTS[1], False), HOSTS[2]: _Host(HOSTS[2], False)}
     head = _FlakyHead(workers, failures)
     hosts: dict[str, FakeTransport] = {HOSTS[0]: head, **workers}
     said: list[object] = []
     run = UpRun(_inv(), lambda h: hosts[str(h.address)], said.append, 60, frozenset())
-    if failures > upjoin.PROBE_RETRIES:
+    if failures > up_look.PROBE_RETRIES:
         with pytest.raises(OperationError, match="cannot read the cluster's nodes: core_worker_process"):
-            upjoin.wait(run)
-        assert head.probes == upjoin.PROBE_RETRIES + 1
+            run.wait()
+        assert head.probes == up_look.PROBE_RETRIES + 1
     else:
-        upjoin.wait(run)
+        run.wait()
         assert all(n["alive"] for n in run.nodes) and all(r.alive for r in run.runs.values())
         again = [s for s in said if isinstance(s, str) and "asking the head again" in s]
         assert len(again) == failures
@@ -570,22 +571,22 @@ def test_a_paused_worker_is_waited_for_never_replaced() -> None:
 
 
 def test_a_worker_whose_restart_fails_stays_missing_and_the_wait_goes_on() -> None:
-    from raycluster_cli.upjoin import NodesMissing, wait
-    from raycluster_cli.uprun import UpRun
+    from raycluster_cli.verbs.up_hosts import NodesMissing
+    from raycluster_cli.verbs.up_phases import UpRun
 
     workers = {HOSTS[1]: _Host(HOSTS[1], False), HOSTS[2]: _FreezesOnRestart(HOSTS[2], True, exits_always=True)}
     hosts: dict[str, FakeTransport] = {HOSTS[0]: _Head(workers), **workers}
     run = UpRun(_inv(), lambda h: hosts[str(h.address)], lambda _: None, 60, frozenset())
     with pytest.raises(NodesMissing) as caught:  # not a GroupError: the missing-nodes error names it
-        wait(run)
+        run.wait()
     assert [r.address for r in run.runs.values() if r.retried] == [HOSTS[2]]
     assert [d["host"] for d in caught.value.details] == [HOSTS[2]]
     assert sorted(caught.value.joined) == sorted([HOSTS[0], HOSTS[1]])
 
 
 def test_nodes_missing_names_the_missing_host_and_the_joined_ones() -> None:
-    from raycluster_cli.upjoin import NodesMissing, wait
-    from raycluster_cli.uprun import UpRun
+    from raycluster_cli.verbs.up_hosts import NodesMissing
+    from raycluster_cli.verbs.up_phases import UpRun
 
     frozen = HOSTS[2]
     workers = {HOSTS[1]: _Host(HOSTS[1], False), HOSTS[2]: _Host(HOSTS[2], False)}
@@ -598,7 +599,7 @@ def test_nodes_missing_names_the_missing_host_and_the_joined_ones() -> None:
 
     run = UpRun(_inv(), connect, lambda _: None, 45, frozenset())  # type: ignore[arg-type]
     with pytest.raises(NodesMissing) as caught:
-        wait(run)
+        run.wait()
     error = caught.value
     assert sorted(error.joined) == sorted([HOSTS[0], HOSTS[1]])
     assert [d["host"] for d in error.details] == [frozen]
@@ -607,12 +608,14 @@ def test_nodes_missing_names_the_missing_host_and_the_joined_ones() -> None:
 
 
 def test_the_node_list_is_read_from_an_older_images_probe_that_printed_rays_output_first() -> None:
-    from raycluster_cli.nodes import probe
+    from raycluster_cli.host.node import probe
 
     document = json.dumps({"ok": True, "nodes": [{"node_ip": HOSTS[0], "node_id": "h", "alive": True}]})
-    head = FakeTransport(HOSTS[0], {"raycluster_cli.probe": f"2026-11-30 INFO worker.py:1 -- Connecting\n{document}\n"})
+    head = FakeTransport(
+        HOSTS[0], {"raycluster_cli.host.probe": f"2026-11-30 INFO worker.py:1 -- Connecting\n{document}\n"}
+    )
     assert [n["node_ip"] for n in probe(head, _inv(), [HOSTS[0]], 5)] == [HOSTS[0]]
-    junk = FakeTransport(HOSTS[0], {"raycluster_cli.probe": "Traceback (most recent call last):\n"})
+    junk = FakeTransport(HOSTS[0], {"raycluster_cli.host.probe": "Traceback (most recent call last):\n"})
     with pytest.raises(OperationError, match="cannot read the cluster's nodes: Traceback"):
         probe(junk, _inv(), [HOSTS[0]], 5)
 
@@ -643,17 +646,16 @@ class _LoggedHead(_Logged, _Head):
 
 
 def _up_phases(head_exits_first: bool = False, head_exits_always: bool = False) -> tuple[list[str], object]:
-    from raycluster_cli.upjoin import start_head, start_workers, wait
-    from raycluster_cli.uprun import UpRun
+    from raycluster_cli.verbs.up_phases import UpRun
 
     log: list[str] = []
     workers: dict[str, _Host] = {h: _Logged(h, log) for h in HOSTS[1:]}
     hosts: dict[str, FakeTransport] = {HOSTS[0]: _LoggedHead(workers, log, head_exits_first, head_exits_always)}
     hosts.update(workers)
     run = UpRun(_inv(), lambda h: hosts[str(h.address)], lambda _: None, 60, frozenset())
-    start_head(run)
-    start_workers(run)
-    wait(run)
+    run.start_head()
+    run.start_workers()
+    run.wait()
     return log, run
 
 
@@ -701,7 +703,7 @@ def test_the_registration_watch_under_a_real_shell(running: str, tmp_path: Path)
     reading (exit 0, the state read every other time), or the container stopped (exit 3 with its log tail)."""
     import subprocess
 
-    from raycluster_cli.nodes import EXITED, started_command
+    from raycluster_cli.host.node import EXITED, started_command
 
     inv = _inv()
     docker = tmp_path / "docker"
@@ -733,7 +735,7 @@ def test_the_registration_watch_reads_the_log_file_and_proc_without_the_engine(a
     import subprocess
     import threading
 
-    from raycluster_cli.nodes import EXITED, started_command
+    from raycluster_cli.host.node import EXITED, started_command
 
     inv = _inv()
     log = tmp_path / "json.log"
@@ -764,7 +766,7 @@ def test_the_registration_watch_does_not_trust_the_log_of_a_container_that_no_lo
     (the engine says Running false), the watch says exited (exit 3 with its log tail), not registered."""
     import subprocess
 
-    from raycluster_cli.nodes import EXITED, started_command
+    from raycluster_cli.host.node import EXITED, started_command
 
     inv = _inv()
     log = tmp_path / "json.log"
@@ -790,7 +792,7 @@ def test_the_registration_watch_ends_when_the_container_stays_paused(
     import os
     import subprocess
 
-    from raycluster_cli import nodes
+    from raycluster_cli.host import node as nodes
 
     monkeypatch.setattr(nodes, "_PAUSE_AFTER", 4)  # the turns before the first question, and between questions
     monkeypatch.setattr(nodes, "_PAUSE_EVERY", 2)

@@ -16,8 +16,8 @@ from typing import Any
 
 import pytest
 
-from raycluster_cli import logins, prelogin
-from raycluster_cli.transport import ssh
+from raycluster_cli.cli import ahead
+from raycluster_cli.transport import logins, ssh
 
 INVENTORY = """\
 cluster: t
@@ -76,8 +76,8 @@ class Logins:
 
 def _run(path: Path) -> Any:
     """One command line's logins ahead, as `raycluster status -i PATH` starts them; the pool it hands on."""
-    prelogin.start(["status", "-i", str(path)])
-    taken = prelogin.take(str(path))
+    ahead.start(["status", "-i", str(path)])
+    taken = ahead.take(str(path))
     assert taken is not None
     pool = taken[1]
     # Until a login thread has taken each host: a host's first use that comes sooner logs in itself (the
@@ -89,7 +89,7 @@ def _run(path: Path) -> Any:
         time.sleep(0.01)
     for host in taken[0].inventory.hosts:
         pool._wait_ahead(host)
-    prelogin.remember()  # as the CLI's end does
+    ahead.remember()  # as the CLI's end does
     return pool
 
 
@@ -114,7 +114,7 @@ def test_the_first_run_keeps_its_routes_and_the_next_starts_them_before_the_inve
 
 
 def prelogin_host(path: Path, index: int) -> Any:
-    from raycluster_cli import inventory
+    from raycluster_cli.config import inventory
 
     return inventory.load(path).inventory.hosts[index]
 
@@ -212,8 +212,8 @@ def test_hosts_behind_a_jump_host_are_never_kept(tmp_path: Path, monkeypatch: py
     Logins(monkeypatch)
     path = _inventory(tmp_path)
     path.write_text(path.read_text().replace("config_file: null", "config_file: null, proxy_jump: admin@192.0.2.1"))
-    prelogin.start(["status", "-i", str(path)])
-    taken = prelogin.take(str(path))
+    ahead.start(["status", "-i", str(path)])
+    taken = ahead.take(str(path))
     assert taken is not None
     taken[1].close()
     assert not logins.cache_file(path.resolve()).exists()
@@ -224,14 +224,14 @@ def test_hosts_behind_a_jump_host_are_never_kept(tmp_path: Path, monkeypatch: py
 SCRIPT = textwrap.dedent(
     """
     import json, os, sys
-    from raycluster_cli import logins
+    from raycluster_cli.transport import logins
     from raycluster_cli.transport import ssh
 
     seen = {}
     start = logins.QuickLogins.start
 
     def started(self):
-        heavy = ("pydantic", "yaml", "raycluster_cli.inventory", "typer", "raycluster_cli.cli")
+        heavy = ("pydantic", "yaml", "raycluster_cli.config.inventory", "typer", "raycluster_cli.cli.app")
         seen["loaded"] = [m for m in heavy if m in sys.modules]
         start(self)
 
@@ -241,8 +241,8 @@ SCRIPT = textwrap.dedent(
     logins.QuickLogins.start = started
     ssh.SSHTransport.connect = connect
     ssh.SSHTransport.close = lambda self: None
-    from raycluster_cli import prelogin
-    prelogin.start(["status", "-i", sys.argv[1]])
+    from raycluster_cli.cli import ahead, entry
+    ahead.start(["status", "-i", sys.argv[1]])
     print(json.dumps(seen))
     """
 )

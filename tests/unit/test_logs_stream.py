@@ -18,9 +18,9 @@ from pathlib import Path
 
 import pytest
 
-from raycluster_cli import inventory
-from raycluster_cli.logs import MIB, CappedFile, Limits, collect, count_errors, count_errors_in
+from raycluster_cli.config import inventory
 from raycluster_cli.transport.base import CommandResult
+from raycluster_cli.verbs.logs import MIB, CappedFile, Limits, collect, count_errors, count_errors_in
 
 from .conftest import EXAMPLE
 
@@ -192,7 +192,7 @@ def test_error_lines_are_counted_line_by_line_as_in_text(tmp_path: Path) -> None
 
 
 def test_a_cut_archive_keeps_the_files_before_the_cut(tmp_path: Path) -> None:
-    from raycluster_cli.logs import _extract
+    from raycluster_cli.verbs.logs import _extract
 
     raw = io.BytesIO()
     with tarfile.open(fileobj=raw, mode="w") as tar:

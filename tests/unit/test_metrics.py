@@ -8,12 +8,12 @@ from pathlib import Path
 
 import pytest
 
-from raycluster_cli import inventory
-from raycluster_cli.containers import ray_start_args
+from raycluster_cli.config import inventory
 from raycluster_cli.errors import InventoryError
-from raycluster_cli.metrics import collect_metrics, expected_targets, file_sd, merge_ray_list
+from raycluster_cli.host.containers import ray_start_args
 from raycluster_cli.transport import CommandResult
 from raycluster_cli.transport.fake import FakeTransport
+from raycluster_cli.verbs.metrics import collect_metrics, expected_targets, file_sd, merge_ray_list
 
 from .conftest import EXAMPLE
 

@@ -6,7 +6,6 @@ from pathlib import Path
 
 import pytest
 
-from raycluster_cli import inventory
 from raycluster_cli.checks import CheckResult, Status
 from raycluster_cli.checks.network import (
     HostNet,
@@ -17,7 +16,8 @@ from raycluster_cli.checks.network import (
     parse_ping,
     parse_tcptest,
 )
-from raycluster_cli.inventory import HostConfig
+from raycluster_cli.config import inventory
+from raycluster_cli.config.inventory import HostConfig
 from raycluster_cli.transport.base import CommandResult
 from raycluster_cli.transport.fake import FakeTransport
 

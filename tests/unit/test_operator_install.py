@@ -14,7 +14,7 @@ from .conftest import refusing_inventory
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "raycluster_cli"
 # Run inside the node image only (the head's probe, the benchmark's stages and driver).
-IN_THE_IMAGE = ("probe.py", "bench/")
+IN_THE_IMAGE = ("host/probe.py", "bench/")
 # Import name -> distribution name where they differ.
 DISTRIBUTIONS = {"yaml": "pyyaml"}
 
@@ -75,16 +75,17 @@ class NoRay:
             raise ImportError("ray is not installed on the operator machine")
 sys.meta_path.insert(0, NoRay())
 from typer.testing import CliRunner
-from raycluster_cli import cli
+import raycluster_cli
+from raycluster_cli.cli.app import app
 inventory, state = sys.argv[1], sys.argv[2]
 codes = {}
 for verb in (["doctor"], ["up", "--timeout", "5"], ["down"], ["status"], ["--help"], ["lab", "--help"]):
     args = verb + (["-i", inventory, "--json"] if "--help" not in verb else [])
-    codes[" ".join(verb)] = CliRunner().invoke(cli.app, args, env={"RAYCLUSTER_STATE_DIR": state}).exit_code
-package = pathlib.Path(cli.__file__).parent
+    codes[" ".join(verb)] = CliRunner().invoke(app, args, env={"RAYCLUSTER_STATE_DIR": state}).exit_code
+package = pathlib.Path(raycluster_cli.__file__).parent
 for path in sorted(package.rglob("*.py")):
     rel = path.relative_to(package).as_posix()
-    if not rel.startswith(("probe.py", "bench/")):
+    if not rel.startswith(("host/probe.py", "bench/")) and rel != "cli/__main__.py":
         importlib.import_module("raycluster_cli." + rel[:-3].replace("/", ".").removesuffix(".__init__"))
 print(json.dumps({"codes": codes, "asked": asked, "loaded": sorted(m for m in sys.modules if m.split(".")[0] == "ray")}))
 """

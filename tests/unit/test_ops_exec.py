@@ -6,12 +6,12 @@ import shlex
 
 import pytest
 
-from raycluster_cli import inventory
+from raycluster_cli.config import inventory
+from raycluster_cli.config.inventory import HostConfig
 from raycluster_cli.errors import TransportError, UsageError
-from raycluster_cli.inventory import HostConfig
-from raycluster_cli.ops import NOT_RUN, choose_hosts, container_problem, exec_command, run_exec, worst
 from raycluster_cli.transport import CommandResult, Transport
 from raycluster_cli.transport.fake import FakeTransport
+from raycluster_cli.verbs.execute import NOT_RUN, choose_hosts, container_problem, exec_command, run_exec, worst
 
 from .conftest import EXAMPLE
 

@@ -2,7 +2,7 @@
 
 from pathlib import Path
 
-from raycluster_cli.checks.parsers import (
+from raycluster_cli.host.parsers import (
     is_loopback,
     parse_etc_hosts,
     parse_ip_addr,

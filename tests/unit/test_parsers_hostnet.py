@@ -4,7 +4,8 @@ from pathlib import Path
 
 import pytest
 
-from raycluster_cli.checks.parsers import (
+from raycluster_cli.host.engine_facts import split_sections
+from raycluster_cli.host.parsers import (
     is_container_bridge,
     node_addresses,
     parse_clock,
@@ -13,7 +14,6 @@ from raycluster_cli.checks.parsers import (
     parse_link_mtu,
     parse_listening_ports,
 )
-from raycluster_cli.enginefacts import split_sections
 
 RECORDED = Path(__file__).parent / "recorded"
 

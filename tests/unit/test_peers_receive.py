@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from raycluster_cli import peers
+from raycluster_cli.image import peer_copy as peers
 
 # A `docker load` that reads nothing until the archive file has $SIZE bytes (at most 20 s), as a daemon
 # committing a multi-GB layer stops reading for a while; it notes the file's size when it starts reading.

@@ -12,9 +12,10 @@ from typing import Any
 
 import pytest
 
-from raycluster_cli import facts, logins, prelogin
+from raycluster_cli.cli import ahead
 from raycluster_cli.errors import HostStoppedAnswering
-from raycluster_cli.transport import CommandResult, prefetch, ssh
+from raycluster_cli.host import facts
+from raycluster_cli.transport import CommandResult, logins, prefetch, ssh
 from raycluster_cli.transport.batch import batch_script, fake_batch_output
 
 INVENTORY = """\
@@ -196,8 +197,8 @@ def _inventory(tmp_path: Path) -> Path:
 
 def _verb(path: Path, argv: list[str], command: str | None) -> None:
     """One command line as the CLI runs it: logins ahead, its first command (declared read-only), its end."""
-    prelogin.start(argv)
-    taken = prelogin.take(str(path))
+    ahead.start(argv)
+    taken = ahead.take(str(path))
     assert taken is not None
     inventory, pool = taken
     transport = pool(inventory.inventory.hosts[0])
@@ -210,7 +211,7 @@ def _verb(path: Path, argv: list[str], command: str | None) -> None:
         with prefetch.read_only():
             transport.run(command, timeout=60)
     pool.close()
-    prelogin.remember()
+    ahead.remember()
 
 
 def test_the_next_run_of_the_same_command_line_starts_its_first_command_after_the_login(
@@ -271,8 +272,8 @@ def test_many_hosts_through_a_narrow_gate_all_answer(tmp_path: Path, monkeypatch
     argv = ["status", "-i", str(path)]
 
     def verb() -> list[str]:
-        prelogin.start(argv)
-        taken = prelogin.take(str(path))
+        ahead.start(argv)
+        taken = ahead.take(str(path))
         assert taken is not None
         inventory, pool = taken
         outs = []
@@ -280,7 +281,7 @@ def test_many_hosts_through_a_narrow_gate_all_answer(tmp_path: Path, monkeypatch
             with prefetch.read_only():
                 outs.append(pool(h).run(f"look {h.address}", timeout=60).stdout)
         pool.close()
-        prelogin.remember()
+        ahead.remember()
         return outs
 
     assert len(verb()) == 10

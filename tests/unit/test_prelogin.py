@@ -1,4 +1,4 @@
-"""Logins started ahead (prelogin.py, SSHPool.log_in_ahead): which command lines start them, that the pool
+"""Logins started ahead (cli/ahead.py, SSHPool.log_in_ahead): which command lines start them, that the pool
 hands each host's login (or its failure, once) to the host's first use, and that the login starts before the
 CLI's own imports (checked in a fresh interpreter, without timing anything)."""
 
@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from raycluster_cli import inventory, prelogin
+from raycluster_cli.cli import ahead
+from raycluster_cli.config import inventory
 from raycluster_cli.errors import TransportError
 from raycluster_cli.transport import ssh
 from raycluster_cli.transport.pool import SSHPool
@@ -46,7 +47,7 @@ hosts:
     ],
 )
 def test_which_command_lines_log_in_ahead(argv: list[str], expected: tuple[bool, str | None]) -> None:
-    assert prelogin.inventory_argument(argv) == expected
+    assert ahead.inventory_argument(argv) == expected
 
 
 @pytest.fixture(autouse=True)
@@ -100,19 +101,19 @@ def test_take_hands_the_pool_only_to_the_same_inventory_argument(
 ) -> None:
     monkeypatch.setattr(ssh.SSHTransport, "connect", lambda self: None)
     path = str(_inventory(tmp_path))
-    prelogin.start(["status", "-i", path])
-    assert prelogin.take("other.yaml") is None  # closed: the CLI loads its own
-    prelogin.start(["status", "-i", path])
-    taken = prelogin.take(path)
+    ahead.start(["status", "-i", path])
+    assert ahead.take("other.yaml") is None  # closed: the CLI loads its own
+    ahead.start(["status", "-i", path])
+    taken = ahead.take(path)
     assert taken is not None and taken[0].path == Path(path)
-    assert prelogin.take(path) is None  # once
+    assert ahead.take(path) is None  # once
 
 
 def test_a_bad_inventory_starts_nothing(tmp_path: Path) -> None:
     bad = tmp_path / "bad.yaml"
     bad.write_text("cluster: [\n")
-    prelogin.start(["status", "-i", str(bad)])
-    assert prelogin.take(str(bad)) is None
+    ahead.start(["status", "-i", str(bad)])
+    assert ahead.take(str(bad)) is None
 
 
 # In a fresh interpreter: the login of `raycluster status` begins before typer, the checks, the rendering or
@@ -127,7 +128,7 @@ SCRIPT = textwrap.dedent(
     log_in_ahead = pool.SSHPool.log_in_ahead
 
     def ahead(self, hosts):
-        heavy = ("typer", "rich", "raycluster_cli.cli", "raycluster_cli.checks", "raycluster_cli.status")
+        heavy = ("typer", "rich", "raycluster_cli.cli.app", "raycluster_cli.checks", "raycluster_cli.verbs.status")
         seen["loaded"] = [m for m in heavy if m in sys.modules]
         log_in_ahead(self, hosts)
 
@@ -138,9 +139,9 @@ SCRIPT = textwrap.dedent(
     ssh.SSHTransport.connect = connect
     os.environ["RAYCLUSTER_STATE_DIR"] = sys.argv[2]
     sys.argv = ["raycluster", "status", "-i", sys.argv[1], "--json"]
-    from raycluster_cli import prelogin
+    from raycluster_cli.cli import ahead, entry
     try:
-        prelogin.main()
+        entry.main()
     except SystemExit as exc:
         seen["exit"] = exc.code
     seen["gc"] = [gc.isenabled(), gc.get_freeze_count() > 0]

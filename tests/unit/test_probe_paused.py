@@ -10,9 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from raycluster_cli import inventory, nodes
+from raycluster_cli.config import inventory
 from raycluster_cli.errors import OperationError
-from raycluster_cli.nodes import cancel_probe, probe
+from raycluster_cli.host import node as nodes
+from raycluster_cli.host.node import cancel_probe, probe
 from raycluster_cli.transport import CommandResult
 from raycluster_cli.transport.fake import FakeTransport
 from raycluster_cli.transport.sshio import DeadlineExceeded
@@ -28,7 +29,7 @@ class ProbeNeverAnswers(FakeTransport):
     """The probe's `docker exec` runs past its deadline; the other commands answer from the table."""
 
     def run(self, command: str, *, stdin: bytes | None = None, timeout: float | None = 120.0) -> CommandResult:
-        if "raycluster_cli.probe" in command:
+        if "raycluster_cli.host.probe" in command:
             self.commands.append(command)
             raise DeadlineExceeded(self.host, "`docker exec …` ran past its 65s deadline", "the host is stuck")
         return super().run(command, stdin=stdin, timeout=timeout)
@@ -42,7 +43,7 @@ def _assert_names_the_pause(error: OperationError) -> None:
 
 
 def test_an_exec_refused_by_a_paused_head_says_so_with_the_fix() -> None:
-    head = FakeTransport(HEAD, {"raycluster_cli.probe": CommandResult(1, "", REFUSED)})
+    head = FakeTransport(HEAD, {"raycluster_cli.host.probe": CommandResult(1, "", REFUSED)})
     with pytest.raises(OperationError) as caught:
         probe(head, inventory.parse(EXAMPLE), [HEAD], 5, cancellable="k1")
     _assert_names_the_pause(caught.value)
@@ -75,11 +76,11 @@ def _in_container(command: str) -> str:
 
 def _look(key: str) -> str:
     """The container's side of a cancellable probe, its Python replaced by a long sleep."""
-    head = FakeTransport(HEAD, {"raycluster_cli.probe": CommandResult(1, "", "")})
+    head = FakeTransport(HEAD, {"raycluster_cli.host.probe": CommandResult(1, "", "")})
     with pytest.raises(OperationError):
         probe(head, inventory.parse(EXAMPLE), [HEAD], 5, cancellable=key)
     side = _in_container(head.commands[0])
-    return side[: side.index("python -m raycluster_cli.probe")] + "sleep 30"
+    return side[: side.index("python -m raycluster_cli.host.probe")] + "sleep 30"
 
 
 def _end(key: str) -> str:

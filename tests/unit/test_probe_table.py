@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from raycluster_cli import probe
+from raycluster_cli.host import probe
 
 gcs_pb2 = pytest.importorskip("ray.core.generated.gcs_pb2")
 

@@ -3,7 +3,7 @@
 import io
 
 from raycluster_cli.checks import CheckResult, Status
-from raycluster_cli.report import Output, render_checks
+from raycluster_cli.render.base import Output, render_checks
 
 
 def rendered(results: list[CheckResult]) -> str:

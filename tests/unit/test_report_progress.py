@@ -1,7 +1,7 @@
 import io
 
 from raycluster_cli.progress import TransferProgress
-from raycluster_cli.report import Output
+from raycluster_cli.render.base import Output
 
 
 def test_live_progress_shows_a_bar_per_host_and_the_lines_between() -> None:
@@ -29,7 +29,7 @@ def _render(fn: object, body: dict[str, object]) -> str:
 
 
 def test_render_up_status_logs_down() -> None:
-    from raycluster_cli.report import render_down, render_logs, render_status, render_up
+    from raycluster_cli.render.base import render_down, render_logs, render_status, render_up
 
     node = {"host": "192.0.2.12", "role": "worker", "node_ip": "192.0.2.12", "alive": True}
     up = {
@@ -108,8 +108,8 @@ def test_render_up_status_logs_down() -> None:
 
 
 def test_a_hosts_error_that_names_its_host_is_shown_after_the_name_once() -> None:
-    from raycluster_cli.report import render_status
-    from raycluster_cli.report_ops import render_exec
+    from raycluster_cli.render.base import render_status
+    from raycluster_cli.render.operate import render_exec
 
     def status_of(error: str) -> dict[str, object]:
         host = {

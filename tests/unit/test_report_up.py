@@ -8,8 +8,8 @@ import re
 from rich.console import Console
 
 from raycluster_cli.progress import HostPhase, TransferProgress
-from raycluster_cli.report import Output
-from raycluster_cli.report_up import UpBoard, up_view
+from raycluster_cli.render.base import Output
+from raycluster_cli.render.up import UpBoard, up_view
 
 H2, H3 = "192.0.2.12", "192.0.2.13"
 

@@ -13,12 +13,13 @@ from typing import Any, BinaryIO
 
 import pytest
 
-from raycluster_cli import peers, spread
+from raycluster_cli.config.inventory import Inventory, parse
 from raycluster_cli.errors import OperationError
-from raycluster_cli.images import TOOLS_COMMAND, choose_codec, decompressor, distribute
-from raycluster_cli.inventory import Inventory, parse
+from raycluster_cli.image import peer_copy as peers
+from raycluster_cli.image import schedule as spread
+from raycluster_cli.image.deliver import TOOLS_COMMAND, choose_codec, decompressor, distribute
+from raycluster_cli.image.schedule import ImageTransfer
 from raycluster_cli.progress import TransferProgress
-from raycluster_cli.spread import ImageTransfer
 from raycluster_cli.transport import CommandResult
 from raycluster_cli.transport.fake import FakeTransport
 

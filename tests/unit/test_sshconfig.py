@@ -7,7 +7,7 @@ from pathlib import Path
 import paramiko
 import pytest
 
-from raycluster_cli import inventory
+from raycluster_cli.config import inventory
 from raycluster_cli.errors import InventoryError
 from raycluster_cli.transport.sshconfig import Hop, JumpSpec, load_config, parse_jumps, resolve
 

@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from raycluster_cli import cli, inventory, state
+from raycluster_cli.cli import app as cli
+from raycluster_cli.config import inventory, state
 from raycluster_cli.errors import ExitCode, OperationError
 
 INV = "cluster: demo\nimage: raycluster/node:0.1.0\nhosts:\n  - {address: 192.0.2.11, role: head}\n"
@@ -73,7 +74,7 @@ def test_a_write_that_fails_half_way_leaves_no_token(inv: inventory.Inventory, m
 _HOLDER = """
 import sys, time
 from pathlib import Path
-from raycluster_cli import inventory, state
+from raycluster_cli.config import inventory, state
 inv = inventory.parse(sys.argv[1])
 with state.cluster_lock(inv, "up"):
     print("locked", flush=True)

@@ -9,8 +9,9 @@ from collections.abc import Iterator
 
 import pytest
 
+from raycluster_cli import cancel
 from raycluster_cli.errors import AuthError, TransportError
-from raycluster_cli.transport import cancel, sshio
+from raycluster_cli.transport import sshio
 from raycluster_cli.transport.keepalive import KeepAlive
 from raycluster_cli.transport.pool import LoginGate
 from raycluster_cli.transport.ssh import SSHTransport

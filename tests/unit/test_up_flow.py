@@ -10,16 +10,17 @@ from pathlib import Path
 
 import pytest
 
-from raycluster_cli import inventory
-from raycluster_cli import uprun as uprun_module
-from raycluster_cli.cluster import NodesMissing, PreflightFailed, up
+from raycluster_cli.config import inventory
+from raycluster_cli.config.inventory import HostConfig
 from raycluster_cli.errors import OperationError
-from raycluster_cli.inventory import HostConfig
-from raycluster_cli.nodes import RAY_STARTED, Plan
+from raycluster_cli.host.node import RAY_STARTED, Plan
 from raycluster_cli.progress import HostPhase
 from raycluster_cli.transport import CommandResult
 from raycluster_cli.transport.fake import FakeTransport
-from raycluster_cli.uprun import RETRIED, RETRIED_KEPT, HostRun, UpRun
+from raycluster_cli.verbs import up_phases
+from raycluster_cli.verbs.up import NodesMissing, PreflightFailed, up
+from raycluster_cli.verbs.up_hosts import RETRIED, RETRIED_KEPT, HostRun
+from raycluster_cli.verbs.up_phases import UpRun
 
 from ..counting import CountingConnect
 from .conftest import EXAMPLE
@@ -66,7 +67,7 @@ class _Host(FakeTransport):
             self.commands.append(command)
             assert RAY_STARTED in command
             return CommandResult(0, "", "") if self.running else CommandResult(3, "ValueError: bad option\n", "")
-        if "raycluster_cli.probe" in command:  # as the real one: until the expected nodes are alive, or ended
+        if "raycluster_cli.host.probe" in command:  # as the real one: until the expected nodes are alive, or ended
             self.commands.append(command)
             if command.startswith(f"( {WAIT_HEAD}") and not self.running:  # a worker's look: its node first
                 return CommandResult(3, "", "")
@@ -125,7 +126,7 @@ def test_up_is_three_remote_commands_per_worker_and_every_host_ends_joined() -> 
 
 
 def _looks(counting: CountingConnect) -> list[str]:
-    return [h for h, c in counting.log if "raycluster_cli.probe" in c]
+    return [h for h, c in counting.log if "raycluster_cli.host.probe" in c]
 
 
 def test_the_look_waits_in_a_workers_container_before_the_head_registered() -> None:
@@ -138,7 +139,7 @@ def test_the_look_waits_in_a_workers_container_before_the_head_registered() -> N
     looked_before: list[bool] = []
 
     def worker(command: str) -> CommandResult:
-        if "raycluster_cli.probe" in command:
+        if "raycluster_cli.host.probe" in command:
             asked.set()
         return worker_answer(command)
 
@@ -152,7 +153,7 @@ def test_the_look_waits_in_a_workers_container_before_the_head_registered() -> N
     assert up(inventory.parse(INV), counting).ok
     assert looked_before == [True]
     assert _looks(counting) == [HOSTS[1]]
-    look = next(c for h, c in counting.log if "raycluster_cli.probe" in c)
+    look = next(c for h, c in counting.log if "raycluster_cli.host.probe" in c)
     assert look.startswith(f"( {WAIT_HEAD}") and "docker exec raycluster-demo-worker " in look
 
 
@@ -161,7 +162,7 @@ def test_a_look_from_a_worker_that_fails_asks_the_head() -> None:
     answer = fakes[HOSTS[1]].answer
 
     def broken(command: str) -> CommandResult:
-        if "raycluster_cli.probe" in command:
+        if "raycluster_cli.host.probe" in command:
             return CommandResult(126, "", "OCI runtime exec failed: exec failed: unable to start container process")
         return answer(command)
 
@@ -248,12 +249,12 @@ def test_a_running_head_that_exits_before_its_wait_is_started_once_more_and_rejo
     processes can end a few seconds after the unpause) is started once more, and every worker, kept or not,
     joins the new head; before, `up` failed there and only `down` + `up` completed the cluster."""
     fakes, counting = _fleet()
-    planned = uprun_module.plan_node
+    planned = up_phases.plan_node
 
     def keep_head(inventory: object, host: HostConfig, *args: object, **kwargs: object) -> Plan:
         return Plan("keep") if host.role == "head" else planned(inventory, host, *args, **kwargs)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(uprun_module, "plan_node", keep_head)
+    monkeypatch.setattr(up_phases, "plan_node", keep_head)
     events: list[object] = []
     result = up(inventory.parse(INV), counting, progress=events.append)  # the kept head's container is not running
     head = result.nodes[0]

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from raycluster_cli.websocket import HandshakeRefused, ProtocolError, Silence, WebSocket, accept_key
+from raycluster_cli.transport.websocket import HandshakeRefused, ProtocolError, Silence, WebSocket, accept_key
 
 
 def test_the_accept_key_is_rfc_6455s() -> None:

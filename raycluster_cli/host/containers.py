@@ -1,0 +1,289 @@
+"""Ray node containers on a host: the `docker run` line, ownership labels, listing and removal.
+
+Everything here is a command string built from the inventory plus a parser of Docker's output, so it is
+unit-tested without Docker; `cluster.py` runs these commands through a transport.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shlex
+from dataclasses import dataclass
+
+from raycluster_cli.config.inventory import HostConfig, Inventory
+from raycluster_cli.errors import OperationError
+from raycluster_cli.host.engine import adapt_run_argv, dialect_for, ps_rows
+from raycluster_cli.host.folders import cluster_dir
+from raycluster_cli.transport import Transport, quote, shell_path
+
+LABEL_CLUSTER = "io.raycluster.cluster"
+LABEL_ROLE = "io.raycluster.role"
+LABEL_MANAGED = "io.raycluster.managed-by"
+LABEL_CONFIG = "io.raycluster.config"
+TOKEN_IN_CONTAINER = "/run/raycluster/auth-token"
+ENV_IN_CONTAINER = "/run/raycluster/env"
+# The container's command sources the env file first, so that the Ray processes get the inventory's
+# `env` while the values stay out of `docker inspect` and every command line.
+_ENV = f"set -a && . {ENV_IN_CONTAINER} && set +a"
+_SOURCE_ENV = f'{_ENV} && exec "$@"'
+# A worker's container waits until the head's GCS answers before `ray start`, so that `up` starts every worker
+# while the head is still starting instead of after: `ray start --address` itself gives a GCS that is not there
+# yet about 20 s, and looks for the head's node, and the session's name, only every 2 s. One Python process first
+# imports what it and `ray start` need (Ray's GCS client and `ray start`'s entry point: about 1 CPU-second, half
+# of it `ray start`'s own modules), then polls the port (no new process each time), and runs `ray start` in the
+# same process, as Ray's own `ray` script does (no second import). One line in the container's log says it waits;
+# one that it gave up (after GCS_WAIT_S: the container exits, `up` names why).
+#
+# Ray's `ray start` of a worker then reads the head's node record, for two things only: the head's temp folder
+# (the worker's default) and session folder. The head registers its node last, after its dashboard, raylet and
+# agents, so that lookup holds every worker back until the head is done, however early it started. In the mode
+# "early" (see `early_start`) the wait reads the session's name, which the head writes right after its GCS
+# starts, and answers that lookup itself while the head's node is not registered: the temp folder is Ray's own
+# default in this container (RAY_TMPDIR, else TMPDIR, else /tmp, joined with "ray"), which is the head's because
+# `up` chooses this mode only where the head and this worker give their containers the same values of those
+# variables in the same image; the session folder is that temp folder joined with the session's name, as the
+# head's is. The worker's raylet then starts as soon as the session is known, long before the head registers.
+# Once the head's node is registered, Ray's own record is used. A Ray without these internals (another
+# version) falls back to waiting for the head's node, and a Ray without the GCS client to `ray start` at once.
+GCS_WAIT_S = 600
+_WAIT_FOR_GCS = """import os, socket, sys, time
+head, port, limit, mode, command = sys.argv[1], int(sys.argv[2]), float(sys.argv[3]), sys.argv[4], sys.argv[5:]
+try:
+    from ray._raylet import GcsClient
+    from ray.core.generated.gcs_service_pb2 import GetAllNodeInfoRequest
+except Exception:
+    GcsClient = None
+early = mode == "early" and GcsClient is not None and command[:1] == ["ray"]
+if command[:1] == ["ray"]:
+    from ray.scripts.scripts import main
+if early:
+    try:
+        import ray._private.node as node
+        from ray._common.utils import get_default_ray_temp_dir
+        from ray.core.generated.gcs_pb2 import GcsNodeInfo
+
+        lookup = node.get_all_node_info_until_retrieved
+        early = {"temp_dir", "session_dir"} <= set(GcsNodeInfo.DESCRIPTOR.fields_by_name)
+    except Exception:
+        early = False
+end, said = time.monotonic() + limit, False
+while True:
+    try:
+        socket.create_connection((head, port), 2).close()
+        break
+    except OSError:
+        if time.monotonic() > end:
+            sys.exit(f"raycluster: the GCS of the head at {head}:{port} did not answer within {limit:.0f}s")
+        if not said:
+            print(f"raycluster: waiting for the GCS of the head at {head}:{port}", flush=True)
+            said = True
+        time.sleep(0.2)
+if GcsClient is not None:
+    try:
+        selector = GetAllNodeInfoRequest.NodeSelector(is_head_node=True)
+        gcs = GcsClient(address=f"{head}:{port}")
+        session = None
+        while early and session is None and time.monotonic() < end:
+            session = gcs.internal_kv_get(b"session_name", b"session", timeout=5)
+            if session is None:
+                time.sleep(0.1)
+        early = session is not None
+        while not early and not gcs.get_all_node_info(timeout=5, node_selectors=[selector]) and time.monotonic() < end:
+            time.sleep(0.1)
+    except Exception:
+        early = False
+if early:
+    temp = get_default_ray_temp_dir()
+    record = GcsNodeInfo(temp_dir=temp, session_dir=os.path.join(temp, session.decode()), state=GcsNodeInfo.ALIVE)
+
+    def head_record(client, node_selectors=None, **options):
+        if not node_selectors or not all(s.is_head_node for s in node_selectors):
+            return lookup(client, node_selectors=node_selectors, **options)
+        try:
+            known = list(client.get_all_node_info(timeout=5, node_selectors=node_selectors).values())
+        except Exception:
+            known = []
+        return known or [record]
+
+    node.get_all_node_info_until_retrieved = head_record
+if command[:1] == ["ray"]:
+    sys.argv = command
+    sys.exit(main())
+os.execvp(command[0], command)
+"""
+# The environment variables that decide Ray's default temp folder in a container (ray._common.utils).
+_TEMP_DIR_ENV = ("RAY_TMPDIR", "TMPDIR")
+
+
+def early_start(inventory: Inventory, host: HostConfig) -> bool:
+    """Whether `host`'s wait may answer Ray's lookup of the head's folders itself (see _WAIT_FOR_GCS): true
+    when the head's container and this one resolve Ray's default temp folder alike, that is when the
+    inventory's env gives both the same values of RAY_TMPDIR and TMPDIR, and their `docker.run_options` set
+    the container's environment with the same options (or none). The image is the cluster's, the same."""
+    head = inventory.head_host
+    head_env, env = inventory.env_for(head), inventory.env_for(host)
+    if any(head_env.get(name) != env.get(name) for name in _TEMP_DIR_ENV):
+        return False
+    return _env_options(inventory, head) == _env_options(inventory, host)
+
+
+def _env_options(inventory: Inventory, host: HostConfig) -> list[str]:
+    """The words of `host`'s run options that give the container environment (-e, --env, --env-file), each
+    with its value, in order."""
+    words = [word for option in inventory.docker_for(host).run_options for word in shlex.split(option)]
+    picked: list[str] = []
+    for index, word in enumerate(words):
+        if word in ("-e", "--env", "--env-file"):
+            picked += words[index : index + 2]
+        elif word.startswith(("--env=", "--env-file=")) or (word.startswith("-e") and not word.startswith("--")):
+            picked.append(word)
+    return picked
+
+
+def start_script(inventory: Inventory, host: HostConfig) -> str:
+    """The container's shell command (its arguments: `ray start …`): the env file, then, on a worker, the
+    wait for the head's GCS, then `ray start`, in the container's main process."""
+    if host.role == "head":
+        return _SOURCE_ENV
+    mode = "early" if early_start(inventory, host) else "head"
+    wait = shlex.join(
+        ["python3", "-c", _WAIT_FOR_GCS, inventory.head_address, str(inventory.ray.port), str(GCS_WAIT_S), mode]
+    )
+    return f'{_ENV} && exec {wait} "$@"'
+
+
+def container_name(inventory: Inventory, host: HostConfig) -> str:
+    return f"raycluster-{inventory.cluster}-{host.role}"
+
+
+def host_state_dir(inventory: Inventory, host: HostConfig) -> str:
+    """The folder on `host` holding this cluster's files (token, env files); see host/folders.py."""
+    return cluster_dir(inventory, host)
+
+
+def token_path_on_host(inventory: Inventory, host: HostConfig) -> str:
+    return f"{host_state_dir(inventory, host)}/auth-token"
+
+
+def env_path_on_host(inventory: Inventory, host: HostConfig) -> str:
+    return f"{host_state_dir(inventory, host)}/{host.role}.env"
+
+
+def env_file_content(env: dict[str, str]) -> bytes:
+    """A POSIX shell file that exports `env` (values quoted), sorted so that equal envs give equal bytes."""
+    return "".join(f"{name}={shlex.quote(value)}\n" for name, value in sorted(env.items())).encode()
+
+
+def ray_start_args(inventory: Inventory, host: HostConfig) -> list[str]:
+    ray = inventory.ray
+    node_ip = inventory.node_ip(host)
+    if host.role == "head":
+        args = [
+            "ray", "start", "--head", f"--port={ray.port}", f"--node-ip-address={node_ip}",
+            f"--dashboard-host={node_ip}", f"--dashboard-port={ray.dashboard_port}",
+            f"--ray-client-server-port={ray.client_port}",
+        ]  # fmt: skip
+    else:
+        args = [
+            "ray",
+            "start",
+            f"--address={inventory.head_address}:{ray.port}",
+            f"--node-ip-address={node_ip}",
+        ]
+    if host.num_cpus is not None:
+        args.append(f"--num-cpus={host.num_cpus:g}")
+    if host.num_gpus is not None:
+        args.append(f"--num-gpus={host.num_gpus}")
+    if host.resources:
+        args.append("--resources=" + json.dumps(host.resources, sort_keys=True, separators=(",", ":")))
+    if ray.object_store_memory:
+        args.append(f"--object-store-memory={ray.object_store_memory}")
+    args += [f"--min-worker-port={ray.min_worker_port}", f"--max-worker-port={ray.max_worker_port}"]
+    args.append(f"--metrics-export-port={ray.metrics_export_port}")
+    args.append("--block")
+    return args
+
+
+def config_hash(argv: list[str]) -> str:
+    """A short digest of the `docker run` arguments: a changed option, resource or image name changes it."""
+    return hashlib.sha256("\0".join(argv).encode()).hexdigest()[:16]
+
+
+def docker_run_command(inventory: Inventory, host: HostConfig) -> str:
+    """The `docker run` that starts the Ray node on `host` (host network, node IP pinned, labelled).
+
+    The label io.raycluster.config carries a digest of everything else on the line, so that `up` sees
+    when the inventory asks for another container than the running one.
+    """
+    argv = run_argv(inventory, host)
+    return " ".join(_shell_word(word) for word in [*argv[:2], f"--label={LABEL_CONFIG}={config_hash(argv)}", *argv[2:]])
+
+
+def _shell_word(word: str) -> str:
+    """One argument quoted; a `--volume=~/…` source is the login user's home on the host ("$HOME"/…)."""
+    if word.startswith("--volume=~/"):
+        return "--volume=" + shell_path(word.removeprefix("--volume="))
+    return quote(word)
+
+
+def run_argv(inventory: Inventory, host: HostConfig) -> list[str]:
+    docker = inventory.docker_for(host)
+    argv = [
+        "docker", "run", "--detach", "--init", f"--name={container_name(inventory, host)}", "--network=host",
+        f"--label={LABEL_CLUSTER}={inventory.cluster}", f"--label={LABEL_ROLE}={host.role}",
+        f"--label={LABEL_MANAGED}=raycluster",
+        f"--volume={env_path_on_host(inventory, host)}:{ENV_IN_CONTAINER}:ro",
+    ]  # fmt: skip
+    if docker.shm_size:
+        argv.append(f"--shm-size={docker.shm_size}")
+    if host.hostname:
+        argv.append(f"--hostname={host.hostname}")
+    if inventory.ray.auth == "token":
+        argv += [
+            "--env=RAY_AUTH_MODE=token",
+            f"--env=RAY_AUTH_TOKEN_PATH={TOKEN_IN_CONTAINER}",
+            f"--volume={token_path_on_host(inventory, host)}:{TOKEN_IN_CONTAINER}:ro",
+        ]
+    for option in docker.run_options:
+        argv += shlex.split(option)
+    argv += [inventory.image, "sh", "-c", start_script(inventory, host), "sh"]
+    argv += ray_start_args(inventory, host)
+    return adapt_run_argv(dialect_for(inventory, host), argv)
+
+
+@dataclass(frozen=True)
+class Container:
+    id: str
+    name: str
+    state: str  # running, exited, created, ...
+    image: str
+    labels: dict[str, str]
+
+    @property
+    def running(self) -> bool:
+        return self.state == "running"
+
+
+def list_command(inventory: Inventory) -> str:
+    return (
+        "docker ps --all --no-trunc --filter "
+        + quote(f"label={LABEL_CLUSTER}={inventory.cluster}")
+        + (" --format '{{json .}}'")
+    )
+
+
+def inspect_name_command(name: str) -> str:
+    return "docker ps --all --no-trunc --filter " + quote(f"name=^{name}$") + " --format '{{json .}}'"
+
+
+def parse_ps(text: str) -> list[Container]:
+    """Parse `docker ps --format '{{json .}}'` of Docker (an object a line) or Podman (one array)."""
+    return [Container(row.id, row.name, row.state, row.image, row.labels) for row in ps_rows(text)]
+
+
+def list_cluster_containers(transport: Transport, inventory: Inventory) -> list[Container]:
+    result = transport.run(list_command(inventory))
+    if not result.ok:
+        raise OperationError(f"{transport.host}: docker ps failed: {result.first_line()}", "check Docker on the host")
+    return [c for c in parse_ps(result.stdout) if c.labels.get(LABEL_CLUSTER) == inventory.cluster]

@@ -1,0 +1,304 @@
+"""Rendering of `bench`: its live progress line, the result (tables, bar charts), and the SVG export."""
+
+from __future__ import annotations
+
+import io
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.live import Live
+from rich.table import Table
+from rich.text import Text
+
+from raycluster_cli.render.base import Output, _escape
+from raycluster_cli.verbs.bench import BenchEvent
+
+BAR_WIDTH = 30
+LINE_EVERY_S = 5.0  # without a terminal, a count line at most this often (phase changes always)
+
+
+def _secs(value: Any, digits: int = 3) -> str:
+    return "—" if value is None else f"{value:.{digits}f}"
+
+
+def _ratio(value: Any) -> str:
+    return "—" if value is None else f"{value:.2f}×"
+
+
+def _spread(value: Any) -> str:
+    return "" if value is None else f" ±{100 * value / 2:.0f}%"
+
+
+def event_text(event: BenchEvent) -> str:
+    """``pilot 2/3: requests 412/1000`` — the phase and, when it has one, its count."""
+    if event.step == "node lost":
+        where = event.extra.get("host") or event.extra.get("node_ip")
+        return (
+            f"{event.phase}: node {where} (stage {event.extra.get('stage')}) lost; "
+            f"{event.extra.get('retried')} request(s) retried on another replica ({event.extra.get('error')})"
+        )
+    if event.total is not None:
+        return f"{event.phase}: {event.step or 'requests'} {event.done}/{event.total}"
+    return event.phase
+
+
+@contextmanager
+def bench_progress(output: Output) -> Iterator[Callable[[BenchEvent], None]]:
+    """A live line in a terminal; otherwise a line on stderr per phase (and per few seconds of counting)."""
+    live = Live(Text(""), console=output.err, transient=True) if output.err.is_terminal else None
+    last_phase = [""]
+    last_at = [0.0]
+    last_text = [""]
+
+    def sink(event: BenchEvent) -> None:
+        text = event_text(event)
+        if event.step == "node lost":
+            output.warning(text)
+            return
+        if live is not None:
+            if not live.is_started:
+                live.start()
+            live.update(Text(f"· {text}", style="dim"))
+            return
+        now = time.monotonic()
+        due = event.phase != last_phase[0] or now - last_at[0] >= LINE_EVERY_S or event.done == event.total
+        if due and text != last_text[0]:
+            last_phase[0], last_at[0], last_text[0] = event.phase, now, text
+            output.progress()(text)
+
+    try:
+        yield sink
+    finally:
+        if live is not None:
+            live.stop()
+
+
+def _host(stage: dict[str, Any]) -> str:
+    return str(stage.get("host", stage.get("node_ip", "?")))
+
+
+def _stage_label(stage: dict[str, Any], multi: bool) -> str:
+    """Stages by host; the replica only when there are several."""
+    return f"{_host(stage)} r{stage.get('replica', 0)}" if multi else _host(stage)
+
+
+def _stage_table(output: Output, stages: list[dict[str, Any]], multi: bool) -> None:
+    table = Table(title="pipeline stages (one per node)", title_justify="left")
+    columns = ["host", "stage", "layers", "busy T_i (s)", "CPU (s)", "idle (s)", "predicted (s)"]
+    for column in columns:
+        table.add_column(column, justify="right" if "(s)" in column else "left")
+    for stage in stages:
+        extra = "+emb" if stage.get("has_embedding") else ""
+        extra += "+head" if stage.get("has_head") else ""
+        where = f"{stage.get('replica', 0)}.{stage['index']}" if multi else str(stage["index"])
+        table.add_row(
+            _escape(_host(stage)),
+            where,
+            f"{stage['layers']}{extra}",
+            f"{stage['busy_s']:.3f}",
+            _secs(stage.get("cpu_s")),
+            _secs(stage.get("idle_s")),
+            _secs(stage.get("predicted_s")),
+        )
+    output.out.print(table)
+
+
+def bar_chart(output: Output, title: str, rows: list[tuple[str, float, str]]) -> None:
+    """A horizontal bar per row (label, value, text after the bar), scaled to the largest value."""
+    output.line(title)
+    largest = max((value for _, value, _ in rows), default=0.0) or 1.0
+    width = max((len(label) for label, _, _ in rows), default=0)
+    for label, value, after in rows:
+        bar = "█" * max(1, round(BAR_WIDTH * value / largest))
+        output.line(f"  {_escape(label):<{width}} [cyan]{bar}[/cyan] {_escape(after)}")
+
+
+def _summary(output: Output, body: dict[str, Any], stages: list[dict[str, Any]]) -> None:
+    config = body.get("config", {})
+    load = f"Poisson {config.get('rate')} req/s" if config.get("mode") == "poisson" else "offline"
+    quota = body.get("imbalance_capacity") is not None and any(s.get("cpu_quota") for s in stages)
+    output.line(
+        f"{body['tokens_per_s']:.1f} tokens/s{_spread(body.get('tokens_per_s_spread'))}, "
+        f"{body.get('requests_per_s', 0):.2f} requests/s "
+        f"({body.get('completed', '?')}/{body.get('requests', '?')} requests in {body.get('wall_s', 0):.1f}s, {load}); "
+        f"T_max − T_min = {body.get('t_max_minus_t_min_s', 0):.3f}s, imbalance {body['imbalance']:.3f}"
+        + (f" (against CPU quotas {body['imbalance_capacity']:.3f})" if quota else "")
+        + f", utilisation {body.get('utilisation', 0):.2f}"
+    )
+    if body.get("tokens_per_s_spread") is not None:
+        output.line("[dim]± is half the spread (max − min)/mean of tokens/s over the run's steady-state windows[/dim]")
+
+
+def _latency(output: Output, latency: dict[str, Any]) -> None:
+    if not latency:
+        return
+    lat = Table(title="latency (s, from arrival)", title_justify="left")
+    for column in ("", "p50", "p90", "p99"):
+        lat.add_column(column, justify="right")
+    for key, label in (("ttft", "time to first token"), ("tpot", "time per output token"), ("e2e", "end to end")):
+        values = latency.get(key) or {}
+        lat.add_row(label, *(_secs(values.get(q), 4) for q in ("p50", "p90", "p99")))
+    output.out.print(lat)
+
+
+def _gap_text(gap: dict[str, Any]) -> str:
+    """Where the busiest stage idled: filling, between calls, draining (older results: outside/in its span)."""
+    stage = _escape(str(gap.get("stage")))
+    if gap.get("idle_fill_s") is not None:
+        return (
+            f" (busiest stage {stage} idle: {gap['idle_fill_s']:.2f}s filling, "
+            f"{gap['idle_between_s']:.2f}s between calls, {gap['idle_drain_s']:.2f}s draining)"
+        )
+    if gap.get("outside_span_s") is not None:
+        return (
+            f" (busiest stage {stage}: {gap['outside_span_s']:.2f}s filling/draining, "
+            f"{gap['idle_in_span_s']:.2f}s idle between calls)"
+        )
+    return ""
+
+
+def _idle_line(output: Output, body: dict[str, Any]) -> None:
+    """One line: each stage's idle (fill / between / drain) and how much of its CPU quota its node used."""
+    items = []
+    for stage in body.get("stages", []):
+        if stage.get("idle_fill_s") is None:
+            continue
+        text = (
+            f"{_escape(_host(stage))} {stage['idle_fill_s']:.2f}/{stage['idle_between_s']:.2f}/"
+            f"{stage['idle_drain_s']:.2f}s"
+        )
+        if stage.get("quota_used") is not None:
+            text += f" (quota {stage['quota_used']:.0%} used)"
+        items.append(text)
+    if items:
+        output.line("idle fill/between/drain: " + ", ".join(items))
+
+
+def _references(output: Output, body: dict[str, Any]) -> None:
+    refs = body.get("references", {})
+    parts = []
+    for name in ("even", "balanced"):
+        if refs.get(name):
+            ref = refs[name]
+            parts.append(
+                f"vs {name} split {_ratio(ref.get('ratio'))} "
+                f"({ref['tokens_per_s']:.1f} tok/s{_spread(ref.get('tokens_per_s_spread'))})"
+            )
+    if refs.get("unsharded"):
+        ref = refs["unsharded"]
+        parts.append(
+            f"vs unsharded on {_escape(_host(ref))} {_ratio(ref.get('ratio'))} ({ref['tokens_per_s']:.1f} tok/s)"
+        )
+    if refs.get("ceiling"):
+        text = f"of the pipeline ceiling {_ratio(refs['ceiling'].get('ratio'))}"
+        parts.append(text + _gap_text(refs["ceiling"].get("gap") or {}))
+    if parts:
+        output.line("references (same run): " + "; ".join(parts))
+    _idle_line(output, body)
+    choice = body.get("split_choice") or {}
+    if choice.get("used") == "even" and body.get("config", {}).get("partition") == "balanced":
+        output.line(f"[yellow]used the even split: {_escape(str(choice.get('reason')))}[/yellow]")
+
+
+def _faults(output: Output, body: dict[str, Any]) -> None:
+    for lost in body.get("lost_nodes", []):
+        output.line(
+            f"[bold yellow]node lost:[/bold yellow] {_escape(_host(lost))} (stage {lost.get('stage')}, "
+            f"replica {lost.get('replica')}) during {_escape(str(lost.get('phase')))}: "
+            f"{lost.get('requests_retried')} request(s) retried on another replica; {_escape(str(lost.get('error')))}"
+        )
+    if body.get("retried_requests"):
+        output.line(f"retried requests in the counted run: {body['retried_requests']}")
+
+
+def render_bench(output: Output, body: dict[str, Any]) -> None:
+    """Per-node table with a bar of busy time T_i, then throughput, latency, balance and references."""
+    stages = body.get("stages", [])
+    multi = len(body.get("replicas", [])) > 1
+    _stage_table(output, stages, multi)
+    bar_chart(
+        output,
+        "busy time T_i per node:",
+        [(_stage_label(s, multi), s["busy_s"], f"{s['busy_s']:.3f}s") for s in stages],
+    )
+    _summary(output, body, stages)
+    _latency(output, body.get("latency_s", {}))
+    hop = body.get("hop_overhead")
+    if hop:
+        output.line(_hop_line(hop))
+    _references(output, body)
+    if multi:
+        loads = ", ".join(
+            f"#{r['index']} {r['requests']} req / {r['micro_batches']} mb" + (" (lost)" if r.get("lost") else "")
+            for r in body.get("replicas", [])
+        )
+        output.line(f"replica load (power of two choices): {loads}")
+    _faults(output, body)
+    render_sweep(output, body.get("sweep"))
+    for finding in body.get("network", []):
+        colour = "yellow" if finding["status"] != "ok" else "dim"
+        output.line(f"[{colour}]network {finding['id']} {finding['host']}: {_escape(finding['message'])}[/{colour}]")
+    check = body.get("output_check")
+    if check:
+        verdict = "identical" if check.get("identical") else "[red]DIFFERENT[/red]"
+        output.line(f"sharded vs unsharded greedy output: {verdict} ({check.get('compared_requests')} requests)")
+
+
+def _hop_line(hop: dict[str, Any]) -> str:
+    """The per-hop cost of the way the run passed activations, next to the other way (same run)."""
+    line = f"per-hop overhead (no-op stages): {1000 * hop['per_hop_s']:.2f} ms per stage per step"
+    direct, driver = hop.get("per_hop_direct_s"), hop.get("per_hop_via_driver_s")
+    if direct and driver:
+        line += (
+            f" (stage to stage {1000 * direct:.2f} ms, via the driver {1000 * driver:.2f} ms: {driver / direct:.2f}x)"
+        )
+    return line
+
+
+def render_sweep(output: Output, sweep: dict[str, Any] | None) -> None:
+    if not sweep:
+        return
+    points = sweep.get("points", [])
+    if sweep.get("kind") == "batch":
+        table = Table(title="sweep: micro-batch size", title_justify="left")
+        for column in ("micro-batch", "tokens/s", "TTFT p50 (s)", "TPOT p50 (s)", "e2e p50 (s)"):
+            table.add_column(column, justify="right")
+        for p in points:
+            lat = p.get("latency_s", {})
+            table.add_row(
+                str(p["micro_batch"]),
+                f"{p['tokens_per_s']:.1f}",
+                *(_secs((lat.get(k) or {}).get("p50"), 4) for k in ("ttft", "tpot", "e2e")),
+            )
+        output.out.print(table)
+        rows = [
+            (f"micro-batch {p['micro_batch']}", p["tokens_per_s"], f"{p['tokens_per_s']:.1f} tok/s") for p in points
+        ]
+        bar_chart(output, "tokens/s vs micro-batch:", rows)
+        output.line(f"best micro-batch: {sweep.get('best_micro_batch')}")
+        return
+    table = Table(title="sweep: nodes", title_justify="left")
+    for column in ("nodes", "tokens/s", "efficiency vs linear", "imbalance"):
+        table.add_column(column, justify="right")
+    for p in points:
+        table.add_row(str(p["nodes"]), f"{p['tokens_per_s']:.1f}", f"{p['efficiency']:.2f}", f"{p['imbalance']:.3f}")
+    output.out.print(table)
+    base = points[0]["tokens_per_s"] if points else 0.0
+    rows = []
+    for p in points:
+        rows.append((f"{p['nodes']} node(s)", p["tokens_per_s"], f"{p['tokens_per_s']:.1f} tok/s"))
+        rows.append((f"{p['nodes']} linear", base * p["nodes"], f"{base * p['nodes']:.1f} tok/s (linear)"))
+    bar_chart(output, "tokens/s vs nodes, against linear scaling:", rows)
+
+
+def save_svg(body: dict[str, Any], path: Path, title: str = "raycluster bench") -> None:
+    """The same rendering (tables, the T_i chart, sweep curves) as an SVG file a browser opens."""
+    console = Console(record=True, file=io.StringIO(), width=140, highlight=False, force_terminal=True)
+    recorder = Output(False, stdout=io.StringIO(), stderr=io.StringIO())
+    recorder.out = console
+    render_bench(recorder, body)
+    console.save_svg(str(path), title=title)

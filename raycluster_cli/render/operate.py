@@ -1,0 +1,125 @@
+"""Rendering of the operating verbs: exec, submit, dashboard, metrics, status --watch."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from rich.live import Live
+from rich.table import Table
+
+from raycluster_cli.render.base import Output, _escape, host_error, status_view, terminal_safe
+from raycluster_cli.transport.stream import Stream
+
+
+class ExecPrinter:
+    """Prints each output line of `exec` as it arrives: stdout lines to stdout, stderr lines to stderr,
+    prefixed with the host when several hosts run the command (as pdsh does)."""
+
+    def __init__(self, output: Output, prefixed: bool) -> None:
+        self.output = output
+        self.prefixed = prefixed
+        self.width = 0
+
+    def __call__(self, host: str, stream: Stream, line: str) -> None:
+        if self.output.json_mode:
+            return
+        target = self.output.stdout if stream == "stdout" else self.output.err.file
+        prefix = f"{host:<15} | " if self.prefixed else ""
+        target.write(prefix + terminal_safe(line) + "\n")
+        target.flush()
+
+
+def render_exec(output: Output, body: dict[str, Any]) -> None:
+    """After the streamed lines: each host that could not run the command, and each non-zero exit status."""
+    several = len(body["hosts"]) > 1
+    for host in body["hosts"]:
+        if host["error"]:
+            error = host_error(host["host"], host["error"])
+            output.err.print(f"[bold red]{host['host']}:[/bold red] {_escape(error)}", markup=True)
+        elif several and host["rc"] != 0:
+            output.err.print(f"[yellow]{host['host']}: exit status {host['rc']}[/yellow]", markup=True)
+
+
+class JobLogPrinter:
+    """Writes each new piece of a job's log as it arrives: to stdout, or to stderr under --json."""
+
+    def __init__(self, output: Output) -> None:
+        self.output = output
+
+    def __call__(self, text: str) -> None:
+        target = self.output.err.file if self.output.json_mode else self.output.stdout
+        target.write(terminal_safe(text))
+        target.flush()
+
+
+def render_submit(output: Output, body: dict[str, Any]) -> None:
+    job = body["job"]
+    if not job["waited"]:
+        output.err.print(f"job {job['submission_id']} accepted (not waiting for it)", markup=False)
+        return
+    colour = "green" if job["status"] == "SUCCEEDED" else "red"
+    code = job["driver_exit_code"]
+    detail = f", driver exit code {code}" if code is not None else ""
+    output.err.print(
+        f"job {job['submission_id']}: [{colour}]{job['status']}[/{colour}]{detail}"
+        + (f" — {_escape(job['message'].splitlines()[0])}" if job["status"] != "SUCCEEDED" and job["message"] else ""),
+        markup=True,
+    )
+
+
+def render_interrupted_job(output: Output, cluster: str, job: Any, stop: str) -> int:
+    """Ctrl-C while following a job: it keeps running on the cluster; say how to stop it. Returns 130."""
+    if output.json_mode:
+        body = {"cluster": cluster, "job": job.to_dict(), "interrupted": True, "stop_command": stop}
+        output.document(False, body)
+    output.error(f"interrupted; job {job.submission_id} keeps running on the cluster", f"to stop it: {stop}")
+    return 130
+
+
+def render_dashboard(output: Output, body: dict[str, Any]) -> None:
+    output.line(f"dashboard of cluster {body['cluster']}: {body['url']}")
+    output.err.print(
+        f"forwarding 127.0.0.1 → {body['head_dashboard']} over SSH (Ray {body['ray_version']}); Ctrl-C to stop",
+        markup=False,
+    )
+    if body.get("auth_token_file"):
+        output.err.print(f"the dashboard asks for the cluster's token: paste the content of {body['auth_token_file']}")
+
+
+@contextmanager
+def live_status(output: Output) -> Iterator[Callable[[dict[str, Any]], None]]:
+    """A callback that redraws the status table in place (rich Live) with the time of each refresh."""
+    with Live(console=output.out, auto_refresh=False, transient=False) as live:
+
+        def show(body: dict[str, Any]) -> None:
+            title = f"cluster {body['cluster']}: {body['state']} at {time.strftime('%H:%M:%S')} (Ctrl-C to stop)"
+            live.update(status_view(body, title), refresh=True)
+
+        yield show
+
+
+def render_metrics(output: Output, body: dict[str, Any]) -> None:
+    table = Table(title=f"Prometheus targets of cluster {body['cluster']}", title_justify="left")
+    for column in ("target", "host", "role", "Ray lists it", "scrape"):
+        table.add_column(column)
+    for target in body["targets"]:
+        scrape = (
+            f"[green]{target['samples']} samples[/green]" if target["up"] else f"[red]{_escape(target['error'])}[/red]"
+        )
+        table.add_row(
+            target["target"],
+            target["host"] or "(dashboard)",
+            target.get("role", ""),
+            "yes" if target["in_ray_list"] else "[yellow]no[/yellow]",
+            scrape,
+        )
+    output.out.print(table)
+    for path in body["files"]:
+        output.line(f"wrote {_escape(path)}")
+    if body["dashboards"]:
+        output.line(f"wrote {len(body['dashboards'])} Grafana dashboards to {_escape(body['dashboards_dir'])}")
+    for warning in body["warnings"]:
+        output.line(f"[bold yellow]warning:[/bold yellow] {_escape(warning)}")

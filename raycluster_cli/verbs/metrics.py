@@ -1,0 +1,178 @@
+"""`raycluster metrics`: Prometheus targets (file_sd) and Ray's Grafana dashboards for an existing
+Prometheus/Grafana.
+
+Every node exports Ray's metrics on `ray.metrics_export_port` at its node IP (fixed, so the targets stay
+valid across restarts). The head's Ray writes its own file_sd list (`prom_metrics_service_discovery.json`
+in the session dir: every node's metrics address and the dashboard's) and the Grafana dashboards it
+generates (`metrics/grafana/dashboards/`); both are read from the head's container. Each target is
+scraped once from the head's container to prove it answers.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import tarfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from raycluster_cli.config.inventory import Inventory
+from raycluster_cli.errors import OperationError
+from raycluster_cli.host.containers import container_name
+from raycluster_cli.transport import quote
+from raycluster_cli.transport.pool import Connect
+
+SESSION = "/tmp/ray/session_latest"
+DISCOVERY = f"{SESSION}/prom_metrics_service_discovery.json"
+DASHBOARDS = f"{SESSION}/metrics/grafana/dashboards"
+# Runs in the head's container: GET /metrics of each target (argv), one JSON line of sample counts.
+_SCRAPE = """
+import json, sys, urllib.request
+out = {}
+for target in sys.argv[1:]:
+    try:
+        with urllib.request.urlopen(f"http://{target}/metrics", timeout=5) as r:
+            text = r.read().decode(errors="replace")
+        out[target] = sum(1 for line in text.splitlines() if line and not line.startswith("#"))
+    except Exception as exc:
+        out[target] = f"{type(exc).__name__}: {exc}"[:200]
+print(json.dumps(out))
+"""
+
+
+@dataclass
+class Target:
+    address: str  # HOST:PORT
+    host: str = ""  # the inventory host it belongs to ('' for the dashboard's own metrics)
+    in_ray_list: bool = False  # Ray's own service-discovery file lists it
+    samples: int = 0
+    error: str = ""
+
+    @property
+    def up(self) -> bool:
+        return not self.error and self.samples > 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "target": self.address,
+            "host": self.host,
+            "in_ray_list": self.in_ray_list,
+            "up": self.up,
+            "samples": self.samples,
+            "error": self.error,
+        }
+
+
+@dataclass
+class MetricsResult:
+    out: Path
+    targets: list[Target]
+    files: list[str] = field(default_factory=list)
+    dashboards: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return all(t.up for t in self.targets)
+
+
+def expected_targets(inventory: Inventory) -> list[Target]:
+    """Every host's metrics address from the inventory (pure)."""
+    port = inventory.ray.metrics_export_port
+    return [Target(f"{inventory.node_ip(h)}:{port}", str(h.address)) for h in inventory.hosts]
+
+
+def merge_ray_list(targets: list[Target], ray_file: str) -> list[Target]:
+    """Mark the inventory's targets that Ray lists; add Ray's others (the dashboard's metrics) (pure)."""
+    try:
+        groups = json.loads(ray_file) if ray_file.strip() else []
+    except ValueError:
+        groups = []
+    listed = [t for g in groups if isinstance(g, dict) for t in g.get("targets", []) if isinstance(t, str)]
+    by_address = {t.address: t for t in targets}
+    merged = list(targets)
+    for address in listed:
+        if address in by_address:
+            by_address[address].in_ray_list = True
+        else:
+            merged.append(Target(address, in_ray_list=True))
+    return merged
+
+
+def file_sd(inventory: Inventory, targets: list[Target]) -> list[dict[str, Any]]:
+    """The Prometheus file_sd document: one group per node (labels say which host and role) (pure)."""
+    roles = {str(h.address): h.role for h in inventory.hosts}
+    groups = []
+    for target in targets:
+        labels = {"job": "ray", "ray_cluster": inventory.cluster}
+        if target.host:
+            labels |= {"raycluster_host": target.host, "raycluster_role": roles[target.host]}
+        else:
+            labels["raycluster_role"] = "dashboard"
+        groups.append({"targets": [target.address], "labels": labels})
+    return groups
+
+
+def scrape_config(inventory: Inventory, sd_file: Path) -> str:
+    """A scrape_configs entry to paste into prometheus.yml (pure)."""
+    return (
+        f"# Add to prometheus.yml (scrape_configs:) to scrape Ray cluster {inventory.cluster}.\n"
+        f"scrape_configs:\n  - job_name: ray-{inventory.cluster}\n    file_sd_configs:\n"
+        f"      - files: ['{sd_file.resolve()}']\n"
+    )
+
+
+def collect_metrics(inventory: Inventory, connect: Connect, out: Path) -> MetricsResult:
+    """Write DIR/prometheus/<cluster>.json (+ scrape config) and DIR/grafana/dashboards/*.json."""
+    head = connect(inventory.head_host)
+    name = quote(container_name(inventory, inventory.head_host))
+    listing = head.run(f"docker exec {name} cat {DISCOVERY}", timeout=60)
+    if not listing.ok and "no such container" in (listing.stderr + listing.stdout).lower():
+        raise OperationError(f"{inventory.head_host.address}: no head container", "run `raycluster up` first")
+    result = MetricsResult(out, merge_ray_list(expected_targets(inventory), listing.stdout if listing.ok else ""))
+    if not listing.ok:
+        result.warnings.append(f"Ray's target list {DISCOVERY} is not readable: {listing.first_line()}")
+    for target in result.targets:
+        if target.host and not target.in_ray_list:
+            result.warnings.append(f"Ray does not list {target.address} ({target.host}): is its node alive?")
+    _scrape(head, name, result.targets)
+    sd_dir, dash_dir = out / "prometheus", out / "grafana" / "dashboards"
+    sd_dir.mkdir(parents=True, exist_ok=True)
+    sd_file = sd_dir / f"{inventory.cluster}.json"
+    sd_file.write_text(json.dumps(file_sd(inventory, result.targets), indent=2) + "\n")
+    config = sd_dir / f"scrape-{inventory.cluster}.yml"
+    config.write_text(scrape_config(inventory, sd_file))
+    result.files += [str(sd_file), str(config)]
+    result.dashboards = _dashboards(head, name, dash_dir, result.warnings)
+    return result
+
+
+def _scrape(head: Any, name: str, targets: list[Target]) -> None:
+    command = f"docker exec {name} python -c {quote(_SCRAPE)} " + " ".join(quote(t.address) for t in targets)
+    done = head.run(command, timeout=120)
+    try:
+        counts = json.loads(done.stdout.strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        counts = {}
+    for target in targets:
+        value = counts.get(target.address, f"not scraped: {done.first_line()}")
+        if isinstance(value, int):
+            target.samples = value
+            if value == 0:
+                target.error = "answered with no samples"
+        else:
+            target.error = str(value)
+
+
+def _dashboards(head: Any, name: str, folder: Path, warnings: list[str]) -> list[str]:
+    """Copy the Grafana dashboards Ray generated on the head into `folder`; their file names."""
+    done = head.run(f"docker exec {name} tar -C {DASHBOARDS} -czf - . | base64 -w0", timeout=120)
+    if not done.ok or not done.stdout.strip():
+        warnings.append(f"no Grafana dashboards from Ray at {DASHBOARDS}: {done.first_line()}")
+        return []
+    folder.mkdir(parents=True, exist_ok=True)
+    with tarfile.open(fileobj=io.BytesIO(base64.b64decode(done.stdout)), mode="r:gz") as archive:
+        archive.extractall(folder, filter="data")
+    return sorted(p.name for p in folder.glob("*.json"))
