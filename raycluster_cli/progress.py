@@ -1,6 +1,6 @@
 """What library code reports while it works: a line of text, or how far a transfer to a host got.
 
-The library calls the `Progress` callback it was given; report.py turns the calls into lines and bars.
+The library calls the `Progress` callback it was given; render/base.py turns the calls into lines and bars.
 """
 
 from __future__ import annotations

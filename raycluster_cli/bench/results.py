@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from raycluster_cli.bench import metrics
+from raycluster_cli.bench import balance
 from raycluster_cli.bench.config import ModelConfig
 from raycluster_cli.bench.options import HOPS
 from raycluster_cli.bench.partition import blocks_held
@@ -62,7 +62,7 @@ class StageReport:
     busy_s: float  # wall time inside forward: compute, plus any CPU-quota throttling during it
     cpu_s: float  # CPU time of the stage's process inside forward (all its threads)
     cpu_quota: float | None  # the container's CFS quota in CPUs, None when unlimited
-    capacity_s: float  # busy time against the quota: max(busy_s, process_cpu_s / its share), metrics.capacity_time
+    capacity_s: float  # busy time against the quota: max(busy_s, process_cpu_s / its share), balance.capacity_time
     idle_s: float
     calls: int
     num_threads: int
@@ -71,7 +71,7 @@ class StageReport:
     container_cpu_s: float | None = None  # CPU time of every process in the stage's container over the run
     others_cpus: float = 0.0  # CPU rate of the container's other processes (driver, GCS...): shares the quota
     span_s: float = 0.0  # from the start of its first forward to the end of its last (its own clock)
-    # Where idle_s falls (metrics.idle_breakdown): before the first call, between calls, after the last.
+    # Where idle_s falls (balance.idle_breakdown): before the first call, between calls, after the last.
     idle_fill_s: float | None = None
     idle_between_s: float | None = None
     idle_drain_s: float | None = None
@@ -138,7 +138,7 @@ class RunResult:
         capacity = [s.capacity_s for s in self.stages] or [0.0]
         return {
             "tokens_per_s": self.tokens_per_s,
-            "tokens_per_s_spread": metrics.relative_spread(self.window_tokens_per_s[1:-1]),
+            "tokens_per_s_spread": balance.relative_spread(self.window_tokens_per_s[1:-1]),
             "window_tokens_per_s": self.window_tokens_per_s,
             "requests_per_s": self.requests_per_s,
             "requests": self.requests,
@@ -149,14 +149,14 @@ class RunResult:
             "wall_s": self.wall_s,
             "in_flight": self.in_flight,
             "driver_cpu_s": self.driver_cpu_s,
-            "imbalance": metrics.imbalance(busy),
-            "imbalance_capacity": metrics.imbalance(capacity),
-            "t_max_minus_t_min_s": metrics.spread(busy),
-            "utilisation": metrics.utilisation(busy),
+            "imbalance": balance.imbalance(busy),
+            "imbalance_capacity": balance.imbalance(capacity),
+            "t_max_minus_t_min_s": balance.spread(busy),
+            "utilisation": balance.utilisation(busy),
             "latency_s": {
-                "ttft": metrics.latency_summary(self.ttft_s),
-                "tpot": metrics.latency_summary(self.tpot_s),
-                "e2e": metrics.latency_summary(self.e2e_s),
+                "ttft": balance.latency_summary(self.ttft_s),
+                "tpot": balance.latency_summary(self.tpot_s),
+                "e2e": balance.latency_summary(self.e2e_s),
             },
         }
 
@@ -204,7 +204,7 @@ def stage_report(
         others = max(0.0, float(container_cpu) - process_cpu) / window
     idle: dict[str, Any] = {}
     if "intervals" in stat:  # a node image older than the CLI does not send them
-        idle = metrics.idle_breakdown(stat["intervals"], wall_s, WINDOWS)
+        idle = balance.idle_breakdown(stat["intervals"], wall_s, WINDOWS)
     return StageReport(
         replica=position[0],
         index=position[1],
@@ -217,7 +217,7 @@ def stage_report(
         busy_s=busy,
         cpu_s=cpu,
         cpu_quota=quota,
-        capacity_s=metrics.capacity_time(busy, process_cpu or cpu, quota, others),
+        capacity_s=balance.capacity_time(busy, process_cpu or cpu, quota, others),
         idle_s=max(0.0, wall_s - busy),
         calls=int(stat["calls"]),
         num_threads=int(info["num_threads"]),
@@ -231,7 +231,7 @@ def stage_report(
         idle_drain_s=idle.get("idle_drain_s"),
         idle_between_windows_s=list(idle.get("idle_between_windows_s", [])),
         longest_gap_s=idle.get("longest_gap_s"),
-        quota_used=None if shares_node else metrics.quota_used(container_cpu, quota, window),
+        quota_used=None if shares_node else balance.quota_used(container_cpu, quota, window),
     )
 
 
@@ -245,6 +245,6 @@ def replica_report(index: int, stages: list[StageReport], served: list[int], los
         requests=served[1],
         tokens=served[2],
         busiest_s=max(busy),
-        imbalance=metrics.imbalance(busy),
+        imbalance=balance.imbalance(busy),
         lost=lost,
     )

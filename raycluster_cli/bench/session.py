@@ -15,7 +15,7 @@ from typing import Any
 import ray
 import torch
 
-from raycluster_cli.bench import experiment, pilots, pipeline, runtime, scheduling
+from raycluster_cli.bench import experiment, pilots, pipeline, scheduling, workload
 from raycluster_cli.bench.model import prefill_chunks
 from raycluster_cli.bench.options import BenchOptions
 from raycluster_cli.schema import SCHEMA_VERSION
@@ -171,12 +171,12 @@ class Session:
         group = [self.replicas[r] for r in alive] if replicas is None else replicas
         chosen = [ranges[r] for r in alive]
         self.progress(label)
-        runtime.setup_replicas(group, chosen)
+        workload.setup_replicas(group, chosen)
 
         def report(step: str, done: int | None = None, total: int | None = None, **extra: Any) -> None:
             self.progress(label, done, total, step=step, **extra)
 
-        result = runtime.run_workload(group, chosen, self.cfg, params, report)
+        result = workload.run_workload(group, chosen, self.cfg, params, report)
         if replicas is None:
             for stage in result.stages:
                 stage.replica = alive[stage.replica]
@@ -361,7 +361,7 @@ def run(options: BenchOptions, progress: experiment.Report) -> dict[str, Any]:
         doc["split_choice"] = choice
         if options.check_output:
             progress("checking output against the unsharded model")
-            from raycluster_cli.bench.runtime import check_output
+            from raycluster_cli.bench.workload import check_output
 
             doc["output_check"] = check_output(session.cfg, params, result, options.check_requests)
         doc["references"] = session.references(result, ranges, choice)

@@ -2,7 +2,7 @@
 
 A non-root login is common (a user in the `docker` group, or one who may run `sudo -n docker`); these checks
 prove before `up` that such a user can write the folder `up` puts the token and env files in (see
-hoststate.py) and that the Docker engine can bind-mount it into the Ray container. Each finding names the
+host/folders.py) and that the Docker engine can bind-mount it into the Ray container. Each finding names the
 host and the fix.
 """
 
@@ -22,7 +22,7 @@ def _fields(out: str) -> dict[str, str]:
 
 
 def state_dir(rc: int, out: str, err: str, ctx: CheckContext) -> Finding:
-    """Judge hoststate.probe_command's output."""
+    """Judge folders.probe_command's output."""
     found = _fields(out)
     folder = cluster_dir(ctx.inventory, ctx.host)
     if "writable" not in found:
@@ -50,7 +50,7 @@ def state_dir(rc: int, out: str, err: str, ctx: CheckContext) -> Finding:
 
 
 def state_mount(rc: int, out: str, err: str, ctx: CheckContext) -> Finding:
-    """Judge hoststate.mount_command's output: the engine mounted the folder into a container and listed it."""
+    """Judge folders.mount_command's output: the engine mounted the folder into a container and listed it."""
     text = out.strip()
     if text == "root-default":
         return Finding(Status.SKIP, "root with the default folder: not checked")

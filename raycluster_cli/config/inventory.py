@@ -18,7 +18,7 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from raycluster_cli.config import strict_yaml as strictyaml
+from raycluster_cli.config import strict_yaml
 from raycluster_cli.config.paths import DEFAULT_INVENTORY, INVENTORY_ENV, resolve_path
 from raycluster_cli.config.references import host_dir_problem, hostname_problem, image_problem, login_problem
 from raycluster_cli.errors import InventoryError
@@ -350,7 +350,7 @@ def load(explicit: str | os.PathLike[str] | None = None) -> LoadedInventory:
     path = resolve_path(explicit)
     try:
         with path.open("rb") as handle:
-            data = handle.read(strictyaml.MAX_BYTES + 1)  # never more than the cap into memory
+            data = handle.read(strict_yaml.MAX_BYTES + 1)  # never more than the cap into memory
     except FileNotFoundError:
         raise InventoryError(
             f"inventory {path} not found",
@@ -362,10 +362,10 @@ def load(explicit: str | os.PathLike[str] | None = None) -> LoadedInventory:
 
 
 def parse_bytes(data: bytes, source: str = "<inventory>") -> Inventory:
-    """Parse inventory file content: UTF-8 only, at most strictyaml.MAX_BYTES."""
+    """Parse inventory file content: UTF-8 only, at most strict_yaml.MAX_BYTES."""
     try:
-        text = strictyaml.decode(data)
-    except strictyaml.YamlProblem as problem:
+        text = strict_yaml.decode(data)
+    except strict_yaml.YamlProblem as problem:
         raise _yaml_error(problem, source) from None
     return parse(text, source)
 
@@ -394,8 +394,8 @@ def check_key_files(loaded: LoadedInventory) -> None:
 def parse(text: str, source: str = "<inventory>") -> Inventory:
     """Parse and validate inventory YAML; raise InventoryError naming `source:line` and the field."""
     try:
-        root, data = strictyaml.load(text)
-    except strictyaml.YamlProblem as problem:
+        root, data = strict_yaml.load(text)
+    except strict_yaml.YamlProblem as problem:
         raise _yaml_error(problem, source) from None
     if not isinstance(data, dict):
         raise InventoryError(f"{source}: the inventory must be a mapping", "see inventory.example.yaml")
@@ -413,7 +413,7 @@ def parse(text: str, source: str = "<inventory>") -> Inventory:
         raise InventoryError(f"{where}: {field}: {message}", hint or _hint(first, field)) from None
 
 
-def _yaml_error(problem: strictyaml.YamlProblem, source: str) -> InventoryError:
+def _yaml_error(problem: strict_yaml.YamlProblem, source: str) -> InventoryError:
     where = f"{source}:{problem.line}" if problem.line else source
     if "duplicate key" in problem.message:
         hint = "keep one of the two: YAML would silently use the last"

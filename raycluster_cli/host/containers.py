@@ -1,7 +1,7 @@
 """Ray node containers on a host: the `docker run` line, ownership labels, listing and removal.
 
 Everything here is a command string built from the inventory plus a parser of Docker's output, so it is
-unit-tested without Docker; `cluster.py` runs these commands through a transport.
+unit-tested without Docker; `verbs/up.py` runs these commands through a transport.
 """
 
 from __future__ import annotations

@@ -149,7 +149,7 @@ _RUN_FAILED = 91
 
 
 def start_command(inventory: Inventory, host: HostConfig, plan: Plan, files: dict[str, bytes]) -> tuple[str, bytes]:
-    """One remote command (and its stdin) that makes the host state folder (hoststate.py), writes `files` there
+    """One remote command (and its stdin) that makes the host state folder (host/folders.py), writes `files` there
     (path → content, 0600, the data on stdin, never on a command line), then removes the old container if the
     plan replaces it and starts the new one."""
     # </dev/null: a `sudo -n install` (ssh.sudo) must not share our stdin; sudo (use_pty) makes it non-blocking,

@@ -3,7 +3,7 @@
 Streaming is how air-gapped fleets get images: `docker save` here, compressed once with all cores into a
 cached archive (zstd -T0 when this machine and every receiving host have it, else pigz or gzip), sent over
 one seed host's SSH connection into `docker load`; from there the hosts that have it serve the hosts that
-lack it (spread.py, peers.py), so this machine uploads about one copy whatever the fleet's size. Every
+lack it (image/schedule.py, peer_copy.py), so this machine uploads about one copy whatever the fleet's size. Every
 arrival is checked against this machine's image ID.
 """
 
@@ -22,7 +22,7 @@ import psutil
 from raycluster_cli.config.inventory import Inventory
 from raycluster_cli.errors import OperationError
 from raycluster_cli.host.folders import archive_dir as archive_dir_on_host
-from raycluster_cli.image import peer_copy as peers
+from raycluster_cli.image import peer_copy
 from raycluster_cli.image.archive import Step, save_compressed
 from raycluster_cli.image.schedule import ImageTransfer, Job, Receiver, Spread
 from raycluster_cli.progress import Progress, TransferProgress, quiet
@@ -90,7 +90,7 @@ def distribute(
     """Carry out `plan`: every listed host gets the image; raise naming each failure.
 
     Streaming: the operator sends the archive to one seed host; from then on every host that has it serves
-    one that lacks it (host to host, see peers.py), so the copies double each round and the operator's
+    one that lacks it (host to host, see peer_copy.py), so the copies double each round and the operator's
     upload stays one copy. A host that cannot get it from a peer gets it from the operator.
     """
     if not plan:
@@ -145,7 +145,7 @@ def _spread(
     try:
         Spread(list(receivers.values()), job, progress).run()
     finally:
-        cleanup = lambda r: r.transport.run(peers.cleanup_command(job.remote(r.archive_dir)), timeout=60)  # noqa: E731
+        cleanup = lambda r: r.transport.run(peer_copy.cleanup_command(job.remote(r.archive_dir)), timeout=60)  # noqa: E731
         fanout(receivers.values(), cleanup, what="remove the hosts' copies of the archive")
     outcomes: list[tuple[ImageTransfer, Outcome[ImageTransfer]]] = []
     for transfer, outcome in found:

@@ -14,7 +14,7 @@ A copy is done as soon as the receiver's archive is whole, while its own `docker
 a multi-GB image, against seconds for the copy): the archive's SHA-256 (the operator's, computed once) is
 checked as it arrives, and only an archive that matches is published under its serving name. Its sender is
 then free, and a receiver whose listener runs on the host's python3 serves others from then on; one whose
-listener runs in the image serves once its load is done (spread.py).
+listener runs in the image serves once its load is done (image/schedule.py).
 """
 
 from __future__ import annotations

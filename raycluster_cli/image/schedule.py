@@ -4,7 +4,7 @@ the operator uploads one copy. A host whose peer copy fails is served by the ope
 peers go back to the source); a sender whose listener failed serves no one else.
 
 A copy is done for the scheduler as soon as the receiver's archive is whole and its checksum matches the
-operator's (peers.receive_command publishes it then), not when the receiver's `docker load` ends: its
+operator's (peer_copy.receive_command publishes it then), not when the receiver's `docker load` ends: its
 sender is free to serve the next host, and a receiver whose listener runs on the host's own python3 serves
 others from then on, while it loads. A round then takes the copy's time, and the loads (most of the time
 of a multi-GB image) run side by side. A host without python3 runs its listener in the image, so it serves
@@ -25,7 +25,7 @@ from typing import Any
 from raycluster_cli import cancel
 from raycluster_cli.errors import OperationError
 from raycluster_cli.host.engine import image_id
-from raycluster_cli.image import peer_copy as peers
+from raycluster_cli.image import peer_copy
 from raycluster_cli.progress import Progress, TransferProgress
 from raycluster_cli.transport import CommandResult, Transport
 from raycluster_cli.transport.fanout import Outcome
@@ -70,9 +70,9 @@ class Job:
     codec: str
     digest: str = ""  # the archive's SHA-256 (hex): a copy that matches is done before the receiver's load
 
-    def remote(self, directory: str = peers.ARCHIVE_DIR) -> str:
+    def remote(self, directory: str = peer_copy.ARCHIVE_DIR) -> str:
         """Where a host keeps its copy of the archive while it may serve others (`directory`: its login user's)."""
-        return peers.archive_path(self.image_id, self.archive.name.split(".", 1)[1], directory)
+        return peer_copy.archive_path(self.image_id, self.archive.name.split(".", 1)[1], directory)
 
 
 @dataclass
@@ -90,7 +90,7 @@ class Receiver:
     sums: bool = False  # has sha256sum: can check its copy as it arrives (its sender is then free)
     listens: bool = False  # has python3 for its listener: can serve others before its own load ends
     serving: bool = False  # already among the holders (its archive whole, or its copy done)
-    archive_dir: str = peers.ARCHIVE_DIR  # where this host keeps the archive (host/folders.archive_dir)
+    archive_dir: str = peer_copy.ARCHIVE_DIR  # where this host keeps the archive (host/folders.archive_dir)
 
     @property
     def host(self) -> str:
@@ -234,10 +234,12 @@ class Spread:
             self.progress(TransferProgress(receiver.host, sent, total))
 
         archive = self.job.remote(receiver.archive_dir)
-        command = peers.receive_script(peers.receive_command(archive, receiver.decompress, self.job.image, "", digest))
+        command = peer_copy.receive_script(
+            peer_copy.receive_command(archive, receiver.decompress, self.job.image, "", digest)
+        )
         with self.job.archive.open("rb") as source:
             result = receiver.transport.feed(
-                command, source, on_sent=on_sent, timeout=peers.DEADLINE_S, on_line=_told(on_ready)
+                command, source, on_sent=on_sent, timeout=peer_copy.DEADLINE_S, on_line=_told(on_ready)
             )
         self.progress(TransferProgress(receiver.host, sent, total, done=True))
         self._check(receiver, result, "docker load")
@@ -250,14 +252,14 @@ class Spread:
         """`sender` serves its copy of the archive to `receiver` over the cluster network."""
         started = time.monotonic()
         total = self.job.archive.stat().st_size
-        copy = peers.Copy.new(sender.host, receiver.host, sender.address)
+        copy = peer_copy.Copy.new(sender.host, receiver.host, sender.address)
         secret = (copy.secret + "\n").encode()
         heard: list[CommandResult | BaseException] = []
 
         def listen() -> None:
             try:
-                command = peers.listener_command(copy, self.job.remote(sender.archive_dir), self.job.image)
-                heard.append(sender.transport.run(command, stdin=secret, timeout=peers.DEADLINE_S + 60))
+                command = peer_copy.listener_command(copy, self.job.remote(sender.archive_dir), self.job.image)
+                heard.append(sender.transport.run(command, stdin=secret, timeout=peer_copy.DEADLINE_S + 60))
             except BaseException as exc:
                 heard.append(exc)
 
@@ -266,22 +268,24 @@ class Spread:
         label = f"image {sender.host} → {receiver.host}"
         self.progress(TransferProgress(receiver.host, 0, total, label=label))
         archive = self.job.remote(receiver.archive_dir)
-        command = peers.receive_script(
-            peers.receive_command(archive, receiver.decompress, self.job.image, f"{copy.address} {copy.port}", digest)
+        command = peer_copy.receive_script(
+            peer_copy.receive_command(
+                archive, receiver.decompress, self.job.image, f"{copy.address} {copy.port}", digest
+            )
         )
         report = lambda n: self.progress(TransferProgress(receiver.host, n, total, label=label))  # noqa: E731
-        with peers.Watch(receiver.transport, archive, report, total) as watch:
+        with peer_copy.Watch(receiver.transport, archive, report, total) as watch:
             result = receiver.transport.run(
-                command, stdin=secret, timeout=peers.DEADLINE_S + 60, on_line=_told(on_ready)
+                command, stdin=secret, timeout=peer_copy.DEADLINE_S + 60, on_line=_told(on_ready)
             )
-        listener.join(peers.CONNECT_S + 60)
+        listener.join(peer_copy.CONNECT_S + 60)
         self.progress(TransferProgress(receiver.host, total, total, done=True, label=label))
         if not result.ok and _listener_failed(heard[0] if heard else None):
             sender.serves = False
         if watch.stalled:
             why = _listener_said(heard[0] if heard else None)
             raise OperationError(
-                f"{receiver.host}: no byte from {sender.host} for {peers.STALL_S:.0f}s "
+                f"{receiver.host}: no byte from {sender.host} for {peer_copy.STALL_S:.0f}s "
                 f"({watch.seen / 1e6:.0f} of {total / 1e6:.0f} MB had arrived{'; the listener: ' + why if why else ''})",
                 "",
             )
@@ -296,7 +300,7 @@ class Spread:
             bytes_sent=size,
             codec=self.job.codec,
             source=source,
-            checksum="sha256" if peers.PUBLISHED in result.stdout.splitlines() else "",
+            checksum="sha256" if peer_copy.PUBLISHED in result.stdout.splitlines() else "",
         )
 
     def _check(self, receiver: Receiver, result: CommandResult, what: str) -> None:
@@ -320,7 +324,7 @@ def _told(on_ready: Callable[[], None] | None) -> Callable[[str], None] | None:
     """What reads a receive command's lines as they come: `on_ready` once it says its archive was published."""
     if on_ready is None:
         return None
-    return lambda line: on_ready() if line == peers.PUBLISHED else None
+    return lambda line: on_ready() if line == peer_copy.PUBLISHED else None
 
 
 def _listener_said(heard: CommandResult | BaseException | None) -> str:

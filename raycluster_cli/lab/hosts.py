@@ -193,6 +193,18 @@ def quota_options(spec: str, count: int) -> dict[str, list[str]]:
     return {f"lab-h{index}": cpu_options(value) for index, value in enumerate(values, start=1)}
 
 
+
+def _keep_running(client: Any, name: str, hosts: list[LabHost], progress: Progress) -> set[str]:
+    """Remove the lab's containers that are not among `hosts`; the names of those still running."""
+    running = set()
+    for stale in client.containers.list(all=True, filters={"label": f"{LAB_LABEL}={name}"}):
+        if stale.name not in {h.name for h in hosts}:
+            progress(f"removing lab host {stale.name} (not part of a {len(hosts)}-host lab)")
+            stale.remove(force=True)
+        elif stale.status == "running":
+            running.add(stale.name)
+    return running
+
 def lab_up(
     count: int = 3,
     *,
@@ -231,13 +243,7 @@ def lab_up(
     key_path = _ensure_key(lab_dir)
     public_key = (lab_dir / "id_ed25519.pub").read_text()
     _ensure_network(client, name, subnet)
-    running = set()
-    for stale in client.containers.list(all=True, filters={"label": f"{LAB_LABEL}={name}"}):
-        if stale.name not in {h.name for h in hosts}:
-            progress(f"removing lab host {stale.name} (not part of a {count}-host lab)")
-            stale.remove(force=True)
-        elif stale.status == "running":
-            running.add(stale.name)
+    running = _keep_running(client, name, hosts, progress)
     starting = sum(h.name not in running for h in hosts)
     import psutil  # here, not at the top: `raycluster doctor` imports this module for the lab verbs' defaults
 

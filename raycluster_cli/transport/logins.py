@@ -2,7 +2,7 @@
 
 On one host `doctor`, `status` and `down` are mostly the interpreter's start, the imports and one SSH login,
 and the login waits on the host (its sshd) more than on this machine: the sooner it starts, the more of it
-overlaps the imports. prelogin.py starts it before the CLI's imports, but it still needs the inventory read
+overlaps the imports. cli/ahead.py starts it before the CLI's imports, but it still needs the inventory read
 and validated first (pydantic and the inventory's models: about a third of the time to the login).
 
 So each run keeps, per inventory file, what it logged in with: every host's `SSHPool.login_params` (address,

@@ -10,7 +10,7 @@ from __future__ import annotations
 import secrets
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from raycluster_cli.config.inventory import HostConfig, Inventory
@@ -38,14 +38,7 @@ class ExecResult:
     error: str = ""  # why the command could not run (then rc is NOT_RUN)
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "host": self.host,
-            "role": self.role,
-            "rc": self.rc,
-            "stdout": self.stdout,
-            "stderr": self.stderr,
-            "error": self.error,
-        }
+        return asdict(self)
 
 
 def choose_hosts(inventory: Inventory, addresses: list[str] | None, every: bool) -> list[HostConfig]:

@@ -14,7 +14,7 @@ import re
 import tarfile
 import zlib
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -53,18 +53,7 @@ class HostLogs:
     truncated: list[str] = field(default_factory=list)  # what the cap cut, in words
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "host": self.host,
-            "folder": self.folder,
-            "files": self.files,
-            "bytes": self.bytes,
-            "error_lines": self.error_lines,
-            "first_errors": self.first_errors,
-            "error": self.error,
-            "container_log_bytes": self.container_log_bytes,
-            "cap_bytes": self.cap_bytes,
-            "truncated": self.truncated,
-        }
+        return asdict(self)
 
 
 def count_errors(text: str, limit: int = 3) -> tuple[int, list[str]]:

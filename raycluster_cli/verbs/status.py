@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from raycluster_cli.config.inventory import HostConfig, Inventory
@@ -34,18 +34,7 @@ class HostStatus:
         return self.container == "running" and self.ray_node == "alive"
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "host": self.host,
-            "role": self.role,
-            "node_ip": self.node_ip,
-            "container": self.container,
-            "ray_node": self.ray_node,
-            "healthy": self.healthy,
-            "resources": self.resources,
-            "image_id": self.image_id,
-            "ray_version": self.ray_version,
-            "error": self.error,
-        }
+        return asdict(self) | {"healthy": self.healthy}
 
 
 @dataclass

@@ -8,7 +8,7 @@ Never prints: progress goes through the callback the caller gives.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from raycluster_cli.checks import CheckResult
@@ -33,15 +33,7 @@ class NodeState:
     reason: str = ""  # why a container was replaced
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "host": self.host,
-            "role": self.role,
-            "node_ip": self.node_ip,
-            "alive": self.alive,
-            "action": self.action,
-            "reason": self.reason,
-            "resources": self.resources,
-        }
+        return asdict(self)
 
 
 @dataclass

@@ -17,7 +17,8 @@ pytestmark = [pytest.mark.slow]
 ray = pytest.importorskip("ray")
 torch = pytest.importorskip("torch")
 
-from raycluster_cli.bench import experiment, pipeline, runtime, session  # noqa: E402
+from raycluster_cli.bench import experiment, pipeline, session  # noqa: E402
+from raycluster_cli.bench import workload as runtime  # noqa: E402
 from raycluster_cli.bench.model import ModelConfig  # noqa: E402
 from raycluster_cli.bench.options import BenchOptions  # noqa: E402
 from raycluster_cli.bench.partition import even_partition  # noqa: E402

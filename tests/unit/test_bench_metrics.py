@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from raycluster_cli.bench import metrics
-from raycluster_cli.bench.metrics import imbalance, latency_summary, percentile, spread, utilisation
+from raycluster_cli.bench import balance
+from raycluster_cli.bench.balance import imbalance, latency_summary, percentile, spread, utilisation
 
 
 def test_imbalance_and_utilisation() -> None:
@@ -47,25 +47,25 @@ def test_bad_input() -> None:
 
 
 def test_capacity_time_charges_cpu_against_the_quota() -> None:
-    assert metrics.capacity_time(5.45, 2.18, 0.25) == pytest.approx(8.72)  # bursts under a 0.25 quota
-    assert metrics.capacity_time(11.2, 2.69, 0.25) == pytest.approx(11.2)  # throttled: wall time stands
-    assert metrics.capacity_time(9.7, 6.5, 1.0) == pytest.approx(9.7)  # starved below its quota
-    assert metrics.capacity_time(3.0, 2.0, None) == 3.0  # no quota: busy time
+    assert balance.capacity_time(5.45, 2.18, 0.25) == pytest.approx(8.72)  # bursts under a 0.25 quota
+    assert balance.capacity_time(11.2, 2.69, 0.25) == pytest.approx(11.2)  # throttled: wall time stands
+    assert balance.capacity_time(9.7, 6.5, 1.0) == pytest.approx(9.7)  # starved below its quota
+    assert balance.capacity_time(3.0, 2.0, None) == 3.0  # no quota: busy time
 
 
 def test_capacity_time_leaves_the_quota_other_processes_used() -> None:
     # The head: a 0.6 quota of which the driver and the GCS used 0.1 -> the stage had 0.5.
-    assert metrics.capacity_time(18.0, 10.0, 0.6, others_cpus=0.1) == pytest.approx(20.0)
-    assert metrics.capacity_time(18.0, 10.0, 0.6, others_cpus=0.0) == pytest.approx(18.0)
+    assert balance.capacity_time(18.0, 10.0, 0.6, others_cpus=0.1) == pytest.approx(20.0)
+    assert balance.capacity_time(18.0, 10.0, 0.6, others_cpus=0.0) == pytest.approx(18.0)
     # A bad reading never makes the share vanish: at least a tenth of the quota.
-    assert metrics.capacity_time(1.0, 1.0, 0.5, others_cpus=5.0) == pytest.approx(20.0)
-    assert metrics.capacity_time(3.0, 2.0, None, others_cpus=0.5) == 3.0
+    assert balance.capacity_time(1.0, 1.0, 0.5, others_cpus=5.0) == pytest.approx(20.0)
+    assert balance.capacity_time(3.0, 2.0, None, others_cpus=0.5) == 3.0
 
 
 def test_idle_breakdown_splits_idle_into_fill_between_and_drain() -> None:
     # a 10 s run: first call at 1.0, a 2 s gap at 4..6 (second and third fifths), last call ends at 9.5
     calls = [(1.0, 2.0), (2.0, 4.0), (6.0, 9.5)]
-    got = metrics.idle_breakdown(calls, 10.0, windows=5)
+    got = balance.idle_breakdown(calls, 10.0, windows=5)
     assert got["idle_fill_s"] == pytest.approx(1.0)
     assert got["idle_between_s"] == pytest.approx(2.0)
     assert got["idle_drain_s"] == pytest.approx(0.5)
@@ -76,23 +76,23 @@ def test_idle_breakdown_splits_idle_into_fill_between_and_drain() -> None:
 
 
 def test_idle_breakdown_gap_across_slices_and_unsorted_calls() -> None:
-    got = metrics.idle_breakdown([(7.0, 8.0), (0.0, 1.0)], 10.0, windows=5)  # gap 1..7 spans slices 0..3
+    got = balance.idle_breakdown([(7.0, 8.0), (0.0, 1.0)], 10.0, windows=5)  # gap 1..7 spans slices 0..3
     assert got["idle_between_windows_s"] == pytest.approx([1.0, 2.0, 2.0, 1.0, 0.0])
     assert got["idle_fill_s"] == 0.0 and got["idle_drain_s"] == pytest.approx(2.0)
 
 
 def test_idle_breakdown_without_calls_is_all_fill() -> None:
-    got = metrics.idle_breakdown([], 4.0, windows=2)
+    got = balance.idle_breakdown([], 4.0, windows=2)
     assert got["idle_fill_s"] == 4.0 and got["idle_between_s"] == 0.0 and got["idle_drain_s"] == 0.0
     assert got["idle_between_windows_s"] == [0.0, 0.0]
 
 
 def test_quota_used() -> None:
     # the 0.25-CPU node of session 6: 5.27 CPU-s in a 21.5 s run is 98 % of its quota
-    assert metrics.quota_used(5.27, 0.25, 21.5) == pytest.approx(5.27 / 5.375)
-    assert metrics.quota_used(None, 0.25, 21.5) is None
-    assert metrics.quota_used(5.0, None, 21.5) is None
-    assert metrics.quota_used(5.0, 0.25, 0.0) is None
+    assert balance.quota_used(5.27, 0.25, 21.5) == pytest.approx(5.27 / 5.375)
+    assert balance.quota_used(None, 0.25, 21.5) is None
+    assert balance.quota_used(5.0, None, 21.5) is None
+    assert balance.quota_used(5.0, 0.25, 0.0) is None
 
 
 def test_stage_report_carries_the_idle_breakdown_and_the_quota_used() -> None:

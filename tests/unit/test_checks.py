@@ -15,7 +15,7 @@ from raycluster_cli.transport.fake import FakeTransport
 
 RECORDED = Path(__file__).parent / "recorded"
 IMAGE_ID = "sha256:" + "ab" * 32
-# The host's one reading of each engine thing (enginefacts.py), and the other commands of the gather.
+# The host's one reading of each engine thing (host/engine_facts.py), and the other commands of the gather.
 ENGINE = r"^if i=\$\(docker info"
 IMAGE = r"^i=\$\(docker image inspect"
 CONTAINERS = r"^docker ps --all"

@@ -24,7 +24,7 @@ NOT_AT_IMPORT = [
     "raycluster_cli.verbs.execute",  # exec
     "raycluster_cli.render.bench",
     "raycluster_cli.render.operate",
-    "raycluster_cli.lab.hosts",  # lab (its flags' defaults are in flagdefaults.py)
+    "raycluster_cli.lab.hosts",  # lab (its flags' defaults are in config/defaults.py)
     "raycluster_cli.verbs.logs",  # logs (likewise)
     "raycluster_cli.verbs.status",  # status
     "raycluster_cli.verbs.down",  # down

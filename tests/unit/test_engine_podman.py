@@ -13,15 +13,7 @@ import yaml
 from raycluster_cli.checks import Status
 from raycluster_cli.checks.base import CheckContext
 from raycluster_cli.checks.catalog import DOCKER_VERSION
-from raycluster_cli.checks.runtime import (
-    disk,
-    gpus,
-    gpus_command,
-    image,
-    processes_command,
-    stale_ray,
-    stale_ray_view,
-)
+from raycluster_cli.checks.machine import disk, gpus, gpus_command, image, processes_command, stale_ray, stale_ray_view
 from raycluster_cli.config import inventory
 from raycluster_cli.host.containers import parse_ps, run_argv
 from raycluster_cli.host.engine import DOCKER, PODMAN, adapt_run_argv, dialect_of, image_id, ps_rows

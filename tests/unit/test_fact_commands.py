@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from raycluster_cli.checks.hostnet import ETC_HOSTS_COMMAND
-from raycluster_cli.checks.runtime import processes_command
+from raycluster_cli.checks.machine import processes_command
 from raycluster_cli.host.folders import _nearest_existing
 
 SHELLS = ["/bin/sh", "bash"]

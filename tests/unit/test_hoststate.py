@@ -12,10 +12,10 @@ import pytest
 
 from raycluster_cli.checks import Status, access
 from raycluster_cli.checks.base import CheckContext
-from raycluster_cli.checks.runtime import docker
+from raycluster_cli.checks.machine import docker
 from raycluster_cli.config import inventory
 from raycluster_cli.errors import InventoryError
-from raycluster_cli.host import folders as hoststate
+from raycluster_cli.host import folders
 from raycluster_cli.host.containers import docker_run_command, env_path_on_host, token_path_on_host
 from raycluster_cli.transport.base import put_command, shell_path
 
@@ -96,17 +96,17 @@ def test_ssh_sudo_is_a_strict_boolean(extra: str, worker: str, where: str) -> No
 
 def test_the_folder_depends_on_the_login_user_sudo_and_the_key() -> None:
     root = inv()
-    assert [hoststate.cluster_dir(root, h) for h in root.hosts] == ["/etc/raycluster/demo"] * 2
+    assert [folders.cluster_dir(root, h) for h in root.hosts] == ["/etc/raycluster/demo"] * 2
     mixed = inv("ssh: {user: rayops}\n", "ssh: {user: root}")
-    assert hoststate.cluster_dir(mixed, mixed.hosts[0]) == "~/.local/state/raycluster/demo"
-    assert hoststate.cluster_dir(mixed, mixed.hosts[1]) == "/etc/raycluster/demo"
+    assert folders.cluster_dir(mixed, mixed.hosts[0]) == "~/.local/state/raycluster/demo"
+    assert folders.cluster_dir(mixed, mixed.hosts[1]) == "/etc/raycluster/demo"
     sudo = inv("ssh: {user: rayops, sudo: true}\n")
-    assert hoststate.cluster_dir(sudo, sudo.hosts[0]) == "/etc/raycluster/demo"
-    assert hoststate.uses_sudo(sudo, sudo.hosts[0])
-    assert not hoststate.uses_sudo(inv("ssh: {sudo: true}\n"), root.hosts[0])  # root needs no sudo
+    assert folders.cluster_dir(sudo, sudo.hosts[0]) == "/etc/raycluster/demo"
+    assert folders.uses_sudo(sudo, sudo.hosts[0])
+    assert not folders.uses_sudo(inv("ssh: {sudo: true}\n"), root.hosts[0])  # root needs no sudo
     chosen = inv("ssh: {user: rayops, sudo: true}\nhost_state_dir: ~/rc\n")
-    assert hoststate.cluster_dir(chosen, chosen.hosts[1]) == "~/rc/demo"
-    assert not hoststate.uses_sudo(chosen, chosen.hosts[1])  # a home folder never needs sudo
+    assert folders.cluster_dir(chosen, chosen.hosts[1]) == "~/rc/demo"
+    assert not folders.uses_sudo(chosen, chosen.hosts[1])  # a home folder never needs sudo
     assert token_path_on_host(chosen, chosen.hosts[0]) == "~/rc/demo/auth-token"
 
 
@@ -117,12 +117,12 @@ def test_the_login_user_from_ssh_config_chooses_the_folder_as_the_pool_logs_in(t
     setting = f"ssh: {{config_file: {config}}}\n"
     by_config = inv(setting)
     head, worker = by_config.hosts
-    assert hoststate.login_user(by_config, head) == "root" and hoststate.login_user(by_config, worker) == "rayops"
-    assert hoststate.cluster_dir(by_config, head) == "/etc/raycluster/demo"
-    assert hoststate.cluster_dir(by_config, worker) == "~/.local/state/raycluster/demo"
-    assert hoststate.archive_dir(by_config, worker) == "/var/tmp/raycluster-images-rayops"
+    assert folders.login_user(by_config, head) == "root" and folders.login_user(by_config, worker) == "rayops"
+    assert folders.cluster_dir(by_config, head) == "/etc/raycluster/demo"
+    assert folders.cluster_dir(by_config, worker) == "~/.local/state/raycluster/demo"
+    assert folders.archive_dir(by_config, worker) == "/var/tmp/raycluster-images-rayops"
     explicit = inv(setting, "ssh: {user: root}")  # the inventory's own user wins, as for the connection
-    assert hoststate.cluster_dir(explicit, explicit.hosts[1]) == "/etc/raycluster/demo"
+    assert folders.cluster_dir(explicit, explicit.hosts[1]) == "/etc/raycluster/demo"
 
 
 # The commands, in a real shell ------------------------------------------------------------------------------
@@ -167,20 +167,20 @@ def test_put_makes_only_the_files_own_folder_private_and_the_folders_above_it_07
 def test_make_and_remove_the_folder_without_sudo(tmp_path: Path) -> None:
     user = inv("ssh: {user: rayops}\n")
     host = user.hosts[1]
-    assert "sudo" not in hoststate.make_dir_command(user, host)
-    assert sh(hoststate.make_dir_command(user, host), tmp_path).returncode == 0
+    assert "sudo" not in folders.make_dir_command(user, host)
+    assert sh(folders.make_dir_command(user, host), tmp_path).returncode == 0
     folder = tmp_path / ".local/state/raycluster/demo"
     assert folder.is_dir() and stat.S_IMODE(folder.stat().st_mode) == 0o700
-    assert sh(hoststate.make_dir_command(user, host), tmp_path).returncode == 0  # again: no error
-    assert sh(hoststate.remove_dir_command(user, host), tmp_path).stdout == "removed\n" and not folder.exists()
-    assert sh(hoststate.remove_dir_command(user, host), tmp_path).stdout == ""  # nothing there: nothing said
+    assert sh(folders.make_dir_command(user, host), tmp_path).returncode == 0  # again: no error
+    assert sh(folders.remove_dir_command(user, host), tmp_path).stdout == "removed\n" and not folder.exists()
+    assert sh(folders.remove_dir_command(user, host), tmp_path).stdout == ""  # nothing there: nothing said
 
 
 def test_only_the_cluster_folder_is_private_even_under_umask_077(tmp_path: Path) -> None:
     """CI: root's `up` had made /etc/raycluster 0700 (mkdir -p under umask 077), which a sudo login's
     files then could not cross. The folder above the cluster's is 0755 whatever the session's umask."""
     chosen = inv(f"host_state_dir: {tmp_path}/state\n")
-    assert sh("umask 077 && " + hoststate.make_dir_command(chosen, chosen.hosts[0]), tmp_path).returncode == 0
+    assert sh("umask 077 && " + folders.make_dir_command(chosen, chosen.hosts[0]), tmp_path).returncode == 0
     assert stat.S_IMODE((tmp_path / "state").stat().st_mode) == 0o755
     assert stat.S_IMODE((tmp_path / "state/demo").stat().st_mode) == 0o700
 
@@ -188,11 +188,11 @@ def test_only_the_cluster_folder_is_private_even_under_umask_077(tmp_path: Path)
 def test_with_sudo_the_folder_is_made_for_the_login_user() -> None:
     sudo = inv("ssh: {user: rayops, sudo: true}\n")
     host = sudo.hosts[0]
-    assert hoststate.make_dir_command(sudo, host) == (
+    assert folders.make_dir_command(sudo, host) == (
         "{ [ -x /etc/raycluster ] || sudo -n install -d -m 755 /etc/raycluster; } && "
         'sudo -n install -d -m 700 -o "$(id -un)" -g "$(id -gn)" /etc/raycluster/demo'
     )
-    assert "sudo -n rm -rf -- /etc/raycluster/demo" in hoststate.remove_dir_command(sudo, host)
+    assert "sudo -n rm -rf -- /etc/raycluster/demo" in folders.remove_dir_command(sudo, host)
 
 
 def test_the_container_mounts_the_files_from_the_login_users_home(tmp_path: Path) -> None:
@@ -213,7 +213,7 @@ def test_the_container_mounts_the_files_from_the_login_users_home(tmp_path: Path
 def test_the_probe_in_a_real_shell_finds_the_parent_it_would_make_the_folder_in(tmp_path: Path) -> None:
     user = inv("ssh: {user: rayops}\n")
     host = user.hosts[0]
-    done = sh(hoststate.probe_command(user, host), tmp_path)
+    done = sh(folders.probe_command(user, host), tmp_path)
     assert done.returncode == 0, done.stderr
     lines = dict(line.split(" ", 1) for line in done.stdout.splitlines())
     assert lines["dir"] == f"{tmp_path}/.local/state/raycluster/demo"
@@ -293,7 +293,7 @@ def test_docker_access_findings_name_the_fix_for_a_non_root_user() -> None:
 
 
 def test_the_image_is_not_called_missing_when_the_engine_refused_the_user() -> None:
-    from raycluster_cli.checks.runtime import image
+    from raycluster_cli.checks.machine import image
 
     ctx = ctx_of(inv("ssh: {user: rayops}\n"))
     refused = image(1, "", "permission denied while trying to connect to the Docker daemon socket", ctx)
@@ -304,5 +304,5 @@ def test_the_image_is_not_called_missing_when_the_engine_refused_the_user() -> N
 
 def test_image_archives_on_a_host_are_the_login_users_own() -> None:
     mixed = inv("ssh: {user: rayops}\n", "ssh: {user: root}")
-    assert hoststate.archive_dir(mixed, mixed.hosts[0]) == "/var/tmp/raycluster-images-rayops"
-    assert hoststate.archive_dir(mixed, mixed.hosts[1]) == "/var/tmp/raycluster-images"
+    assert folders.archive_dir(mixed, mixed.hosts[0]) == "/var/tmp/raycluster-images-rayops"
+    assert folders.archive_dir(mixed, mixed.hosts[1]) == "/var/tmp/raycluster-images"

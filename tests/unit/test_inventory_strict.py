@@ -4,8 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from raycluster_cli.config import inventory
-from raycluster_cli.config import strict_yaml as strictyaml
+from raycluster_cli.config import inventory, strict_yaml
 from raycluster_cli.config.references import hostname_problem, image_problem
 from raycluster_cli.errors import ExitCode, InventoryError
 
@@ -25,7 +24,7 @@ def _worker(extra: str) -> bytes:
 CASES = [
     ("not UTF-8", BASE.encode() + b"# caf\xe9\n", "inv.yaml:6: not UTF-8 text (byte 0xe9 at column 6)"),
     ("deep nesting", (BASE + "env: " + "[" * 5000 + "]" * 5000 + "\n").encode(), "inv.yaml:6: invalid YAML (nested"),
-    ("too large", BASE.encode() + b"#" * strictyaml.MAX_BYTES, f"larger than {strictyaml.MAX_BYTES // 1024} KiB"),
+    ("too large", BASE.encode() + b"#" * strict_yaml.MAX_BYTES, f"larger than {strict_yaml.MAX_BYTES // 1024} KiB"),
     ("duplicate top key", (BASE + "cluster: other\n").encode(), "inv.yaml:6: cluster: duplicate key (first at line 1)"),
     ("duplicate hosts", (BASE + "hosts: []\n").encode(), "inv.yaml:6: hosts: duplicate key (first at line 3)"),
     ("duplicate in host", _worker("role: head"), "inv.yaml:5: hosts[1].role: duplicate key"),
@@ -111,7 +110,7 @@ def test_merge_keys_and_anchors_are_not_duplicates() -> None:
 
 def test_load_reads_at_most_the_cap(tmp_path: Path) -> None:
     path = tmp_path / "inv.yaml"
-    path.write_bytes(BASE.encode() + b"#" * (3 * strictyaml.MAX_BYTES))
+    path.write_bytes(BASE.encode() + b"#" * (3 * strict_yaml.MAX_BYTES))
     with pytest.raises(InventoryError, match="larger than"):
         inventory.load(path)
     path.write_bytes(BASE.encode())

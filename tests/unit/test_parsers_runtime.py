@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from raycluster_cli.checks.parsers_runtime import (
+from raycluster_cli.checks.parsers_machine import (
     is_ray_process,
     parse_df,
     parse_docker_size,

@@ -1,4 +1,4 @@
-"""The receiver's side of an image copy (peers.receive_command) under a real bash, with real `tail`, `gzip`
+"""The receiver's side of an image copy (peer_copy.receive_command) under a real bash, with real `tail`, `gzip`
 and `timeout`, and a fake `docker` that records what it loads: the archive arrives on stdin, as the
 operator's stream gives it (a peer's copy reaches the same pipeline through /dev/tcp). No connection is
 opened."""
@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from raycluster_cli.image import peer_copy as peers
+from raycluster_cli.image import peer_copy
 
 # A `docker load` that reads nothing until the archive file has $SIZE bytes (at most 20 s), as a daemon
 # committing a multi-GB layer stops reading for a while; it notes the file's size when it starts reading.
@@ -49,7 +49,7 @@ def _start(
     (bin_dir / "docker").write_text(FAKE_DOCKER)
     (bin_dir / "docker").chmod(0o755)
     archive = tmp_path / "images" / "a.tar.gz"
-    command = peers.receive_script(peers.receive_command(str(archive), "gzip -dc", "img:1", "", digest))
+    command = peer_copy.receive_script(peer_copy.receive_command(str(archive), "gzip -dc", "img:1", "", digest))
     env = {
         "PATH": f"{path}{bin_dir}:/usr/bin:/bin",
         "D": str(tmp_path),
@@ -127,7 +127,7 @@ def test_a_whole_archive_whose_checksum_matches_is_served_while_the_load_still_r
     assert (tmp_path / "images" / "a.tar.gz").read_bytes() == archive
     assert not (tmp_path / "images" / "a.tar.gz.part").exists()
     said = done.stdout.decode().splitlines()
-    assert said[-1] == "sha256:abc" and said.count(peers.PUBLISHED) == 1
+    assert said[-1] == "sha256:abc" and said.count(peer_copy.PUBLISHED) == 1
 
 
 def test_the_command_says_its_archive_was_published_while_its_load_still_runs(
@@ -147,7 +147,7 @@ def test_the_command_says_its_archive_was_published_while_its_load_still_runs(
         (tmp_path / "go").touch()
         receiver.wait(60)
         rest, err = receiver.stdout.read(), receiver.stderr.read() if receiver.stderr else b""
-    assert first == peers.PUBLISHED and loading, (first, err.decode())
+    assert first == peer_copy.PUBLISHED and loading, (first, err.decode())
     assert receiver.returncode == 0 and rest.decode().splitlines()[-1] == "sha256:abc"
     assert (tmp_path / "loaded").read_bytes() == content
 
@@ -162,7 +162,7 @@ def test_an_archive_whose_checksum_differs_is_served_only_after_its_load(
     assert (tmp_path / "published-while-loading").read_text().strip() == "no"
     assert (tmp_path / "loaded").read_bytes() == content
     assert (tmp_path / "images" / "a.tar.gz").read_bytes() == archive  # the load verified the image: kept
-    assert peers.PUBLISHED not in done.stdout.decode()
+    assert peer_copy.PUBLISHED not in done.stdout.decode()
 
 
 def test_a_stream_cut_short_is_never_published(tmp_path: Path, image: tuple[bytes, bytes]) -> None:
@@ -171,7 +171,7 @@ def test_a_stream_cut_short_is_never_published(tmp_path: Path, image: tuple[byte
     done = _receive(tmp_path, half, wait_for=len(half), digest=hashlib.sha256(archive).hexdigest(), published_wait=15)
     assert done.returncode != 0
     assert (tmp_path / "published-while-loading").read_text().strip() == "no"
-    assert not (tmp_path / "images" / "a.tar.gz").exists() and peers.PUBLISHED not in done.stdout.decode()
+    assert not (tmp_path / "images" / "a.tar.gz").exists() and peer_copy.PUBLISHED not in done.stdout.decode()
 
 
 @pytest.mark.parametrize("shell", ["sh", "bash"])
@@ -179,7 +179,7 @@ def test_the_size_command_reads_the_copy_so_far(tmp_path: Path, shell: str) -> N
     archive = tmp_path / "a.tar.zst"
 
     def size() -> str:
-        run = subprocess.run([shell, "-c", peers.size_command(str(archive))], capture_output=True, timeout=10)
+        run = subprocess.run([shell, "-c", peer_copy.size_command(str(archive))], capture_output=True, timeout=10)
         return run.stdout.decode().strip()
 
     assert size() == "0"

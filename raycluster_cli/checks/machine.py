@@ -5,7 +5,7 @@ from __future__ import annotations
 import shlex
 
 from raycluster_cli.checks.base import CheckContext, Finding, Status
-from raycluster_cli.checks.parsers_runtime import (
+from raycluster_cli.checks.parsers_machine import (
     gib,
     parse_df,
     parse_docker_size,
@@ -15,7 +15,7 @@ from raycluster_cli.checks.parsers_runtime import (
     parse_runtimes,
     parse_versions,
 )
-from raycluster_cli.host import folders as hoststate
+from raycluster_cli.host import folders
 from raycluster_cli.host.containers import LABEL_CLUSTER
 from raycluster_cli.host.engine import dialect_for, image_id
 from raycluster_cli.host.engine_facts import (
@@ -45,7 +45,7 @@ def docker(rc: int, out: str, err: str, ctx: CheckContext) -> Finding:
     if rc == 0 and out.strip():
         return Finding(Status.OK, f"{'Podman' if podman else 'Docker engine'} {out.strip()} answers ({engine})")
     text = (err or out).strip()
-    user = hoststate.login_user(ctx.inventory, ctx.host)
+    user = folders.login_user(ctx.inventory, ctx.host)
     if rc == 127 or "not found" in text:
         if podman:
             return Finding(Status.FAIL, f"{engine} is not installed", f"on {ctx.address}: apt-get install podman")
