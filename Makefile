@@ -25,17 +25,13 @@ lab: venv images
 lab-down: venv
 	$(BIN)/raycluster lab down
 
-# The main job: a 3-host lab whose hosts are unequal (CPU quotas of their Ray containers), then
-# doctor → up → bench → down against it. The bench's own report shows what balancing buys there:
-# the balanced split next to the even split and the whole model unsharded on one node.
+# The main job: a 3-host lab whose hosts are unequal (CPU quotas of their Ray containers), then doctor → up →
+# a short bench (the balanced split next to the even split and the whole model unsharded) → next steps → down.
+# KEEP=1 keeps the cluster up for the next steps; DEMO_QUOTAS, DEMO_BENCH change the hosts and the bench's flags.
 DEMO_QUOTAS ?= 1.0,0.5,0.25
+KEEP ?= 0
 demo: venv images
-	@inv=$$($(BIN)/raycluster lab up --hosts $(LAB_HOSTS) --cpu-quotas $(DEMO_QUOTAS) --json | $(BIN)/python -c 'import json,sys; print(json.load(sys.stdin)["inventory"])'); \
-	set -e; \
-	echo "== raycluster doctor -i $$inv"; $(BIN)/raycluster doctor -i $$inv; \
-	echo "== raycluster up -i $$inv"; $(BIN)/raycluster up -i $$inv; \
-	echo "== raycluster bench -i $$inv --check-output"; $(BIN)/raycluster bench -i $$inv --check-output; \
-	echo "== raycluster down -i $$inv"; $(BIN)/raycluster down -i $$inv
+	BIN=$(BIN) LAB_HOSTS=$(LAB_HOSTS) DEMO_QUOTAS=$(DEMO_QUOTAS) KEEP=$(KEEP) bash scripts/demo.sh
 
 lint: venv
 	$(BIN)/ruff check raycluster_cli tests

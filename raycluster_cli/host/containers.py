@@ -175,6 +175,29 @@ def env_file_content(env: dict[str, str]) -> bytes:
     return "".join(f"{name}={shlex.quote(value)}\n" for name, value in sorted(env.items())).encode()
 
 
+def cpu_quota_of(run_options: list[str]) -> float | None:
+    """The CPUs a container's run options allow (`--cpus=X`, or `--cpu-quota=Q` over `--cpu-period=P`, Docker's
+    default period 100 ms), None when they set no quota.
+
+    Ray advertises such a container's quota rounded down, so a host given half a core offers 0 CPUs and no
+    ordinary task (1 CPU) can run on it; Ray's CPUs are scheduling slots, not cores, so `up` gives a host whose
+    quota is under one core one slot unless the inventory sets `num_cpus`."""
+    words = [word for option in run_options for word in shlex.split(option)]
+    values: dict[str, str] = {}
+    for index, word in enumerate(words):
+        name, sep, value = word.partition("=")
+        if name in ("--cpus", "--cpu-quota", "--cpu-period"):
+            values[name] = value if sep else (words[index + 1] if index + 1 < len(words) else "")
+    try:
+        if "--cpus" in values:
+            return float(values["--cpus"])
+        if "--cpu-quota" in values and float(values["--cpu-quota"]) > 0:
+            return float(values["--cpu-quota"]) / float(values.get("--cpu-period", "100000"))
+    except ValueError:
+        return None
+    return None
+
+
 def ray_start_args(inventory: Inventory, host: HostConfig) -> list[str]:
     ray = inventory.ray
     node_ip = inventory.node_ip(host)
@@ -193,6 +216,8 @@ def ray_start_args(inventory: Inventory, host: HostConfig) -> list[str]:
         ]
     if host.num_cpus is not None:
         args.append(f"--num-cpus={host.num_cpus:g}")
+    elif (quota := cpu_quota_of(inventory.docker_for(host).run_options)) is not None and quota < 1:
+        args.append("--num-cpus=1")  # Ray rounds a quota below one core down to 0 CPUs: no task could run there
     if host.num_gpus is not None:
         args.append(f"--num-gpus={host.num_gpus}")
     if host.resources:

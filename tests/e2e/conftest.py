@@ -53,7 +53,7 @@ class Lab:
         return next(h for h in self.info.hosts if h.hostname == hostname)
 
     def cli(self, *args: str, timeout: float = 600, inventory: str | None = None) -> tuple[int, dict[str, Any], str]:
-        """Run `raycluster ARGS -i <lab inventory> --json` as a real process (the command's own path: cli/ahead.py)."""
+        """Run `raycluster ARGS -i <lab inventory> --json` as a real process (the command's own path: cli/entry.py)."""
         command = [sys.executable, "-m", "raycluster_cli", *args, "-i", inventory or self.inventory, "--json"]
         done = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
         try:

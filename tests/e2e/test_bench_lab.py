@@ -146,7 +146,8 @@ def test_slow_host_gets_fewer_layers_and_balanced_evens_out_busy_time(cluster: C
     doc = cluster.bench("--layers=24", "--requests=16", "--max-new-tokens=8", "--partition=balanced")
     by_host = {s["host"]: s for s in doc["stages"]}
     slow = by_host[IP3]
-    # Ray advertises 0 CPUs for a 0.3 quota; the stage reads the quota itself: one thread.
+    # `up` advertises one CPU for a 0.3 quota (Ray would round it down to 0); the stage reads the quota itself:
+    # one thread.
     assert slow["cpu_quota"] == pytest.approx(0.3) and slow["num_threads"] == 1
     assert slow["capacity_s"] >= slow["busy_s"] and doc["imbalance_capacity"] >= 0
     assert all(slow["layers"] < s["layers"] for host, s in by_host.items() if host != IP3), doc["partition_ranges"]
@@ -155,6 +156,45 @@ def test_slow_host_gets_fewer_layers_and_balanced_evens_out_busy_time(cluster: C
     # Throughput against the even split is measured by benchmarks/bench_targets.sh, not asserted here.
     even = doc["references"]["even"]
     assert doc["imbalance"] < even["imbalance"], (doc["imbalance"], even)
+
+
+ON_EVERY_NODE = """
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+ray.init()
+
+
+@ray.remote(num_cpus=1)
+def where():
+    return ray.util.get_node_ip_address()
+
+
+nodes = [n["NodeID"] for n in ray.nodes() if n["Alive"]]
+tasks = [where.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n, soft=False)).remote() for n in nodes]
+print("ran on", sorted(set(ray.get(tasks, timeout=120))), flush=True)
+"""
+
+
+def test_ordinary_tasks_run_on_a_host_under_one_cpu(cluster: Cluster, tmp_path: Path) -> None:
+    """A host whose Ray container has a third of a core still offers a CPU: a job's 1-CPU task runs on every node
+    (with Ray's own count, 0 CPUs there, the task pinned to that node never runs and the job times out)."""
+    quotas = {"lab-h1": "1.0", "lab-h2": "0.5", "lab-h3": "0.3"}
+
+    def limit(inv: dict[str, Any]) -> None:
+        for index, host in enumerate(inv["hosts"]):
+            host.setdefault("docker", {})["run_options"] = lab.cpu_options(quotas[f"lab-h{index + 1}"])
+
+    cluster.use(cluster.lab.variant(tmp_path / "fractional.yaml", limit))
+    (tmp_path / "job").mkdir()
+    (tmp_path / "job" / "where.py").write_text(ON_EVERY_NODE)
+    command = [sys.executable, "-m", "raycluster_cli.cli", "submit", "-i", cluster.current, "--json"]
+    command += ["--working-dir", str(tmp_path / "job"), "--", "python", "where.py"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=400)
+    doc = json.loads(done.stdout)
+    assert done.returncode == 0 and doc["job"]["status"] == "SUCCEEDED", done.stderr[-3000:]
+    hosts = sorted(h.address for h in cluster.lab.info.hosts)
+    assert f"ran on {hosts}" in done.stderr, done.stderr[-3000:]
 
 
 KILL_WORKER = "docker kill $(docker ps -q --filter label=io.raycluster.cluster=lab)"

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from raycluster_cli.config import inventory
+from raycluster_cli.host import containers
 from raycluster_cli.host.containers import (
     ENV_IN_CONTAINER,
     GCS_WAIT_S,
@@ -357,3 +358,30 @@ def test_a_worker_starts_early_only_where_it_resolves_rays_temp_folder_as_the_he
     assert mode(with_worker("docker: {run_options: ['--env TMPDIR=/scratch']}")) == "head"
     assert mode(with_worker("docker: {run_options: ['-eTMPDIR=/scratch']}")) == "head"
     assert mode(with_worker("docker: {run_options: ['--cpus=2']}")) == "early"
+
+
+@pytest.mark.parametrize(
+    ("options", "quota"),
+    [
+        ([], None),
+        (["--cpus=0.5"], 0.5),
+        (["--cpus 2"], 2.0),
+        (["--cpu-period=5000", "--cpu-quota=1250"], 0.25),
+        (["--cpu-quota=50000"], 0.5),  # Docker's default period
+        (["--cpu-quota=-1"], None),
+        (["--shm-size=1g", "--cpus=abc"], None),
+    ],
+)
+def test_the_cpu_quota_is_read_from_the_run_options(options: list[str], quota: float | None) -> None:
+    assert containers.cpu_quota_of(options) == quota
+
+
+def test_a_host_under_one_core_advertises_one_cpu_unless_num_cpus_is_set(example_yaml: str) -> None:
+    inv = inventory.parse(example_yaml)
+    worker = inv.hosts[1].model_copy(update={"num_cpus": None})
+    quarter = inv.model_copy(update={"docker": inv.docker.model_copy(update={"run_options": ["--cpus=0.25"]})})
+    assert "--num-cpus=1" in containers.ray_start_args(quarter, worker)
+    two = inv.model_copy(update={"docker": inv.docker.model_copy(update={"run_options": ["--cpus=2"]})})
+    assert not any(a.startswith("--num-cpus") for a in containers.ray_start_args(two, worker))  # Ray's own count
+    pinned = worker.model_copy(update={"num_cpus": 0})
+    assert "--num-cpus=0" in containers.ray_start_args(quarter, pinned)
