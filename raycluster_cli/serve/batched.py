@@ -12,12 +12,14 @@ bench's behaviour is untouched.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
+from raycluster_cli.bench import llama
 from raycluster_cli.bench.config import ModelConfig
+from raycluster_cli.bench.model import Block as GPT2Block
 from raycluster_cli.bench.model import Stage
 
 
@@ -85,7 +87,7 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
 
 
-def _llama_block(block: nn.Module, x: torch.Tensor, cache: SlotCache, rows: Rows) -> torch.Tensor:
+def _llama_block(block: llama.Block, x: torch.Tensor, cache: SlotCache, rows: Rows) -> torch.Tensor:
     """``bench.llama.Block.forward`` with per-row positions (its maths, its parameters)."""
     batch, steps, _ = x.shape
     heads, kv_heads, width = block.heads, block.kv_heads, block.head_dim
@@ -106,7 +108,7 @@ def _llama_block(block: nn.Module, x: torch.Tensor, cache: SlotCache, rows: Rows
     return out
 
 
-def _gpt2_block(block: nn.Module, x: torch.Tensor, cache: SlotCache, rows: Rows) -> torch.Tensor:
+def _gpt2_block(block: GPT2Block, x: torch.Tensor, cache: SlotCache, rows: Rows) -> torch.Tensor:
     """``bench.model.Block.forward`` with per-row positions."""
     batch, steps, d = x.shape
     heads = block.heads
@@ -136,7 +138,6 @@ class BatchedStage:
         self.slots = slots
         self.device = self.stage.device
         self.caches = [SlotCache(slots, cfg, self.device) for _ in self.stage.blocks]
-        self._block = _llama_block if cfg.arch == "llama" else _gpt2_block
 
     @property
     def has_head(self) -> bool:
@@ -157,14 +158,19 @@ class BatchedStage:
         if stage.embedding is not None:
             x = self._embed(stage.embedding, x, rows)
         for block, cache in zip(stage.blocks, self.caches, strict=True):
-            x = self._block(block, x, cache, rows)
+            if isinstance(block, llama.Block):
+                x = _llama_block(block, x, cache, rows)
+            elif isinstance(block, GPT2Block):
+                x = _gpt2_block(block, x, cache, rows)
+            else:
+                raise TypeError(f"no batched forward for {type(block).__name__}")
         if stage.head is None:
             return x
         last = x[torch.arange(x.shape[0], device=x.device), rows.lengths - 1]
         logits: torch.Tensor = stage.head(last)
         return logits
 
-    def _embed(self, embedding: nn.Module, ids: torch.Tensor, rows: Rows) -> torch.Tensor:
+    def _embed(self, embedding: Any, ids: torch.Tensor, rows: Rows) -> torch.Tensor:
         out: torch.Tensor = embedding.tok(ids)
         if self.cfg.arch != "llama":  # learned positions (GPT-2)
             out = out + embedding.pos(rows.positions)

@@ -113,7 +113,13 @@ class Scheduler:
                 size = min(self.limits.prefill_chunk, len(seq.prompt) - seq.computed, budget)
                 end = seq.computed + size
                 chunks.append(
-                    Chunk(seq.request_id, seq.slot, seq.computed, tuple(seq.prompt[seq.computed : end]), end == len(seq.prompt))
+                    Chunk(
+                        seq.request_id,
+                        seq.slot,
+                        seq.computed,
+                        tuple(seq.prompt[seq.computed : end]),
+                        end == len(seq.prompt),
+                    )
                 )
                 budget -= size
         for chunk in chunks:
@@ -158,9 +164,9 @@ class Scheduler:
     def finish(self, request_id: str, reason: str) -> None:
         """End a sequence now (EOS, limit, stop string, client gone): its slot is free for the next step,
         or as soon as the step it is in comes back."""
-        for seq in self.waiting:
-            if seq.request_id == request_id:
-                self.waiting.remove(seq)
+        for queued in self.waiting:
+            if queued.request_id == request_id:
+                self.waiting.remove(queued)
                 return
         seq = self.running.get(request_id)
         if seq is None:
