@@ -4,9 +4,12 @@ Ray Serve owns the HTTP proxy, the replica's lifecycle and its health checks; th
 routes onto the engine.  A replica is constructed only once a real generation went through every
 stage (``Engine.probe``), and ``check_health`` repeats that probe when the service has been idle, so
 "healthy" always means "generates" (vLLM #53157: a /v1/models that answers while generation is dead).
-"""
 
-from __future__ import annotations
+Everything the deployment class calls is defined above it: ``@serve.deployment`` serializes the
+class (and the module globals it names) when it is applied.  No ``from __future__ import annotations`` here: FastAPI reads the route methods' annotations at
+runtime, and Serve's ingress wrapper leaves them unresolvable as strings (``Request`` would become
+a required query parameter).
+"""
 
 import asyncio
 import hmac
@@ -20,6 +23,7 @@ from typing import Any
 
 import transformers
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
 from starlette.exceptions import HTTPException
@@ -63,12 +67,65 @@ def _read_json(path: Path) -> dict[str, Any]:
     return data if isinstance(data, dict) else {}
 
 
+async def _whole(
+    request_id: str, model: str, first: Output, rest: AsyncIterator[Output], *, chat: bool
+) -> dict[str, Any]:
+    text, last = first.text, first
+    async for out in rest:
+        text, last = text + out.text, out
+    choice = (
+        protocol.chat_choice(text, last.finish_reason, delta=False)
+        if chat
+        else protocol.completion_choice(text, last.finish_reason)
+    )
+    kind = "chat.completion" if chat else "text_completion"
+    return protocol.envelope(
+        request_id, kind, model, [choice], usage=protocol.usage(last.prompt_tokens, len(last.token_ids))
+    )
+
+
+async def _stream_events(
+    request_id: str, model: str, first: Output, rest: AsyncIterator[Output], *, chat: bool, include_usage: bool
+) -> AsyncIterator[str]:
+    """Server-sent events: one chunk per released piece of text, the finish reason, usage if asked, [DONE]."""
+    kind = "chat.completion.chunk" if chat else "text_completion"
+    last, index = first, 0
+
+    async def outputs() -> AsyncIterator[Output]:
+        yield first
+        async for out in rest:
+            yield out
+
+    async for out in outputs():
+        last = out
+        if not out.text and out.finish_reason is None:
+            continue
+        if chat:
+            choice = protocol.chat_choice(out.text, out.finish_reason, delta=True, first=index == 0)
+        else:
+            choice = protocol.completion_choice(out.text, out.finish_reason)
+        index += 1
+        yield protocol.sse(protocol.envelope(request_id, kind, model, [choice]))
+    if include_usage:
+        yield protocol.sse(
+            protocol.envelope(
+                request_id, kind, model, [], usage=protocol.usage(last.prompt_tokens, len(last.token_ids))
+            )
+        )
+    yield protocol.sse("[DONE]")
+
+
 app = FastAPI(title="raycluster serve")
 
 
 @app.exception_handler(APIError)
 async def _api_error(_: Request, exc: APIError) -> JSONResponse:
     return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+
+@app.exception_handler(RequestValidationError)
+async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+    return JSONResponse(APIError(400, str(exc.errors()[:1])).body(), status_code=400)
 
 
 @app.exception_handler(HTTPException)
@@ -181,54 +238,6 @@ class OpenAIServer:
             )
             return StreamingResponse(events, media_type="text/event-stream")
         return JSONResponse(await _whole(request_id, self.model_id, first, outputs, chat=chat))
-
-
-async def _whole(
-    request_id: str, model: str, first: Output, rest: AsyncIterator[Output], *, chat: bool
-) -> dict[str, Any]:
-    text, last = first.text, first
-    async for out in rest:
-        text, last = text + out.text, out
-    choice = (
-        protocol.chat_choice(text, last.finish_reason, delta=False)
-        if chat
-        else protocol.completion_choice(text, last.finish_reason)
-    )
-    kind = "chat.completion" if chat else "text_completion"
-    return protocol.envelope(
-        request_id, kind, model, [choice], usage=protocol.usage(last.prompt_tokens, len(last.token_ids))
-    )
-
-
-async def _stream_events(
-    request_id: str, model: str, first: Output, rest: AsyncIterator[Output], *, chat: bool, include_usage: bool
-) -> AsyncIterator[str]:
-    """Server-sent events: one chunk per released piece of text, the finish reason, usage if asked, [DONE]."""
-    kind = "chat.completion.chunk" if chat else "text_completion"
-    last, index = first, 0
-
-    async def outputs() -> AsyncIterator[Output]:
-        yield first
-        async for out in rest:
-            yield out
-
-    async for out in outputs():
-        last = out
-        if not out.text and out.finish_reason is None:
-            continue
-        if chat:
-            choice = protocol.chat_choice(out.text, out.finish_reason, delta=True, first=index == 0)
-        else:
-            choice = protocol.completion_choice(out.text, out.finish_reason)
-        index += 1
-        yield protocol.sse(protocol.envelope(request_id, kind, model, [choice]))
-    if include_usage:
-        yield protocol.sse(
-            protocol.envelope(
-                request_id, kind, model, [], usage=protocol.usage(last.prompt_tokens, len(last.token_ids))
-            )
-        )
-    yield protocol.sse("[DONE]")
 
 
 def build_app(settings: ServeSettings, **options: Any) -> Any:
