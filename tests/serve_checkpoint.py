@@ -16,7 +16,14 @@ from tokenizers import decoders, models, pre_tokenizers
 from .llama_checkpoint import write_llama
 
 SPECIALS = ["[UNK]", "[PAD]", "<s>", "</s>", "<|user|>", "<|assistant|>", "<|system|>"]
-WORDS = ["the", "a", "an", "of", "to", "in", "on", "at", "for", "with", "by", "from", "and", "or", "but", "not", "is", "are", "was", "were", "be", "been", "cat", "dog", "bird", "fish", "tree", "river", "hill", "road", "town", "city", "house", "door", "window", "light", "dark", "red", "green", "blue", "small", "large", "old", "new", "fast", "slow", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten", "run", "walk", "sing", "jump", "read", "write", "see", "hear", "say", "think", "hello", "world", "yes", "no", "maybe", "please", "thanks", "story", "time", "day", "night", "sun", "moon", "star", "sky", "rain", "snow", "wind", "fire", "stone"]
+_WORD_LIST = (
+    "the a an of to in on at for with by from and or but not is are was were be been cat dog bird fish "
+    "tree river hill road town city house door window light dark red green blue small large old new fast "
+    "slow one two three four five six seven eight nine ten run walk sing jump read write see hear say "
+    "think hello world yes no maybe please thanks story time day night sun moon star sky rain snow wind "
+    "fire stone"
+)
+WORDS = _WORD_LIST.split()
 CHAT_TEMPLATE = (
     "{% for message in messages %}<|{{ message['role'] }}|> {{ message['content'] }} {% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"

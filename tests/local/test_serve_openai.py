@@ -49,7 +49,7 @@ class Service:
     tokenizer: Any
     model: Any
 
-    def client(self, key: str = TOKEN) -> openai.AsyncOpenAI:
+    def client(self, key: str = TOKEN) -> Any:
         return openai.AsyncOpenAI(base_url=self.base_url, api_key=key, max_retries=0, timeout=60)
 
     def generate(self, ids: list[int], new_tokens: int = NEW_TOKENS) -> str:
@@ -98,7 +98,7 @@ def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
         stages=2,
         split=(2, 1),
         num_threads=1,
-        limits=Limits(slots=8, step_tokens=48, prefill_chunk=8, max_seq=128),
+        limits=Limits(slots=8, step_tokens=48, prefill_chunk=8, max_seq=128, max_waiting=16),
     )
     port = _free_port()
     with pytest.MonkeyPatch.context() as mp:
@@ -123,7 +123,7 @@ def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
             ray.shutdown()
 
 
-async def _complete(client: openai.AsyncOpenAI, prompt: str, stream: bool, **extra: Any) -> tuple[str, Any]:
+async def _complete(client: Any, prompt: str, stream: bool, **extra: Any) -> tuple[str, Any]:
     """The text (joined stream chunks when streaming) and the usage of one completion."""
     args = {"model": MODEL, "prompt": prompt, "max_tokens": NEW_TOKENS, "temperature": 0} | extra
     if not stream:
@@ -137,6 +137,8 @@ async def _complete(client: openai.AsyncOpenAI, prompt: str, stream: bool, **ext
 
 
 def test_concurrent_greedy_completions_equal_generate(service: Service) -> None:
+    """24 requests at once (12 prompts, each streamed and not) on 8 KV slots: they join and leave the batch."""
+
     async def run() -> list[tuple[str, Any]]:
         client = service.client()
         calls = [_complete(client, p, stream) for p in PROMPTS for stream in (False, True)]
@@ -186,7 +188,7 @@ def test_stop_string_ends_the_text_before_it(service: Service) -> None:
         )
         return [whole, await _complete(client, prompt, True, stop=stop)]
 
-    whole, (streamed, usage) = asyncio.run(run())
+    whole, (streamed, _) = asyncio.run(run())
     assert whole.choices[0].text == streamed == want
     assert whole.choices[0].finish_reason == "stop"
     assert whole.usage.completion_tokens < NEW_TOKENS
@@ -209,7 +211,7 @@ def test_errors_have_the_openai_shape(service: Service) -> None:
             await service.client(key="wrong").models.list()
         with pytest.raises(openai.NotFoundError) as missing:
             await service.client().completions.create(model="no-such-model", prompt="the cat", max_tokens=2)
-        assert missing.value.body["code"] == "model_not_found"  # type: ignore[index]
+        assert missing.value.body["code"] == "model_not_found"
         with pytest.raises(openai.BadRequestError):
             await service.client().completions.create(model=MODEL, prompt="the cat", temperature=7)
         models = await service.client().models.list()
@@ -221,3 +223,23 @@ def test_errors_have_the_openai_shape(service: Service) -> None:
     assert set(bare["error"]) == {"message", "type", "param", "code"}
     status, bad = _raw(f"{service.base_url}/completions", b"{")
     assert status == 400 and bad["error"]["type"] == "invalid_request_error"
+
+
+def test_a_full_queue_answers_503_with_retry_after(service: Service) -> None:
+    """8 slots + 16 waiting: of 40 long requests at once some are refused, the others complete."""
+
+    async def run() -> list[Any]:
+        client = service.client()
+        calls = [
+            client.completions.create(model=MODEL, prompt=PROMPTS[i % 4], max_tokens=60, temperature=0)
+            for i in range(40)
+        ]
+        return list(await asyncio.gather(*calls, return_exceptions=True))
+
+    results = asyncio.run(run())
+    refused = [r for r in results if isinstance(r, openai.APIStatusError)]
+    assert refused and all(r.status_code == 503 for r in refused)
+    assert all(r.response.headers["retry-after"] for r in refused)
+    assert all(r.body["type"] == "server_error" for r in refused)
+    done = [r for r in results if not isinstance(r, BaseException)]
+    assert len(done) + len(refused) == 40 and len(done) >= 24
