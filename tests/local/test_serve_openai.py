@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
 import socket
 import time
 import urllib.error
@@ -26,6 +28,7 @@ serve = pytest.importorskip("ray.serve")
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 openai = pytest.importorskip("openai")
+psutil = pytest.importorskip("psutil")
 
 from raycluster_cli.serve.app import ServeSettings, build_app  # noqa: E402
 from raycluster_cli.serve.scheduler import Limits  # noqa: E402
@@ -112,7 +115,7 @@ def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
         )
         try:
             serve.start(http_options={"host": "127.0.0.1", "port": port})
-            serve.run(build_app(settings), name="raycluster", route_prefix="/")
+            serve.run(build_app(settings, health_check_period_s=2), name="raycluster", route_prefix="/")
             url = f"http://127.0.0.1:{port}/v1"
             _wait_ready(url)
             tokenizer = transformers.AutoTokenizer.from_pretrained(str(path))
@@ -243,3 +246,22 @@ def test_a_full_queue_answers_503_with_retry_after(service: Service) -> None:
     assert all(r.body["type"] == "server_error" for r in refused)
     done = [r for r in results if not isinstance(r, BaseException)]
     assert len(done) + len(refused) == 40 and len(done) >= 24
+
+
+def test_a_killed_stage_answers_503_until_serve_replaces_the_replica(service: Service) -> None:
+    """Runs last: it kills the second stage's process; Serve's health check then replaces the replica."""
+    stages = [p for p in psutil.process_iter(["cmdline"]) if "ray::_StageActor" in " ".join(p.info["cmdline"] or [])]
+    assert len(stages) == 2
+    os.kill(stages[-1].pid, signal.SIGKILL)
+    body = json.dumps({"model": MODEL, "prompt": PROMPTS[2], "max_tokens": 4, "temperature": 0}).encode()
+    statuses: list[int] = []
+    began = time.monotonic()
+    while time.monotonic() - began < 90:
+        status, answer = _raw(f"{service.base_url}/completions", body)
+        statuses.append(status)
+        if status == 200:
+            break
+        assert status == 503 and answer["error"]["type"] == "server_error"
+        time.sleep(0.2)
+    assert 503 in statuses and statuses[-1] == 200
+    assert answer["choices"][0]["text"] == service.generate(service.tokenizer.encode(PROMPTS[2]), 4)
