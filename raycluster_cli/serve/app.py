@@ -38,6 +38,7 @@ from raycluster_cli.serve.text import Sampling, eos_ids
 
 RETRY_AFTER_S = 2
 IDLE_PROBE_S = 30.0  # check_health probes with a generation when no step ran for this long
+STALL_S = 30.0  # a step in flight this long without any step coming back: a stage is wedged
 
 
 @dataclass(frozen=True)
@@ -163,6 +164,8 @@ class OpenAIServer:
         """Raise unless the engine generates: a failed stage, or an idle engine whose probe fails."""
         if self.engine.failure is not None:
             raise RuntimeError(f"engine down: {self.engine.failure}")
+        if self.engine.stalled_s() > STALL_S:
+            raise RuntimeError(f"no step came back from the stages for {self.engine.stalled_s():.0f} s")
         if time.monotonic() - self.engine.last_step_at > IDLE_PROBE_S:
             self.ready = await self.engine.probe()
 

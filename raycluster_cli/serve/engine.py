@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -76,6 +76,7 @@ class Engine:
         self.failure: BaseException | None = None
         self.steps_done = 0
         self.last_step_at = 0.0
+        self._sent_at = 0.0
         self._ids = itertools.count()
         self._wake = asyncio.Event()
         self._in_flight: set[asyncio.Task[None]] = set()
@@ -94,7 +95,7 @@ class Engine:
 
     async def generate(
         self, prompt: list[int], max_tokens: int, sampling: Sampling, stop: list[str] | None = None
-    ) -> AsyncIterator[Output]:
+    ) -> AsyncGenerator[Output, None]:
         """Stream one request's outputs; the last has a ``finish_reason``.  Raises ``QueueFull``,
         ``ValueError`` (too long), ``EngineDown``; leaving early (client gone) frees its slot."""
         if self.failure is not None:
@@ -117,13 +118,29 @@ class Engine:
             self.scheduler.finish(request_id, "abort")
             self._wake.set()
 
+    def stalled_s(self) -> float:
+        """Seconds steps have been in flight without one coming back (0 when none is in flight): a wedged
+        node shows here, since its step neither answers nor fails."""
+        if not self._in_flight:
+            return 0.0
+        return time.monotonic() - max(self.last_step_at, self._sent_at)
+
     async def _loop(self) -> None:
+        try:
+            await self._plan_steps()
+        except Exception as exc:  # a bug in planning must not leave every request waiting forever
+            self._fail(exc)
+            raise
+
+    async def _plan_steps(self) -> None:
         while True:
             self._wake.clear()
             while self.failure is None and len(self._in_flight) < self.max_in_flight:
                 chunks = self.scheduler.schedule()
                 if not chunks:
                     break
+                if not self._in_flight:
+                    self._sent_at = time.monotonic()
                 task = asyncio.get_running_loop().create_task(self._step(chunks))
                 self._in_flight.add(task)
                 task.add_done_callback(self._in_flight.discard)
