@@ -166,7 +166,7 @@ class OpenAIServer:
             raise RuntimeError(f"engine down: {self.engine.failure}")
         if self.engine.stalled_s() > STALL_S:
             raise RuntimeError(f"no step came back from the stages for {self.engine.stalled_s():.0f} s")
-        if time.monotonic() - self.engine.last_step_at > IDLE_PROBE_S:
+        if not self.engine.live and time.monotonic() - self.engine.last_step_at > IDLE_PROBE_S:
             self.ready = await self.engine.probe()
 
     def _authorize(self, request: Request) -> None:

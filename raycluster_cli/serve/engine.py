@@ -79,7 +79,8 @@ class Engine:
         self._sent_at = 0.0
         self._ids = itertools.count()
         self._wake = asyncio.Event()
-        self._in_flight: set[asyncio.Task[None]] = set()
+        self._in_flight = 0  # steps sent and not yet back (counted by the steps themselves: no lost wake-up)
+        self._tasks: set[asyncio.Task[None]] = set()  # strong references, so running steps are not collected
         self._loop_task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
@@ -94,14 +95,14 @@ class Engine:
         return len(self.scheduler.waiting)
 
     async def generate(
-        self, prompt: list[int], max_tokens: int, sampling: Sampling, stop: list[str] | None = None
+        self, prompt: list[int], max_tokens: int, sampling: Sampling, stop: list[str] | None = None, probe: bool = False
     ) -> AsyncGenerator[Output, None]:
         """Stream one request's outputs; the last has a ``finish_reason``.  Raises ``QueueFull``,
         ``ValueError`` (too long), ``EngineDown``; leaving early (client gone) frees its slot."""
         if self.failure is not None:
             raise EngineDown(f"a stage failed: {self.failure}")
         request_id = f"r{next(self._ids)}"
-        self.scheduler.add(request_id, prompt, max_tokens)
+        self.scheduler.add(request_id, prompt, max_tokens, queue_limit=not probe)
         live = _Live(len(prompt), sampling, TextStream(self.tokenizer, stop), sampling.generator())
         self.live[request_id] = live
         self._wake.set()
@@ -121,7 +122,7 @@ class Engine:
     def stalled_s(self) -> float:
         """Seconds steps have been in flight without one coming back (0 when none is in flight): a wedged
         node shows here, since its step neither answers nor fails."""
-        if not self._in_flight:
+        if self._in_flight == 0:
             return 0.0
         return time.monotonic() - max(self.last_step_at, self._sent_at)
 
@@ -135,15 +136,17 @@ class Engine:
     async def _plan_steps(self) -> None:
         while True:
             self._wake.clear()
-            while self.failure is None and len(self._in_flight) < self.max_in_flight:
-                chunks = self.scheduler.schedule()
+            while self.failure is None and self._in_flight < self.max_in_flight:
+                rows = -(-self.scheduler.active // self.max_in_flight)  # an even share per step in flight
+                chunks = self.scheduler.schedule(max_rows=rows)
                 if not chunks:
                     break
-                if not self._in_flight:
+                if self._in_flight == 0:
                     self._sent_at = time.monotonic()
+                self._in_flight += 1
                 task = asyncio.get_running_loop().create_task(self._step(chunks))
-                self._in_flight.add(task)
-                task.add_done_callback(self._in_flight.discard)
+                self._tasks.add(task)
+                task.add_done_callback(self._tasks.discard)
             await self._wake.wait()
 
     async def _step(self, chunks: list[Chunk]) -> None:
@@ -159,6 +162,7 @@ class Engine:
         except Exception as exc:  # a stage died or failed: every request in flight gets the error
             self._fail(exc)
         finally:
+            self._in_flight -= 1
             self._wake.set()
 
     def _finish_step(self, chunks: list[Chunk], logits: torch.Tensor) -> None:
@@ -193,7 +197,7 @@ class Engine:
 
         async def run() -> list[int]:
             tokens: list[int] = []
-            async for out in self.generate([0], 2, Sampling(temperature=0)):
+            async for out in self.generate([0], 2, Sampling(temperature=0), probe=True):
                 tokens = list(out.token_ids)
             return tokens
 

@@ -79,8 +79,10 @@ class Scheduler:
         self.running: dict[str, SeqState] = {}  # in admission order
         self.free_slots: list[int] = list(range(limits.slots - 1, -1, -1))
 
-    def add(self, request_id: str, prompt: list[int], max_new_tokens: int) -> None:
-        """Queue a request; it joins the batch at the next step with a free slot."""
+    def add(self, request_id: str, prompt: list[int], max_new_tokens: int, queue_limit: bool = True) -> None:
+        """Queue a request; it joins the batch at the next step with a free slot.  Refused (``QueueFull``)
+        when ``max_waiting`` requests already wait beyond the free slots, unless ``queue_limit`` is off
+        (the health probe must not fail because clients filled the queue)."""
         if not prompt:
             raise ValueError("the prompt has no tokens")
         if max_new_tokens < 1:
@@ -90,7 +92,7 @@ class Scheduler:
                 f"prompt ({len(prompt)} tokens) + max_tokens ({max_new_tokens}) exceed the context of"
                 f" {self.limits.max_seq} tokens"
             )
-        if len(self.waiting) >= self.limits.max_waiting:
+        if queue_limit and len(self.waiting) >= self.limits.max_waiting + len(self.free_slots):
             raise QueueFull(f"{len(self.waiting)} requests are already waiting")
         self.waiting.append(SeqState(request_id, list(prompt), max_new_tokens))
 
@@ -98,18 +100,27 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self) -> list[Chunk]:
-        """The next step: every idle decoding sequence's token, then prompt chunks within the budget."""
+    @property
+    def active(self) -> int:
+        """Sequences that hold a slot or will get one at the next step."""
+        return len(self.running) + min(len(self.waiting), len(self.free_slots))
+
+    def schedule(self, max_rows: int = 0) -> list[Chunk]:
+        """The next step: every idle decoding sequence's token, then prompt chunks within the budget.
+
+        ``max_rows`` (0: no cap) splits the sequences over several steps in flight, so that every stage
+        of the pipeline has a step to work on instead of one step carrying them all."""
         self._admit()
         budget = self.limits.step_tokens
+        rows = max_rows or self.limits.slots
         chunks: list[Chunk] = []
         idle = [seq for seq in self.running.values() if not seq.busy]
         for seq in idle:
-            if not seq.in_prefill and budget > 0:
+            if not seq.in_prefill and budget > 0 and len(chunks) < rows:
                 chunks.append(Chunk(seq.request_id, seq.slot, seq.computed, (seq.generated[-1],), True))
                 budget -= 1
         for seq in idle:
-            if seq.in_prefill and budget > 0:
+            if seq.in_prefill and budget > 0 and len(chunks) < rows:
                 size = min(self.limits.prefill_chunk, len(seq.prompt) - seq.computed, budget)
                 end = seq.computed + size
                 chunks.append(

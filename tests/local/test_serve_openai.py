@@ -53,7 +53,7 @@ class Service:
     model: Any
 
     def client(self, key: str = TOKEN) -> Any:
-        return openai.AsyncOpenAI(base_url=self.base_url, api_key=key, max_retries=0, timeout=60)
+        return openai.AsyncOpenAI(base_url=self.base_url, api_key=key, max_retries=0, timeout=180)
 
     def generate(self, ids: list[int], new_tokens: int = NEW_TOKENS) -> str:
         """What transformers itself answers, greedy."""
@@ -72,7 +72,7 @@ def _raw(url: str, body: bytes | None = None, token: str | None = TOKEN) -> tupl
     headers = {"Content-Type": "application/json"} | ({"Authorization": f"Bearer {token}"} if token else {})
     request = urllib.request.Request(url, data=body, headers=headers, method="POST" if body is not None else "GET")
     try:
-        with urllib.request.urlopen(request, timeout=10) as response:
+        with urllib.request.urlopen(request, timeout=60) as response:
             return response.status, json.loads(response.read())
     except urllib.error.HTTPError as exc:
         return exc.code, json.loads(exc.read())
@@ -234,7 +234,7 @@ def test_a_full_queue_answers_503_with_retry_after(service: Service) -> None:
     async def run() -> list[Any]:
         client = service.client()
         calls = [
-            client.completions.create(model=MODEL, prompt=PROMPTS[i % 4], max_tokens=60, temperature=0)
+            client.completions.create(model=MODEL, prompt=PROMPTS[i % 4], max_tokens=40, temperature=0)
             for i in range(40)
         ]
         return list(await asyncio.gather(*calls, return_exceptions=True))

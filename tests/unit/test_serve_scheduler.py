@@ -100,8 +100,22 @@ def test_a_busy_sequence_is_not_scheduled_twice_and_finishing_in_flight_frees_la
     assert s.free_slots == [0] and not s.has_work
 
 
-def test_a_full_queue_refuses() -> None:
+def test_a_full_queue_refuses_but_not_the_health_probe() -> None:
     s = Scheduler(Limits(slots=1, max_waiting=1))
-    s.add("a", [1], 1)
+    s.add("a", [1], 1)  # gets the free slot at the next step
+    s.add("b", [1], 1)  # waits
     with pytest.raises(QueueFull):
-        s.add("b", [1], 1)
+        s.add("c", [1], 1)
+    s.add("probe", [1], 1, queue_limit=False)
+    assert [q.request_id for q in s.waiting] == ["a", "b", "probe"]
+
+
+def test_max_rows_splits_the_batch_over_steps_in_flight() -> None:
+    s = Scheduler(Limits(slots=4))
+    for name in "abcd":
+        s.add(name, [1], 9)
+    assert s.active == 4
+    first, second = s.schedule(max_rows=2), s.schedule(max_rows=2)
+    assert _ids(first) == ["a", "b"] and _ids(second) == ["c", "d"]  # two steps, both in flight
+    s.complete(first, {"a": 5, "b": 5})
+    assert _ids(s.schedule(max_rows=2)) == ["a", "b"]  # a and b go on while c and d are still out
