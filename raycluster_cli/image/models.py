@@ -16,6 +16,7 @@ the host-to-host relay `up` uses for images, one upload then hosts serve each ot
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import tarfile
@@ -27,10 +28,10 @@ from typing import BinaryIO
 
 from raycluster_cli.config.inventory import HostConfig, Inventory
 from raycluster_cli.errors import OperationError, UsageError
-from raycluster_cli.host.folders import cluster_dir
+from raycluster_cli.host.containers import MODELS_IN_CONTAINER
+from raycluster_cli.host.folders import models_dir
 from raycluster_cli.transport import Transport, shell_path
 
-MODELS_IN_CONTAINER = "/run/raycluster/models"
 MANIFEST = ".raycluster-manifest"
 RECEIVED = "raycluster: model received and verified"
 _CHUNK = 1 << 20
@@ -111,11 +112,6 @@ def _sha256(file: Path) -> str:
     return digest.hexdigest()
 
 
-def models_dir(inventory: Inventory, host: HostConfig) -> str:
-    """The host's model cache: in the cluster's own folder (private to the login user, removed by --purge)."""
-    return f"{cluster_dir(inventory, host)}/models"
-
-
 def held_command(inventory: Inventory, host: HostConfig) -> str:
     """Prints the digest of each whole model the host holds, one a line (nothing when the cache is empty)."""
     folder = shell_path(models_dir(inventory, host))
@@ -131,12 +127,12 @@ def receive_command(inventory: Inventory, host: HostConfig, digest: str) -> str:
     it read-only and rename it to the digest; on any failure remove it. Prints RECEIVED when the model is there."""
     folder = shell_path(models_dir(inventory, host))
     return (
-        f"set -e; models={folder}; mkdir -p \"$models\"; incoming=\"$models/.incoming-$$\"; "
+        f'set -e; models={folder}; mkdir -p "$models"; incoming="$models/.incoming-$$"; '
         'rm -rf -- "$incoming"; mkdir -m 700 -- "$incoming"; trap \'chmod -R u+w "$incoming" 2>/dev/null; '
         'rm -rf -- "$incoming"\' EXIT; '
         'tar -x --no-same-owner --no-same-permissions -C "$incoming" -f -; '
         f'cd "$incoming"; sha256sum --quiet --strict -c {MANIFEST} >&2; '
-        f'listed=$(cut -c67- {MANIFEST} | sort); present=$(find . -type f ! -name {MANIFEST} | cut -c3- | sort); '
+        f"listed=$(cut -c67- {MANIFEST} | sort); present=$(find . -type f ! -name {MANIFEST} | cut -c3- | sort); "
         '[ "$listed" = "$present" ] || { echo "files that the manifest does not list arrived" >&2; exit 1; }; '
         f'cd /; chmod -R a-w,a+rX "$incoming"; chmod u+w "$incoming"; '
         f'if [ -f "$models/{digest}/{MANIFEST}" ]; then :; else chmod -R u+w "$models/{digest}" 2>/dev/null || true; '
@@ -185,10 +181,8 @@ class _BytesReader:
 
 def _quietly(write: Callable[[], None]) -> Callable[[], None]:
     def run() -> None:
-        try:
+        with contextlib.suppress(OSError):  # the receiver stopped reading: its own error says why
             write()
-        except (BrokenPipeError, OSError):
-            pass  # the receiver stopped reading: its own error says why
 
     return run
 

@@ -39,6 +39,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--prefill-chunk", type=int, default=64)
     p.add_argument("--token-file", default=os.environ.get("RAY_AUTH_TOKEN_PATH", ""))
     p.add_argument("--no-auth", action="store_true", help="accept requests without a token (loopback tests only)")
+    p.add_argument("--record", default="", help="also write the JSON document to this file (for `raycluster status`)")
+    p.add_argument(
+        "--proxy-location",
+        default="HeadOnly",
+        help="Ray Serve's HTTP proxies: HeadOnly (one, on --host) or EveryNode (then --host must be 0.0.0.0)",
+    )
     return p
 
 
@@ -62,10 +68,13 @@ def main(argv: list[str] | None = None) -> int:
     layers = config_from_checkpoint(args.model_path, max_seq=args.max_seq).layers
     ranges = split_units(layers, args.stages, split)  # a bad split fails here, before anything starts
     ray.init(address="auto")
-    serve.start(http_options={"host": args.host, "port": args.port})
+    serve.start(proxy_location=args.proxy_location, http_options={"host": args.host, "port": args.port})
     serve.run(build_app(settings), name=APP_NAME, route_prefix="/")
     url = f"http://{ray.util.get_node_ip_address()}:{args.port}/v1"
-    print(json.dumps({"url": url, "model": settings.served_model, "split": ranges, "replicas": 1}))
+    document = json.dumps({"url": url, "model": settings.served_model, "split": ranges, "replicas": 1})
+    if args.record:
+        Path(args.record).write_text(document + "\n")
+    print(document)
     return 0
 
 

@@ -56,7 +56,7 @@ def test_the_digest_names_the_files_and_their_content(tmp_path: Path) -> None:
 
 def test_a_folder_without_config_or_with_a_link_out_of_it_is_refused(tmp_path: Path) -> None:
     (tmp_path / "empty").mkdir()
-    with pytest.raises(UsageError, match="no config.json"):
+    with pytest.raises(UsageError, match=r"no config\.json"):
         models.read_model_folder(tmp_path / "empty")
     folder = _folder(tmp_path)
     (tmp_path / "secret").write_text("x")
