@@ -36,9 +36,13 @@ if [ -L .cache ]; then
   cp -al "$shared/wheelhouse/." .cache/wheelhouse/ 2>/dev/null || cp -a "$shared/wheelhouse/." .cache/wheelhouse/
 fi
 mkdir -p .cache/wheelhouse
-if ! ls .cache/wheelhouse/ray-"$RAY_VERSION"-*.whl .cache/wheelhouse/torch-"$TORCH_VERSION"*.whl >/dev/null 2>&1; then
+# The node image's Python packages: Ray with its dashboard and Serve (the service), torch (the stages), and
+# transformers (tokenizers and chat templates for `serve`).
+NODE_PACKAGES=("ray[default,serve]==$RAY_VERSION" "torch==$TORCH_VERSION" numpy "transformers>=5.0")
+if ! ls .cache/wheelhouse/ray-"$RAY_VERSION"-*.whl .cache/wheelhouse/torch-"$TORCH_VERSION"*.whl \
+    .cache/wheelhouse/transformers-*.whl .cache/wheelhouse/fastapi-*.whl >/dev/null 2>&1; then
   log "downloading the wheelhouse"
-  "$PYTHON" -m pip download -q "ray[default]==$RAY_VERSION" "torch==$TORCH_VERSION" numpy -d .cache/wheelhouse
+  "$PYTHON" -m pip download -q "${NODE_PACKAGES[@]}" -d .cache/wheelhouse
 fi
 
 build() {  # build IMAGE DOCKERFILE

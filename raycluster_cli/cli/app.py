@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import typer
 
-from raycluster_cli.cli import bench, lab, lifecycle, operate
+from raycluster_cli.cli import bench, lab, lifecycle, operate, serve
 from raycluster_cli.cli.interrupt import hard_exit
 from raycluster_cli.errors import ExitCode
 
@@ -28,6 +28,7 @@ app.command("exec", context_settings={"allow_interspersed_args": False})(operate
 app.command("submit", context_settings={"allow_interspersed_args": False})(operate.submit_command)
 app.command("dashboard")(operate.dashboard_command)
 app.command("bench")(bench.bench_command)
+app.command("serve")(serve.serve_command)
 lab_app = typer.Typer(help="A local multi-host lab (Docker-in-Docker) to try raycluster on one machine.")
 app.add_typer(lab_app, name="lab")
 lab_app.command("up")(lab.lab_up_command)

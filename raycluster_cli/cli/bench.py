@@ -5,21 +5,17 @@ from __future__ import annotations
 import inspect
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import Annotated, Any
 
 import typer
 
 from raycluster_cli.bench.options import BenchOptions, ValidationError, flag_of
+from raycluster_cli.cli.common import DebugOpt, InventoryOpt, JsonOpt, emit, execute, open_cluster
 from raycluster_cli.errors import ExitCode, UsageError
 from raycluster_cli.render.base import (
     Output,
 )
 from raycluster_cli.schema import SCHEMA_VERSION
-
-if TYPE_CHECKING:
-    pass
-
-from raycluster_cli.cli.common import DebugOpt, InventoryOpt, JsonOpt, emit, execute, open_cluster
 
 
 def _flag_decl(name: str, annotation: Any) -> str:

@@ -9,7 +9,7 @@ import sys
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import Annotated, Any
 
 import typer
 
@@ -22,10 +22,6 @@ from raycluster_cli.render.base import (
     Output,
 )
 from raycluster_cli.transport.pool import SSHPool
-
-if TYPE_CHECKING:
-    pass
-
 
 InventoryOpt = Annotated[
     str | None,

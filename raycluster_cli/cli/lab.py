@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import Annotated
 
 import typer
 
+from raycluster_cli.cli.common import DebugOpt, JsonOpt, execute
 from raycluster_cli.config.defaults import (
     DEFAULT_SUBNET,
     LAB_NAME,
@@ -19,11 +20,6 @@ from raycluster_cli.render.base import (
     Output,
     render_lab,
 )
-
-if TYPE_CHECKING:
-    pass
-
-from raycluster_cli.cli.common import DebugOpt, JsonOpt, execute
 
 
 def lab_up_command(

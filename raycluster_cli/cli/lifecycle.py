@@ -195,6 +195,8 @@ def _status_body(inv: Inventory, result: StatusResult) -> dict[str, Any]:
         "state": result.state,
         "hosts": [h.to_dict() for h in result.hosts],
         "totals": result.totals(),
+        "service": result.service,
+        "service_error": result.service_error,
     }
 
 

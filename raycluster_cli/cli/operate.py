@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import Annotated
 
 import typer
 
+from raycluster_cli.cli.common import DebugOpt, InventoryOpt, JsonOpt, emit, execute, open_cluster, wait_for_interrupt
 from raycluster_cli.config.defaults import (
     DEFAULT_MAX_MIB,
     DEFAULT_TIMEOUT_S,
@@ -19,11 +20,6 @@ from raycluster_cli.render.base import (
     Output,
     render_logs,
 )
-
-if TYPE_CHECKING:
-    pass
-
-from raycluster_cli.cli.common import DebugOpt, InventoryOpt, JsonOpt, emit, execute, open_cluster, wait_for_interrupt
 
 
 def metrics_command(

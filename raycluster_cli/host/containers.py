@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from raycluster_cli.config.inventory import HostConfig, Inventory
 from raycluster_cli.errors import OperationError
 from raycluster_cli.host.engine import adapt_run_argv, dialect_for, ps_rows
-from raycluster_cli.host.folders import cluster_dir
+from raycluster_cli.host.folders import cluster_dir, models_dir
 from raycluster_cli.transport import Transport, quote, shell_path
 
 LABEL_CLUSTER = "io.raycluster.cluster"
@@ -23,6 +23,7 @@ LABEL_MANAGED = "io.raycluster.managed-by"
 LABEL_CONFIG = "io.raycluster.config"
 TOKEN_IN_CONTAINER = "/run/raycluster/auth-token"
 ENV_IN_CONTAINER = "/run/raycluster/env"
+MODELS_IN_CONTAINER = "/run/raycluster/models"  # the host's model cache, read-only (host/folders.models_dir)
 # The container's command sources the env file first, so that the Ray processes get the inventory's
 # `env` while the values stay out of `docker inspect` and every command line.
 _ENV = f"set -a && . {ENV_IN_CONTAINER} && set +a"
@@ -259,6 +260,7 @@ def run_argv(inventory: Inventory, host: HostConfig) -> list[str]:
         f"--label={LABEL_CLUSTER}={inventory.cluster}", f"--label={LABEL_ROLE}={host.role}",
         f"--label={LABEL_MANAGED}=raycluster",
         f"--volume={env_path_on_host(inventory, host)}:{ENV_IN_CONTAINER}:ro",
+        f"--volume={models_dir(inventory, host)}:{MODELS_IN_CONTAINER}:ro",
     ]  # fmt: skip
     if docker.shm_size:
         argv.append(f"--shm-size={docker.shm_size}")

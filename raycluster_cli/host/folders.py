@@ -52,6 +52,12 @@ def cluster_dir(inventory: Inventory, host: HostConfig) -> str:
     return f"{state_root(inventory, host)}/{inventory.cluster}"
 
 
+def models_dir(inventory: Inventory, host: HostConfig) -> str:
+    """The host's model cache (image/models.py), inside the cluster's private folder: `up` mounts it read-only
+    into the Ray container; `down --purge` removes it with the folder."""
+    return f"{cluster_dir(inventory, host)}/models"
+
+
 def archive_dir(inventory: Inventory, host: HostConfig) -> str:
     """Where `host` keeps image archives while serving peers: root's shared folder, else the login user's own
     (a folder root made 0700 there would refuse another user)."""

@@ -24,7 +24,7 @@ from raycluster_cli.host.containers import (
 from raycluster_cli.host.engine import image_id
 from raycluster_cli.host.engine_facts import CONTAINERS, parse_containers
 from raycluster_cli.host.facts import Fact, HostContext, derived, raw
-from raycluster_cli.host.folders import cluster_dir, fix_hint, login_user, make_dir_command
+from raycluster_cli.host.folders import cluster_dir, fix_hint, login_user, make_dir_command, models_dir
 from raycluster_cli.host.parsers import parse_ip_addr
 from raycluster_cli.transport import PART_SEPARATOR, CommandResult, Transport, quote, shell_path
 from raycluster_cli.transport.sshio import DeadlineExceeded
@@ -158,7 +158,7 @@ def start_command(inventory: Inventory, host: HostConfig, plan: Plan, files: dic
         f"{{ {make_dir_command(inventory, host)}; }} </dev/null "
         f"|| {{ echo 'raycluster: cannot make the folder' >&2; exit {_DIR_FAILED}; }}"
     )
-    parts = ["umask 077"]
+    parts = ["umask 077", f"mkdir -p -- {shell_path(models_dir(inventory, host))}"]  # mounted: it must exist
     for path, data in files.items():
         tmp = shell_path(f"{path}.raycluster-tmp")
         # dd reads exactly its count from the shared stdin (a `head -c` could read ahead into the next file)

@@ -374,7 +374,27 @@ def status_view(body: dict[str, Any], title: str = "") -> Group:
             lines.append(
                 Text.from_markup(f"[red]{host['host']}:[/red] {_escape(host_error(host['host'], host['error']))}")
             )
+    service = _service_line(body.get("service"), body.get("service_error", ""))
+    if service:
+        lines.append(Text.from_markup(service))
     return Group(*lines)
+
+
+def _service_line(service: dict[str, Any] | None, error: str) -> str:
+    """`serve`'s service in one line: its model, URL and replicas, and Ray Serve's status of it."""
+    if error:
+        return f"[yellow]service: could not be read: {_escape(error)}[/yellow]"
+    if not service:
+        return "no service (raycluster serve --model-path DIR starts one)"
+    record = service.get("record") or {}
+    state = (service.get("serve") or {}).get("status") or "not deployed"
+    colour = "green" if state == "RUNNING" else "yellow"
+    replicas = sum(
+        d.get("replicas", {}).get("RUNNING", 0)
+        for d in ((service.get("serve") or {}).get("deployments") or {}).values()
+    )
+    what = f"{_escape(str(record.get('model', '?')))} at {_escape(str(record.get('url', '?')))}" if record else "?"
+    return f"service: {what}: [{colour}]{_escape(state)}[/{colour}], {replicas} running deployment replica(s)"
 
 
 def _mark(text: str, good: bool) -> str:

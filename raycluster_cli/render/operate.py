@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -123,3 +124,31 @@ def render_metrics(output: Output, body: dict[str, Any]) -> None:
         output.line(f"wrote {len(body['dashboards'])} Grafana dashboards to {_escape(body['dashboards_dir'])}")
     for warning in body["warnings"]:
         output.line(f"[bold yellow]warning:[/bold yellow] {_escape(warning)}")
+
+
+def render_serve(output: Output, body: dict[str, Any]) -> None:
+    """Where the service answers, what it serves, and how to call it (the token by its file, never its value)."""
+    sent = [c for c in body["copies"] if c["action"] == "sent"]
+    if body["copies"]:
+        already = len(body["copies"]) - len(sent)
+        output.line(f"model {body['model_digest'][:12]}: sent to {len(sent)} host(s), already on {already}")
+    model, url = terminal_safe(body["model"]), body["url"]
+    output.line(f"serving {model} at {url} ({body['replicas']} replica(s)), ready in {body['seconds']:.0f}s")
+    output.line(f"split: {terminal_safe(str(body['split']))}")
+    chat = json.dumps({"model": body["model"], "messages": [{"role": "user", "content": "Hello"}]})
+    output.line("call it (the API key is the cluster's token):")
+    if body.get("auth_token_file"):
+        output.line(f'  export OPENAI_API_KEY="$(cat {body["auth_token_file"]})"')
+    output.line(
+        f'  curl -s {url}/chat/completions -H "Authorization: Bearer $OPENAI_API_KEY" '
+        f"-H 'Content-Type: application/json' -d '{chat}'"
+    )
+    output.line(
+        f'  python -c \'import openai; print(openai.OpenAI(base_url="{url}").completions.create('
+        f'model="{model}", prompt="Hello", max_tokens=16).choices[0].text)\''
+    )
+    output.line("raycluster status shows it; raycluster serve --stop removes it")
+
+
+def render_serve_stop(output: Output, body: dict[str, Any]) -> None:
+    output.line(f"cluster {body['cluster']}: " + ("service removed" if body["removed"] else "no service was running"))

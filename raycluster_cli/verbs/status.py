@@ -13,6 +13,7 @@ from raycluster_cli.host.node import probe
 from raycluster_cli.transport import PART_SEPARATOR, prefetch, quote
 from raycluster_cli.transport.fanout import error_message, fanout
 from raycluster_cli.transport.pool import Connect
+from raycluster_cli.verbs.serve import service_status
 
 _VERSION = "from importlib.metadata import version; print(version('ray'))"
 
@@ -40,6 +41,8 @@ class HostStatus:
 @dataclass
 class StatusResult:
     hosts: list[HostStatus]
+    service: dict[str, Any] | None = None  # what `serve` deployed, as the head sees it (verbs/serve.py)
+    service_error: str = ""
 
     @property
     def state(self) -> str:
@@ -115,10 +118,15 @@ def status(inventory: Inventory, connect: Connect) -> StatusResult:
             )
     head = hosts[inventory.hosts.index(inventory.head_host)]
     nodes: list[dict[str, Any]] | None = None
+    result = StatusResult(hosts)
     if head.container == "running":
+        service = fanout([0], lambda _: service_status(inventory, connect), what="ask the head for the service")
         try:
             nodes = probe(connect(inventory.head_host), inventory, [], 0)
         except RayclusterError as exc:
             head.error = exc.message
+        ((_, asked),) = service.pairs
+        result.service = asked.value
+        result.service_error = error_message(asked.error) if asked.error else ""
     merge_nodes(hosts, nodes)
-    return StatusResult(hosts)
+    return result

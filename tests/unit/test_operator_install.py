@@ -13,8 +13,8 @@ from .conftest import refusing_inventory
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "raycluster_cli"
-# Run inside the node image only (the head's probe, the benchmark's stages and driver).
-IN_THE_IMAGE = ("host/probe.py", "bench/")
+# Run inside the node image only (the head's probe, the benchmark's stages and driver, the service).
+IN_THE_IMAGE = ("host/probe.py", "bench/", "serve/")
 # Import name -> distribution name where they differ.
 DISTRIBUTIONS = {"yaml": "pyyaml"}
 
@@ -46,7 +46,9 @@ def test_every_third_party_import_is_declared() -> None:
     missing = []
     for path in _modules():
         side = (
-            core | extras["ray"] | extras["bench"] if str(path.relative_to(PACKAGE)).startswith(IN_THE_IMAGE) else core
+            core | extras["ray"] | extras["bench"] | extras["serve"]
+            if str(path.relative_to(PACKAGE)).startswith(IN_THE_IMAGE)
+            else core
         )
         for name in _imported(path) - set(sys.stdlib_module_names) - {"raycluster_cli"}:
             if DISTRIBUTIONS.get(name, name) not in side:
@@ -85,7 +87,7 @@ for verb in (["doctor"], ["up", "--timeout", "5"], ["down"], ["status"], ["--hel
 package = pathlib.Path(raycluster_cli.__file__).parent
 for path in sorted(package.rglob("*.py")):
     rel = path.relative_to(package).as_posix()
-    if not rel.startswith(("host/probe.py", "bench/")) and rel != "cli/__main__.py":
+    if not rel.startswith(("host/probe.py", "bench/", "serve/")) and rel != "cli/__main__.py":
         importlib.import_module("raycluster_cli." + rel[:-3].replace("/", ".").removesuffix(".__init__"))
 print(json.dumps({"codes": codes, "asked": asked, "loaded": sorted(m for m in sys.modules if m.split(".")[0] == "ray")}))
 """

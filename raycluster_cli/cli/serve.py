@@ -1,0 +1,58 @@
+"""`serve`: the balanced pipeline as an OpenAI-compatible service on the cluster (verbs/serve.py, serve/ in the
+node image); `serve --stop` removes it."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from raycluster_cli.cli.common import DebugOpt, InventoryOpt, JsonOpt, emit, execute, open_cluster
+from raycluster_cli.errors import UsageError
+from raycluster_cli.render.base import Output
+
+
+def serve_command(
+    model_path: Annotated[
+        str | None,
+        typer.Option(
+            "--model-path",
+            help="a Hugging Face checkpoint folder on this machine (copied to every host that lacks it, verified), "
+            "or a path every node already has",
+        ),
+    ] = None,
+    port: Annotated[int, typer.Option(help="the service's port on the head's address")] = 8000,
+    stages: Annotated[int | None, typer.Option(min=1, help="stages per pipeline (default: one per node)")] = None,
+    slots: Annotated[int, typer.Option(min=1, help="sequences a pipeline batches at once (KV cache slots)")] = 16,
+    max_seq: Annotated[int, typer.Option(min=2, help="prompt + generated tokens per sequence")] = 512,
+    model_id: Annotated[str, typer.Option(help="the model name clients pass (default: the folder's name)")] = "",
+    stop: Annotated[bool, typer.Option("--stop", help="remove the service instead")] = False,
+    timeout: Annotated[float, typer.Option(help="seconds the deployment may take")] = 900.0,
+    inventory_path: InventoryOpt = None,
+    json_mode: JsonOpt = False,
+    debug: DebugOpt = False,
+) -> None:
+    """Serve a model across the cluster as an OpenAI-compatible API (/v1/completions, /v1/chat/completions).
+
+    Returns once a real generation went through every stage; the service keeps running after this command
+    (a second `serve` replaces it; `serve --stop` removes it; `status` shows it). The cluster's token is the API
+    key. Exit 0: serving (or removed); 1: it did not start; 2: bad flags or inventory."""
+
+    def action(output: Output) -> int:
+        from raycluster_cli.render.operate import render_serve, render_serve_stop
+        from raycluster_cli.verbs import serve
+
+        if stop:
+            with open_cluster(inventory_path) as (inv, pool):
+                removed = serve.stop(inv, pool)
+            return emit(output, True, {"cluster": inv.cluster, "removed": removed}, render_serve_stop)
+        if not model_path:
+            raise UsageError(
+                "serve needs --model-path DIR (or --stop)", "e.g. raycluster serve --model-path ./my-llama"
+            )
+        options = serve.ServeOptions(model_path, port, stages, slots, max_seq, model_id, timeout)
+        with open_cluster(inventory_path) as (inv, pool), output.live_progress() as progress:
+            result = serve.serve(inv, pool, options, progress)
+        return emit(output, True, {"cluster": inv.cluster, **result.to_dict()}, render_serve)
+
+    execute(json_mode, debug, action)

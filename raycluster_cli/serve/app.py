@@ -1,0 +1,256 @@
+"""The Ray Serve application: a FastAPI ingress deployment that speaks the OpenAI API over the engine.
+
+Ray Serve owns the HTTP proxy, the replica's lifecycle and its health checks; this module only maps
+routes onto the engine.  A replica is constructed only once a real generation went through every
+stage (``Engine.probe``), and ``check_health`` repeats that probe when the service has been idle, so
+"healthy" always means "generates" (vLLM #53157: a /v1/models that answers while generation is dead).
+
+Everything the deployment class calls is defined above it: ``@serve.deployment`` serializes the
+class (and the module globals it names) when it is applied.  No ``from __future__ import annotations`` here: FastAPI reads the route methods' annotations at
+runtime, and Serve's ingress wrapper leaves them unresolvable as strings (``Request`` would become
+a required query parameter).
+"""
+
+import asyncio
+import hmac
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import transformers
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from ray import serve
+from starlette.exceptions import HTTPException
+
+from raycluster_cli.bench.model import config_from_checkpoint
+from raycluster_cli.serve import protocol
+from raycluster_cli.serve.engine import Engine, EngineDown, Output, QueueFull
+from raycluster_cli.serve.protocol import APIError, ChatRequest, CompletionRequest
+from raycluster_cli.serve.scheduler import Limits
+from raycluster_cli.serve.stages import split_units, start_stages
+from raycluster_cli.serve.text import Sampling, eos_ids
+
+RETRY_AFTER_S = 2
+IDLE_PROBE_S = 30.0  # check_health probes with a generation when no step ran for this long
+STALL_S = 30.0  # a step in flight this long without any step coming back: a stage is wedged
+
+
+@dataclass(frozen=True)
+class ServeSettings:
+    """What one deployment serves and how: the checkpoint, its split over stages, the batching limits."""
+
+    model_path: str
+    model_id: str = ""  # the name clients pass as ``model``; default: the checkpoint folder's name
+    token: str | None = None  # the bearer token (the Ray cluster's); None: no auth (local tests only)
+    stages: int = 1
+    split: tuple[int, ...] | None = None  # blocks per stage; None: even
+    node_ids: tuple[str, ...] | None = None  # pin stage i to node i
+    num_threads: int | None = None
+    limits: Limits = field(default_factory=Limits)
+    max_in_flight: int | None = None  # steps travelling through the pipeline at once; None: one per stage
+
+    @property
+    def served_model(self) -> str:
+        return self.model_id or Path(self.model_path).name
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+async def _whole(
+    request_id: str, model: str, first: Output, rest: AsyncIterator[Output], *, chat: bool
+) -> dict[str, Any]:
+    text, last = first.text, first
+    async for out in rest:
+        text, last = text + out.text, out
+    choice = (
+        protocol.chat_choice(text, last.finish_reason, delta=False)
+        if chat
+        else protocol.completion_choice(text, last.finish_reason)
+    )
+    kind = "chat.completion" if chat else "text_completion"
+    return protocol.envelope(
+        request_id, kind, model, [choice], usage=protocol.usage(last.prompt_tokens, len(last.token_ids))
+    )
+
+
+async def _stream_events(
+    request_id: str, model: str, first: Output, rest: AsyncIterator[Output], *, chat: bool, include_usage: bool
+) -> AsyncIterator[str]:
+    """Server-sent events: one chunk per released piece of text, the finish reason, usage if asked, [DONE]."""
+    kind = "chat.completion.chunk" if chat else "text_completion"
+    last, index = first, 0
+
+    async def outputs() -> AsyncIterator[Output]:
+        yield first
+        async for out in rest:
+            yield out
+
+    async for out in outputs():
+        last = out
+        if not out.text and out.finish_reason is None:
+            continue
+        if chat:
+            choice = protocol.chat_choice(out.text, out.finish_reason, delta=True, first=index == 0)
+        else:
+            choice = protocol.completion_choice(out.text, out.finish_reason)
+        index += 1
+        yield protocol.sse(protocol.envelope(request_id, kind, model, [choice]))
+    if include_usage:
+        yield protocol.sse(
+            protocol.envelope(
+                request_id, kind, model, [], usage=protocol.usage(last.prompt_tokens, len(last.token_ids))
+            )
+        )
+    yield protocol.sse("[DONE]")
+
+
+app = FastAPI(title="raycluster serve")
+
+
+@app.exception_handler(APIError)
+async def _api_error(_: Request, exc: APIError) -> JSONResponse:
+    return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+
+@app.exception_handler(RequestValidationError)
+async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+    return JSONResponse(APIError(400, str(exc.errors()[:1])).body(), status_code=400)
+
+
+@app.exception_handler(HTTPException)
+async def _http_error(_: Request, exc: HTTPException) -> JSONResponse:
+    return JSONResponse(APIError(exc.status_code, str(exc.detail)).body(), status_code=exc.status_code)
+
+
+@serve.deployment(max_ongoing_requests=256, ray_actor_options={"num_cpus": 0}, health_check_timeout_s=60)
+@serve.ingress(app)
+class OpenAIServer:
+    """One replica: the tokenizer, the stage actors of one pipeline and the engine batching over them."""
+
+    async def __init__(self, settings: ServeSettings) -> None:  # type: ignore[misc]  # Serve awaits it
+        self.settings = settings
+        self.model_id = settings.served_model
+        path = Path(settings.model_path)
+        self.tokenizer = transformers.AutoTokenizer.from_pretrained(str(path))
+        cfg = config_from_checkpoint(path, max_seq=settings.limits.max_seq)
+        ranges = split_units(cfg.layers, settings.stages, settings.split)
+        self.stages = await asyncio.to_thread(
+            start_stages,
+            cfg,
+            ranges,
+            settings.limits.slots,
+            node_ids=settings.node_ids,
+            num_threads=settings.num_threads,
+        )
+        eos = eos_ids(self.tokenizer, _read_json(path / "generation_config.json"))
+        self.engine = Engine(self.stages, self.tokenizer, settings.limits, eos, settings.max_in_flight)
+        self.engine.start()
+        self.ready = await self.engine.probe()
+        self.created = int(time.time())
+
+    async def check_health(self) -> None:
+        """Raise unless the engine generates: a failed stage, or an idle engine whose probe fails."""
+        if self.engine.failure is not None:
+            raise RuntimeError(f"engine down: {self.engine.failure}")
+        if self.engine.stalled_s() > STALL_S:
+            raise RuntimeError(f"no step came back from the stages for {self.engine.stalled_s():.0f} s")
+        if not self.engine.live and time.monotonic() - self.engine.last_step_at > IDLE_PROBE_S:
+            self.ready = await self.engine.probe()
+
+    def _authorize(self, request: Request) -> None:
+        if self.settings.token is None:
+            return
+        header = request.headers.get("authorization", "")
+        scheme, _, given = header.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), self.settings.token.encode()):
+            raise APIError(401, "missing or wrong API key: send Authorization: Bearer <the cluster's token>")
+
+    def _check_model(self, name: str) -> None:
+        if name != self.model_id:
+            raise APIError(
+                404,
+                f"the model {name!r} does not exist; this service serves {self.model_id!r}",
+                param="model",
+                code="model_not_found",
+            )
+
+    @app.get("/v1/models")
+    async def models(self, request: Request) -> dict[str, Any]:
+        self._authorize(request)
+        card = {"id": self.model_id, "object": "model", "created": self.created, "owned_by": "raycluster"}
+        return {"object": "list", "data": [card]}
+
+    @app.post("/v1/completions")
+    async def completions(self, request: Request) -> Response:
+        self._authorize(request)
+        body: CompletionRequest = protocol.parse(CompletionRequest, await request.body())
+        self._check_model(body.model)
+        prompt = body.prompt if isinstance(body.prompt, list) else self.tokenizer.encode(body.prompt)
+        return await self._answer(body, [int(t) for t in prompt], chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(self, request: Request) -> Response:
+        self._authorize(request)
+        body: ChatRequest = protocol.parse(ChatRequest, await request.body())
+        self._check_model(body.model)
+        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        try:
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        except Exception as exc:  # a template that refuses these messages (roles, order)
+            raise APIError(400, f"the chat template refused the messages: {exc}", param="messages") from None
+        prompt = self.tokenizer.encode(str(text), add_special_tokens=False)
+        return await self._answer(body, prompt, chat=True)
+
+    async def _answer(self, body: Any, prompt: list[int], *, chat: bool) -> Response:
+        """Start the generation (errors become 400/503 before any byte is sent), then answer whole or streamed."""
+        room = self.settings.limits.max_seq - len(prompt)
+        asked = (body.max_completion_tokens if chat else None) or body.max_tokens
+        limit = asked or (room if chat else min(16, room))  # OpenAI's default for completions: 16
+        if room < 1:
+            raise APIError(
+                400,
+                f"the prompt has {len(prompt)} tokens; the context holds {self.settings.limits.max_seq}",
+                param="messages" if chat else "prompt",
+            )
+        sampling = Sampling(body.temperature, body.top_p, body.seed)
+        outputs = self.engine.generate(prompt, limit, sampling, body.stops)
+        try:
+            first = await anext(outputs)
+        except QueueFull as exc:
+            raise APIError(503, f"the service is full ({exc}); retry later", retry_after=RETRY_AFTER_S) from None
+        except EngineDown as exc:
+            raise APIError(503, f"the service is not ready: {exc}", retry_after=RETRY_AFTER_S) from None
+        except ValueError as exc:
+            raise APIError(400, str(exc), param="max_tokens") from None
+        request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        if body.stream:
+            events = _stream_events(
+                request_id, self.model_id, first, outputs, chat=chat, include_usage=body.include_usage
+            )
+            return StreamingResponse(events, media_type="text/event-stream")
+        return JSONResponse(await _whole(request_id, self.model_id, first, outputs, chat=chat))
+
+
+def build_app(settings: ServeSettings, **options: Any) -> Any:
+    """The application to ``serve.run``: ``options`` go to the deployment (num_replicas, ray_actor_options)."""
+    deployment: Any = OpenAIServer  # a serve.Deployment once decorated; type checkers see the class
+    return deployment.options(**options).bind(settings) if options else deployment.bind(settings)
+
+
+def settings_summary(settings: ServeSettings) -> dict[str, Any]:
+    """The settings as JSON-able data, without the token."""
+    data = asdict(settings)
+    data["token"] = "set" if settings.token else None
+    return data

@@ -1,0 +1,177 @@
+"""A bench ``Stage`` run over a batch of independent sequences, each in its own KV cache slot.
+
+The bench's ``Stage`` feeds one micro-batch whose rows all sit at the same position (one ``start``).
+Serving mixes rows at different positions in one forward: a decode step of a long conversation next
+to the second prefill chunk of a new prompt.  So each row carries its own slot, start and length;
+rows are right-padded to the longest, each query sees only keys up to its own position in its own
+slot, and the padding is neither written to the cache nor read.  The weights (and their loading from
+a checkpoint) are the bench stage's own modules; only the attention's bookkeeping differs, so the
+bench's behaviour is untouched.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from raycluster_cli.bench import llama
+from raycluster_cli.bench.config import ModelConfig
+from raycluster_cli.bench.model import Block as GPT2Block
+from raycluster_cli.bench.model import Stage
+
+
+class SlotCache:
+    """K/V of one block for every slot: [slots, kv_heads, max_seq, head_dim], allocated once."""
+
+    def __init__(self, slots: int, cfg: ModelConfig, device: torch.device) -> None:
+        shape = (slots, cfg.num_kv_heads, cfg.max_seq, cfg.dim_per_head)
+        self.k = torch.zeros(shape, device=device)
+        self.v = torch.zeros(shape, device=device)
+
+
+@dataclass(frozen=True)
+class Rows:
+    """Where each row of a step lives: its cache slot, the position of its first token, its token count."""
+
+    slots: torch.Tensor  # int64 [B]
+    starts: torch.Tensor  # int64 [B]
+    lengths: torch.Tensor  # int64 [B]
+    width: int  # T, the padded length
+
+    @classmethod
+    def from_table(cls, table: torch.Tensor, width: int) -> Rows:
+        """From the [3, B] int64 table (slots, starts, lengths) the engine sends along with the tokens."""
+        return cls(table[0], table[1], table[2], width)
+
+    @property
+    def offsets(self) -> torch.Tensor:
+        return torch.arange(self.width, device=self.slots.device)
+
+    @property
+    def positions(self) -> torch.Tensor:
+        """Absolute position of every (row, step) [B, T]; padding is clamped to the row's last real position."""
+        last = self.starts + self.lengths - 1
+        return torch.minimum(self.starts[:, None] + self.offsets[None, :], last[:, None])
+
+    @property
+    def valid(self) -> torch.Tensor:
+        return self.offsets[None, :] < self.lengths[:, None]
+
+    @property
+    def keys_len(self) -> int:
+        return int((self.starts + self.lengths).max())
+
+    def mask(self) -> torch.Tensor:
+        """[B, 1, T, keys_len]: a query sees its own slot's keys up to its own position (never padding)."""
+        keys = torch.arange(self.keys_len, device=self.slots.device)
+        return (keys[None, None, :] <= self.positions[:, :, None])[:, None]
+
+    def write(self, cache: SlotCache, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store the real (unpadded) steps' k, v [B, kv_heads, T, head_dim] at their slots and positions."""
+        valid = self.valid
+        slots = self.slots[:, None].expand_as(valid)[valid]
+        positions = self.positions[valid]
+        cache.k[slots, :, positions] = k.transpose(1, 2)[valid]
+        cache.v[slots, :, positions] = v.transpose(1, 2)[valid]
+
+    def read(self, cache: SlotCache) -> tuple[torch.Tensor, torch.Tensor]:
+        end = self.keys_len
+        return cache.k[self.slots, :, :end], cache.v[self.slots, :, :end]
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+
+def _llama_block(block: llama.Block, x: torch.Tensor, cache: SlotCache, rows: Rows) -> torch.Tensor:
+    """``bench.llama.Block.forward`` with per-row positions (its maths, its parameters)."""
+    batch, steps, _ = x.shape
+    heads, kv_heads, width = block.heads, block.kv_heads, block.head_dim
+    h = block.attn_norm(x)
+    q = block.q(h).view(batch, steps, heads, width).transpose(1, 2)
+    k = block.k(h).view(batch, steps, kv_heads, width).transpose(1, 2)
+    v = block.v(h).view(batch, steps, kv_heads, width).transpose(1, 2)
+    positions = rows.positions
+    cos, sin = block.cos[positions][:, None], block.sin[positions][:, None]
+    rows.write(cache, _rotate(k, cos, sin), v)
+    keys, values = rows.read(cache)
+    att = F.scaled_dot_product_attention(
+        _rotate(q, cos, sin), keys, values, attn_mask=rows.mask(), enable_gqa=kv_heads != heads
+    )
+    x = x + block.o(att.transpose(1, 2).reshape(batch, steps, heads * width))
+    h = block.mlp_norm(x)
+    out: torch.Tensor = x + block.down(F.silu(block.gate(h)) * block.up(h))
+    return out
+
+
+def _gpt2_block(block: GPT2Block, x: torch.Tensor, cache: SlotCache, rows: Rows) -> torch.Tensor:
+    """``bench.model.Block.forward`` with per-row positions."""
+    batch, steps, d = x.shape
+    heads = block.heads
+    q, k, v = (t.view(batch, steps, heads, d // heads).transpose(1, 2) for t in block.qkv(block.ln1(x)).split(d, -1))
+    rows.write(cache, k, v)
+    keys, values = rows.read(cache)
+    att = F.scaled_dot_product_attention(q, keys, values, attn_mask=rows.mask())
+    x = x + block.proj(att.transpose(1, 2).reshape(batch, steps, d))
+    out: torch.Tensor = x + block.fc2(F.gelu(block.fc1(block.ln2(x)), approximate=block.gelu_approximate))
+    return out
+
+
+class BatchedStage:
+    """Units [start, end) of the model (built and loaded by the bench's ``Stage``) with ``slots`` KV slots.
+
+    ``forward(x, table)``: ``x`` is int64 token ids [B, T] on the first stage, hidden states [B, T, d]
+    after it; ``table`` is int64 [3, B] (slot, start, length per row, rows right-padded to T).  The
+    stage holding the head returns the logits of each row's last real token, [B, vocab]: only those
+    are ever sampled from.
+    """
+
+    def __init__(self, cfg: ModelConfig, start: int, end: int, slots: int, device: str | torch.device = "cpu") -> None:
+        if slots < 1:
+            raise ValueError(f"need at least one KV cache slot, got {slots}")
+        self.stage = Stage(cfg, start, end, emit="logits", device=device)
+        self.cfg = cfg
+        self.slots = slots
+        self.device = self.stage.device
+        self.caches = [SlotCache(slots, cfg, self.device) for _ in self.stage.blocks]
+
+    @property
+    def has_head(self) -> bool:
+        return self.stage.has_head
+
+    def forward(self, x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+        with torch.inference_mode():
+            out = self._compute(x.to(self.device), table.to(self.device))
+        return out if self.device.type == "cpu" else out.cpu()
+
+    def _compute(self, x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+        rows = Rows.from_table(table, x.shape[1])
+        if int(rows.slots.min()) < 0 or int(rows.slots.max()) >= self.slots:
+            raise ValueError(f"slot out of range 0..{self.slots - 1}: {rows.slots.tolist()}")
+        if rows.keys_len > self.cfg.max_seq:
+            raise ValueError(f"sequence of {rows.keys_len} tokens exceeds max_seq={self.cfg.max_seq}")
+        stage = self.stage
+        if stage.embedding is not None:
+            x = self._embed(stage.embedding, x, rows)
+        for block, cache in zip(stage.blocks, self.caches, strict=True):
+            if isinstance(block, llama.Block):
+                x = _llama_block(block, x, cache, rows)
+            elif isinstance(block, GPT2Block):
+                x = _gpt2_block(block, x, cache, rows)
+            else:
+                raise TypeError(f"no batched forward for {type(block).__name__}")
+        if stage.head is None:
+            return x
+        last = x[torch.arange(x.shape[0], device=x.device), rows.lengths - 1]
+        logits: torch.Tensor = stage.head(last)
+        return logits
+
+    def _embed(self, embedding: Any, ids: torch.Tensor, rows: Rows) -> torch.Tensor:
+        out: torch.Tensor = embedding.tok(ids)
+        if self.cfg.arch != "llama":  # learned positions (GPT-2)
+            out = out + embedding.pos(rows.positions)
+        return out

@@ -1,0 +1,207 @@
+"""The engine: requests in, token-by-token text out, continuously batched through the stage actors.
+
+One asyncio loop owns the scheduler.  Whenever fewer than ``max_in_flight`` steps are travelling
+through the pipeline and some sequence is idle, it sends the next step; several steps in flight keep
+every stage busy (a step is on stage 1 while the next is on stage 0).  When a step comes back, each
+sampling row gets its token from its own generator, its text is released through its ``TextStream``
+and a sequence that ended leaves the batch before the next step is planned.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from collections.abc import AsyncGenerator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from raycluster_cli.serve.scheduler import Chunk, Limits, QueueFull, Scheduler
+from raycluster_cli.serve.text import Sampling, TextStream, sample
+
+__all__ = ["Engine", "EngineDown", "Output", "QueueFull"]
+
+
+class EngineDown(RuntimeError):
+    """A stage failed: the engine answers no more requests (the service says 503)."""
+
+
+@dataclass(frozen=True)
+class Output:
+    """A piece of one request's result: new text, its tokens so far, and why it ended (None: not yet)."""
+
+    text: str
+    token_ids: tuple[int, ...]
+    finish_reason: str | None
+    prompt_tokens: int
+
+
+@dataclass
+class _Live:
+    prompt_tokens: int
+    sampling: Sampling
+    stream: TextStream
+    generator: torch.Generator | None
+    queue: asyncio.Queue[Output | BaseException] = field(default_factory=asyncio.Queue)
+
+
+def step_inputs(chunks: Sequence[Chunk]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids right-padded to the longest chunk [B, T] and the (slot, start, length) table [3, B]."""
+    width = max(len(c.tokens) for c in chunks)
+    ids = torch.zeros(len(chunks), width, dtype=torch.long)
+    for row, chunk in enumerate(chunks):
+        ids[row, : len(chunk.tokens)] = torch.tensor(chunk.tokens, dtype=torch.long)
+    table = torch.tensor([[c.slot, c.start, len(c.tokens)] for c in chunks], dtype=torch.long).T.contiguous()
+    return ids, table
+
+
+class Engine:
+    """Continuous batching over ``stages`` (actor handles, in pipeline order)."""
+
+    def __init__(
+        self,
+        stages: Sequence[Any],
+        tokenizer: Any,  # a transformers tokenizer (its class depends on the checkpoint)
+        limits: Limits,
+        eos_ids: frozenset[int],
+        max_in_flight: int | None = None,
+    ) -> None:
+        self.stages = list(stages)
+        self.tokenizer = tokenizer
+        self.scheduler = Scheduler(limits, eos_ids)
+        self.max_in_flight = max_in_flight or len(self.stages)
+        self.live: dict[str, _Live] = {}
+        self.failure: BaseException | None = None
+        self.steps_done = 0
+        self.last_step_at = 0.0
+        self._sent_at = 0.0
+        self._ids = itertools.count()
+        self._wake = asyncio.Event()
+        self._in_flight = 0  # steps sent and not yet back (counted by the steps themselves: no lost wake-up)
+        self._tasks: set[asyncio.Task[None]] = set()  # strong references, so running steps are not collected
+        self._loop_task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self._loop_task = asyncio.get_running_loop().create_task(self._loop())
+
+    async def close(self) -> None:
+        if self._loop_task is not None:
+            self._loop_task.cancel()
+
+    @property
+    def waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    async def generate(
+        self, prompt: list[int], max_tokens: int, sampling: Sampling, stop: list[str] | None = None, probe: bool = False
+    ) -> AsyncGenerator[Output, None]:
+        """Stream one request's outputs; the last has a ``finish_reason``.  Raises ``QueueFull``,
+        ``ValueError`` (too long), ``EngineDown``; leaving early (client gone) frees its slot."""
+        if self.failure is not None:
+            raise EngineDown(f"a stage failed: {self.failure}")
+        request_id = f"r{next(self._ids)}"
+        self.scheduler.add(request_id, prompt, max_tokens, queue_limit=not probe)
+        live = _Live(len(prompt), sampling, TextStream(self.tokenizer, stop), sampling.generator())
+        self.live[request_id] = live
+        self._wake.set()
+        try:
+            while True:
+                item = await live.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finish_reason is not None:
+                    return
+        finally:
+            self.live.pop(request_id, None)
+            self.scheduler.finish(request_id, "abort")
+            self._wake.set()
+
+    def stalled_s(self) -> float:
+        """Seconds steps have been in flight without one coming back (0 when none is in flight): a wedged
+        node shows here, since its step neither answers nor fails."""
+        if self._in_flight == 0:
+            return 0.0
+        return time.monotonic() - max(self.last_step_at, self._sent_at)
+
+    async def _loop(self) -> None:
+        try:
+            await self._plan_steps()
+        except Exception as exc:  # a bug in planning must not leave every request waiting forever
+            self._fail(exc)
+            raise
+
+    async def _plan_steps(self) -> None:
+        while True:
+            self._wake.clear()
+            while self.failure is None and self._in_flight < self.max_in_flight:
+                rows = -(-self.scheduler.active // self.max_in_flight)  # an even share per step in flight
+                chunks = self.scheduler.schedule(max_rows=rows)
+                if not chunks:
+                    break
+                if self._in_flight == 0:
+                    self._sent_at = time.monotonic()
+                self._in_flight += 1
+                task = asyncio.get_running_loop().create_task(self._step(chunks))
+                self._tasks.add(task)
+                task.add_done_callback(self._tasks.discard)
+            await self._wake.wait()
+
+    async def _step(self, chunks: list[Chunk]) -> None:
+        try:
+            ids, table = step_inputs(chunks)
+            ref: Any = ids
+            for stage in self.stages:
+                ref = stage.forward.remote(ref, table)
+            logits: torch.Tensor = await ref
+            self.steps_done += 1
+            self.last_step_at = time.monotonic()
+            self._finish_step(chunks, logits)
+        except Exception as exc:  # a stage died or failed: every request in flight gets the error
+            self._fail(exc)
+        finally:
+            self._in_flight -= 1
+            self._wake.set()
+
+    def _finish_step(self, chunks: list[Chunk], logits: torch.Tensor) -> None:
+        tokens: dict[str, int] = {}
+        for row, chunk in enumerate(chunks):
+            live = self.live.get(chunk.request_id)
+            if chunk.samples and live is not None:
+                tokens[chunk.request_id] = sample(logits[row], live.sampling, live.generator)
+            elif chunk.samples:
+                tokens[chunk.request_id] = 0  # gone while in flight; the scheduler drops it
+        for event in self.scheduler.complete(chunks, tokens):
+            live = self.live.get(event.request_id)
+            if live is None or event.token is None:
+                continue
+            live.stream.push(event.token)
+            reason = event.finish_reason
+            text, stopped = live.stream.take(final=reason is not None)
+            if stopped and reason is None:
+                reason = "stop"
+                self.scheduler.finish(event.request_id, reason)
+            live.queue.put_nowait(Output(text, tuple(live.stream.ids), reason, live.prompt_tokens))
+
+    def _fail(self, exc: BaseException) -> None:
+        self.failure = exc
+        down = EngineDown(f"a stage failed: {type(exc).__name__}: {exc}")
+        for live in self.live.values():
+            live.queue.put_nowait(down)
+
+    async def probe(self, timeout_s: float = 30.0) -> dict[str, Any]:
+        """A real greedy generation of two tokens through every stage: what readiness means here."""
+        began = time.perf_counter()
+
+        async def run() -> list[int]:
+            tokens: list[int] = []
+            async for out in self.generate([0], 2, Sampling(temperature=0), probe=True):
+                tokens = list(out.token_ids)
+            return tokens
+
+        tokens = await asyncio.wait_for(run(), timeout_s)
+        if len(tokens) < 1:
+            raise EngineDown("the probe generation produced no token")
+        return {"tokens": tokens, "seconds": time.perf_counter() - began, "stages": len(self.stages)}

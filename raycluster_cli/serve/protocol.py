@@ -1,0 +1,138 @@
+"""The OpenAI API's shapes: request bodies (validated), responses, stream chunks and the error document.
+
+Only what this service does is accepted: one choice (``n`` = 1), text or token-id prompts, plain
+string chat content (or a list of text parts).  Fields the service does not use are ignored, as
+OpenAI-compatible servers do, so existing clients that send them still work.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error"}
+
+
+class APIError(Exception):
+    """An error answered in OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}``."""
+
+    def __init__(
+        self, status: int, message: str, *, param: str | None = None, code: str | None = None, retry_after: int = 0
+    ) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+        self.headers = {"Retry-After": str(retry_after)} if retry_after else {}
+
+    def body(self) -> dict[str, Any]:
+        kind = _ERROR_TYPES.get(self.status, "server_error" if self.status >= 500 else "invalid_request_error")
+        return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _Sampled(BaseModel):
+    """What completions and chat completions share."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int = Field(default=1, ge=1, le=1)
+
+    @property
+    def stops(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(_Sampled):
+    prompt: str | list[int] | list[str]
+
+    @field_validator("prompt")
+    @classmethod
+    def _one_prompt(cls, value: str | list[int] | list[str]) -> str | list[int]:
+        if isinstance(value, list) and value and all(isinstance(v, str) for v in value):
+            if len(value) != 1:
+                raise ValueError("one prompt per request")
+            return str(value[0])
+        if not value:
+            raise ValueError("the prompt is empty")
+        return value  # type: ignore[return-value]
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    role: Literal["system", "user", "assistant", "developer", "tool"]
+    content: str | list[dict[str, Any]] | None = None
+
+    def text(self) -> str:
+        if self.content is None or isinstance(self.content, str):
+            return self.content or ""
+        return "".join(str(part.get("text", "")) for part in self.content if part.get("type") == "text")
+
+
+class ChatRequest(_Sampled):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+
+
+def parse(model: type[_Sampled], body: bytes) -> Any:
+    """The request body as ``model``, or a 400 naming the first bad field."""
+    try:
+        data = json.loads(body or b"null")
+    except ValueError as exc:
+        raise APIError(400, f"the body is not JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise APIError(400, "the body must be a JSON object")
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        param = ".".join(str(p) for p in first["loc"]) or None
+        raise APIError(400, f"{param}: {first['msg']}", param=param) from None
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+def envelope(request_id: str, kind: str, model: str, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
+    return {"id": request_id, "object": kind, "created": int(time.time()), "model": model, "choices": choices, **extra}
+
+
+def completion_choice(text: str, finish_reason: str | None) -> dict[str, Any]:
+    return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+
+
+def chat_choice(text: str, finish_reason: str | None, *, delta: bool, first: bool = False) -> dict[str, Any]:
+    if not delta:
+        message = {"role": "assistant", "content": text}
+        return {"index": 0, "message": message, "logprobs": None, "finish_reason": finish_reason}
+    body: dict[str, Any] = {"role": "assistant", "content": text} if first else {"content": text}
+    return {"index": 0, "delta": body, "logprobs": None, "finish_reason": finish_reason}
+
+
+def sse(data: dict[str, Any] | str) -> str:
+    """One server-sent event: ``data: {...}`` (or ``data: [DONE]``) and a blank line."""
+    return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"

@@ -1,0 +1,191 @@
+"""Continuous batching: which sequences go into the next step, and what each step's tokens do to them.
+
+Pure Python (no torch, no Ray), so its decisions are tested on their own.  The shape follows vLLM's
+scheduler with chunked prefill: every step first gives each decoding sequence its one token, then
+fills the rest of a token budget with prompt chunks of at most ``prefill_chunk`` tokens, so a long
+prompt is fed over several steps while the decodes keep moving.  A request waiting for a KV slot is
+admitted at the next step that finds one free; a sequence that ends (EOS, its token limit, the
+context limit, or a stop string the engine saw) gives its slot back at once.  Several steps may be in
+flight through the pipeline; a sequence is in at most one of them (``busy``).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+
+class QueueFull(RuntimeError):
+    """No room to wait: the service answers 503 with Retry-After."""
+
+
+@dataclass
+class SeqState:
+    """One request's tokens and where they stand: ``computed`` of them are in its slot's KV cache."""
+
+    request_id: str
+    prompt: list[int]
+    max_new_tokens: int
+    slot: int = -1
+    computed: int = 0
+    generated: list[int] = field(default_factory=list)
+    busy: bool = False
+    finish_reason: str | None = None
+
+    @property
+    def in_prefill(self) -> bool:
+        return self.computed < len(self.prompt)
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """A sequence's part of one step: ``tokens`` fed at positions ``start``..; ``samples``: the step's
+    output for this row is its next token (the last prompt chunk, every decode)."""
+
+    request_id: str
+    slot: int
+    start: int
+    tokens: tuple[int, ...]
+    samples: bool
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    """What a step did to one sequence: its new token (None for a prompt chunk that samples nothing)."""
+
+    request_id: str
+    token: int | None
+    finish_reason: str | None
+
+
+@dataclass(frozen=True)
+class Limits:
+    slots: int = 16  # KV cache slots: sequences running at once
+    step_tokens: int = 256  # tokens per step (decodes + prompt chunks)
+    prefill_chunk: int = 64  # prompt tokens of one sequence per step
+    max_waiting: int = 256  # requests queued for a slot before new ones are refused
+    max_seq: int = 512  # prompt + generated tokens of one sequence (the KV cache length)
+
+
+class Scheduler:
+    """Sequences waiting, running (holding a slot), and the steps that move them."""
+
+    def __init__(self, limits: Limits, eos_ids: frozenset[int] = frozenset()) -> None:
+        if min(limits.slots, limits.step_tokens, limits.prefill_chunk, limits.max_seq) < 1:
+            raise ValueError(f"every limit must be >= 1: {limits}")
+        self.limits = limits
+        self.eos_ids = eos_ids
+        self.waiting: deque[SeqState] = deque()
+        self.running: dict[str, SeqState] = {}  # in admission order
+        self.free_slots: list[int] = list(range(limits.slots - 1, -1, -1))
+
+    def add(self, request_id: str, prompt: list[int], max_new_tokens: int, queue_limit: bool = True) -> None:
+        """Queue a request; it joins the batch at the next step with a free slot.  Refused (``QueueFull``)
+        when ``max_waiting`` requests already wait beyond the free slots, unless ``queue_limit`` is off
+        (the health probe must not fail because clients filled the queue)."""
+        if not prompt:
+            raise ValueError("the prompt has no tokens")
+        if max_new_tokens < 1:
+            raise ValueError("max_tokens must be >= 1")
+        if len(prompt) + max_new_tokens > self.limits.max_seq:
+            raise ValueError(
+                f"prompt ({len(prompt)} tokens) + max_tokens ({max_new_tokens}) exceed the context of"
+                f" {self.limits.max_seq} tokens"
+            )
+        if queue_limit and len(self.waiting) >= self.limits.max_waiting + len(self.free_slots):
+            raise QueueFull(f"{len(self.waiting)} requests are already waiting")
+        self.waiting.append(SeqState(request_id, list(prompt), max_new_tokens))
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def active(self) -> int:
+        """Sequences that hold a slot or will get one at the next step."""
+        return len(self.running) + min(len(self.waiting), len(self.free_slots))
+
+    def schedule(self, max_rows: int = 0) -> list[Chunk]:
+        """The next step: every idle decoding sequence's token, then prompt chunks within the budget.
+
+        ``max_rows`` (0: no cap) splits the sequences over several steps in flight, so that every stage
+        of the pipeline has a step to work on instead of one step carrying them all."""
+        self._admit()
+        budget = self.limits.step_tokens
+        rows = max_rows or self.limits.slots
+        chunks: list[Chunk] = []
+        idle = [seq for seq in self.running.values() if not seq.busy]
+        for seq in idle:
+            if not seq.in_prefill and budget > 0 and len(chunks) < rows:
+                chunks.append(Chunk(seq.request_id, seq.slot, seq.computed, (seq.generated[-1],), True))
+                budget -= 1
+        for seq in idle:
+            if seq.in_prefill and budget > 0 and len(chunks) < rows:
+                size = min(self.limits.prefill_chunk, len(seq.prompt) - seq.computed, budget)
+                end = seq.computed + size
+                chunks.append(
+                    Chunk(
+                        seq.request_id,
+                        seq.slot,
+                        seq.computed,
+                        tuple(seq.prompt[seq.computed : end]),
+                        end == len(seq.prompt),
+                    )
+                )
+                budget -= size
+        for chunk in chunks:
+            self.running[chunk.request_id].busy = True
+        return chunks
+
+    def _admit(self) -> None:
+        while self.waiting and self.free_slots:
+            seq = self.waiting.popleft()
+            seq.slot = self.free_slots.pop()
+            self.running[seq.request_id] = seq
+
+    def complete(self, chunks: list[Chunk], tokens: dict[str, int]) -> list[TokenEvent]:
+        """Apply a finished step: ``tokens`` holds the next token of every chunk that samples."""
+        events: list[TokenEvent] = []
+        for chunk in chunks:
+            seq = self.running.get(chunk.request_id)
+            if seq is None:  # aborted while its step was in flight
+                continue
+            seq.busy = False
+            if seq.finish_reason is not None:  # finished while in flight: its slot can go now
+                self._release(seq)
+                continue
+            seq.computed += len(chunk.tokens)
+            if not chunk.samples:
+                continue
+            token = tokens[chunk.request_id]
+            seq.generated.append(token)
+            reason = self._finish_reason(seq, token)
+            events.append(TokenEvent(seq.request_id, token, reason))
+            if reason is not None:
+                self.finish(seq.request_id, reason)
+        return events
+
+    def _finish_reason(self, seq: SeqState, token: int) -> str | None:
+        if token in self.eos_ids:
+            return "stop"
+        if len(seq.generated) >= seq.max_new_tokens or seq.computed + 1 >= self.limits.max_seq:
+            return "length"
+        return None
+
+    def finish(self, request_id: str, reason: str) -> None:
+        """End a sequence now (EOS, limit, stop string, client gone): its slot is free for the next step,
+        or as soon as the step it is in comes back."""
+        for queued in self.waiting:
+            if queued.request_id == request_id:
+                self.waiting.remove(queued)
+                return
+        seq = self.running.get(request_id)
+        if seq is None:
+            return
+        seq.finish_reason = reason
+        if not seq.busy:
+            self._release(seq)
+
+    def _release(self, seq: SeqState) -> None:
+        del self.running[seq.request_id]
+        self.free_slots.append(seq.slot)

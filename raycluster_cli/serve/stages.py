@@ -1,0 +1,96 @@
+"""The pipeline's stages as Ray actors: one ``BatchedStage`` per actor, optionally pinned to a node.
+
+A step goes ``stage0.forward -> stage1.forward -> ...``, each call taking the previous call's
+ObjectRef, as the bench's driver hops do: activations of a step are small and travel through Ray's
+object store; Ray runs an actor's calls in order, so steps in flight never overtake each other.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import ray
+import torch
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from raycluster_cli.bench.config import ModelConfig
+from raycluster_cli.bench.partition import Ranges, even_partition, manual_partition
+from raycluster_cli.bench.pipeline import WORKER_ENV, node_cpu_count, node_ip, pick_device
+from raycluster_cli.serve.batched import BatchedStage
+
+
+def split_units(layers: int, stages: int, split: Sequence[int] | str | None = None) -> Ranges:
+    """Unit ranges of the stages: ``split`` gives each stage's block count ("2,1" or [2, 1]); without
+    it the blocks are split evenly.  (The balanced split from measured costs plugs in here later.)"""
+    if split is None or split == "":
+        return even_partition(layers, stages)
+    ranges = manual_partition(split, layers)
+    if len(ranges) != stages:
+        raise ValueError(f"split {split!r} has {len(ranges)} stages, {stages} were asked for")
+    return ranges
+
+
+class _StageActor:
+    """Holds units [start, end) and ``slots`` KV cache slots on one node; counts the steps it ran."""
+
+    def __init__(self, cfg: dict[str, Any], start: int, end: int, slots: int, num_threads: int | None) -> None:
+        self.node_id: str = ray.get_runtime_context().get_node_id()
+        torch.set_num_threads(num_threads or node_cpu_count(self.node_id))
+        began = time.perf_counter()
+        self.stage = BatchedStage(ModelConfig.from_dict(cfg), start, end, slots, device=pick_device())
+        self.load_s = time.perf_counter() - began
+        self.units = (start, end)
+        self.steps = 0
+        self.busy_s = 0.0
+
+    def forward(self, x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+        began = time.perf_counter()
+        out = self.stage.forward(x, table)
+        self.busy_s += time.perf_counter() - began
+        self.steps += 1
+        return out
+
+    def info(self) -> dict[str, Any]:
+        return {
+            "node_id": self.node_id,
+            "node_ip": node_ip(self.node_id),
+            "pid": os.getpid(),
+            "units": list(self.units),
+            "device": str(self.stage.device),
+            "load_s": self.load_s,
+            "steps": self.steps,
+            "busy_s": self.busy_s,
+        }
+
+
+StageActor = ray.remote(num_cpus=0)(_StageActor)
+
+
+def start_stages(
+    cfg: ModelConfig,
+    ranges: Ranges,
+    slots: int,
+    *,
+    node_ids: Sequence[str] | None = None,
+    num_threads: int | None = None,
+) -> list[Any]:
+    """One StageActor per range (hard-pinned to ``node_ids[i]`` when given); returns their handles once
+    their units are loaded."""
+    if node_ids is not None and len(node_ids) != len(ranges):
+        raise ValueError(f"{len(node_ids)} nodes for {len(ranges)} stages")
+    actors: list[Any] = []
+    for index, (start, end) in enumerate(ranges):
+        options: dict[str, Any] = {"runtime_env": {"env_vars": dict(WORKER_ENV)}}
+        if node_ids is not None:
+            options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node_id=node_ids[index], soft=False)
+        actors.append(StageActor.options(**options).remote(cfg.to_dict(), start, end, slots, num_threads))
+    ray.get([a.info.remote() for a in actors])
+    return actors
+
+
+async def stage_infos(actors: Sequence[Any]) -> list[dict[str, Any]]:
+    infos: list[dict[str, Any]] = [await a.info.remote() for a in actors]
+    return infos

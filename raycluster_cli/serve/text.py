@@ -1,0 +1,112 @@
+"""From sampled token ids to the text a client sees: sampling, incremental detokenization, stop strings.
+
+Detokenizing one token at a time is wrong for byte-level tokenizers: a character of several bytes
+can be split across tokens, and decoding the first alone gives U+FFFD.  As vLLM and TGI do, the
+stream decodes a short window of recent tokens twice (with and without the newest) and emits the
+difference only once it does not end in a replacement character.  Stop strings may straddle tokens,
+so text that could still become the start of a stop string is held back until it cannot.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+REPLACEMENT = "\ufffd"
+
+
+class Decoder(Protocol):
+    def decode(self, ids: list[int], skip_special_tokens: bool = ...) -> str: ...
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How to pick the next token: temperature 0 is greedy (argmax, as ``generate(do_sample=False)``)."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int | None = None
+
+    def generator(self) -> torch.Generator | None:
+        """A per-request generator: a seeded request gets the same tokens whatever else is in its batch."""
+        if self.temperature == 0:
+            return None
+        gen = torch.Generator()
+        if self.seed is None:
+            gen.seed()
+        else:
+            gen.manual_seed(self.seed)
+        return gen
+
+
+def sample(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator | None) -> int:
+    """The next token from one row's logits [vocab]: argmax, or nucleus sampling at the temperature."""
+    if sampling.temperature == 0 or generator is None:
+        return int(logits.argmax())
+    probs = torch.softmax(logits.float() / sampling.temperature, dim=-1)
+    if sampling.top_p < 1.0:
+        sorted_probs, order = probs.sort(descending=True)
+        before = sorted_probs.cumsum(0) - sorted_probs  # mass of the tokens ranked above each one
+        sorted_probs[before >= sampling.top_p] = 0.0  # the top token always stays
+        probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+class TextStream:
+    """The text of one sequence's generated tokens, released in safe pieces.
+
+    ``push(token)`` adds a token; ``take(final)`` returns the text not yet released and whether a stop
+    string ended the sequence (the stop string itself and what follows are never released).
+    """
+
+    def __init__(self, tokenizer: Decoder, stop: list[str] | None = None) -> None:
+        self.tokenizer = tokenizer
+        self.stop = [s for s in stop or [] if s]
+        self.hold = max((len(s) for s in self.stop), default=1) - 1
+        self.ids: list[int] = []
+        self.prefix_offset = 0  # window start: decoded again each time for context
+        self.read_offset = 0  # tokens whose text is already in self.text
+        self.text = ""
+        self.released = 0  # characters of self.text given out
+        self.stopped = False
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def push(self, token: int) -> None:
+        self.ids.append(token)
+        prefix = self._decode(self.ids[self.prefix_offset : self.read_offset])
+        full = self._decode(self.ids[self.prefix_offset :])
+        if len(full) > len(prefix) and not full.endswith(REPLACEMENT):
+            self.text += full[len(prefix) :]
+            self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+
+    def take(self, final: bool = False) -> tuple[str, bool]:
+        """(new text to send, a stop string was found); after a stop nothing more is released."""
+        if self.stopped:
+            return "", True
+        at = self._first_stop()
+        if at is not None:
+            self.text = self.text[:at]
+            self.stopped = True
+        end = len(self.text) if final or self.stopped else max(self.released, len(self.text) - self.hold)
+        piece = self.text[self.released : end]
+        self.released = end
+        return piece, self.stopped
+
+    def _first_stop(self) -> int | None:
+        begin = max(0, self.released - self.hold)
+        hits = [i for i in (self.text.find(s, begin) for s in self.stop) if i >= 0]
+        return min(hits) if hits else None
+
+
+def eos_ids(tokenizer: Any, generation_config: dict[str, Any]) -> frozenset[int]:
+    """The tokens that end a sequence: the tokenizer's EOS and the checkpoint's generation_config's."""
+    found: set[int] = set()
+    configured = generation_config.get("eos_token_id")
+    for value in [tokenizer.eos_token_id, *(configured if isinstance(configured, list) else [configured])]:
+        if isinstance(value, int):
+            found.add(value)
+    return frozenset(found)

@@ -1,0 +1,230 @@
+"""The operator's side of `serve`: the model onto the hosts, the service deployed from the head's container, what
+it is doing now, and its end.
+
+The service itself is node side (raycluster_cli/serve/: Ray Serve, the stages, the OpenAI routes). `serve` puts the
+model where every node can read it (image/models.py: a folder on this machine goes into each host's model cache,
+mounted read-only into the Ray containers; a path that is not on this machine is taken as one on the nodes), then
+runs the launcher (`python -m raycluster_cli.serve`) in the head's container: it deploys the Ray Serve application
+and returns once a real generation went through every stage. The application outlives the launcher and this
+process (Ray Serve keeps it), so closing the operator's laptop does not stop it; `serve --stop` removes it. The
+launcher's document is kept in the head's container, for `status`. Never prints.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shlex
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from raycluster_cli.config.inventory import HostConfig, Inventory
+from raycluster_cli.config.state import token_file
+from raycluster_cli.errors import OperationError, UsageError
+from raycluster_cli.host.containers import ENV_IN_CONTAINER, TOKEN_IN_CONTAINER, container_name
+from raycluster_cli.image.models import ModelFolder, held_command, parse_held, read_model_folder, send_model
+from raycluster_cli.progress import Progress, TransferProgress, quiet
+from raycluster_cli.transport import Transport, quote
+from raycluster_cli.transport.fanout import fanout
+from raycluster_cli.transport.pool import Connect
+
+APP = "raycluster"  # the Ray Serve application's name (the launcher's APP_NAME)
+RECORD = "/tmp/raycluster-serve.json"  # the launcher's document, in the head's container
+_SOURCE_ENV = f"set -a && . {ENV_IN_CONTAINER} && set +a"
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    model_path: str
+    port: int = 8000
+    stages: int | None = None  # stages per pipeline (default: the launcher's choice)
+    slots: int = 16
+    max_seq: int = 512
+    model_id: str = ""
+    timeout_s: float = 900.0
+
+
+@dataclass
+class ModelCopy:
+    host: str
+    action: str  # "held" (nothing sent) / "sent"
+    bytes_sent: int = 0
+    seconds: float = 0.0
+
+
+@dataclass
+class ServeResult:
+    url: str
+    model: str
+    replicas: int
+    split: Any
+    model_path: str  # where the nodes read it
+    model_digest: str | None
+    copies: list[ModelCopy] = field(default_factory=list)
+    auth_token_file: str | None = None
+    seconds: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def place_model(
+    inventory: Inventory, connect: Connect, model_path: str, progress: Progress = quiet
+) -> tuple[str, ModelFolder | None, list[ModelCopy]]:
+    """Where the nodes read the model, and what was copied for it: a folder on this machine goes into every host's
+    cache where it is missing (verified there); any other path is taken as one that every node already has."""
+    if not Path(model_path).expanduser().exists():
+        return model_path, None, []
+    progress(f"hashing the model folder {model_path}")
+    model = read_model_folder(model_path)
+
+    def one(host: HostConfig) -> ModelCopy:
+        transport = connect(host)
+        held = parse_held(transport.run(held_command(inventory, host), timeout=60).stdout)
+        if model.digest in held:
+            return ModelCopy(str(host.address), "held")
+        started = time.monotonic()
+        label = f"model → {host.address}"
+        progress(TransferProgress(str(host.address), 0, model.size, label=label))
+
+        def sent(count: int) -> None:
+            progress(TransferProgress(str(host.address), count, model.size, label=label))
+
+        send_model(transport, inventory, host, model, on_sent=sent)
+        progress(TransferProgress(str(host.address), model.size, model.size, done=True, label=label))
+        return ModelCopy(str(host.address), "sent", model.size, round(time.monotonic() - started, 2))
+
+    copies = fanout(inventory.hosts, one, what="put the model on the hosts")
+    copies.raise_failures()
+    return model.in_container, model, copies.values()
+
+
+def _head(inventory: Inventory, connect: Connect) -> tuple[Transport, str]:
+    return connect(inventory.head_host), quote(container_name(inventory, inventory.head_host))
+
+
+def launcher_command(inventory: Inventory, model_path: str, options: ServeOptions) -> str:
+    """The launcher's command line in the head's container (its env sourced, as the Ray processes have it)."""
+    args = [
+        "python", "-m", "raycluster_cli.serve", f"--model-path={model_path}",
+        f"--host={inventory.node_ip(inventory.head_host)}", f"--port={options.port}",
+        f"--slots={options.slots}", f"--max-seq={options.max_seq}", f"--record={RECORD}",
+    ]  # fmt: skip
+    if options.stages:
+        args.append(f"--stages={options.stages}")
+    if options.model_id:
+        args.append(f"--model-id={options.model_id}")
+    if inventory.ray.auth == "token":
+        args.append(f"--token-file={TOKEN_IN_CONTAINER}")
+    else:
+        args.append("--no-auth")
+    return f"{_SOURCE_ENV} && exec {shlex.join(args)}"
+
+
+def serve(inventory: Inventory, connect: Connect, options: ServeOptions, progress: Progress = quiet) -> ServeResult:
+    """Put the model on the hosts, deploy the service (replacing one already there), return once it generates."""
+    started = time.monotonic()
+    if options.port < 1 or options.port > 65535:
+        raise UsageError(f"--port {options.port} is not a TCP port", "e.g. --port 8000")
+    path, model, copies = place_model(inventory, connect, options.model_path, progress)
+    if model is not None and not options.model_id:  # the nodes read it under its digest: name it as its folder
+        options = dataclasses.replace(options, model_id=model.root.name)
+    transport, head = _head(inventory, connect)
+    progress(f"deploying the service from {inventory.head_address}'s container (returns once it generates)")
+    command = f"docker exec {head} sh -c {quote(launcher_command(inventory, path, options))}"
+    result = transport.run(command, timeout=options.timeout_s)
+    document = _last_json(result.stdout)
+    if not result.ok or document is None:
+        tail = (result.stderr.strip().splitlines() or [f"exit {result.rc}"])[-1]
+        raise OperationError(
+            f"{inventory.head_address}: the service did not start: {tail}",
+            f"its full output: raycluster exec -- {shlex.join(['sh', '-c', launcher_command(inventory, path, options)])}",
+        )
+    return ServeResult(
+        url=str(document.get("url", "")),
+        model=str(document.get("model", "")),
+        replicas=int(document.get("replicas", 1)),
+        split=document.get("split"),
+        model_path=path,
+        model_digest=model.digest if model else None,
+        copies=copies,
+        auth_token_file=str(token_file(inventory)) if inventory.ray.auth == "token" else None,
+        seconds=round(time.monotonic() - started, 2),
+    )
+
+
+def _last_json(text: str) -> dict[str, Any] | None:
+    for line in reversed(text.strip().splitlines()):
+        try:
+            value = json.loads(line)
+        except ValueError:
+            continue
+        return value if isinstance(value, dict) else None
+    return None
+
+
+# What the head's container says of the service: the launcher's record and Ray Serve's own view (the dashboard's
+# REST API, with the cluster's token), one short Python without Ray's import.
+_STATUS = """
+import json, os, urllib.request
+out = {}
+try:
+    out["record"] = json.load(open(%(record)r))
+except (OSError, ValueError):
+    out["record"] = None
+request = urllib.request.Request(%(url)r)
+if os.path.exists(%(token)r):
+    request.add_header("Authorization", "Bearer " + open(%(token)r).read().strip())
+try:
+    with urllib.request.urlopen(request, timeout=10) as answer:
+        apps = json.load(answer).get("applications") or {}
+    app = apps.get(%(app)r)
+    out["serve"] = None if app is None else {
+        "status": app.get("status"), "message": app.get("message", ""),
+        "deployments": {name: {"status": d.get("status"), "replicas": d.get("replica_states", {})}
+                        for name, d in (app.get("deployments") or {}).items()},
+    }
+except Exception as exc:
+    out["error"] = f"{type(exc).__name__}: {exc}"
+print(json.dumps(out))
+"""
+
+
+def service_status(inventory: Inventory, connect: Connect) -> dict[str, Any] | None:
+    """The service as the head sees it: None when none is deployed, else its record (url, model, split,
+    replicas) and Ray Serve's status (RUNNING, DEPLOYING, UNHEALTHY …) with each deployment's replicas."""
+    transport, head = _head(inventory, connect)
+    ray = inventory.ray
+    url = f"http://{inventory.node_ip(inventory.head_host)}:{ray.dashboard_port}/api/serve/applications/"
+    script = _STATUS % {"record": RECORD, "url": url, "token": TOKEN_IN_CONTAINER, "app": APP}
+    result = transport.run(f"docker exec {head} python -c {quote(script)}", timeout=30)
+    document = _last_json(result.stdout)
+    if document is None:
+        raise OperationError(
+            f"{inventory.head_address}: could not read the service's state: {result.first_line() or result.rc}",
+            "check the head: raycluster status",
+        )
+    if document.get("serve") is None and document.get("record") is None and not document.get("error"):
+        return None
+    return document
+
+
+def stop(inventory: Inventory, connect: Connect) -> bool:
+    """Remove the service (Ray Serve's application and its stage actors); whether there was one."""
+    transport, head = _head(inventory, connect)
+    script = (
+        "import json, ray\nfrom ray import serve\nray.init(address='auto', logging_level='ERROR')\n"
+        f"had = {APP!r} in serve.status().applications\n"
+        f"serve.delete({APP!r}) if had else None\nprint(json.dumps({{'removed': had}}))\n"
+    )
+    command = f"docker exec {head} sh -c {quote(f'{_SOURCE_ENV} && python -c {shlex.quote(script)} && rm -f {RECORD}')}"
+    result = transport.run(command, timeout=180)
+    document = _last_json(result.stdout)
+    if not result.ok or document is None:
+        raise OperationError(
+            f"{inventory.head_address}: the service could not be removed: {result.first_line() or result.rc}",
+            "check the head: raycluster status; raycluster logs",
+        )
+    return bool(document.get("removed"))

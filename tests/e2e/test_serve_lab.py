@@ -1,0 +1,123 @@
+"""`serve` on the real 3-host lab: a tiny random Llama with a real tokenizer, written by the test on this machine,
+reaches every host (verified, once), is deployed from the head's container by Ray Serve, and the real `openai`
+client (not our code) gets exactly what `transformers`' own `generate()` gives, with the cluster's token as its key.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import openai
+import pytest
+import torch
+import transformers
+
+from raycluster_cli.config import inventory, state
+
+from ..serve_checkpoint import WORDS, write_chat_llama
+from .conftest import IP1, Lab
+
+pytestmark = [pytest.mark.lab, pytest.mark.slow]
+
+NEW_TOKENS = 10
+PROMPTS = [" ".join(WORDS[(5 * i + j) % len(WORDS)] for j in range(n)) for i, n in enumerate((1, 4, 9, 15, 22, 30))]
+
+
+@dataclass
+class Served:
+    lab: Lab
+    doc: dict[str, Any]
+    token: str
+    tokenizer: Any
+    model: Any
+
+    def client(self, key: str | None = None) -> openai.AsyncOpenAI:
+        return openai.AsyncOpenAI(base_url=self.doc["url"], api_key=key or self.token, max_retries=0, timeout=300)
+
+    def generate(self, ids: list[int]) -> str:
+        out = self.model.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=NEW_TOKENS)
+        return str(self.tokenizer.decode(out[0, len(ids) :], skip_special_tokens=True))
+
+
+@pytest.fixture(scope="module")
+def served(lab_hosts: Lab, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    code, doc, err = lab_hosts.cli("up", timeout=1500)
+    assert code == 0, err
+    path = write_chat_llama(tmp_path_factory.mktemp("serve") / "tiny-chat")
+    code, doc, err = lab_hosts.cli("serve", f"--model-path={path}", "--max-seq=96", "--slots=8", timeout=1200)
+    assert code == 0, err[-4000:]
+    token = state.token_file(inventory.load(lab_hosts.inventory).inventory).read_text().strip()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(path))
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(path)).eval()
+    try:
+        yield Served(lab_hosts, doc | {"path": str(path)}, token, tokenizer, model)
+    finally:
+        lab_hosts.cli("serve", "--stop", timeout=300)
+
+
+def test_the_model_reaches_every_host_once_and_the_service_answers_at_the_head(served: Served) -> None:
+    doc = served.doc
+    assert doc["url"] == f"http://{IP1}:8000/v1" and doc["model"] == "tiny-chat"
+    assert sorted(c["action"] for c in doc["copies"]) == ["sent"] * 3
+    assert doc["model_path"] == f"/run/raycluster/models/{doc['model_digest']}"
+    # a second serve of the same files copies nothing and replaces the service with itself
+    code, again, err = served.lab.cli("serve", f"--model-path={doc['path']}", "--max-seq=96", timeout=1200)
+    assert code == 0, err[-3000:]
+    assert [c["action"] for c in again["copies"]] == ["held"] * 3 and again["url"] == doc["url"]
+
+
+def test_concurrent_greedy_requests_equal_transformers_generate(served: Served) -> None:
+    async def one(prompt: str, stream: bool) -> str:
+        client = served.client()
+        args: dict[str, Any] = {"model": "tiny-chat", "prompt": prompt, "max_tokens": NEW_TOKENS, "temperature": 0}
+        if not stream:
+            return str((await client.completions.create(**args)).choices[0].text)
+        pieces = [c.choices[0].text async for c in await client.completions.create(**args, stream=True) if c.choices]
+        return "".join(pieces)
+
+    async def every() -> list[str]:
+        return await asyncio.gather(*(one(p, s) for p in PROMPTS for s in (False, True)))
+
+    got = asyncio.run(every())
+    want = [served.generate(served.tokenizer.encode(p)) for p in PROMPTS for _ in (False, True)]
+    assert got == want
+
+
+def test_chat_uses_the_checkpoints_template(served: Served) -> None:
+    messages = [{"role": "user", "content": "hello cat"}]
+
+    async def chat() -> Any:
+        return await served.client().chat.completions.create(
+            model="tiny-chat",
+            messages=messages,
+            max_tokens=NEW_TOKENS,
+            temperature=0,  # type: ignore[arg-type]
+        )
+
+    answer = asyncio.run(chat())
+    prompt = served.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    want = served.generate(served.tokenizer.encode(prompt, add_special_tokens=False))
+    assert answer.choices[0].message.content == want
+
+
+def test_a_request_without_the_clusters_token_is_refused(served: Served) -> None:
+    async def wrong() -> None:
+        await served.client("not-the-token").models.list()
+
+    with pytest.raises(openai.AuthenticationError):
+        asyncio.run(wrong())
+
+
+def test_status_shows_the_service_and_serve_stop_removes_it(served: Served) -> None:
+    code, doc, err = served.lab.cli("status")
+    assert doc["service"]["serve"]["status"] == "RUNNING", (doc.get("service"), err[-2000:])
+    assert doc["service"]["record"]["model"] == "tiny-chat" and doc["service"]["record"]["url"] == served.doc["url"]
+    code, stopped, err = served.lab.cli("serve", "--stop", timeout=300)
+    assert code == 0 and stopped["removed"] is True, err
+    code, doc, err = served.lab.cli("status")
+    assert doc["service"] is None, doc["service"]
+    code, again, err = served.lab.cli("serve", "--stop", timeout=300)
+    assert code == 0 and again["removed"] is False

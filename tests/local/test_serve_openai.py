@@ -1,0 +1,267 @@
+"""The service on a throwaway local Ray, called by the real ``openai`` client, checked against ``transformers``.
+
+A tiny random Llama with a real tokenizer is written by the test; the reference for every greedy
+answer is ``transformers``' own ``generate(do_sample=False)`` on the same checkpoint and prompt.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytestmark = [pytest.mark.slow]
+
+ray = pytest.importorskip("ray")
+serve = pytest.importorskip("ray.serve")
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+openai = pytest.importorskip("openai")
+psutil = pytest.importorskip("psutil")
+
+from raycluster_cli.serve.app import ServeSettings, build_app  # noqa: E402
+from raycluster_cli.serve.scheduler import Limits  # noqa: E402
+
+from ..serve_checkpoint import WORDS, write_chat_llama  # noqa: E402
+
+TOKEN = "test-cluster-token"
+MODEL = "tiny-chat-llama"
+NEW_TOKENS = 12
+# prompts of different lengths; the longest are fed in several prefill chunks of 8 tokens
+PROMPTS = [
+    " ".join(WORDS[(7 * i + j * 3) % len(WORDS)] for j in range(n))
+    for i, n in enumerate((1, 3, 5, 9, 14, 20, 27, 33, 2, 17))
+]
+
+
+@dataclass
+class Service:
+    base_url: str
+    path: Path
+    tokenizer: Any
+    model: Any
+
+    def client(self, key: str = TOKEN) -> Any:
+        return openai.AsyncOpenAI(base_url=self.base_url, api_key=key, max_retries=0, timeout=180)
+
+    def generate(self, ids: list[int], new_tokens: int = NEW_TOKENS) -> str:
+        """What transformers itself answers, greedy."""
+        out = self.model.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=new_tokens)
+        return str(self.tokenizer.decode(out[0, len(ids) :], skip_special_tokens=True))
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _raw(url: str, body: bytes | None = None, token: str | None = TOKEN) -> tuple[int, dict[str, Any]]:
+    """A plain HTTP call (no client library): the status and the JSON body."""
+    headers = {"Content-Type": "application/json"} | ({"Authorization": f"Bearer {token}"} if token else {})
+    request = urllib.request.Request(url, data=body, headers=headers, method="POST" if body is not None else "GET")
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+def _wait_ready(url: str, deadline_s: float = 60.0) -> None:
+    """Poll the models route until the service answers 200 (no fixed sleep)."""
+    began = time.monotonic()
+    while True:
+        try:
+            if _raw(f"{url}/models")[0] == 200:
+                return
+        except (OSError, ValueError):
+            pass
+        if time.monotonic() - began > deadline_s:
+            raise TimeoutError(f"{url} not ready after {deadline_s} s")
+        time.sleep(0.2)
+
+
+@pytest.fixture(scope="module")
+def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
+    path = write_chat_llama(tmp_path_factory.mktemp("serve") / MODEL)
+    settings = ServeSettings(
+        model_path=str(path),
+        token=TOKEN,
+        stages=2,
+        split=(2, 1),
+        num_threads=1,
+        limits=Limits(slots=8, step_tokens=48, prefill_chunk=8, max_seq=128, max_waiting=16),
+    )
+    port = _free_port()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("RAY_AUTH_MODE", "disabled")
+        ray.init(
+            num_cpus=2,
+            include_dashboard=False,
+            log_to_driver=False,
+            configure_logging=False,
+            _node_ip_address="127.0.0.1",
+        )
+        try:
+            serve.start(http_options={"host": "127.0.0.1", "port": port})
+            serve.run(build_app(settings, health_check_period_s=2), name="raycluster", route_prefix="/")
+            url = f"http://127.0.0.1:{port}/v1"
+            _wait_ready(url)
+            tokenizer = transformers.AutoTokenizer.from_pretrained(str(path))
+            model = transformers.AutoModelForCausalLM.from_pretrained(str(path)).eval()
+            yield Service(url, path, tokenizer, model)
+        finally:
+            serve.shutdown()
+            ray.shutdown()
+
+
+async def _complete(client: Any, prompt: str, stream: bool, **extra: Any) -> tuple[str, Any]:
+    """The text (joined stream chunks when streaming) and the usage of one completion."""
+    args = {"model": MODEL, "prompt": prompt, "max_tokens": NEW_TOKENS, "temperature": 0} | extra
+    if not stream:
+        answer = await client.completions.create(**args)
+        return answer.choices[0].text, answer.usage
+    pieces, usage = [], None
+    async for chunk in await client.completions.create(**args, stream=True, stream_options={"include_usage": True}):
+        pieces += [c.text for c in chunk.choices]
+        usage = chunk.usage or usage
+    return "".join(pieces), usage
+
+
+def test_concurrent_greedy_completions_equal_generate(service: Service) -> None:
+    """24 requests at once (12 prompts, each streamed and not) on 8 KV slots: they join and leave the batch."""
+
+    async def run() -> list[tuple[str, Any]]:
+        client = service.client()
+        calls = [_complete(client, p, stream) for p in PROMPTS for stream in (False, True)]
+        return list(await asyncio.gather(*calls))
+
+    answers = asyncio.run(run())
+    for index, prompt in enumerate(PROMPTS):
+        ids = service.tokenizer.encode(prompt)
+        want = service.generate(ids)
+        for text, usage in answers[2 * index : 2 * index + 2]:
+            assert text == want, prompt
+            assert usage.prompt_tokens == len(ids) and usage.completion_tokens == NEW_TOKENS
+            assert usage.total_tokens == len(ids) + NEW_TOKENS
+
+
+def test_chat_equals_generate_on_the_chat_template(service: Service) -> None:
+    messages = [{"role": "system", "content": "one two"}, {"role": "user", "content": "hello world the cat"}]
+
+    async def run() -> tuple[Any, str]:
+        client = service.client()
+        whole = await client.chat.completions.create(
+            model=MODEL, messages=messages, max_tokens=NEW_TOKENS, temperature=0
+        )
+        stream = await client.chat.completions.create(
+            model=MODEL, messages=messages, max_tokens=NEW_TOKENS, temperature=0, stream=True
+        )
+        pieces = [c.choices[0].delta.content or "" async for c in stream if c.choices]
+        return whole, "".join(pieces)
+
+    whole, streamed = asyncio.run(run())
+    prompt = service.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    want = service.generate(service.tokenizer.encode(prompt, add_special_tokens=False))
+    assert whole.choices[0].message.content == streamed == want
+    assert whole.choices[0].message.role == "assistant"
+
+
+def test_stop_string_ends_the_text_before_it(service: Service) -> None:
+    prompt = PROMPTS[3]
+    full = service.generate(service.tokenizer.encode(prompt))
+    stop = " " + full.split(" ")[3]
+    want = full[: full.index(stop)]
+
+    async def run() -> list[Any]:
+        client = service.client()
+        whole = await client.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=NEW_TOKENS, temperature=0, stop=[stop]
+        )
+        return [whole, await _complete(client, prompt, True, stop=stop)]
+
+    whole, (streamed, _) = asyncio.run(run())
+    assert whole.choices[0].text == streamed == want
+    assert whole.choices[0].finish_reason == "stop"
+    assert whole.usage.completion_tokens < NEW_TOKENS
+
+
+def test_seeded_sampling_repeats_and_differs_from_greedy(service: Service) -> None:
+    async def run() -> list[str]:
+        client = service.client()
+        calls = [_complete(client, PROMPTS[5], False, temperature=1.5, top_p=0.95, seed=s) for s in (7, 7, 8)]
+        return [text for text, _ in await asyncio.gather(*calls)]
+
+    first, again, other = asyncio.run(run())
+    assert first == again
+    assert {first, other} != {service.generate(service.tokenizer.encode(PROMPTS[5]))}
+
+
+def test_errors_have_the_openai_shape(service: Service) -> None:
+    async def run() -> None:
+        with pytest.raises(openai.AuthenticationError):
+            await service.client(key="wrong").models.list()
+        with pytest.raises(openai.NotFoundError) as missing:
+            await service.client().completions.create(model="no-such-model", prompt="the cat", max_tokens=2)
+        assert missing.value.body["code"] == "model_not_found"
+        with pytest.raises(openai.BadRequestError):
+            await service.client().completions.create(model=MODEL, prompt="the cat", temperature=7)
+        models = await service.client().models.list()
+        assert [m.id for m in models.data] == [MODEL]
+
+    asyncio.run(run())
+    status, bare = _raw(f"{service.base_url}/completions", json.dumps({"model": MODEL, "prompt": "x"}).encode(), None)
+    assert status == 401
+    assert set(bare["error"]) == {"message", "type", "param", "code"}
+    status, bad = _raw(f"{service.base_url}/completions", b"{")
+    assert status == 400 and bad["error"]["type"] == "invalid_request_error"
+
+
+def test_a_full_queue_answers_503_with_retry_after(service: Service) -> None:
+    """8 slots + 16 waiting: of 40 long requests at once some are refused, the others complete."""
+
+    async def run() -> list[Any]:
+        client = service.client()
+        calls = [
+            client.completions.create(model=MODEL, prompt=PROMPTS[i % 4], max_tokens=40, temperature=0)
+            for i in range(40)
+        ]
+        return list(await asyncio.gather(*calls, return_exceptions=True))
+
+    results = asyncio.run(run())
+    refused = [r for r in results if isinstance(r, openai.APIStatusError)]
+    assert refused and all(r.status_code == 503 for r in refused)
+    assert all(r.response.headers["retry-after"] for r in refused)
+    assert all(r.body["type"] == "server_error" for r in refused)
+    done = [r for r in results if not isinstance(r, BaseException)]
+    assert len(done) + len(refused) == 40 and len(done) >= 24
+
+
+def test_a_killed_stage_answers_503_until_serve_replaces_the_replica(service: Service) -> None:
+    """Runs last: it kills the second stage's process; Serve's health check then replaces the replica."""
+    stages = [p for p in psutil.process_iter(["cmdline"]) if "ray::_StageActor" in " ".join(p.info["cmdline"] or [])]
+    assert len(stages) == 2
+    os.kill(stages[-1].pid, signal.SIGKILL)
+    body = json.dumps({"model": MODEL, "prompt": PROMPTS[2], "max_tokens": 4, "temperature": 0}).encode()
+    statuses: list[int] = []
+    began = time.monotonic()
+    while time.monotonic() - began < 90:
+        status, answer = _raw(f"{service.base_url}/completions", body)
+        statuses.append(status)
+        if status == 200:
+            break
+        assert status == 503 and answer["error"]["type"] == "server_error"
+        time.sleep(0.2)
+    assert 503 in statuses and statuses[-1] == 200
+    assert answer["choices"][0]["text"] == service.generate(service.tokenizer.encode(PROMPTS[2]), 4)

@@ -1,0 +1,126 @@
+"""The engine's loop without Ray: stage handles are replaced by in-process calls of the same BatchedStage.
+
+What is checked here is the engine's own bookkeeping: a sequence that ends (stop string, client gone)
+gives its slot back before the next step, and a request that arrives while others run joins them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from raycluster_cli.bench.model import config_from_checkpoint  # noqa: E402
+from raycluster_cli.serve.batched import BatchedStage  # noqa: E402
+from raycluster_cli.serve.engine import Engine, step_inputs  # noqa: E402
+from raycluster_cli.serve.scheduler import Chunk, Limits  # noqa: E402
+from raycluster_cli.serve.text import Sampling  # noqa: E402
+
+from ..serve_checkpoint import write_chat_llama  # noqa: E402
+
+
+class _Done:
+    """An already computed result that can be awaited, as an ObjectRef can."""
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+    def __await__(self) -> Any:
+        yield from asyncio.sleep(0).__await__()
+        return self.value
+
+
+class _Method:
+    def __init__(self, fn: Callable[..., Any]) -> None:
+        self.fn = fn
+
+    def remote(self, *args: Any) -> _Done:
+        return _Done(self.fn(*(a.value if isinstance(a, _Done) else a for a in args)))
+
+
+class _InProcessStage:
+    """Has what the engine uses of a stage actor handle: ``forward.remote``."""
+
+    def __init__(self, stage: BatchedStage) -> None:
+        self.forward = _Method(stage.forward)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_chat_llama(tmp_path_factory.mktemp("engine") / "ckpt")
+
+
+def _engine(path: Path, slots: int = 2) -> Engine:
+    cfg = config_from_checkpoint(path, max_seq=64)
+    half = 1 + cfg.layers // 2
+    stages = [_InProcessStage(BatchedStage(cfg, a, b, slots)) for a, b in ((0, half), (half, cfg.num_units))]
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(path))
+    return Engine(stages, tokenizer, Limits(slots=slots, max_seq=64, prefill_chunk=4), frozenset())
+
+
+def test_step_inputs_pad_rows_and_list_slot_start_length() -> None:
+    ids, table = step_inputs([Chunk("a", 1, 5, (9,), True), Chunk("b", 0, 0, (3, 4, 5), False)])
+    assert ids.tolist() == [[9, 0, 0], [3, 4, 5]]
+    assert table.tolist() == [[1, 0], [5, 0], [1, 3]]
+
+
+def test_stop_and_a_client_leaving_free_their_slots_at_once(checkpoint: Path) -> None:
+    async def run() -> None:
+        engine = _engine(checkpoint)
+        engine.start()
+        greedy = Sampling(temperature=0)
+        full = [out async for out in engine.generate([7, 8, 9], 10, greedy)]
+        text = "".join(o.text for o in full)
+        stop = " " + text.split(" ")[2]
+        outs = []
+        async for out in engine.generate([7, 8, 9], 10, greedy, stop=[stop]):
+            outs.append(out)
+            if out.finish_reason:
+                assert not engine.scheduler.running  # left the batch before any further step
+        assert outs[-1].finish_reason == "stop" and "".join(o.text for o in outs) == text[: text.index(stop)]
+        leaving = engine.generate([7, 8, 9], 10, greedy)
+        await anext(leaving)
+        await leaving.aclose()  # the client went away after its first token
+        assert not engine.scheduler.running and len(engine.scheduler.free_slots) == 2
+        await engine.close()
+
+    asyncio.run(run())
+
+
+def test_a_request_arriving_mid_generation_runs_beside_the_first(checkpoint: Path) -> None:
+    async def run() -> tuple[list[int], list[int]]:
+        engine = _engine(checkpoint)
+        engine.start()
+        first = engine.generate([5, 6, 7, 8, 9, 10, 11], 12, Sampling(temperature=0))
+        await anext(first)
+        later = asyncio.ensure_future(_tokens(engine.generate([12, 13], 3, Sampling(temperature=0))))
+        rest = [o async for o in first]
+        later_tokens = await later
+        await engine.close()
+        return list(rest[-1].token_ids), later_tokens
+
+    first_tokens, later_tokens = asyncio.run(run())
+    assert len(first_tokens) == 12 and len(later_tokens) == 3
+    alone = asyncio.run(_alone(checkpoint, [12, 13], 3))
+    assert later_tokens == alone  # joining a running batch does not change a greedy answer
+
+
+async def _tokens(outputs: Any) -> list[int]:
+    tokens: list[int] = []
+    async for out in outputs:
+        tokens = list(out.token_ids)
+    return tokens
+
+
+async def _alone(path: Path, prompt: list[int], n: int) -> list[int]:
+    engine = _engine(path)
+    engine.start()
+    tokens = await _tokens(engine.generate(prompt, n, Sampling(temperature=0)))
+    await engine.close()
+    return tokens
