@@ -19,6 +19,7 @@ import yaml
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from raycluster_cli.config import strict_yaml
+from raycluster_cli.config.owned import OWNED_ENV_HINT, owned_env_problem
 from raycluster_cli.config.paths import DEFAULT_INVENTORY, INVENTORY_ENV, resolve_path
 from raycluster_cli.config.references import host_dir_problem, hostname_problem, image_problem, login_problem
 from raycluster_cli.errors import InventoryError
@@ -195,6 +196,9 @@ def _check_env(value: dict[str, str]) -> dict[str, str]:
     for name in value:
         if not _ENV_NAME.fullmatch(name):
             raise ValueError(f"{name!r} is not an environment variable name (letters, digits, '_')")
+        problem = owned_env_problem(name)
+        if problem:
+            raise FieldProblem((name,), problem, OWNED_ENV_HINT)
     return value
 
 
