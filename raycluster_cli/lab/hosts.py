@@ -193,7 +193,6 @@ def quota_options(spec: str, count: int) -> dict[str, list[str]]:
     return {f"lab-h{index}": cpu_options(value) for index, value in enumerate(values, start=1)}
 
 
-
 def _keep_running(client: Any, name: str, hosts: list[LabHost], progress: Progress) -> set[str]:
     """Remove the lab's containers that are not among `hosts`; the names of those still running."""
     running = set()
@@ -204,6 +203,7 @@ def _keep_running(client: Any, name: str, hosts: list[LabHost], progress: Progre
         elif stale.status == "running":
             running.add(stale.name)
     return running
+
 
 def lab_up(
     count: int = 3,
