@@ -41,21 +41,6 @@ HEARTBEAT_S = 2.0  # a streamed command's heartbeat (see guard.py)
 Sock = Callable[[float], Any]  # opens the socket to the host (e.g. through a jump host) within a timeout
 
 
-class _AcceptNewPolicy(paramiko.MissingHostKeyPolicy):
-    """Record an unknown host key in the known_hosts file (like OpenSSH's accept-new)."""
-
-    def __init__(self, known_hosts_file: Path) -> None:
-        self.known_hosts_file = known_hosts_file
-        self.lock = threading.Lock()
-
-    def missing_host_key(self, client: paramiko.SSHClient, hostname: str, key: paramiko.PKey) -> None:
-        with self.lock:
-            self.known_hosts_file.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-            with self.known_hosts_file.open("a") as handle:
-                handle.write(f"{hostname} {key.get_name()} {key.get_base64()}\n")
-        client.get_host_keys().add(hostname, key.get_name(), key)
-
-
 class SSHTransport:
     def __init__(
         self,
@@ -99,6 +84,10 @@ class SSHTransport:
     def target(self) -> str:
         return self.host if self.port == 22 else f"[{self.host}]:{self.port}"
 
+    @property
+    def accept_new(self) -> bool:
+        return self.known_hosts == "accept-new"
+
     # Connecting ----------------------------------------------------------------------------------
 
     def connect(self) -> None:
@@ -126,11 +115,7 @@ class SSHTransport:
     def _connect_once(self) -> paramiko.SSHClient:
         key = sshkeys.load(self.key_file, self.host) if self.key_file else None
         client = paramiko.SSHClient()
-        sshkeys.add_known_keys(client, self.known_hosts_file, self.target)
-        if self.known_hosts == "accept-new":
-            client.set_missing_host_key_policy(_AcceptNewPolicy(self.known_hosts_file))
-        else:
-            client.set_missing_host_key_policy(paramiko.RejectPolicy())
+        sshkeys.add_known_keys(client, self)
         started = time.monotonic()
         try:
             client.connect(
