@@ -32,7 +32,16 @@ from raycluster_cli.transport import prefetch, sshkeys
 from raycluster_cli.transport.base import CommandResult, put_command
 from raycluster_cli.transport.guard import guarded
 from raycluster_cli.transport.keepalive import KeepAlive
-from raycluster_cli.transport.sshio import Lines, LineSink, OutputSink, collect, heartbeat, send_stream, summary
+from raycluster_cli.transport.sshio import (
+    Lines,
+    LineSink,
+    OutputSink,
+    collect,
+    drain_once,
+    heartbeat,
+    send_stream,
+    summary,
+)
 
 log = logging.getLogger("raycluster.transport")
 logging.getLogger("paramiko").addHandler(logging.NullHandler())  # its thread's tracebacks are not for users
@@ -262,18 +271,18 @@ class SSHTransport:
         channel = self._open_channel(command, window_size=8 * 1024 * 1024, max_packet_size=256 * 1024)
         lines = Lines(on_line)
 
-        def drain() -> None:
-            # What the command says meanwhile, so that a chatty command never blocks the stream.
-            while channel.recv_ready():
-                lines("stdout", channel.recv(65536))
-            while channel.recv_stderr_ready():
-                lines("stderr", channel.recv_stderr(65536))
+        def drain() -> None:  # what the command says meanwhile, so that a chatty command never blocks the stream
+            drain_once(channel, lines)
 
+        deadline = None if timeout is None else started + timeout
         try:
             channel.exec_command(guarded(command, timeout, self.stall_s) if self.guard else command)
-            send_stream(channel, source, host=self.host, stall_s=self.stall_s, on_sent=on_sent, drain=drain)
+            send_stream(
+                channel, source, host=self.host, stall_s=self.stall_s, on_sent=on_sent, drain=drain,
+                deadline=deadline, command=command,
+            )  # fmt: skip
             channel.shutdown_write()
-            rc = collect(channel, timeout, self.host, command, on_output=lines).rc
+            rc = collect(channel, timeout, self.host, command, on_output=lines, since=started).rc
         except BaseException as exc:
             raise self._failed(channel, exc, command) from None
         self._finish(channel)

@@ -74,15 +74,17 @@ def collect(
     on_output: OutputSink | None = None,
     stall_s: float | None = None,
     tick: Callable[[], None] | None = None,
+    since: float | None = None,
 ) -> CommandResult:
     """Read a command's stdout and stderr until its output ends (EOF), not merely until it exits.
 
     With `on_output`, each chunk goes to it as it arrives and nothing is kept (the result's texts are
     empty): memory stays bounded by the channel's window whatever the output's size. With `stall_s`, a
     command that sends nothing for that long while still running fails as stalled. `tick` is called on
-    every turn of the loop (the heartbeat)."""
+    every turn of the loop (the heartbeat). `timeout` counts from `since` (a time.monotonic() value; default
+    now)."""
     out, err = bytearray(), bytearray()
-    deadline = None if timeout is None else time.monotonic() + timeout
+    deadline = None if timeout is None else (time.monotonic() if since is None else since) + timeout
     exited_at: float | None = None
     last_data = time.monotonic()
     channel.settimeout(_POLL_S)
@@ -96,8 +98,7 @@ def collect(
             got = _take(channel.recv_stderr(65536), "stderr", err, on_output)
         if got:
             last_data = time.monotonic()
-            continue
-        if channel.exit_status_ready():
+        elif channel.exit_status_ready():
             exited_at = exited_at or time.monotonic()
             drained = not channel.recv_ready() and not channel.recv_stderr_ready()
             if drained and (channel.eof_received or time.monotonic() - exited_at > EOF_GRACE_S):
@@ -111,19 +112,34 @@ def collect(
                 "the host or the network to it stopped answering; check it and re-run "
                 "(ssh.stall_timeout_s sets this deadline)",
             )
-        if deadline is not None and time.monotonic() > deadline:
-            raise DeadlineExceeded(
-                host,
-                f"{_what(command)} ran past its {timeout:.0f}s deadline",
-                "the host is overloaded or stuck; check it, or re-run with --debug to see the command",
-            )
+        # Judged after data too: a command that never pauses its output (`yes`) still ends at its deadline.
+        _check_deadline(deadline, timeout, host, command)
         cancel.check(f"reading from {host}")
-        time.sleep(0.01)
+        if not got:
+            time.sleep(0.01)
     rc = channel.recv_exit_status()
     if rc == -1 and _connection_lost(channel):
         # paramiko marks a channel "exited" (status -1) when its connection closes (the keepalive dropped it)
         raise EOFError("the connection closed before the command's exit status arrived")
     return CommandResult(rc, out.decode(errors="replace"), err.decode(errors="replace"))
+
+
+def _check_deadline(deadline: float | None, timeout: float | None, host: str, command: str) -> None:
+    if deadline is not None and time.monotonic() > deadline:
+        raise DeadlineExceeded(
+            host,
+            f"{_what(command)} ran past its {timeout or 0:.0f}s deadline",
+            "the host is overloaded or stuck; check it, or re-run with --debug to see the command",
+        )
+
+
+def drain_once(channel: paramiko.Channel, on_output: OutputSink) -> None:
+    """Hand on at most one chunk of each stream the command wrote meanwhile (never more: a command that writes
+    without pause must not keep its caller here)."""
+    if channel.recv_ready():
+        on_output("stdout", channel.recv(65536))
+    if channel.recv_stderr_ready():
+        on_output("stderr", channel.recv_stderr(65536))
 
 
 def heartbeat(channel: paramiko.Channel, every_s: float) -> Callable[[], None]:
@@ -166,12 +182,16 @@ def send_stream(
     stall_s: float,
     on_sent: Callable[[int], None] | None,
     drain: Callable[[], None],
+    deadline: float | None = None,
+    command: str = "",
 ) -> None:
     """Write all of `source` into the channel; stop early when the command exits (it failed).
 
-    Raises Stalled when the host accepts no byte for `stall_s` seconds, Cancelled on an interrupt.
-    `drain` is called between writes so the command's own output never fills its window and blocks it.
+    Raises Stalled when the host accepts no byte for `stall_s` seconds, DeadlineExceeded past `deadline` (a
+    time.monotonic() value), Cancelled on an interrupt. `drain` is called between writes so the command's own
+    output never fills its window and blocks it; it must return after a bounded read (drain_once).
     """
+    timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
     channel.settimeout(_POLL_S)
     while chunk := source.read(CHUNK):
         view = memoryview(chunk)
@@ -181,6 +201,7 @@ def send_stream(
             if channel.exit_status_ready():
                 return  # the command ended early (it failed): stop sending, its exit status says why
             cancel.check(f"streaming to {host}")
+            _check_deadline(deadline, timeout, host, command)
             try:
                 sent = channel.send(bytes(view[:65536]))
             except TimeoutError:
