@@ -19,6 +19,7 @@ import paramiko
 from raycluster_cli import cancel
 from raycluster_cli.errors import TransportError
 from raycluster_cli.transport.base import CHUNK, CommandResult
+from raycluster_cli.transport.kept import LineSplitter, Tail
 
 # How long to wait for the end of the output once the command has exited: sshd may send the exit status
 # before the last of the output, and a command that leaves a daemon holding its stdout never sends EOF.
@@ -94,20 +95,19 @@ class Lines:
 
     def __init__(self, on_line: LineSink | None) -> None:
         self.on_line = on_line
-        self.out, self.err = bytearray(), bytearray()
-        self._told = 0  # where the next line to hand on starts
+        self.out, self.err = Tail(), Tail()
+        self._lines = LineSplitter(lambda line: on_line(line.decode(errors="replace")) if on_line else None)
 
     def __call__(self, stream: str, data: bytes) -> None:
         if stream == "stderr":
             self.err += data
             return
         self.out += data
-        while self.on_line is not None and (end := self.out.find(b"\n", self._told)) >= 0:
-            line, self._told = self.out[self._told : end].decode(errors="replace"), end + 1
-            self.on_line(line)
+        if self.on_line is not None:
+            self._lines.add(data)
 
     def result(self, rc: int) -> CommandResult:
-        return CommandResult(rc, self.out.decode(errors="replace"), self.err.decode(errors="replace"))
+        return CommandResult(rc, self.out.text(), self.err.text())
 
 
 def collect(
@@ -128,7 +128,7 @@ def collect(
     command that sends nothing for that long while still running fails as stalled. `tick` is called on
     every turn of the loop (the heartbeat). `timeout` counts from `since` (a time.monotonic() value; default
     now)."""
-    out, err = bytearray(), bytearray()
+    out, err = Tail(), Tail()
     deadline = None if timeout is None else (time.monotonic() if since is None else since) + timeout
     exited_at: float | None = None
     last_data = time.monotonic()
@@ -166,7 +166,7 @@ def collect(
     if rc == -1 and _connection_lost(channel):
         # paramiko marks a channel "exited" (status -1) when its connection closes (the keepalive dropped it)
         raise EOFError("the connection closed before the command's exit status arrived")
-    return CommandResult(rc, out.decode(errors="replace"), err.decode(errors="replace"))
+    return CommandResult(rc, out.text(), err.text())
 
 
 def _check_deadline(deadline: float | None, timeout: float | None, host: str, command: str) -> None:
@@ -201,7 +201,7 @@ def heartbeat(channel: paramiko.Channel, every_s: float) -> Callable[[], None]:
     return tick
 
 
-def _take(data: bytes, name: str, kept: bytearray, on_output: OutputSink | None) -> bool:
+def _take(data: bytes, name: str, kept: Tail, on_output: OutputSink | None) -> bool:
     if on_output is None:
         kept += data
     elif data:
