@@ -108,21 +108,25 @@ class _Run:
         events = []
         for line in complete.splitlines():
             try:
-                events.append(json.loads(line))
+                event = json.loads(line)
             except ValueError:
                 continue
+            if isinstance(event, dict):
+                events.append(event)
         rc = rc_text.strip()
         return events, int(rc) if rc.lstrip("-").isdigit() else None
 
     def result(self) -> dict[str, Any]:
         text = self.sh(f"cat {self.folder}/result.json").strip()
         try:
-            document: dict[str, Any] = json.loads(text.splitlines()[-1])
+            document: Any = json.loads(text.splitlines()[-1])
         except (ValueError, IndexError):
+            document = None
+        if not isinstance(document, dict):
             raise OperationError(
-                f"{self.container}: the benchmark produced no result",
+                f"{self.transport.host}: {self.container}: the benchmark produced no result",
                 f"its log: docker exec {self.container} cat {self.folder}/driver.log (on the head host)",
-            ) from None
+            )
         return document
 
     def stop(self) -> None:

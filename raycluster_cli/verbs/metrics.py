@@ -165,6 +165,8 @@ def _scrape(head: Any, name: str, targets: list[Target]) -> None:
         counts = json.loads(done.stdout.strip().splitlines()[-1])
     except (ValueError, IndexError):
         counts = {}
+    if not isinstance(counts, dict):
+        counts = {}
     for target in targets:
         value = counts.get(target.address, f"not scraped: {done.first_line()}")
         if isinstance(value, int):
