@@ -225,6 +225,7 @@ def submit_job(
     payload = {"entrypoint": shlex.join(entrypoint), "submission_id": job_id, "runtime_env": runtime_env}
     accepted = dashboard.request("POST", "/api/jobs/", body=json.dumps(payload).encode())
     sid = accepted.get("submission_id", job_id) if isinstance(accepted, dict) else job_id
+    sid = sid if isinstance(sid, str) and sid else job_id
     return JobResult(sid, "PENDING", package=package)
 
 
@@ -323,4 +324,4 @@ def _poll_logs(
 def stop_hint(inventory: Inventory, submission_id: str) -> str:
     """How to stop a job that keeps running after Ctrl-C (token from the head container's own env)."""
     address = f"http://{inventory.head_address}:{inventory.ray.dashboard_port}"
-    return f"raycluster exec -- ray job stop --address {address} {submission_id}"
+    return f"raycluster exec -- ray job stop --address {address} {shlex.quote(submission_id)}"
