@@ -17,3 +17,17 @@ def owned_env_problem(name: str) -> str | None:
 
 
 OWNED_ENV_HINT = "remove it from env; use ray.auth: token (default) or ray.auth: none to choose Ray's authentication"
+
+
+# Bounds on values that would only fail later, on a host or in Ray (item 14).
+MIN_WAIT_S = 0.1  # a connect, keepalive or stall deadline shorter than this cannot be met
+MAX_CPUS = 1_000_000  # `ray start --num-cpus` of a node
+MAX_GPUS = 10_000
+
+
+def nul_problem(value: str) -> str | None:
+    """A NUL byte cannot be in a path or an environment value (the OS cuts there, or refuses it)."""
+    return "contains a NUL byte (\\0), which no path or environment value can hold" if "\0" in value else None
+
+
+NUL_HINT = "remove the \\0 escape from the value"
