@@ -132,19 +132,14 @@ class _Run:
     def stop(self) -> None:
         """SIGINT to the driver (it shuts Ray down, which ends its actors), SIGKILL 10 s later if still there.
 
-        Sent detached (``docker exec -d``) so it returns at once, and also after Ctrl-C: the
-        cancellation flag stops every other remote command, so it is lifted for this one.
+        Sent detached (``docker exec -d``) so it returns at once, and also after Ctrl-C: this thread is exempt
+        from the cancellation flag for this one command, while every other thread still sees it (clearing the
+        flag let queued host work start meanwhile).
         """
         d = self.folder
         script = f"p=$(cat {d}/pid 2>/dev/null) || exit 0; kill -INT $p; sleep 10; kill -KILL $p 2>/dev/null; true"
-        interrupted = cancel.requested()
-        cancel.reset()
-        try:
-            with contextlib.suppress(Exception):  # best effort: the interrupt itself must reach the caller
-                self.transport.run(f"docker exec -d {quote(self.container)} sh -c {quote(script)}", timeout=5)
-        finally:
-            if interrupted:
-                cancel.request()
+        with cancel.exempt(), contextlib.suppress(Exception):  # best effort: the interrupt must reach the caller
+            self.transport.run(f"docker exec -d {quote(self.container)} sh -c {quote(script)}", timeout=5)
 
     def clean(self) -> None:
         self.sh(f"rm -rf {self.folder}")
