@@ -6,9 +6,13 @@ Library code never installs signal handlers; the CLI does, and calls `request()`
 
 from __future__ import annotations
 
+import contextlib
 import threading
+import time
+from collections.abc import Iterator
 
 _EVENT = threading.Event()
+_THREAD = threading.local()  # .exempt: this thread's own work goes on after an interrupt (see `exempt`)
 
 
 class Cancelled(KeyboardInterrupt):
@@ -22,17 +26,32 @@ def request() -> None:
 
 
 def requested() -> bool:
-    return _EVENT.is_set()
+    return _EVENT.is_set() and not getattr(_THREAD, "exempt", False)
+
+
+@contextlib.contextmanager
+def exempt() -> Iterator[None]:
+    """Let this thread's work inside the block run although the run was interrupted (a clean-up command that
+    must still reach a host), while every other thread keeps seeing the flag."""
+    before = getattr(_THREAD, "exempt", False)
+    _THREAD.exempt = True
+    try:
+        yield
+    finally:
+        _THREAD.exempt = before
 
 
 def check(what: str = "") -> None:
     """Raise Cancelled if the run was interrupted (call before starting `what`)."""
-    if _EVENT.is_set():
+    if requested():
         raise Cancelled(f"interrupted before {what}" if what else "interrupted")
 
 
 def wait(seconds: float) -> bool:
     """Sleep up to `seconds`; True (at once) when the run is interrupted meanwhile."""
+    if getattr(_THREAD, "exempt", False):
+        time.sleep(seconds)
+        return False
     return _EVENT.wait(seconds)
 
 

@@ -159,7 +159,7 @@ def submit_command(
         )
 
         with open_cluster(inventory_path) as (inv, pool), dashboard_tunnel(inv, pool) as (tunnel, token):
-            dashboard = Dashboard(tunnel, token)
+            dashboard = Dashboard(tunnel, token, host=str(inv.head_host.address))
             version = check_dashboard(dashboard)
             job = submit_job(dashboard, entrypoint, working_dir=working_dir, submission_id=submission_id)
             output.progress()(
@@ -194,7 +194,7 @@ def dashboard_command(
         from raycluster_cli.verbs.jobs import Dashboard, check_dashboard, dashboard_tunnel
 
         with open_cluster(inventory_path) as (inv, pool), dashboard_tunnel(inv, pool, port) as (tunnel, token):
-            version = check_dashboard(Dashboard(tunnel, token))
+            version = check_dashboard(Dashboard(tunnel, token, host=str(inv.head_host.address)))
             body = {
                 "cluster": inv.cluster,
                 "url": tunnel.url,

@@ -19,6 +19,15 @@ import yaml
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from raycluster_cli.config import strict_yaml
+from raycluster_cli.config.owned import (
+    MAX_CPUS,
+    MAX_GPUS,
+    MIN_WAIT_S,
+    NUL_HINT,
+    OWNED_ENV_HINT,
+    nul_problem,
+    owned_env_problem,
+)
 from raycluster_cli.config.paths import DEFAULT_INVENTORY, INVENTORY_ENV, resolve_path
 from raycluster_cli.config.references import host_dir_problem, hostname_problem, image_problem, login_problem
 from raycluster_cli.errors import InventoryError
@@ -75,6 +84,7 @@ def _host_dir(value: str) -> str:
 
 
 LoginName = Annotated[str, _grammar(login_problem)]
+FilePath = Annotated[str, _grammar(nul_problem)]
 HostDir = Annotated[str, AfterValidator(_host_dir)]
 HostAddress = Annotated[IPv4Address, AfterValidator(_usable_address)]
 ShellOption = Annotated[str, AfterValidator(_shell_words)]
@@ -89,20 +99,26 @@ class SSHConfig(_Model):
     """How raycluster logs in to every host (per-host `ssh:` overrides single keys)."""
 
     user: LoginName = "root"
-    key: str | None = Field(
+    key: FilePath | None = Field(
         None, min_length=1, description="private key file; default: the SSH agent, then ~/.ssh/id_*"
     )
     port: int = Field(22, ge=1, le=65535)
     known_hosts: Literal["strict", "accept-new"] = "strict"
-    known_hosts_file: str = Field("~/.ssh/known_hosts", min_length=1)
-    connect_timeout_s: float = Field(10.0, gt=0, le=3600, description="TCP connect, banner, login, channel open")
+    known_hosts_file: FilePath = Field("~/.ssh/known_hosts", min_length=1)
+    connect_timeout_s: float = Field(
+        10.0, ge=MIN_WAIT_S, le=3600, description="TCP connect, banner, login, channel open"
+    )
     connect_retries: int = Field(2, ge=0, le=10, description="retries of refused/reset/no-banner logins")
-    keepalive_interval_s: float = Field(15.0, gt=0, le=3600, description="a keepalive that wants a reply, this often")
+    keepalive_interval_s: float = Field(
+        15.0, ge=MIN_WAIT_S, le=3600, description="a keepalive that wants a reply, this often"
+    )
     keepalive_count_max: int = Field(3, ge=1, le=100, description="unanswered keepalives before a host is dropped")
-    stall_timeout_s: float = Field(60.0, gt=0, le=3600, description="a stream accepting no data this long fails")
+    stall_timeout_s: float = Field(
+        60.0, ge=MIN_WAIT_S, le=3600, description="a stream accepting no data this long fails"
+    )
     max_parallel_logins: int = Field(8, ge=1, le=1000, description="SSH handshakes at once (sshd MaxStartups)")
     proxy_jump: str | None = Field(None, description="jump host(s) as OpenSSH's ProxyJump: user@bastion[:port][,…]")
-    config_file: str | None = Field("~/.ssh/config", description="OpenSSH client config to read (null: none)")
+    config_file: FilePath | None = Field("~/.ssh/config", description="OpenSSH client config to read (null: none)")
     sudo: bool = Field(
         False, strict=True, description="create/remove the host state folder with `sudo -n` (a non-root login)"
     )
@@ -115,7 +131,7 @@ class SSHConfig(_Model):
 
 class HostSSH(_Model):
     user: LoginName | None = None
-    key: str | None = Field(None, min_length=1)
+    key: FilePath | None = Field(None, min_length=1)
     port: int | None = Field(None, ge=1, le=65535)
     proxy_jump: str | None = Field(None, description="this host's jump host(s) ('none': connect directly)")
     sudo: bool | None = Field(None, strict=True, description="this host's ssh.sudo")
@@ -192,9 +208,14 @@ class HeadConfig(_Model):
 
 
 def _check_env(value: dict[str, str]) -> dict[str, str]:
-    for name in value:
+    for name, text in value.items():
         if not _ENV_NAME.fullmatch(name):
             raise ValueError(f"{name!r} is not an environment variable name (letters, digits, '_')")
+        problem = owned_env_problem(name)
+        if problem:
+            raise FieldProblem((name,), problem, OWNED_ENV_HINT)
+        if nul_problem(text):
+            raise FieldProblem((name,), f"the value {nul_problem(text)}", NUL_HINT)
     return value
 
 
@@ -206,8 +227,8 @@ class HostConfig(_Model):
     )
     # `ray start --num-cpus` takes a whole number (0: a node that runs no tasks, e.g. a busy head of a large
     # cluster); a fraction here would only fail later, inside the node's container.
-    num_cpus: int | None = Field(None, ge=0)
-    num_gpus: int | None = Field(None, ge=0)
+    num_cpus: int | None = Field(None, ge=0, le=MAX_CPUS)
+    num_gpus: int | None = Field(None, ge=0, le=MAX_GPUS)
     resources: dict[str, Amount] = Field(default_factory=dict, description="custom Ray resources of this node")
     env: dict[str, str] = Field(default_factory=dict, description="environment of this host's Ray processes")
     ssh: HostSSH = HostSSH()

@@ -313,4 +313,11 @@ def list_cluster_containers(transport: Transport, inventory: Inventory) -> list[
     result = transport.run(list_command(inventory))
     if not result.ok:
         raise OperationError(f"{transport.host}: docker ps failed: {result.first_line()}", "check Docker on the host")
-    return [c for c in parse_ps(result.stdout) if c.labels.get(LABEL_CLUSTER) == inventory.cluster]
+    try:
+        found = parse_ps(result.stdout)
+    except ValueError as exc:
+        raise OperationError(
+            f"{transport.host}: docker ps printed what raycluster cannot read ({exc})",
+            "check Docker on the host: docker ps --all --format '{{json .}}'",
+        ) from None
+    return [c for c in found if c.labels.get(LABEL_CLUSTER) == inventory.cluster]

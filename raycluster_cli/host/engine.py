@@ -95,20 +95,33 @@ def ps_rows(text: str) -> list[PsRow]:
     stripped = text.strip()
     if not stripped:
         return []
-    if stripped.startswith("["):
-        raw: list[dict[str, Any]] = json.loads(stripped)
-    else:
-        raw = [json.loads(line) for line in stripped.splitlines() if line.strip()]
+    # Raises ValueError (naming what it got) for output that is not one JSON object per container; a field of
+    # another type than either engine prints reads as empty.
+    lines = [line for line in stripped.splitlines() if line.strip()]
+    raw: Any = json.loads(stripped) if stripped.startswith("[") else [_json(line) for line in lines]
     rows = []
-    for row in raw:
-        names = row.get("Names", "")
-        labels = row.get("Labels") or {}
+    for row in raw if isinstance(raw, list) else [raw]:
+        if not isinstance(row, dict):
+            raise ValueError(f"a row of its JSON is not an object: {json.dumps(row)[:80]}")
+        names, labels = row.get("Names", ""), row.get("Labels") or {}
         if isinstance(labels, str):
             labels = dict(item.partition("=")[::2] for item in labels.split(",") if item)
+        labels = {str(k): str(v) for k, v in labels.items()} if isinstance(labels, dict) else {}
         name = names[0] if isinstance(names, list) and names else names if isinstance(names, str) else ""
         ident = row.get("ID") or row.get("Id") or ""
-        rows.append(PsRow(ident, name, str(row.get("State", "")), str(row.get("Image", "")), dict(labels)))
+        rows.append(PsRow(_text(ident), _text(name), _text(row.get("State")), _text(row.get("Image")), labels))
     return rows
+
+
+def _json(line: str) -> Any:
+    try:
+        return json.loads(line)
+    except ValueError:
+        raise ValueError(f"not its JSON: {line.strip()[:80]!r}") from None
+
+
+def _text(value: Any) -> str:
+    return value if isinstance(value, str) else ""
 
 
 def adapt_run_argv(dialect: Dialect, argv: list[str]) -> list[str]:

@@ -332,10 +332,11 @@ def probe(
         raise OperationError(
             f"{on.address}: cannot read the cluster's nodes: {result.first_line()}", f"see `docker logs {name}`"
         )
-    if "nodes" not in document:
-        raise OperationError(f"{on.address}: {document.get('error')}", f"see `docker logs {name}`")
-    nodes: list[dict[str, Any]] = document["nodes"]
-    return nodes
+    nodes = document.get("nodes")
+    if not isinstance(nodes, list):
+        said = document.get("error") if "nodes" not in document else f"a node list that is not a list: {nodes!r:.80}"
+        raise OperationError(f"{on.address}: {said}", f"see `docker logs {name}`")
+    return [n for n in nodes if isinstance(n, dict)]
 
 
 def _paused(transport: Transport, name: str) -> bool:

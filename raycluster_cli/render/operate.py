@@ -59,13 +59,14 @@ class JobLogPrinter:
 def render_submit(output: Output, body: dict[str, Any]) -> None:
     job = body["job"]
     if not job["waited"]:
-        output.err.print(f"job {job['submission_id']} accepted (not waiting for it)", markup=False)
+        output.err.print(f"job {terminal_safe(str(job['submission_id']))} accepted (not waiting for it)", markup=False)
         return
     colour = "green" if job["status"] == "SUCCEEDED" else "red"
     code = job["driver_exit_code"]
     detail = f", driver exit code {code}" if code is not None else ""
+    # The dashboard's strings are remote input: escaped for the terminal and for rich's markup.
     output.err.print(
-        f"job {job['submission_id']}: [{colour}]{job['status']}[/{colour}]{detail}"
+        f"job {_escape(str(job['submission_id']))}: [{colour}]{_escape(str(job['status']))}[/{colour}]{detail}"
         + (f" — {_escape(job['message'].splitlines()[0])}" if job["status"] != "SUCCEEDED" and job["message"] else ""),
         markup=True,
     )
@@ -83,7 +84,8 @@ def render_interrupted_job(output: Output, cluster: str, job: Any, stop: str) ->
 def render_dashboard(output: Output, body: dict[str, Any]) -> None:
     output.line(f"dashboard of cluster {body['cluster']}: {body['url']}")
     output.err.print(
-        f"forwarding 127.0.0.1 → {body['head_dashboard']} over SSH (Ray {body['ray_version']}); Ctrl-C to stop",
+        f"forwarding 127.0.0.1 → {body['head_dashboard']} over SSH (Ray {terminal_safe(str(body['ray_version']))}); "
+        "Ctrl-C to stop",
         markup=False,
     )
     if body.get("auth_token_file"):

@@ -32,28 +32,25 @@ from raycluster_cli.transport import prefetch, sshkeys
 from raycluster_cli.transport.base import CommandResult, put_command
 from raycluster_cli.transport.guard import guarded
 from raycluster_cli.transport.keepalive import KeepAlive
-from raycluster_cli.transport.sshio import Lines, LineSink, OutputSink, collect, heartbeat, send_stream, summary
+from raycluster_cli.transport.sshio import (
+    DeadlineExceeded,
+    Lines,
+    LineSink,
+    OutputSink,
+    close_quietly,
+    collect,
+    drain_once,
+    exec_within,
+    heartbeat,
+    send_stream,
+    summary,
+)
 
 log = logging.getLogger("raycluster.transport")
 logging.getLogger("paramiko").addHandler(logging.NullHandler())  # its thread's tracebacks are not for users
 
 HEARTBEAT_S = 2.0  # a streamed command's heartbeat (see guard.py)
 Sock = Callable[[float], Any]  # opens the socket to the host (e.g. through a jump host) within a timeout
-
-
-class _AcceptNewPolicy(paramiko.MissingHostKeyPolicy):
-    """Record an unknown host key in the known_hosts file (like OpenSSH's accept-new)."""
-
-    def __init__(self, known_hosts_file: Path) -> None:
-        self.known_hosts_file = known_hosts_file
-        self.lock = threading.Lock()
-
-    def missing_host_key(self, client: paramiko.SSHClient, hostname: str, key: paramiko.PKey) -> None:
-        with self.lock:
-            self.known_hosts_file.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-            with self.known_hosts_file.open("a") as handle:
-                handle.write(f"{hostname} {key.get_name()} {key.get_base64()}\n")
-        client.get_host_keys().add(hostname, key.get_name(), key)
 
 
 class SSHTransport:
@@ -99,6 +96,10 @@ class SSHTransport:
     def target(self) -> str:
         return self.host if self.port == 22 else f"[{self.host}]:{self.port}"
 
+    @property
+    def accept_new(self) -> bool:
+        return self.known_hosts == "accept-new"
+
     # Connecting ----------------------------------------------------------------------------------
 
     def connect(self) -> None:
@@ -126,11 +127,7 @@ class SSHTransport:
     def _connect_once(self) -> paramiko.SSHClient:
         key = sshkeys.load(self.key_file, self.host) if self.key_file else None
         client = paramiko.SSHClient()
-        sshkeys.add_known_keys(client, self.known_hosts_file, self.target)
-        if self.known_hosts == "accept-new":
-            client.set_missing_host_key_policy(_AcceptNewPolicy(self.known_hosts_file))
-        else:
-            client.set_missing_host_key_policy(paramiko.RejectPolicy())
+        sshkeys.add_known_keys(client, self)
         started = time.monotonic()
         try:
             client.connect(
@@ -248,9 +245,8 @@ class SSHTransport:
         channel = self._open_channel(command)
         beat = beat and self.guard
         try:
-            channel.exec_command(
-                guarded(command, timeout, heartbeat_s=self.stall_s if beat else None) if self.guard else command
-            )
+            line = guarded(command, timeout, heartbeat_s=self.stall_s if beat else None) if self.guard else command
+            exec_within(channel, line, self.host, command, self.connect_timeout)
             if stdin is not None:
                 channel.settimeout(self.stall_s)
                 channel.sendall(stdin)
@@ -277,18 +273,19 @@ class SSHTransport:
         channel = self._open_channel(command, window_size=8 * 1024 * 1024, max_packet_size=256 * 1024)
         lines = Lines(on_line)
 
-        def drain() -> None:
-            # What the command says meanwhile, so that a chatty command never blocks the stream.
-            while channel.recv_ready():
-                lines("stdout", channel.recv(65536))
-            while channel.recv_stderr_ready():
-                lines("stderr", channel.recv_stderr(65536))
+        def drain() -> None:  # what the command says meanwhile, so that a chatty command never blocks the stream
+            drain_once(channel, lines)
 
+        deadline = None if timeout is None else started + timeout
         try:
-            channel.exec_command(guarded(command, timeout, self.stall_s) if self.guard else command)
-            send_stream(channel, source, host=self.host, stall_s=self.stall_s, on_sent=on_sent, drain=drain)
+            line = guarded(command, timeout, self.stall_s) if self.guard else command
+            exec_within(channel, line, self.host, command, self.connect_timeout)
+            send_stream(
+                channel, source, host=self.host, stall_s=self.stall_s, on_sent=on_sent, drain=drain,
+                deadline=deadline, command=command,
+            )  # fmt: skip
             channel.shutdown_write()
-            rc = collect(channel, timeout, self.host, command, on_output=lines).rc
+            rc = collect(channel, timeout, self.host, command, on_output=lines, since=started).rc
         except BaseException as exc:
             raise self._failed(channel, exc, command) from None
         self._finish(channel)
@@ -346,10 +343,15 @@ class SSHTransport:
         channel.close()
 
     def _failed(self, channel: paramiko.Channel, exc: BaseException, command: str) -> BaseException:
-        """A command did not end normally (deadline, stall, lost connection, interrupt): drop the whole
-        connection — closing only the channel could block on a frozen host, and a closed connection ends
-        the command's session on the host — and return the error to raise."""
+        """A command did not end normally: return the error to raise. Past its own deadline (or sshd's reply to
+        run it), only its channel is closed, in the background: the connection and every other command on it
+        go on, and the closed session ends the command on the host (guard.py). Otherwise (stall, lost
+        connection, interrupt) the whole connection is dropped: a closed connection ends every session."""
         self._running.pop(channel.get_id(), None)
+        alive = self._keepalive is None or not self._keepalive.declared_dead
+        if isinstance(exc, DeadlineExceeded) and alive:
+            close_quietly(channel)
+            return exc
         if isinstance(exc, TransportError | KeyboardInterrupt) or not isinstance(exc, Exception):
             if isinstance(exc, TransportError) and self._keepalive is not None and self._keepalive.declared_dead:
                 return self._dropped(exc, command)

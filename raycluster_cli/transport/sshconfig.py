@@ -16,6 +16,7 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import paramiko
 
@@ -78,9 +79,50 @@ def load_config(path: str | None) -> paramiko.SSHConfig:
     if not file.is_file():
         return paramiko.SSHConfig()
     try:
-        return paramiko.SSHConfig.from_path(str(file))
+        config = paramiko.SSHConfig.from_path(str(file))
     except (OSError, paramiko.ConfigParseError) as exc:
         raise InventoryError(f"ssh config {file}: {exc}", "fix that file, or set ssh.config_file: null") from None
+    setattr(config, _PATH, str(file))  # named in errors about its entries
+    return config
+
+
+# Options that change how OpenSSH reaches a host or checks its key, which raycluster does not follow: refused
+# rather than silently ignored (the host would be dialled directly, its key looked up under its address).
+_PATH = "_raycluster_path"
+_DEFAULT_GLOBAL = "/etc/ssh/ssh_known_hosts /etc/ssh/ssh_known_hosts2"
+_NOT_FOLLOWED = {
+    "proxycommand": ("ProxyCommand", "use ProxyJump (or the inventory's ssh.proxy_jump) instead"),
+    "hostkeyalias": ("HostKeyAlias", "record the host's key under its address (ssh-keyscan) and remove HostKeyAlias"),
+    "globalknownhostsfile": (
+        "GlobalKnownHostsFile",
+        "set the inventory's ssh.known_hosts_file to that file (raycluster reads /etc/ssh/ssh_known_hosts itself)",
+    ),
+}
+
+
+def _check_entry(config: paramiko.SSHConfig, name: str, entry: dict[str, Any], *, proxied: bool) -> None:
+    """Refuse what raycluster would not follow in `name`'s config entry; `proxied`: the inventory gives the jump."""
+    where = f"ssh config {getattr(config, _PATH, '')}".rstrip()
+    for option, (spelled, fix) in _NOT_FOLLOWED.items():
+        value = entry.get(option)
+        if value is None or (option == "proxycommand" and (proxied or str(value).lower() == "none")):
+            continue
+        if option == "globalknownhostsfile" and " ".join(value.split()) == _DEFAULT_GLOBAL:
+            continue
+        raise InventoryError(
+            f"{where}: {spelled} for {name} is not supported by raycluster", f"{fix}, or set ssh.config_file: null"
+        )
+
+
+def _port(config: paramiko.SSHConfig, name: str, value: Any) -> int:
+    try:
+        port = int(str(value))
+    except ValueError:
+        port = 0
+    if not 1 <= port <= 65535:
+        where = f"ssh config {getattr(config, _PATH, '')}".rstrip()
+        raise InventoryError(f"{where}: Port {value!r} for {name} is not a port number", "write Port 22 (1-65535)")
+    return port
 
 
 def _first_key(files: Iterable[str] | None) -> str | None:
@@ -104,23 +146,28 @@ def resolve(inventory: Inventory, host: HostConfig, config: paramiko.SSHConfig) 
     address = str(host.address)
     entry = config.lookup(address)
     defaults = inventory.ssh_for(host)
+    _check_entry(config, address, entry, proxied=bool(_explicit(inventory, host, "proxy_jump")))
     user = _explicit(inventory, host, "user") or entry.get("user") or defaults.user
-    port = _explicit(inventory, host, "port") or int(entry.get("port", 0)) or defaults.port
+    port = _explicit(inventory, host, "port") or (_port(config, address, entry["port"]) if "port" in entry else 0)
+    port = port or defaults.port
     key = _explicit(inventory, host, "key") or _first_key(entry.get("identityfile")) or defaults.key
     target = Hop(entry.get("hostname", address), int(str(port)), str(user), str(key) if key else None)
     jump_value = _explicit(inventory, host, "proxy_jump") or entry.get("proxyjump")
     if not jump_value:
         return Route(target)
     field = "hosts[].ssh.proxy_jump" if host.ssh.proxy_jump else "ssh.proxy_jump"
-    jumps = tuple(_jump_hop(spec, config, defaults.user, defaults.key) for spec in parse_jumps(str(jump_value), field))
+    specs = parse_jumps(str(jump_value), field)
+    jumps = tuple(_jump_hop(spec, config, defaults.user, defaults.key, address) for spec in specs)
     return Route(target, jumps)
 
 
-def _jump_hop(spec: JumpSpec, config: paramiko.SSHConfig, user: str, key: str | None) -> Hop:
+def _jump_hop(spec: JumpSpec, config: paramiko.SSHConfig, user: str, key: str | None, target: str) -> Hop:
     entry = config.lookup(spec.host)
+    name = f"{spec.host} (jump host of {target})"
+    _check_entry(config, name, entry, proxied=False)
     return Hop(
         entry.get("hostname", spec.host),
-        spec.port or int(entry.get("port", 22)),
+        spec.port or (_port(config, name, entry["port"]) if "port" in entry else 22),
         spec.user or entry.get("user") or user,
         _first_key(entry.get("identityfile")) or key,
     )

@@ -9,6 +9,7 @@ Both poll the cancellation flag, so Ctrl-C stops them within a fraction of a sec
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 from collections.abc import Callable
 from typing import BinaryIO
@@ -18,6 +19,7 @@ import paramiko
 from raycluster_cli import cancel
 from raycluster_cli.errors import TransportError
 from raycluster_cli.transport.base import CHUNK, CommandResult
+from raycluster_cli.transport.kept import LineSplitter, Tail
 
 # How long to wait for the end of the output once the command has exited: sshd may send the exit status
 # before the last of the output, and a command that leaves a daemon holding its stdout never sends EOF.
@@ -31,6 +33,50 @@ class Stalled(TransportError):
 
 class DeadlineExceeded(TransportError):
     """A command ran past its deadline."""
+
+
+class NoExecReply(DeadlineExceeded):
+    """sshd did not answer the request to run a command in time."""
+
+
+def exec_within(channel: paramiko.Channel, line: str, host: str, command: str, timeout: float) -> None:
+    """`channel.exec_command(line)`, but waiting at most `timeout` for sshd's reply (paramiko's own wait has
+    no deadline) and interruptible; the request itself goes out at once, in a helper thread."""
+    failed: list[BaseException] = []
+    done = threading.Event()
+
+    def ask() -> None:
+        try:
+            channel.exec_command(line)
+        except BaseException as exc:  # handed to the caller's thread
+            failed.append(exc)
+        finally:
+            done.set()
+
+    threading.Thread(target=ask, name=f"exec-request {host}", daemon=True).start()
+    deadline = time.monotonic() + timeout
+    while not done.wait(_POLL_S):
+        cancel.check(f"running a command on {host}")
+        if time.monotonic() > deadline:
+            raise NoExecReply(
+                host,
+                f"sshd did not answer the request to run {_what(command)} within {timeout:.0f}s",
+                "check that the host is up and not overloaded (sshd, load); raise ssh.connect_timeout_s for slow "
+                "hosts; then re-run",
+            )
+    if failed:
+        raise failed[0]
+
+
+def close_quietly(channel: paramiko.Channel) -> None:
+    """Close one channel in the background (a close to a host that stopped reading could block), leaving the
+    connection and every other command on it running."""
+
+    def close() -> None:
+        with contextlib.suppress(Exception):
+            channel.close()
+
+    threading.Thread(target=close, name="channel-close", daemon=True).start()
 
 
 def summary(command: str, limit: int = 60) -> str:
@@ -49,20 +95,19 @@ class Lines:
 
     def __init__(self, on_line: LineSink | None) -> None:
         self.on_line = on_line
-        self.out, self.err = bytearray(), bytearray()
-        self._told = 0  # where the next line to hand on starts
+        self.out, self.err = Tail(), Tail()
+        self._lines = LineSplitter(lambda line: on_line(line.decode(errors="replace")) if on_line else None)
 
     def __call__(self, stream: str, data: bytes) -> None:
         if stream == "stderr":
             self.err += data
             return
         self.out += data
-        while self.on_line is not None and (end := self.out.find(b"\n", self._told)) >= 0:
-            line, self._told = self.out[self._told : end].decode(errors="replace"), end + 1
-            self.on_line(line)
+        if self.on_line is not None:
+            self._lines.add(data)
 
     def result(self, rc: int) -> CommandResult:
-        return CommandResult(rc, self.out.decode(errors="replace"), self.err.decode(errors="replace"))
+        return CommandResult(rc, self.out.text(), self.err.text())
 
 
 def collect(
@@ -74,15 +119,17 @@ def collect(
     on_output: OutputSink | None = None,
     stall_s: float | None = None,
     tick: Callable[[], None] | None = None,
+    since: float | None = None,
 ) -> CommandResult:
     """Read a command's stdout and stderr until its output ends (EOF), not merely until it exits.
 
     With `on_output`, each chunk goes to it as it arrives and nothing is kept (the result's texts are
     empty): memory stays bounded by the channel's window whatever the output's size. With `stall_s`, a
     command that sends nothing for that long while still running fails as stalled. `tick` is called on
-    every turn of the loop (the heartbeat)."""
-    out, err = bytearray(), bytearray()
-    deadline = None if timeout is None else time.monotonic() + timeout
+    every turn of the loop (the heartbeat). `timeout` counts from `since` (a time.monotonic() value; default
+    now)."""
+    out, err = Tail(), Tail()
+    deadline = None if timeout is None else (time.monotonic() if since is None else since) + timeout
     exited_at: float | None = None
     last_data = time.monotonic()
     channel.settimeout(_POLL_S)
@@ -96,8 +143,7 @@ def collect(
             got = _take(channel.recv_stderr(65536), "stderr", err, on_output)
         if got:
             last_data = time.monotonic()
-            continue
-        if channel.exit_status_ready():
+        elif channel.exit_status_ready():
             exited_at = exited_at or time.monotonic()
             drained = not channel.recv_ready() and not channel.recv_stderr_ready()
             if drained and (channel.eof_received or time.monotonic() - exited_at > EOF_GRACE_S):
@@ -111,19 +157,34 @@ def collect(
                 "the host or the network to it stopped answering; check it and re-run "
                 "(ssh.stall_timeout_s sets this deadline)",
             )
-        if deadline is not None and time.monotonic() > deadline:
-            raise DeadlineExceeded(
-                host,
-                f"{_what(command)} ran past its {timeout:.0f}s deadline",
-                "the host is overloaded or stuck; check it, or re-run with --debug to see the command",
-            )
+        # Judged after data too: a command that never pauses its output (`yes`) still ends at its deadline.
+        _check_deadline(deadline, timeout, host, command)
         cancel.check(f"reading from {host}")
-        time.sleep(0.01)
+        if not got:
+            time.sleep(0.01)
     rc = channel.recv_exit_status()
     if rc == -1 and _connection_lost(channel):
         # paramiko marks a channel "exited" (status -1) when its connection closes (the keepalive dropped it)
         raise EOFError("the connection closed before the command's exit status arrived")
-    return CommandResult(rc, out.decode(errors="replace"), err.decode(errors="replace"))
+    return CommandResult(rc, out.text(), err.text())
+
+
+def _check_deadline(deadline: float | None, timeout: float | None, host: str, command: str) -> None:
+    if deadline is not None and time.monotonic() > deadline:
+        raise DeadlineExceeded(
+            host,
+            f"{_what(command)} ran past its {timeout or 0:.0f}s deadline",
+            "the host is overloaded or stuck; check it, or re-run with --debug to see the command",
+        )
+
+
+def drain_once(channel: paramiko.Channel, on_output: OutputSink) -> None:
+    """Hand on at most one chunk of each stream the command wrote meanwhile (never more: a command that writes
+    without pause must not keep its caller here)."""
+    if channel.recv_ready():
+        on_output("stdout", channel.recv(65536))
+    if channel.recv_stderr_ready():
+        on_output("stderr", channel.recv_stderr(65536))
 
 
 def heartbeat(channel: paramiko.Channel, every_s: float) -> Callable[[], None]:
@@ -140,7 +201,7 @@ def heartbeat(channel: paramiko.Channel, every_s: float) -> Callable[[], None]:
     return tick
 
 
-def _take(data: bytes, name: str, kept: bytearray, on_output: OutputSink | None) -> bool:
+def _take(data: bytes, name: str, kept: Tail, on_output: OutputSink | None) -> bool:
     if on_output is None:
         kept += data
     elif data:
@@ -166,12 +227,16 @@ def send_stream(
     stall_s: float,
     on_sent: Callable[[int], None] | None,
     drain: Callable[[], None],
+    deadline: float | None = None,
+    command: str = "",
 ) -> None:
     """Write all of `source` into the channel; stop early when the command exits (it failed).
 
-    Raises Stalled when the host accepts no byte for `stall_s` seconds, Cancelled on an interrupt.
-    `drain` is called between writes so the command's own output never fills its window and blocks it.
+    Raises Stalled when the host accepts no byte for `stall_s` seconds, DeadlineExceeded past `deadline` (a
+    time.monotonic() value), Cancelled on an interrupt. `drain` is called between writes so the command's own
+    output never fills its window and blocks it; it must return after a bounded read (drain_once).
     """
+    timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
     channel.settimeout(_POLL_S)
     while chunk := source.read(CHUNK):
         view = memoryview(chunk)
@@ -181,6 +246,7 @@ def send_stream(
             if channel.exit_status_ready():
                 return  # the command ended early (it failed): stop sending, its exit status says why
             cancel.check(f"streaming to {host}")
+            _check_deadline(deadline, timeout, host, command)
             try:
                 sent = channel.send(bytes(view[:65536]))
             except TimeoutError:

@@ -18,6 +18,7 @@ from typing import Protocol
 import paramiko
 
 from raycluster_cli.errors import AuthError, HostKeyError, TransportError
+from raycluster_cli.transport import knownhosts
 
 
 class Login(Protocol):
@@ -32,6 +33,9 @@ class Login(Protocol):
 
     @property
     def target(self) -> str: ...  # the host as known_hosts names it: HOST, or [HOST]:PORT
+
+    @property
+    def accept_new(self) -> bool: ...  # ssh.known_hosts: accept-new
 
 
 PASSPHRASE_ENV = "RAYCLUSTER_SSH_PASSPHRASE"
@@ -106,34 +110,59 @@ def _read(path: str, host: str) -> paramiko.PKey | None:
     raise _passphrase_error(host, path)
 
 
-def add_known_keys(client: paramiko.SSHClient, known_hosts_file: Path, target: str) -> None:
-    """Give `client` the keys `known_hosts_file` records for `target` (`host` or `[host]:port`).
-
-    What `client.load_host_keys(file)` would check at login, without parsing the whole file for every host:
-    the file is parsed once per run (again only when it changed, e.g. after accept-new recorded a key) and
-    each client gets only its own host's entries (hashed names included, as paramiko's lookup matches them).
-    """
-    known = _known_hosts(known_hosts_file)
-    entries = known.lookup(target) if known is not None else None
-    for key_type, key in (entries or {}).items():
-        client.get_host_keys().add(target, key_type, key)
-
-
-_known: dict[Path, tuple[tuple[int, int], paramiko.HostKeys]] = {}  # file → (its mtime and size, its keys)
-
-
-def _known_hosts(path: Path) -> paramiko.HostKeys | None:
+def add_known_keys(client: paramiko.SSHClient, ssh: Login) -> None:
+    """Give `client` the keys known_hosts records for `ssh.target` (the user's file, then the global ones, as
+    OpenSSH reads them; see knownhosts.py) and the policy for a key it does not know: `@revoked` refused,
+    `@cert-authority` named, strict refused, accept-new recorded. A file that cannot be read is a HostKeyError."""
+    files = [ssh.known_hosts_file, *knownhosts.GLOBAL_FILES]
     try:
-        stat = path.stat()
-    except FileNotFoundError:
-        return None
-    stamp = (stat.st_mtime_ns, stat.st_size)
-    with _lock:
-        cached = _known.get(path)
-        if cached is None or cached[0] != stamp:
-            cached = (stamp, paramiko.HostKeys(str(path)))
-            _known[path] = cached
-        return cached[1]
+        known = knownhosts.read(files).for_target(ssh.target)
+    except OSError as exc:
+        raise HostKeyError(
+            ssh.host,
+            f"cannot read the known_hosts file {exc.filename or ssh.known_hosts_file}: {exc.strerror or exc}",
+            "fix ssh.known_hosts_file (a readable file; missing is fine), or its permissions",
+        ) from None
+    for key in known.keys:
+        client.get_host_keys().add(ssh.target, key.get_name(), key)
+    client.set_missing_host_key_policy(_UnknownKey(ssh, known))
+
+
+class _UnknownKey(paramiko.MissingHostKeyPolicy):
+    """The host offered a key known_hosts does not give it (paramiko refuses a *different* key itself)."""
+
+    def __init__(self, ssh: Login, known: knownhosts.Matches) -> None:
+        self.ssh, self.known = ssh, known
+
+    def missing_host_key(self, client: paramiko.SSHClient, hostname: str, key: paramiko.PKey) -> None:
+        ssh, file = self.ssh, self.ssh.known_hosts_file
+        revoked = self.known.revoked_at(key)
+        if revoked is not None:
+            raise HostKeyError(
+                ssh.host,
+                f"SSH host key {knownhosts.fingerprint(key)} is marked @revoked at {revoked}",
+                "the host's key was revoked: give the host a new key and record it, or remove that line if it is wrong",
+            )
+        if ssh.accept_new:
+            with _lock:
+                file.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+                with file.open("a") as handle:
+                    handle.write(f"{hostname} {key.get_name()} {key.get_base64()}\n")
+            client.get_host_keys().add(hostname, key.get_name(), key)
+            return
+        keyscan = f"ssh-keyscan -p {ssh.port} {ssh.host} >> {file}"
+        if self.known.authorities:
+            raise HostKeyError(
+                ssh.host,
+                f"{self.known.authorities[0]}: @cert-authority (CA-signed host keys) is not supported by raycluster, "
+                f"and no plain key for {ssh.target} is recorded",
+                f"verify and record the host's own key: {keyscan}, or set ssh.known_hosts: accept-new",
+            )
+        raise HostKeyError(
+            ssh.host,
+            f"SSH host key is not in {file} (ssh.known_hosts: strict)",
+            f"verify and record it: {keyscan}, or set ssh.known_hosts: accept-new",
+        )
 
 
 def _passphrase_error(host: str, path: str) -> AuthError:

@@ -12,34 +12,27 @@ from collections.abc import Callable
 from typing import Literal
 
 from raycluster_cli.transport.base import CommandResult, Transport
+from raycluster_cli.transport.kept import LineSplitter, Tail
 
 Stream = Literal["stdout", "stderr"]
 LineSink = Callable[[Stream, str], None]
 
 
 class _Lines:
-    """Collects bytes of one stream and passes on each complete line (the rest at the end)."""
+    """Passes on each complete line of one stream (the rest at the end) and keeps the stream's tail
+    (transport/kept.py: bounded memory, linear time)."""
 
     def __init__(self, name: Stream, sink: LineSink) -> None:
-        self.name, self.sink = name, sink
-        self.pending = b""
-        self.text: list[str] = []
+        self.kept = Tail()
+        self.lines = LineSplitter(lambda line: sink(name, line.decode(errors="replace")))
 
     def add(self, data: bytes) -> None:
-        self.pending += data
-        *lines, self.pending = self.pending.split(b"\n")
-        for line in lines:
-            self._emit(line.decode(errors="replace"))
+        self.kept += data
+        self.lines.add(data)
 
     def finish(self) -> str:
-        if self.pending:
-            self._emit(self.pending.decode(errors="replace"), newline=False)
-            self.pending = b""
-        return "".join(self.text)
-
-    def _emit(self, line: str, newline: bool = True) -> None:
-        self.text.append(line + ("\n" if newline else ""))
-        self.sink(self.name, line)
+        self.lines.finish()
+        return self.kept.text()
 
 
 def run_streamed(transport: Transport, command: str, sink: LineSink, timeout: float | None) -> CommandResult:

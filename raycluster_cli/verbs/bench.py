@@ -108,39 +108,38 @@ class _Run:
         events = []
         for line in complete.splitlines():
             try:
-                events.append(json.loads(line))
+                event = json.loads(line)
             except ValueError:
                 continue
+            if isinstance(event, dict):
+                events.append(event)
         rc = rc_text.strip()
         return events, int(rc) if rc.lstrip("-").isdigit() else None
 
     def result(self) -> dict[str, Any]:
         text = self.sh(f"cat {self.folder}/result.json").strip()
         try:
-            document: dict[str, Any] = json.loads(text.splitlines()[-1])
+            document: Any = json.loads(text.splitlines()[-1])
         except (ValueError, IndexError):
+            document = None
+        if not isinstance(document, dict):
             raise OperationError(
-                f"{self.container}: the benchmark produced no result",
+                f"{self.transport.host}: {self.container}: the benchmark produced no result",
                 f"its log: docker exec {self.container} cat {self.folder}/driver.log (on the head host)",
-            ) from None
+            )
         return document
 
     def stop(self) -> None:
         """SIGINT to the driver (it shuts Ray down, which ends its actors), SIGKILL 10 s later if still there.
 
-        Sent detached (``docker exec -d``) so it returns at once, and also after Ctrl-C: the
-        cancellation flag stops every other remote command, so it is lifted for this one.
+        Sent detached (``docker exec -d``) so it returns at once, and also after Ctrl-C: this thread is exempt
+        from the cancellation flag for this one command, while every other thread still sees it (clearing the
+        flag let queued host work start meanwhile).
         """
         d = self.folder
         script = f"p=$(cat {d}/pid 2>/dev/null) || exit 0; kill -INT $p; sleep 10; kill -KILL $p 2>/dev/null; true"
-        interrupted = cancel.requested()
-        cancel.reset()
-        try:
-            with contextlib.suppress(Exception):  # best effort: the interrupt itself must reach the caller
-                self.transport.run(f"docker exec -d {quote(self.container)} sh -c {quote(script)}", timeout=5)
-        finally:
-            if interrupted:
-                cancel.request()
+        with cancel.exempt(), contextlib.suppress(Exception):  # best effort: the interrupt must reach the caller
+            self.transport.run(f"docker exec -d {quote(self.container)} sh -c {quote(script)}", timeout=5)
 
     def clean(self) -> None:
         self.sh(f"rm -rf {self.folder}")

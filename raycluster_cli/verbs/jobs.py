@@ -74,7 +74,8 @@ def dashboard_tunnel(
 class Dashboard:
     """A small HTTP client for the dashboard's REST API (token in the Authorization header)."""
 
-    def __init__(self, tunnel: Tunnel, token: str | None, timeout_s: float = 60.0) -> None:
+    def __init__(self, tunnel: Tunnel, token: str | None, timeout_s: float = 60.0, host: str = "") -> None:
+        self.host = host  # the head host, named in errors
         self.tunnel = tunnel
         self.token = token
         self.timeout_s = timeout_s
@@ -101,7 +102,10 @@ class Dashboard:
         if status >= 400:
             text = data.decode(errors="replace").strip().splitlines()
             raise OperationError(f"{method} {path}: HTTP {status}: {text[-1] if text else ''}"[:400], _UP_HINT)
-        return json.loads(data) if data and data[:1] in (b"{", b"[") else data.decode(errors="replace")
+        try:
+            return json.loads(data) if data and data[:1] in (b"{", b"[") else data.decode(errors="replace")
+        except ValueError:
+            return data.decode(errors="replace")  # not JSON after all: callers that need an object say so
 
     def tail(self, path: str, silence_s: float = 5.0) -> WebSocket:
         """A WebSocket to `path` through the tunnel; each read waits at most `silence_s` (then Silence)."""
@@ -135,9 +139,7 @@ _UP_HINT = "is the cluster up? `raycluster status`"
 
 def check_dashboard(dashboard: Dashboard) -> dict[str, Any]:
     """The dashboard's /api/version (proves the tunnel, the dashboard and the token)."""
-    version = dashboard.request("GET", "/api/version")
-    if not isinstance(version, dict):
-        raise OperationError("the dashboard's /api/version is not JSON", _UP_HINT)
+    version = _object(dashboard, "GET", "/api/version")
     dashboard.request("GET", "/api/jobs/")  # a route that needs the token when auth is on
     return version
 
@@ -223,6 +225,7 @@ def submit_job(
     payload = {"entrypoint": shlex.join(entrypoint), "submission_id": job_id, "runtime_env": runtime_env}
     accepted = dashboard.request("POST", "/api/jobs/", body=json.dumps(payload).encode())
     sid = accepted.get("submission_id", job_id) if isinstance(accepted, dict) else job_id
+    sid = sid if isinstance(sid, str) and sid else job_id
     return JobResult(sid, "PENDING", package=package)
 
 
@@ -276,10 +279,23 @@ def _read_tail(
 
 
 def _refresh(dashboard: Dashboard, job: JobResult) -> None:
-    info = dashboard.request("GET", f"/api/jobs/{job.submission_id}")
+    info = _object(dashboard, "GET", f"/api/jobs/{job.submission_id}")
     job.status = str(info.get("status", "?"))
-    job.exit_code = info.get("driver_exit_code")
+    code = info.get("driver_exit_code")
+    job.exit_code = code if isinstance(code, int) and not isinstance(code, bool) else None
     job.message = str(info.get("message") or "")
+
+
+def _object(dashboard: Dashboard, method: str, path: str) -> dict[str, Any]:
+    """The dashboard's answer to `method path`, which must be a JSON object (else an error naming the head)."""
+    answer = dashboard.request(method, path)
+    if not isinstance(answer, dict):
+        where = getattr(dashboard, "host", "") or "the head"
+        raise OperationError(
+            f"{where}: the dashboard's answer to {method} {path} is not a JSON object: {str(answer)[:80]!r}",
+            _UP_HINT,
+        )
+    return answer
 
 
 def _catch_up(dashboard: Dashboard, job: JobResult, on_logs: Callable[[str], None], seen: int) -> int:
@@ -308,4 +324,4 @@ def _poll_logs(
 def stop_hint(inventory: Inventory, submission_id: str) -> str:
     """How to stop a job that keeps running after Ctrl-C (token from the head container's own env)."""
     address = f"http://{inventory.head_address}:{inventory.ray.dashboard_port}"
-    return f"raycluster exec -- ray job stop --address {address} {submission_id}"
+    return f"raycluster exec -- ray job stop --address {address} {shlex.quote(submission_id)}"

@@ -13,7 +13,9 @@ from __future__ import annotations
 import base64
 import io
 import json
+import re
 import tarfile
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,6 +29,13 @@ from raycluster_cli.transport.pool import Connect
 SESSION = "/tmp/ray/session_latest"
 DISCOVERY = f"{SESSION}/prom_metrics_service_discovery.json"
 DASHBOARDS = f"{SESSION}/metrics/grafana/dashboards"
+# Caps on the dashboards copied from that folder (one any Ray job can write), as `logs` caps what it fetches.
+MIB = 1024 * 1024
+DASHBOARD_ARCHIVE_MAX = 4 * MIB  # compressed, cut on the host (its base64 stays under transport/kept.MAX_KEPT)
+DASHBOARD_MAX_FILES = 200
+DASHBOARD_MAX_FILE = 8 * MIB
+DASHBOARD_MAX_TOTAL = 32 * MIB
+_DASHBOARD_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}\.json", re.ASCII)
 # Runs in the head's container: GET /metrics of each target (argv), one JSON line of sample counts.
 _SCRAPE = """
 import json, sys, urllib.request
@@ -156,6 +165,8 @@ def _scrape(head: Any, name: str, targets: list[Target]) -> None:
         counts = json.loads(done.stdout.strip().splitlines()[-1])
     except (ValueError, IndexError):
         counts = {}
+    if not isinstance(counts, dict):
+        counts = {}
     for target in targets:
         value = counts.get(target.address, f"not scraped: {done.first_line()}")
         if isinstance(value, int):
@@ -167,12 +178,58 @@ def _scrape(head: Any, name: str, targets: list[Target]) -> None:
 
 
 def _dashboards(head: Any, name: str, folder: Path, warnings: list[str]) -> list[str]:
-    """Copy the Grafana dashboards Ray generated on the head into `folder`; their file names."""
-    done = head.run(f"docker exec {name} tar -C {DASHBOARDS} -czf - . | base64 -w0", timeout=120)
+    """Copy the Grafana dashboards Ray generated on the head into `folder`; their file names. Any Ray job can
+    write that folder: the archive is cut on the host (DASHBOARD_ARCHIVE_MAX), and only top-level *.json regular
+    files within the caps are written; what is skipped, cut or garbled is one warning naming the host."""
+    cut = f"head -c {DASHBOARD_ARCHIVE_MAX}"
+    done = head.run(f"docker exec {name} tar -C {DASHBOARDS} -czf - . | {cut} | base64 -w0", timeout=120)
     if not done.ok or not done.stdout.strip():
-        warnings.append(f"no Grafana dashboards from Ray at {DASHBOARDS}: {done.first_line()}")
+        warnings.append(f"{head.host}: no Grafana dashboards from Ray at {DASHBOARDS}: {done.first_line()}")
+        return []
+    try:
+        data = base64.b64decode(done.stdout.strip(), validate=True)
+    except ValueError as exc:
+        warnings.append(f"{head.host}: Grafana dashboards: the head's answer is not an archive ({exc})")
         return []
     folder.mkdir(parents=True, exist_ok=True)
-    with tarfile.open(fileobj=io.BytesIO(base64.b64decode(done.stdout)), mode="r:gz") as archive:
-        archive.extractall(folder, filter="data")
-    return sorted(p.name for p in folder.glob("*.json"))
+    written, problems = _extract(data, folder)
+    if len(data) >= DASHBOARD_ARCHIVE_MAX:
+        problems.insert(0, f"the archive was cut at {DASHBOARD_ARCHIVE_MAX // MIB} MiB")
+    if problems:
+        warnings.append(f"{head.host}: Grafana dashboards: {'; '.join(problems)} ({len(written)} written)")
+    return sorted(written)
+
+
+def _extract(data: bytes, folder: Path) -> tuple[list[str], list[str]]:
+    """Write the archive's dashboards into `folder` under the caps: (names written, problems)."""
+    written: list[str] = []
+    skipped = total = seen = 0
+    problems: list[str] = []
+    try:
+        with tarfile.open(fileobj=io.BytesIO(data), mode="r:gz") as archive:
+            for member in archive:
+                seen += 1
+                name = member.name.removeprefix("./")
+                if member.isdir() and name in ("", "."):
+                    continue
+                fits = len(written) < DASHBOARD_MAX_FILES and member.size <= DASHBOARD_MAX_FILE
+                if not (member.isreg() and _DASHBOARD_NAME.fullmatch(name) and fits) or (
+                    total + member.size > DASHBOARD_MAX_TOTAL
+                ):
+                    skipped += 1
+                    if seen > 10 * DASHBOARD_MAX_FILES:
+                        break
+                    continue
+                handle = archive.extractfile(member)
+                body = handle.read(DASHBOARD_MAX_FILE + 1) if handle is not None else b""
+                (folder / name).write_bytes(body)
+                written.append(name)
+                total += len(body)
+    except (tarfile.TarError, EOFError, zlib.error, OSError) as exc:
+        problems.append(f"the archive is damaged or cut ({exc or type(exc).__name__}): what came before is kept")
+    if skipped:
+        problems.append(
+            f"{skipped} entr{'y' if skipped == 1 else 'ies'} skipped (not a top-level .json file, over "
+            f"{DASHBOARD_MAX_FILE // MIB} MiB, or past {DASHBOARD_MAX_FILES} files / {DASHBOARD_MAX_TOTAL // MIB} MiB)"
+        )
+    return written, problems

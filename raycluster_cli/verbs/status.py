@@ -91,11 +91,13 @@ def merge_nodes(hosts: list[HostStatus], nodes: list[dict[str, Any]] | None) -> 
         if nodes is None:
             host.ray_node = "unknown"
             continue
-        mine = [n for n in nodes if n.get("node_ip") == host.node_ip]
+        mine = [n for n in nodes if isinstance(n, dict) and n.get("node_ip") == host.node_ip]
         alive = [n for n in mine if n.get("alive")]
         host.ray_node = "alive" if alive else ("dead" if mine else "absent")
         if alive:
-            host.resources = dict(alive[-1].get("resources", {}))
+            given = alive[-1].get("resources")
+            amounts = given.items() if isinstance(given, dict) else []
+            host.resources = {str(k): float(v) for k, v in amounts if isinstance(v, int | float)}
 
 
 def status(inventory: Inventory, connect: Connect) -> StatusResult:

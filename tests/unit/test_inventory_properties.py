@@ -88,6 +88,7 @@ hostnames = st.lists(_LABEL, min_size=1, max_size=3).map(".".join)
 names = st.builds(lambda a, b: a + b, st.text("a09", min_size=1, max_size=1), st.text("az09_.-", max_size=12))
 logins = st.builds(lambda a, b: a + b, st.text("aZ0_", min_size=1, max_size=1), st.text("aZ09_.@-", max_size=10))
 env_names = st.builds(lambda a, b: a + b, st.text("aZ_", min_size=1, max_size=1), st.text("aZ09_", max_size=8))
+env_values = st.text(st.characters(exclude_characters="\x00"), max_size=20)  # a NUL is refused (issue 34, item 14)
 amounts = st.floats(min_value=0, max_value=1e9, allow_nan=False)
 addresses = st.integers(int(IPv4Address("10.0.0.1")), int(IPv4Address("10.255.255.254"))).map(
     lambda i: str(IPv4Address(i))
@@ -105,7 +106,7 @@ def hosts(draw: st.DrawFn, address: str, role: str) -> dict[str, Any]:
     if draw(st.booleans()):
         host["num_gpus"] = draw(st.integers(0, 64))
     host["resources"] = draw(st.dictionaries(st.text("az09_.:/-", min_size=1, max_size=8), amounts, max_size=2))
-    host["env"] = draw(st.dictionaries(env_names, st.text(max_size=20), max_size=3))
+    host["env"] = draw(st.dictionaries(env_names, env_values, max_size=3))
     host["docker"] = {"run_options": draw(st.lists(run_options, max_size=3))}
     if draw(st.booleans()):
         host["ssh"] = {"user": draw(logins), "port": draw(st.integers(1, 65535))}
@@ -118,7 +119,7 @@ def valid_inventories(draw: st.DrawFn) -> dict[str, Any]:
     data: dict[str, Any] = {
         "cluster": draw(names),
         "image": draw(images),
-        "env": draw(st.dictionaries(env_names, st.text(max_size=20), max_size=3)),
+        "env": draw(st.dictionaries(env_names, env_values, max_size=3)),
         "ssh": {"user": draw(logins), "connect_timeout_s": draw(st.floats(0.1, 600))},
         "docker": {"shm_size": f"{draw(st.integers(1, 9999))}{draw(st.sampled_from('bkmg'))}"},
         "hosts": [draw(hosts(a, "head" if i == 0 else "worker")) for i, a in enumerate(where)],

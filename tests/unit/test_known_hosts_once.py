@@ -8,12 +8,14 @@ from pathlib import Path
 import paramiko
 import pytest
 
-from raycluster_cli.transport import sshkeys
+from raycluster_cli.transport import knownhosts, sshkeys
+from raycluster_cli.transport.ssh import SSHTransport
 
 
 @pytest.fixture(autouse=True)
-def _fresh(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(sshkeys, "_known", {})
+def _fresh(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setattr(knownhosts, "GLOBAL_FILES", (tmp_path / "global_known_hosts",))
+    knownhosts.forget()
 
 
 def _key() -> paramiko.PKey:
@@ -26,7 +28,8 @@ def _line(name: str, key: paramiko.PKey) -> str:
 
 def _keys_for(path: Path, target: str) -> dict[str, str]:
     client = paramiko.SSHClient()
-    sshkeys.add_known_keys(client, path, target)
+    host, _, port = target.removeprefix("[").partition("]:")
+    sshkeys.add_known_keys(client, SSHTransport(host, port=int(port or 22), known_hosts_file=str(path)))
     return {kind: key.get_base64() for kind, key in (client.get_host_keys().lookup(target) or {}).items()}
 
 
@@ -49,13 +52,14 @@ def test_the_file_is_parsed_once_and_again_when_it_changes(tmp_path: Path, monke
     known = tmp_path / "known_hosts"
     known.write_text(_line("192.0.2.1", _key()))
     parsed: list[str] = []
-    real = paramiko.HostKeys
+    real = knownhosts._line
 
-    def counting(path: str) -> paramiko.HostKeys:
-        parsed.append(path)
-        return real(path)
+    def counting(raw: str, where: str) -> knownhosts.Line | None:
+        if where.endswith(":1"):  # a parse of the file starts at its first line
+            parsed.append(where)
+        return real(raw, where)
 
-    monkeypatch.setattr(sshkeys.paramiko, "HostKeys", counting)
+    monkeypatch.setattr(knownhosts, "_line", counting)
     for _ in range(5):
         _keys_for(known, "192.0.2.1")
     assert len(parsed) == 1
