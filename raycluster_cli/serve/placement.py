@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from raycluster_cli.bench.partition import balanced_partition, blocks_held, stage_costs
 
@@ -46,7 +47,7 @@ class PipelinePlan:
     def stages(self) -> int:
         return len(self.ranges)
 
-    def to_json(self, num_blocks: int) -> dict[str, object]:
+    def to_json(self, num_blocks: int) -> dict[str, Any]:
         """The replica as the launcher reports it: each stage's units, block count, node and modelled cost."""
         stages = [
             {
