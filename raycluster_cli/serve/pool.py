@@ -200,7 +200,8 @@ class Pool:
                 self.look()
                 if time.monotonic() - last_growth >= self.replace_period_s and not self.rebuilding:
                     last_growth = time.monotonic()
-                    await self.grow()
+                    self.rebuilding += 1  # one re-plan at a time; the watch goes on meanwhile
+                    self._spawn(self._grow_once())
             except Exception:  # the watch must outlive any one bad look
                 log.exception("serve: the pipelines' watch failed once")
 
@@ -210,7 +211,11 @@ class Pool:
             engine = pipeline.engine
             if pipeline.state != "dead" and engine.failure is None and engine.stalled_s() > self.stall_s:
                 engine.fail(TimeoutError(f"no step came back for {engine.stalled_s():.0f} s"))
-            if pipeline.state != "dead" and engine.failure is not None:
+            if pipeline.state == "draining" and engine.failure is not None:
+                pipeline.state = "dead"  # already superseded: its requests move, nothing replaces it
+                self.pipelines.remove(pipeline)
+                self._spawn(self._retire(pipeline))
+            elif pipeline.state != "dead" and engine.failure is not None:
                 pipeline.state = "dead"
                 self._note("failed", pipeline, str(engine.failure))
                 self.rebuilding += 1
@@ -240,6 +245,14 @@ class Pool:
             self._note("replaced", dead, f"by pipeline {new.index} over {len(plan.ranges)} stage(s)")
         except Exception as exc:
             self._note("replacement failed", dead, f"{type(exc).__name__}: {exc}")
+        finally:
+            self.rebuilding -= 1
+
+    async def _grow_once(self) -> None:
+        try:
+            await self.grow()
+        except Exception as exc:
+            self._note("growth failed", None, f"{type(exc).__name__}: {exc}")
         finally:
             self.rebuilding -= 1
 
