@@ -154,8 +154,10 @@ def test_a_stage_killed_under_load_fails_no_request_and_capacity_returns(service
         assert text == service.generate(prompt), prompt
     status = service.status()
     assert status["failovers"] >= 1  # some streams really moved
-    back_s = _wait(lambda: service.status()["replicas"] == 2, 60, "capacity back")
-    assert time.monotonic() - killed[0] < 60, back_s
+    _wait(lambda: service.status()["replicas"] == 2, 60, "capacity back")
+    back_s = time.monotonic() - killed[0]
+    print(f"failovers {status['failovers']}; two pipelines again {back_s:.1f} s after the kill")
+    assert back_s < 60
     events = [e["event"] for e in service.status()["events"]]
     assert "failed" in events and "replaced" in events
 
