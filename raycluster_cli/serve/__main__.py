@@ -1,8 +1,18 @@
 """``python -m raycluster_cli.serve``: deploy the service on the Ray cluster this node belongs to.
 
-Run inside a node's container (or as a Ray job): it connects to the running cluster, starts Ray
-Serve's HTTP proxy on ``--host:--port``, deploys the model and returns once a real generation went
-through every stage, printing one JSON line (url, model, split).  The application outlives this
+Run inside a node's container (or as a Ray job): it connects to the running cluster, finds the alive
+nodes, measures each one's cost per block with the bench's calibration, places floor(N/S) replicas
+of S stages (``serve.placement``: each replica's blocks split min-max over its nodes' speeds), starts
+Ray Serve's HTTP proxy on ``--host:--port``, deploys the model and returns once a real generation
+went through every stage of every replica, printing one JSON line:
+
+    {"url": "http://IP:PORT/v1", "model": ID, "replicas": R, "split": [[a, b], ...] (replica 0's unit ranges),
+     "pipelines": [{"stages": [{"units": [a, b], "blocks": k, "node_ip": IP, "node_id": ID, "stage_s": s}, ...],
+                    "why": "..."}, ...],
+     "nodes": [{"node_id": ID, "node_ip": IP, "block_s": s}, ...], "why": "..."}
+
+Units are the model's embedding (0), blocks (1..L) and head (L+1); ``[a, b)`` is half-open;
+``stage_s`` is the modelled seconds of the stage per calibration step (absent when not measured).  The application outlives this
 process, as Ray Serve applications do; ``serve.delete`` or ``serve shutdown`` removes it.  The bearer
 token is the cluster's own (``$RAY_AUTH_TOKEN_PATH``) unless ``--token-file`` names another.
 """
@@ -13,13 +23,17 @@ import argparse
 import json
 import os
 import sys
+from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import ray
 from ray import serve
 
 from raycluster_cli.bench.model import config_from_checkpoint
 from raycluster_cli.serve.app import ServeSettings, build_app
+from raycluster_cli.serve.fleet import Calibration, alive_nodes, measure
+from raycluster_cli.serve.placement import NodeSpeed, plan_replicas
 from raycluster_cli.serve.scheduler import Limits
 from raycluster_cli.serve.stages import split_units
 
@@ -32,8 +46,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--model-id", default="", help="the name clients pass as model (default: the folder's name)")
     p.add_argument("--host", default="0.0.0.0")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--stages", type=int, default=1)
-    p.add_argument("--split", default="", help="blocks per stage, e.g. 4,3,3 (default: even)")
+    p.add_argument("--stages", type=int, default=1, help="stages per pipeline (replica)")
+    p.add_argument("--split", default="", help="blocks per stage, e.g. 4,3,3 (default: balanced by measured speed)")
+    p.add_argument("--replicas", type=int, default=0, help="pipelines (default 0: as many as nodes allow, N // stages)")
+    p.add_argument("--no-measure", action="store_true", help="skip the calibration: even split (or --split)")
+    p.add_argument("--calibrate-repeats", type=int, default=3, help="timed rounds per node (median kept)")
+    p.add_argument("--calibrate-sample-s", type=float, default=0.1, help="least seconds per timed sample")
+    p.add_argument("--replace-period", type=float, default=30.0, help="seconds between looks for nodes to take in")
     p.add_argument("--slots", type=int, default=16, help="sequences batched at once (KV cache slots)")
     p.add_argument("--max-seq", type=int, default=512, help="prompt + generated tokens per sequence")
     p.add_argument("--prefill-chunk", type=int, default=64)
@@ -48,30 +67,67 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _token(args: argparse.Namespace) -> str | None:
+    if args.no_auth:
+        return None
+    if not args.token_file:
+        raise SystemExit("serve: no token: pass --token-file (or set RAY_AUTH_TOKEN_PATH), or --no-auth")
+    return Path(args.token_file).read_text().strip()
+
+
+def _placement(args: argparse.Namespace, settings: ServeSettings, layers: int) -> ServeSettings:
+    """The settings with the replicas placed on the alive nodes, by their measured speeds unless told not."""
+    cfg = config_from_checkpoint(args.model_path, max_seq=args.max_seq)
+    nodes = alive_nodes()
+    if args.no_measure:
+        speeds = [NodeSpeed(node_id, ip, ()) for node_id, ip in nodes.items()]
+    else:
+        calibration = Calibration(
+            batch=min(args.slots, 8),
+            repeats=args.calibrate_repeats,
+            min_sample_s=args.calibrate_sample_s,
+            prefill_chunk=args.prefill_chunk,
+        )
+        speeds = measure(cfg, nodes, calibration)
+    given = split_units(layers, args.stages, settings.split) if settings.split or args.no_measure else None
+    plans = plan_replicas(speeds, args.stages, args.replicas, given)
+    measured = tuple(s for s in speeds if s.unit_costs)
+    return replace(settings, plans=tuple(plans), speeds=measured, replicas=len(plans))
+
+
+def _report(url: str, settings: ServeSettings, layers: int) -> dict[str, Any]:
+    plans = settings.plans
+    return {
+        "url": url,
+        "model": settings.served_model,
+        "replicas": len(plans),
+        "split": [list(r) for r in plans[0].ranges],
+        "pipelines": [plan.to_json(layers) for plan in plans],
+        "nodes": [{"node_id": s.node_id, "node_ip": s.ip, "block_s": s.block_s} for s in settings.speeds],
+        "why": plans[0].why,
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    token = None
-    if not args.no_auth:
-        if not args.token_file:
-            print("serve: no token: pass --token-file (or set RAY_AUTH_TOKEN_PATH), or --no-auth", file=sys.stderr)
-            return 2
-        token = Path(args.token_file).read_text().strip()
     split = tuple(int(c) for c in args.split.split(",")) if args.split else None
     settings = ServeSettings(
         model_path=args.model_path,
         model_id=args.model_id,
-        token=token,
+        token=_token(args),
         stages=args.stages,
         split=split,
         limits=Limits(slots=args.slots, max_seq=args.max_seq, prefill_chunk=args.prefill_chunk),
+        replace_period_s=args.replace_period,
     )
     layers = config_from_checkpoint(args.model_path, max_seq=args.max_seq).layers
-    ranges = split_units(layers, args.stages, split)  # a bad split fails here, before anything starts
+    split_units(layers, args.stages, split)  # a bad split fails here, before anything starts
     ray.init(address="auto")
+    settings = _placement(args, settings, layers)
     serve.start(proxy_location=args.proxy_location, http_options={"host": args.host, "port": args.port})
     serve.run(build_app(settings), name=APP_NAME, route_prefix="/")
     url = f"http://{ray.util.get_node_ip_address()}:{args.port}/v1"
-    document = json.dumps({"url": url, "model": settings.served_model, "split": ranges, "replicas": 1})
+    document = json.dumps(_report(url, settings, layers))
     if args.record:
         Path(args.record).write_text(document + "\n")
     print(document)

@@ -1,9 +1,12 @@
-"""The Ray Serve application: a FastAPI ingress deployment that speaks the OpenAI API over the engine.
+"""The Ray Serve application: a FastAPI ingress deployment that speaks the OpenAI API over the pipelines.
 
-Ray Serve owns the HTTP proxy, the replica's lifecycle and its health checks; this module only maps
-routes onto the engine.  A replica is constructed only once a real generation went through every
-stage (``Engine.probe``), and ``check_health`` repeats that probe when the service has been idle, so
-"healthy" always means "generates" (vLLM #53157: a /v1/models that answers while generation is dead).
+Ray Serve owns the HTTP proxy, the ingress's lifecycle and its health checks; this module only maps
+routes onto the pool of pipelines (``serve.pool``: why one ingress owns them all and routes itself).
+The ingress is constructed only once a real generation went through every stage of its pipelines
+(``Engine.probe``), and ``check_health`` repeats that probe on idle pipelines, so "healthy" always
+means "generates" (vLLM #53157: a /v1/models that answers while generation is dead).  A pipeline
+that dies is replaced by the pool itself; Serve replaces the whole ingress only when no pipeline
+came back within ``REBUILD_GRACE_S``.
 
 Everything the deployment class calls is defined above it: ``@serve.deployment`` serializes the
 class (and the module globals it names) when it is applied.  No ``from __future__ import annotations`` here: FastAPI reads the route methods' annotations at
@@ -30,15 +33,19 @@ from starlette.exceptions import HTTPException
 
 from raycluster_cli.bench.model import config_from_checkpoint
 from raycluster_cli.serve import protocol
-from raycluster_cli.serve.engine import Engine, EngineDown, Output, QueueFull
+from raycluster_cli.serve.engine import EngineDown, Output, QueueFull
+from raycluster_cli.serve.fleet import Calibration, RayFleet
+from raycluster_cli.serve.placement import NodeSpeed, PipelinePlan
+from raycluster_cli.serve.pool import Pool
 from raycluster_cli.serve.protocol import APIError, ChatRequest, CompletionRequest
 from raycluster_cli.serve.scheduler import Limits
-from raycluster_cli.serve.stages import split_units, start_stages
+from raycluster_cli.serve.stages import split_units
 from raycluster_cli.serve.text import Sampling, eos_ids
 
 RETRY_AFTER_S = 2
 IDLE_PROBE_S = 30.0  # check_health probes with a generation when no step ran for this long
 STALL_S = 30.0  # a step in flight this long without any step coming back: a stage is wedged
+REBUILD_GRACE_S = 120.0  # no pipeline for this long while rebuilding: Serve replaces the ingress
 
 
 @dataclass(frozen=True)
@@ -54,10 +61,25 @@ class ServeSettings:
     num_threads: int | None = None
     limits: Limits = field(default_factory=Limits)
     max_in_flight: int | None = None  # steps travelling through the pipeline at once; None: one per stage
+    replicas: int = 1  # pipelines when ``plans`` is not given (each of ``split``, on ``node_ids``)
+    plans: tuple[PipelinePlan, ...] = ()  # the placement (the launcher's, from measured node speeds)
+    speeds: tuple[NodeSpeed, ...] = ()  # the nodes' measured unit costs, for re-plans without re-measuring
+    calibration: Calibration | None = None  # how a node that joins later is measured
+    replace_period_s: float = 30.0  # how often alive nodes no pipeline uses are looked for
+    failover_wait_s: float = 90.0  # how long a moved request waits for a pipeline to come back
 
     @property
     def served_model(self) -> str:
         return self.model_id or Path(self.model_path).name
+
+    def pipeline_plans(self, layers: int) -> list[PipelinePlan]:
+        """The placement: ``plans`` as given, else ``replicas`` copies of ``split`` on ``node_ids``."""
+        if self.plans:
+            return list(self.plans)
+        ranges = tuple(split_units(layers, self.stages, self.split))
+        nodes = self.node_ids or ("",) * len(ranges)
+        why = "the split given" if self.split else "blocks split evenly (no measurements)"
+        return [PipelinePlan(nodes, ("",) * len(ranges), ranges, why=why) for _ in range(self.replicas)]
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -144,30 +166,50 @@ class OpenAIServer:
         self.model_id = settings.served_model
         path = Path(settings.model_path)
         self.tokenizer = transformers.AutoTokenizer.from_pretrained(str(path))
-        cfg = config_from_checkpoint(path, max_seq=settings.limits.max_seq)
-        ranges = split_units(cfg.layers, settings.stages, settings.split)
-        self.stages = await asyncio.to_thread(
-            start_stages,
-            cfg,
-            ranges,
-            settings.limits.slots,
-            node_ids=settings.node_ids,
-            num_threads=settings.num_threads,
-        )
+        self.cfg = config_from_checkpoint(path, max_seq=settings.limits.max_seq)
         eos = eos_ids(self.tokenizer, _read_json(path / "generation_config.json"))
-        self.engine = Engine(self.stages, self.tokenizer, settings.limits, eos, settings.max_in_flight)
-        self.engine.start()
-        self.ready = await self.engine.probe()
+        fleet = RayFleet(
+            self.cfg,
+            self.tokenizer,
+            settings.limits,
+            eos,
+            stages=settings.stages,
+            speeds=settings.speeds,
+            calibration=settings.calibration,
+            num_threads=settings.num_threads,
+            max_in_flight=settings.max_in_flight,
+        )
+        self.pool = Pool(
+            fleet,
+            failover_wait_s=settings.failover_wait_s,
+            replace_period_s=settings.replace_period_s,
+            stall_s=STALL_S,
+        )
+        await self._start(settings.pipeline_plans(self.cfg.layers))
         self.created = int(time.time())
 
+    async def _start(self, plans: list[PipelinePlan]) -> None:
+        """Every planned pipeline, built at once; the ones that fail are left to the pool's re-placement
+        (their nodes count as free), but with none built the ingress does not start."""
+        built = await asyncio.gather(*(self.pool.add(plan) for plan in plans), return_exceptions=True)
+        errors = [b for b in built if isinstance(b, BaseException)]
+        if len(errors) == len(built):
+            raise RuntimeError(f"no pipeline started: {errors[0]!r}")
+        self.pool.start()
+
     async def check_health(self) -> None:
-        """Raise unless the engine generates: a failed stage, or an idle engine whose probe fails."""
-        if self.engine.failure is not None:
-            raise RuntimeError(f"engine down: {self.engine.failure}")
-        if self.engine.stalled_s() > STALL_S:
-            raise RuntimeError(f"no step came back from the stages for {self.engine.stalled_s():.0f} s")
-        if not self.engine.live and time.monotonic() - self.engine.last_step_at > IDLE_PROBE_S:
-            self.ready = await self.engine.probe()
+        """Raise when no pipeline generates and none is coming back; probe idle pipelines (a failed probe
+        fails that pipeline, which the pool then replaces)."""
+        problem = self.pool.health(REBUILD_GRACE_S)
+        if problem is not None:
+            raise RuntimeError(problem)
+        for pipeline in self.pool.live():
+            engine = pipeline.engine
+            if not engine.live and time.monotonic() - engine.last_step_at > IDLE_PROBE_S:
+                try:
+                    await engine.probe()
+                except Exception as exc:
+                    engine.fail(exc)
 
     def _authorize(self, request: Request) -> None:
         if self.settings.token is None:
@@ -191,6 +233,12 @@ class OpenAIServer:
         self._authorize(request)
         card = {"id": self.model_id, "object": "model", "created": self.created, "owned_by": "raycluster"}
         return {"object": "list", "data": [card]}
+
+    @app.get("/raycluster/status")
+    async def status(self, request: Request) -> dict[str, Any]:
+        """The pipelines (split, nodes, state, load, requests served), failovers and recent events."""
+        self._authorize(request)
+        return {"model": self.model_id, **self.pool.status(self.cfg.layers)}
 
     @app.post("/v1/completions")
     async def completions(self, request: Request) -> Response:
@@ -225,7 +273,7 @@ class OpenAIServer:
                 param="messages" if chat else "prompt",
             )
         sampling = Sampling(body.temperature, body.top_p, body.seed)
-        outputs = self.engine.generate(prompt, limit, sampling, body.stops)
+        outputs = self.pool.generate(prompt, limit, sampling, body.stops, stream=body.stream)
         try:
             first = await anext(outputs)
         except QueueFull as exc:

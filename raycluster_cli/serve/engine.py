@@ -21,7 +21,7 @@ import torch
 from raycluster_cli.serve.scheduler import Chunk, Limits, QueueFull, Scheduler
 from raycluster_cli.serve.text import Sampling, TextStream, sample
 
-__all__ = ["Engine", "EngineDown", "Output", "QueueFull"]
+__all__ = ["Engine", "EngineDown", "Output", "QueueFull", "Resume"]
 
 
 class EngineDown(RuntimeError):
@@ -36,6 +36,14 @@ class Output:
     token_ids: tuple[int, ...]
     finish_reason: str | None
     prompt_tokens: int
+
+
+@dataclass(frozen=True)
+class Resume:
+    """Where a request stood when its pipeline died: the tokens it generated, the characters sent."""
+
+    tokens: tuple[int, ...]
+    released: int
 
 
 @dataclass
@@ -94,16 +102,36 @@ class Engine:
     def waiting(self) -> int:
         return len(self.scheduler.waiting)
 
+    @property
+    def outstanding(self) -> int:
+        """Tokens still to prefill or generate here (the router's measure of this pipeline's load)."""
+        return self.scheduler.outstanding
+
     async def generate(
-        self, prompt: list[int], max_tokens: int, sampling: Sampling, stop: list[str] | None = None, probe: bool = False
+        self,
+        prompt: list[int],
+        max_tokens: int,
+        sampling: Sampling,
+        stop: list[str] | None = None,
+        probe: bool = False,
+        resume: Resume | None = None,
+        queue_limit: bool = True,
     ) -> AsyncGenerator[Output, None]:
         """Stream one request's outputs; the last has a ``finish_reason``.  Raises ``QueueFull``,
-        ``ValueError`` (too long), ``EngineDown``; leaving early (client gone) frees its slot."""
+        ``ValueError`` (too long), ``EngineDown``; leaving early (client gone) frees its slot.
+
+        ``resume`` continues a request another engine began (failover): its tokens are prefilled
+        after the prompt (the KV cache rebuilt), and only what follows them is generated and sent.
+        ``queue_limit`` off: a request already admitted elsewhere is never refused here."""
         if self.failure is not None:
             raise EngineDown(f"a stage failed: {self.failure}")
         request_id = f"r{next(self._ids)}"
-        self.scheduler.add(request_id, prompt, max_tokens, queue_limit=not probe)
-        live = _Live(len(prompt), sampling, TextStream(self.tokenizer, stop), sampling.generator())
+        done = list(resume.tokens) if resume is not None else []
+        self.scheduler.add(request_id, prompt + done, max_tokens - len(done), queue_limit=queue_limit and not probe)
+        stream = TextStream(self.tokenizer, stop)
+        if resume is not None:
+            stream.resume(done, resume.released)
+        live = _Live(len(prompt), sampling, stream, sampling.generator())
         self.live[request_id] = live
         self._wake.set()
         try:
@@ -184,6 +212,12 @@ class Engine:
                 reason = "stop"
                 self.scheduler.finish(event.request_id, reason)
             live.queue.put_nowait(Output(text, tuple(live.stream.ids), reason, live.prompt_tokens))
+
+    def fail(self, exc: BaseException) -> None:
+        """Stop taking work and hand every request here ``EngineDown`` (a stage died or is wedged)."""
+        if self.failure is not None:
+            return
+        self._fail(exc)
 
     def _fail(self, exc: BaseException) -> None:
         self.failure = exc

@@ -101,6 +101,17 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     @property
+    def outstanding(self) -> int:
+        """Work still to do, in tokens: prompt tokens not yet prefilled plus tokens still to generate, of
+        every sequence waiting or running.  What the router balances on: a pipeline's queue in tokens
+        says how long a new request would wait better than a count of requests of unequal lengths."""
+        total = 0
+        for seq in [*self.waiting, *self.running.values()]:
+            if seq.finish_reason is None:
+                total += max(0, len(seq.prompt) - seq.computed) + seq.max_new_tokens - len(seq.generated)
+        return total
+
+    @property
     def active(self) -> int:
         """Sequences that hold a slot or will get one at the next step."""
         return len(self.running) + min(len(self.waiting), len(self.free_slots))

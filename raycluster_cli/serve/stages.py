@@ -67,6 +67,7 @@ class _StageActor:
 
 
 StageActor = ray.remote(num_cpus=0)(_StageActor)
+STAGE_NAMESPACE = "raycluster-serve"
 
 
 def start_stages(
@@ -76,18 +77,27 @@ def start_stages(
     *,
     node_ids: Sequence[str] | None = None,
     num_threads: int | None = None,
+    names: Sequence[str] | None = None,
 ) -> list[Any]:
-    """One StageActor per range (hard-pinned to ``node_ids[i]`` when given); returns their handles once
-    their units are loaded."""
+    """One StageActor per range (hard-pinned to ``node_ids[i]`` when given and not ""); returns their
+    handles once their units are loaded.  ``names`` names the actors (in ``STAGE_NAMESPACE``), so an
+    operator or a test can find a pipeline's stages."""
     if node_ids is not None and len(node_ids) != len(ranges):
         raise ValueError(f"{len(node_ids)} nodes for {len(ranges)} stages")
     actors: list[Any] = []
     for index, (start, end) in enumerate(ranges):
         options: dict[str, Any] = {"runtime_env": {"env_vars": dict(WORKER_ENV)}}
-        if node_ids is not None:
+        if node_ids is not None and node_ids[index]:
             options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node_id=node_ids[index], soft=False)
+        if names is not None:
+            options |= {"name": names[index], "namespace": STAGE_NAMESPACE}
         actors.append(StageActor.options(**options).remote(cfg.to_dict(), start, end, slots, num_threads))
-    ray.get([a.info.remote() for a in actors])
+    try:
+        ray.get([a.info.remote() for a in actors])
+    except Exception:
+        for actor in actors:  # none of a half-started pipeline is left holding memory
+            ray.kill(actor)
+        raise
     return actors
 
 

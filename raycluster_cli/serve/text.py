@@ -83,6 +83,14 @@ class TextStream:
             self.text += full[len(prefix) :]
             self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
 
+    def resume(self, tokens: list[int], released: int) -> None:
+        """Continue a stream begun elsewhere: its ``tokens`` are pushed again (same text, same window)
+        and its first ``released`` characters count as given out, so the next ``take`` sends exactly
+        what follows them (failover: a client never sees a piece twice)."""
+        for token in tokens:
+            self.push(token)
+        self.released = min(released, len(self.text))
+
     def take(self, final: bool = False) -> tuple[str, bool]:
         """(new text to send, a stop string was found); after a stop nothing more is released."""
         if self.stopped:

@@ -248,8 +248,10 @@ def test_a_full_queue_answers_503_with_retry_after(service: Service) -> None:
     assert len(done) + len(refused) == 40 and len(done) >= 24
 
 
-def test_a_killed_stage_answers_503_until_serve_replaces_the_replica(service: Service) -> None:
-    """Runs last: it kills the second stage's process; Serve's health check then replaces the replica."""
+def test_a_killed_stage_is_rebuilt_and_its_request_still_answers(service: Service) -> None:
+    """Runs last: it kills the second stage's process.  The one pipeline is rebuilt by the ingress
+    itself; a request that meets the dead pipeline waits for the new one (or, arriving while none
+    serves, gets 503 with Retry-After) and then answers generate()'s text."""
     stages = [p for p in psutil.process_iter(["cmdline"]) if "ray::_StageActor" in " ".join(p.info["cmdline"] or [])]
     assert len(stages) == 2
     os.kill(stages[-1].pid, signal.SIGKILL)
@@ -263,5 +265,5 @@ def test_a_killed_stage_answers_503_until_serve_replaces_the_replica(service: Se
             break
         assert status == 503 and answer["error"]["type"] == "server_error"
         time.sleep(0.2)
-    assert 503 in statuses and statuses[-1] == 200
+    assert statuses[-1] == 200
     assert answer["choices"][0]["text"] == service.generate(service.tokenizer.encode(PROMPTS[2]), 4)

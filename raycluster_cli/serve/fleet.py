@@ -1,0 +1,171 @@
+"""The pool's backend on Ray: which nodes are alive, what each one costs per unit, and pipelines on them.
+
+A node's speed is measured with the bench's own calibration (``bench.pipeline``: a ``StageWorker``
+pinned to the node times embedding, block and head; ``unit_cost_row`` turns that into a cost per
+unit), all nodes at once, as they will run.  The launcher measures every alive node before the
+first placement and hands the costs to the ingress (``ServeSettings.speeds``), which measures only
+nodes it has not seen (one that joined, or came back) when it re-plans.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+
+from raycluster_cli.bench.config import ModelConfig
+from raycluster_cli.bench.pipeline import calibrate_workers, start_workers, stop_workers, unit_cost_row
+from raycluster_cli.serve.engine import Engine
+from raycluster_cli.serve.placement import NodeSpeed, PipelinePlan, replan, snake_groups, split_over
+from raycluster_cli.serve.pool import Pipeline
+from raycluster_cli.serve.scheduler import Limits
+from raycluster_cli.serve.stages import start_stages
+
+BUILD_TIMEOUT_S = 300.0  # a pipeline that does not load and generate within this is given up
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """The serving step the nodes are timed on: a few rows decoding after a short prompt."""
+
+    batch: int = 4
+    prompt_len: int = 32
+    decode_steps: int = 8
+    repeats: int = 3
+    min_sample_s: float = 0.1
+    prefill_chunk: int = 64
+
+
+def alive_nodes() -> dict[str, str]:
+    """Node id -> IP of every alive Ray node that has CPUs for a stage."""
+    return {
+        str(n["NodeID"]): str(n.get("NodeManagerAddress", ""))
+        for n in ray.nodes()
+        if n.get("Alive") and float(n.get("Resources", {}).get("CPU", 0.0)) > 0
+    }
+
+
+def measure(cfg: ModelConfig, nodes: dict[str, str], calibration: Calibration) -> list[NodeSpeed]:
+    """Each node's cost per unit from the bench's calibration, every node timed at once."""
+    ids = list(nodes)
+    if not ids:
+        return []
+    workers = start_workers(cfg, ids, allow_shared_nodes=True)
+    try:
+        c = calibration
+        found = calibrate_workers(
+            workers, c.batch, c.prompt_len, c.decode_steps, c.repeats, c.min_sample_s, c.prefill_chunk
+        )
+    finally:
+        stop_workers(workers)
+    return [
+        NodeSpeed(node_id, nodes[node_id], tuple(unit_cost_row(cal, cfg.layers)))
+        for node_id, cal in zip(ids, found, strict=True)
+    ]
+
+
+class RayFleet:
+    """Builds pipelines as stage actors on their nodes and re-plans them from the alive nodes."""
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        tokenizer: Any,
+        limits: Limits,
+        eos: frozenset[int],
+        *,
+        stages: int,
+        speeds: Sequence[NodeSpeed] = (),
+        calibration: Calibration | None = None,
+        num_threads: int | None = None,
+        max_in_flight: int | None = None,
+    ) -> None:
+        self.cfg, self.tokenizer, self.limits, self.eos = cfg, tokenizer, limits, eos
+        self.stages = stages
+        self.speeds = {s.node_id: s for s in speeds if s.node_id}
+        self.calibration = calibration or Calibration(prefill_chunk=limits.prefill_chunk)
+        self.num_threads = num_threads
+        self.max_in_flight = max_in_flight
+
+    async def build(self, plan: PipelinePlan, index: int) -> tuple[Engine, list[Any]]:
+        names = [f"raycluster-stage-{index}-{s}" for s in range(len(plan.ranges))]
+        actors = await asyncio.wait_for(
+            asyncio.to_thread(
+                start_stages,
+                self.cfg,
+                list(plan.ranges),
+                self.limits.slots,
+                node_ids=plan.node_ids,
+                num_threads=self.num_threads,
+                names=names,
+            ),
+            BUILD_TIMEOUT_S,
+        )
+        engine = Engine(actors, self.tokenizer, self.limits, self.eos, self.max_in_flight)
+        engine.start()
+        try:
+            await engine.probe()
+        except BaseException:
+            await engine.close()
+            _kill(actors)
+            raise
+        return engine, actors
+
+    async def stop(self, pipeline: Pipeline) -> None:
+        _kill(pipeline.stages)
+
+    async def _speeds(self, nodes: dict[str, str]) -> dict[str, NodeSpeed]:
+        unknown = {n: ip for n, ip in nodes.items() if n not in self.speeds}
+        if unknown:
+            for speed in await asyncio.to_thread(measure, self.cfg, unknown, self.calibration):
+                self.speeds[speed.node_id] = speed
+        return {n: self.speeds[n] for n in nodes}
+
+    async def replacement(self, dead: Pipeline, others: Sequence[Pipeline]) -> PipelinePlan | None:
+        """The same plan when every node of it lives (only an actor died); else its survivors re-split,
+        with free nodes added up to the stage count."""
+        alive = await asyncio.to_thread(alive_nodes)
+        mine = dead.plan.node_ids
+        if all(not n or n in alive for n in mine):
+            return dead.plan
+        used = {n for p in others for n in p.plan.node_ids}
+        survivors = await self._speeds({n: alive[n] for n in mine if n in alive})
+        free = await self._speeds({n: ip for n, ip in alive.items() if n not in used and n not in mine})
+        return replan(list(survivors.values()), list(free.values()), self.stages, self.cfg.layers)
+
+    async def growth(self, pipelines: Sequence[Pipeline]) -> list[tuple[Pipeline | None, PipelinePlan]]:
+        """Nodes alive and unused fill degraded pipelines first (fewer stages than asked), then form new
+        replicas of full length.  Unpinned pipelines (tests, one node) never grow."""
+        if any(not n for p in pipelines for n in p.plan.node_ids):
+            return []
+        alive = await asyncio.to_thread(alive_nodes)
+        used = {n for p in pipelines for n in p.plan.node_ids}
+        found = await self._speeds({n: ip for n, ip in alive.items() if n not in used})
+        free = sorted(found.values(), key=lambda s: sum(s.unit_costs))  # fastest first
+        changes: list[tuple[Pipeline | None, PipelinePlan]] = []
+        for pipeline in pipelines:
+            want = self.stages - len(pipeline.plan.node_ids)
+            if pipeline.state != "live" or want <= 0 or not free:
+                continue
+            taken, free = free[:want], free[want:]
+            own = [self.speeds[n] for n in pipeline.plan.node_ids if n in self.speeds]
+            plan = replan(own, taken, self.stages, self.cfg.layers)
+            if plan is not None:
+                changes.append((pipeline, plan))
+        if len(free) >= self.stages:
+            for group in snake_groups(free, len(free) // self.stages, self.stages):
+                changes.append((None, split_over(group, None, "a new replica over nodes that joined")))
+        elif free and not pipelines:
+            plan = replan([], free, self.stages, self.cfg.layers)
+            changes += [(None, plan)] if plan is not None else []
+        return changes
+
+
+def _kill(actors: Sequence[Any]) -> None:
+    for actor in actors:
+        with contextlib.suppress(Exception):
+            ray.kill(actor, no_restart=True)

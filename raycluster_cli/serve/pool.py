@@ -1,0 +1,294 @@
+"""Several pipelines behind one ingress: least-outstanding-work routing, failover, re-placement.
+
+Why one ingress that owns every pipeline's engine and routes itself, rather than one Serve replica
+per pipeline behind a custom router: a stream that already sent tokens must continue on another
+pipeline *inside the same HTTP response*, and only the process that holds the response can do that;
+Serve's router picks a replica per request and cannot move a response between replicas.  The
+router also needs each pipeline's load in tokens (prompt tokens still to prefill plus tokens still
+to generate), which the engine knows exactly at the moment of the choice, with no stale report in
+between.  The ingress is a light process (tokenizer, scheduler, sampling); the heavy work is in the
+stage actors on the nodes.
+
+Pure asyncio (no Ray): what starts and stops pipelines on nodes is a ``Backend`` (``serve.fleet``
+on Ray; in-process stages in the unit tests).  A pipeline whose stage died is taken out at once;
+its requests continue on the others (``generate``), its surviving nodes are re-planned into a new
+pipeline in the background, and a periodic look takes in nodes that came back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol, TypeVar
+
+from raycluster_cli.serve.engine import Engine, EngineDown, Output, Resume
+from raycluster_cli.serve.placement import PipelinePlan
+from raycluster_cli.serve.text import Sampling
+
+log = logging.getLogger("raycluster.serve")
+T = TypeVar("T")
+MAX_FAILOVERS = 3  # a request moved this often is failed: something else is wrong
+
+
+@dataclass
+class Pipeline:
+    """One replica: its plan, its stage actors (handles), its engine, and where it stands."""
+
+    index: int
+    plan: PipelinePlan
+    engine: Engine
+    stages: list[Any]
+    state: str = "live"  # live: takes requests; draining: finishes its own, then stops; dead: stage lost
+    served: int = 0
+    started_at: float = field(default_factory=time.monotonic)
+
+
+class Backend(Protocol):
+    """What the pool needs from the cluster."""
+
+    async def build(self, plan: PipelinePlan, index: int) -> tuple[Engine, list[Any]]:
+        """Start the plan's stages and an engine over them; return once a probe generated through all."""
+        ...
+
+    async def stop(self, pipeline: Pipeline) -> None: ...
+
+    async def replacement(self, dead: Pipeline, others: Sequence[Pipeline]) -> PipelinePlan | None:
+        """The plan that takes a dead pipeline's place (its surviving nodes, free ones), None if none."""
+        ...
+
+    async def growth(self, pipelines: Sequence[Pipeline]) -> list[tuple[Pipeline | None, PipelinePlan]]:
+        """(pipeline to replace or None, new plan) for nodes that are alive and unused."""
+        ...
+
+
+def least_loaded(candidates: Sequence[T], load: Callable[[T], tuple[float, ...]]) -> T | None:
+    """The candidate with the least load (ties: the earliest), None if there is none."""
+    return min(candidates, key=load, default=None)
+
+
+def pipeline_load(pipeline: Pipeline) -> tuple[float, ...]:
+    """Outstanding tokens, then requests on it, then its age (an older pipeline first)."""
+    return (pipeline.engine.outstanding, len(pipeline.engine.live), pipeline.index)
+
+
+class Pool:
+    """The pipelines, the routing of requests over them, and the watch that replaces the lost ones."""
+
+    def __init__(
+        self,
+        backend: Backend,
+        *,
+        failover_wait_s: float = 90.0,
+        replace_period_s: float = 30.0,
+        stall_s: float = 30.0,
+        watch_s: float = 0.5,
+    ) -> None:
+        self.backend = backend
+        self.failover_wait_s = failover_wait_s
+        self.replace_period_s = replace_period_s
+        self.stall_s = stall_s
+        self.watch_s = watch_s
+        self.pipelines: list[Pipeline] = []
+        self.failovers = 0
+        self.events: list[dict[str, Any]] = []  # failures, replacements, growth: what status shows
+        self.rebuilding = 0
+        self.lost_at: float | None = None  # when the last live pipeline went (None: one is live)
+        self._numbers = itertools.count()
+        self._changed = asyncio.Event()
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._watch_task: asyncio.Task[None] | None = None
+
+    # -- pipelines ---------------------------------------------------------------------------------
+
+    async def add(self, plan: PipelinePlan) -> Pipeline:
+        index = next(self._numbers)
+        engine, stages = await self.backend.build(plan, index)
+        pipeline = Pipeline(index, plan, engine, stages)
+        self.pipelines.append(pipeline)
+        self.lost_at = None
+        self._changed.set()
+        return pipeline
+
+    def live(self) -> list[Pipeline]:
+        return [p for p in self.pipelines if p.state == "live" and p.engine.failure is None]
+
+    def choose(self) -> Pipeline | None:
+        return least_loaded(self.live(), pipeline_load)
+
+    def _note(self, event: str, pipeline: Pipeline | None, detail: str = "") -> None:
+        entry = {"at": time.time(), "event": event, "pipeline": pipeline.index if pipeline else None}
+        self.events = [*self.events[-49:], entry | ({"detail": detail} if detail else {})]
+        log.warning("serve: %s pipeline %s %s", event, entry["pipeline"], detail)
+
+    # -- requests ------------------------------------------------------------------------------------
+
+    async def generate(
+        self, prompt: list[int], max_tokens: int, sampling: Sampling, stop: list[str] | None = None, *, stream: bool
+    ) -> AsyncIterator[Output]:
+        """One request's outputs from the least loaded pipeline; when that pipeline dies mid-request the
+        request moves to another: a stream continues after the tokens it already has (their KV cache
+        rebuilt there, no piece sent twice); a whole answer, of which nothing was sent, is run again
+        (so a seeded one stays reproducible).  Raises ``EngineDown`` (503) only when no pipeline
+        serves at the start, or none came back within ``failover_wait_s``."""
+        tokens: tuple[int, ...] = ()
+        released = 0
+        for attempt in range(MAX_FAILOVERS + 1):
+            pipeline = self.choose() if attempt == 0 else await self._wait_live()
+            if pipeline is None:
+                raise EngineDown("no pipeline is serving" + (" (failover waited)" if attempt else ""))
+            resume = Resume(tokens, released) if stream and tokens else None
+            outputs = pipeline.engine.generate(
+                prompt, max_tokens, sampling, stop, resume=resume, queue_limit=attempt == 0
+            )
+            held: list[Output] = []
+            try:
+                async for out in outputs:
+                    if stream:
+                        tokens, released = out.token_ids, released + len(out.text)
+                        yield out
+                    else:
+                        held.append(out)
+                    if out.finish_reason is not None:
+                        pipeline.served += 1
+                        for whole in held:
+                            yield whole
+                        return
+            except EngineDown as exc:
+                self.failovers += 1
+                self._note("failover", pipeline, f"{len(tokens)} token(s) sent: {exc}")
+            finally:
+                await outputs.aclose()
+        raise EngineDown(f"the request failed on {MAX_FAILOVERS + 1} pipelines")
+
+    async def _wait_live(self) -> Pipeline | None:
+        deadline = time.monotonic() + self.failover_wait_s
+        while (pipeline := self.choose()) is None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return None
+            self._changed.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._changed.wait(), min(left, 1.0))
+        return pipeline
+
+    # -- the watch -----------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._watch_task = asyncio.get_running_loop().create_task(self._watch())
+
+    async def close(self) -> None:
+        if self._watch_task is not None:
+            self._watch_task.cancel()
+        for pipeline in self.pipelines:
+            await pipeline.engine.close()
+
+    def _spawn(self, work: Any) -> None:
+        task = asyncio.get_running_loop().create_task(work)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _watch(self) -> None:
+        last_growth = time.monotonic()
+        while True:
+            await asyncio.sleep(self.watch_s)
+            try:
+                self.look()
+                if time.monotonic() - last_growth >= self.replace_period_s and not self.rebuilding:
+                    last_growth = time.monotonic()
+                    self.rebuilding += 1  # one re-plan at a time; the watch goes on meanwhile
+                    self._spawn(self._grow_once())
+            except Exception:  # the watch must outlive any one bad look
+                log.exception("serve: the pipelines' watch failed once")
+
+    def look(self) -> None:
+        """Fail wedged pipelines, replace dead ones (in the background), retire drained ones."""
+        for pipeline in list(self.pipelines):
+            engine = pipeline.engine
+            if pipeline.state != "dead" and engine.failure is None and engine.stalled_s() > self.stall_s:
+                engine.fail(TimeoutError(f"no step came back for {engine.stalled_s():.0f} s"))
+            if pipeline.state == "draining" and engine.failure is not None:
+                pipeline.state = "dead"  # already superseded: its requests move, nothing replaces it
+                self.pipelines.remove(pipeline)
+                self._spawn(self._retire(pipeline))
+            elif pipeline.state != "dead" and engine.failure is not None:
+                pipeline.state = "dead"
+                self._note("failed", pipeline, str(engine.failure))
+                self.rebuilding += 1
+                self._spawn(self._replace(pipeline))
+            elif pipeline.state == "draining" and not engine.live:
+                self.pipelines.remove(pipeline)
+                self._spawn(self._retire(pipeline))
+        if not self.live() and self.lost_at is None:
+            self.lost_at = time.monotonic()
+
+    async def _retire(self, pipeline: Pipeline) -> None:
+        await pipeline.engine.close()
+        await self.backend.stop(pipeline)
+        self._note("retired", pipeline)
+
+    async def _replace(self, dead: Pipeline) -> None:
+        try:
+            with contextlib.suppress(Exception):
+                await self.backend.stop(dead)
+            if dead in self.pipelines:
+                self.pipelines.remove(dead)
+            plan = await self.backend.replacement(dead, list(self.pipelines))
+            if plan is None:
+                self._note("not replaced", dead, "no node left for it")
+                return
+            new = await self.add(plan)
+            self._note("replaced", dead, f"by pipeline {new.index} over {len(plan.ranges)} stage(s)")
+        except Exception as exc:
+            self._note("replacement failed", dead, f"{type(exc).__name__}: {exc}")
+        finally:
+            self.rebuilding -= 1
+
+    async def _grow_once(self) -> None:
+        try:
+            await self.grow()
+        except Exception as exc:
+            self._note("growth failed", None, f"{type(exc).__name__}: {exc}")
+        finally:
+            self.rebuilding -= 1
+
+    async def grow(self) -> None:
+        """Take in alive nodes no pipeline uses: a degraded pipeline is rebuilt with them (the new one
+        first, then the old one drains), or they form new replicas."""
+        for old, plan in await self.backend.growth(list(self.pipelines)):
+            new = await self.add(plan)
+            if old is not None and old in self.pipelines:
+                old.state = "draining"
+            self._note("grown", new, f"{len(plan.ranges)} stage(s)" + (f", replaces {old.index}" if old else ""))
+
+    def health(self, grace_s: float) -> str | None:
+        """Why the service cannot answer (None: it can): no live pipeline and none coming back soon."""
+        if self.live() or self.lost_at is None:
+            return None
+        down = time.monotonic() - self.lost_at
+        if self.rebuilding and down < grace_s:
+            return None
+        return f"no pipeline has served for {down:.0f} s"
+
+    def status(self, num_blocks: int) -> dict[str, Any]:
+        return {
+            "replicas": len(self.live()),
+            "failovers": self.failovers,
+            "rebuilding": self.rebuilding,
+            "pipelines": [
+                {
+                    "index": p.index,
+                    "state": p.state,
+                    "served": p.served,
+                    "outstanding_tokens": p.engine.outstanding,
+                    "requests": len(p.engine.live),
+                    **p.plan.to_json(num_blocks),
+                }
+                for p in self.pipelines
+            ],
+            "events": self.events[-20:],
+        }

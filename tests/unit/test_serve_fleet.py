@@ -1,0 +1,74 @@
+"""The Ray backend's re-plans, with the cluster's answers (alive nodes, measured costs) given by the test.
+
+Only ``alive_nodes`` and ``measure`` (what Ray would answer) are replaced; the choices are the fleet's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+pytest.importorskip("ray")
+pytest.importorskip("torch")
+
+from raycluster_cli.bench.config import ModelConfig
+from raycluster_cli.serve import fleet
+from raycluster_cli.serve.placement import NodeSpeed, PipelinePlan
+from raycluster_cli.serve.scheduler import Limits
+
+CFG = ModelConfig(layers=6)
+
+
+def _speed(name: str, block_s: float = 1.0) -> NodeSpeed:
+    return NodeSpeed(name, f"ip-{name}", (0.1, *([block_s] * CFG.layers), 0.1))
+
+
+def _pipeline(*nodes: str, state: str = "live") -> Any:
+    plan = PipelinePlan(tuple(nodes), tuple(f"ip-{n}" for n in nodes), ((0, 4), (4, CFG.num_units))[: len(nodes)])
+    return SimpleNamespace(plan=plan, state=state)
+
+
+@pytest.fixture
+def cluster(monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:
+    alive: dict[str, str] = {}
+
+    def fake_measure(cfg: ModelConfig, nodes: dict[str, str], calibration: Any) -> Sequence[NodeSpeed]:
+        return [_speed(n, 0.5) for n in nodes]
+
+    monkeypatch.setattr(fleet, "alive_nodes", lambda: dict(alive))
+    monkeypatch.setattr(fleet, "measure", fake_measure)
+    return alive
+
+
+def _fleet() -> fleet.RayFleet:
+    speeds = [_speed(n) for n in "abcd"]
+    return fleet.RayFleet(CFG, None, Limits(), frozenset(), stages=2, speeds=speeds)
+
+
+def test_a_dead_node_s_pipeline_is_re_split_over_its_survivor_and_a_free_node(cluster: dict[str, str]) -> None:
+    cluster.update({n: f"ip-{n}" for n in "acde"})  # b died; e joined (unmeasured)
+    f = _fleet()
+    plan = asyncio.run(f.replacement(_pipeline("a", "b"), [_pipeline("c", "d")]))
+    assert plan is not None and plan.node_ids == ("a", "e")  # the survivor, then the free node
+    assert "e" in f.speeds  # the newcomer was measured
+
+
+def test_a_killed_actor_on_living_nodes_keeps_its_plan(cluster: dict[str, str]) -> None:
+    cluster.update({n: f"ip-{n}" for n in "abcd"})
+    dead = _pipeline("a", "b")
+    assert asyncio.run(_fleet().replacement(dead, [_pipeline("c", "d")])) is dead.plan
+
+
+def test_a_returning_node_fills_the_degraded_pipeline_then_new_replicas_form(cluster: dict[str, str]) -> None:
+    cluster.update({n: f"ip-{n}" for n in "abcd"})
+    degraded, full = _pipeline("a"), _pipeline("c", "d")
+    changes = asyncio.run(_fleet().growth([degraded, full]))
+    assert [(old, plan.node_ids) for old, plan in changes] == [(degraded, ("a", "b"))]
+    cluster.update({"e": "ip-e", "f": "ip-f"})
+    changes = asyncio.run(_fleet().growth([_pipeline("a", "b"), full]))
+    assert [(old, sorted(plan.node_ids)) for old, plan in changes] == [(None, ["e", "f"])]
+    assert asyncio.run(_fleet().growth([_pipeline("", "")])) == []  # unpinned pipelines never grow

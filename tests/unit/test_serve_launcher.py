@@ -1,0 +1,35 @@
+"""The launcher's flags and its one JSON line (what the operator-side ``raycluster serve`` reads)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytest.importorskip("ray")
+pytest.importorskip("torch")
+
+from raycluster_cli.serve.__main__ import _parser, _report
+from raycluster_cli.serve.app import ServeSettings
+from raycluster_cli.serve.placement import NodeSpeed, plan_replicas
+
+
+def test_old_flags_still_parse_and_new_ones_default_to_measured_placement() -> None:
+    args = _parser().parse_args(["--model-path", "/m", "--stages", "2", "--split", "2,1", "--no-auth"])
+    assert (args.stages, args.split, args.replicas, args.no_measure) == (2, "2,1", 0, False)
+    args = _parser().parse_args(["--model-path", "/m", "--replicas", "1", "--no-measure", "--replace-period", "5"])
+    assert (args.replicas, args.no_measure, args.replace_period) == (1, True, 5.0)
+
+
+def test_the_json_line_names_url_model_replicas_and_each_replica_s_split() -> None:
+    speeds = [NodeSpeed(f"n{i}", f"10.0.0.{i}", (0.1, *([float(i)] * 4), 0.1)) for i in (1, 2, 3, 4)]
+    plans = plan_replicas(speeds, stages=2)
+    settings = ServeSettings(model_path="/models/tiny", plans=tuple(plans), speeds=tuple(speeds), stages=2)
+    line = json.loads(json.dumps(_report("http://10.0.0.1:8000/v1", settings, 4)))
+    assert set(line) == {"url", "model", "replicas", "split", "pipelines", "nodes", "why"}
+    assert line["model"] == "tiny" and line["replicas"] == 2
+    assert line["split"] == [list(r) for r in plans[0].ranges]
+    stage = line["pipelines"][0]["stages"][0]
+    assert set(stage) == {"units", "blocks", "node_ip", "node_id", "stage_s"}
+    assert sum(s["blocks"] for s in line["pipelines"][1]["stages"]) == 4
+    assert "replica(s)" in line["why"] and line["nodes"][0]["block_s"] == 1.0

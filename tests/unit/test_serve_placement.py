@@ -1,0 +1,57 @@
+"""Placement: replicas from the alive nodes, each split min-max over its nodes' measured costs (pure)."""
+
+from __future__ import annotations
+
+import pytest
+
+from raycluster_cli.bench.partition import stage_costs
+from raycluster_cli.serve.placement import NodeSpeed, plan_replicas, replan, snake_groups
+
+BLOCKS = 8
+
+
+def _node(name: str, block_s: float) -> NodeSpeed:
+    return NodeSpeed(f"id-{name}", f"10.0.0.{name}", (0.1 * block_s, *([block_s] * BLOCKS), 0.2 * block_s))
+
+
+def test_floor_n_over_s_replicas_with_matched_speeds() -> None:
+    nodes = [_node("1", 1.0), _node("2", 2.0), _node("3", 1.0), _node("4", 4.0), _node("5", 9.0)]
+    plans = plan_replicas(nodes, stages=2)
+    assert len(plans) == 2  # 5 // 2; the slowest node stays out
+    used = {n for p in plans for n in p.node_ids}
+    assert "id-5" not in used and len(used) == 4
+    # snake order: fastest + slowest of the four in one replica, the two middle ones in the other
+    assert sorted(sorted(p.ips) for p in plans) == [["10.0.0.1", "10.0.0.4"], ["10.0.0.2", "10.0.0.3"]]
+    assert "2 replica(s)" in plans[0].why and "1 slowest node(s) unused" in plans[0].why
+
+
+def test_each_replica_is_split_min_max_by_its_nodes_speed() -> None:
+    fast, slow = _node("1", 1.0), _node("2", 3.0)
+    (plan,) = plan_replicas([fast, slow], stages=2)
+    blocks = [min(end, BLOCKS + 1) - max(start, 1) for start, end in plan.ranges]
+    assert blocks == [6, 2]  # a node three times slower gets about a third of the fast one's blocks
+    assert plan.stage_s == tuple(stage_costs([list(fast.unit_costs), list(slow.unit_costs)], list(plan.ranges)))
+    stages = plan.to_json(BLOCKS)["stages"]
+    assert [s["blocks"] for s in stages] == [6, 2] and stages[1]["node_ip"] == "10.0.0.2"
+
+
+def test_a_given_split_and_too_few_nodes() -> None:
+    plans = plan_replicas([_node("1", 1.0), _node("2", 1.0)], stages=1, split=[(0, BLOCKS + 2)])
+    assert [p.ranges for p in plans] == [((0, BLOCKS + 2),)] * 2
+    assert len(plan_replicas([_node("1", 1.0), _node("2", 1.0)], stages=1, replicas=1)) == 1
+    with pytest.raises(ValueError, match="cannot hold a pipeline of 3 stages"):
+        plan_replicas([_node("1", 1.0), _node("2", 1.0)], stages=3)
+
+
+def test_a_replica_that_lost_a_node_is_re_split_over_survivors_and_free_nodes() -> None:
+    alone = replan([_node("1", 1.0)], [], stages=2, num_blocks=BLOCKS)
+    assert alone is not None and alone.ranges == ((0, BLOCKS + 2),)  # one survivor: the whole model
+    filled = replan([_node("1", 1.0)], [_node("7", 5.0), _node("6", 1.0)], stages=2, num_blocks=BLOCKS)
+    assert filled is not None and filled.node_ids == ("id-1", "id-6")  # the fastest free node joins
+    assert replan([], [], stages=2, num_blocks=BLOCKS) is None
+
+
+def test_snake_groups_deal_fast_and_slow_evenly() -> None:
+    nodes = [_node(str(i), float(i)) for i in range(1, 7)]
+    groups = snake_groups(nodes, replicas=3, stages=2)
+    assert [[n.block_s for n in g] for g in groups] == [[1.0, 6.0], [2.0, 5.0], [3.0, 4.0]]

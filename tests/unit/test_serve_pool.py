@@ -1,0 +1,194 @@
+"""The pool without Ray: the router's choice and failover's exact continuation.
+
+Pipelines are in-process ``BatchedStage``s behind the handle shape the engine calls
+(``forward.remote`` returning an awaitable); one stage can be made to die after some steps, as a
+killed actor's call fails.  The reference for every greedy answer is ``transformers``' ``generate``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from raycluster_cli.bench.model import config_from_checkpoint  # noqa: E402
+from raycluster_cli.serve.batched import BatchedStage  # noqa: E402
+from raycluster_cli.serve.engine import Engine  # noqa: E402
+from raycluster_cli.serve.placement import PipelinePlan  # noqa: E402
+from raycluster_cli.serve.pool import Pipeline, Pool, least_loaded, pipeline_load  # noqa: E402
+from raycluster_cli.serve.scheduler import Limits, Scheduler  # noqa: E402
+from raycluster_cli.serve.text import Sampling, TextStream, eos_ids  # noqa: E402
+
+from ..serve_checkpoint import WORDS, write_chat_llama  # noqa: E402
+
+NEW_TOKENS = 14
+PROMPTS = [" ".join(WORDS[(5 * i + j) % len(WORDS)] for j in range(n)) for i, n in enumerate((2, 7, 4, 11, 3, 9))]
+
+
+class _Died(RuntimeError):
+    """What a call on a killed actor raises (RayActorError in the service)."""
+
+
+class _Call:
+    def __init__(self, fn: Any, args: tuple[Any, ...]) -> None:
+        self.fn, self.args = fn, args
+
+    def __await__(self) -> Any:
+        yield from asyncio.sleep(0).__await__()
+        args = []
+        for arg in self.args:  # a previous stage's call, as an ObjectRef passed on
+            args.append((yield from arg.__await__()) if isinstance(arg, _Call) else arg)
+        return self.fn(*args)
+
+
+class _Stage:
+    """A stage handle over an in-process BatchedStage; ``die_after`` forward calls it fails (as dead)."""
+
+    def __init__(self, stage: BatchedStage) -> None:
+        self.stage, self.calls, self.die_after = stage, 0, -1
+        self.forward = SimpleNamespace(remote=lambda *a: _Call(self._forward, a))
+
+    def _forward(self, x: Any, table: Any) -> Any:
+        self.calls += 1
+        if 0 <= self.die_after < self.calls:
+            raise _Died("the actor died")
+        return self.stage.forward(x, table)
+
+
+class _Backend:
+    """Builds pipelines in process; pipeline ``doomed``'s last stage dies after ``die_after`` steps."""
+
+    def __init__(self, path: Path, doomed: int = -1, die_after: int = -1) -> None:
+        self.cfg = config_from_checkpoint(path, max_seq=96)
+        self.tokenizer = transformers.AutoTokenizer.from_pretrained(str(path))
+        self.eos = eos_ids(self.tokenizer, json.loads((path / "generation_config.json").read_text()))
+        self.limits = Limits(slots=4, max_seq=96, prefill_chunk=4, step_tokens=24)
+        self.doomed, self.die_after = doomed, die_after
+        self.built: list[int] = []
+
+    async def build(self, plan: PipelinePlan, index: int) -> tuple[Engine, list[Any]]:
+        stages = [_Stage(BatchedStage(self.cfg, a, b, self.limits.slots)) for a, b in plan.ranges]
+        engine = Engine(stages, self.tokenizer, self.limits, self.eos)
+        engine.start()
+        await engine.probe()
+        if index == self.doomed:
+            stages[-1].die_after = stages[-1].calls + self.die_after
+        self.built.append(index)
+        return engine, stages
+
+    async def stop(self, pipeline: Pipeline) -> None:
+        pass
+
+    async def replacement(self, dead: Pipeline, others: Sequence[Pipeline]) -> PipelinePlan | None:
+        return dead.plan
+
+    async def growth(self, pipelines: Sequence[Pipeline]) -> list[tuple[Pipeline | None, PipelinePlan]]:
+        return []
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_chat_llama(tmp_path_factory.mktemp("pool") / "ckpt")
+
+
+@pytest.fixture(scope="module")
+def reference(checkpoint: Path) -> dict[str, tuple[str, list[int]]]:
+    """transformers' own greedy text and tokens for every prompt."""
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(checkpoint))
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(checkpoint)).eval()
+    answers = {}
+    for prompt in PROMPTS:
+        ids = tokenizer.encode(prompt)
+        out = model.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=NEW_TOKENS)
+        new = out[0, len(ids) :]
+        answers[prompt] = (tokenizer.decode(new, skip_special_tokens=True), new.tolist())
+    return answers
+
+
+def _fake(index: int, outstanding: int, requests: int) -> Any:
+    return SimpleNamespace(index=index, engine=SimpleNamespace(outstanding=outstanding, live=[0] * requests))
+
+
+def test_the_router_picks_the_least_outstanding_tokens_not_the_next_in_turn() -> None:
+    busy, idle, fewer = _fake(0, 40, 1), _fake(1, 12, 3), _fake(2, 12, 2)
+    assert least_loaded([busy, idle, fewer], pipeline_load) is fewer  # equal tokens: fewer requests win
+    assert least_loaded([busy, _fake(1, 41, 0)], pipeline_load) is busy
+    assert least_loaded([], pipeline_load) is None
+
+
+def test_outstanding_counts_prompt_left_to_prefill_and_tokens_left_to_generate() -> None:
+    s = Scheduler(Limits(slots=1, prefill_chunk=4))
+    s.add("a", list(range(10)), 5)
+    s.add("b", [1, 2], 3)  # waits for the slot
+    assert s.outstanding == 10 + 5 + 2 + 3
+    chunks = s.schedule()
+    s.complete(chunks, {})
+    assert s.outstanding == 6 + 5 + 5  # 4 of a's prompt are in its cache
+
+
+def test_a_resumed_text_stream_sends_exactly_what_the_first_one_held_back(checkpoint: Path) -> None:
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(checkpoint))
+    ids = tokenizer.encode("the cat run to the river and the dog sing")
+    stop = ["and the dog"]
+    whole, want = TextStream(tokenizer, stop), ""
+    for token in ids:
+        whole.push(token)
+        want += whole.take()[0]
+    want += whole.take(final=True)[0]
+    assert want == "the cat run to the river "  # the stop string and what follows are held back
+    for cut in range(1, len(ids)):
+        first, sent = TextStream(tokenizer, stop), ""
+        for token in ids[:cut]:
+            first.push(token)
+            sent += first.take()[0]
+        again = TextStream(tokenizer, stop)
+        again.resume(ids[:cut], len(sent))
+        for token in ids[cut:]:
+            again.push(token)
+            sent += again.take()[0]
+        assert sent + again.take(final=True)[0] == want, cut
+
+
+async def _stream(pool: Pool, prompt: str, tokenizer: Any, stream: bool) -> tuple[str, list[int]]:
+    text, tokens = "", []
+    async for out in pool.generate(tokenizer.encode(prompt), NEW_TOKENS, Sampling(temperature=0), stream=stream):
+        text, tokens = text + out.text, list(out.token_ids)
+    return text, tokens
+
+
+def test_requests_of_a_pipeline_that_dies_finish_on_the_other_token_for_token(
+    checkpoint: Path, reference: dict[str, tuple[str, list[int]]]
+) -> None:
+    """Pipeline 0 dies 9 steps in; its streams continue on pipeline 1 after the tokens they had, its
+    whole answers run again there; every text is generate()'s; the dead pipeline is rebuilt."""
+    backend = _Backend(checkpoint, doomed=0, die_after=9)
+
+    async def run() -> tuple[list[tuple[str, list[int]]], Pool]:
+        pool = Pool(backend, watch_s=0.05, replace_period_s=3600)
+        plan = PipelinePlan(("", ""), ("", ""), ((0, 3), (3, backend.cfg.num_units)))
+        for _ in range(2):
+            await pool.add(plan)
+        pool.start()
+        calls = [_stream(pool, p, backend.tokenizer, stream=i % 3 != 2) for i, p in enumerate(PROMPTS)]
+        answers = list(await asyncio.gather(*calls))
+        for _ in range(100):
+            if len(pool.live()) == 2:
+                break
+            await asyncio.sleep(0.05)
+        await pool.close()
+        return answers, pool
+
+    answers, pool = asyncio.run(run())
+    assert pool.failovers >= 2  # both kinds moved: streamed and whole
+    for prompt, answer in zip(PROMPTS, answers, strict=True):
+        assert answer == reference[prompt], prompt  # the same text and tokens: none repeated, none lost
+    assert [p.index for p in pool.live()] == [1, 2] and backend.built == [0, 1, 2]
+    assert [e["event"] for e in pool.events if e["event"] in ("failed", "replaced")] == ["failed", "replaced"]
