@@ -136,7 +136,16 @@ def render_serve(output: Output, body: dict[str, Any]) -> None:
         output.line(f"model {body['model_digest'][:12]}: sent to {len(sent)} host(s), already on {already}")
     model, url = terminal_safe(body["model"]), body["url"]
     output.line(f"serving {model} at {url} ({body['replicas']} replica(s)), ready in {body['seconds']:.0f}s")
-    output.line(f"split: {terminal_safe(str(body['split']))}")
+    for index, pipeline in enumerate(body.get("pipelines") or []):
+        stages = ", ".join(
+            f"{terminal_safe(str(st.get('host', st.get('node_ip', '?'))))}: {st.get('blocks', '?')} block(s)"
+            for st in pipeline.get("stages", [])
+        )
+        output.line(
+            f"replica {index}: {stages}" + (f" ({terminal_safe(pipeline['why'])})" if pipeline.get("why") else "")
+        )
+    if not body.get("pipelines"):
+        output.line(f"split: {terminal_safe(str(body['split']))}")
     chat = json.dumps({"model": body["model"], "messages": [{"role": "user", "content": "Hello"}]})
     output.line("call it (the API key is the cluster's token):")
     if body.get("auth_token_file"):

@@ -39,7 +39,7 @@ _SOURCE_ENV = f"set -a && . {ENV_IN_CONTAINER} && set +a"
 class ServeOptions:
     model_path: str
     port: int = 8000
-    stages: int | None = None  # stages per pipeline (default: the launcher's choice)
+    stages: int | None = None  # stages per pipeline (default: one per node, as many as the model has blocks)
     slots: int = 16
     max_seq: int = 512
     model_id: str = ""
@@ -62,6 +62,8 @@ class ServeResult:
     split: Any
     model_path: str  # where the nodes read it
     model_digest: str | None
+    pipelines: list[dict[str, Any]] = field(default_factory=list)  # per replica: its stages, their nodes, and why
+    why: str = ""
     copies: list[ModelCopy] = field(default_factory=list)
     auth_token_file: str | None = None
     seconds: float = 0.0
@@ -131,6 +133,9 @@ def serve(inventory: Inventory, connect: Connect, options: ServeOptions, progres
     path, model, copies = place_model(inventory, connect, options.model_path, progress)
     if model is not None and not options.model_id:  # the nodes read it under its digest: name it as its folder
         options = dataclasses.replace(options, model_id=model.root.name)
+    if options.stages is None:  # the balanced pipeline across every node (no more stages than the model has blocks)
+        blocks = _blocks(model) if model is not None else None
+        options = dataclasses.replace(options, stages=min(len(inventory.hosts), blocks or len(inventory.hosts)))
     transport, head = _head(inventory, connect)
     progress(f"deploying the service from {inventory.head_address}'s container (returns once it generates)")
     command = f"docker exec {head} sh -c {quote(launcher_command(inventory, path, options))}"
@@ -148,11 +153,33 @@ def serve(inventory: Inventory, connect: Connect, options: ServeOptions, progres
         replicas=int(document.get("replicas", 1)),
         split=document.get("split"),
         model_path=path,
+        pipelines=_name_hosts(inventory, document.get("pipelines") or []),
+        why=str(document.get("why", "")),
         model_digest=model.digest if model else None,
         copies=copies,
         auth_token_file=str(token_file(inventory)) if inventory.ray.auth == "token" else None,
         seconds=round(time.monotonic() - started, 2),
     )
+
+
+def _blocks(model: ModelFolder) -> int | None:
+    """The checkpoint's transformer blocks, from its config.json (Llama-like and GPT-2 names)."""
+    try:
+        config = json.loads((model.root / "config.json").read_text())
+        value = config.get("num_hidden_layers", config.get("n_layer"))
+    except (OSError, ValueError, AttributeError):
+        return None
+    return value if isinstance(value, int) and value > 0 else None
+
+
+def _name_hosts(inventory: Inventory, pipelines: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each stage's inventory host next to the node IP the launcher reported."""
+    host_of = {inventory.node_ip(h): str(h.address) for h in inventory.hosts}
+    for pipeline in pipelines:
+        for stage in pipeline.get("stages", []) if isinstance(pipeline, dict) else []:
+            if isinstance(stage, dict) and "node_ip" in stage:
+                stage["host"] = host_of.get(str(stage["node_ip"]), stage["node_ip"])
+    return pipelines
 
 
 def _last_json(text: str) -> dict[str, Any] | None:
