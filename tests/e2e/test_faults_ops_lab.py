@@ -315,7 +315,7 @@ def test_the_heads_container_paused_while_up_asks_its_gcs_ends_by_the_deadline_n
     def probing(verb: Verb) -> None:
         verb.wait_for("waiting for every node to join", timeout=600)
         verb.wait_for(f"{IP1}.*registered; the head's GCS is asked", timeout=600)
-        asked = wait_until(lambda: processes(lab_hosts, "lab-h2", r"raycluster_cli\.probe") != [], 120, 0.2)
+        asked = wait_until(lambda: processes(lab_hosts, "lab-h2", r"raycluster_cli\.host\.probe") != [], 120, 0.2)
         assert asked, verb.stderr
 
     try:
