@@ -10,7 +10,7 @@ LAB_HOSTS ?= 3
 venv: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install -q --disable-pip-version-check -e ".[dev,bench,ray]"
+	$(BIN)/pip install -q --disable-pip-version-check -e ".[dev,bench,ray,serve]"
 	@touch $@
 
 docker:
