@@ -31,6 +31,7 @@ cat <<NEXT
   $BIN/raycluster submit -i $inv -- python -c 'import ray; ray.init(); print(ray.cluster_resources())'
   $BIN/raycluster dashboard -i $inv                 # Ray's dashboard at http://127.0.0.1:8265 (Ctrl-C ends it)
   $BIN/raycluster bench -i $inv --check-output      # the full benchmark (about 7 minutes here)
+  $BIN/raycluster serve -i $inv --model-path DIR    # a Hugging Face checkpoint as an OpenAI-compatible API
   $BIN/raycluster down -i $inv                      # remove the cluster;  $BIN/raycluster lab down: the lab
 NEXT
 if [ "$KEEP" != 1 ]; then
