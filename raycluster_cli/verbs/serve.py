@@ -233,8 +233,8 @@ def service_status(inventory: Inventory, connect: Connect) -> dict[str, Any] | N
             f"{inventory.head_address}: could not read the service's state: {result.first_line() or result.rc}",
             "check the head: raycluster status",
         )
-    if document.get("serve") is None and document.get("record") is None and not document.get("error"):
-        return None
+    if document.get("serve") is None and document.get("record") is None:
+        return None  # nothing deployed by `serve` (Ray Serve's own answer may be an error when it never started)
     return document
 
 
