@@ -1,0 +1,101 @@
+"""The operator's side of `serve` without a cluster: the launcher's command line, the default split across every
+node, the model's copies only where missing, and the status line."""
+
+from __future__ import annotations
+
+import json
+import shlex
+from pathlib import Path
+
+import pytest
+
+from raycluster_cli.config import inventory
+from raycluster_cli.image import models
+from raycluster_cli.render.base import _service_line
+from raycluster_cli.transport.base import CommandResult
+from raycluster_cli.verbs import serve
+
+INVENTORY = """
+cluster: demo
+image: raycluster/node:0.1.0
+host_state_dir: /srv/rc
+hosts:
+  - {address: 192.0.2.10, role: head}
+  - {address: 192.0.2.11, role: worker}
+  - {address: 192.0.2.12, role: worker}
+"""
+
+
+class Host:
+    """A host that answers the held-models question and records what it was fed."""
+
+    def __init__(self, address: str, held: set[str]) -> None:
+        self.host, self.held, self.commands, self.fed = address, held, [], 0
+
+    def run(self, command: str, **_: object) -> CommandResult:
+        self.commands.append(command)
+        if "raycluster-manifest" in command and "for m in" in command:
+            return CommandResult(0, "".join(f"{d}\n" for d in self.held), "")
+        document = {
+            "url": "http://192.0.2.10:8000/v1",
+            "model": "tiny",
+            "replicas": 1,
+            "split": [[0, 2], [2, 4]],
+            "pipelines": [{"stages": [{"units": [0, 2], "blocks": 1, "node_ip": "192.0.2.11"}]}],
+        }
+        return CommandResult(0, "ray says hello\n" + json.dumps(document) + "\n", "")
+
+    def feed(self, command: str, source: object, **_: object) -> CommandResult:
+        data = source.read()  # type: ignore[attr-defined]
+        self.fed += len(data)
+        return CommandResult(0, models.RECEIVED + "\n", "")
+
+
+def _model(tmp_path: Path, layers: int = 2) -> Path:
+    folder = tmp_path / "tiny"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"model_type": "llama", "num_hidden_layers": layers}))
+    (folder / "model.safetensors").write_bytes(b"\x01" * 1000)
+    return folder
+
+
+def test_the_launcher_runs_in_the_heads_container_with_the_clusters_token() -> None:
+    inv = inventory.parse(INVENTORY, "inv.yaml")
+    words = shlex.split(serve.launcher_command(inv, "/run/raycluster/models/abc", serve.ServeOptions("x", stages=3)))
+    assert words[:4] == ["set", "-a", "&&", "."] and "python" in words
+    assert "--host=192.0.2.10" in words and "--stages=3" in words and "--token-file=/run/raycluster/auth-token" in words
+    assert f"--record={serve.RECORD}" in words and "--no-auth" not in words
+
+
+def test_serve_sends_the_model_only_where_missing_and_splits_it_over_every_node(tmp_path: Path) -> None:
+    inv = inventory.parse(INVENTORY, "inv.yaml")
+    digest = models.read_model_folder(_model(tmp_path)).digest
+    hosts = {str(h.address): Host(str(h.address), {digest} if h.role == "worker" else set()) for h in inv.hosts}
+    result = serve.serve(inv, lambda h: hosts[str(h.address)], serve.ServeOptions(str(tmp_path / "tiny")))  # type: ignore[arg-type,return-value]
+    assert {c.host: c.action for c in result.copies} == {
+        "192.0.2.10": "sent",
+        "192.0.2.11": "held",
+        "192.0.2.12": "held",
+    }
+    assert hosts["192.0.2.10"].fed > 1000 and hosts["192.0.2.11"].fed == 0
+    launch = hosts["192.0.2.10"].commands[-1]
+    assert "--stages=2" in launch  # three nodes, but the model has two blocks
+    assert "--model-id=tiny" in launch and f"/run/raycluster/models/{digest}" in launch
+    assert result.model_path == f"/run/raycluster/models/{digest}" and result.url == "http://192.0.2.10:8000/v1"
+    assert result.pipelines[0]["stages"][0]["host"] == "192.0.2.11"
+
+
+def test_a_bad_port_is_a_usage_error() -> None:
+    inv = inventory.parse(INVENTORY, "inv.yaml")
+    with pytest.raises(Exception, match="--port 0"):
+        serve.serve(inv, lambda h: None, serve.ServeOptions("/nowhere", port=0))  # type: ignore[arg-type,return-value]
+
+
+def test_the_status_line_says_what_is_served_and_ray_serves_state() -> None:
+    running = {
+        "record": {"model": "tiny", "url": "http://h:8000/v1"},
+        "serve": {"status": "RUNNING", "deployments": {"Ingress": {"status": "HEALTHY", "replicas": {"RUNNING": 1}}}},
+    }
+    assert "tiny at http://h:8000/v1" in _service_line(running, "") and "RUNNING" in _service_line(running, "")
+    assert _service_line(None, "").startswith("no service")
+    assert "could not be read" in _service_line(None, "h: refused")
