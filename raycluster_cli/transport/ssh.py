@@ -33,14 +33,11 @@ from raycluster_cli.transport.base import CommandResult, put_command
 from raycluster_cli.transport.guard import guarded
 from raycluster_cli.transport.keepalive import KeepAlive
 from raycluster_cli.transport.sshio import (
-    DeadlineExceeded,
     Lines,
     LineSink,
     OutputSink,
-    close_quietly,
     collect,
     drain_once,
-    exec_within,
     heartbeat,
     send_stream,
     summary,
@@ -245,8 +242,9 @@ class SSHTransport:
         channel = self._open_channel(command)
         beat = beat and self.guard
         try:
-            line = guarded(command, timeout, heartbeat_s=self.stall_s if beat else None) if self.guard else command
-            exec_within(channel, line, self.host, command, self.connect_timeout)
+            channel.exec_command(
+                guarded(command, timeout, heartbeat_s=self.stall_s if beat else None) if self.guard else command
+            )
             if stdin is not None:
                 channel.settimeout(self.stall_s)
                 channel.sendall(stdin)
@@ -278,8 +276,7 @@ class SSHTransport:
 
         deadline = None if timeout is None else started + timeout
         try:
-            line = guarded(command, timeout, self.stall_s) if self.guard else command
-            exec_within(channel, line, self.host, command, self.connect_timeout)
+            channel.exec_command(guarded(command, timeout, self.stall_s) if self.guard else command)
             send_stream(
                 channel, source, host=self.host, stall_s=self.stall_s, on_sent=on_sent, drain=drain,
                 deadline=deadline, command=command,
@@ -343,15 +340,10 @@ class SSHTransport:
         channel.close()
 
     def _failed(self, channel: paramiko.Channel, exc: BaseException, command: str) -> BaseException:
-        """A command did not end normally: return the error to raise. Past its own deadline (or sshd's reply to
-        run it), only its channel is closed, in the background: the connection and every other command on it
-        go on, and the closed session ends the command on the host (guard.py). Otherwise (stall, lost
-        connection, interrupt) the whole connection is dropped: a closed connection ends every session."""
+        """A command did not end normally (deadline, stall, lost connection, interrupt): drop the whole
+        connection — closing only the channel could block on a frozen host, and a closed connection ends
+        the command's session on the host — and return the error to raise."""
         self._running.pop(channel.get_id(), None)
-        alive = self._keepalive is None or not self._keepalive.declared_dead
-        if isinstance(exc, DeadlineExceeded) and alive:
-            close_quietly(channel)
-            return exc
         if isinstance(exc, TransportError | KeyboardInterrupt) or not isinstance(exc, Exception):
             if isinstance(exc, TransportError) and self._keepalive is not None and self._keepalive.declared_dead:
                 return self._dropped(exc, command)
