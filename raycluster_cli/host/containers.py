@@ -25,9 +25,10 @@ TOKEN_IN_CONTAINER = "/run/raycluster/auth-token"
 ENV_IN_CONTAINER = "/run/raycluster/env"
 MODELS_IN_CONTAINER = "/run/raycluster/models"  # the host's model cache, read-only (host/folders.models_dir)
 # The container's command sources the env file first, so that the Ray processes get the inventory's
-# `env` while the values stay out of `docker inspect` and every command line.
-_ENV = f"set -a && . {ENV_IN_CONTAINER} && set +a"
-_SOURCE_ENV = f'{_ENV} && exec "$@"'
+# `env` while the values stay out of `docker inspect` and every command line (`verbs/serve.py` sources it
+# the same way).
+SOURCE_ENV = f"set -a && . {ENV_IN_CONTAINER} && set +a"
+_SOURCE_ENV_THEN_RUN = f'{SOURCE_ENV} && exec "$@"'
 # A worker's container waits until the head's GCS answers before `ray start`, so that `up` starts every worker
 # while the head is still starting instead of after: `ray start --address` itself gives a GCS that is not there
 # yet about 20 s, and looks for the head's node, and the session's name, only every 2 s. One Python process first
@@ -146,12 +147,12 @@ def start_script(inventory: Inventory, host: HostConfig) -> str:
     """The container's shell command (its arguments: `ray start …`): the env file, then, on a worker, the
     wait for the head's GCS, then `ray start`, in the container's main process."""
     if host.role == "head":
-        return _SOURCE_ENV
+        return _SOURCE_ENV_THEN_RUN
     mode = "early" if early_start(inventory, host) else "head"
     wait = shlex.join(
         ["python3", "-c", _WAIT_FOR_GCS, inventory.head_address, str(inventory.ray.port), str(GCS_WAIT_S), mode]
     )
-    return f'{_ENV} && exec {wait} "$@"'
+    return f'{SOURCE_ENV} && exec {wait} "$@"'
 
 
 def container_name(inventory: Inventory, host: HostConfig) -> str:

@@ -30,7 +30,7 @@ from raycluster_cli.config.inventory import HostConfig, Inventory
 from raycluster_cli.errors import OperationError, UsageError
 from raycluster_cli.host.containers import MODELS_IN_CONTAINER
 from raycluster_cli.host.folders import models_dir
-from raycluster_cli.transport import Transport, shell_path
+from raycluster_cli.transport import Transport, quote, shell_path
 
 MANIFEST = ".raycluster-manifest"
 RECEIVED = "raycluster: model received and verified"
@@ -138,12 +138,8 @@ def receive_command(inventory: Inventory, host: HostConfig, digest: str) -> str:
         f'if [ -f "$models/{digest}/{MANIFEST}" ]; then :; else chmod -R u+w "$models/{digest}" 2>/dev/null || true; '
         f'rm -rf -- "$models/{digest}"; mv -- "$incoming" "$models/{digest}"; chmod u-w "$models/{digest}"; fi; '
         f'trap - EXIT; if [ -e "$incoming" ]; then chmod -R u+w "$incoming"; rm -rf -- "$incoming"; fi; '
-        f"echo {_quoted(RECEIVED)}"
+        f"echo {quote(RECEIVED)}"
     )
-
-
-def _quoted(text: str) -> str:
-    return "'" + text.replace("'", "'\\''") + "'"
 
 
 def tar_stream(model: ModelFolder) -> tuple[BinaryIO, threading.Thread]:

@@ -23,7 +23,7 @@ from typing import Any
 from raycluster_cli.config.inventory import HostConfig, Inventory
 from raycluster_cli.config.state import token_file
 from raycluster_cli.errors import OperationError, UsageError
-from raycluster_cli.host.containers import ENV_IN_CONTAINER, TOKEN_IN_CONTAINER, container_name
+from raycluster_cli.host.containers import SOURCE_ENV, TOKEN_IN_CONTAINER, container_name
 from raycluster_cli.image.models import ModelFolder, held_command, parse_held, read_model_folder, send_model
 from raycluster_cli.progress import Progress, TransferProgress, quiet
 from raycluster_cli.transport import Transport, quote
@@ -32,7 +32,6 @@ from raycluster_cli.transport.pool import Connect
 
 APP = "raycluster"  # the Ray Serve application's name (the launcher's APP_NAME)
 RECORD = "/tmp/raycluster-serve.json"  # the launcher's document, in the head's container
-_SOURCE_ENV = f"set -a && . {ENV_IN_CONTAINER} && set +a"
 
 
 @dataclass(frozen=True)
@@ -122,7 +121,7 @@ def launcher_command(inventory: Inventory, model_path: str, options: ServeOption
         args.append(f"--token-file={TOKEN_IN_CONTAINER}")
     else:
         args.append("--no-auth")
-    return f"{_SOURCE_ENV} && exec {shlex.join(args)}"
+    return f"{SOURCE_ENV} && exec {shlex.join(args)}"
 
 
 def serve(inventory: Inventory, connect: Connect, options: ServeOptions, progress: Progress = quiet) -> ServeResult:
@@ -246,7 +245,7 @@ def stop(inventory: Inventory, connect: Connect) -> bool:
         f"had = {APP!r} in serve.status().applications\n"
         f"serve.delete({APP!r}) if had else None\nprint(json.dumps({{'removed': had}}))\n"
     )
-    command = f"docker exec {head} sh -c {quote(f'{_SOURCE_ENV} && python -c {shlex.quote(script)} && rm -f {RECORD}')}"
+    command = f"docker exec {head} sh -c {quote(f'{SOURCE_ENV} && python -c {shlex.quote(script)} && rm -f {RECORD}')}"
     result = transport.run(command, timeout=180)
     document = _last_json(result.stdout)
     if not result.ok or document is None:
