@@ -28,11 +28,18 @@ def _doc(path: Path) -> dict[str, Any] | None:
 
 
 def balanced_over_even(doc: dict[str, Any]) -> float | None:
-    """The default run's tokens/s over the even split's (1.0 when the run fell back to the even split)."""
+    """The balanced split's tokens/s over the even split's, as measured in the run: from the even reference when
+    the balanced split ran, from the balanced reference when the run fell back to the even split (its ratio is
+    even ÷ balanced), 1.0 only when the two splits are the same split; None when nothing compared them."""
     refs = doc.get("references", {})
+    choice = doc.get("split_choice", {})
+    if choice.get("used") == "even":
+        ratio = refs.get("balanced", {}).get("ratio")
+        return 1.0 / ratio if ratio else None
     if "even" in refs:
-        return refs["even"]["ratio"]
-    if doc.get("split_choice", {}).get("used") == "even":
+        ratio = refs["even"]["ratio"]
+        return float(ratio) if ratio is not None else None
+    if choice.get("reason") == "the balanced split is the even split":
         return 1.0
     return None
 
