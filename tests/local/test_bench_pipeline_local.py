@@ -24,6 +24,11 @@ from raycluster_cli.bench.options import BenchOptions  # noqa: E402
 from raycluster_cli.bench.partition import even_partition  # noqa: E402
 
 from ..bench_checkpoints import write_random_gpt2  # noqa: E402
+from ..bench_report_checks import (  # noqa: E402
+    assert_balance_is_the_stages,
+    assert_ceiling_is_the_busiest_stage,
+    assert_reference_is_the_same_workload,
+)
 
 
 @pytest.fixture(scope="module")
@@ -164,8 +169,9 @@ def test_replicas_share_the_load_and_references_are_measured(local_ray: None) ->
     assert all(r["requests"] > 0 and r["micro_batches"] > 0 for r in replicas)  # the router used every replica
     assert len(doc["stages"]) == 3 and all(s["predicted_s"] > 0 for s in doc["stages"])
     refs = doc["references"]
-    assert refs["ceiling"]["tokens_per_s"] > 0 and refs["ceiling"]["ratio"] > 0
-    assert refs["unsharded"]["tokens_per_s"] > 0 and refs["unsharded"]["ratio"] > 0
+    assert_ceiling_is_the_busiest_stage(doc)
+    assert_reference_is_the_same_workload(doc, "unsharded")
+    assert_balance_is_the_stages(doc)
     assert "even" not in refs  # one stage per replica: the even split is the balanced one, nothing to compare
     assert doc["split_choice"] == {"used": "balanced", "reason": "the balanced split is the even split"}
     assert doc["hop_overhead"]["per_hop_s"] > 0
