@@ -154,6 +154,10 @@ def test_status_of_a_head_whose_gcs_port_refuses_says_so_instead_of_waiting_on_r
 
 def test_logs_collects_a_folder_per_host(lab_hosts: Lab, tmp_path: Path) -> None:
     _up(lab_hosts)
+    planted = "\\n".join(f"2026-01-01 ERROR raycluster-planted line {n}" for n in range(5))
+    lab_hosts.sh(
+        "lab-h2", f"docker exec {WORKER} sh -c 'printf \"{planted}\\n\" > /tmp/ray/session_latest/logs/planted.log'"
+    )
     out = tmp_path / "logs"
     code, doc, err = lab_hosts.cli("logs", "--out", str(out))
     assert code == 0, err
@@ -163,7 +167,11 @@ def test_logs_collects_a_folder_per_host(lab_hosts: Lab, tmp_path: Path) -> None
         assert (folder / "container.log").stat().st_size > 0
         ray_logs = list((folder / "ray" / "logs").glob("raylet*"))
         assert ray_logs, f"no raylet log for {address}: {sorted(p.name for p in folder.rglob('*'))[:20]}"
-    assert all(isinstance(h["error_lines"], int) for h in doc["hosts"])
+    # the five error lines planted in one worker's Ray logs are counted there, on top of Ray's own
+    found = (out / IP2 / "ray" / "logs" / "planted.log").read_text().splitlines()
+    assert found == [f"2026-01-01 ERROR raycluster-planted line {n}" for n in range(5)]
+    by_host = {h["host"]: h for h in doc["hosts"]}
+    assert by_host[IP2]["error_lines"] >= 5, by_host[IP2]
     code, doc, _ = lab_hosts.cli("logs", "--host", IP2, "--out", str(tmp_path / "one"))
     assert code == 0 and [h["host"] for h in doc["hosts"]] == [IP2]
     assert sorted(p.name for p in (tmp_path / "one").iterdir()) == [IP2]
