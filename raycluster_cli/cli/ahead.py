@@ -18,7 +18,8 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from pathlib import Path
 
-    from raycluster_cli.config.inventory import LoadedInventory
+    from raycluster_cli.config.inventory import HostConfig, LoadedInventory
+    from raycluster_cli.transport.logins import QuickLogins
     from raycluster_cli.transport.pool import SSHPool
 
 VERBS = frozenset({"doctor", "status", "down", "up"})  # verbs whose first step is a login into every host
@@ -77,7 +78,7 @@ def start(argv: Sequence[str]) -> None:
     try:
         from raycluster_cli.transport import logins
 
-        quick, seen = logins.start(path, list(argv))  # the last run's logins, before pydantic and the models
+        quick, seen = logins.start(path)  # the last run's logins, before pydantic and the models
         from raycluster_cli.config import inventory
         from raycluster_cli.transport.pool import SSHPool
 
@@ -87,10 +88,12 @@ def start(argv: Sequence[str]) -> None:
         adopt = quick if quick is not None and quick.parallel == inv.ssh.max_parallel_logins else None
         pool = SSHPool(inv, gate=adopt.gate if adopt else None)
         params = {str(h.address): pool.login_params(h) for h in inv.hosts}
+        recipes = logins.first_recipes(seen, list(argv)) if adopt else {}
         for host in inv.hosts:
             taken = adopt.take(str(host.address), params[str(host.address)]) if adopt else None
-            if taken is not None:
+            if taken is not None and adopt is not None:
                 pool.adopt(host, *taken)
+                _supply_first(adopt, loaded, host, recipes.get(str(host.address)))
         pool.log_in_ahead(inv.hosts)
         direct = {address: p for address, p in params.items() if p is not None}
         if len(direct) == len(params):  # no host behind a jump host: keep the routes for the next run
@@ -101,6 +104,27 @@ def start(argv: Sequence[str]) -> None:
         if quick is not None:
             quick.discard()  # every login the validated inventory did not ask for, unused
     _ahead = (path, loaded, pool)
+
+
+# The modules that register the builders of read-only commands (prefetch.builder) and the facts they name.
+RECIPE_MODULES = ("raycluster_cli.verbs.status", "raycluster_cli.checks.catalog", "raycluster_cli.host.diagnose")
+
+
+def _supply_first(quick: QuickLogins, loaded: LoadedInventory, host: HostConfig, recipe: Any) -> None:
+    """Start on this host, after its login, the read-only command the last run of this command line began
+    with, as the code makes it now from the validated inventory (never a command read from the cache)."""
+    if recipe is None:
+        return
+    import importlib
+
+    from raycluster_cli.transport import prefetch
+    from raycluster_cli.transport.engine_shim import engine_of, preamble
+
+    for module in RECIPE_MODULES:
+        importlib.import_module(module)
+    built = prefetch.build(recipe, loaded.inventory, host)
+    if built is not None:  # with the engine's preamble, as the pool's transport sends it (engine_shim.py)
+        quick.supply(str(host.address), preamble(engine_of(loaded.inventory, host)) + built[0], built[1])
 
 
 def take(path: str | None) -> tuple[LoadedInventory, SSHPool] | None:

@@ -21,6 +21,7 @@ from raycluster_cli.transport.fanout import fanout
 from raycluster_cli.transport.pool import Connect
 
 T = TypeVar("T")
+KNOWN: dict[str, Fact[Any]] = {}  # every command fact the code defined, by name
 
 HOST_DEADLINE_S = 120.0  # a fact still running after this is reported as timed out (rc 124); the others stand
 
@@ -61,6 +62,10 @@ class Fact(Generic[T]):
     needs: tuple[Fact[CommandResult], ...] = ()
     derive: Callable[[HostContext, list[CommandResult]], T] | None = None
     quick: bool = False
+
+    def __post_init__(self) -> None:
+        if self.command is not None:
+            KNOWN[self.name] = self  # by name: what a kept recipe may ask for (prefetch.py, `_batch_again`)
 
     def commands(self) -> list[Fact[Any]]:
         """The command facts gathering this one needs: itself, or the facts it is derived from."""
@@ -148,14 +153,14 @@ def gather_host(
     wanted = command_facts(facts)
     if not wanted:
         return {}
-    commands = [_command(f, ctx) for f in wanted]
     marker = prefetch.new_marker()
     sent = time.time()
-    quick = [i for i, f in enumerate(wanted) if f.quick]
-    with prefetch.read_only():  # facts only read: the next run of this command line may start it ahead
-        out = transport.run(batch_script(marker, commands, deadline_s, quick), timeout=deadline_s + 30)
+    recipe = {"facts": [f.name for f in wanted], "deadline_s": deadline_s}
+    with prefetch.read_only("facts", recipe):  # facts only read: the next run of this command line may start it
+        command, timeout = _batch(ctx, wanted, deadline_s, marker)
+        out = transport.run(command, timeout=timeout)
     sent, received = out.window or (sent, time.time())  # when it really ran (ahead of this call, or now)
-    batch = parse_batch(marker, out.stdout, len(commands), deadline_s)
+    batch = parse_batch(marker, out.stdout, len(wanted), deadline_s)
     if batch is None:
         return {f.name: CommandResult(out.rc or 1, "", f"fact batch broke: {out.first_line()}") for f in wanted}
     found = {}
@@ -165,6 +170,25 @@ def gather_host(
             result = CommandResult(result.rc, f"operator {sent:.6f} {received:.6f}\n{result.stdout}{elapsed}", "")
         found[fact.name] = result
     return found
+
+
+def _batch(ctx: HostContext, wanted: list[Fact[Any]], deadline_s: float, marker: str) -> tuple[str, float]:
+    """The one remote command that gathers `wanted` (command facts) on the host, and its timeout."""
+    quick = [i for i, f in enumerate(wanted) if f.quick]
+    return batch_script(marker, [_command(f, ctx) for f in wanted], deadline_s, quick), deadline_s + 30
+
+
+@prefetch.builder("facts")
+def _batch_again(inventory: Inventory, host: HostConfig, args: dict[str, Any]) -> tuple[str, float] | None:
+    """A facts batch made again from its recipe (fact names, deadline) for the next run (prefetch.py): only
+    facts this code defines, by name, and a deadline within bounds; anything else makes nothing."""
+    names, deadline_s = args["facts"], float(args["deadline_s"])
+    if not isinstance(names, list) or not 0 < deadline_s <= HOST_DEADLINE_S * 10:
+        return None
+    wanted = [KNOWN.get(name) if isinstance(name, str) else None for name in names]
+    if not wanted or any(f is None or f.command is None for f in wanted):
+        return None
+    return _batch(HostContext(inventory, host), wanted, deadline_s, prefetch.new_marker())  # type: ignore[arg-type]
 
 
 def _command(fact: Fact[Any], ctx: HostContext) -> str:

@@ -6,6 +6,13 @@ the host's login user (the inventory's `ssh.user`, else `~/.ssh/config`'s `User`
 user); any other user gets `~/.local/state/raycluster` in its own home, which needs no privilege at all.
 A path starting with `~/` is expanded by the host's shell (`"$HOME"/…`), so the home is the login user's
 own on each host. The token and env files are written by the login user, mode 0600, from stdin.
+
+The folder is chmod-ed when `up` makes it and `rm -rf`-ed (through sudo with `ssh.sudo`) by `down --purge`, so
+raycluster claims only a folder it made: `up` writes a marker file in it (`MARKER`, naming the cluster), and
+both refuse a folder that is a link or a file, belongs to another user, or lacks the marker (issue 34, item 9).
+A folder made before the marker existed is adopted when it belongs to the login user and holds nothing but
+names raycluster writes (`OURS`): `up` marks it, `down --purge` removes it. The refusal is one line starting
+`raycluster-refused:` (`refusal`), which `up` and `down` report with the host, the path and the fix.
 """
 
 from __future__ import annotations
@@ -26,6 +33,9 @@ ARCHIVE_DIR = "/var/tmp/raycluster-images"
 ROOT_DEFAULT = "/etc/raycluster"
 USER_DEFAULT = "~/.local/state/raycluster"
 SUDO = "sudo -n"
+MARKER = ".raycluster-cluster"  # in the cluster's folder, holding `raycluster cluster <name>`
+OURS = ("auth-token", "head.env", "worker.env", "models", MARKER)  # what raycluster writes in the folder
+REFUSED = "raycluster-refused:"
 
 
 @functools.lru_cache(maxsize=8)
@@ -71,6 +81,42 @@ def uses_sudo(inventory: Inventory, host: HostConfig) -> bool:
     return ssh.sudo and login_user(inventory, host) != "root" and not state_root(inventory, host).startswith("~/")
 
 
+def _tag(inventory: Inventory) -> str:
+    return f"raycluster cluster {inventory.cluster}"
+
+
+def claim_check(inventory: Inventory, host: HostConfig) -> str:
+    """Shell text (a subshell): succeeds when the cluster's folder is absent or raycluster's (see the module's
+    docstring); else prints one line `raycluster-refused: REASON` on stderr and fails. Changes nothing."""
+    folder = shell_path(cluster_dir(inventory, host))
+    names = "|".join(quote(name) for name in OURS)
+    refuse = f'{{ echo "{REFUSED} '
+    return (
+        f"( f={folder}; "
+        f'if [ -L "$f" ] || {{ [ -e "$f" ] && [ ! -d "$f" ]; }}; then {refuse}it is a link or a file, not a folder" >&2; exit 3; }}; fi; '
+        '[ -d "$f" ] || exit 0; '
+        f'[ -O "$f" ] || {refuse}it belongs to $(stat -c %U "$f" 2>/dev/null), not to $(id -un)" >&2; exit 3; }}; '
+        f'if [ -f "$f"/{MARKER} ]; then [ "$(head -c 200 "$f"/{MARKER})" = {quote(_tag(inventory))} ] '
+        f'|| {refuse}its {MARKER} names another cluster" >&2; exit 3; }}; exit 0; fi; '
+        'for e in "$f"/* "$f"/.[!.]* "$f"/..?*; do { [ -e "$e" ] || [ -L "$e" ]; } || continue; '
+        f'case "${{e##*/}}" in {names}|*.raycluster-tmp) ;; '
+        f'*) {refuse}it holds ${{e##*/}}, which raycluster does not write, and no {MARKER}" >&2; exit 3; }};; esac; done )'
+    )
+
+
+def refusal(inventory: Inventory, host: HostConfig, text: str, doing: str) -> OperationError | None:
+    """The error for a `claim_check` refusal found in a command's output (None: no refusal there)."""
+    for line in text.splitlines():
+        if line.startswith(REFUSED):
+            folder = cluster_dir(inventory, host)
+            return OperationError(
+                f"{host.address}: {folder} is not raycluster's folder, so {doing}: {line[len(REFUSED) :].strip()}",
+                f"on {host.address}, move {folder} aside (or remove it, if it is a leftover of raycluster's), "
+                "or set host_state_dir to another folder",
+            )
+    return None
+
+
 def make_dir_command(inventory: Inventory, host: HostConfig) -> str:
     """Make the cluster's folder, mode 0700, owned by the login user; the folder above it 0755.
 
@@ -79,23 +125,33 @@ def make_dir_command(inventory: Inventory, host: HostConfig) -> str:
     had run. The sudo path also repairs such a parent (only when this login cannot cross it)."""
     folder = shell_path(cluster_dir(inventory, host))
     parent = shell_path(state_root(inventory, host))
+    mark = f"{{ [ -f {folder}/{MARKER} ] || echo {quote(_tag(inventory))} > {folder}/{MARKER}; }}"
     if uses_sudo(inventory, host):
         return (
-            f"{{ [ -x {parent} ] || {SUDO} install -d -m 755 {parent}; }} && "
-            f'{SUDO} install -d -m 700 -o "$(id -un)" -g "$(id -gn)" {folder}'
+            f"{claim_check(inventory, host)} && {{ [ -x {parent} ] || {SUDO} install -d -m 755 {parent}; }} && "
+            f'{SUDO} install -d -m 700 -o "$(id -un)" -g "$(id -gn)" {folder} && {mark}'
         )
-    return f"(umask 022 && mkdir -p -- {parent}) && umask 077 && mkdir -p -- {folder} && chmod 700 {folder}"
+    return (
+        f"{claim_check(inventory, host)} && (umask 022 && mkdir -p -- {parent}) && umask 077 && "
+        f"mkdir -p -- {folder} && chmod 700 {folder} && {mark}"
+    )
 
 
 def remove_dir_command(inventory: Inventory, host: HostConfig) -> str:
-    """Remove the cluster's folder if it is there; prints `removed` when it was."""
+    """Remove the cluster's folder if it is there and raycluster's (claim_check); prints `removed` when it was."""
     folder = shell_path(cluster_dir(inventory, host))
     sudo = f"{SUDO} " if uses_sudo(inventory, host) else ""
-    return f"if [ -e {folder} ]; then {sudo}rm -rf -- {folder} && echo removed; fi"
+    return (
+        f"if [ -e {folder} ] || [ -L {folder} ]; then {claim_check(inventory, host)} && "
+        f"{sudo}rm -rf -- {folder} && echo removed; fi"
+    )
 
 
 def make_dir(transport: Transport, inventory: Inventory, host: HostConfig) -> None:
     result = transport.run(make_dir_command(inventory, host), timeout=60)
+    refused = refusal(inventory, host, result.stderr, "raycluster will not use it")
+    if refused is not None:
+        raise refused
     if not result.ok:
         raise OperationError(
             f"{host.address}: cannot create {cluster_dir(inventory, host)} as {login_user(inventory, host)}: "

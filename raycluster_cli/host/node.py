@@ -24,7 +24,7 @@ from raycluster_cli.host.containers import (
 from raycluster_cli.host.engine import image_id
 from raycluster_cli.host.engine_facts import CONTAINERS, parse_containers
 from raycluster_cli.host.facts import Fact, HostContext, derived, raw
-from raycluster_cli.host.folders import cluster_dir, fix_hint, login_user, make_dir_command, models_dir
+from raycluster_cli.host.folders import cluster_dir, fix_hint, login_user, make_dir_command, models_dir, refusal
 from raycluster_cli.host.parsers import parse_ip_addr
 from raycluster_cli.transport import PART_SEPARATOR, CommandResult, Transport, quote, shell_path
 from raycluster_cli.transport.sshio import DeadlineExceeded
@@ -178,6 +178,9 @@ def apply(transport: Transport, inventory: Inventory, host: HostConfig, plan: Pl
     """Carry out a plan in one remote command; return the action taken (running / started / restarted)."""
     command, stdin = start_command(inventory, host, plan, files)
     result = transport.run(command, stdin=stdin, timeout=120)
+    refused = refusal(inventory, host, result.stderr, "raycluster will not use it")
+    if result.rc == _DIR_FAILED and refused is not None:
+        raise refused
     if result.rc == _DIR_FAILED:
         raise OperationError(
             f"{host.address}: cannot create {cluster_dir(inventory, host)} as {login_user(inventory, host)}: "

@@ -6,7 +6,7 @@ else the node image's own python3 in `docker run --network host`) bound to its c
 random port; the receiver (bash's /dev/tcp, no python needed) connects, sends the transfer's one-time
 secret, and pipes what comes back through the decompressor into `docker load`, keeping a copy of the
 archive to serve others. The secret reaches both ends on stdin, never on a command line; the listener
-serves the first connection that presents it and closes. Every copy has a deadline, a stall timeout on
+reads every connection side by side, serves the first one that presents it and closes. Every copy has a deadline, a stall timeout on
 both ends and a short connect window, so a host that cannot reach another fails fast and is served by
 the operator instead. The image ID is verified on arrival, as after an operator stream.
 
@@ -39,34 +39,78 @@ POLL_S = 2.0  # how often the operator reads a receiver's byte count for its pro
 # SHA-256 matched and it was published under its serving name: the operator hears it as it happens.
 PUBLISHED = "raycluster: archive whole, SHA-256 matched, published"
 
+HELLO_S = 5.0  # how long a connection to a listener has to present the secret (a receiver sends it at once)
+PENDING = 64  # connections still to present it, at most; more are closed at once
+
 # The sender's listener: serve ARCHIVE to the first connection that presents the secret (read on stdin), then
-# exit. argv: address port archive stall_s wait_s. Prints the bytes sent.
+# exit. argv: address port archive stall_s wait_s hello_s pending. Prints the bytes sent. Connections are read
+# side by side (one selector), each given hello_s to present its line: one that says nothing holds up no other
+# (issue 34, item 16: they were taken one at a time, 10 s each, so a few silent ones outlasted the wait).
 LISTENER = """
-import socket, sys, time
+import hmac, selectors, socket, sys, time
 addr, port, path, stall, wait = sys.argv[1], int(sys.argv[2]), sys.argv[3], float(sys.argv[4]), float(sys.argv[5])
+hello, most = float(sys.argv[6]), int(sys.argv[7])
 secret = sys.stdin.readline().strip().encode()
 server = socket.socket(socket.AF_INET6 if ":" in addr else socket.AF_INET)
 server.bind((addr, port))
-server.listen(8)
+server.listen(64)
+server.setblocking(False)
+sel = selectors.DefaultSelector()
+sel.register(server, selectors.EVENT_READ)
+pending = {}
 end = time.monotonic() + wait
-while True:
-    left = end - time.monotonic()
-    if left <= 0 or not secret:
-        sys.exit("no receiver presented the transfer's secret in time")
-    server.settimeout(left)
-    try:
-        conn, _ = server.accept()
-    except OSError:
-        continue
-    conn.settimeout(10)
-    try:
-        line = conn.makefile("rb").readline(200).strip()
-    except OSError:
-        line = b""
-    if len(line) == len(secret) and not sum(a ^ b for a, b in zip(line, secret)):  # constant time
-        break
+winner = None
+
+def drop(conn):
+    sel.unregister(conn)
+    del pending[conn]
     conn.close()
+
+while winner is None:
+    now = time.monotonic()
+    if now >= end or not secret:
+        sys.exit("no receiver presented the transfer's secret in time")
+    for conn in [c for c, (due, _) in pending.items() if due <= now]:
+        drop(conn)
+    due = min([end] + [d for d, _ in pending.values()])
+    for key, _ in sel.select(max(0.01, due - now)):
+        conn = key.fileobj
+        if conn is server:
+            try:
+                conn, _ = server.accept()
+            except OSError:
+                continue
+            if len(pending) >= most:
+                conn.close()
+                continue
+            conn.setblocking(False)
+            pending[conn] = (time.monotonic() + hello, b"")
+            sel.register(conn, selectors.EVENT_READ)
+            continue
+        if conn not in pending:
+            continue
+        try:
+            data = conn.recv(256)
+        except BlockingIOError:
+            continue
+        except OSError:
+            data = b""
+        got = pending[conn][1] + data
+        if data and b"\\n" not in got and len(got) < 200:
+            pending[conn] = (pending[conn][0], got)
+            continue
+        line = got.split(b"\\n", 1)[0].strip()
+        if data and b"\\n" in got and hmac.compare_digest(line, secret):
+            sel.unregister(conn)
+            del pending[conn]
+            winner = conn
+            break
+        drop(conn)
+for conn in list(pending):
+    drop(conn)
 server.close()
+conn = winner
+conn.setblocking(True)
 conn.settimeout(stall)
 with open(path, "rb") as source:
     sent = conn.sendfile(source)
@@ -101,7 +145,7 @@ def _folder(archive: str) -> str:
 
 def listener_command(copy: Copy, archive: str, image: str) -> str:
     """The sender's side: python3 on the host, else the image's own python3 (the sender has the image)."""
-    args = quote(copy.address, copy.port, archive, STALL_S, CONNECT_S + 10)
+    args = quote(copy.address, copy.port, archive, STALL_S, CONNECT_S + 10, HELLO_S, PENDING)
     script = quote(LISTENER)
     in_image = (
         f"docker run --rm -i --network host --log-driver none -v {quote(f'{_folder(archive)}:{_folder(archive)}:ro')} "

@@ -13,6 +13,9 @@ once, with only paramiko imported. Nothing is trusted on the stamp alone: once t
 inventory, each host's login is adopted only if the validated inventory gives the very same parameters
 (`QuickLogins.take`), and any other is closed unused. A host behind a jump host is never started this way.
 
+It also keeps, per command line, the recipe of the first read-only command on each host (prefetch.py): never
+a command. Once the inventory is validated, cli/ahead.py has the code make that command again (`supply`).
+
 The file holds no secret (no key, no token: paths and settings) and is written only when it changes, under
 the state folder with the user's own permissions.
 """
@@ -28,10 +31,11 @@ from pathlib import Path
 from typing import Any
 
 from raycluster_cli.config.paths import resolve_path, state_root
+from raycluster_cli.transport import prefetch
 from raycluster_cli.transport.gate import Ahead, LoginGate
 from raycluster_cli.transport.ssh import SSHTransport
 
-VERSION = 1
+VERSION = 2  # 2: per command line, the recipes of the first read-only commands, no longer the commands
 MAX_BYTES = 1 << 20  # an inventory larger than this is not stamped (inventory.py caps what it reads too)
 
 
@@ -79,25 +83,16 @@ def _read(path: Path) -> bytes | None:
 class QuickLogins:
     """The logins started from a cache: handed to the pool host by host (`take`), the rest closed (`discard`)."""
 
-    def __init__(
-        self,
-        parallel: int,
-        started: dict[str, tuple[dict[str, Any], SSHTransport, Ahead]],
-        first: dict[str, tuple[str, float | None]] | None = None,
-    ) -> None:
+    def __init__(self, parallel: int, started: dict[str, tuple[dict[str, Any], SSHTransport, Ahead]]) -> None:
         self.parallel = parallel
         self.gate = LoginGate(parallel)
         self._started = started
         self._lock = threading.Lock()
         self._discarded: set[str] = set()
         self._taken: set[str] = set()  # handed to the pool (the login threads still see every host)
-        # Per host, the read-only command the last run of this command line began with (prefetch.py): run
-        # right after the login, its result waiting for the CLI's own call.
-        self._first = {
-            address: (command, timeout, started[address][1].expect(command, timeout))
-            for address, (command, timeout) in (first or {}).items()
-            if address in started
-        }
+        # Per host, the read-only command the last run of this command line began with, made again by the code
+        # from the validated inventory (`supply`): run right after the login, its result waiting for the CLI.
+        self._first: dict[str, tuple[str, float | None, prefetch.Pending]] = {}
 
     def start(self) -> None:
         queue = deque(self._started)
@@ -120,10 +115,27 @@ class QuickLogins:
                 discarded = address in self._discarded
                 if discarded:
                     transport.close()
-            first = self._first.get(address)
+                first = self._first.get(address)
             if first is not None and ahead.error is None and not discarded:
-                # In a thread of its own: this one logs in to the next host meanwhile.
-                threading.Thread(target=transport.start_ahead, args=first, name="read-ahead", daemon=True).start()
+                self._start_first(transport, first)
+
+    @staticmethod
+    def _start_first(transport: SSHTransport, first: tuple[str, float | None, prefetch.Pending]) -> None:
+        # In a thread of its own: the login thread logs in to the next host meanwhile.
+        threading.Thread(target=transport.start_ahead, args=first, name="read-ahead", daemon=True).start()
+
+    def supply(self, address: str, blanked: str, timeout: float | None) -> None:
+        """Start `blanked` (made by the code: prefetch.build) on this host as soon as its login has ended."""
+        with self._lock:
+            entry = self._started.get(address)
+            if entry is None or address in self._discarded or address in self._first:
+                return
+            _, transport, ahead = entry
+            first = (blanked, timeout, transport.expect(blanked, timeout))
+            self._first[address] = first
+            ended = ahead.done.is_set()
+        if ended and ahead.error is None:
+            self._start_first(transport, first)
 
     def take(self, address: str, params: dict[str, Any] | None) -> tuple[SSHTransport, Ahead] | None:
         """This host's login, if it was started with exactly `params` (once); else None."""
@@ -149,11 +161,11 @@ def command_line_key(argv: list[str]) -> str:
     return json.dumps(argv)
 
 
-def start(explicit: str | None, argv: list[str] | None = None) -> tuple[QuickLogins | None, dict[str, Any] | None]:
-    """Start the logins the last run of this inventory made, if its stamp still holds, and (for the same
-    command line `argv`) the read-only command it began with on each host.
+def start(explicit: str | None) -> tuple[QuickLogins | None, dict[str, Any] | None]:
+    """Start the logins the last run of this inventory made, if its stamp still holds.
 
-    Returns the logins (None: nothing started) and the cache document read (for `save` to compare)."""
+    Returns the logins (None: nothing started) and the cache document read (for `save` to compare, and
+    `first_recipes` to read the read-only commands the same command line began with)."""
     path = resolve_path(explicit).resolve()
     data = _read(path)
     cached = _read(cache_file(path))
@@ -167,17 +179,22 @@ def start(explicit: str | None, argv: list[str] | None = None) -> tuple[QuickLog
         started = {
             str(address): (params, SSHTransport(**params), Ahead()) for address, params in document["logins"].items()
         }
-        first = {
-            str(address): (str(command), None if timeout is None else float(timeout))
-            for address, (command, timeout) in document.get("first", {}).get(command_line_key(argv or []), {}).items()
-        }
     except (ValueError, KeyError, TypeError, AttributeError):
         return None, None  # not a document this version wrote: the next save replaces it
-    quick = QuickLogins(parallel, started, first)
+    quick = QuickLogins(parallel, started)
     for _, transport, _ in started.values():
         transport.gate = quick.gate
     quick.start()
     return quick, document
+
+
+def first_recipes(document: dict[str, Any] | None, argv: list[str]) -> dict[str, Any]:
+    """Per host, the recipe (prefetch.Recipe, unchecked: prefetch.build checks it) of the read-only command
+    the last run of the command line `argv` began with; only recipes are kept, never a command."""
+    if not isinstance(document, dict) or not isinstance(document.get("first"), dict):
+        return {}
+    kept = document["first"].get(command_line_key(argv))
+    return {str(address): recipe for address, recipe in kept.items()} if isinstance(kept, dict) else {}
 
 
 KEPT_COMMAND_LINES = 8  # per inventory, the most recent command lines whose first commands are kept
@@ -190,10 +207,10 @@ def save(
     logins: dict[str, dict[str, Any]],
     seen: dict[str, Any] | None,
     argv: list[str] | None = None,
-    first: dict[str, tuple[str, float | None]] | None = None,
+    first: dict[str, prefetch.Recipe] | None = None,
 ) -> None:
-    """Keep these logins for the next run of the inventory at `path` (resolved), and the read-only command
-    this command line `argv` began with per host (`first`); written only if changed.
+    """Keep these logins for the next run of the inventory at `path` (resolved), and the recipe of the
+    read-only command this command line `argv` began with per host (`first`); written only if changed.
 
     Best effort: a state folder that cannot be written costs only the next run's head start."""
     data = _read(path)
@@ -207,7 +224,7 @@ def save(
         key = command_line_key(argv)
         kept.pop(key, None)
         if first:
-            kept[key] = {address: list(entry) for address, entry in first.items()}  # the newest last
+            kept[key] = dict(first)  # the newest last
     document["first"] = dict(list(kept.items())[-KEPT_COMMAND_LINES:])
     if document == seen:
         return

@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterable
 
 from raycluster_cli import cancel
 from raycluster_cli.config.inventory import HostConfig, Inventory
+from raycluster_cli.transport import prefetch
 from raycluster_cli.transport.base import Transport
 from raycluster_cli.transport.engine_shim import with_engine
 from raycluster_cli.transport.gate import Ahead, LoginGate
@@ -35,7 +36,7 @@ class SSHPool:
         self.gate = gate or LoginGate(inventory.ssh.max_parallel_logins)
         self._open: dict[str, SSHTransport] = {}
         self._ahead: dict[str, Ahead] = {}  # logins started ahead, until each host's first use
-        self._firsts: dict[str, tuple[str, float | None]] = {}  # of closed transports (see first_read_only)
+        self._firsts: dict[str, prefetch.Recipe] = {}  # of closed transports (see first_read_only)
         # Re-entrant: a Ctrl-C handler runs in the main thread and asks `running()` while that thread may be
         # inside `transport()` (up connects the head from it); a plain Lock deadlocked the handler there.
         self._lock = threading.RLock()
@@ -150,12 +151,12 @@ class SSHPool:
             transports = list(self._open.values())
         return [{"host": t.host, "command": command} for t in transports for command in t.running()]
 
-    def first_read_only(self) -> dict[str, tuple[str, float | None]]:
+    def first_read_only(self) -> dict[str, prefetch.Recipe]:
         """Per host, the first command the verb declared read-only (prefetch.py), also once closed."""
         with self._lock:
             return {**self._firsts, **self._current_firsts()}
 
-    def _current_firsts(self) -> dict[str, tuple[str, float | None]]:
+    def _current_firsts(self) -> dict[str, prefetch.Recipe]:
         return {key: t.first_read_only for key, t in self._open.items() if t.first_read_only is not None}
 
     def close(self) -> None:

@@ -86,7 +86,7 @@ class SSHTransport:
         self._keepalive: KeepAlive | None = None
         self._lock = threading.Lock()
         self._running: dict[int, str] = {}  # channel id → command, while it runs
-        self.first_read_only: tuple[str, float | None] | None = None  # the first declared read-only command
+        self.first_read_only: prefetch.Recipe | None = None  # the recipe of the first declared read-only command
         self._ahead: dict[tuple[str, float | None], prefetch.Pending] = {}  # commands started ahead (prefetch.py)
 
     @property
@@ -170,8 +170,8 @@ class SSHTransport:
             lines = Lines(on_line)
             return lines.result(self._command(command, stdin=stdin, timeout=timeout, on_output=lines).rc)
         if stdin is None:
-            if self.first_read_only is None and prefetch.declared_read_only():
-                self.first_read_only = (prefetch.shape(command)[0], timeout)
+            if self.first_read_only is None:
+                self.first_read_only = prefetch.declared_read_only()
             if self._ahead:
                 ahead = self._started_ahead(command, timeout)
                 if ahead is not None:
@@ -181,7 +181,8 @@ class SSHTransport:
     # Read-only commands started ahead (prefetch.py) ------------------------------------------------
 
     def expect(self, blanked: str, timeout: float | None) -> prefetch.Pending:
-        """Announce that `blanked` (a kept read-only command) will be started ahead on this host."""
+        """Announce that `blanked` (a read-only command the code made again: prefetch.build) will be started
+        ahead on this host."""
         pending = prefetch.Pending(None)
         self._ahead[(blanked, timeout)] = pending
         return pending

@@ -12,7 +12,7 @@ from raycluster_cli.config.inventory import HostConfig, Inventory
 from raycluster_cli.config.state import purge_local
 from raycluster_cli.errors import OperationError, RayclusterError
 from raycluster_cli.host.containers import host_state_dir, list_cluster_containers
-from raycluster_cli.host.folders import fix_hint, remove_dir_command
+from raycluster_cli.host.folders import fix_hint, refusal, remove_dir_command
 from raycluster_cli.progress import Progress, quiet
 from raycluster_cli.transport import quote
 from raycluster_cli.transport.fanout import error_message, fanout
@@ -102,6 +102,9 @@ def _purge_host(inventory: Inventory, connect: Connect) -> Callable[[HostConfig]
             done.append(f"image {inventory.image}")
         folder = host_state_dir(inventory, host)
         result = transport.run(remove_dir_command(inventory, host))
+        refused = refusal(inventory, host, result.stderr, "down --purge leaves it")
+        if refused is not None:
+            raise refused
         if not result.ok:
             raise OperationError(
                 f"{host.address}: cannot remove {folder}: {result.first_line()}", fix_hint(inventory, host)

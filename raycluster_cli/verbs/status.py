@@ -100,11 +100,18 @@ def merge_nodes(hosts: list[HostStatus], nodes: list[dict[str, Any]] | None) -> 
             host.resources = {str(k): float(v) for k, v in amounts if isinstance(v, int | float)}
 
 
+@prefetch.builder("status")
+def _look(inventory: Inventory, host: HostConfig, args: dict[str, Any]) -> tuple[str, float]:
+    """Status's look at one host, and its timeout (made again by the next run: prefetch.py)."""
+    return host_command(inventory, host), 60
+
+
 def status(inventory: Inventory, connect: Connect) -> StatusResult:
     def one(host: HostConfig) -> HostStatus:
         transport = connect(host)
-        with prefetch.read_only():  # a look only: the next run of this command line may start it ahead
-            out = transport.run(host_command(inventory, host), timeout=60)
+        with prefetch.read_only("status"):  # a look only: the next run of this command line may start it ahead
+            command, timeout = _look(inventory, host, {})
+            out = transport.run(command, timeout=timeout)
         return parse_host(inventory, host, out.stdout)
 
     hosts: list[HostStatus] = []

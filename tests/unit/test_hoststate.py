@@ -189,8 +189,11 @@ def test_with_sudo_the_folder_is_made_for_the_login_user() -> None:
     sudo = inv("ssh: {user: rayops, sudo: true}\n")
     host = sudo.hosts[0]
     assert folders.make_dir_command(sudo, host) == (
+        f"{folders.claim_check(sudo, host)} && "
         "{ [ -x /etc/raycluster ] || sudo -n install -d -m 755 /etc/raycluster; } && "
-        'sudo -n install -d -m 700 -o "$(id -un)" -g "$(id -gn)" /etc/raycluster/demo'
+        'sudo -n install -d -m 700 -o "$(id -un)" -g "$(id -gn)" /etc/raycluster/demo && '
+        "{ [ -f /etc/raycluster/demo/.raycluster-cluster ] || "
+        "echo 'raycluster cluster demo' > /etc/raycluster/demo/.raycluster-cluster; }"
     )
     assert "sudo -n rm -rf -- /etc/raycluster/demo" in folders.remove_dir_command(sudo, host)
 

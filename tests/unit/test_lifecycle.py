@@ -382,7 +382,8 @@ def _purge_hosts(rmi: CommandResult) -> dict[str, FakeTransport]:
         "docker ps": "",
         "docker image inspect": A,
         "docker rmi": rmi,
-        r"^if \[ -e /etc/raycluster/demo \]; then rm -rf -- /etc/raycluster/demo && echo removed; fi$": "removed\n",
+        r"^if \[ -e /etc/raycluster/demo \] \|\| \[ -L /etc/raycluster/demo \]; then \( f=/etc/raycluster/demo; .* "
+        r"&& rm -rf -- /etc/raycluster/demo && echo removed; fi$": "removed\n",
     }
     return {h: FakeTransport(h, table) for h in HOSTS}
 

@@ -1,7 +1,9 @@
 """Read-only commands started ahead (prefetch.py, SSHTransport.run, logins.py): only commands declared
-read-only are kept; the one started after the login answers the CLI's identical call (a facts batch with the
-caller's marker in place of its own, timed by when it really ran); anything else runs as before. No command
-leaves the machine: the transport's channel work (`_command`) and its login are replaced."""
+read-only are kept, as recipes the code makes the command from again (never a command read from disk); the
+one started after the login answers the CLI's identical call (a facts batch with the caller's marker in place
+of its own, timed by when it really ran); anything else runs as before. No command leaves the machine here:
+the transport's channel work (`_command`) and its login are replaced (test_prefetch_recipes.py logs in for
+real)."""
 
 from __future__ import annotations
 
@@ -50,6 +52,12 @@ class Host:
         monkeypatch.setattr(ssh.SSHTransport, "close", lambda transport: None)
 
 
+@prefetch.builder("test-look")
+def _look(inventory: Any, host: Any, args: dict[str, Any]) -> tuple[str, float]:
+    """A read-only command made from the host and a number (what a kept recipe holds)."""
+    return f"look {host.address} {int(args['n'])}", 60
+
+
 def _transport() -> ssh.SSHTransport:
     return ssh.SSHTransport("192.0.2.10", key_file=None, known_hosts_file="/nonexistent")
 
@@ -59,11 +67,14 @@ def test_only_a_command_declared_read_only_is_recorded_and_only_the_first(monkey
     transport = _transport()
     transport.run("docker rm -f x", timeout=10)
     assert transport.first_read_only is None
-    with prefetch.read_only():
-        transport.run("docker ps", timeout=10)
-        transport.run("docker info", timeout=10)
-    assert transport.first_read_only == ("docker ps", 10)
+    with prefetch.read_only("test-look", {"n": 1}):
+        transport.run("look 192.0.2.10 1", timeout=60)
+        with prefetch.read_only("test-look", {"n": 2}):
+            transport.run("look 192.0.2.10 2", timeout=60)
+    assert transport.first_read_only == {"kind": "test-look", "args": {"n": 1}}  # the recipe, not the command
     assert not prefetch.declared_read_only()  # the block ended
+    with pytest.raises(KeyError, match="no read-only command builder 'nobody'"), prefetch.read_only("nobody"):
+        pass
 
 
 def test_the_command_started_ahead_answers_the_same_call_once(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -195,7 +206,7 @@ def _inventory(tmp_path: Path) -> Path:
     return path
 
 
-def _verb(path: Path, argv: list[str], command: str | None) -> None:
+def _verb(path: Path, argv: list[str], n: int | None) -> None:
     """One command line as the CLI runs it: logins ahead, its first command (declared read-only), its end."""
     ahead.start(argv)
     taken = ahead.take(str(path))
@@ -207,9 +218,9 @@ def _verb(path: Path, argv: list[str], command: str | None) -> None:
             if pending._claimed:
                 break
             threading.Event().wait(0.01)
-    if command is not None:
-        with prefetch.read_only():
-            transport.run(command, timeout=60)
+    if n is not None:
+        with prefetch.read_only("test-look", {"n": n}):
+            transport.run(_look(inventory.inventory, inventory.inventory.hosts[0], {"n": n})[0], timeout=60)
     pool.close()
     ahead.remember()
 
@@ -220,17 +231,17 @@ def test_the_next_run_of_the_same_command_line_starts_its_first_command_after_th
     host = Host(monkeypatch)
     path = _inventory(tmp_path)
     status = ["status", "-i", str(path), "--json"]
-    _verb(path, status, "docker inspect x")
+    _verb(path, status, 1)
     assert [name for name, _ in host.ran] == ["MainThread"]
     kept = json.loads(logins.cache_file(path.resolve()).read_text())["first"]
-    assert kept == {json.dumps(status): {"192.0.2.10": ["docker inspect x", 60]}}
+    assert kept == {json.dumps(status): {"192.0.2.10": {"kind": "test-look", "args": {"n": 1}}}}
 
     host.ran.clear()
-    _verb(path, status, "docker inspect x")
-    assert [name for name, _ in host.ran] == ["read-ahead"]  # ran after the login; the CLI's call waited for it
+    _verb(path, status, 1)
+    assert host.ran == [("read-ahead", "look 192.0.2.10 1")]  # ran after the login; the CLI's call waited for it
 
     host.ran.clear()
-    _verb(path, ["status", "-i", str(path)], "docker inspect x")  # another command line: nothing ahead
+    _verb(path, ["status", "-i", str(path)], 1)  # another command line: nothing ahead
     assert [name for name, _ in host.ran] == ["MainThread"]
 
     host.ran.clear()
@@ -243,10 +254,10 @@ def test_an_edited_inventory_starts_no_command_ahead(tmp_path: Path, monkeypatch
     host = Host(monkeypatch)
     path = _inventory(tmp_path)
     status = ["status", "-i", str(path)]
-    _verb(path, status, "docker inspect x")
+    _verb(path, status, 1)
     path.write_text(path.read_text() + "# edited\n")
     host.ran.clear()
-    _verb(path, status, "docker inspect x")
+    _verb(path, status, 1)
     assert [name for name, _ in host.ran] == ["MainThread"]
 
 
@@ -278,8 +289,8 @@ def test_many_hosts_through_a_narrow_gate_all_answer(tmp_path: Path, monkeypatch
         inventory, pool = taken
         outs = []
         for h in inventory.inventory.hosts:
-            with prefetch.read_only():
-                outs.append(pool(h).run(f"look {h.address}", timeout=60).stdout)
+            with prefetch.read_only("test-look", {"n": 7}):
+                outs.append(pool(h).run(_look(None, h, {"n": 7})[0], timeout=60).stdout)
         pool.close()
         ahead.remember()
         return outs
@@ -291,4 +302,4 @@ def test_many_hosts_through_a_narrow_gate_all_answer(tmp_path: Path, monkeypatch
     worker.start()
     worker.join(30)
     assert done and len(done[0]) == 10, "a host's first call never returned"
-    assert sorted(command for _, command in host.ran) == sorted(f"look 192.0.2.{10 + i}" for i in range(10))
+    assert sorted(command for _, command in host.ran) == sorted(f"look 192.0.2.{10 + i} 7" for i in range(10))
