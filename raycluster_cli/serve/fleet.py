@@ -26,6 +26,8 @@ from raycluster_cli.serve.scheduler import Limits
 from raycluster_cli.serve.stages import start_stages
 
 BUILD_TIMEOUT_S = 300.0  # a pipeline that does not load and generate within this is given up
+MEASURE_TIMEOUT_S = 180.0  # a calibration of new nodes (one may die while it runs) that takes longer is given up
+NODES_TIMEOUT_S = 30.0  # the GCS's list of nodes
 
 
 @dataclass(frozen=True)
@@ -102,8 +104,9 @@ class RayFleet:
                 node_ids=plan.node_ids,
                 num_threads=self.num_threads,
                 names=names,
+                timeout_s=BUILD_TIMEOUT_S,
             ),
-            BUILD_TIMEOUT_S,
+            BUILD_TIMEOUT_S + 10,
         )
         engine = Engine(actors, self.tokenizer, self.limits, self.eos, self.max_in_flight)
         engine.start()
@@ -121,14 +124,15 @@ class RayFleet:
     async def _speeds(self, nodes: dict[str, str]) -> dict[str, NodeSpeed]:
         unknown = {n: ip for n, ip in nodes.items() if n not in self.speeds}
         if unknown:
-            for speed in await asyncio.to_thread(measure, self.cfg, unknown, self.calibration):
+            timed = asyncio.to_thread(measure, self.cfg, unknown, self.calibration)
+            for speed in await asyncio.wait_for(timed, MEASURE_TIMEOUT_S):
                 self.speeds[speed.node_id] = speed
         return {n: self.speeds[n] for n in nodes}
 
     async def replacement(self, dead: Pipeline, others: Sequence[Pipeline]) -> PipelinePlan | None:
         """The same plan when every node of it lives (only an actor died); else its survivors re-split,
         with free nodes added up to the stage count."""
-        alive = await asyncio.to_thread(alive_nodes)
+        alive = await _alive()
         mine = dead.plan.node_ids
         if all(not n or n in alive for n in mine):
             return dead.plan
@@ -142,7 +146,7 @@ class RayFleet:
         replicas of full length.  Unpinned pipelines (tests, one node) never grow."""
         if any(not n for p in pipelines for n in p.plan.node_ids):
             return []
-        alive = await asyncio.to_thread(alive_nodes)
+        alive = await _alive()
         used = {n for p in pipelines for n in p.plan.node_ids}
         found = await self._speeds({n: ip for n, ip in alive.items() if n not in used})
         free = sorted(found.values(), key=lambda s: sum(s.unit_costs))  # fastest first
@@ -163,6 +167,10 @@ class RayFleet:
             plan = replan([], free, self.stages, self.cfg.layers)
             changes += [(None, plan)] if plan is not None else []
         return changes
+
+
+async def _alive() -> dict[str, str]:
+    return await asyncio.wait_for(asyncio.to_thread(alive_nodes), NODES_TIMEOUT_S)
 
 
 def _kill(actors: Sequence[Any]) -> None:
