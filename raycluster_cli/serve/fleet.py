@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from raycluster_cli.bench.config import ModelConfig
 from raycluster_cli.bench.pipeline import calibrate_workers, start_workers, stop_workers, unit_cost_row
@@ -28,6 +29,9 @@ from raycluster_cli.serve.stages import start_stages
 BUILD_TIMEOUT_S = 300.0  # a pipeline that does not load and generate within this is given up
 MEASURE_TIMEOUT_S = 180.0  # a calibration of new nodes (one may die while it runs) that takes longer is given up
 NODES_TIMEOUT_S = 30.0  # the GCS's list of nodes
+# A node the GCS still lists may have died seconds ago (its health checks take from seconds to a minute to
+# fail): before a pipeline is rebuilt on its own nodes, each must run a trivial task within this.
+NODE_ANSWER_TIMEOUT_S = 15.0
 
 
 @dataclass(frozen=True)
@@ -49,6 +53,29 @@ def alive_nodes() -> dict[str, str]:
         for n in ray.nodes()
         if n.get("Alive") and float(n.get("Resources", {}).get("CPU", 0.0)) > 0
     }
+
+
+@ray.remote(num_cpus=0)
+def _node_id() -> str:
+    return str(ray.get_runtime_context().get_node_id())
+
+
+def answering(node_ids: Sequence[str], timeout_s: float = NODE_ANSWER_TIMEOUT_S) -> set[str]:
+    """The nodes among ``node_ids`` that ran a trivial task pinned to them within ``timeout_s``."""
+    refs = {
+        node: _node_id.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node, soft=False)).remote()
+        for node in node_ids
+    }
+    ready, late = ray.wait(list(refs.values()), num_returns=len(refs), timeout=timeout_s)
+    for ref in late:
+        with contextlib.suppress(Exception):
+            ray.cancel(ref, force=True)
+    found = set()
+    for node, ref in refs.items():
+        with contextlib.suppress(Exception):
+            if ref in ready and ray.get(ref, timeout=1) == node:
+                found.add(node)
+    return found
 
 
 def measure(cfg: ModelConfig, nodes: dict[str, str], calibration: Calibration) -> list[NodeSpeed]:
@@ -130,10 +157,14 @@ class RayFleet:
         return {n: self.speeds[n] for n in nodes}
 
     async def replacement(self, dead: Pipeline, others: Sequence[Pipeline]) -> PipelinePlan | None:
-        """The same plan when every node of it lives (only an actor died); else its survivors re-split,
-        with free nodes added up to the stage count."""
+        """The same plan when every node of it lives and answers (only an actor died); else its survivors
+        re-split, with free nodes added up to the stage count."""
         alive = await _alive()
         mine = dead.plan.node_ids
+        pinned = [n for n in mine if n and n in alive]
+        if pinned:  # a node that died moments ago is still listed: only the ones that answer count
+            heard = await asyncio.wait_for(asyncio.to_thread(answering, pinned), NODE_ANSWER_TIMEOUT_S + 10)
+            alive = {n: ip for n, ip in alive.items() if n in heard or n not in mine}
         if all(not n or n in alive for n in mine):
             return dead.plan
         used = {n for p in others for n in p.plan.node_ids}

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import asyncio
 import json
-import subprocess
+import os
+import statistics
 import threading
 import time
 import urllib.request
@@ -29,8 +30,8 @@ import transformers
 from raycluster_cli.config import inventory, state
 
 from ..serve_checkpoint import WORDS, write_chat_llama
-from .conftest import DOCKER, IP1, IP3, Lab
-from .faults import wait_until
+from .conftest import IP1, IP3, Lab
+from .faults import power_off, power_on, wait_until
 
 pytestmark = [pytest.mark.lab, pytest.mark.slow]
 
@@ -41,6 +42,8 @@ PROMPTS = [" ".join(WORDS[(7 * i + 3 * j) % len(WORDS)] for j in range(2 + i % 9
 DEAD = "lab-h3"  # a worker: the head (lab-h1) holds the GCS, the Serve controller, the proxy and the ingress
 RECOVERY_LIMIT_S = 60.0  # the issue's target: capacity without the dead node back within this
 RETURN_LIMIT_S = 150.0  # the pool looks for free nodes every 30 s, then measures the node and builds on it
+ROUNDS = int(os.environ.get("RAYCLUSTER_FAILOVER_ROUNDS", "1"))  # machine lost and back, again and again
+FIGURES: list[dict[str, float]] = []
 
 
 @dataclass
@@ -84,7 +87,7 @@ def pipeline_ips(status: dict[str, Any], state_: str = "live") -> list[list[str]
 
 
 class Load:
-    """CLIENTS streamed completions at once, each client starting its next as its last ends, in a thread of its
+    """CLIENTS greedy completions at once, each client starting its next as its last ends, in a thread of its
     own until ``stop``; every answer is kept with its prompt (or the error that ended it)."""
 
     def __init__(self, served: Served) -> None:
@@ -111,8 +114,9 @@ class Load:
             while not self._stop.is_set():
                 prompt = PROMPTS[turn % len(PROMPTS)]
                 turn += CLIENTS
-                try:
-                    self.answers.append((prompt, await self.served.complete(prompt, stream=True)))
+                try:  # one client in three asks for whole answers (run again elsewhere when moved)
+                    answer = await self.served.complete(prompt, stream=index % 3 != 2)
+                    self.answers.append((prompt, answer))
                 except Exception as exc:  # a failed request: what the test counts
                     self.errors.append(f"{prompt!r}: {type(exc).__name__}: {exc}")
 
@@ -140,7 +144,6 @@ def served(lab_hosts: Lab, tmp_path_factory: pytest.TempPathFactory) -> Iterator
     try:
         yield found
     finally:
-        subprocess.run([DOCKER, "start", lab_hosts.host(DEAD).name], capture_output=True)
         lab_hosts.cli("serve", "--stop", timeout=300)
 
 
@@ -155,14 +158,12 @@ def _seconds_until(condition: Callable[[], bool], limit_s: float, what: str, beg
     return time.monotonic() - began
 
 
-def test_a_machine_lost_under_load_fails_no_request_and_capacity_is_back_within_60_s(served: Served) -> None:
-    assert sorted(ip for ips in pipeline_ips(served.status()) for ip in ips) == sorted(
-        h.address for h in served.lab.info.hosts
-    )
+def _lose(served: Served) -> dict[str, float]:
+    """Kill the machine under load; every answer right, none failed, the two survivors serving within 60 s."""
     with Load(served) as load:
         assert wait_until(lambda: len(load.answers) >= 2 * CLIENTS, 300), load.errors
-        before = len(load.answers)
-        subprocess.run([DOCKER, "kill", served.lab.host(DEAD).name], check=True, capture_output=True)
+        before, events_before = len(load.answers), len(served.status()["events"])
+        power_off(served.lab, DEAD)
         killed, killed_wall = time.monotonic(), time.time()
 
         def without_the_dead_node() -> bool:
@@ -170,30 +171,33 @@ def test_a_machine_lost_under_load_fails_no_request_and_capacity_is_back_within_
             ips = [s["node_ip"] for p in status["pipelines"] for s in p["stages"]]
             return status["replicas"] == 2 and IP3 not in ips
 
-        detected_s = _seconds_until(without_the_dead_node, RECOVERY_LIMIT_S, "the dead pipeline out", killed)
+        out_s = _seconds_until(without_the_dead_node, RECOVERY_LIMIT_S, "the dead pipeline out", killed)
         fresh = PROMPTS[5]
         assert asyncio.run(served.complete(fresh, stream=False)) == served.want(fresh)
         recovered_s = time.monotonic() - killed
         # the steady load goes on over the two survivors a while
         assert wait_until(lambda: len(load.answers) >= before + 3 * CLIENTS, 300), load.errors
     status = served.status()
-    failed = [e for e in status["events"] if e["event"] == "failed"]
+    events = status["events"][-(len(status["events"]) - events_before) :]
+    failed = [e for e in events if e["event"] == "failed"]
     print(
-        f"\n[failover] kill -> pipeline out {detected_s:.1f} s, -> fresh answer {recovered_s:.1f} s;"
-        f" failovers {status['failovers']}; failed event {failed[-1]['at'] - killed_wall:.1f} s after the kill;"
-        f" {len(load.answers)} answers, {len(load.errors)} errors; events {status['events']}"
+        f"\n[failover] kill -> pipeline out {out_s:.1f} s, -> fresh answer {recovered_s:.1f} s;"
+        f" failovers {status['failovers']}; {len(load.answers)} answers, {len(load.errors)} errors; events {events}"
     )
     assert load.errors == []
     assert load.wrong() == []
-    assert status["failovers"] >= 1  # streams really were on the lost node and moved
+    assert any(e["event"] == "failover" for e in events)  # requests really were on the lost node and moved
     assert failed and recovered_s < RECOVERY_LIMIT_S
+    # nothing is rebuilt on the dead node (the GCS lists it for a while yet): it has no survivor to re-split
+    assert [e["event"] for e in events if "replace" in e["event"]] == ["not replaced"], events
     assert sorted(pipeline_ips(status)) == sorted([[IP1], [served.lab.host("lab-h2").address]])
+    return {"failed_s": failed[0]["at"] - killed_wall, "out_s": out_s, "recovered_s": recovered_s}
 
 
-def test_the_machine_back_is_taken_in_again(served: Served) -> None:
+def _return(served: Served) -> dict[str, float]:
+    """Boot the machine, `up`: the service takes the returned node in as a replica of its own, under load."""
     lab = served.lab
-    subprocess.run([DOCKER, "start", lab.host(DEAD).name], check=True, capture_output=True)
-    assert wait_until(lambda: lab.sh_result(DEAD, "docker info >/dev/null 2>&1").returncode == 0, 120)
+    power_on(lab, DEAD)
     with Load(served) as load:
         code, doc, err = lab.cli("up", timeout=900)
         assert code == 0, err[-3000:]
@@ -211,7 +215,24 @@ def test_the_machine_back_is_taken_in_again(served: Served) -> None:
         assert wait_until(lambda: len(load.answers) >= before + 3 * CLIENTS, 300), load.errors
     status = served.status()
     on_returned = [p for p in status["pipelines"] if [s["node_ip"] for s in p["stages"]] == [IP3]]
-    print(f"\n[return] `up` done -> the returned node serving {back_s:.1f} s; events {status['events'][-4:]}")
+    print(f"\n[return] `up` done -> the returned node serving {back_s:.1f} s; events {status['events'][-2:]}")
     assert load.errors == [] and load.wrong() == []
-    assert back_s < RETURN_LIMIT_S and on_returned and on_returned[0]["served"] >= 1
-    assert any(e["event"] == "grown" for e in status["events"])
+    assert on_returned and on_returned[0]["served"] >= 1
+    assert status["events"][-1]["event"] == "grown"
+    return {"back_s": back_s}
+
+
+@pytest.mark.parametrize("round_", range(ROUNDS))
+def test_a_machine_lost_under_load_fails_no_request_and_the_machine_back_is_taken_in(
+    served: Served, round_: int
+) -> None:
+    assert sorted(ip for ips in pipeline_ips(served.status()) for ip in ips) == sorted(
+        h.address for h in served.lab.info.hosts
+    )
+    figures = _lose(served) | _return(served)
+    FIGURES.append(figures)
+    print(f"\n[round {round_}] " + ", ".join(f"{k} {v:.1f}" for k, v in figures.items()))
+    if len(FIGURES) == ROUNDS:
+        for key in figures:
+            values = sorted(f[key] for f in FIGURES)
+            print(f"[all rounds] {key}: median {statistics.median(values):.1f} s, {values[0]:.1f}-{values[-1]:.1f} s")
