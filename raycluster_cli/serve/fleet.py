@@ -62,6 +62,8 @@ def _node_id() -> str:
 
 def answering(node_ids: Sequence[str], timeout_s: float = NODE_ANSWER_TIMEOUT_S) -> set[str]:
     """The nodes among ``node_ids`` that ran a trivial task pinned to them within ``timeout_s``."""
+    if not node_ids:
+        return set()
     refs = {
         node: _node_id.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node, soft=False)).remote()
         for node in node_ids
@@ -179,7 +181,10 @@ class RayFleet:
             return []
         alive = await _alive()
         used = {n for p in pipelines for n in p.plan.node_ids}
-        found = await self._speeds({n: ip for n, ip in alive.items() if n not in used})
+        unused = {n: ip for n, ip in alive.items() if n not in used}
+        # a node lost moments ago is still listed (its pipeline already gone): only the ones that answer count
+        heard = await asyncio.wait_for(asyncio.to_thread(answering, list(unused)), NODE_ANSWER_TIMEOUT_S + 10)
+        found = await self._speeds({n: ip for n, ip in unused.items() if n in heard})
         free = sorted(found.values(), key=lambda s: sum(s.unit_costs))  # fastest first
         changes: list[tuple[Pipeline | None, PipelinePlan]] = []
         for pipeline in pipelines:

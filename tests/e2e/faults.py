@@ -185,4 +185,11 @@ def power_on(the_lab: Lab, hostname: str, timeout_s: float = 120.0) -> None:
     """Boot the lab host again (a fresh network namespace: no DROP rules) and wait for its engine."""
     subprocess.run([DOCKER, "start", the_lab.host(hostname).name], check=True, capture_output=True)
     ready = lambda: the_lab.sh_result(hostname, "docker info >/dev/null 2>&1").returncode == 0  # noqa: E731
-    assert wait_until(ready, timeout_s), f"{hostname}: its engine did not answer {timeout_s} s after boot"
+    if wait_until(ready, timeout_s / 2):
+        return
+    # seen once in three boots: the engine never answered; its log says why, and a second start (stale pid
+    # files of the killed engine removed, as a real boot's fresh /run would) is what an administrator would try
+    log = the_lab.sh_result(hostname, "tail -5 /var/log/dockerd.log").stdout
+    the_lab.sh_result(hostname, "rm -f /var/run/docker/containerd/containerd.pid && /usr/local/sbin/labhost-start-dockerd")
+    assert wait_until(ready, timeout_s / 2), f"{hostname}: its engine did not answer after boot: {log}"
+    print(f"[power_on] {hostname}: the engine started on a second try; its log before: {log}")
