@@ -190,6 +190,8 @@ def power_on(the_lab: Lab, hostname: str, timeout_s: float = 120.0) -> None:
     # seen once in three boots: the engine never answered; its log says why, and a second start (stale pid
     # files of the killed engine removed, as a real boot's fresh /run would) is what an administrator would try
     log = the_lab.sh_result(hostname, "tail -5 /var/log/dockerd.log").stdout
-    the_lab.sh_result(hostname, "rm -f /var/run/docker/containerd/containerd.pid && /usr/local/sbin/labhost-start-dockerd")
+    the_lab.sh_result(
+        hostname, "rm -f /var/run/docker/containerd/containerd.pid && /usr/local/sbin/labhost-start-dockerd"
+    )
     assert wait_until(ready, timeout_s / 2), f"{hostname}: its engine did not answer after boot: {log}"
     print(f"[power_on] {hostname}: the engine started on a second try; its log before: {log}")
