@@ -38,6 +38,11 @@ from raycluster_cli.serve.scheduler import Limits
 from raycluster_cli.serve.stages import split_units
 
 APP_NAME = "raycluster"
+# The ingress holds every stream and every pipeline's engine: it lives on the head, beside the HTTP proxy
+# (HeadOnly) and the GCS, so losing any worker node never takes it down.  Serve spreads replicas over the
+# nodes otherwise, and
+# an ingress on the node that died would fail every request it held.
+INGRESS_ACTOR_OPTIONS = {"num_cpus": 0, "resources": {"node:__internal_head__": 0.001}}
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -125,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     ray.init(address="auto")
     settings = _placement(args, settings, layers)
     serve.start(proxy_location=args.proxy_location, http_options={"host": args.host, "port": args.port})
-    serve.run(build_app(settings), name=APP_NAME, route_prefix="/")
+    serve.run(build_app(settings, ray_actor_options=INGRESS_ACTOR_OPTIONS), name=APP_NAME, route_prefix="/")
     url = f"http://{ray.util.get_node_ip_address()}:{args.port}/v1"
     document = json.dumps(_report(url, settings, layers))
     if args.record:

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from raycluster_cli.bench.config import ModelConfig
 from raycluster_cli.bench.pipeline import calibrate_workers, start_workers, stop_workers, unit_cost_row
@@ -26,6 +27,11 @@ from raycluster_cli.serve.scheduler import Limits
 from raycluster_cli.serve.stages import start_stages
 
 BUILD_TIMEOUT_S = 300.0  # a pipeline that does not load and generate within this is given up
+MEASURE_TIMEOUT_S = 180.0  # a calibration of new nodes (one may die while it runs) that takes longer is given up
+NODES_TIMEOUT_S = 30.0  # the GCS's list of nodes
+# A node the GCS still lists may have died seconds ago (its health checks take from seconds to a minute to
+# fail): before a pipeline is rebuilt on its own nodes, each must run a trivial task within this.
+NODE_ANSWER_TIMEOUT_S = 15.0
 
 
 @dataclass(frozen=True)
@@ -47,6 +53,31 @@ def alive_nodes() -> dict[str, str]:
         for n in ray.nodes()
         if n.get("Alive") and float(n.get("Resources", {}).get("CPU", 0.0)) > 0
     }
+
+
+@ray.remote(num_cpus=0)
+def _node_id() -> str:
+    return str(ray.get_runtime_context().get_node_id())
+
+
+def answering(node_ids: Sequence[str], timeout_s: float = NODE_ANSWER_TIMEOUT_S) -> set[str]:
+    """The nodes among ``node_ids`` that ran a trivial task pinned to them within ``timeout_s``."""
+    if not node_ids:
+        return set()
+    refs = {
+        node: _node_id.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node, soft=False)).remote()
+        for node in node_ids
+    }
+    ready, late = ray.wait(list(refs.values()), num_returns=len(refs), timeout=timeout_s)
+    for ref in late:
+        with contextlib.suppress(Exception):
+            ray.cancel(ref, force=True)
+    found = set()
+    for node, ref in refs.items():
+        with contextlib.suppress(Exception):
+            if ref in ready and ray.get(ref, timeout=1) == node:
+                found.add(node)
+    return found
 
 
 def measure(cfg: ModelConfig, nodes: dict[str, str], calibration: Calibration) -> list[NodeSpeed]:
@@ -102,8 +133,9 @@ class RayFleet:
                 node_ids=plan.node_ids,
                 num_threads=self.num_threads,
                 names=names,
+                timeout_s=BUILD_TIMEOUT_S,
             ),
-            BUILD_TIMEOUT_S,
+            BUILD_TIMEOUT_S + 10,
         )
         engine = Engine(actors, self.tokenizer, self.limits, self.eos, self.max_in_flight)
         engine.start()
@@ -121,15 +153,20 @@ class RayFleet:
     async def _speeds(self, nodes: dict[str, str]) -> dict[str, NodeSpeed]:
         unknown = {n: ip for n, ip in nodes.items() if n not in self.speeds}
         if unknown:
-            for speed in await asyncio.to_thread(measure, self.cfg, unknown, self.calibration):
+            timed = asyncio.to_thread(measure, self.cfg, unknown, self.calibration)
+            for speed in await asyncio.wait_for(timed, MEASURE_TIMEOUT_S):
                 self.speeds[speed.node_id] = speed
         return {n: self.speeds[n] for n in nodes}
 
     async def replacement(self, dead: Pipeline, others: Sequence[Pipeline]) -> PipelinePlan | None:
-        """The same plan when every node of it lives (only an actor died); else its survivors re-split,
-        with free nodes added up to the stage count."""
-        alive = await asyncio.to_thread(alive_nodes)
+        """The same plan when every node of it lives and answers (only an actor died); else its survivors
+        re-split, with free nodes added up to the stage count."""
+        alive = await _alive()
         mine = dead.plan.node_ids
+        pinned = [n for n in mine if n and n in alive]
+        if pinned:  # a node that died moments ago is still listed: only the ones that answer count
+            heard = await asyncio.wait_for(asyncio.to_thread(answering, pinned), NODE_ANSWER_TIMEOUT_S + 10)
+            alive = {n: ip for n, ip in alive.items() if n in heard or n not in mine}
         if all(not n or n in alive for n in mine):
             return dead.plan
         used = {n for p in others for n in p.plan.node_ids}
@@ -142,9 +179,12 @@ class RayFleet:
         replicas of full length.  Unpinned pipelines (tests, one node) never grow."""
         if any(not n for p in pipelines for n in p.plan.node_ids):
             return []
-        alive = await asyncio.to_thread(alive_nodes)
+        alive = await _alive()
         used = {n for p in pipelines for n in p.plan.node_ids}
-        found = await self._speeds({n: ip for n, ip in alive.items() if n not in used})
+        unused = {n: ip for n, ip in alive.items() if n not in used}
+        # a node lost moments ago is still listed (its pipeline already gone): only the ones that answer count
+        heard = await asyncio.wait_for(asyncio.to_thread(answering, list(unused)), NODE_ANSWER_TIMEOUT_S + 10)
+        found = await self._speeds({n: ip for n, ip in unused.items() if n in heard})
         free = sorted(found.values(), key=lambda s: sum(s.unit_costs))  # fastest first
         changes: list[tuple[Pipeline | None, PipelinePlan]] = []
         for pipeline in pipelines:
@@ -163,6 +203,10 @@ class RayFleet:
             plan = replan([], free, self.stages, self.cfg.layers)
             changes += [(None, plan)] if plan is not None else []
         return changes
+
+
+async def _alive() -> dict[str, str]:
+    return await asyncio.wait_for(asyncio.to_thread(alive_nodes), NODES_TIMEOUT_S)
 
 
 def _kill(actors: Sequence[Any]) -> None:

@@ -133,12 +133,16 @@ class Pool:
         """One request's outputs from the least loaded pipeline; when that pipeline dies mid-request the
         request moves to another: a stream continues after the tokens it already has (their KV cache
         rebuilt there, no piece sent twice); a whole answer, of which nothing was sent, is run again
-        (so a seeded one stays reproducible).  Raises ``EngineDown`` (503) only when no pipeline
-        serves at the start, or none came back within ``failover_wait_s``."""
+        (so a seeded one stays reproducible).  A request that finds no live pipeline while one is being
+        rebuilt (the only replica lost a node) waits for it like a moved one.  Raises ``EngineDown``
+        (503) only when no pipeline serves or is coming back, or none came back within
+        ``failover_wait_s``."""
         tokens: tuple[int, ...] = ()
         released = 0
         for attempt in range(MAX_FAILOVERS + 1):
             pipeline = self.choose() if attempt == 0 else await self._wait_live()
+            if pipeline is None and self.rebuilding:  # none live, one on its way back: wait for it, not 503
+                pipeline = await self._wait_live()
             if pipeline is None:
                 raise EngineDown("no pipeline is serving" + (" (failover waited)" if attempt else ""))
             resume = Resume(tokens, released) if stream and tokens else None

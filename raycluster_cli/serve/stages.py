@@ -78,10 +78,12 @@ def start_stages(
     node_ids: Sequence[str] | None = None,
     num_threads: int | None = None,
     names: Sequence[str] | None = None,
+    timeout_s: float | None = None,
 ) -> list[Any]:
     """One StageActor per range (hard-pinned to ``node_ids[i]`` when given and not ""); returns their
     handles once their units are loaded.  ``names`` names the actors (in ``STAGE_NAMESPACE``), so an
-    operator or a test can find a pipeline's stages."""
+    operator or a test can find a pipeline's stages.  ``timeout_s``: the stages not up by then (a node
+    that died while they loaded) fail the start (``GetTimeoutError``) instead of holding the caller."""
     if node_ids is not None and len(node_ids) != len(ranges):
         raise ValueError(f"{len(node_ids)} nodes for {len(ranges)} stages")
     actors: list[Any] = []
@@ -93,7 +95,7 @@ def start_stages(
             options |= {"name": names[index], "namespace": STAGE_NAMESPACE}
         actors.append(StageActor.options(**options).remote(cfg.to_dict(), start, end, slots, num_threads))
     try:
-        ray.get([a.info.remote() for a in actors])
+        ray.get([a.info.remote() for a in actors], timeout=timeout_s)
     except Exception:
         for actor in actors:  # none of a half-started pipeline is left holding memory
             ray.kill(actor)

@@ -1,6 +1,7 @@
 """The Ray backend's re-plans, with the cluster's answers (alive nodes, measured costs) given by the test.
 
-Only ``alive_nodes`` and ``measure`` (what Ray would answer) are replaced; the choices are the fleet's.
+Only ``alive_nodes``, ``answering`` and ``measure`` (what Ray would answer) are replaced; the choices are the
+fleet's.  A node in ``cluster.silent`` is one the GCS still lists but that died moments ago: it runs no task.
 """
 
 from __future__ import annotations
@@ -32,15 +33,23 @@ def _pipeline(*nodes: str, state: str = "live") -> Any:
     return SimpleNamespace(plan=plan, state=state)
 
 
+class _Cluster(dict[str, str]):
+    silent: set[str]
+
+
 @pytest.fixture
-def cluster(monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:
-    alive: dict[str, str] = {}
+def cluster(monkeypatch: pytest.MonkeyPatch) -> _Cluster:
+    alive = _Cluster()
+    alive.silent = set()
 
     def fake_measure(cfg: ModelConfig, nodes: dict[str, str], calibration: Any) -> Sequence[NodeSpeed]:
         return [_speed(n, 0.5) for n in nodes]
 
     monkeypatch.setattr(fleet, "alive_nodes", lambda: dict(alive))
     monkeypatch.setattr(fleet, "measure", fake_measure)
+    monkeypatch.setattr(
+        fleet, "answering", lambda nodes, *_: {n for n in nodes if n in alive and n not in alive.silent}
+    )
     return alive
 
 
@@ -72,3 +81,16 @@ def test_a_returning_node_fills_the_degraded_pipeline_then_new_replicas_form(clu
     changes = asyncio.run(_fleet().growth([_pipeline("a", "b"), full]))
     assert [(old, sorted(plan.node_ids)) for old, plan in changes] == [(None, ["e", "f"])]
     assert asyncio.run(_fleet().growth([_pipeline("", "")])) == []  # unpinned pipelines never grow
+
+
+def test_a_listed_node_that_runs_no_task_is_neither_rebuilt_on_nor_taken_in(cluster: _Cluster) -> None:
+    """Seen on the lab: a machine switched off stays in the GCS's list for a while after its pipeline failed; the
+    replacement was built on it, and a growth look took it in as a free node."""
+    cluster.update({n: f"ip-{n}" for n in "abcd"})
+    cluster.silent.add("b")
+    plan = asyncio.run(_fleet().replacement(_pipeline("a", "b"), [_pipeline("c")]))
+    assert plan is not None and plan.node_ids == ("a", "d")  # b counts as dead: the survivor and the free node
+    assert asyncio.run(_fleet().growth([_pipeline("a"), _pipeline("c", "d")])) == []  # b is not taken in
+    cluster.silent.clear()
+    changes = asyncio.run(_fleet().growth([_pipeline("a"), _pipeline("c", "d")]))
+    assert [plan.node_ids for _, plan in changes] == [("a", "b")]  # once it answers, it is

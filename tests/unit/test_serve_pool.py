@@ -66,15 +66,17 @@ class _Stage:
 class _Backend:
     """Builds pipelines in process; pipeline ``doomed``'s last stage dies after ``die_after`` steps."""
 
-    def __init__(self, path: Path, doomed: int = -1, die_after: int = -1) -> None:
+    def __init__(self, path: Path, doomed: int = -1, die_after: int = -1, rebuild_s: float = 0.0) -> None:
         self.cfg = config_from_checkpoint(path, max_seq=96)
         self.tokenizer = transformers.AutoTokenizer.from_pretrained(str(path))
         self.eos = eos_ids(self.tokenizer, json.loads((path / "generation_config.json").read_text()))
         self.limits = Limits(slots=4, max_seq=96, prefill_chunk=4, step_tokens=24)
-        self.doomed, self.die_after = doomed, die_after
+        self.doomed, self.die_after, self.rebuild_s = doomed, die_after, rebuild_s
         self.built: list[int] = []
 
     async def build(self, plan: PipelinePlan, index: int) -> tuple[Engine, list[Any]]:
+        if self.built:
+            await asyncio.sleep(self.rebuild_s)  # a replacement loads its stages
         stages = [_Stage(BatchedStage(self.cfg, a, b, self.limits.slots)) for a, b in plan.ranges]
         engine = Engine(stages, self.tokenizer, self.limits, self.eos)
         engine.start()
@@ -192,3 +194,34 @@ def test_requests_of_a_pipeline_that_dies_finish_on_the_other_token_for_token(
         assert answer == reference[prompt], prompt  # the same text and tokens: none repeated, none lost
     assert [p.index for p in pool.live()] == [1, 2] and backend.built == [0, 1, 2]
     assert [e["event"] for e in pool.events if e["event"] in ("failed", "replaced")] == ["failed", "replaced"]
+
+
+def test_requests_that_find_the_only_pipeline_being_rebuilt_wait_for_it_instead_of_failing(
+    checkpoint: Path, reference: dict[str, tuple[str, list[int]]]
+) -> None:
+    """One replica (every node in one pipeline) loses a stage; requests that arrive while its replacement is being
+    built (0.5 s here) are answered by the replacement, not refused with 503."""
+    backend = _Backend(checkpoint, doomed=0, die_after=3, rebuild_s=0.5)
+
+    async def run() -> tuple[list[tuple[str, list[int]]], list[tuple[str, list[int]]], int]:
+        pool = Pool(backend, watch_s=0.05, replace_period_s=3600)
+        await pool.add(PipelinePlan(("", ""), ("", ""), ((0, 3), (3, backend.cfg.num_units))))
+        pool.start()
+        first = asyncio.gather(*(_stream(pool, p, backend.tokenizer, stream=True) for p in PROMPTS[:2]))
+        for _ in range(200):
+            if not pool.live() and pool.rebuilding:
+                break
+            await asyncio.sleep(0.01)
+        down = len(pool.live())
+        later = await asyncio.gather(
+            *(_stream(pool, p, backend.tokenizer, stream=i % 2 == 0) for i, p in enumerate(PROMPTS[2:]))
+        )
+        answers = await first
+        await pool.close()
+        return list(answers), list(later), down
+
+    answers, later, down = asyncio.run(run())
+    assert down == 0  # the later requests really came while no pipeline was live
+    for prompt, answer in zip(PROMPTS, answers + later, strict=True):
+        assert answer == reference[prompt], prompt
+    assert backend.built == [0, 1]
