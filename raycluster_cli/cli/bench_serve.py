@@ -15,6 +15,7 @@ import typer
 
 from raycluster_cli.bench.options import BenchOptions, flag_of
 from raycluster_cli.cli.common import open_cluster
+from raycluster_cli.config import inventory
 from raycluster_cli.errors import ExitCode, UsageError
 from raycluster_cli.render.base import Output
 from raycluster_cli.schema import SCHEMA_VERSION
@@ -110,9 +111,12 @@ def serve_bench_action(output: Output, values: dict[str, Any], own: dict[str, An
     from raycluster_cli.verbs.serve import service_status
 
     plan = _plan(values, own)
-    with open_cluster(own["inventory_path"]) as (inv, pool):
-        service = None if own["url"] else service_status(inv, pool)
-        target = serve_bench.target_of(inv, service, own["url"])
+    if own["url"]:  # no host is asked: the inventory only names the cluster, whose token is the key
+        inv = inventory.load(own["inventory_path"]).inventory
+        target = serve_bench.target_of(inv, None, own["url"])
+    else:
+        with open_cluster(own["inventory_path"]) as (inv, pool):
+            target = serve_bench.target_of(inv, service_status(inv, pool))
     report = serve_bench.ServeBenchReport()
     try:
         serve_bench.run_blocking(target, plan, report, output.progress(), timeout_s=own["timeout"])

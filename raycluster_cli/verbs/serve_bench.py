@@ -94,8 +94,15 @@ def target_of(inventory: Inventory, service: dict[str, Any] | None, url: str = "
         raise OperationError(
             f"cluster {inventory.cluster} serves nothing", "start it: raycluster serve --model-path DIR"
         )
-    token = token_file(inventory).read_text().strip() if inventory.ray.auth == "token" else None
-    return ServiceTarget(found, token)
+    if inventory.ray.auth != "token":
+        return ServiceTarget(found, None)
+    try:
+        return ServiceTarget(found, token_file(inventory).read_text().strip())
+    except OSError as exc:
+        raise OperationError(
+            f"cluster {inventory.cluster}'s token could not be read: {exc}",
+            "it is written by `raycluster up` on this machine; run the benchmark where `up` ran",
+        ) from None
 
 
 class ServiceClient:
