@@ -29,7 +29,7 @@ def _ms(value: Any) -> str:
 def _load(run: dict[str, Any]) -> str:
     if run["kind"] == "poisson":
         return f"Poisson {run['rate']:g}/s"
-    return f"saturation ({run.get('concurrency')} at once)"
+    return f"{run.get('concurrency')} at once"
 
 
 def _pair(run: dict[str, Any], key: str) -> str:
@@ -44,25 +44,34 @@ def render_serve_bench(output: Output, body: dict[str, Any]) -> None:
         f"{work.get('requests_per_run')} requests per run, prompts {work.get('prompt_tokens')} tokens, "
         f"outputs {work.get('output_tokens')} tokens (ignore_eos), seed {work.get('seed')}"
     )
-    table = Table(title="latency in ms (p50 / p99)", title_justify="left")
-    for column in ("load", "done/failed", "req/s", "out tok/s", "TTFT", "TPOT", "ITL", "e2e", "imbalance"):
-        table.add_column(column, justify="right")
-    for run in body.get("runs", []):
-        table.add_row(
-            _load(run) + (" [yellow](interrupted)[/yellow]" if run.get("interrupted") else ""),
-            f"{run['completed']}/{run['failed']}",
+    runs = body.get("runs", [])
+    counts = Table(title="throughput", title_justify="left")
+    latency = Table(title="latency in ms (p50 / p99)", title_justify="left")
+    for table in (counts, latency):
+        table.add_column("load", no_wrap=True)
+    for column in ("done", "failed", "req/s", "out tok/s", "imbalance"):
+        counts.add_column(column, justify="right")
+    for column in ("TTFT", "TPOT", "ITL", "e2e"):
+        latency.add_column(column, justify="right", no_wrap=True)
+    for run in runs:
+        load = _load(run) + (" [yellow]*[/yellow]" if run.get("interrupted") else "")
+        counts.add_row(
+            load,
+            str(run["completed"]),
+            str(run["failed"]),
             f"{run['requests_per_s']:.2f}",
             f"{run['output_tokens_per_s']:.1f}",
-            *(_pair(run, key) for key in ("ttft", "tpot", "itl", "e2e")),
             "-" if run.get("imbalance") is None else f"{run['imbalance']:.3f}",
         )
-    output.out.print(table)
-    for run in body.get("runs", []):
+        latency.add_row(load, *(_pair(run, key) for key in ("ttft", "tpot", "itl", "e2e")))
+    output.out.print(counts)
+    output.out.print(latency)
+    for run in runs:
         for error in run.get("errors", []):
             output.line(f"[yellow]{_escape(_load(run))}: {_escape(error)}[/yellow]")
-    runs = [r for r in body.get("runs", []) if r.get("stages")]
-    if runs:
-        shown = next((r for r in runs if r["kind"] == "saturation"), runs[-1])
+    measured = [r for r in runs if r.get("stages")]
+    if measured:
+        shown = next((r for r in measured if r["kind"] == "saturation"), measured[-1])
         several = len({s["pipeline"] for s in shown["stages"]}) > 1
         rows = [
             (
@@ -79,7 +88,7 @@ def render_serve_bench(output: Output, body: dict[str, Any]) -> None:
                 f"utilisation {shown['utilisation']:.2f}, the slowest stage busy {shown['of_ceiling']:.0%} of the run"
             )
     if body.get("interrupted"):
-        output.line("[yellow]interrupted: the runs above are what was measured[/yellow]")
+        output.line("[yellow]* interrupted: the requests it finished; the runs above are what was measured[/yellow]")
 
 
 def _scale(values: list[float], low_px: float, high_px: float) -> tuple[float, Any]:

@@ -170,7 +170,7 @@ def test_the_cli_gives_one_document_and_ctrl_c_keeps_what_was_measured(target: S
     human = _cli(inventory, state, *args, "--seed=3")
     out, err = human.communicate(timeout=300)
     assert human.returncode == 0, err[-2000:]
-    assert "Poisson 4/s" in out and "saturation (4 at once)" in out and "busy time T_i per node" in out
+    assert "Poisson 4/s" in out and "4 at once" in out and "busy time T_i per node" in out
     assert "imbalance" in out and TOKEN not in out + err
 
     # a long saturation run interrupted once its first requests are back: exit 130, the finished ones kept
