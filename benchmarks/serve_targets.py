@@ -33,25 +33,27 @@ from tests.serve_checkpoint import write_chat_llama
 MODEL_SIZES = {"hidden_size": 512, "intermediate_size": 1376, "num_hidden_layers": 8, "num_attention_heads": 8}
 
 
-def cli(*args: str, inventory: str | None = None, timeout: float = 1800) -> dict[str, Any]:
+def cli(*args: str, inventory: str | None = None, timeout: float = 1800, check: bool = True) -> dict[str, Any]:
     command = [sys.executable, "-m", "raycluster_cli", *args, "--json"] + (["-i", inventory] if inventory else [])
     done = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
     try:
         doc: dict[str, Any] = json.loads(done.stdout)
     except ValueError:
         raise SystemExit(f"{args[:2]}: no JSON (rc {done.returncode}): {done.stderr[-2000:]}") from None
-    if done.returncode != 0:
+    if check and done.returncode != 0:
         raise SystemExit(f"{args[:2]}: rc {done.returncode}: {json.dumps(doc.get('error'))} {done.stderr[-1500:]}")
     return doc
 
 
 def bench(inventory: str, out: Path, name: str, requests: int, extra: list[str]) -> dict[str, Any]:
     args = ["bench", "--serve", "--rates=", f"--requests={requests}", *extra]
+    load_before = Path("/proc/loadavg").read_text().split()[:3]
     doc = cli(*args, f"--save-result={out / (name + '.json')}", inventory=inventory)
     (run,) = doc["runs"]
+    run["load"] = {"before": load_before, "after": Path("/proc/loadavg").read_text().split()[:3]}
     print(
         f"{name}: {run['output_tokens_per_s']:.1f} tok/s, TPOT p50 {run['latency_s']['tpot']['p50']}, "
-        f"of ceiling {run['of_ceiling']}, imbalance {run['imbalance']}",
+        f"of ceiling {run['of_ceiling']}, imbalance {run['imbalance']}, load {run['load']}",
         flush=True,
     )
     return run
@@ -100,8 +102,12 @@ def main() -> None:
     lengths = args.lengths.split()
     cli("down", inventory=inventory)
     cli("up", inventory=inventory)
-    served = cli("serve", f"--model-path={model}", "--max-seq=256", "--slots=16", inventory=inventory)
-    print("serving:", json.dumps(served.get("pipelines")), flush=True)
+    cli("serve", f"--model-path={model}", "--max-seq=256", "--slots=16", inventory=inventory)
+    record = cli("status", inventory=inventory, check=False)["service"][
+        "record"
+    ]  # the launcher's: split, each node's speed
+    (out / "serve-record.json").write_text(json.dumps(record, indent=2) + "\n")
+    print("serving:", json.dumps(record.get("pipelines")), json.dumps(record.get("nodes")), flush=True)
     rounds = []
     for number in range(args.rounds):
         rounds.append(
