@@ -18,6 +18,7 @@ from rich.table import Table
 from raycluster_cli.render.base import Output, _escape
 from raycluster_cli.render.bench import bar_chart
 
+SVG_NS = "http://www.w3.org/2000/svg"  # SVG's XML namespace: a name, never fetched (browsers need it)
 WIDTH, PANEL_H, MARGIN = 760, 260, 60
 COLOURS = {"p50": "#1f77b4", "p99": "#d62728"}
 
@@ -154,7 +155,7 @@ def save_serve_svg(body: dict[str, Any], path: Path) -> None:
     runs = [r for r in body.get("runs", []) if r.get("completed")]
     height = 2 * PANEL_H + 30
     parts = [
-        f'<svg xmlns="http://www.w3.org/2000/svg" width="{WIDTH}" height="{height}" '
+        f'<svg xmlns="{SVG_NS}" width="{WIDTH}" height="{height}" '
         f'viewBox="0 0 {WIDTH} {height}" font-family="sans-serif">',
         f'<rect width="{WIDTH}" height="{height}" fill="white"/>',
         f'<text x="{MARGIN}" y="18" font-size="15">raycluster bench --serve: '

@@ -19,6 +19,7 @@ import torch
 import transformers
 
 from raycluster_cli.config import inventory, state
+from raycluster_cli.render.serve_bench import SVG_NS
 
 from ..serve_checkpoint import WORDS, write_chat_llama
 from .conftest import IP1, Lab
@@ -130,7 +131,7 @@ def test_bench_serve_measures_the_service_from_the_operator(served: Served, tmp_
         assert {s["node_ip"] for s in run["stages"]} == hosts and len(run["stages"]) == 3
         assert all(s["busy_s"] > 0 for s in run["stages"]) and len({s["steps"] for s in run["stages"]}) == 1
         assert run["t_max_minus_t_min_s"] >= 0 and 0 < run["of_ceiling"] <= 1
-    assert len(ET.parse(svg).getroot().findall("{http://www.w3.org/2000/svg}circle")) == 4 * 2
+    assert len(ET.parse(svg).getroot().findall(f"{{{SVG_NS}}}circle")) == 4 * 2
     assert served.token not in json.dumps(doc) + err
 
 

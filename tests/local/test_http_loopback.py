@@ -102,4 +102,4 @@ def test_nothing_listening_and_not_http() -> None:
     with pytest.raises(http.HTTPFailure, match="could not connect"):
         asyncio.run(client("http://127.0.0.1:9/"))
     with pytest.raises(ValueError, match="not an http:// URL"):
-        http.parse_url("https://example.com/v1")
+        http.parse_url("https://example.invalid/v1")

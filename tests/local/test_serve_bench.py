@@ -23,7 +23,7 @@ ray = pytest.importorskip("ray")
 serve = pytest.importorskip("ray.serve")
 pytest.importorskip("transformers")
 
-from raycluster_cli.render.serve_bench import save_serve_svg  # noqa: E402
+from raycluster_cli.render.serve_bench import SVG_NS, save_serve_svg  # noqa: E402
 from raycluster_cli.serve.app import ServeSettings, build_app  # noqa: E402
 from raycluster_cli.serve.scheduler import Limits  # noqa: E402
 from raycluster_cli.verbs.serve_bench import (  # noqa: E402
@@ -126,7 +126,7 @@ def test_the_benchmark_measures_every_request_and_each_stages_time(target: Servi
     svg = tmp_path / "latency.svg"
     save_serve_svg(body, svg)
     root = ET.parse(svg).getroot()
-    ns = "{http://www.w3.org/2000/svg}"
+    ns = f"{{{SVG_NS}}}"
     circles = root.iter(f"{ns}circle")
     by_series: dict[str, list[str]] = {}
     for point in circles:
