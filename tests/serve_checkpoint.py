@@ -30,8 +30,9 @@ CHAT_TEMPLATE = (
 )
 
 
-def write_chat_llama(path: Path, *, seed: int = 0) -> Path:
-    """Tokenizer + random Llama in ``path``; the vocabulary is the specials then the words."""
+def write_chat_llama(path: Path, *, seed: int = 0, **sizes: int) -> Path:
+    """Tokenizer + random Llama in ``path``; the vocabulary is the specials then the words.  ``sizes``
+    override the Llama's (hidden_size, num_hidden_layers, …: a larger model for a benchmark)."""
     vocab = {token: index for index, token in enumerate(SPECIALS + WORDS)}
     core = tokenizers.Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
     core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
@@ -46,17 +47,16 @@ def write_chat_llama(path: Path, *, seed: int = 0) -> Path:
         clean_up_tokenization_spaces=False,
     )
     tokenizer.chat_template = CHAT_TEMPLATE
-    write_llama(
-        path,
-        seed=seed,
-        vocab_size=len(vocab),
-        max_position_embeddings=256,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        tie_word_embeddings=False,
-        bos_token_id=vocab["<s>"],
-        eos_token_id=vocab["</s>"],
-        pad_token_id=vocab["[PAD]"],
-    )
+    settings = {
+        "vocab_size": len(vocab),
+        "max_position_embeddings": 256,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "tie_word_embeddings": False,
+        "bos_token_id": vocab["<s>"],
+        "eos_token_id": vocab["</s>"],
+        "pad_token_id": vocab["[PAD]"],
+    }
+    write_llama(path, seed=seed, **(settings | sizes))
     tokenizer.save_pretrained(str(path))
     return path

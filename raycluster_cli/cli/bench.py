@@ -10,6 +10,7 @@ from typing import Annotated, Any
 import typer
 
 from raycluster_cli.bench.options import BenchOptions, ValidationError, flag_of
+from raycluster_cli.cli.bench_serve import SERVE_FLAGS, check_flags, serve_bench_action
 from raycluster_cli.cli.common import DebugOpt, InventoryOpt, JsonOpt, emit, execute, open_cluster
 from raycluster_cli.errors import ExitCode, UsageError
 from raycluster_cli.render.base import (
@@ -51,6 +52,7 @@ def _bench_parameters() -> list[inspect.Parameter]:
         ),
         "json_mode": (JsonOpt, False),
         "debug": (DebugOpt, False),
+        **SERVE_FLAGS,
     }
     kind = inspect.Parameter.KEYWORD_ONLY
     return params + [inspect.Parameter(n, kind, default=d, annotation=a) for n, (a, d) in own.items()]
@@ -75,10 +77,15 @@ def bench_command(**values: Any) -> None:
     """Pipeline-parallel inference across the nodes: throughput, latency and each node's busy time.
 
     With no flags the run is sized to the cluster: enough layers that every node gets a share
-    proportional to its measured speed, and about --duration-s of counted work. --quick: a short smoke run."""
+    proportional to its measured speed, and about --duration-s of counted work. --quick: a short smoke run.
+    --serve: the running service instead, as its clients see it (Poisson rates and a saturation run; exit 1 when
+    a request failed)."""
     own = {k: values.pop(k) for k in list(values) if k not in BenchOptions.model_fields}
 
     def action(output: Output) -> int:
+        check_flags(values, own)
+        if own["serve"]:
+            return serve_bench_action(output, values, own)
         from raycluster_cli.checks.network import measure_network
         from raycluster_cli.render.bench import bench_progress, render_bench, save_svg
         from raycluster_cli.verbs.bench import BenchFailed, run_bench

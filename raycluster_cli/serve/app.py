@@ -46,6 +46,7 @@ RETRY_AFTER_S = 2
 IDLE_PROBE_S = 30.0  # check_health probes with a generation when no step ran for this long
 STALL_S = 30.0  # a step in flight this long without any step coming back: a stage is wedged
 REBUILD_GRACE_S = 120.0  # no pipeline for this long while rebuilding: Serve replaces the ingress
+COUNTERS_S = 10.0  # how long the status route waits for the stages' counters (behind their queued steps)
 
 
 @dataclass(frozen=True)
@@ -136,6 +137,22 @@ async def _stream_events(
             )
         )
     yield protocol.sse("[DONE]")
+
+
+async def _add_counters(rows: list[dict[str, Any]], stages: list[list[Any]]) -> None:
+    """Each pipeline's stages get their counters (steps, busy_s, cpu_s, pid) from the stage actors, all
+    asked at once; a pipeline whose stages do not answer in time gets ``counters_error`` instead."""
+
+    async def one(actors: list[Any]) -> list[dict[str, Any]]:
+        return list(await asyncio.wait_for(asyncio.gather(*(a.counters.remote() for a in actors)), COUNTERS_S))
+
+    found = await asyncio.gather(*(one(actors) for actors in stages), return_exceptions=True)
+    for row, counters in zip(rows, found, strict=True):
+        if isinstance(counters, BaseException):
+            row["counters_error"] = f"{type(counters).__name__}: {counters}"
+            continue
+        for stage, values in zip(row.get("stages", []), counters, strict=False):
+            stage.update(values)
 
 
 app = FastAPI(title="raycluster serve")
@@ -236,9 +253,13 @@ class OpenAIServer:
 
     @app.get("/raycluster/status")
     async def status(self, request: Request) -> dict[str, Any]:
-        """The pipelines (split, nodes, state, load, requests served), failovers and recent events."""
+        """The pipelines (split, nodes, state, load, requests served, each stage's counters), the batching
+        limits, failovers and recent events."""
         self._authorize(request)
-        return {"model": self.model_id, **self.pool.status(self.cfg.layers)}
+        stages = [list(p.stages) for p in self.pool.pipelines]  # the rows' order, taken at the same moment
+        body = {"model": self.model_id, "limits": asdict(self.settings.limits), **self.pool.status(self.cfg.layers)}
+        await _add_counters(body["pipelines"], stages)
+        return body
 
     @app.post("/v1/completions")
     async def completions(self, request: Request) -> Response:
@@ -272,7 +293,7 @@ class OpenAIServer:
                 f"the prompt has {len(prompt)} tokens; the context holds {self.settings.limits.max_seq}",
                 param="messages" if chat else "prompt",
             )
-        sampling = Sampling(body.temperature, body.top_p, body.seed)
+        sampling = Sampling(body.temperature, body.top_p, body.seed, body.ignore_eos)
         outputs = self.pool.generate(prompt, limit, sampling, body.stops, stream=body.stream)
         try:
             first = await anext(outputs)

@@ -127,7 +127,13 @@ class Engine:
             raise EngineDown(f"a stage failed: {self.failure}")
         request_id = f"r{next(self._ids)}"
         done = list(resume.tokens) if resume is not None else []
-        self.scheduler.add(request_id, prompt + done, max_tokens - len(done), queue_limit=queue_limit and not probe)
+        self.scheduler.add(
+            request_id,
+            prompt + done,
+            max_tokens - len(done),
+            queue_limit=queue_limit and not probe,
+            ignore_eos=sampling.ignore_eos,
+        )
         stream = TextStream(self.tokenizer, stop)
         if resume is not None:
             stream.resume(done, resume.released)

@@ -49,6 +49,9 @@ class _Sampled(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = Field(default=1, ge=1, le=1)
+    # An extension (vLLM's name and meaning): generate exactly max_tokens, past the model's EOS, so a
+    # benchmark's output lengths are the ones it asked for.  Stop strings still end the text.
+    ignore_eos: bool = False
 
     @property
     def stops(self) -> list[str]:

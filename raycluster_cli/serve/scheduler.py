@@ -31,6 +31,7 @@ class SeqState:
     generated: list[int] = field(default_factory=list)
     busy: bool = False
     finish_reason: str | None = None
+    ignore_eos: bool = False
 
     @property
     def in_prefill(self) -> bool:
@@ -79,10 +80,18 @@ class Scheduler:
         self.running: dict[str, SeqState] = {}  # in admission order
         self.free_slots: list[int] = list(range(limits.slots - 1, -1, -1))
 
-    def add(self, request_id: str, prompt: list[int], max_new_tokens: int, queue_limit: bool = True) -> None:
+    def add(
+        self,
+        request_id: str,
+        prompt: list[int],
+        max_new_tokens: int,
+        queue_limit: bool = True,
+        ignore_eos: bool = False,
+    ) -> None:
         """Queue a request; it joins the batch at the next step with a free slot.  Refused (``QueueFull``)
         when ``max_waiting`` requests already wait beyond the free slots, unless ``queue_limit`` is off
-        (the health probe must not fail because clients filled the queue)."""
+        (the health probe must not fail because clients filled the queue).  ``ignore_eos``: only the
+        token limit (or the context) ends it."""
         if not prompt:
             raise ValueError("the prompt has no tokens")
         if max_new_tokens < 1:
@@ -94,7 +103,7 @@ class Scheduler:
             )
         if queue_limit and len(self.waiting) >= self.limits.max_waiting + len(self.free_slots):
             raise QueueFull(f"{len(self.waiting)} requests are already waiting")
-        self.waiting.append(SeqState(request_id, list(prompt), max_new_tokens))
+        self.waiting.append(SeqState(request_id, list(prompt), max_new_tokens, ignore_eos=ignore_eos))
 
     @property
     def has_work(self) -> bool:
@@ -177,7 +186,7 @@ class Scheduler:
         return events
 
     def _finish_reason(self, seq: SeqState, token: int) -> str | None:
-        if token in self.eos_ids:
+        if token in self.eos_ids and not seq.ignore_eos:
             return "stop"
         if len(seq.generated) >= seq.max_new_tokens or seq.computed + 1 >= self.limits.max_seq:
             return "length"

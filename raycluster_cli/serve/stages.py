@@ -53,6 +53,11 @@ class _StageActor:
         self.steps += 1
         return out
 
+    def counters(self) -> dict[str, Any]:
+        """What a benchmark diffs before/after a run: steps, seconds inside forward, this process's CPU
+        seconds (Ray's per-call work included) and the pid (a new actor starts again from zero)."""
+        return {"pid": os.getpid(), "steps": self.steps, "busy_s": self.busy_s, "cpu_s": time.process_time()}
+
     def info(self) -> dict[str, Any]:
         return {
             "node_id": self.node_id,

@@ -28,6 +28,7 @@ class Sampling:
     temperature: float = 1.0
     top_p: float = 1.0
     seed: int | None = None
+    ignore_eos: bool = False  # the sequence ends only at its token limit (a benchmark's fixed lengths)
 
     def generator(self) -> torch.Generator | None:
         """A per-request generator: a seeded request gets the same tokens whatever else is in its batch."""

@@ -6,8 +6,11 @@ client (not our code) gets exactly what `transformers`' own `generate()` gives, 
 from __future__ import annotations
 
 import asyncio
+import json
+import xml.etree.ElementTree as ET
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import openai
@@ -16,6 +19,7 @@ import torch
 import transformers
 
 from raycluster_cli.config import inventory, state
+from raycluster_cli.render.serve_bench import SVG_NS
 
 from ..serve_checkpoint import WORDS, write_chat_llama
 from .conftest import IP1, Lab
@@ -109,6 +113,26 @@ def test_a_request_without_the_clusters_token_is_refused(served: Served) -> None
 
     with pytest.raises(openai.AuthenticationError):
         asyncio.run(wrong())
+
+
+def test_bench_serve_measures_the_service_from_the_operator(served: Served, tmp_path: Path) -> None:
+    """`bench --serve` against the 3-host service: every request answered with the asked length, each stage's
+    T_i measured on its own host, and the SVG of latency against load."""
+    svg = tmp_path / "latency.svg"
+    args = ["--rates=1,4", "--requests=12", "--prompt-tokens=4:32", "--output-tokens=8:24", f"--save-svg={svg}"]
+    code, doc, err = served.lab.cli("bench", "--serve", *args, timeout=900)
+    assert code == 0, err[-3000:]
+    assert doc["url"] == served.doc["url"] and doc["model"] == "tiny-chat" and doc["max_seq"] == 96
+    assert [r["kind"] for r in doc["runs"]] == ["poisson", "poisson", "saturation"]
+    hosts = {s["node_ip"] for p in served.doc["pipelines"] for s in p["stages"]}
+    for run in doc["runs"]:
+        assert (run["completed"], run["failed"]) == (12, 0), run["errors"]
+        assert all(r["output_tokens"] == r["max_tokens"] and r["ttft_s"] <= r["e2e_s"] for r in run["per_request"])
+        assert {s["node_ip"] for s in run["stages"]} == hosts and len(run["stages"]) == 3
+        assert all(s["busy_s"] > 0 for s in run["stages"]) and len({s["steps"] for s in run["stages"]}) == 1
+        assert run["t_max_minus_t_min_s"] >= 0 and 0 < run["of_ceiling"] <= 1
+    assert len(ET.parse(svg).getroot().findall(f"{{{SVG_NS}}}circle")) == 4 * 2
+    assert served.token not in json.dumps(doc) + err
 
 
 def test_status_shows_the_service_and_serve_stop_removes_it(served: Served) -> None:

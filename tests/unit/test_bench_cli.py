@@ -19,6 +19,13 @@ from raycluster_cli.lab import hosts as lab
         (["--sweep", "layers"], "--sweep 'layers' is not one of batch, nodes"),
         (["--mode", "closed"], "--mode 'closed' is not one of offline, poisson"),
         (["--mode", "poisson"], "--mode poisson needs --rate"),
+        (["--rates", "1,2"], "--rates needs --serve"),
+        (["--concurrency", "4"], "--concurrency needs --serve"),
+        (["--serve", "--micro-batch", "8"], "--micro-batch is a pipeline-run flag; --serve does not use it"),
+        (["--serve", "--rates", "1,fast"], "--rates: 'fast' is not a number"),
+        (["--serve", "--rates", "0"], "--rates: '0' must be > 0"),
+        (["--serve", "--output-tokens", "9:3"], "--output-tokens '9:3': needs 1 <= LOW <= HIGH"),
+        (["--serve", "--rates", "", "--no-saturation"], "leave nothing to run"),
     ],
 )
 def test_bad_bench_flags_are_usage_errors(args: list[str], match: str) -> None:

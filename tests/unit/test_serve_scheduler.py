@@ -119,3 +119,16 @@ def test_max_rows_splits_the_batch_over_steps_in_flight() -> None:
     assert _ids(first) == ["a", "b"] and _ids(second) == ["c", "d"]  # two steps, both in flight
     s.complete(first, {"a": 5, "b": 5})
     assert _ids(s.schedule(max_rows=2)) == ["a", "b"]  # a and b go on while c and d are still out
+
+
+def test_ignore_eos_runs_to_max_tokens_past_the_eos_token() -> None:
+    s = Scheduler(Limits(slots=2), frozenset({EOS}))
+    s.add("plain", [1], 4)
+    s.add("bench", [1], 4, ignore_eos=True)
+    seen: dict[str, list[tuple[int | None, str | None]]] = {"plain": [], "bench": []}
+    while s.has_work:
+        chunks = s.schedule()
+        for e in s.complete(chunks, {c.request_id: EOS for c in chunks if c.samples}):
+            seen[e.request_id].append((e.token, e.finish_reason))
+    assert seen["plain"] == [(EOS, "stop")]
+    assert seen["bench"] == [(EOS, None), (EOS, None), (EOS, None), (EOS, "length")]

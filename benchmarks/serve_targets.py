@@ -1,0 +1,137 @@
+"""Issue 31's serving targets on the lab, measured with `bench --serve` against `serve`.
+
+Usage (the lab's name, subnet and node image from the environment, as the lab tests take them):
+  RAYCLUSTER_LAB_NAME=rc-sb RAYCLUSTER_LAB_SUBNET=10.81.0.0/24 RAYCLUSTER_NODE_IMAGE=raycluster/node:wt-sb \\
+    PYTHONPATH=. python benchmarks/serve_targets.py --quotas 1.0,0.5,0.25 --rounds 3 --out /tmp/serve-targets
+
+1. A 3-host lab with one CPU quota per host, `up`, a random Llama with a real (word-level) tokenizer written here,
+   `serve` over every host (one replica of 3 stages, the balanced split by measured speed).
+2. Each round on it: a saturation run (every request at once), one request at a time (`--concurrency 1`), and
+   four at a time (`--concurrency 4`).
+3. `down`, then `up` of the fastest host alone (an inventory of its one host) and `serve` there: the same service
+   with the whole model on the fastest node; each round a saturation run.
+4. The figures (median and min–max over rounds): 3-host ÷ 1-node saturation throughput (target ≥ 1.3); the share
+   of the pipeline ceiling (T_max / wall of the slowest stage, target ≥ 0.9); 4-at-a-time ÷ one-at-a-time
+   throughput (≥ 3) and p50 TPOT (≤ 1.5). Every document is kept under --out; the summary is --out/summary.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tests.serve_checkpoint import write_chat_llama
+
+MODEL_SIZES = {"hidden_size": 512, "intermediate_size": 1376, "num_hidden_layers": 8, "num_attention_heads": 8}
+
+
+def cli(*args: str, inventory: str | None = None, timeout: float = 1800, check: bool = True) -> dict[str, Any]:
+    command = [sys.executable, "-m", "raycluster_cli", *args, "--json"] + (["-i", inventory] if inventory else [])
+    done = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
+    try:
+        doc: dict[str, Any] = json.loads(done.stdout)
+    except ValueError:
+        raise SystemExit(f"{args[:2]}: no JSON (rc {done.returncode}): {done.stderr[-2000:]}") from None
+    if check and done.returncode != 0:
+        raise SystemExit(f"{args[:2]}: rc {done.returncode}: {json.dumps(doc.get('error'))} {done.stderr[-1500:]}")
+    return doc
+
+
+def bench(inventory: str, out: Path, name: str, requests: int, extra: list[str]) -> dict[str, Any]:
+    args = ["bench", "--serve", "--rates=", f"--requests={requests}", *extra]
+    load_before = Path("/proc/loadavg").read_text().split()[:3]
+    doc = cli(*args, f"--save-result={out / (name + '.json')}", inventory=inventory)
+    (run,) = doc["runs"]
+    run["load"] = {"before": load_before, "after": Path("/proc/loadavg").read_text().split()[:3]}
+    print(
+        f"{name}: {run['output_tokens_per_s']:.1f} tok/s, TPOT p50 {run['latency_s']['tpot']['p50']}, "
+        f"of ceiling {run['of_ceiling']}, imbalance {run['imbalance']}, load {run['load']}",
+        flush=True,
+    )
+    return run
+
+
+def _spread(values: list[float]) -> dict[str, float]:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def summarize(rounds: list[dict[str, dict[str, Any]]], single: list[dict[str, Any]]) -> dict[str, Any]:
+    sat = [r["saturation"]["output_tokens_per_s"] for r in rounds]
+    one = [s["output_tokens_per_s"] for s in single]
+    conc1 = [r["one"]["output_tokens_per_s"] for r in rounds]
+    conc4 = [r["four"]["output_tokens_per_s"] for r in rounds]
+    tpot1 = [r["one"]["latency_s"]["tpot"]["p50"] for r in rounds]
+    tpot4 = [r["four"]["latency_s"]["tpot"]["p50"] for r in rounds]
+    pairs = list(zip(sat, one, strict=False))
+    return {
+        "three_hosts_tokens_per_s": _spread(sat),
+        "fastest_node_alone_tokens_per_s": _spread(one),
+        "three_over_one": _spread([a / b for a, b in pairs]),
+        "of_pipeline_ceiling": _spread([r["saturation"]["of_ceiling"] for r in rounds]),
+        "imbalance": _spread([r["saturation"]["imbalance"] for r in rounds]),
+        "stages_busy_s": [[s["busy_s"] for s in r["saturation"]["stages"]] for r in rounds],
+        "four_over_one_throughput": _spread([b / a for a, b in zip(conc1, conc4, strict=True)]),
+        "four_over_one_tpot_p50": _spread([b / a for a, b in zip(tpot1, tpot4, strict=True)]),
+        "one_at_a_time_tpot_p50_s": _spread(tpot1),
+        "four_at_a_time_tpot_p50_s": _spread(tpot4),
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quotas", default="1.0,0.5,0.25")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--requests", type=int, default=32, help="per saturation run")
+    p.add_argument("--lengths", default="--prompt-tokens=16:64 --output-tokens=32:96")
+    p.add_argument("--out", type=Path, default=Path("/tmp/serve-targets"))
+    args = p.parse_args()
+    out: Path = args.out
+    out.mkdir(parents=True, exist_ok=True)
+    quotas = args.quotas.split(",")
+    cpus = [f"--cpus=lab-h{i + 1}={q}" for i, q in enumerate(quotas)]
+    inventory = cli("lab", "up", f"--hosts={len(quotas)}", *cpus)["inventory"]
+    model = write_chat_llama(out / "serve-llama", seed=1, **MODEL_SIZES)
+    lengths = args.lengths.split()
+    cli("down", inventory=inventory)
+    cli("up", inventory=inventory)
+    cli("serve", f"--model-path={model}", "--max-seq=256", "--slots=16", inventory=inventory)
+    record = cli("status", inventory=inventory, check=False)["service"][
+        "record"
+    ]  # the launcher's: split, each node's speed
+    (out / "serve-record.json").write_text(json.dumps(record, indent=2) + "\n")
+    print("serving:", json.dumps(record.get("pipelines")), json.dumps(record.get("nodes")), flush=True)
+    rounds = []
+    for number in range(args.rounds):
+        rounds.append(
+            {
+                "saturation": bench(inventory, out, f"three-sat-{number}", args.requests, lengths),
+                "one": bench(inventory, out, f"three-one-{number}", 8, [*lengths, "--concurrency=1"]),
+                "four": bench(inventory, out, f"three-four-{number}", 16, [*lengths, "--concurrency=4"]),
+            }
+        )
+    cli("serve", "--stop", inventory=inventory)
+    cli("down", inventory=inventory)
+    data = yaml.safe_load(Path(inventory).read_text())
+    data["hosts"] = data["hosts"][:1]  # lab-h1: the highest quota, the fastest node
+    alone = out / "fastest-alone.yaml"
+    alone.write_text(yaml.safe_dump(data, sort_keys=False))
+    cli("up", inventory=str(alone))
+    cli("serve", f"--model-path={model}", "--max-seq=256", "--slots=16", inventory=str(alone))
+    single = [bench(str(alone), out, f"one-sat-{n}", args.requests, lengths) for n in range(args.rounds)]
+    cli("serve", "--stop", inventory=str(alone))
+    cli("down", inventory=str(alone))
+    summary = {"quotas": quotas, "model": MODEL_SIZES, "lengths": lengths} | summarize(rounds, single)
+    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    print(json.dumps(summary, indent=2))
+
+
+if __name__ == "__main__":
+    main()

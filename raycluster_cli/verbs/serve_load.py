@@ -1,0 +1,196 @@
+"""The serving benchmark's load and its statistics: seeded requests, Poisson arrivals, per-request timings from a
+streamed answer, each run's percentiles and throughput, and each stage's busy time T_i over the run.
+
+Pure Python (no network): `verbs/serve_bench.py` sends the requests and reads the service's counters. The
+figures follow vLLM's `benchmarks/benchmark_serving.py`: TTFT is the time from sending a request to its first
+piece of text; TPOT is (end to end − TTFT) / (output tokens − 1), the mean time per token after the first; ITL are
+the gaps between successive streamed pieces of one request; throughput counts the tokens the service's `usage`
+reports. T_i is the seconds a stage spent inside its forward passes between two reads of its counters.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from raycluster_cli.bench.balance import imbalance, latency_summary, spread, utilisation
+
+# Plain English words: text every tokenizer takes (a byte-level one splits rarer words into more tokens; the
+# benchmark measures the service's tokens per word first and sizes prompts from that).
+_WORD_TEXT = (
+    "the a of to in on at for with by from and or but not is are was were be been cat dog bird fish tree river "
+    "hill road town city house door window light dark red green blue small large old new fast slow one two three "
+    "four five six seven eight nine ten run walk sing jump read write see hear say think hello world yes no "
+    "maybe please thanks story time day night sun moon star sky rain snow wind fire stone"
+)
+WORDS = tuple(_WORD_TEXT.split())
+
+
+@dataclass(frozen=True)
+class RequestSpec:
+    """One request of a run: its prompt (``words`` words of text) and the tokens it must generate."""
+
+    index: int
+    prompt: str
+    words: int
+    max_tokens: int
+
+
+@dataclass
+class RequestResult:
+    """What the client saw of one request; times in seconds (``sent_s`` from the run's start)."""
+
+    index: int
+    max_tokens: int
+    sent_s: float = 0.0
+    ttft_s: float | None = None
+    e2e_s: float | None = None
+    prompt_tokens: int | None = None
+    output_tokens: int = 0
+    pieces: int = 0  # streamed pieces of text (a piece may hold several tokens' text)
+    itl_s: list[float] = field(default_factory=list)
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None and self.e2e_s is not None
+
+    @property
+    def tpot_s(self) -> float | None:
+        if not self.ok or self.ttft_s is None or self.e2e_s is None or self.output_tokens < 2:
+            return None
+        return (self.e2e_s - self.ttft_s) / (self.output_tokens - 1)
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data.pop("itl_s")
+        return data | {"tpot_s": self.tpot_s}
+
+
+def parse_range(text: str, flag: str) -> tuple[int, int]:
+    """``"16:64"`` (uniform between, inclusive) or ``"32"`` (always 32) → (low, high)."""
+    low, sep, high = text.partition(":")
+    try:
+        values = (int(low), int(high) if sep else int(low))
+    except ValueError:
+        raise ValueError(f"{flag} {text!r} is not N or LOW:HIGH (whole numbers)") from None
+    if values[0] < 1 or values[1] < values[0]:
+        raise ValueError(f"{flag} {text!r}: needs 1 <= LOW <= HIGH")
+    return values
+
+
+def parse_rates(text: str) -> list[float]:
+    """``"0.5,1,2"`` → request rates per second (each > 0); "" → none."""
+    rates: list[float] = []
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        try:
+            rate = float(item)
+        except ValueError:
+            raise ValueError(f"--rates: {item!r} is not a number") from None
+        if not rate > 0:
+            raise ValueError(f"--rates: {item!r} must be > 0 requests per second")
+        rates.append(rate)
+    return rates
+
+
+def make_requests(
+    count: int, seed: int, prompt_tokens: tuple[int, int], output_tokens: tuple[int, int], tokens_per_word: float
+) -> list[RequestSpec]:
+    """``count`` requests with prompt and output lengths drawn uniformly from the ranges (seeded: the same
+    seed gives the same requests); a prompt of T tokens is T / ``tokens_per_word`` words of text, rounded
+    down (so that, on average, a prompt stays within its range)."""
+    rng = random.Random(seed)
+    specs = []
+    for index in range(count):
+        target = rng.randint(*prompt_tokens)
+        words = max(1, int(target / max(tokens_per_word, 1e-6)))
+        prompt = " ".join(rng.choice(WORDS) for _ in range(words))
+        specs.append(RequestSpec(index, prompt, words, rng.randint(*output_tokens)))
+    return specs
+
+
+def poisson_arrivals(count: int, rate: float, seed: int) -> list[float]:
+    """Send times (seconds from the run's start) of ``count`` requests arriving as a Poisson process of
+    ``rate`` per second: exponential gaps of mean 1/rate, the first request at 0."""
+    if rate <= 0:
+        raise ValueError("the rate must be > 0")
+    rng = random.Random(seed)
+    times, now = [], 0.0
+    for index in range(count):
+        if index:
+            now += rng.expovariate(rate)
+        times.append(now)
+    return times
+
+
+def _summary(values: Sequence[float]) -> dict[str, float | None]:
+    return latency_summary(values) | {"mean": sum(values) / len(values) if values else None}
+
+
+def summarize(results: Sequence[RequestResult], wall_s: float) -> dict[str, Any]:
+    """One run's figures: counts, throughput over ``wall_s``, p50/p90/p99/mean of TTFT, TPOT, ITL, e2e."""
+    done = [r for r in results if r.ok]
+    output = sum(r.output_tokens for r in done)
+    errors: list[str] = sorted({str(r.error) for r in results if r.error})
+    return {
+        "requests": len(results),
+        "completed": len(done),
+        "failed": len(results) - len(done),
+        "errors": errors[:5],
+        "wall_s": wall_s,
+        "requests_per_s": len(done) / wall_s if wall_s > 0 else 0.0,
+        "output_tokens": output,
+        "prompt_tokens": sum(r.prompt_tokens or 0 for r in done),
+        "output_tokens_per_s": output / wall_s if wall_s > 0 else 0.0,
+        "latency_s": {
+            "ttft": _summary([r.ttft_s for r in done if r.ttft_s is not None]),
+            "tpot": _summary([t for r in done if (t := r.tpot_s) is not None]),
+            "itl": _summary([gap for r in done for gap in r.itl_s]),
+            "e2e": _summary([r.e2e_s for r in done if r.e2e_s is not None]),
+        },
+    }
+
+
+def stage_rows(status: dict[str, Any]) -> dict[tuple[int, int], dict[str, Any]]:
+    """(pipeline index, stage position) → that stage's row of the service's status (its counters in it)."""
+    rows: dict[tuple[int, int], dict[str, Any]] = {}
+    for pipeline in status.get("pipelines", []):
+        for position, stage in enumerate(pipeline.get("stages", [])):
+            rows[(int(pipeline["index"]), position)] = stage | {"pipeline_state": pipeline.get("state")}
+    return rows
+
+
+def stage_times(before: dict[str, Any], after: dict[str, Any], wall_s: float) -> dict[str, Any]:
+    """Each stage's T_i (busy seconds), steps and CPU seconds between two status reads, and the balance
+    figures over them (as `bench` reports them). A stage whose actor changed (its pid: it was rebuilt) counts
+    from zero. ``of_ceiling``: the mean over pipelines of T_max / wall, how close the run came to the pace
+    its slowest stage allows (1.0: the bottleneck stage never idled)."""
+    old = stage_rows(before)
+    stages = []
+    for (pipeline, position), now in sorted(stage_rows(after).items()):
+        if "busy_s" not in now:
+            continue
+        was = old.get((pipeline, position), {})
+        same = was.get("pid") == now.get("pid") and "busy_s" in was
+        stages.append(
+            {
+                "pipeline": pipeline,
+                "stage": position,
+                "node_ip": now.get("node_ip", ""),
+                "blocks": now.get("blocks"),
+                "busy_s": max(0.0, now["busy_s"] - (was["busy_s"] if same else 0.0)),
+                "steps": int(now.get("steps", 0)) - (int(was.get("steps", 0)) if same else 0),
+                "cpu_s": max(0.0, now.get("cpu_s", 0.0) - (was.get("cpu_s", 0.0) if same else 0.0)),
+            }
+        )
+    busy = [s["busy_s"] for s in stages]
+    peaks = [max(s["busy_s"] for s in stages if s["pipeline"] == p) for p in sorted({s["pipeline"] for s in stages})]
+    return {
+        "stages": stages,
+        "t_max_minus_t_min_s": spread(busy) if busy else None,
+        "imbalance": imbalance(busy) if busy else None,
+        "utilisation": utilisation(busy) if busy else None,
+        "of_ceiling": sum(peaks) / (len(peaks) * wall_s) if peaks and wall_s > 0 else None,
+    }

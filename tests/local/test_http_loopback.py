@@ -1,0 +1,105 @@
+"""transport/http.py against a real server on the loopback (asyncio's, writing raw HTTP): chunked bodies read
+piece by piece as they arrive, bodies by length, and the deadline that ends a stream the server stops feeding."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+
+import pytest
+
+from raycluster_cli.transport import http
+
+Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+
+
+async def _serve(handler: Handler, client: Callable[[str], Awaitable[object]]) -> object:
+    server = await asyncio.start_server(handler, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        return await client(f"http://127.0.0.1:{port}/v1/completions")
+    finally:
+        server.close()
+
+
+async def _head(reader: asyncio.StreamReader) -> bytes:
+    head = await reader.readuntil(b"\r\n\r\n")
+    length = next((int(h.split(b":")[1]) for h in head.split(b"\r\n") if h.lower().startswith(b"content-length")), 0)
+    return head + await reader.readexactly(length)
+
+
+def test_a_chunked_stream_is_read_line_by_line_as_it_arrives() -> None:
+    seen: list[bytes] = []
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        seen.append(await _head(reader))
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n")
+        for piece in (b'data: {"a": 1}\n\n', b"data: [DO", b"NE]\n\n"):
+            writer.write(f"{len(piece):x}\r\n".encode() + piece + b"\r\n")
+            await writer.drain()
+            await asyncio.sleep(0.2)
+        writer.write(b"0\r\n\r\n")
+        writer.close()
+
+    async def client(url: str) -> object:
+        got: list[tuple[str, float]] = []
+        began = time.monotonic()
+        async with http.request(
+            "POST", url, timeout_s=5, json_body={"x": 1}, headers={"Authorization": "Bearer t"}
+        ) as a:
+            assert a.status == 200
+            async for line in a.lines():
+                got.append((line, time.monotonic() - began))
+        return got
+
+    got = asyncio.run(_serve(handler, client))
+    assert isinstance(got, list)
+    assert [line for line, _ in got] == ['data: {"a": 1}', "", "data: [DONE]", ""]
+    assert got[0][1] < 0.15 and got[2][1] > 0.35  # the first line came before the server sent the rest
+    request = seen[0]
+    assert request.startswith(b"POST /v1/completions HTTP/1.1\r\n")
+    assert b"Authorization: Bearer t" in request and request.endswith(b'{"x": 1}')
+
+
+def test_a_body_by_length_and_an_error_status() -> None:
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await _head(reader)
+        body = b'{"error": {"message": "full"}}'
+        writer.write(b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+        writer.close()
+
+    async def client(url: str) -> object:
+        async with http.request("GET", url, timeout_s=5) as answer:
+            return answer.status, await answer.json()
+
+    assert asyncio.run(_serve(handler, client)) == (503, {"error": {"message": "full"}})
+
+
+def test_a_stream_the_server_stops_feeding_ends_at_the_deadline() -> None:
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await _head(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n")
+        await writer.drain()
+        await asyncio.sleep(30)  # then nothing: a wedged server
+
+    async def client(url: str) -> object:
+        began = time.monotonic()
+        with pytest.raises(TimeoutError):
+            async with http.request("GET", url, timeout_s=0.6) as answer:
+                await answer.read()
+        return time.monotonic() - began
+
+    waited = asyncio.run(_serve(handler, client))
+    assert isinstance(waited, float) and 0.5 < waited < 2.0
+
+
+def test_nothing_listening_and_not_http() -> None:
+    async def client(url: str) -> object:
+        async with http.request("GET", url, timeout_s=2):
+            return None
+
+    with pytest.raises(http.HTTPFailure, match="could not connect"):
+        asyncio.run(client("http://127.0.0.1:9/"))
+    with pytest.raises(ValueError, match="not an http:// URL"):
+        http.parse_url("https://example.invalid/v1")
