@@ -16,8 +16,9 @@ class ModelConfig:
     """Shape of the decoder.  ``max_seq`` bounds prompt + generated tokens (position table, KV cache).
 
     ``arch`` picks the block: ``gpt2`` (learned positions, LayerNorm, GELU MLP) or ``llama`` (rotary
-    positions, RMSNorm, SwiGLU MLP, grouped-query attention); the fields after ``model_path`` are
-    Llama's and keep their defaults for GPT-2.
+    positions, RMSNorm, SwiGLU MLP, grouped-query attention; also Qwen2's and Mistral's, which differ
+    only in biases and the sliding window); the fields after ``model_path`` are Llama's and keep their
+    defaults for GPT-2.
     """
 
     vocab: int = 4096
@@ -38,12 +39,16 @@ class ModelConfig:
     attention_bias: bool = False
     mlp_bias: bool = False
     tied_head: bool = True  # LM head shares the token embedding
+    qkv_bias: bool = False  # q/k/v projections have biases, the output projection none (Qwen2)
+    sliding_window: int = 0  # a query sees only the last this many keys (Mistral, Qwen2); 0: all of them
+    window_from_layer: int = 0  # the window applies to blocks from this index on (Qwen2's max_window_layers)
+    family: str = ""  # the checkpoint's model_type (llama, qwen2, mistral) when it differs from arch
 
     def __post_init__(self) -> None:
         for name in ("vocab", "d_model", "heads", "layers", "max_seq"):
             if getattr(self, name) < 1:
                 raise ValueError(f"ModelConfig.{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("kv_heads", "head_dim", "ffn"):
+        for name in ("kv_heads", "head_dim", "ffn", "sliding_window", "window_from_layer"):
             if getattr(self, name) < 0:
                 raise ValueError(f"ModelConfig.{name} must be >= 0, got {getattr(self, name)}")
         if self.arch not in ARCHITECTURES:
@@ -57,6 +62,8 @@ class ModelConfig:
             raise ValueError(f"activation of a {self.arch} model must be one of {wanted}, got {self.activation!r}")
         if self.arch == "gpt2" and (self.kv_heads not in (0, self.heads) or self.head_dim or self.ffn):
             raise ValueError("kv_heads, head_dim and ffn are Llama settings; a gpt2 model keeps their defaults")
+        if self.arch == "gpt2" and (self.qkv_bias or self.sliding_window):
+            raise ValueError("qkv_bias and sliding_window are Llama-family settings; a gpt2 model keeps their defaults")
         if self.rope_type not in _LLAMA_ROPE:
             raise ValueError(f"rope scaling type must be one of {_LLAMA_ROPE}, got {self.rope_type!r}")
 
@@ -80,6 +87,10 @@ class ModelConfig:
     @property
     def mlp_width(self) -> int:
         return self.ffn or 4 * self.d_model
+
+    def window_of(self, block: int) -> int:
+        """The sliding window of block ``block`` (0-based), 0 when it attends to every earlier key."""
+        return self.sliding_window if block >= self.window_from_layer else 0
 
     @property
     def rope_params(self) -> dict[str, Any]:

@@ -87,7 +87,7 @@ class _LayerCache:
 class Block(nn.Module):
     """Pre-norm transformer block: causal self-attention (with KV cache) + GELU MLP."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int = 0) -> None:
         super().__init__()
         d = cfg.d_model
         self.heads = cfg.heads
@@ -134,7 +134,7 @@ class Architecture(NamedTuple):
     """How one architecture builds its units and fills them from a checkpoint."""
 
     embedding: Callable[[ModelConfig], nn.Module]
-    block: Callable[[ModelConfig], nn.Module]
+    block: Callable[[ModelConfig, int], nn.Module]  # (config, block index from 0)
     head: Callable[[ModelConfig], nn.Module]
     load_units: Callable[[ModelConfig, Mapping[int, nn.Module]], None]
 
@@ -144,8 +144,14 @@ ARCHITECTURES = {
     "llama": Architecture(llama.Embedding, llama.Block, llama.Head, llama.load_units),
 }
 # config.json's model_type, else an entry of its "architectures", -> our architecture
-_MODEL_TYPES = {"gpt2": "gpt2", "llama": "llama"}
-_MODEL_CLASSES = {"GPT2LMHeadModel": "gpt2", "GPT2Model": "gpt2", "LlamaForCausalLM": "llama"}
+_MODEL_TYPES = {"gpt2": "gpt2", "llama": "llama", "qwen2": "llama", "mistral": "llama"}
+_MODEL_CLASSES = {
+    "GPT2LMHeadModel": "gpt2",
+    "GPT2Model": "gpt2",
+    "LlamaForCausalLM": "llama",
+    "Qwen2ForCausalLM": "llama",
+    "MistralForCausalLM": "llama",
+}
 
 
 def checkpoint_architecture(path: str | Path) -> str:
@@ -162,7 +168,7 @@ def checkpoint_architecture(path: str | Path) -> str:
         return "gpt2"
     raise ValueError(
         f"{Path(path) / llama.CONFIG_FILE}: model_type {model_type!r} (architectures {classes}) is not supported;"
-        " --model-path takes GPT-2 (gpt2) or Llama (llama) checkpoints"
+        " --model-path takes GPT-2 (gpt2), Llama (llama), Qwen2 (qwen2) or Mistral (mistral) checkpoints"
     )
 
 
@@ -208,7 +214,7 @@ class Stage(nn.Module):
             elif unit == cfg.head_unit:
                 module = self.head = arch.head(cfg)
             else:
-                module = arch.block(cfg)
+                module = arch.block(cfg, unit - 1)
                 self.blocks.append(module)
             modules[unit] = module
         if cfg.model_path:

@@ -44,7 +44,7 @@ class BenchOptions(BaseModel):
 
     model_path: str | None = Field(
         None,
-        description="GPT-2 or Llama checkpoint dir (Hugging Face config.json + safetensors), same path on every node",
+        description="GPT-2, Llama, Qwen2 or Mistral checkpoint dir (Hugging Face config.json + safetensors), same path on every node",
     )
     layers: int | None = Field(
         None, ge=1, le=4096, description="transformer blocks (default: enough that every node gets its share)"

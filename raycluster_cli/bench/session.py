@@ -318,7 +318,9 @@ class Session:
         o, p = self.options, self.params
         return {
             "model": self.cfg.to_dict(),
-            "model_source": f"{self.cfg.arch}:{self.cfg.model_path}" if self.cfg.model_path else "random",
+            "model_source": f"{self.cfg.family or self.cfg.arch}:{self.cfg.model_path}"
+            if self.cfg.model_path
+            else "random",
             "layers_auto": not (o.layers or o.model_path or o.manual_counts),
             "mode": o.load_mode,
             "rate": o.rate,
