@@ -7,6 +7,8 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 ARCHITECTURES = ("gpt2", "llama")
+DTYPES = ("float32", "bfloat16", "float16")  # what weights, KV cache and activations are held and computed in
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 ACTIVATIONS = ("gelu", "gelu_new")
 _LLAMA_ROPE = ("default", "linear", "llama3")
 
@@ -43,6 +45,7 @@ class ModelConfig:
     sliding_window: int = 0  # a query sees only the last this many keys (Mistral, Qwen2); 0: all of them
     window_from_layer: int = 0  # the window applies to blocks from this index on (Qwen2's max_window_layers)
     family: str = ""  # the checkpoint's model_type (llama, qwen2, mistral) when it differs from arch
+    dtype: str = "float32"  # weights, KV cache and activations (one of DTYPES; "auto" is resolved before)
 
     def __post_init__(self) -> None:
         for name in ("vocab", "d_model", "heads", "layers", "max_seq"):
@@ -51,6 +54,8 @@ class ModelConfig:
         for name in ("kv_heads", "head_dim", "ffn", "sliding_window", "window_from_layer"):
             if getattr(self, name) < 0:
                 raise ValueError(f"ModelConfig.{name} must be >= 0, got {getattr(self, name)}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.arch not in ARCHITECTURES:
             raise ValueError(f"arch must be one of {ARCHITECTURES}, got {self.arch!r}")
         if self.head_dim == 0 and self.d_model % self.heads:
@@ -88,6 +93,10 @@ class ModelConfig:
     def mlp_width(self) -> int:
         return self.ffn or 4 * self.d_model
 
+    @property
+    def dtype_bytes(self) -> int:
+        return DTYPE_BYTES[self.dtype]
+
     def window_of(self, block: int) -> int:
         """The sliding window of block ``block`` (0-based), 0 when it attends to every earlier key."""
         return self.sliding_window if block >= self.window_from_layer else 0
@@ -110,3 +119,13 @@ class ModelConfig:
         casts: dict[str, Any] = {"int": int, "float": float, "str": str, "bool": bool}
         values = {f.name: casts[str(f.type)](data[f.name]) for f in fields(cls) if data.get(f.name) is not None}
         return cls(**values)
+
+
+def resolve_dtype(requested: str, stored: str, on_gpu: bool) -> str:
+    """The dtype a run computes in: ``requested``, or for ``auto`` the checkpoint's own (``stored``) when every
+    stage runs on a GPU and float32 otherwise (on CPUs float32 is the safe and usually the fast choice)."""
+    if requested != "auto":
+        if requested not in DTYPES:
+            raise ValueError(f"--dtype {requested!r} is not one of auto, {', '.join(DTYPES)}")
+        return requested
+    return stored if on_gpu and stored in DTYPES else "float32"

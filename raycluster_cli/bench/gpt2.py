@@ -113,7 +113,7 @@ def load_units(cfg: ModelConfig, modules: Mapping[int, nn.Module]) -> None:
         if set(params) != set(wanted[unit]):
             raise TensorFileError(f"unit {unit}: parameters {sorted(params)} do not match the GPT-2 layout")
         for ours, (src, transpose) in wanted[unit].items():
-            value = tensors[src].to(torch.float32)
+            value = tensors[src]
             if transpose:
                 value = value.t()
             if ours == "pos.weight":

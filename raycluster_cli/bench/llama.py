@@ -311,7 +311,7 @@ def load_units(cfg: ModelConfig, modules: Mapping[int, nn.Module]) -> None:
             )
         tensors = load_checkpoint_tensors(files, plan.values())
         for ours, src in plan.items():
-            value = tensors[src].to(torch.float32)
+            value = tensors[src]
             if tuple(value.shape) != tuple(params[ours].shape):
                 raise TensorFileError(
                     f"{cfg.model_path}: {src} has shape {tuple(value.shape)}, unit {unit} needs {tuple(params[ours].shape)}"

@@ -194,6 +194,18 @@ class _StageWorker:
         self.last_ended = 0.0
         self.intervals = []
 
+    def probe_dtypes(self, batch: int, prompt_len: int, decode_steps: int, min_sample_s: float) -> dict[str, Any]:
+        """One block's seconds per micro-batch in float32 and in bfloat16 on this node (``precision``)."""
+        from raycluster_cli.bench import precision
+
+        timed = {
+            f"{dtype}_s": precision.block_seconds(
+                self.cfg, dtype, self.device, batch, prompt_len, decode_steps, min_sample_s
+            )
+            for dtype in precision.PROBED
+        }
+        return {"node_ip": self.node_ip, **timed}
+
     def node_info(self) -> dict[str, Any]:
         return {
             "node_id": self.node_id,

@@ -51,6 +51,7 @@ class Session:
     dead: set[int] = field(default_factory=set)  # replicas that lost a node
     balanced_ranges: Ranges | None = None
     extra_workers: list[Any] = field(default_factory=list)  # started by --sweep nodes
+    dtype_choice: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
     def start(cls, options: BenchOptions, progress: experiment.Report) -> Session:
@@ -61,12 +62,12 @@ class Session:
         manual = options.manual_counts
         num_stages = options.stages or (len(manual) if manual else None) or len(nodes)
         provisional = options.layers or (sum(manual) if manual else max(4, num_stages))
-        cfg = experiment.model_config(options, provisional)
-        if num_stages > cfg.layers and (options.layers or options.model_path):
-            raise ValueError(f"{num_stages} stages but the model has {cfg.layers} blocks: every stage needs one")
         plan = scheduling.plan_replicas(len(nodes), num_stages, options.replicas, options.allow_shared_nodes)
         gpu_nodes = {n["node_id"] for n in nodes if n["gpus"] >= 1}
         node_ids = [nodes[i]["node_id"] for replica in plan for i in replica]
+        cfg = experiment.model_config(options, provisional, on_gpu=set(node_ids) <= gpu_nodes)
+        if num_stages > cfg.layers and (options.layers or options.model_path):
+            raise ValueError(f"{num_stages} stages but the model has {cfg.layers} blocks: every stage needs one")
         log.info("replicas on %s", [[nodes[i]["node_ip"] for i in replica] for replica in plan])
         progress(f"starting {len(node_ids)} stage worker(s) on {len(set(node_ids))} node(s)")
         workers = pipeline.start_workers(
@@ -78,6 +79,7 @@ class Session:
         )
         session = cls(options, progress, nodes, num_stages, node_ids, workers, cfg, gpu_nodes)
         try:
+            session.choose_dtype()
             session.calibrate()
             session.size_model()
             session.measure_hops()
@@ -97,11 +99,32 @@ class Session:
     def node_ip(self, node_id: str) -> str:
         return next((str(n["node_ip"]) for n in self.nodes if n["node_id"] == node_id), node_id)
 
+    def choose_dtype(self) -> None:
+        """``--dtype auto`` on CPU nodes: bfloat16 when one block measured faster in it on every node."""
+        o = self.options
+        if o.dtype != "auto" or set(self.node_ids) <= self.gpu_nodes:
+            why = "as asked" if o.dtype != "auto" else "the checkpoint's dtype on GPU nodes"
+            self.dtype_choice = {"requested": o.dtype, "dtype": self.cfg.dtype, "why": why}
+            return
+        from raycluster_cli.bench import precision
+
+        self.progress("measuring a block in float32 and bfloat16 on every node (--dtype auto)")
+        probes = precision.probe(list(self.first_on_node().values()), o)
+        self.dtype_choice = {"requested": "auto", **precision.choose(list(probes))}
+        if self.dtype_choice["dtype"] != self.cfg.dtype:
+            self.cfg = experiment.model_config(o, self.cfg.layers, dtype=self.dtype_choice["dtype"])
+            ray.get([w.configure.remote(self.cfg.to_dict()) for w in self.workers])
+
+    def first_on_node(self) -> dict[str, Any]:
+        """One worker per distinct node (the first of each)."""
+        first: dict[str, Any] = {}
+        for node_id, worker in zip(self.node_ids, self.workers, strict=True):
+            first.setdefault(node_id, worker)
+        return first
+
     def calibrate(self) -> None:
         """Every node's per-unit-type cost, all nodes at once (one worker per distinct node)."""
-        first_on_node: dict[str, Any] = {}
-        for node_id, worker in zip(self.node_ids, self.workers, strict=True):
-            first_on_node.setdefault(node_id, worker)
+        first_on_node = self.first_on_node()
         o = self.options
         self.progress(f"calibrating {len(first_on_node)} node(s)")
         found = pipeline.calibrate_workers(
@@ -134,7 +157,7 @@ class Session:
                 for r in range(len(self.replicas))
             ]
             layers = max(experiment.auto_layers(rows, o.min_blocks_per_node), self.num_stages)
-            self.cfg = experiment.model_config(o, layers)
+            self.cfg = experiment.model_config(o, layers, dtype=self.cfg.dtype)
             self.progress(f"model sized to {layers} blocks (slowest node holds about {o.min_blocks_per_node})")
             ray.get([w.configure.remote(self.cfg.to_dict()) for w in self.workers])
         self.costs = {nid: pipeline.unit_cost_row(c, self.cfg.layers) for nid, c in self.calibrations.items()}
@@ -145,8 +168,11 @@ class Session:
         self.progress("measuring the per-hop overhead with no-op stages")
         chunks = prefill_chunks(o.prompt_len, o.prefill_chunk)
         first = self.replicas[0]
-        prefill = pipeline.hop_overhead(first, torch.zeros(o.micro_batch, chunks[0][1], self.cfg.d_model), hops=o.hops)
-        decode = pipeline.hop_overhead(first, torch.zeros(o.micro_batch, 1, self.cfg.d_model), hops=o.hops)
+        dtype = getattr(torch, self.cfg.dtype)  # activations travel in the model's dtype
+        prefill = pipeline.hop_overhead(
+            first, torch.zeros(o.micro_batch, chunks[0][1], self.cfg.d_model, dtype=dtype), hops=o.hops
+        )
+        decode = pipeline.hop_overhead(first, torch.zeros(o.micro_batch, 1, self.cfg.d_model, dtype=dtype), hops=o.hops)
         self.hops = {
             "prefill": prefill,
             "decode": decode,
@@ -321,6 +347,8 @@ class Session:
             "model_source": f"{self.cfg.family or self.cfg.arch}:{self.cfg.model_path}"
             if self.cfg.model_path
             else "random",
+            "dtype": self.cfg.dtype,
+            "dtype_choice": self.dtype_choice,
             "layers_auto": not (o.layers or o.model_path or o.manual_counts),
             "mode": o.load_mode,
             "rate": o.rate,

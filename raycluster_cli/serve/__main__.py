@@ -9,7 +9,7 @@ went through every stage of every replica, printing one JSON line:
     {"url": "http://IP:PORT/v1", "model": ID, "replicas": R, "split": [[a, b], ...] (replica 0's unit ranges),
      "pipelines": [{"stages": [{"units": [a, b], "blocks": k, "node_ip": IP, "node_id": ID, "stage_s": s}, ...],
                     "why": "..."}, ...],
-     "nodes": [{"node_id": ID, "node_ip": IP, "block_s": s}, ...], "why": "..."}
+     "nodes": [{"node_id": ID, "node_ip": IP, "block_s": s}, ...], "why": "...", "dtype": D}
 
 Units are the model's embedding (0), blocks (1..L) and head (L+1); ``[a, b)`` is half-open;
 ``stage_s`` is the modelled seconds of the stage per calibration step (absent when not measured).  The application outlives this
@@ -56,6 +56,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--slots", type=int, default=16, help="sequences batched at once (KV cache slots)")
     p.add_argument("--max-seq", type=int, default=512, help="prompt + generated tokens per sequence")
     p.add_argument("--prefill-chunk", type=int, default=64)
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        choices=("auto", "float32", "bfloat16", "float16"),
+        help="weights, KV cache and activations; auto: the checkpoint's dtype when every node has a GPU, else float32",
+    )
     p.add_argument("--token-file", default=os.environ.get("RAY_AUTH_TOKEN_PATH", ""))
     p.add_argument("--no-auth", action="store_true", help="accept requests without a token (loopback tests only)")
     p.add_argument("--record", default="", help="also write the JSON document to this file (for `raycluster status`)")
@@ -75,9 +81,15 @@ def _token(args: argparse.Namespace) -> str | None:
     return Path(args.token_file).read_text().strip()
 
 
+def _on_gpus() -> bool:
+    """Every alive node offers Ray a GPU (what ``--dtype auto`` keeps the checkpoint's dtype for)."""
+    alive = [n for n in ray.nodes() if n.get("Alive")]
+    return bool(alive) and all(float(n.get("Resources", {}).get("GPU", 0.0)) >= 1 for n in alive)
+
+
 def _placement(args: argparse.Namespace, settings: ServeSettings, layers: int) -> ServeSettings:
     """The settings with the replicas placed on the alive nodes, by their measured speeds unless told not."""
-    cfg = config_from_checkpoint(args.model_path, max_seq=args.max_seq)
+    cfg = config_from_checkpoint(args.model_path, max_seq=args.max_seq, dtype=settings.dtype)
     nodes = alive_nodes()
     if args.no_measure:
         speeds = [NodeSpeed(node_id, ip, ()) for node_id, ip in nodes.items()]
@@ -105,6 +117,7 @@ def _report(url: str, settings: ServeSettings, layers: int) -> dict[str, Any]:
         "pipelines": [plan.to_json(layers) for plan in plans],
         "nodes": [{"node_id": s.node_id, "node_ip": s.ip, "block_s": s.block_s} for s in settings.speeds],
         "why": plans[0].why,
+        "dtype": settings.dtype,
     }
 
 
@@ -123,7 +136,8 @@ def main(argv: list[str] | None = None) -> int:
     layers = config_from_checkpoint(args.model_path, max_seq=args.max_seq).layers
     split_units(layers, args.stages, split)  # a bad split fails here, before anything starts
     ray.init(address="auto")
-    settings = _placement(args, settings, layers)
+    cfg = config_from_checkpoint(args.model_path, max_seq=args.max_seq, dtype=args.dtype, on_gpu=_on_gpus())
+    settings = _placement(args, replace(settings, dtype=cfg.dtype), layers)
     serve.start(proxy_location=args.proxy_location, http_options={"host": args.host, "port": args.port})
     serve.run(build_app(settings), name=APP_NAME, route_prefix="/")
     url = f"http://{ray.util.get_node_ip_address()}:{args.port}/v1"

@@ -28,8 +28,8 @@ class SlotCache:
 
     def __init__(self, slots: int, cfg: ModelConfig, device: torch.device) -> None:
         shape = (slots, cfg.num_kv_heads, cfg.max_seq, cfg.dim_per_head)
-        self.k = torch.zeros(shape, device=device)
-        self.v = torch.zeros(shape, device=device)
+        self.k = torch.zeros(shape, device=device, dtype=getattr(torch, cfg.dtype))
+        self.v = torch.zeros(shape, device=device, dtype=getattr(torch, cfg.dtype))
 
 
 @dataclass(frozen=True)
@@ -155,8 +155,7 @@ class BatchedStage:
         if rows.keys_len > self.cfg.max_seq:
             raise ValueError(f"sequence of {rows.keys_len} tokens exceeds max_seq={self.cfg.max_seq}")
         stage = self.stage
-        if stage.embedding is not None:
-            x = self._embed(stage.embedding, x, rows)
+        x = self._embed(stage.embedding, x, rows) if stage.embedding is not None else x.to(stage.dtype)
         for block, cache in zip(stage.blocks, self.caches, strict=True):
             if isinstance(block, llama.Block):
                 x = _llama_block(block, x, cache, rows)

@@ -219,6 +219,25 @@ def test_llama_checkpoint_through_the_pipeline_equals_unsharded(local_ray: None,
     assert doc["output_check"] == {"identical": True, "compared_requests": 6, "mismatched": []}
 
 
+@pytest.mark.parametrize("dtype", ["auto", "bfloat16"])
+def test_qwen2_checkpoint_at_a_dtype_through_the_pipeline_equals_unsharded(
+    local_ray: None, tmp_path: Path, dtype: str
+) -> None:
+    from tests.llama_checkpoint import GQA, write_llama
+
+    path = write_llama(tmp_path / "tiny-qwen2", family="qwen2", num_hidden_layers=4, **GQA)
+    doc = _checkpoint_run(path, dtype=dtype)
+    model, choice = doc["config"]["model"], doc["config"]["dtype_choice"]
+    assert (model["family"], model["qkv_bias"], doc["config"]["model_source"]) == ("qwen2", True, f"qwen2:{path}")
+    assert choice["requested"] == dtype and choice["dtype"] == model["dtype"] == doc["config"]["dtype"]
+    if dtype == "auto":  # a CPU run: measured, then chosen by the measurement
+        probe = choice["probes"][0]
+        assert model["dtype"] == ("bfloat16" if probe["bfloat16_s"] < probe["float32_s"] else "float32")
+    else:
+        assert model["dtype"] == "bfloat16" and "probes" not in choice
+    assert doc["output_check"] == {"identical": True, "compared_requests": 6, "mismatched": []}
+
+
 def test_poisson_mode_and_sweeps(local_ray: None) -> None:
     doc = _run(layers=2, stages=1, requests=8, rate=200, references=False, sweep="batch")
     assert doc["config"]["mode"] == "poisson" and doc["config"]["rate"] == 200
