@@ -24,8 +24,9 @@ import ray
 import torch
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from raycluster_cli.bench.cgroup import container_cpu_quota, container_cpu_usage, container_memory, node_capacity
 from raycluster_cli.bench.model import ModelConfig, Stage, prefill_chunks
-from raycluster_cli.bench.scheduling import cgroup_cpu_usage_s, cpu_quota, torch_threads
+from raycluster_cli.bench.scheduling import torch_threads
 
 # Idle OpenMP threads sleep instead of spinning: several stages may share a machine's cores (a lab on
 # one host, other tenants), and spinning threads of one stage then steal the CPU of the next.
@@ -49,33 +50,6 @@ def node_ip(node_id: str) -> str:
     return str(_node_entry(node_id).get("NodeManagerAddress") or ray.util.get_node_ip_address())
 
 
-def _read(path: str) -> str | None:
-    try:
-        with open(path) as f:
-            return f.read()
-    except OSError:
-        return None
-
-
-def container_cpu_quota() -> float | None:
-    """This process's CFS CPU quota in CPUs (cgroup v2, else v1), None when unlimited."""
-    v2 = _read("/sys/fs/cgroup/cpu.max")
-    if v2 is not None:
-        return cpu_quota(cpu_max=v2)
-    return cpu_quota(
-        cfs_quota_us=_read("/sys/fs/cgroup/cpu/cpu.cfs_quota_us"),
-        cfs_period_us=_read("/sys/fs/cgroup/cpu/cpu.cfs_period_us"),
-    )
-
-
-def container_cpu_usage() -> float | None:
-    """CPU seconds this process's container (cgroup) has used, all its processes together; None if unknown."""
-    v2 = _read("/sys/fs/cgroup/cpu.stat")
-    if v2 is not None:
-        return cgroup_cpu_usage_s(cpu_stat=v2)
-    return cgroup_cpu_usage_s(cpuacct_usage=_read("/sys/fs/cgroup/cpuacct/cpuacct.usage"))
-
-
 def node_cpu_count(node_id: str) -> int:
     """Torch threads for ``node_id``: the container's CPU quota (else the CPUs Ray advertises), rounded
     up, capped by the usable cores."""
@@ -96,6 +70,7 @@ class _StageWorker:
     busy_s: float
     cpu_s: float
     calls: int
+    cache_peak: int
     process_cpu_began: float
     container_cpu_began: float | None
     stats_began: float
@@ -152,6 +127,8 @@ class _StageWorker:
         self.last_ended = ended
         self.intervals.append((began - self.stats_began, ended - self.stats_began))
         self.calls += 1
+        if positions == 0:  # caches are allocated at prefill
+            self.cache_peak = max(self.cache_peak, self.stage.cache_bytes())
         if onward and self.next is not None:
             return self.next.forward.remote(cache_id, out, positions, True)
         return out
@@ -179,6 +156,9 @@ class _StageWorker:
             "span_s": span,
             "calls": self.calls,
             "cached_micro_batches": cached,
+            "weights_bytes": self.stage.weight_bytes() if self.stage is not None else 0,
+            "cache_peak_bytes": self.cache_peak,
+            "memory": container_memory(),
             # every forward's (start, end), seconds after reset_stats (the run's start, on this node's clock)
             "intervals": [(round(a, 5), round(b, 5)) for a, b in self.intervals],
         }
@@ -187,6 +167,7 @@ class _StageWorker:
         self.busy_s = 0.0
         self.cpu_s = 0.0
         self.calls = 0
+        self.cache_peak = 0
         self.process_cpu_began = self.process_cpu_s()
         self.container_cpu_began = container_cpu_usage()
         self.stats_began = time.perf_counter()
@@ -206,6 +187,10 @@ class _StageWorker:
         }
         return {"node_ip": self.node_ip, **timed}
 
+    def memory_capacity(self) -> dict[str, Any]:
+        """What this node can still hold for a stage (``memory``), measured now."""
+        return node_capacity(self.node_id, self.node_ip, self.device).to_dict()
+
     def node_info(self) -> dict[str, Any]:
         return {
             "node_id": self.node_id,
@@ -224,6 +209,7 @@ class _StageWorker:
         repeats: int = 5,
         min_sample_s: float = 0.25,
         prefill_chunk: int = 0,
+        max_blocks: int = 4,
     ) -> dict[str, Any]:
         """Seconds one micro-batch (prefill + decode steps) spends in each unit type on this node.
 
@@ -239,7 +225,7 @@ class _StageWorker:
         gen = torch.Generator().manual_seed(cfg.seed)
         ids = torch.randint(0, cfg.vocab, (batch, prompt_len), generator=gen)
         hidden = torch.randn(batch, prompt_len, cfg.d_model, generator=gen)
-        run = min(4, cfg.layers)
+        run = max(1, min(4, max_blocks, cfg.layers))  # fewer where memory is short
         subjects = {
             "embedding": (Stage(cfg, 0, 1, device=self.device), ids, 1),
             "block": (Stage(cfg, 1, 1 + run, device=self.device), hidden, run),
@@ -328,15 +314,20 @@ def calibrate_workers(
     repeats: int = 5,
     min_sample_s: float = 0.25,
     prefill_chunk: int = 0,
+    max_blocks: list[int] | None = None,
 ) -> list[dict[str, Any]]:
-    """Per-unit-type costs measured on each worker's node, all nodes at once.
+    """Per-unit-type costs measured on each worker's node, all nodes at once (at most ``max_blocks[i]``
+    blocks built at once on worker i's node).
 
     At once, because that is how they run in the pipeline: nodes that share physical cores (a lab
     on one machine, noisy neighbours) are measured under the same contention they will meet.
     """
     return list(
         ray.get(
-            [w.calibrate.remote(batch, prompt_len, decode_steps, repeats, min_sample_s, prefill_chunk) for w in workers]
+            [
+                w.calibrate.remote(batch, prompt_len, decode_steps, repeats, min_sample_s, prefill_chunk, blocks)
+                for w, blocks in zip(workers, max_blocks or [4] * len(workers), strict=True)
+            ]
         )
     )
 

@@ -7,6 +7,7 @@ the callback it was given (``phase, done, total``), and every workload run goes 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import asdict, dataclass, field
@@ -15,7 +16,7 @@ from typing import Any
 import ray
 import torch
 
-from raycluster_cli.bench import experiment, pilots, pipeline, scheduling, workload
+from raycluster_cli.bench import experiment, fitting, memory, pilots, pipeline, scheduling, workload
 from raycluster_cli.bench.model import prefill_chunks
 from raycluster_cli.bench.options import BenchOptions
 from raycluster_cli.schema import SCHEMA_VERSION
@@ -52,6 +53,7 @@ class Session:
     balanced_ranges: Ranges | None = None
     extra_workers: list[Any] = field(default_factory=list)  # started by --sweep nodes
     dtype_choice: dict[str, Any] = field(default_factory=dict)
+    memory: fitting.MemoryPlan | None = None  # each node's room and what the model needs (None: not measured)
 
     @classmethod
     def start(cls, options: BenchOptions, progress: experiment.Report) -> Session:
@@ -79,7 +81,10 @@ class Session:
         )
         session = cls(options, progress, nodes, num_stages, node_ids, workers, cfg, gpu_nodes)
         try:
+            on_cpu = not set(node_ids) <= gpu_nodes
+            session.plan_memory("bfloat16" if options.dtype == "auto" and on_cpu else None)  # before any weights
             session.choose_dtype()
+            session.plan_memory()
             session.calibrate()
             session.size_model()
             session.measure_hops()
@@ -115,6 +120,15 @@ class Session:
             self.cfg = experiment.model_config(o, self.cfg.layers, dtype=self.dtype_choice["dtype"])
             ray.get([w.configure.remote(self.cfg.to_dict()) for w in self.workers])
 
+    def plan_memory(self, dtype: str | None = None) -> None:
+        """Measure every node's room (once) and refuse a model no split can hold, at ``dtype`` (default: the run's)."""
+        if self.memory is None:
+            found = ray.get([w.memory_capacity.remote() for w in self.first_on_node().values()])
+            self.memory = fitting.MemoryPlan.make(self.cfg, self.options, self.num_stages, list(found))
+        cfg = self.cfg if dtype is None else dataclasses.replace(self.cfg, dtype=dtype)
+        self.memory = self.memory.for_config(cfg, self.options, self.num_stages)
+        self.memory.refuse_if_too_large(self.num_stages)
+
     def first_on_node(self) -> dict[str, Any]:
         """One worker per distinct node (the first of each)."""
         first: dict[str, Any] = {}
@@ -135,6 +149,7 @@ class Session:
             o.calibration_repeats,
             o.calibration_sample_s,
             o.prefill_chunk,
+            [self.memory.calibration_blocks(n) if self.memory else 4 for n in first_on_node],
         )
         self.calibrations = dict(zip(first_on_node, found, strict=True))
 
@@ -160,6 +175,7 @@ class Session:
             self.cfg = experiment.model_config(o, layers, dtype=self.cfg.dtype)
             self.progress(f"model sized to {layers} blocks (slowest node holds about {o.min_blocks_per_node})")
             ray.get([w.configure.remote(self.cfg.to_dict()) for w in self.workers])
+            self.plan_memory()
         self.costs = {nid: pipeline.unit_cost_row(c, self.cfg.layers) for nid, c in self.calibrations.items()}
 
     def measure_hops(self) -> None:
@@ -185,10 +201,20 @@ class Session:
         self.transfer_s = len(chunks) * prefill["per_hop_s"] + decode_steps * decode["per_hop_s"]
 
     def ranges_for(self, which: str) -> Ranges:
+        """Every replica's split; the balanced one fits each node's memory, another that does not raises
+        ``memory.ModelTooLarge`` with the reason."""
         out = []
         for r in range(len(self.replicas)):
-            rows = [self.costs[self.node_ids[r * self.num_stages + s]] for s in range(self.num_stages)]
-            out.append(experiment.choose_ranges(which, rows, self.cfg.layers, self.transfer_s))
+            ids = self.node_ids[r * self.num_stages :][: self.num_stages]
+            rows = [self.costs[n] for n in ids]
+            if which == "balanced" and self.memory is not None:
+                out.append(self.memory.balanced(rows, self.transfer_s, ids))
+                continue
+            ranges = experiment.choose_ranges(which, rows, self.cfg.layers, self.transfer_s)
+            why = self.memory.why_not(ranges, ids) if self.memory is not None else None
+            if why:
+                raise memory.ModelTooLarge(f"the {which.split(':')[0]} split does not fit the nodes' memory: {why}")
+            out.append(ranges)
         return out
 
     def measure(self, ranges: Ranges, params: Any, label: str, replicas: list[list[Any]] | None = None) -> Any:
@@ -260,11 +286,14 @@ class Session:
 
         chosen, tried = pilots.refine(ranges, o.refine, run_pilot, self.costs, lambda: self.ranges_for("balanced"))
         self.balanced_ranges = chosen
-        even = self.ranges_for("even")
+        self.pilots = pilots.public(tried, chosen, {nid: self.node_ip(nid) for nid in self.costs})
+        try:
+            even = self.ranges_for("even")
+        except memory.ModelTooLarge as exc:
+            return chosen, {"used": "balanced", "reason": str(exc)}
         used, choice = pilots.pick_split(
             chosen, even, tried, lambda: self.measure(even, pilot_params, "even-split pilot")
         )
-        self.pilots = pilots.public(tried, chosen, {nid: self.node_ip(nid) for nid in self.costs})
         return used, choice
 
     def resize(self, tokens_per_s: float) -> None:
@@ -278,7 +307,9 @@ class Session:
 
     def main_doc(self, result: Any, ranges: Ranges) -> dict[str, Any]:
         replicas = result.replica_dicts()
+        stages = result.stage_dicts()
         return {
+            **({"memory": self.memory.report(stages)} if self.memory is not None else {}),
             **result.summary(),
             "stages": experiment.with_predictions(result.stage_dicts(), self.costs, replicas),
             "replicas": replicas,
@@ -287,32 +318,9 @@ class Session:
         }
 
     def references(self, result: Any, ranges: Ranges, choice: dict[str, Any]) -> dict[str, Any]:
-        alive = [result.replicas[i] for i in range(len(result.replicas)) if not result.replicas[i].lost]
-        busiest = [r.busiest_s for r in alive]
-        ceiling = scheduling.ceiling_tokens_per_s([r.tokens for r in alive], busiest)
-        stages = [s for s in result.stage_dicts()]
-        bottleneck = max(stages, key=lambda s: s["busy_s"]) if stages else {"busy_s": 0.0}
-        refs: dict[str, Any] = {
-            "ceiling": {
-                "tokens_per_s": ceiling,
-                "ratio": result.tokens_per_s / ceiling if ceiling else None,
-                "gap": scheduling.ceiling_gap(result.wall_s, bottleneck),
-            }
-        }
-        if not self.options.references:
-            return refs
-        other = "balanced" if choice.get("used") == "even" and self.balanced_ranges else "even"
-        other_ranges = self.balanced_ranges if other == "balanced" else self.ranges_for("even")
-        if other_ranges is not None and other_ranges != ranges:
-            run = self.measure(other_ranges, self.params, f"reference: {other} split")
-            refs[other] = experiment.reference(result, run, {"partition_ranges": [list(r) for r in other_ranges[0]]})
-        candidates = [n for r in self.alive() for n in self.node_ids[r * self.num_stages :][: self.num_stages]]
-        if candidates:
-            fastest = min(candidates, key=lambda nid: sum(self.costs[nid]))
-            worker = self.workers[self.node_ids.index(fastest)]
-            whole = self.measure([[(0, self.cfg.num_units)]], self.params, "reference: unsharded", replicas=[[worker]])
-            refs["unsharded"] = experiment.reference(result, whole, {"node_ip": self.node_ip(fastest)})
-        return refs
+        from raycluster_cli.bench.references import references
+
+        return references(self, result, ranges, choice)
 
     def sweep(self, kind: str, ranges: Ranges) -> dict[str, Any]:
         if kind == "batch":
@@ -391,9 +399,11 @@ def run(options: BenchOptions, progress: experiment.Report) -> dict[str, Any]:
         doc["split_choice"] = choice
         if options.check_output:
             progress("checking output against the unsharded model")
-            from raycluster_cli.bench.workload import check_output
+            from raycluster_cli.bench.cgroup import node_capacity
+            from raycluster_cli.bench.outputcheck import check_output
 
-            doc["output_check"] = check_output(session.cfg, params, result, options.check_requests)
+            room = node_capacity("driver", "driver").usable
+            doc["output_check"] = check_output(session.cfg, params, result, options.check_requests, room)
         doc["references"] = session.references(result, ranges, choice)
         if options.sweep:
             doc["sweep"] = session.sweep(options.sweep, ranges)

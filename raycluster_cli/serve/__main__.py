@@ -30,7 +30,10 @@ from typing import Any
 import ray
 from ray import serve
 
+from raycluster_cli.bench import memory
+from raycluster_cli.bench.config import ModelConfig
 from raycluster_cli.bench.model import config_from_checkpoint
+from raycluster_cli.bench.partition import DoesNotFit
 from raycluster_cli.serve.app import ServeSettings, build_app
 from raycluster_cli.serve.fleet import Calibration, alive_nodes, measure
 from raycluster_cli.serve.placement import NodeSpeed, plan_replicas
@@ -87,10 +90,39 @@ def _on_gpus() -> bool:
     return bool(alive) and all(float(n.get("Resources", {}).get("GPU", 0.0)) >= 1 for n in alive)
 
 
+@ray.remote(num_cpus=0)
+def _node_room(node_id: str) -> dict[str, Any]:
+    """This node's room for a stage, measured in a process that has torch loaded as a stage actor will."""
+    import raycluster_cli.bench.model  # noqa: F401  (torch in this process, as in the actor)
+    from raycluster_cli.bench.cgroup import node_capacity
+    from raycluster_cli.bench.pipeline import node_ip, pick_device
+
+    return node_capacity(node_id, node_ip(node_id), pick_device()).to_dict()
+
+
+def _rooms(cfg: ModelConfig, args: argparse.Namespace, node_ids: list[str]) -> tuple[dict[str, int], memory.Demand]:
+    """Each node's bytes for a stage's units (after a step's room), and the model's demand; refuses, with the
+    numbers, a model no split over ``--stages`` nodes can hold."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    calls = [
+        _node_room.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=n, soft=False)).remote(n)
+        for n in node_ids
+    ]
+    capacities = [memory.Capacity.from_dict(c) for c in ray.get(calls, timeout=120)]
+    need = memory.demand(cfg, rows=args.slots, tokens=args.prefill_chunk)
+    memory.check_fits(need, capacities, args.stages)
+    return {c.node_id: max(0, c.usable - need.fixed) for c in capacities}, need
+
+
 def _placement(args: argparse.Namespace, settings: ServeSettings, layers: int) -> ServeSettings:
     """The settings with the replicas placed on the alive nodes, by their measured speeds unless told not."""
     cfg = config_from_checkpoint(args.model_path, max_seq=args.max_seq, dtype=settings.dtype)
     nodes = alive_nodes()
+    try:
+        rooms, need = _rooms(cfg, args, list(nodes))  # before any weights are built anywhere
+    except DoesNotFit as exc:
+        raise SystemExit(f"serve: {exc}") from None
     if args.no_measure:
         speeds = [NodeSpeed(node_id, ip, ()) for node_id, ip in nodes.items()]
     else:
@@ -101,8 +133,12 @@ def _placement(args: argparse.Namespace, settings: ServeSettings, layers: int) -
             prefill_chunk=args.prefill_chunk,
         )
         speeds = measure(cfg, nodes, calibration)
+    speeds = [replace(s, capacity=rooms.get(s.node_id)) for s in speeds]
     given = split_units(layers, args.stages, settings.split) if settings.split or args.no_measure else None
-    plans = plan_replicas(speeds, args.stages, args.replicas, given)
+    try:
+        plans = plan_replicas(speeds, args.stages, args.replicas, given, unit_bytes=list(need.units))
+    except DoesNotFit as exc:
+        raise SystemExit(f"serve: {exc}") from None
     measured = tuple(s for s in speeds if s.unit_costs)
     return replace(settings, plans=tuple(plans), speeds=measured, replicas=len(plans))
 

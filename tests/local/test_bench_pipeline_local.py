@@ -17,7 +17,7 @@ pytestmark = [pytest.mark.slow]
 ray = pytest.importorskip("ray")
 torch = pytest.importorskip("torch")
 
-from raycluster_cli.bench import experiment, pipeline, session  # noqa: E402
+from raycluster_cli.bench import experiment, outputcheck, pipeline, session  # noqa: E402
 from raycluster_cli.bench import workload as runtime  # noqa: E402
 from raycluster_cli.bench.model import ModelConfig  # noqa: E402
 from raycluster_cli.bench.options import BenchOptions  # noqa: E402
@@ -94,7 +94,7 @@ def test_run_workload_completes_and_matches_unsharded_model(local_ray: None) -> 
     assert result.tokens_per_s > 0 and result.wall_s > 0
     table_ip = next(n["NodeManagerAddress"] for n in ray.nodes() if n["NodeID"] == node_id)
     assert {(s.node_id, s.node_ip) for s in result.stages} == {(node_id, table_ip)}
-    check = runtime.check_output(cfg, params, result, num_requests=10)
+    check = outputcheck.check_output(cfg, params, result, num_requests=10)
     assert check == {"identical": True, "compared_requests": 10, "mismatched": []}
 
 
@@ -150,7 +150,7 @@ def test_chunked_prefill_through_the_pipeline(local_ray: None) -> None:
     # Both stages share this machine's cgroup: the other processes' share cannot be told apart.
     assert all(s.others_cpus == 0.0 and s.capacity_s == s.busy_s for s in result.stages)
     assert all(s.container_cpu_s is None or s.container_cpu_s >= s.process_cpu_s * 0.9 for s in result.stages)
-    check = runtime.check_output(cfg, params, result, num_requests=6)
+    check = outputcheck.check_output(cfg, params, result, num_requests=6)
     assert check == {"identical": True, "compared_requests": 6, "mismatched": []}
 
 
