@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from raycluster_cli.bench.memory import Capacity, cgroup_capacity, margin
@@ -55,6 +56,14 @@ def container_memory() -> dict[str, Any]:
     return {"limit_bytes": None, "working_set_bytes": None, "peak_bytes": None}
 
 
+def ray_memory_threshold() -> float:
+    """The share of the memory limit above which Ray's memory monitor kills workers (0.95 unless set)."""
+    try:
+        return min(1.0, float(os.environ.get("RAY_memory_usage_threshold", "0.95")))  # noqa: SIM112  (Ray's spelling)
+    except ValueError:
+        return 0.95
+
+
 def node_capacity(node_id: str, node_ip: str, device: str = "cpu") -> Capacity:
     """This process's node: the GPU's free memory on ``cuda``, else its container's room (cgroup), else the host's."""
     if device.startswith("cuda"):
@@ -72,7 +81,7 @@ def node_capacity(node_id: str, node_ip: str, device: str = "cpu") -> Capacity:
         found = cgroup_capacity(read(base + limit_file), read(base + usage_file), read(base + "memory.stat"))
         if found is not None:
             limit, used = found
-            room = min(limit - used, int(host.available))
+            room = min(int(limit * ray_memory_threshold()) - used, int(host.available))
             return Capacity(node_id, node_ip, max(0, room - margin(limit)), limit, used, source)
     available = int(host.available)
     return Capacity(node_id, node_ip, max(0, available - margin(available)), None, int(host.total - available), "host")

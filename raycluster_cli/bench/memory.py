@@ -4,7 +4,8 @@ A stage on a node needs its units' weights (at ``cfg.dtype``), the KV cache of i
 in flight (micro-batch x micro-batches in flight, each sized to ``max_seq``) and, while it computes, the
 activations of one step plus the raw tensors of one unit being read from the checkpoint.  A node's
 capacity is what its container may still take: the cgroup memory limit (v2 ``memory.max``, v1
-``memory.limit_in_bytes``) less the working set already there (Ray's processes, the stage worker with torch
+``memory.limit_in_bytes``; times Ray's memory-monitor threshold, 95 %, above which Ray kills workers) less the
+working set already there (Ray's processes, the stage worker with torch
 loaded; page cache that can be dropped is not counted), or the host's available memory without a limit;
 on a GPU node the GPU's free memory.  A margin (``MARGIN``) stays free for what the estimate does not see.
 
@@ -23,7 +24,7 @@ from raycluster_cli.bench.partition import DoesNotFit
 
 MIB = 1 << 20
 GB = 1e9
-MARGIN_FRACTION = 0.05  # of the limit (or of what is available) ...
+MARGIN_FRACTION = 0.03  # of the limit (or of what is available) ...
 MARGIN_MIN = 48 * MIB  # ... but never less than this
 
 
