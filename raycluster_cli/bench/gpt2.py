@@ -102,8 +102,8 @@ def unit_tensors(cfg: ModelConfig, unit: int, names: set[str]) -> dict[str, tupl
 
 @torch.no_grad()
 def load_units(cfg: ModelConfig, modules: Mapping[int, nn.Module]) -> None:
-    """Fill each unit's module from ``cfg.model_path``, one unit at a time, reading only that unit's tensors
-    (so loading holds at most one unit's raw tensors beside the weights)."""
+    """Fill each unit's module from ``cfg.model_path``, one tensor at a time, reading only its units' tensors
+    (so loading holds at most one raw tensor beside the weights)."""
     weights = Path(cfg.model_path) / WEIGHTS_FILE
     header, _ = read_header(weights)
     names = set(header)
@@ -112,9 +112,8 @@ def load_units(cfg: ModelConfig, modules: Mapping[int, nn.Module]) -> None:
         params = dict(module.named_parameters())
         if set(params) != set(plan):
             raise TensorFileError(f"unit {unit}: parameters {sorted(params)} do not match the GPT-2 layout")
-        tensors = load_tensors(weights, sorted({src for src, _ in plan.values()}))
-        for ours, (src, transpose) in plan.items():
-            value = tensors[src]
+        for ours, (src, transpose) in plan.items():  # one tensor in memory at a time beside the weights
+            value = load_tensors(weights, [src])[src]
             if transpose:
                 value = value.t()
             if ours == "pos.weight":

@@ -299,7 +299,7 @@ def unit_tensors(cfg: ModelConfig, unit: int, names: set[str]) -> dict[str, str]
 
 @torch.no_grad()
 def load_units(cfg: ModelConfig, modules: Mapping[int, nn.Module]) -> None:
-    """Fill each unit's module from ``cfg.model_path``, one unit at a time, reading only that unit's tensors."""
+    """Fill each unit's module from ``cfg.model_path``, one tensor at a time, reading only that unit's tensors."""
     files = checkpoint_tensors(cfg.model_path)
     names = set(files)
     for unit, module in modules.items():
@@ -309,9 +309,8 @@ def load_units(cfg: ModelConfig, modules: Mapping[int, nn.Module]) -> None:
             raise TensorFileError(
                 f"unit {unit}: parameters {sorted(params)} do not match the {cfg.family or 'llama'} layout"
             )
-        tensors = load_checkpoint_tensors(files, plan.values())
-        for ours, src in plan.items():
-            value = tensors[src]
+        for ours, src in plan.items():  # one tensor in memory at a time beside the weights
+            value = load_checkpoint_tensors(files, [src])[src]
             if tuple(value.shape) != tuple(params[ours].shape):
                 raise TensorFileError(
                     f"{cfg.model_path}: {src} has shape {tuple(value.shape)}, unit {unit} needs {tuple(params[ours].shape)}"

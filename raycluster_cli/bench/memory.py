@@ -88,7 +88,7 @@ class Demand:
 
     units: tuple[int, ...]  # weights, plus the KV cache for a block
     weights: tuple[int, ...]
-    fixed: int  # one step's activations + the largest unit's raw tensors while it is read
+    fixed: int  # one step's activations + the largest raw tensor while the checkpoint is read
     rows: int  # rows in flight the KV cache is sized for
     dtype: str
 
@@ -108,12 +108,12 @@ class Demand:
 def demand(cfg: ModelConfig, rows: int, tokens: int, stored_bytes: int | None = None) -> Demand:
     """The model's memory demand for ``rows`` sequences in flight and steps of up to ``tokens`` tokens.
 
-    ``stored_bytes`` is the checkpoint's bytes per value (the raw tensors of a unit while it is read); by
-    default the dtype's own."""
+    ``stored_bytes`` is the checkpoint's bytes per value (the raw tensor being read); by default the dtype's own."""
     weights = unit_bytes(cfg)
     kv = kv_bytes_per_block(cfg, rows)
     units = [w + (kv if 0 < u < cfg.head_unit else 0) for u, w in enumerate(weights)]
-    raw = max(weights) * (stored_bytes or cfg.dtype_bytes) // cfg.dtype_bytes if cfg.model_path else 0
+    largest = max(cfg.vocab * cfg.d_model, cfg.d_model * cfg.mlp_width, 3 * cfg.d_model * cfg.d_model)
+    raw = largest * (stored_bytes or cfg.dtype_bytes) if cfg.model_path else 0  # one tensor read at a time
     fixed = step_bytes(cfg, max(1, rows), tokens) + raw
     return Demand(tuple(units), tuple(weights), fixed, rows, cfg.dtype)
 
