@@ -16,6 +16,37 @@ from raycluster_cli.bench.config import ModelConfig
 from raycluster_cli.bench.options import BenchOptions
 
 
+def measure_rooms(node_ips: dict[str, str], timeout_s: float = 60.0) -> list[dict[str, Any]]:
+    """Every node's room now, from a light task on each (no torch, no weights): what an early refusal needs.
+
+    It leaves out the stage worker that will start there, so it can only overstate the room: a model refused
+    on it is refused rightly, and the stage workers measure again once they are up."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    @ray.remote(num_cpus=0)
+    def room(node_id: str, node_ip: str) -> dict[str, Any]:
+        from raycluster_cli.bench.cgroup import node_capacity
+
+        return node_capacity(node_id, node_ip).to_dict()
+
+    calls = [
+        room.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=n, soft=False)).remote(n, ip)
+        for n, ip in node_ips.items()
+    ]
+    return list(ray.get(calls, timeout=timeout_s))
+
+
+def refuse_early(
+    options: BenchOptions, cfg: Any, nodes: list[dict[str, Any]], node_ids: list[str], stages: int, gpus: set[str]
+) -> None:
+    """A model no split can hold is refused before any stage worker starts (a light task per node)."""
+    if not set(node_ids) <= gpus:  # GPU memory is measured by the stage workers themselves
+        ips = {n["node_id"]: n["node_ip"] for n in nodes if n["node_id"] in set(node_ids)}
+        smallest = replace(cfg, dtype="bfloat16") if options.dtype == "auto" else cfg
+        MemoryPlan.make(smallest, options, stages, measure_rooms(ips)).refuse_if_too_large(stages)
+
+
 def rows_in_flight(options: BenchOptions, stages: int) -> int:
     """Sequences a stage may hold KV caches for at once: micro-batch x micro-batches in flight (the asked
     number, else the most the scheduler admits by default: 4 x stages)."""

@@ -1,5 +1,5 @@
-"""The counted run's references: the scheduling ceiling, the other split and the whole model unsharded on the
-fastest node whose memory holds it (a reference that fits nowhere is skipped with the reason)."""
+"""The counted run's references (the scheduling ceiling, the other split and the whole model unsharded on the
+fastest node whose memory holds it; a reference that fits nowhere is skipped with the reason) and its config."""
 
 from __future__ import annotations
 
@@ -49,3 +49,41 @@ def references(session: Any, result: Any, ranges: Ranges, choice: dict[str, Any]
         run = session.measure([whole], session.params, "reference: unsharded", replicas=[[worker]])
         refs["unsharded"] = experiment.reference(result, run, {"node_ip": session.node_ip(fastest)})
     return refs
+
+
+def config_doc(session: Any, first_ranges: list[list[int]]) -> dict[str, Any]:
+    """The run's configuration as the report's ``config`` shows it."""
+    o, p = session.options, session.params
+    return {
+        "model": session.cfg.to_dict(),
+        "model_source": f"{session.cfg.family or session.cfg.arch}:{session.cfg.model_path}"
+        if session.cfg.model_path
+        else "random",
+        "dtype": session.cfg.dtype,
+        "dtype_choice": session.dtype_choice,
+        "layers_auto": not (o.layers or o.model_path or o.manual_counts),
+        "mode": o.load_mode,
+        "rate": o.rate,
+        "requests": p.requests,
+        "requests_auto": o.requests is None,
+        "duration_s": o.duration_s,
+        "prompt_len": o.prompt_len,
+        "max_new_tokens": o.max_new_tokens,
+        "micro_batch": o.micro_batch,
+        "prefill_chunk": o.prefill_chunk,
+        "seed": o.seed,
+        "stages": session.num_stages,
+        "replicas": len(session.replicas),
+        "partition": o.partition,
+        "partition_ranges": first_ranges,
+        "threads": o.threads,
+        "allow_shared_nodes": o.allow_shared_nodes,
+        "alive_nodes": len(session.nodes),
+        "calibration_repeats": o.calibration_repeats,
+        "calibration_sample_s": o.calibration_sample_s,
+        "refine": o.refine if o.partition == "balanced" else 0,
+        "quick": o.quick,
+        "step_timeout_s": o.step_timeout_s,
+        "latency_origin": "request_arrival",
+        "warmup": "one micro-batch per replica, not counted",
+    }

@@ -70,6 +70,7 @@ class Session:
         cfg = experiment.model_config(options, provisional, on_gpu=set(node_ids) <= gpu_nodes)
         if num_stages > cfg.layers and (options.layers or options.model_path):
             raise ValueError(f"{num_stages} stages but the model has {cfg.layers} blocks: every stage needs one")
+        fitting.refuse_early(options, cfg, nodes, node_ids, num_stages, gpu_nodes)
         log.info("replicas on %s", [[nodes[i]["node_ip"] for i in replica] for replica in plan])
         progress(f"starting {len(node_ids)} stage worker(s) on {len(set(node_ids))} node(s)")
         workers = pipeline.start_workers(
@@ -349,40 +350,9 @@ class Session:
         }
 
     def config_doc(self, first_ranges: list[list[int]]) -> dict[str, Any]:
-        o, p = self.options, self.params
-        return {
-            "model": self.cfg.to_dict(),
-            "model_source": f"{self.cfg.family or self.cfg.arch}:{self.cfg.model_path}"
-            if self.cfg.model_path
-            else "random",
-            "dtype": self.cfg.dtype,
-            "dtype_choice": self.dtype_choice,
-            "layers_auto": not (o.layers or o.model_path or o.manual_counts),
-            "mode": o.load_mode,
-            "rate": o.rate,
-            "requests": p.requests,
-            "requests_auto": o.requests is None,
-            "duration_s": o.duration_s,
-            "prompt_len": o.prompt_len,
-            "max_new_tokens": o.max_new_tokens,
-            "micro_batch": o.micro_batch,
-            "prefill_chunk": o.prefill_chunk,
-            "seed": o.seed,
-            "stages": self.num_stages,
-            "replicas": len(self.replicas),
-            "partition": o.partition,
-            "partition_ranges": first_ranges,
-            "threads": o.threads,
-            "allow_shared_nodes": o.allow_shared_nodes,
-            "alive_nodes": len(self.nodes),
-            "calibration_repeats": o.calibration_repeats,
-            "calibration_sample_s": o.calibration_sample_s,
-            "refine": o.refine if o.partition == "balanced" else 0,
-            "quick": o.quick,
-            "step_timeout_s": o.step_timeout_s,
-            "latency_origin": "request_arrival",
-            "warmup": "one micro-batch per replica, not counted",
-        }
+        from raycluster_cli.bench.references import config_doc
+
+        return config_doc(self, first_ranges)
 
 
 def run(options: BenchOptions, progress: experiment.Report) -> dict[str, Any]:
