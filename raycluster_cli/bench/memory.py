@@ -6,7 +6,7 @@ activations of one step plus the raw tensors of one unit being read from the che
 capacity is what its container may still take: the cgroup memory limit (v2 ``memory.max``, v1
 ``memory.limit_in_bytes``; times Ray's memory-monitor threshold, 95 %, above which Ray kills workers) less the
 working set already there (Ray's processes, the stage worker with torch
-loaded; page cache that can be dropped is not counted), or the host's available memory without a limit;
+loaded; page cache is not counted, as Ray's memory monitor does not count it), or the host's available memory without a limit;
 on a GPU node the GPU's free memory.  A margin (``MARGIN``) stays free for what the estimate does not see.
 
 Pure arithmetic; ``cgroup.node_capacity`` measures a node.
@@ -144,8 +144,8 @@ def margin(total: int) -> int:
 def cgroup_capacity(limit_text: str | None, usage_text: str | None, stat_text: str | None) -> tuple[int, int] | None:
     """(limit, working set) from a cgroup's limit, usage and memory.stat; None when there is no limit.
 
-    The working set leaves out inactive file pages (page cache the kernel drops before it would kill), as
-    ``docker stats`` and the kubelet count it."""
+    The working set leaves out file pages (page cache, active or not: the kernel drops it before it would kill),
+    as Ray's memory monitor counts it (``ray._private.utils.get_cgroup_used_memory``)."""
     if limit_text is None or usage_text is None or limit_text.strip() in ("", "max"):
         return None
     limit, usage = int(limit_text), int(usage_text)
@@ -153,7 +153,8 @@ def cgroup_capacity(limit_text: str | None, usage_text: str | None, stat_text: s
         return None
     stat = dict(line.split()[:2] for line in (stat_text or "").splitlines() if len(line.split()) >= 2)
     inactive = int(stat.get("total_inactive_file", stat.get("inactive_file", 0)))
-    return limit, max(0, usage - inactive)
+    active = int(stat.get("total_active_file", stat.get("active_file", 0)))
+    return limit, max(0, usage - inactive - active)
 
 
 def describe_capacities(capacities: Sequence[Capacity]) -> str:

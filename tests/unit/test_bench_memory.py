@@ -44,8 +44,8 @@ def test_unit_bytes_are_what_a_stage_holds(configs: list[ModelConfig], dtype: st
 
 
 def test_cgroup_limits_are_read_as_docker_counts_them() -> None:
-    stat_v1 = "cache 100\ntotal_inactive_file 300\nrss 5\n"
-    assert memory.cgroup_capacity("600000000\n", "400000000\n", stat_v1) == (600_000_000, 400_000_000 - 300)
+    stat_v1 = "cache 100\ntotal_inactive_file 300\ntotal_active_file 20\nrss 5\n"
+    assert memory.cgroup_capacity("600000000\n", "400000000\n", stat_v1) == (600_000_000, 400_000_000 - 320)
     assert memory.cgroup_capacity("9223372036854771712\n", "400000000\n", stat_v1) is None  # v1: unlimited
     assert memory.cgroup_capacity("max\n", "4096\n", "inactive_file 96\n") is None  # v2: unlimited
     assert memory.cgroup_capacity("8192\n", "4096\n", "inactive_file 96\n") == (8192, 4000)
