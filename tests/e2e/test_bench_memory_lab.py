@@ -9,6 +9,7 @@ GPT-2 made big by its width, written by the test on every host (in the node imag
 from __future__ import annotations
 
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -147,6 +148,23 @@ def test_a_checkpoint_larger_than_any_node_runs_across_them(lab_hosts: Lab, limi
     assert memory["dtype"] == "float32" and memory["model_bytes"] >= 1.5 * LIMIT
     assert doc["completed"] == 8 and not doc["lost_nodes"] and not doc["lost_in_run"]
     stages = memory["stages"]
+    for stage in stages:  # the figures for docs/PERFORMANCE.md
+        print(
+            {
+                k: stage[k]
+                for k in (
+                    "node_ip",
+                    "limit_bytes",
+                    "capacity_bytes",
+                    "planned_bytes",
+                    "weights_bytes",
+                    "working_set_bytes",
+                    "peak_bytes",
+                )
+            },
+            file=sys.stderr,
+        )
+    print({k: v for k, v in memory.items() if k != "stages"}, doc["tokens_per_s"], doc["output_check"], file=sys.stderr)
     assert len({s["node_ip"] for s in stages}) == 3
     for stage in stages:
         assert stage["source"] == "cgroup v1" or stage["source"] == "cgroup v2"
@@ -160,14 +178,25 @@ def test_a_checkpoint_larger_than_any_node_runs_across_them(lab_hosts: Lab, limi
     assert check.get("identical") is True or "skipped" in check, check
 
 
-def test_a_model_larger_than_the_cluster_is_refused_at_once_with_the_numbers(lab_hosts: Lab, limited: str) -> None:
+def _timed_bench(lab: Lab, inventory: str, model: str) -> tuple[float, int, dict[str, Any]]:
     began = time.monotonic()
-    code, doc, err = lab_hosts.cli(
-        "bench", f"--model-path={HUGE_DIR}", "--dtype=float32", "--no-network-check", inventory=limited, timeout=300
+    code, doc, _ = lab.cli(
+        "bench", f"--model-path={model}", "--dtype=float32", "--no-network-check", inventory=inventory
     )
-    elapsed = time.monotonic() - began
-    assert code == 1, f"{doc}\n{err[-2000:]}"
-    message = str(doc.get("error", {}).get("message") if isinstance(doc.get("error"), dict) else doc.get("error"))
+    return time.monotonic() - began, code, doc
+
+
+def test_a_model_larger_than_the_cluster_is_refused_at_once_with_the_numbers(lab_hosts: Lab, limited: str) -> None:
+    """Refused within 10 s of what any bench takes to reach its driver: the reference is a bench whose model
+    folder does not exist (it fails in the driver before Ray is asked), timed in the same run."""
+    reference_s, code, doc = _timed_bench(lab_hosts, limited, "/srv/raycluster-bench/no-such-model")
+    assert code == 1 and "config.json not found" in str(doc), doc
+    elapsed, code, doc = _timed_bench(lab_hosts, limited, HUGE_DIR)
+    assert code == 1, doc
+    message = str(doc["error"]["message"])
     assert "does not fit the nodes' memory" in message and "usable per node" in message, doc
     assert message.count(" GB") >= 4 and "\n" not in message  # the model's bytes and each node's, one line
-    assert elapsed < 10 + 8, elapsed  # the CLI's own start and the driver's start up to Ray beside the 10 s
+    print(
+        f"refused after {elapsed:.1f}s; a bench failing in its driver before Ray: {reference_s:.1f}s", file=sys.stderr
+    )
+    assert elapsed - reference_s < 10, (elapsed, reference_s)
