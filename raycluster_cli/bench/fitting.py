@@ -113,7 +113,8 @@ class MemoryPlan:
                     "weights_bytes": stage.get("weights_bytes"),
                     "cache_peak_bytes": stage.get("cache_peak_bytes"),
                     "working_set_bytes": stage.get("working_set_bytes"),
-                    "peak_bytes": stage.get("memory_peak_bytes"),
+                    "peak_bytes": stage.get("memory_peak_bytes"),  # cgroup's, page cache included
+                    "process_peak_rss_bytes": stage.get("process_peak_rss_bytes"),
                 }
             )
         need = self.need

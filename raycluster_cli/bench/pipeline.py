@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import statistics
+import sys
 import time
 from typing import Any
 
@@ -48,6 +49,13 @@ def node_ip(node_id: str) -> str:
     rather than the ``--node-ip-address`` the node was started with, so the node table wins.
     """
     return str(_node_entry(node_id).get("NodeManagerAddress") or ray.util.get_node_ip_address())
+
+
+def _peak_rss() -> int:
+    """This process's peak resident set (Linux reports ru_maxrss in KiB)."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def node_cpu_count(node_id: str) -> int:
@@ -159,6 +167,7 @@ class _StageWorker:
             "weights_bytes": self.stage.weight_bytes() if self.stage is not None else 0,
             "cache_peak_bytes": self.cache_peak,
             "memory": container_memory(),
+            "process_peak_rss_bytes": _peak_rss() if sys.platform == "linux" else self.process.memory_info().rss,
             # every forward's (start, end), seconds after reset_stats (the run's start, on this node's clock)
             "intervals": [(round(a, 5), round(b, 5)) for a, b in self.intervals],
         }

@@ -82,6 +82,7 @@ class StageReport:
     cache_peak_bytes: int | None = None  # the most KV cache it held at once
     working_set_bytes: int | None = None  # its container's memory in use after the run (page cache left out)
     memory_peak_bytes: int | None = None  # its container's peak memory use (cgroup; page cache included)
+    process_peak_rss_bytes: int | None = None  # the stage worker process's own peak resident memory
 
 
 @dataclass
@@ -240,6 +241,7 @@ def stage_report(
         cache_peak_bytes=stat.get("cache_peak_bytes"),
         working_set_bytes=(stat.get("memory") or {}).get("working_set_bytes"),
         memory_peak_bytes=(stat.get("memory") or {}).get("peak_bytes"),
+        process_peak_rss_bytes=stat.get("process_peak_rss_bytes"),
     )
 
 

@@ -262,7 +262,7 @@ def _memory(output: Output, memory: dict[str, Any] | None) -> None:
         return
     items = []
     for stage in memory.get("stages", []):
-        used, limit = stage.get("peak_bytes") or stage.get("working_set_bytes"), stage.get("limit_bytes")
+        used, limit = stage.get("working_set_bytes"), stage.get("limit_bytes")
         text = (
             f"{_escape(_host(stage))} planned {_gb(stage.get('planned_bytes'))} of {_gb(stage.get('capacity_bytes'))}"
         )

@@ -39,7 +39,7 @@ def local_ray() -> Iterator[None]:
 
 def test_placement_measures_memory_and_refuses_what_cannot_fit(local_ray: None, tmp_path: Path) -> None:
     path = write_llama(tmp_path / "tiny", **GQA)
-    common = ["--model-path", str(path), "--no-auth", "--max-seq", "32", "--calibrate-repeats", "1"]
+    common = ["--model-path", str(path), "--no-auth", "--max-seq", "64", "--calibrate-repeats", "1"]
     args = _parser().parse_args([*common, "--slots", "2", "--calibrate-sample-s", "0.01"])
     placed = _placement(args, ServeSettings(model_path=str(path), dtype="float32"), layers=3)
     [plan] = placed.plans
