@@ -155,11 +155,12 @@ def test_a_checkpoint_larger_than_any_node_runs_across_them(lab_hosts: Lab, limi
                 for k in (
                     "node_ip",
                     "limit_bytes",
+                    "used_before_bytes",
                     "capacity_bytes",
                     "planned_bytes",
                     "weights_bytes",
                     "working_set_bytes",
-                    "peak_bytes",
+                    "process_peak_rss_bytes",
                 )
             },
             file=sys.stderr,
