@@ -1,4 +1,5 @@
-"""Tiny random Llama checkpoints written by ``transformers`` itself (real tensor names, real config.json)."""
+"""Tiny random Llama, Qwen2 and Mistral checkpoints written by ``transformers`` itself (real tensor names, real
+config.json)."""
 
 from __future__ import annotations
 
@@ -29,8 +30,29 @@ VARIANT = {
 }
 
 
-def write_llama(path: Path, *, seed: int = 0, shard: str | None = None, dtype: Any = None, **extra: Any) -> Path:
-    """A random LlamaForCausalLM saved by transformers; weights drawn wide enough that greedy tokens vary."""
+# family -> (config class, model class) in transformers
+FAMILIES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM"),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+    "mistral": ("MistralConfig", "MistralForCausalLM"),
+}
+
+
+def model_class(family: str) -> Any:
+    return getattr(transformers, FAMILIES[family][1])
+
+
+def write_llama(
+    path: Path,
+    *,
+    seed: int = 0,
+    shard: str | None = None,
+    dtype: Any = None,
+    family: str = "llama",
+    **extra: Any,
+) -> Path:
+    """A random model of ``family`` (Llama's block shape) saved by transformers; weights drawn wide enough that
+    greedy tokens vary."""
     settings = {
         "vocab_size": 96,
         "hidden_size": 48,
@@ -40,7 +62,8 @@ def write_llama(path: Path, *, seed: int = 0, shard: str | None = None, dtype: A
         "rms_norm_eps": 1e-5,
     } | extra
     torch.manual_seed(seed)
-    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**settings)).eval()
+    config_class, _ = FAMILIES[family]
+    model = model_class(family)(getattr(transformers, config_class)(**settings)).eval()
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, param in model.named_parameters():

@@ -7,6 +7,8 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 ARCHITECTURES = ("gpt2", "llama")
+DTYPES = ("float32", "bfloat16", "float16")  # what weights, KV cache and activations are held and computed in
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 ACTIVATIONS = ("gelu", "gelu_new")
 _LLAMA_ROPE = ("default", "linear", "llama3")
 
@@ -16,8 +18,9 @@ class ModelConfig:
     """Shape of the decoder.  ``max_seq`` bounds prompt + generated tokens (position table, KV cache).
 
     ``arch`` picks the block: ``gpt2`` (learned positions, LayerNorm, GELU MLP) or ``llama`` (rotary
-    positions, RMSNorm, SwiGLU MLP, grouped-query attention); the fields after ``model_path`` are
-    Llama's and keep their defaults for GPT-2.
+    positions, RMSNorm, SwiGLU MLP, grouped-query attention; also Qwen2's and Mistral's, which differ
+    only in biases and the sliding window); the fields after ``model_path`` are Llama's and keep their
+    defaults for GPT-2.
     """
 
     vocab: int = 4096
@@ -38,14 +41,21 @@ class ModelConfig:
     attention_bias: bool = False
     mlp_bias: bool = False
     tied_head: bool = True  # LM head shares the token embedding
+    qkv_bias: bool = False  # q/k/v projections have biases, the output projection none (Qwen2)
+    sliding_window: int = 0  # a query sees only the last this many keys (Mistral, Qwen2); 0: all of them
+    window_from_layer: int = 0  # the window applies to blocks from this index on (Qwen2's max_window_layers)
+    family: str = ""  # the checkpoint's model_type (llama, qwen2, mistral) when it differs from arch
+    dtype: str = "float32"  # weights, KV cache and activations (one of DTYPES; "auto" is resolved before)
 
     def __post_init__(self) -> None:
         for name in ("vocab", "d_model", "heads", "layers", "max_seq"):
             if getattr(self, name) < 1:
                 raise ValueError(f"ModelConfig.{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("kv_heads", "head_dim", "ffn"):
+        for name in ("kv_heads", "head_dim", "ffn", "sliding_window", "window_from_layer"):
             if getattr(self, name) < 0:
                 raise ValueError(f"ModelConfig.{name} must be >= 0, got {getattr(self, name)}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.arch not in ARCHITECTURES:
             raise ValueError(f"arch must be one of {ARCHITECTURES}, got {self.arch!r}")
         if self.head_dim == 0 and self.d_model % self.heads:
@@ -57,6 +67,8 @@ class ModelConfig:
             raise ValueError(f"activation of a {self.arch} model must be one of {wanted}, got {self.activation!r}")
         if self.arch == "gpt2" and (self.kv_heads not in (0, self.heads) or self.head_dim or self.ffn):
             raise ValueError("kv_heads, head_dim and ffn are Llama settings; a gpt2 model keeps their defaults")
+        if self.arch == "gpt2" and (self.qkv_bias or self.sliding_window):
+            raise ValueError("qkv_bias and sliding_window are Llama-family settings; a gpt2 model keeps their defaults")
         if self.rope_type not in _LLAMA_ROPE:
             raise ValueError(f"rope scaling type must be one of {_LLAMA_ROPE}, got {self.rope_type!r}")
 
@@ -82,6 +94,14 @@ class ModelConfig:
         return self.ffn or 4 * self.d_model
 
     @property
+    def dtype_bytes(self) -> int:
+        return DTYPE_BYTES[self.dtype]
+
+    def window_of(self, block: int) -> int:
+        """The sliding window of block ``block`` (0-based), 0 when it attends to every earlier key."""
+        return self.sliding_window if block >= self.window_from_layer else 0
+
+    @property
     def rope_params(self) -> dict[str, Any]:
         params: dict[str, Any] = json.loads(self.rope_scaling) if self.rope_scaling else {}
         return params
@@ -99,3 +119,13 @@ class ModelConfig:
         casts: dict[str, Any] = {"int": int, "float": float, "str": str, "bool": bool}
         values = {f.name: casts[str(f.type)](data[f.name]) for f in fields(cls) if data.get(f.name) is not None}
         return cls(**values)
+
+
+def resolve_dtype(requested: str, stored: str, on_gpu: bool) -> str:
+    """The dtype a run computes in: ``requested``, or for ``auto`` the checkpoint's own (``stored``) when every
+    stage runs on a GPU and float32 otherwise (on CPUs float32 is the safe and usually the fast choice)."""
+    if requested != "auto":
+        if requested not in DTYPES:
+            raise ValueError(f"--dtype {requested!r} is not one of auto, {', '.join(DTYPES)}")
+        return requested
+    return stored if on_gpu and stored in DTYPES else "float32"

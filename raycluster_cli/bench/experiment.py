@@ -52,13 +52,17 @@ def alive_nodes() -> list[dict[str, Any]]:
     return nodes
 
 
-def model_config(options: BenchOptions, layers: int) -> Any:
-    from raycluster_cli.bench.model import ModelConfig, config_from_checkpoint
+def model_config(options: BenchOptions, layers: int, on_gpu: bool = False, dtype: str | None = None) -> Any:
+    """The run's model: ``dtype`` (a resolved one) wins over ``--dtype``, whose ``auto`` resolves with
+    ``on_gpu`` (every stage node has a GPU) to the checkpoint's dtype, else to float32."""
+    from raycluster_cli.bench.model import ModelConfig, config_from_checkpoint, resolve_dtype
 
     max_seq = options.max_seq or options.prompt_len + options.max_new_tokens
+    wanted = dtype or options.dtype
     if options.model_path:
-        return config_from_checkpoint(options.model_path, max_seq, options.seed)
+        return config_from_checkpoint(options.model_path, max_seq, options.seed, dtype=wanted, on_gpu=on_gpu)
     return ModelConfig(
+        dtype=resolve_dtype(wanted, "float32", on_gpu),
         vocab=options.vocab,
         d_model=options.d_model,
         heads=options.heads,

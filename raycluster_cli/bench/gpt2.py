@@ -102,18 +102,18 @@ def unit_tensors(cfg: ModelConfig, unit: int, names: set[str]) -> dict[str, tupl
 
 @torch.no_grad()
 def load_units(cfg: ModelConfig, modules: Mapping[int, nn.Module]) -> None:
-    """Fill each unit's module from ``cfg.model_path``, reading only the tensors those units use."""
+    """Fill each unit's module from ``cfg.model_path``, one tensor at a time, reading only its units' tensors
+    (so loading holds at most one raw tensor beside the weights)."""
     weights = Path(cfg.model_path) / WEIGHTS_FILE
     header, _ = read_header(weights)
     names = set(header)
-    wanted = {unit: unit_tensors(cfg, unit, names) for unit in modules}
-    tensors = load_tensors(weights, sorted({src for plan in wanted.values() for src, _ in plan.values()}))
     for unit, module in modules.items():
+        plan = unit_tensors(cfg, unit, names)
         params = dict(module.named_parameters())
-        if set(params) != set(wanted[unit]):
+        if set(params) != set(plan):
             raise TensorFileError(f"unit {unit}: parameters {sorted(params)} do not match the GPT-2 layout")
-        for ours, (src, transpose) in wanted[unit].items():
-            value = tensors[src].to(torch.float32)
+        for ours, (src, transpose) in plan.items():  # one tensor in memory at a time beside the weights
+            value = load_tensors(weights, [src])[src]
             if transpose:
                 value = value.t()
             if ours == "pos.weight":

@@ -1,5 +1,11 @@
 """The Llama architecture (Hugging Face ``LlamaForCausalLM``): its units, and its checkpoints unit by unit.
 
+Qwen2 (``Qwen2ForCausalLM``) and Mistral (``MistralForCausalLM``) are the same blocks with other
+settings: Qwen2's q/k/v projections have biases and its output projection none; Mistral (and a Qwen2
+that turns ``use_sliding_window`` on) lets a query see only the last ``sliding_window`` keys.  A window
+at least as long as the run's ``max_seq`` cannot hide any key, so it is dropped from the config (the
+same tokens, as the tests check); a shorter one is applied to the attention mask, as transformers does.
+
 The units line up with GPT-2's (``model.py``): unit 0 is the token embedding (no position table:
 positions enter every block as rotations of the queries and keys, RoPE), units 1..L are the blocks
 (RMSNorm → grouped-query attention → RMSNorm → SwiGLU MLP, no biases unless the config asks), and
@@ -79,11 +85,38 @@ def _rope(raw: dict[str, Any], config_file: Path) -> tuple[float, str]:
     raise ValueError(f"{config_file}: rope scaling {kind!r} is not supported (default, linear, llama3)")
 
 
+FAMILIES = ("llama", "qwen2", "mistral")
+
+
+def _sliding_window(raw: dict[str, Any], family: str, max_seq: int, config_file: Path) -> tuple[int, int]:
+    """(window, first block it applies to) from Mistral's or Qwen2's config; (0, 0) when no key can fall out
+    of the window within ``max_seq`` positions."""
+    window = raw.get("sliding_window")
+    if family == "qwen2" and not raw.get("use_sliding_window", False):
+        window = None
+    if family == "llama" or window is None or int(window) >= max_seq:
+        return 0, 0
+    layers = int(raw["num_hidden_layers"])
+    first = int(raw.get("max_window_layers", 0)) if family == "qwen2" else 0
+    types = raw.get("layer_types")
+    if family == "qwen2" and types is not None:
+        first = sum(1 for kind in types if kind == "full_attention")
+        if list(types) != ["full_attention"] * first + ["sliding_attention"] * (layers - first):
+            raise ValueError(f"{config_file}: layer_types {types} (full layers, then sliding ones, are supported)")
+    return int(window), min(first, layers)
+
+
 def config_from_dir(path: str | Path, max_seq: int, seed: int = 0) -> ModelConfig:
-    """The ModelConfig of the Llama checkpoint in ``path`` (KV cache and rotary tables sized to ``max_seq``)."""
+    """The ModelConfig of the Llama, Qwen2 or Mistral checkpoint in ``path`` (KV cache and rotary tables sized
+    to ``max_seq``)."""
     directory = Path(path)
     raw = read_config(directory)
     config_file = directory / CONFIG_FILE
+    classes = {"Qwen2ForCausalLM": "qwen2", "MistralForCausalLM": "mistral"}
+    named = [classes[c] for c in raw.get("architectures") or [] if c in classes]
+    family = str(raw.get("model_type") or (named[0] if named else "llama"))
+    if family not in FAMILIES:
+        raise ValueError(f"{config_file}: model_type {family!r} is not one of {', '.join(FAMILIES)}")
     checkpoint_tensors(directory)  # fails early, naming the directory, when there are no weights
     if raw.get("hidden_act", "silu") != "silu":
         raise ValueError(f"{config_file}: hidden_act {raw.get('hidden_act')!r} is not supported (silu)")
@@ -93,6 +126,7 @@ def config_from_dir(path: str | Path, max_seq: int, seed: int = 0) -> ModelConfi
     try:
         heads = int(raw["num_attention_heads"])
         theta, scaling = _rope(raw, config_file)
+        window, window_from = _sliding_window(raw, family, max_seq, config_file)
         return ModelConfig(
             vocab=int(raw["vocab_size"]),
             d_model=int(raw["hidden_size"]),
@@ -109,9 +143,13 @@ def config_from_dir(path: str | Path, max_seq: int, seed: int = 0) -> ModelConfi
             ffn=int(raw["intermediate_size"]),
             rope_theta=theta,
             rope_scaling=scaling,
-            attention_bias=bool(raw.get("attention_bias", False)),
-            mlp_bias=bool(raw.get("mlp_bias", False)),
+            attention_bias=family == "llama" and bool(raw.get("attention_bias", False)),
+            mlp_bias=family == "llama" and bool(raw.get("mlp_bias", False)),
             tied_head=bool(raw.get("tie_word_embeddings", False)),
+            qkv_bias=family == "qwen2",
+            sliding_window=window,
+            window_from_layer=window_from,
+            family="" if family == "llama" else family,
         )
     except KeyError as exc:
         raise ValueError(f"{config_file}: missing {exc.args[0]}") from None
@@ -171,20 +209,31 @@ class Embedding(nn.Module):
         return out
 
 
+def causal_mask(queries: torch.Tensor, end: int, window: int, device: torch.device) -> torch.Tensor:
+    """[..., T, end]: the query at absolute position p sees keys p - window < k <= p (every k <= p with no window)."""
+    keys = torch.arange(end, device=device)
+    mask = keys <= queries[..., None]
+    if window:
+        mask &= keys > queries[..., None] - window
+    return mask
+
+
 class Block(nn.Module):
     """RMSNorm → causal grouped-query attention with RoPE (KV cache of ``kv_heads``) → RMSNorm → SwiGLU."""
 
     cos: torch.Tensor
     sin: torch.Tensor
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int = 0) -> None:
         super().__init__()
         d, width = cfg.d_model, cfg.dim_per_head
         self.heads, self.kv_heads, self.head_dim = cfg.heads, cfg.num_kv_heads, width
+        self.window = cfg.window_of(layer)
+        qkv_bias = cfg.attention_bias or cfg.qkv_bias
         self.attn_norm = RMSNorm(d, cfg.ln_eps)
-        self.q = nn.Linear(d, cfg.heads * width, bias=cfg.attention_bias)
-        self.k = nn.Linear(d, self.kv_heads * width, bias=cfg.attention_bias)
-        self.v = nn.Linear(d, self.kv_heads * width, bias=cfg.attention_bias)
+        self.q = nn.Linear(d, cfg.heads * width, bias=qkv_bias)
+        self.k = nn.Linear(d, self.kv_heads * width, bias=qkv_bias)
+        self.v = nn.Linear(d, self.kv_heads * width, bias=qkv_bias)
         self.o = nn.Linear(cfg.heads * width, d, bias=cfg.attention_bias)
         self.mlp_norm = RMSNorm(d, cfg.ln_eps)
         self.gate = nn.Linear(d, cfg.mlp_width, bias=cfg.mlp_bias)
@@ -205,8 +254,8 @@ class Block(nn.Module):
         cache.k[:, :, start:end] = _rotate(k, cos, sin)
         cache.v[:, :, start:end] = v
         mask = None
-        if steps > 1:  # query i sits at absolute position start+i and may see keys 0..start+i
-            mask = torch.arange(end, device=x.device)[None, :] <= torch.arange(start, end, device=x.device)[:, None]
+        if steps > 1 or (self.window and end > self.window):  # query i sits at absolute position start+i
+            mask = causal_mask(torch.arange(start, end, device=x.device), end, self.window, x.device)
         att = F.scaled_dot_product_attention(
             _rotate(q, cos, sin),
             cache.k[:, :, :end],
@@ -239,7 +288,7 @@ def unit_tensors(cfg: ModelConfig, unit: int, names: set[str]) -> dict[str, str]
     if unit == cfg.head_unit:
         head = f"{pre}embed_tokens.weight" if cfg.tied_head else "lm_head.weight"
         return {"norm.weight": f"{pre}norm.weight", "lm_head.weight": head}
-    biases = {"q", "k", "v", "o"} if cfg.attention_bias else set()
+    biases = {"q", "k", "v", "o"} if cfg.attention_bias else {"q", "k", "v"} if cfg.qkv_bias else set()
     biases |= {"gate", "up", "down"} if cfg.mlp_bias else set()
     return {
         ours: f"{pre}layers.{unit - 1}.{theirs}"
@@ -250,17 +299,18 @@ def unit_tensors(cfg: ModelConfig, unit: int, names: set[str]) -> dict[str, str]
 
 @torch.no_grad()
 def load_units(cfg: ModelConfig, modules: Mapping[int, nn.Module]) -> None:
-    """Fill each unit's module from ``cfg.model_path``, one unit at a time, reading only that unit's tensors."""
+    """Fill each unit's module from ``cfg.model_path``, one tensor at a time, reading only that unit's tensors."""
     files = checkpoint_tensors(cfg.model_path)
     names = set(files)
     for unit, module in modules.items():
         plan = unit_tensors(cfg, unit, names)
         params = dict(module.named_parameters())
         if set(params) != set(plan):
-            raise TensorFileError(f"unit {unit}: parameters {sorted(params)} do not match the Llama layout")
-        tensors = load_checkpoint_tensors(files, plan.values())
-        for ours, src in plan.items():
-            value = tensors[src].to(torch.float32)
+            raise TensorFileError(
+                f"unit {unit}: parameters {sorted(params)} do not match the {cfg.family or 'llama'} layout"
+            )
+        for ours, src in plan.items():  # one tensor in memory at a time beside the weights
+            value = load_checkpoint_tensors(files, [src])[src]
             if tuple(value.shape) != tuple(params[ours].shape):
                 raise TensorFileError(
                     f"{cfg.model_path}: {src} has shape {tuple(value.shape)}, unit {unit} needs {tuple(params[ours].shape)}"

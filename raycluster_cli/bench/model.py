@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable, Mapping
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Literal, NamedTuple
 
@@ -24,7 +25,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from raycluster_cli.bench import gpt2, llama
-from raycluster_cli.bench.config import ACTIVATIONS, ModelConfig
+from raycluster_cli.bench.config import ACTIVATIONS, ModelConfig, resolve_dtype
+from raycluster_cli.bench.tensorfile import checkpoint_dtype
 
 __all__ = [
     "ACTIVATIONS",
@@ -34,6 +36,8 @@ __all__ = [
     "full_model_stage",
     "greedy_generate",
     "prefill_chunks",
+    "resolve_dtype",
+    "torch_dtype",
 ]
 
 Emit = Literal["logits", "tokens"]
@@ -76,18 +80,18 @@ class _Embedding(nn.Module):
 
 
 class _LayerCache:
-    """Preallocated K/V for one block and one micro-batch: [B, kv_heads, max_seq, head_dim]."""
+    """Preallocated K/V for one block and one micro-batch: [B, kv_heads, max_seq, head_dim], in the model's dtype."""
 
     def __init__(self, batch: int, cfg: ModelConfig, device: torch.device) -> None:
         shape = (batch, cfg.num_kv_heads, cfg.max_seq, cfg.dim_per_head)
-        self.k = torch.zeros(shape, device=device)
-        self.v = torch.zeros(shape, device=device)
+        self.k = torch.zeros(shape, device=device, dtype=torch_dtype(cfg))
+        self.v = torch.zeros(shape, device=device, dtype=torch_dtype(cfg))
 
 
 class Block(nn.Module):
     """Pre-norm transformer block: causal self-attention (with KV cache) + GELU MLP."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int = 0) -> None:
         super().__init__()
         d = cfg.d_model
         self.heads = cfg.heads
@@ -134,7 +138,7 @@ class Architecture(NamedTuple):
     """How one architecture builds its units and fills them from a checkpoint."""
 
     embedding: Callable[[ModelConfig], nn.Module]
-    block: Callable[[ModelConfig], nn.Module]
+    block: Callable[[ModelConfig, int], nn.Module]  # (config, block index from 0)
     head: Callable[[ModelConfig], nn.Module]
     load_units: Callable[[ModelConfig, Mapping[int, nn.Module]], None]
 
@@ -144,8 +148,14 @@ ARCHITECTURES = {
     "llama": Architecture(llama.Embedding, llama.Block, llama.Head, llama.load_units),
 }
 # config.json's model_type, else an entry of its "architectures", -> our architecture
-_MODEL_TYPES = {"gpt2": "gpt2", "llama": "llama"}
-_MODEL_CLASSES = {"GPT2LMHeadModel": "gpt2", "GPT2Model": "gpt2", "LlamaForCausalLM": "llama"}
+_MODEL_TYPES = {"gpt2": "gpt2", "llama": "llama", "qwen2": "llama", "mistral": "llama"}
+_MODEL_CLASSES = {
+    "GPT2LMHeadModel": "gpt2",
+    "GPT2Model": "gpt2",
+    "LlamaForCausalLM": "llama",
+    "Qwen2ForCausalLM": "llama",
+    "MistralForCausalLM": "llama",
+}
 
 
 def checkpoint_architecture(path: str | Path) -> str:
@@ -162,21 +172,32 @@ def checkpoint_architecture(path: str | Path) -> str:
         return "gpt2"
     raise ValueError(
         f"{Path(path) / llama.CONFIG_FILE}: model_type {model_type!r} (architectures {classes}) is not supported;"
-        " --model-path takes GPT-2 (gpt2) or Llama (llama) checkpoints"
+        " --model-path takes GPT-2 (gpt2), Llama (llama), Qwen2 (qwen2) or Mistral (mistral) checkpoints"
     )
 
 
-def config_from_checkpoint(path: str | Path, max_seq: int, seed: int = 0) -> ModelConfig:
-    """The ModelConfig of the checkpoint in ``path``, whichever architecture its config.json names."""
+def config_from_checkpoint(
+    path: str | Path, max_seq: int, seed: int = 0, dtype: str = "float32", on_gpu: bool = False
+) -> ModelConfig:
+    """The ModelConfig of the checkpoint in ``path``, whichever architecture its config.json names, computed in
+    ``dtype`` (``auto``: the checkpoint's own dtype when ``on_gpu``, else float32; ``resolve_dtype``)."""
     loader = llama if checkpoint_architecture(path) == "llama" else gpt2
-    return loader.config_from_dir(path, max_seq, seed)
+    cfg = loader.config_from_dir(path, max_seq, seed)
+    stored = checkpoint_dtype(path) if dtype == "auto" else dtype
+    return replace(cfg, dtype=resolve_dtype(dtype, stored, on_gpu))
+
+
+def torch_dtype(cfg: ModelConfig) -> torch.dtype:
+    dtype: torch.dtype = getattr(torch, cfg.dtype)
+    return dtype
 
 
 class Stage(nn.Module):
     """Units [start, end) of the model, with per-micro-batch KV caches kept inside.
 
     ``forward(x, cache_id, positions)``: ``x`` is int64 token ids [B, T] when the stage holds the
-    embedding, otherwise float32 hidden states [B, T, d_model].  ``positions`` is the absolute
+    embedding, otherwise hidden states [B, T, d_model] (cast to ``cfg.dtype``, which the weights, KV
+    caches and outputs are held in).  ``positions`` is the absolute
     position of ``x[:, 0]``, i.e. how many tokens of this micro-batch are already cached: 0 means
     prefill (the cache for ``cache_id`` is (re)created), anything else is a decode step that must
     continue exactly where the cache ends.  A stage holding the head returns logits [B, T, vocab]
@@ -200,15 +221,22 @@ class Stage(nn.Module):
         self.head: nn.Module | None = None
         self.blocks = nn.ModuleList()
         arch = ARCHITECTURES[cfg.arch]
+        self.dtype = torch_dtype(cfg)
         modules: dict[int, nn.Module] = {}
         for unit in range(start, end):
             module: nn.Module
             if unit == 0:
-                module = self.embedding = arch.embedding(cfg)
+                module = arch.embedding(cfg)
             elif unit == cfg.head_unit:
-                module = self.head = arch.head(cfg)
+                module = arch.head(cfg)
             else:
-                module = arch.block(cfg)
+                module = arch.block(cfg, unit - 1)
+            module.to(self.dtype)  # unit by unit: at most one unit is ever held in float32 on the way
+            if unit == 0:
+                self.embedding = module
+            elif unit == cfg.head_unit:
+                self.head = module
+            else:
                 self.blocks.append(module)
             modules[unit] = module
         if cfg.model_path:
@@ -252,6 +280,8 @@ class Stage(nn.Module):
             x = self.embedding(x, start)
         elif x.dim() != 3 or x.shape[-1] != self.cfg.d_model:
             raise ValueError(f"stage expects hidden states [B, T, {self.cfg.d_model}], got {tuple(x.shape)}")
+        else:
+            x = x.to(self.dtype)
         if self.blocks:
             caches = self._cache_for(cache_id, x.shape[0], start)
             for block, cache in zip(self.blocks, caches, strict=True):
@@ -281,6 +311,15 @@ class Stage(nn.Module):
 
     def cached_ids(self) -> list[Any]:
         return list(self._caches)
+
+    def weight_bytes(self) -> int:
+        """Bytes of this stage's parameters and buffers, at its dtype."""
+        tensors = [*self.parameters(), *self.buffers()]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    def cache_bytes(self) -> int:
+        """Bytes of the KV caches held now (every micro-batch in flight)."""
+        return sum(c.k.nbytes + c.v.nbytes for _, caches in self._caches.values() for c in caches)
 
 
 def full_model_stage(cfg: ModelConfig, emit: Emit = "tokens") -> Stage:

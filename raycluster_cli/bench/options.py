@@ -23,7 +23,8 @@ __all__ = ["QUICK", "BenchOptions", "ValidationError", "flag_of"]
 MODES = ("offline", "poisson")
 SWEEPS = ("batch", "nodes")
 HOPS = ("direct", "driver")
-CHOICES = {"mode": MODES, "sweep": SWEEPS, "hops": HOPS}  # fields whose value is one of a few words
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+CHOICES = {"mode": MODES, "sweep": SWEEPS, "hops": HOPS, "dtype": DTYPES}  # fields whose value is one of a few words
 
 # What --quick means: a short smoke run that still goes through every phase once.
 QUICK = {
@@ -44,7 +45,13 @@ class BenchOptions(BaseModel):
 
     model_path: str | None = Field(
         None,
-        description="GPT-2 or Llama checkpoint dir (Hugging Face config.json + safetensors), same path on every node",
+        description="GPT-2, Llama, Qwen2 or Mistral checkpoint dir (Hugging Face config.json + safetensors), same path on every node",
+    )
+    dtype: str = Field(
+        "auto",
+        description="weights, KV cache and activations in auto | float32 | bfloat16 | float16; auto: the"
+        " checkpoint's own dtype when every stage node has a GPU, else float32 unless the calibration measured a"
+        " bfloat16 block faster on every node",
     )
     layers: int | None = Field(
         None, ge=1, le=4096, description="transformer blocks (default: enough that every node gets its share)"
@@ -94,7 +101,7 @@ class BenchOptions(BaseModel):
     allow_shared_nodes: bool = Field(False, description="let stages share nodes (single-machine tests)")
     quick: bool = Field(False, description="a short smoke run: few requests, one pilot, small model")
 
-    @field_validator("mode", "sweep", "hops")
+    @field_validator("mode", "sweep", "hops", "dtype")
     @classmethod
     def _known_choice(cls, value: str | None, info: ValidationInfo) -> str | None:
         choices = CHOICES[info.field_name or ""]

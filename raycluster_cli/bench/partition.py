@@ -15,6 +15,10 @@ Ranges = list[tuple[int, int]]
 _REL_TOL = 1e-9
 
 
+class DoesNotFit(ValueError):
+    """No split keeps every stage within its node's memory."""
+
+
 def _check_counts(num_blocks: int, num_stages: int) -> None:
     if num_blocks < 1:
         raise ValueError(f"the model needs at least one block, got {num_blocks}")
@@ -150,11 +154,28 @@ def _checked_costs(rows: Sequence[Sequence[float]], min_blocks_per_stage: int) -
     return costs
 
 
+def _memory_rows(
+    unit_bytes: Sequence[float] | None, capacity: Sequence[float] | None, num_units: int, num_stages: int
+) -> tuple[list[float], list[float]] | None:
+    if unit_bytes is None and capacity is None:
+        return None
+    if unit_bytes is None or capacity is None:
+        raise ValueError("unit_bytes and capacity go together")
+    if len(unit_bytes) != num_units or len(capacity) != num_stages:
+        raise ValueError(f"need {num_units} unit sizes and {num_stages} capacities")
+    prefix = [0.0]
+    for size in unit_bytes:
+        prefix.append(prefix[-1] + float(size))
+    return prefix, [float(c) for c in capacity]
+
+
 def balanced_partition(
     unit_costs_per_stage_node: Sequence[Sequence[float]],
     transfer_cost: float | Sequence[float] = 0.0,
     min_blocks_per_stage: int = 1,
     fixed_cost: Sequence[float] | None = None,
+    unit_bytes: Sequence[float] | None = None,
+    capacity: Sequence[float] | None = None,
 ) -> Ranges:
     """Exact min-max split of the units over S stages where stage s runs on node s.
 
@@ -167,11 +188,16 @@ def balanced_partition(
     smallest sum of squared stage costs (the most even one), found by a second exact DP under the
     optimal bound.  O(S * U^2), trivial for any realistic model.  The DP is kept whole (one nested
     solver over shared prefix sums), as it reads better that way than split into pieces.
+
+    Memory is a hard constraint: with ``unit_bytes`` (what each unit takes, e.g. weights + KV cache) and
+    ``capacity`` (what each stage's node can hold, per stage, after any fixed per-stage bytes), a stage
+    whose units exceed its capacity is never considered, however fast; ``DoesNotFit`` when no split fits.
     """
     costs = _checked_costs(unit_costs_per_stage_node, min_blocks_per_stage)
     num_stages, num_units = len(costs), len(costs[0])
     transfer = _transfer_list(transfer_cost, num_stages)
     fixed = _fixed_list(fixed_cost, num_stages)
+    memory = _memory_rows(unit_bytes, capacity, num_units, num_stages)
 
     prefix = [[0.0] for _ in range(num_stages)]
     for s in range(num_stages):
@@ -186,6 +212,8 @@ def balanced_partition(
 
     def valid(s: int, start: int, end: int) -> bool:
         if end <= start or blocks_in(start, end) < min_blocks_per_stage:
+            return False
+        if memory is not None and memory[0][end] - memory[0][start] > memory[1][s]:
             return False
         return (s == num_stages - 1) == (end == num_units)
 
@@ -214,6 +242,12 @@ def balanced_partition(
                         best[s][end] = value
                         choice[s][end] = start
         if best[num_stages - 1][num_units] == inf:
+            if memory is not None:
+                raise DoesNotFit(
+                    f"no split of {num_units} units into {num_stages} stages fits the nodes' memory: the units take"
+                    f" {memory[0][-1] / 1e9:.2f} GB, the stages' nodes hold "
+                    + ", ".join(f"{c / 1e9:.2f} GB" for c in memory[1])
+                )
             raise ValueError(f"no valid split of {num_units} units into {num_stages} stages")
         ranges: Ranges = []
         end = num_units

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import statistics
+import sys
 import time
 from typing import Any
 
@@ -24,8 +25,9 @@ import ray
 import torch
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from raycluster_cli.bench.cgroup import container_cpu_quota, container_cpu_usage, container_memory, node_capacity
 from raycluster_cli.bench.model import ModelConfig, Stage, prefill_chunks
-from raycluster_cli.bench.scheduling import cgroup_cpu_usage_s, cpu_quota, torch_threads
+from raycluster_cli.bench.scheduling import torch_threads
 
 # Idle OpenMP threads sleep instead of spinning: several stages may share a machine's cores (a lab on
 # one host, other tenants), and spinning threads of one stage then steal the CPU of the next.
@@ -49,31 +51,11 @@ def node_ip(node_id: str) -> str:
     return str(_node_entry(node_id).get("NodeManagerAddress") or ray.util.get_node_ip_address())
 
 
-def _read(path: str) -> str | None:
-    try:
-        with open(path) as f:
-            return f.read()
-    except OSError:
-        return None
+def _peak_rss() -> int:
+    """This process's peak resident set (Linux reports ru_maxrss in KiB)."""
+    import resource
 
-
-def container_cpu_quota() -> float | None:
-    """This process's CFS CPU quota in CPUs (cgroup v2, else v1), None when unlimited."""
-    v2 = _read("/sys/fs/cgroup/cpu.max")
-    if v2 is not None:
-        return cpu_quota(cpu_max=v2)
-    return cpu_quota(
-        cfs_quota_us=_read("/sys/fs/cgroup/cpu/cpu.cfs_quota_us"),
-        cfs_period_us=_read("/sys/fs/cgroup/cpu/cpu.cfs_period_us"),
-    )
-
-
-def container_cpu_usage() -> float | None:
-    """CPU seconds this process's container (cgroup) has used, all its processes together; None if unknown."""
-    v2 = _read("/sys/fs/cgroup/cpu.stat")
-    if v2 is not None:
-        return cgroup_cpu_usage_s(cpu_stat=v2)
-    return cgroup_cpu_usage_s(cpuacct_usage=_read("/sys/fs/cgroup/cpuacct/cpuacct.usage"))
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def node_cpu_count(node_id: str) -> int:
@@ -96,6 +78,7 @@ class _StageWorker:
     busy_s: float
     cpu_s: float
     calls: int
+    cache_peak: int
     process_cpu_began: float
     container_cpu_began: float | None
     stats_began: float
@@ -152,6 +135,8 @@ class _StageWorker:
         self.last_ended = ended
         self.intervals.append((began - self.stats_began, ended - self.stats_began))
         self.calls += 1
+        if positions == 0:  # caches are allocated at prefill
+            self.cache_peak = max(self.cache_peak, self.stage.cache_bytes())
         if onward and self.next is not None:
             return self.next.forward.remote(cache_id, out, positions, True)
         return out
@@ -179,6 +164,10 @@ class _StageWorker:
             "span_s": span,
             "calls": self.calls,
             "cached_micro_batches": cached,
+            "weights_bytes": self.stage.weight_bytes() if self.stage is not None else 0,
+            "cache_peak_bytes": self.cache_peak,
+            "memory": container_memory(),
+            "process_peak_rss_bytes": _peak_rss() if sys.platform == "linux" else self.process.memory_info().rss,
             # every forward's (start, end), seconds after reset_stats (the run's start, on this node's clock)
             "intervals": [(round(a, 5), round(b, 5)) for a, b in self.intervals],
         }
@@ -187,12 +176,29 @@ class _StageWorker:
         self.busy_s = 0.0
         self.cpu_s = 0.0
         self.calls = 0
+        self.cache_peak = 0
         self.process_cpu_began = self.process_cpu_s()
         self.container_cpu_began = container_cpu_usage()
         self.stats_began = time.perf_counter()
         self.first_began = None
         self.last_ended = 0.0
         self.intervals = []
+
+    def probe_dtypes(self, batch: int, prompt_len: int, decode_steps: int, min_sample_s: float) -> dict[str, Any]:
+        """One block's seconds per micro-batch in float32 and in bfloat16 on this node (``precision``)."""
+        from raycluster_cli.bench import precision
+
+        timed = {
+            f"{dtype}_s": precision.block_seconds(
+                self.cfg, dtype, self.device, batch, prompt_len, decode_steps, min_sample_s
+            )
+            for dtype in precision.PROBED
+        }
+        return {"node_ip": self.node_ip, **timed}
+
+    def memory_capacity(self) -> dict[str, Any]:
+        """What this node can still hold for a stage (``memory``), measured now."""
+        return node_capacity(self.node_id, self.node_ip, self.device).to_dict()
 
     def node_info(self) -> dict[str, Any]:
         return {
@@ -212,6 +218,7 @@ class _StageWorker:
         repeats: int = 5,
         min_sample_s: float = 0.25,
         prefill_chunk: int = 0,
+        max_blocks: int = 4,
     ) -> dict[str, Any]:
         """Seconds one micro-batch (prefill + decode steps) spends in each unit type on this node.
 
@@ -227,7 +234,7 @@ class _StageWorker:
         gen = torch.Generator().manual_seed(cfg.seed)
         ids = torch.randint(0, cfg.vocab, (batch, prompt_len), generator=gen)
         hidden = torch.randn(batch, prompt_len, cfg.d_model, generator=gen)
-        run = min(4, cfg.layers)
+        run = max(1, min(4, max_blocks, cfg.layers))  # fewer where memory is short
         subjects = {
             "embedding": (Stage(cfg, 0, 1, device=self.device), ids, 1),
             "block": (Stage(cfg, 1, 1 + run, device=self.device), hidden, run),
@@ -316,15 +323,20 @@ def calibrate_workers(
     repeats: int = 5,
     min_sample_s: float = 0.25,
     prefill_chunk: int = 0,
+    max_blocks: list[int] | None = None,
 ) -> list[dict[str, Any]]:
-    """Per-unit-type costs measured on each worker's node, all nodes at once.
+    """Per-unit-type costs measured on each worker's node, all nodes at once (at most ``max_blocks[i]``
+    blocks built at once on worker i's node).
 
     At once, because that is how they run in the pipeline: nodes that share physical cores (a lab
     on one machine, noisy neighbours) are measured under the same contention they will meet.
     """
     return list(
         ray.get(
-            [w.calibrate.remote(batch, prompt_len, decode_steps, repeats, min_sample_s, prefill_chunk) for w in workers]
+            [
+                w.calibrate.remote(batch, prompt_len, decode_steps, repeats, min_sample_s, prefill_chunk, blocks)
+                for w, blocks in zip(workers, max_blocks or [4] * len(workers), strict=True)
+            ]
         )
     )
 

@@ -78,6 +78,11 @@ class StageReport:
     idle_between_windows_s: list[float] = field(default_factory=list)  # between-call idle per fifth of the run
     longest_gap_s: float | None = None
     quota_used: float | None = None  # container CPU / (quota x wall): 1.0 = the quota bound the whole run
+    weights_bytes: int | None = None  # the stage's parameters and buffers at the run's dtype
+    cache_peak_bytes: int | None = None  # the most KV cache it held at once
+    working_set_bytes: int | None = None  # its container's memory in use after the run (page cache left out)
+    memory_peak_bytes: int | None = None  # its container's peak memory use (cgroup; page cache included)
+    process_peak_rss_bytes: int | None = None  # the stage worker process's own peak resident memory
 
 
 @dataclass
@@ -232,6 +237,11 @@ def stage_report(
         idle_between_windows_s=list(idle.get("idle_between_windows_s", [])),
         longest_gap_s=idle.get("longest_gap_s"),
         quota_used=None if shares_node else balance.quota_used(container_cpu, quota, window),
+        weights_bytes=stat.get("weights_bytes"),
+        cache_peak_bytes=stat.get("cache_peak_bytes"),
+        working_set_bytes=(stat.get("memory") or {}).get("working_set_bytes"),
+        memory_peak_bytes=(stat.get("memory") or {}).get("peak_bytes"),
+        process_peak_rss_bytes=stat.get("process_peak_rss_bytes"),
     )
 
 

@@ -7,6 +7,7 @@ the callback it was given (``phase, done, total``), and every workload run goes 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import asdict, dataclass, field
@@ -15,7 +16,7 @@ from typing import Any
 import ray
 import torch
 
-from raycluster_cli.bench import experiment, pilots, pipeline, scheduling, workload
+from raycluster_cli.bench import experiment, fitting, memory, pilots, pipeline, scheduling, workload
 from raycluster_cli.bench.model import prefill_chunks
 from raycluster_cli.bench.options import BenchOptions
 from raycluster_cli.schema import SCHEMA_VERSION
@@ -51,6 +52,8 @@ class Session:
     dead: set[int] = field(default_factory=set)  # replicas that lost a node
     balanced_ranges: Ranges | None = None
     extra_workers: list[Any] = field(default_factory=list)  # started by --sweep nodes
+    dtype_choice: dict[str, Any] = field(default_factory=dict)
+    memory: fitting.MemoryPlan | None = None  # each node's room and what the model needs (None: not measured)
 
     @classmethod
     def start(cls, options: BenchOptions, progress: experiment.Report) -> Session:
@@ -61,12 +64,13 @@ class Session:
         manual = options.manual_counts
         num_stages = options.stages or (len(manual) if manual else None) or len(nodes)
         provisional = options.layers or (sum(manual) if manual else max(4, num_stages))
-        cfg = experiment.model_config(options, provisional)
-        if num_stages > cfg.layers and (options.layers or options.model_path):
-            raise ValueError(f"{num_stages} stages but the model has {cfg.layers} blocks: every stage needs one")
         plan = scheduling.plan_replicas(len(nodes), num_stages, options.replicas, options.allow_shared_nodes)
         gpu_nodes = {n["node_id"] for n in nodes if n["gpus"] >= 1}
         node_ids = [nodes[i]["node_id"] for replica in plan for i in replica]
+        cfg = experiment.model_config(options, provisional, on_gpu=set(node_ids) <= gpu_nodes)
+        if num_stages > cfg.layers and (options.layers or options.model_path):
+            raise ValueError(f"{num_stages} stages but the model has {cfg.layers} blocks: every stage needs one")
+        fitting.refuse_early(options, cfg, nodes, node_ids, num_stages, gpu_nodes)
         log.info("replicas on %s", [[nodes[i]["node_ip"] for i in replica] for replica in plan])
         progress(f"starting {len(node_ids)} stage worker(s) on {len(set(node_ids))} node(s)")
         workers = pipeline.start_workers(
@@ -78,6 +82,10 @@ class Session:
         )
         session = cls(options, progress, nodes, num_stages, node_ids, workers, cfg, gpu_nodes)
         try:
+            on_cpu = not set(node_ids) <= gpu_nodes
+            session.plan_memory("bfloat16" if options.dtype == "auto" and on_cpu else None)  # before any weights
+            session.choose_dtype()
+            session.plan_memory()
             session.calibrate()
             session.size_model()
             session.measure_hops()
@@ -97,11 +105,41 @@ class Session:
     def node_ip(self, node_id: str) -> str:
         return next((str(n["node_ip"]) for n in self.nodes if n["node_id"] == node_id), node_id)
 
+    def choose_dtype(self) -> None:
+        """``--dtype auto`` on CPU nodes: bfloat16 when one block measured faster in it on every node."""
+        o = self.options
+        if o.dtype != "auto" or set(self.node_ids) <= self.gpu_nodes:
+            why = "as asked" if o.dtype != "auto" else "the checkpoint's dtype on GPU nodes"
+            self.dtype_choice = {"requested": o.dtype, "dtype": self.cfg.dtype, "why": why}
+            return
+        from raycluster_cli.bench import precision
+
+        self.progress("measuring a block in float32 and bfloat16 on every node (--dtype auto)")
+        probes = precision.probe(list(self.first_on_node().values()), o)
+        self.dtype_choice = {"requested": "auto", **precision.choose(list(probes))}
+        if self.dtype_choice["dtype"] != self.cfg.dtype:
+            self.cfg = experiment.model_config(o, self.cfg.layers, dtype=self.dtype_choice["dtype"])
+            ray.get([w.configure.remote(self.cfg.to_dict()) for w in self.workers])
+
+    def plan_memory(self, dtype: str | None = None) -> None:
+        """Measure every node's room (once) and refuse a model no split can hold, at ``dtype`` (default: the run's)."""
+        if self.memory is None:
+            found = ray.get([w.memory_capacity.remote() for w in self.first_on_node().values()])
+            self.memory = fitting.MemoryPlan.make(self.cfg, self.options, self.num_stages, list(found))
+        cfg = self.cfg if dtype is None else dataclasses.replace(self.cfg, dtype=dtype)
+        self.memory = self.memory.for_config(cfg, self.options, self.num_stages)
+        self.memory.refuse_if_too_large(self.num_stages)
+
+    def first_on_node(self) -> dict[str, Any]:
+        """One worker per distinct node (the first of each)."""
+        first: dict[str, Any] = {}
+        for node_id, worker in zip(self.node_ids, self.workers, strict=True):
+            first.setdefault(node_id, worker)
+        return first
+
     def calibrate(self) -> None:
         """Every node's per-unit-type cost, all nodes at once (one worker per distinct node)."""
-        first_on_node: dict[str, Any] = {}
-        for node_id, worker in zip(self.node_ids, self.workers, strict=True):
-            first_on_node.setdefault(node_id, worker)
+        first_on_node = self.first_on_node()
         o = self.options
         self.progress(f"calibrating {len(first_on_node)} node(s)")
         found = pipeline.calibrate_workers(
@@ -112,6 +150,7 @@ class Session:
             o.calibration_repeats,
             o.calibration_sample_s,
             o.prefill_chunk,
+            [self.memory.calibration_blocks(n) if self.memory else 4 for n in first_on_node],
         )
         self.calibrations = dict(zip(first_on_node, found, strict=True))
 
@@ -134,9 +173,10 @@ class Session:
                 for r in range(len(self.replicas))
             ]
             layers = max(experiment.auto_layers(rows, o.min_blocks_per_node), self.num_stages)
-            self.cfg = experiment.model_config(o, layers)
+            self.cfg = experiment.model_config(o, layers, dtype=self.cfg.dtype)
             self.progress(f"model sized to {layers} blocks (slowest node holds about {o.min_blocks_per_node})")
             ray.get([w.configure.remote(self.cfg.to_dict()) for w in self.workers])
+            self.plan_memory()
         self.costs = {nid: pipeline.unit_cost_row(c, self.cfg.layers) for nid, c in self.calibrations.items()}
 
     def measure_hops(self) -> None:
@@ -145,8 +185,11 @@ class Session:
         self.progress("measuring the per-hop overhead with no-op stages")
         chunks = prefill_chunks(o.prompt_len, o.prefill_chunk)
         first = self.replicas[0]
-        prefill = pipeline.hop_overhead(first, torch.zeros(o.micro_batch, chunks[0][1], self.cfg.d_model), hops=o.hops)
-        decode = pipeline.hop_overhead(first, torch.zeros(o.micro_batch, 1, self.cfg.d_model), hops=o.hops)
+        dtype = getattr(torch, self.cfg.dtype)  # activations travel in the model's dtype
+        prefill = pipeline.hop_overhead(
+            first, torch.zeros(o.micro_batch, chunks[0][1], self.cfg.d_model, dtype=dtype), hops=o.hops
+        )
+        decode = pipeline.hop_overhead(first, torch.zeros(o.micro_batch, 1, self.cfg.d_model, dtype=dtype), hops=o.hops)
         self.hops = {
             "prefill": prefill,
             "decode": decode,
@@ -159,10 +202,20 @@ class Session:
         self.transfer_s = len(chunks) * prefill["per_hop_s"] + decode_steps * decode["per_hop_s"]
 
     def ranges_for(self, which: str) -> Ranges:
+        """Every replica's split; the balanced one fits each node's memory, another that does not raises
+        ``memory.ModelTooLarge`` with the reason."""
         out = []
         for r in range(len(self.replicas)):
-            rows = [self.costs[self.node_ids[r * self.num_stages + s]] for s in range(self.num_stages)]
-            out.append(experiment.choose_ranges(which, rows, self.cfg.layers, self.transfer_s))
+            ids = self.node_ids[r * self.num_stages :][: self.num_stages]
+            rows = [self.costs[n] for n in ids]
+            if which == "balanced" and self.memory is not None:
+                out.append(self.memory.balanced(rows, self.transfer_s, ids))
+                continue
+            ranges = experiment.choose_ranges(which, rows, self.cfg.layers, self.transfer_s)
+            why = self.memory.why_not(ranges, ids) if self.memory is not None else None
+            if why:
+                raise memory.ModelTooLarge(f"the {which.split(':')[0]} split does not fit the nodes' memory: {why}")
+            out.append(ranges)
         return out
 
     def measure(self, ranges: Ranges, params: Any, label: str, replicas: list[list[Any]] | None = None) -> Any:
@@ -234,11 +287,14 @@ class Session:
 
         chosen, tried = pilots.refine(ranges, o.refine, run_pilot, self.costs, lambda: self.ranges_for("balanced"))
         self.balanced_ranges = chosen
-        even = self.ranges_for("even")
+        self.pilots = pilots.public(tried, chosen, {nid: self.node_ip(nid) for nid in self.costs})
+        try:
+            even = self.ranges_for("even")
+        except memory.ModelTooLarge as exc:
+            return chosen, {"used": "balanced", "reason": str(exc)}
         used, choice = pilots.pick_split(
             chosen, even, tried, lambda: self.measure(even, pilot_params, "even-split pilot")
         )
-        self.pilots = pilots.public(tried, chosen, {nid: self.node_ip(nid) for nid in self.costs})
         return used, choice
 
     def resize(self, tokens_per_s: float) -> None:
@@ -252,7 +308,9 @@ class Session:
 
     def main_doc(self, result: Any, ranges: Ranges) -> dict[str, Any]:
         replicas = result.replica_dicts()
+        stages = result.stage_dicts()
         return {
+            **({"memory": self.memory.report(stages)} if self.memory is not None else {}),
             **result.summary(),
             "stages": experiment.with_predictions(result.stage_dicts(), self.costs, replicas),
             "replicas": replicas,
@@ -261,32 +319,9 @@ class Session:
         }
 
     def references(self, result: Any, ranges: Ranges, choice: dict[str, Any]) -> dict[str, Any]:
-        alive = [result.replicas[i] for i in range(len(result.replicas)) if not result.replicas[i].lost]
-        busiest = [r.busiest_s for r in alive]
-        ceiling = scheduling.ceiling_tokens_per_s([r.tokens for r in alive], busiest)
-        stages = [s for s in result.stage_dicts()]
-        bottleneck = max(stages, key=lambda s: s["busy_s"]) if stages else {"busy_s": 0.0}
-        refs: dict[str, Any] = {
-            "ceiling": {
-                "tokens_per_s": ceiling,
-                "ratio": result.tokens_per_s / ceiling if ceiling else None,
-                "gap": scheduling.ceiling_gap(result.wall_s, bottleneck),
-            }
-        }
-        if not self.options.references:
-            return refs
-        other = "balanced" if choice.get("used") == "even" and self.balanced_ranges else "even"
-        other_ranges = self.balanced_ranges if other == "balanced" else self.ranges_for("even")
-        if other_ranges is not None and other_ranges != ranges:
-            run = self.measure(other_ranges, self.params, f"reference: {other} split")
-            refs[other] = experiment.reference(result, run, {"partition_ranges": [list(r) for r in other_ranges[0]]})
-        candidates = [n for r in self.alive() for n in self.node_ids[r * self.num_stages :][: self.num_stages]]
-        if candidates:
-            fastest = min(candidates, key=lambda nid: sum(self.costs[nid]))
-            worker = self.workers[self.node_ids.index(fastest)]
-            whole = self.measure([[(0, self.cfg.num_units)]], self.params, "reference: unsharded", replicas=[[worker]])
-            refs["unsharded"] = experiment.reference(result, whole, {"node_ip": self.node_ip(fastest)})
-        return refs
+        from raycluster_cli.bench.references import references
+
+        return references(self, result, ranges, choice)
 
     def sweep(self, kind: str, ranges: Ranges) -> dict[str, Any]:
         if kind == "batch":
@@ -315,36 +350,9 @@ class Session:
         }
 
     def config_doc(self, first_ranges: list[list[int]]) -> dict[str, Any]:
-        o, p = self.options, self.params
-        return {
-            "model": self.cfg.to_dict(),
-            "model_source": f"{self.cfg.arch}:{self.cfg.model_path}" if self.cfg.model_path else "random",
-            "layers_auto": not (o.layers or o.model_path or o.manual_counts),
-            "mode": o.load_mode,
-            "rate": o.rate,
-            "requests": p.requests,
-            "requests_auto": o.requests is None,
-            "duration_s": o.duration_s,
-            "prompt_len": o.prompt_len,
-            "max_new_tokens": o.max_new_tokens,
-            "micro_batch": o.micro_batch,
-            "prefill_chunk": o.prefill_chunk,
-            "seed": o.seed,
-            "stages": self.num_stages,
-            "replicas": len(self.replicas),
-            "partition": o.partition,
-            "partition_ranges": first_ranges,
-            "threads": o.threads,
-            "allow_shared_nodes": o.allow_shared_nodes,
-            "alive_nodes": len(self.nodes),
-            "calibration_repeats": o.calibration_repeats,
-            "calibration_sample_s": o.calibration_sample_s,
-            "refine": o.refine if o.partition == "balanced" else 0,
-            "quick": o.quick,
-            "step_timeout_s": o.step_timeout_s,
-            "latency_origin": "request_arrival",
-            "warmup": "one micro-batch per replica, not counted",
-        }
+        from raycluster_cli.bench.references import config_doc
+
+        return config_doc(self, first_ranges)
 
 
 def run(options: BenchOptions, progress: experiment.Report) -> dict[str, Any]:
@@ -361,9 +369,11 @@ def run(options: BenchOptions, progress: experiment.Report) -> dict[str, Any]:
         doc["split_choice"] = choice
         if options.check_output:
             progress("checking output against the unsharded model")
-            from raycluster_cli.bench.workload import check_output
+            from raycluster_cli.bench.cgroup import node_capacity
+            from raycluster_cli.bench.outputcheck import check_output
 
-            doc["output_check"] = check_output(session.cfg, params, result, options.check_requests)
+            room = node_capacity("driver", "driver").usable
+            doc["output_check"] = check_output(session.cfg, params, result, options.check_requests, room)
         doc["references"] = session.references(result, ranges, choice)
         if options.sweep:
             doc["sweep"] = session.sweep(options.sweep, ranges)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from raycluster_cli.bench import experiment, pipeline
+from raycluster_cli.bench import experiment, memory, pipeline
 from raycluster_cli.bench.scheduling import scaling_efficiency
 
 
@@ -26,10 +26,24 @@ def sweep_nodes(session: Any, ranges: list[list[tuple[int, int]]]) -> dict[str, 
             )
             session.costs[node["node_id"]] = pipeline.unit_cost_row(cal, cfg.layers)
     which = "even" if o.partition.startswith("manual:") else o.partition
-    points = []
+    points, skipped = [], []
+    plan = session.memory
     for n in range(1, min(len(workers), cfg.layers) + 1):
-        rows = [session.costs[nodes[i]["node_id"]] for i in range(n)]
-        split = [experiment.choose_ranges(which, rows, cfg.layers, session.transfer_s if n > 1 else 0.0)]
+        ids = [nodes[i]["node_id"] for i in range(n)]
+        rows = [session.costs[node_id] for node_id in ids]
+        transfer = session.transfer_s if n > 1 else 0.0
+        try:
+            if plan and which == "balanced":
+                split = [plan.balanced(rows, transfer, ids)]
+            else:
+                split = [experiment.choose_ranges(which, rows, cfg.layers, transfer)]
+        except memory.ModelTooLarge as exc:
+            skipped.append({"nodes": n, "skipped": str(exc)})
+            continue
+        why = plan.why_not(split[0], ids) if plan else None
+        if why:
+            skipped.append({"nodes": n, "skipped": why})
+            continue
         s = session.measure(split, session.params, f"sweep: {n} node(s)", replicas=[workers[:n]]).summary()
         points.append(
             {
@@ -43,4 +57,4 @@ def sweep_nodes(session: Any, ranges: list[list[tuple[int, int]]]) -> dict[str, 
         )
     for point, eff in zip(points, scaling_efficiency([p["tokens_per_s"] for p in points]), strict=True):
         point["efficiency"] = eff
-    return {"kind": "nodes", "partition": which, "points": points}
+    return {"kind": "nodes", "partition": which, "points": points, "skipped": skipped}

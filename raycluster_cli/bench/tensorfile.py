@@ -115,3 +115,19 @@ def load_checkpoint_tensors(files: Mapping[str, Path], names: Iterable[str]) -> 
     for path, wanted in by_file.items():
         out |= load_tensors(path, wanted)
     return out
+
+
+_DTYPE_NAMES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "F64": "float64"}
+
+
+def checkpoint_dtype(directory: str | Path) -> str:
+    """The floating dtype holding most of the checkpoint's bytes (``float32``, ``bfloat16``, ...), from the
+    headers only."""
+    totals: dict[str, int] = {}
+    for path in sorted(set(checkpoint_tensors(directory).values())):
+        for entry in read_header(path)[0].values():
+            name = _DTYPE_NAMES.get(str(entry.get("dtype")))
+            if name is not None:
+                begin, end = (int(v) for v in entry["data_offsets"])
+                totals[name] = totals.get(name, 0) + end - begin
+    return max(totals, key=lambda name: totals[name]) if totals else "float32"

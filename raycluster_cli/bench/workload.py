@@ -29,7 +29,7 @@ import ray
 import torch
 
 from raycluster_cli.bench import pipeline
-from raycluster_cli.bench.model import ModelConfig, full_model_stage, greedy_generate, prefill_chunks
+from raycluster_cli.bench.model import ModelConfig, prefill_chunks
 from raycluster_cli.bench.results import (
     BenchParams,
     LostStage,
@@ -41,7 +41,7 @@ from raycluster_cli.bench.results import (
 )
 from raycluster_cli.bench.scheduling import arrival_times, in_flight_limit, power_of_two_choice
 
-__all__ = ["BenchParams", "RunResult", "StageLost", "check_output", "make_prompts", "run_workload", "setup_replicas"]
+__all__ = ["BenchParams", "RunResult", "StageLost", "make_prompts", "run_workload", "setup_replicas"]
 
 WARMUP_CACHE_ID = -1
 PROBE_TIMEOUT_S = 10.0
@@ -401,23 +401,3 @@ def _alive_stats(work: _Workload) -> dict[int, dict[str, Any]]:
             continue
         stats.update({replica * stages + s: stat for s, stat in enumerate(got)})
     return stats
-
-
-def check_output(cfg: ModelConfig, params: BenchParams, result: RunResult, num_requests: int = 8) -> dict[str, Any]:
-    """Compare the pipeline's greedy tokens with the unsharded model's, micro-batch by micro-batch.
-
-    The reference runs the same micro-batches (same requests grouped the same way) so both sides
-    do identically shaped matmuls; at least ``num_requests`` requests are compared.
-    """
-    prompts = make_prompts(cfg.vocab, params.requests, params.prompt_len, params.seed)
-    model = full_model_stage(cfg, emit="tokens")
-    compared = 0
-    mismatched: list[int] = []
-    for rows in result.groups:
-        if compared >= max(1, num_requests):
-            break
-        generated = greedy_generate([model], prompts[rows], params.max_new_tokens, prefill_chunk=params.prefill_chunk)
-        expected = generated.tolist()
-        mismatched.extend(row for row, exp in zip(rows, expected, strict=True) if result.tokens[row] != exp)
-        compared += len(rows)
-    return {"identical": not mismatched and compared > 0, "compared_requests": compared, "mismatched": mismatched}

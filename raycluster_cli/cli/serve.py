@@ -26,6 +26,13 @@ def serve_command(
     slots: Annotated[int, typer.Option(min=1, help="sequences a pipeline batches at once (KV cache slots)")] = 16,
     max_seq: Annotated[int, typer.Option(min=2, help="prompt + generated tokens per sequence")] = 512,
     model_id: Annotated[str, typer.Option(help="the model name clients pass (default: the folder's name)")] = "",
+    dtype: Annotated[
+        str,
+        typer.Option(
+            help="weights, KV cache and activations in auto | float32 | bfloat16 | float16; auto: the checkpoint's"
+            " dtype when every node has a GPU, else float32"
+        ),
+    ] = "auto",
     stop: Annotated[bool, typer.Option("--stop", help="remove the service instead")] = False,
     timeout: Annotated[float, typer.Option(help="seconds the deployment may take")] = 900.0,
     inventory_path: InventoryOpt = None,
@@ -50,7 +57,11 @@ def serve_command(
             raise UsageError(
                 "serve needs --model-path DIR (or --stop)", "e.g. raycluster serve --model-path ./my-llama"
             )
-        options = serve.ServeOptions(model_path, port, stages, slots, max_seq, model_id, timeout)
+        if dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise UsageError(
+                f"--dtype {dtype!r} is not one of auto, float32, bfloat16, float16", "e.g. --dtype bfloat16"
+            )
+        options = serve.ServeOptions(model_path, port, stages, slots, max_seq, model_id, timeout, dtype)
         with open_cluster(inventory_path) as (inv, pool), output.live_progress() as progress:
             result = serve.serve(inv, pool, options, progress)
         return emit(output, True, {"cluster": inv.cluster, **result.to_dict()}, render_serve)

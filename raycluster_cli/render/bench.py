@@ -181,14 +181,17 @@ def _idle_line(output: Output, body: dict[str, Any]) -> None:
 def _references(output: Output, body: dict[str, Any]) -> None:
     refs = body.get("references", {})
     parts = []
+    skipped = [
+        f"{name}: {ref['skipped']}" for name, ref in refs.items() if isinstance(ref, dict) and ref.get("skipped")
+    ]
     for name in ("even", "balanced"):
-        if refs.get(name):
+        if refs.get(name) and not refs[name].get("skipped"):
             ref = refs[name]
             parts.append(
                 f"vs {name} split {_ratio(ref.get('ratio'))} "
                 f"({ref['tokens_per_s']:.1f} tok/s{_spread(ref.get('tokens_per_s_spread'))})"
             )
-    if refs.get("unsharded"):
+    if refs.get("unsharded") and not refs["unsharded"].get("skipped"):
         ref = refs["unsharded"]
         parts.append(
             f"vs unsharded on {_escape(_host(ref))} {_ratio(ref.get('ratio'))} ({ref['tokens_per_s']:.1f} tok/s)"
@@ -198,6 +201,8 @@ def _references(output: Output, body: dict[str, Any]) -> None:
         parts.append(text + _gap_text(refs["ceiling"].get("gap") or {}))
     if parts:
         output.line("references (same run): " + "; ".join(parts))
+    for text in skipped:
+        output.line(f"[yellow]reference skipped, {_escape(text)}[/yellow]")
     _idle_line(output, body)
     choice = body.get("split_choice") or {}
     if choice.get("used") == "even" and body.get("config", {}).get("partition") == "balanced":
@@ -242,10 +247,33 @@ def render_bench(output: Output, body: dict[str, Any]) -> None:
     for finding in body.get("network", []):
         colour = "yellow" if finding["status"] != "ok" else "dim"
         output.line(f"[{colour}]network {finding['id']} {finding['host']}: {_escape(finding['message'])}[/{colour}]")
+    _memory(output, body.get("memory"))
     check = body.get("output_check")
-    if check:
+    if check and check.get("skipped"):
+        output.line(f"[yellow]output check skipped: {_escape(str(check['skipped']))}[/yellow]")
+    elif check:
         verdict = "identical" if check.get("identical") else "[red]DIFFERENT[/red]"
         output.line(f"sharded vs unsharded greedy output: {verdict} ({check.get('compared_requests')} requests)")
+
+
+def _memory(output: Output, memory: dict[str, Any] | None) -> None:
+    """Each stage's node: the container's peak use and the stage's planned bytes against its capacity."""
+    if not memory:
+        return
+    items = []
+    for stage in memory.get("stages", []):
+        used, limit = stage.get("working_set_bytes"), stage.get("limit_bytes")
+        text = (
+            f"{_escape(_host(stage))} planned {_gb(stage.get('planned_bytes'))} of {_gb(stage.get('capacity_bytes'))}"
+        )
+        if used:
+            text += f", used {_gb(used)}" + (f" of {_gb(limit)} limit" if limit else "")
+        items.append(text)
+    output.line(f"memory ({memory.get('dtype')}, model {_gb(memory.get('model_bytes'))}): " + "; ".join(items))
+
+
+def _gb(value: Any) -> str:
+    return f"{value / 1e9:.2f} GB" if isinstance(value, int | float) else "?"
 
 
 def _hop_line(hop: dict[str, Any]) -> str:

@@ -9,7 +9,7 @@ went through every stage of every replica, printing one JSON line:
     {"url": "http://IP:PORT/v1", "model": ID, "replicas": R, "split": [[a, b], ...] (replica 0's unit ranges),
      "pipelines": [{"stages": [{"units": [a, b], "blocks": k, "node_ip": IP, "node_id": ID, "stage_s": s}, ...],
                     "why": "..."}, ...],
-     "nodes": [{"node_id": ID, "node_ip": IP, "block_s": s}, ...], "why": "..."}
+     "nodes": [{"node_id": ID, "node_ip": IP, "block_s": s}, ...], "why": "...", "dtype": D}
 
 Units are the model's embedding (0), blocks (1..L) and head (L+1); ``[a, b)`` is half-open;
 ``stage_s`` is the modelled seconds of the stage per calibration step (absent when not measured).  The application outlives this
@@ -30,7 +30,10 @@ from typing import Any
 import ray
 from ray import serve
 
+from raycluster_cli.bench import memory
+from raycluster_cli.bench.config import ModelConfig
 from raycluster_cli.bench.model import config_from_checkpoint
+from raycluster_cli.bench.partition import DoesNotFit
 from raycluster_cli.serve.app import ServeSettings, build_app
 from raycluster_cli.serve.fleet import Calibration, alive_nodes, measure
 from raycluster_cli.serve.placement import NodeSpeed, plan_replicas
@@ -61,6 +64,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--slots", type=int, default=16, help="sequences batched at once (KV cache slots)")
     p.add_argument("--max-seq", type=int, default=512, help="prompt + generated tokens per sequence")
     p.add_argument("--prefill-chunk", type=int, default=64)
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        choices=("auto", "float32", "bfloat16", "float16"),
+        help="weights, KV cache and activations; auto: the checkpoint's dtype when every node has a GPU, else float32",
+    )
     p.add_argument("--token-file", default=os.environ.get("RAY_AUTH_TOKEN_PATH", ""))
     p.add_argument("--no-auth", action="store_true", help="accept requests without a token (loopback tests only)")
     p.add_argument("--record", default="", help="also write the JSON document to this file (for `raycluster status`)")
@@ -80,10 +89,45 @@ def _token(args: argparse.Namespace) -> str | None:
     return Path(args.token_file).read_text().strip()
 
 
+def _on_gpus() -> bool:
+    """Every alive node offers Ray a GPU (what ``--dtype auto`` keeps the checkpoint's dtype for)."""
+    alive = [n for n in ray.nodes() if n.get("Alive")]
+    return bool(alive) and all(float(n.get("Resources", {}).get("GPU", 0.0)) >= 1 for n in alive)
+
+
+@ray.remote(num_cpus=0)
+def _node_room(node_id: str) -> dict[str, Any]:
+    """This node's room for a stage, measured in a process that has torch loaded as a stage actor will."""
+    import raycluster_cli.bench.model  # noqa: F401  (torch in this process, as in the actor)
+    from raycluster_cli.bench.cgroup import node_capacity
+    from raycluster_cli.bench.pipeline import node_ip, pick_device
+
+    return node_capacity(node_id, node_ip(node_id), pick_device()).to_dict()
+
+
+def _rooms(cfg: ModelConfig, args: argparse.Namespace, node_ids: list[str]) -> tuple[dict[str, int], memory.Demand]:
+    """Each node's bytes for a stage's units (after a step's room), and the model's demand; refuses, with the
+    numbers, a model no split over ``--stages`` nodes can hold."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    calls = [
+        _node_room.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=n, soft=False)).remote(n)
+        for n in node_ids
+    ]
+    capacities = [memory.Capacity.from_dict(c) for c in ray.get(calls, timeout=120)]
+    need = memory.demand(cfg, rows=args.slots, tokens=args.prefill_chunk)
+    memory.check_fits(need, capacities, args.stages)
+    return {c.node_id: max(0, c.usable - need.fixed) for c in capacities}, need
+
+
 def _placement(args: argparse.Namespace, settings: ServeSettings, layers: int) -> ServeSettings:
     """The settings with the replicas placed on the alive nodes, by their measured speeds unless told not."""
-    cfg = config_from_checkpoint(args.model_path, max_seq=args.max_seq)
+    cfg = config_from_checkpoint(args.model_path, max_seq=args.max_seq, dtype=settings.dtype)
     nodes = alive_nodes()
+    try:
+        rooms, need = _rooms(cfg, args, list(nodes))  # before any weights are built anywhere
+    except DoesNotFit as exc:
+        raise SystemExit(f"serve: {exc}") from None
     if args.no_measure:
         speeds = [NodeSpeed(node_id, ip, ()) for node_id, ip in nodes.items()]
     else:
@@ -94,8 +138,12 @@ def _placement(args: argparse.Namespace, settings: ServeSettings, layers: int) -
             prefill_chunk=args.prefill_chunk,
         )
         speeds = measure(cfg, nodes, calibration)
+    speeds = [replace(s, capacity=rooms.get(s.node_id)) for s in speeds]
     given = split_units(layers, args.stages, settings.split) if settings.split or args.no_measure else None
-    plans = plan_replicas(speeds, args.stages, args.replicas, given)
+    try:
+        plans = plan_replicas(speeds, args.stages, args.replicas, given, unit_bytes=list(need.units))
+    except DoesNotFit as exc:
+        raise SystemExit(f"serve: {exc}") from None
     measured = tuple(s for s in speeds if s.unit_costs)
     return replace(settings, plans=tuple(plans), speeds=measured, replicas=len(plans))
 
@@ -110,6 +158,7 @@ def _report(url: str, settings: ServeSettings, layers: int) -> dict[str, Any]:
         "pipelines": [plan.to_json(layers) for plan in plans],
         "nodes": [{"node_id": s.node_id, "node_ip": s.ip, "block_s": s.block_s} for s in settings.speeds],
         "why": plans[0].why,
+        "dtype": settings.dtype,
     }
 
 
@@ -128,7 +177,8 @@ def main(argv: list[str] | None = None) -> int:
     layers = config_from_checkpoint(args.model_path, max_seq=args.max_seq).layers
     split_units(layers, args.stages, split)  # a bad split fails here, before anything starts
     ray.init(address="auto")
-    settings = _placement(args, settings, layers)
+    cfg = config_from_checkpoint(args.model_path, max_seq=args.max_seq, dtype=args.dtype, on_gpu=_on_gpus())
+    settings = _placement(args, replace(settings, dtype=cfg.dtype), layers)
     serve.start(proxy_location=args.proxy_location, http_options={"host": args.host, "port": args.port})
     serve.run(build_app(settings, ray_actor_options=INGRESS_ACTOR_OPTIONS), name=APP_NAME, route_prefix="/")
     url = f"http://{ray.util.get_node_ip_address()}:{args.port}/v1"

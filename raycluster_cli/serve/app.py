@@ -68,6 +68,7 @@ class ServeSettings:
     calibration: Calibration | None = None  # how a node that joins later is measured
     replace_period_s: float = 30.0  # how often alive nodes no pipeline uses are looked for
     failover_wait_s: float = 90.0  # how long a moved request waits for a pipeline to come back
+    dtype: str = "float32"  # weights, KV cache and activations (resolved: never "auto")
 
     @property
     def served_model(self) -> str:
@@ -183,7 +184,7 @@ class OpenAIServer:
         self.model_id = settings.served_model
         path = Path(settings.model_path)
         self.tokenizer = transformers.AutoTokenizer.from_pretrained(str(path))
-        self.cfg = config_from_checkpoint(path, max_seq=settings.limits.max_seq)
+        self.cfg = config_from_checkpoint(path, max_seq=settings.limits.max_seq, dtype=settings.dtype)
         eos = eos_ids(self.tokenizer, _read_json(path / "generation_config.json"))
         fleet = RayFleet(
             self.cfg,

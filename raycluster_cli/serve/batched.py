@@ -28,8 +28,8 @@ class SlotCache:
 
     def __init__(self, slots: int, cfg: ModelConfig, device: torch.device) -> None:
         shape = (slots, cfg.num_kv_heads, cfg.max_seq, cfg.dim_per_head)
-        self.k = torch.zeros(shape, device=device)
-        self.v = torch.zeros(shape, device=device)
+        self.k = torch.zeros(shape, device=device, dtype=getattr(torch, cfg.dtype))
+        self.v = torch.zeros(shape, device=device, dtype=getattr(torch, cfg.dtype))
 
 
 @dataclass(frozen=True)
@@ -64,10 +64,10 @@ class Rows:
     def keys_len(self) -> int:
         return int((self.starts + self.lengths).max())
 
-    def mask(self) -> torch.Tensor:
-        """[B, 1, T, keys_len]: a query sees its own slot's keys up to its own position (never padding)."""
-        keys = torch.arange(self.keys_len, device=self.slots.device)
-        return (keys[None, None, :] <= self.positions[:, :, None])[:, None]
+    def mask(self, window: int = 0) -> torch.Tensor:
+        """[B, 1, T, keys_len]: a query sees its own slot's keys up to its own position (never padding), and
+        with a sliding ``window`` only the last ``window`` of them."""
+        return llama.causal_mask(self.positions, self.keys_len, window, self.slots.device)[:, None]
 
     def write(self, cache: SlotCache, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store the real (unpadded) steps' k, v [B, kv_heads, T, head_dim] at their slots and positions."""
@@ -100,7 +100,7 @@ def _llama_block(block: llama.Block, x: torch.Tensor, cache: SlotCache, rows: Ro
     rows.write(cache, _rotate(k, cos, sin), v)
     keys, values = rows.read(cache)
     att = F.scaled_dot_product_attention(
-        _rotate(q, cos, sin), keys, values, attn_mask=rows.mask(), enable_gqa=kv_heads != heads
+        _rotate(q, cos, sin), keys, values, attn_mask=rows.mask(block.window), enable_gqa=kv_heads != heads
     )
     x = x + block.o(att.transpose(1, 2).reshape(batch, steps, heads * width))
     h = block.mlp_norm(x)
@@ -155,8 +155,7 @@ class BatchedStage:
         if rows.keys_len > self.cfg.max_seq:
             raise ValueError(f"sequence of {rows.keys_len} tokens exceeds max_seq={self.cfg.max_seq}")
         stage = self.stage
-        if stage.embedding is not None:
-            x = self._embed(stage.embedding, x, rows)
+        x = self._embed(stage.embedding, x, rows) if stage.embedding is not None else x.to(stage.dtype)
         for block, cache in zip(stage.blocks, self.caches, strict=True):
             if isinstance(block, llama.Block):
                 x = _llama_block(block, x, cache, rows)

@@ -9,6 +9,10 @@ that balances outstanding work then keeps them equally busy.  Each replica's blo
 the bench's exact min-max DP (``balanced_partition``) over its own nodes' costs, so its slowest
 stage is as fast as it can be.  A pipeline that lost a node is re-planned over its survivors plus
 any free node (``replan``), with fewer stages when there are fewer nodes.
+
+Memory is a hard limit: given each unit's bytes (weights at the dtype + the KV cache slots of a block,
+``bench.memory.demand``) and each node's ``capacity``, a split never puts more on a node than it holds,
+however fast the node; a replica that cannot fit is refused with the numbers.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from raycluster_cli.bench.partition import balanced_partition, blocks_held, stage_costs
+from raycluster_cli.bench.partition import DoesNotFit, balanced_partition, blocks_held, stage_costs
 
 
 @dataclass(frozen=True)
@@ -27,6 +31,7 @@ class NodeSpeed:
     node_id: str  # "" = anywhere (unpinned: tests and single-node runs)
     ip: str
     unit_costs: tuple[float, ...]
+    capacity: int | None = None  # bytes a stage may take on this node (after its fixed step bytes); None: not measured
 
     @property
     def block_s(self) -> float:
@@ -72,17 +77,58 @@ def snake_groups(nodes: Sequence[NodeSpeed], replicas: int, stages: int) -> list
     return groups
 
 
+def _gb(value: float) -> str:
+    return f"{value / 1e9:.2f} GB"
+
+
+def _memory(
+    nodes: Sequence[NodeSpeed], unit_bytes: Sequence[int] | None
+) -> tuple[list[float] | None, list[float] | None]:
+    """The partition's memory arguments: only when the units' bytes and every node's capacity are known."""
+    capacities = [n.capacity for n in nodes]
+    if unit_bytes is None or not nodes or None in capacities:
+        return None, None
+    return [float(b) for b in unit_bytes], [float(c or 0) for c in capacities]
+
+
+def _check_fits(
+    nodes: Sequence[NodeSpeed], ranges: Sequence[tuple[int, int]], unit_bytes: Sequence[int] | None
+) -> None:
+    sizes, room = _memory(nodes, unit_bytes)
+    if sizes is None or room is None:
+        return
+    for i, (start, end) in enumerate(ranges):
+        if sum(sizes[start:end]) > room[i]:
+            raise DoesNotFit(
+                f"stage {i} (units {start}-{end - 1}) needs {_gb(sum(sizes[start:end]))} but {nodes[i].ip} holds"
+                f" {_gb(room[i])}: choose another --split, --dtype bfloat16 or fewer --slots"
+            )
+
+
 def split_over(
-    nodes: Sequence[NodeSpeed], split: Sequence[tuple[int, int]] | None = None, why: str = ""
+    nodes: Sequence[NodeSpeed],
+    split: Sequence[tuple[int, int]] | None = None,
+    why: str = "",
+    unit_bytes: Sequence[int] | None = None,
 ) -> PipelinePlan:
-    """One pipeline over ``nodes`` in order: the given unit ranges, else the min-max split of their costs."""
+    """One pipeline over ``nodes`` in order: the given unit ranges, else the min-max split of their costs;
+    with ``unit_bytes`` (and every node's capacity) no stage holds more than its node can."""
     rows = [list(n.unit_costs) for n in nodes]
     measured = all(rows) and all(len(r) == len(rows[0]) for r in rows)
+    sizes, room = _memory(nodes, unit_bytes)
     if split is not None:
         ranges = [(int(a), int(b)) for a, b in split]
+        _check_fits(nodes, ranges, unit_bytes)
         reason = why or "the split given by --split"
     elif measured:
-        ranges = balanced_partition(rows)
+        try:
+            ranges = balanced_partition(rows, unit_bytes=sizes, capacity=room)
+        except DoesNotFit:
+            total = sum(sizes or [])
+            raise DoesNotFit(
+                f"the model ({_gb(total)} with its KV cache) does not fit {len(nodes)} stage(s) on "
+                + ", ".join(f"{n.ip} {_gb(n.capacity or 0)}" for n in nodes)
+            ) from None
         reason = (
             why
             or "blocks split by each node's measured block cost (min-max: the slowest stage is as fast as it can be)"
@@ -104,8 +150,10 @@ def plan_replicas(
     stages: int,
     replicas: int = 0,
     split: Sequence[tuple[int, int]] | None = None,
+    unit_bytes: Sequence[int] | None = None,
 ) -> list[PipelinePlan]:
-    """floor(N/S) replicas (or ``replicas``, at most that), each split over its nodes' measured costs."""
+    """floor(N/S) replicas (or ``replicas``, at most that), each split over its nodes' measured costs and
+    within their memory (``unit_bytes``: each unit's bytes; see ``split_over``)."""
     if stages < 1:
         raise ValueError(f"need at least one stage, got {stages}")
     most = len(nodes) // stages
@@ -120,15 +168,22 @@ def plan_replicas(
     )
     groups = snake_groups(nodes, count, stages)
     if split is not None:
-        return [split_over(group, split, why + "each replica uses the split given by --split") for group in groups]
-    return [
-        split_over(group, None, why + "each replica's blocks split by its nodes' measured block costs (min-max)")
-        for group in groups
-    ]
+        return [
+            split_over(group, split, why + "each replica uses the split given by --split", unit_bytes)
+            for group in groups
+        ]
+    text = why + "each replica's blocks split by its nodes' measured block costs (min-max)"
+    if unit_bytes is not None and all(n.capacity is not None for n in nodes):
+        text += " within each node's memory"
+    return [split_over(group, None, text, unit_bytes) for group in groups]
 
 
 def replan(
-    survivors: Sequence[NodeSpeed], free: Sequence[NodeSpeed], stages: int, num_blocks: int
+    survivors: Sequence[NodeSpeed],
+    free: Sequence[NodeSpeed],
+    stages: int,
+    num_blocks: int,
+    unit_bytes: Sequence[int] | None = None,
 ) -> PipelinePlan | None:
     """A pipeline for a replica that lost nodes: its surviving nodes first, then the fastest free ones, up
     to ``stages`` (never more stages than blocks); None when no node is left."""
@@ -140,4 +195,4 @@ def replan(
         f"re-split over {len(nodes)} node(s) ({len(survivors)} surviving, {len(nodes) - min(len(survivors), len(nodes))}"
         " free) by their measured block costs (min-max)"
     )
-    return split_over(nodes, None, why)
+    return split_over(nodes, None, why, unit_bytes)

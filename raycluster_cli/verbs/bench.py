@@ -231,6 +231,7 @@ def name_hosts(inventory: Inventory, document: dict[str, Any]) -> dict[str, Any]
         refs.get("unsharded", {}),
         *document.get("replicas", []),
         *document.get("sweep", {}).get("points", []),
+        *(document.get("memory") or {}).get("stages", []),
     ]
     for item in items:
         if "node_ip" in item:

@@ -43,6 +43,7 @@ class ServeOptions:
     max_seq: int = 512
     model_id: str = ""
     timeout_s: float = 900.0
+    dtype: str = "auto"
 
 
 @dataclass
@@ -112,6 +113,7 @@ def launcher_command(inventory: Inventory, model_path: str, options: ServeOption
         "python", "-m", "raycluster_cli.serve", f"--model-path={model_path}",
         f"--host={inventory.node_ip(inventory.head_host)}", f"--port={options.port}",
         f"--slots={options.slots}", f"--max-seq={options.max_seq}", f"--record={RECORD}",
+        f"--dtype={options.dtype}",
     ]  # fmt: skip
     if options.stages:
         args.append(f"--stages={options.stages}")

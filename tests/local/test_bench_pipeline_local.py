@@ -17,7 +17,7 @@ pytestmark = [pytest.mark.slow]
 ray = pytest.importorskip("ray")
 torch = pytest.importorskip("torch")
 
-from raycluster_cli.bench import experiment, pipeline, session  # noqa: E402
+from raycluster_cli.bench import experiment, outputcheck, pipeline, session  # noqa: E402
 from raycluster_cli.bench import workload as runtime  # noqa: E402
 from raycluster_cli.bench.model import ModelConfig  # noqa: E402
 from raycluster_cli.bench.options import BenchOptions  # noqa: E402
@@ -99,7 +99,7 @@ def test_run_workload_completes_and_matches_unsharded_model(local_ray: None) -> 
     assert result.tokens_per_s > 0 and result.wall_s > 0
     table_ip = next(n["NodeManagerAddress"] for n in ray.nodes() if n["NodeID"] == node_id)
     assert {(s.node_id, s.node_ip) for s in result.stages} == {(node_id, table_ip)}
-    check = runtime.check_output(cfg, params, result, num_requests=10)
+    check = outputcheck.check_output(cfg, params, result, num_requests=10)
     assert check == {"identical": True, "compared_requests": 10, "mismatched": []}
 
 
@@ -155,7 +155,7 @@ def test_chunked_prefill_through_the_pipeline(local_ray: None) -> None:
     # Both stages share this machine's cgroup: the other processes' share cannot be told apart.
     assert all(s.others_cpus == 0.0 and s.capacity_s == s.busy_s for s in result.stages)
     assert all(s.container_cpu_s is None or s.container_cpu_s >= s.process_cpu_s * 0.9 for s in result.stages)
-    check = runtime.check_output(cfg, params, result, num_requests=6)
+    check = outputcheck.check_output(cfg, params, result, num_requests=6)
     assert check == {"identical": True, "compared_requests": 6, "mismatched": []}
 
 
@@ -222,6 +222,25 @@ def test_llama_checkpoint_through_the_pipeline_equals_unsharded(local_ray: None,
     assert (model["arch"], model["layers"], model["kv_heads"], model["tied_head"]) == ("llama", 4, 2, False)
     assert doc["config"]["model_source"] == f"llama:{path}"
     assert sum(s["layers"] for s in doc["stages"]) == 4
+    assert doc["output_check"] == {"identical": True, "compared_requests": 6, "mismatched": []}
+
+
+@pytest.mark.parametrize("dtype", ["auto", "bfloat16"])
+def test_qwen2_checkpoint_at_a_dtype_through_the_pipeline_equals_unsharded(
+    local_ray: None, tmp_path: Path, dtype: str
+) -> None:
+    from tests.llama_checkpoint import GQA, write_llama
+
+    path = write_llama(tmp_path / "tiny-qwen2", family="qwen2", num_hidden_layers=4, **GQA)
+    doc = _checkpoint_run(path, dtype=dtype)
+    model, choice = doc["config"]["model"], doc["config"]["dtype_choice"]
+    assert (model["family"], model["qkv_bias"], doc["config"]["model_source"]) == ("qwen2", True, f"qwen2:{path}")
+    assert choice["requested"] == dtype and choice["dtype"] == model["dtype"] == doc["config"]["dtype"]
+    if dtype == "auto":  # a CPU run: measured, then chosen by the measurement
+        probe = choice["probes"][0]
+        assert model["dtype"] == ("bfloat16" if probe["bfloat16_s"] < probe["float32_s"] else "float32")
+    else:
+        assert model["dtype"] == "bfloat16" and "probes" not in choice
     assert doc["output_check"] == {"identical": True, "compared_requests": 6, "mismatched": []}
 
 

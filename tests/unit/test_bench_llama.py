@@ -76,7 +76,7 @@ def test_config_errors_name_the_problem(gqa: Path, tmp_path: Path) -> None:
         config_from_checkpoint(tmp_path, max_seq=8)
     raw = json.loads((gqa / "config.json").read_text())
     cases = [
-        ({"model_type": "mistral", "architectures": ["MistralForCausalLM"]}, "'mistral'.*not supported"),
+        ({"model_type": "gemma", "architectures": ["GemmaForCausalLM"]}, "'gemma'.*not supported"),
         ({"hidden_act": "gelu"}, "hidden_act 'gelu' is not supported"),
         ({"rope_parameters": {"rope_type": "dynamic", "factor": 2.0}}, "rope scaling 'dynamic' is not supported"),
     ]

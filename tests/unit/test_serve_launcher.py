@@ -19,15 +19,22 @@ def test_old_flags_still_parse_and_new_ones_default_to_measured_placement() -> N
     assert (args.stages, args.split, args.replicas, args.no_measure) == (2, "2,1", 0, False)
     args = _parser().parse_args(["--model-path", "/m", "--replicas", "1", "--no-measure", "--replace-period", "5"])
     assert (args.replicas, args.no_measure, args.replace_period) == (1, True, 5.0)
+    assert (
+        args.dtype == "auto" and _parser().parse_args(["--model-path", "/m", "--dtype", "bfloat16"]).dtype == "bfloat16"
+    )
+    with pytest.raises(SystemExit):
+        _parser().parse_args(["--model-path", "/m", "--dtype", "fp8"])
 
 
 def test_the_json_line_names_url_model_replicas_and_each_replica_s_split() -> None:
     speeds = [NodeSpeed(f"n{i}", f"10.0.0.{i}", (0.1, *([float(i)] * 4), 0.1)) for i in (1, 2, 3, 4)]
     plans = plan_replicas(speeds, stages=2)
-    settings = ServeSettings(model_path="/models/tiny", plans=tuple(plans), speeds=tuple(speeds), stages=2)
+    settings = ServeSettings(
+        model_path="/models/tiny", plans=tuple(plans), speeds=tuple(speeds), stages=2, dtype="bfloat16"
+    )
     line = json.loads(json.dumps(_report("http://10.0.0.1:8000/v1", settings, 4)))
-    assert set(line) == {"url", "model", "replicas", "split", "pipelines", "nodes", "why"}
-    assert line["model"] == "tiny" and line["replicas"] == 2
+    assert set(line) == {"url", "model", "replicas", "split", "pipelines", "nodes", "why", "dtype"}
+    assert line["model"] == "tiny" and line["replicas"] == 2 and line["dtype"] == "bfloat16"
     assert line["split"] == [list(r) for r in plans[0].ranges]
     stage = line["pipelines"][0]["stages"][0]
     assert set(stage) == {"units", "blocks", "node_ip", "node_id", "stage_s"}

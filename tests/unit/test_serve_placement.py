@@ -55,3 +55,23 @@ def test_snake_groups_deal_fast_and_slow_evenly() -> None:
     nodes = [_node(str(i), float(i)) for i in range(1, 7)]
     groups = snake_groups(nodes, replicas=3, stages=2)
     assert [[n.block_s for n in g] for g in groups] == [[1.0, 6.0], [2.0, 5.0], [3.0, 4.0]]
+
+
+def test_memory_caps_each_stage_however_fast_its_node() -> None:
+    """The fast node would take most blocks by speed; it holds only two, so the split gives it two."""
+    from raycluster_cli.bench.partition import DoesNotFit
+
+    fast = NodeSpeed("a", "10.0.0.1", (0.1, *([1.0] * 6), 0.1), capacity=230)
+    slow = NodeSpeed("b", "10.0.0.2", (1.0, *([10.0] * 6), 1.0), capacity=10_000)
+    sizes = [10, *([100] * 6), 10]
+    by_speed = plan_replicas([NodeSpeed("a", "10.0.0.1", fast.unit_costs), slow], stages=2)[0]
+    assert by_speed.ranges[0][1] - 1 >= 4
+    [plan] = plan_replicas([fast, slow], stages=2, unit_bytes=sizes)
+    assert plan.ranges == ((0, 3), (3, 8)) and "within each node's memory" in plan.why
+    with pytest.raises(DoesNotFit, match=r"stage 0 \(units 0-4\) needs 0\.00 GB but 10\.0\.0\.1 holds"):
+        plan_replicas([fast, slow], stages=2, split=[(0, 5), (5, 8)], unit_bytes=sizes)
+    small = NodeSpeed("b", "10.0.0.2", slow.unit_costs, capacity=300)
+    with pytest.raises(DoesNotFit, match=r"does not fit 2 stage\(s\) on 10\.0\.0\.1 0\.00 GB, 10\.0\.0\.2"):
+        plan_replicas([fast, small], stages=2, unit_bytes=sizes)
+    replanned = replan([fast], [slow], stages=2, num_blocks=6, unit_bytes=sizes)
+    assert replanned is not None and replanned.ranges == ((0, 3), (3, 8))

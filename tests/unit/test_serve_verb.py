@@ -61,10 +61,11 @@ def _model(tmp_path: Path, layers: int = 2) -> Path:
 
 def test_the_launcher_runs_in_the_heads_container_with_the_clusters_token() -> None:
     inv = inventory.parse(INVENTORY, "inv.yaml")
-    words = shlex.split(serve.launcher_command(inv, "/run/raycluster/models/abc", serve.ServeOptions("x", stages=3)))
+    options = serve.ServeOptions("x", stages=3, dtype="bfloat16")
+    words = shlex.split(serve.launcher_command(inv, "/run/raycluster/models/abc", options))
     assert words[:4] == ["set", "-a", "&&", "."] and "python" in words
     assert "--host=192.0.2.10" in words and "--stages=3" in words and "--token-file=/run/raycluster/auth-token" in words
-    assert f"--record={serve.RECORD}" in words and "--no-auth" not in words
+    assert f"--record={serve.RECORD}" in words and "--no-auth" not in words and "--dtype=bfloat16" in words
 
 
 def test_serve_sends_the_model_only_where_missing_and_splits_it_over_every_node(tmp_path: Path) -> None:

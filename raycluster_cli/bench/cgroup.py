@@ -1,0 +1,87 @@
+"""This process's container as its cgroup (v2, else v1) describes it: CPU quota and usage, memory limit and use."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from raycluster_cli.bench.memory import Capacity, cgroup_capacity, margin
+from raycluster_cli.bench.scheduling import cgroup_cpu_usage_s, cpu_quota
+
+
+def read(path: str) -> str | None:
+    try:
+        with open(path) as f:
+            return f.read()
+    except OSError:
+        return None
+
+
+def container_cpu_quota() -> float | None:
+    """This process's CFS CPU quota in CPUs (cgroup v2, else v1), None when unlimited."""
+    v2 = read("/sys/fs/cgroup/cpu.max")
+    if v2 is not None:
+        return cpu_quota(cpu_max=v2)
+    return cpu_quota(
+        cfs_quota_us=read("/sys/fs/cgroup/cpu/cpu.cfs_quota_us"),
+        cfs_period_us=read("/sys/fs/cgroup/cpu/cpu.cfs_period_us"),
+    )
+
+
+def container_cpu_usage() -> float | None:
+    """CPU seconds this process's container (cgroup) has used, all its processes together; None if unknown."""
+    v2 = read("/sys/fs/cgroup/cpu.stat")
+    if v2 is not None:
+        return cgroup_cpu_usage_s(cpu_stat=v2)
+    return cgroup_cpu_usage_s(cpuacct_usage=read("/sys/fs/cgroup/cpuacct/cpuacct.usage"))
+
+
+def container_memory() -> dict[str, Any]:
+    """The container's memory limit, working set (without droppable page cache) and peak usage, in bytes
+    (None where the cgroup does not say)."""
+    for base, limit, usage, peak in (
+        ("/sys/fs/cgroup/", "memory.max", "memory.current", "memory.peak"),
+        ("/sys/fs/cgroup/memory/", "memory.limit_in_bytes", "memory.usage_in_bytes", "memory.max_usage_in_bytes"),
+    ):
+        usage_text = read(base + usage)
+        if usage_text is None:
+            continue
+        found = cgroup_capacity(read(base + limit), usage_text, read(base + "memory.stat"))
+        peak_text = read(base + peak)
+        return {
+            "limit_bytes": found[0] if found else None,
+            "working_set_bytes": found[1] if found else int(usage_text),
+            "peak_bytes": int(peak_text) if peak_text and peak_text.strip().isdigit() else None,
+        }
+    return {"limit_bytes": None, "working_set_bytes": None, "peak_bytes": None}
+
+
+def ray_memory_threshold() -> float:
+    """The share of the memory limit above which Ray's memory monitor kills workers (0.95 unless set)."""
+    try:
+        return min(1.0, float(os.environ.get("RAY_memory_usage_threshold", "0.95")))  # noqa: SIM112  (Ray's spelling)
+    except ValueError:
+        return 0.95
+
+
+def node_capacity(node_id: str, node_ip: str, device: str = "cpu") -> Capacity:
+    """This process's node: the GPU's free memory on ``cuda``, else its container's room (cgroup), else the host's."""
+    if device.startswith("cuda"):
+        import torch
+
+        free, total = torch.cuda.mem_get_info()
+        return Capacity(node_id, node_ip, max(0, free - margin(total)), total, total - free, "cuda")
+    import psutil
+
+    host = psutil.virtual_memory()
+    for source, base, limit_file, usage_file in (
+        ("cgroup v2", "/sys/fs/cgroup/", "memory.max", "memory.current"),
+        ("cgroup v1", "/sys/fs/cgroup/memory/", "memory.limit_in_bytes", "memory.usage_in_bytes"),
+    ):
+        found = cgroup_capacity(read(base + limit_file), read(base + usage_file), read(base + "memory.stat"))
+        if found is not None:
+            limit, used = found
+            room = min(int(limit * ray_memory_threshold()) - used, int(host.available))
+            return Capacity(node_id, node_ip, max(0, room - margin(limit)), limit, used, source)
+    available = int(host.available)
+    return Capacity(node_id, node_ip, max(0, available - margin(available)), None, int(host.total - available), "host")

@@ -1,0 +1,51 @@
+"""serve's launcher places the stages within each node's measured memory, and refuses a model that cannot fit
+(a throwaway single-node local Ray, a tiny Llama checkpoint)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.slow]
+
+ray = pytest.importorskip("ray")
+pytest.importorskip("transformers")
+
+from raycluster_cli.serve.__main__ import _parser, _placement  # noqa: E402
+from raycluster_cli.serve.app import ServeSettings  # noqa: E402
+
+from ..llama_checkpoint import GQA, write_llama  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def local_ray() -> Iterator[None]:
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("RAY_AUTH_MODE", "disabled")
+        ray.init(
+            address="local",
+            num_cpus=2,
+            include_dashboard=False,
+            log_to_driver=False,
+            configure_logging=False,
+            _node_ip_address="127.0.0.1",
+        )
+        try:
+            yield
+        finally:
+            ray.shutdown()
+
+
+def test_placement_measures_memory_and_refuses_what_cannot_fit(local_ray: None, tmp_path: Path) -> None:
+    path = write_llama(tmp_path / "tiny", **GQA)
+    common = ["--model-path", str(path), "--no-auth", "--max-seq", "64", "--calibrate-repeats", "1"]
+    args = _parser().parse_args([*common, "--slots", "2", "--calibrate-sample-s", "0.01"])
+    placed = _placement(args, ServeSettings(model_path=str(path), dtype="float32"), layers=3)
+    [plan] = placed.plans
+    assert plan.ranges[0][0] == 0 and plan.ranges[-1][1] == 5
+    assert "within each node's memory" in plan.why
+    # a KV cache of a billion slots fits no node: refused before any stage is built, with the numbers
+    args = _parser().parse_args([*common, "--slots", str(10**9), "--no-measure"])
+    with pytest.raises(SystemExit, match=r"serve: the model does not fit the nodes' memory: it needs .* GB"):
+        _placement(args, ServeSettings(model_path=str(path), dtype="float32"), layers=3)
