@@ -37,10 +37,11 @@ if [ -L .cache ]; then
 fi
 mkdir -p .cache/wheelhouse
 # The node image's Python packages: Ray with its dashboard and Serve (the service), torch (the stages), and
-# transformers (tokenizers and chat templates for `serve`).
-NODE_PACKAGES=("ray[default,serve]==$RAY_VERSION" "torch==$TORCH_VERSION" numpy "transformers>=5.0")
+# transformers (tokenizers and chat templates for `serve`), diffusers (image generation's checkpoints).
+NODE_PACKAGES=("ray[default,serve]==$RAY_VERSION" "torch==$TORCH_VERSION" numpy "transformers>=5.0" "diffusers>=0.30")
 if ! ls .cache/wheelhouse/ray-"$RAY_VERSION"-*.whl .cache/wheelhouse/torch-"$TORCH_VERSION"*.whl \
-    .cache/wheelhouse/transformers-*.whl .cache/wheelhouse/fastapi-*.whl >/dev/null 2>&1; then
+    .cache/wheelhouse/transformers-*.whl .cache/wheelhouse/fastapi-*.whl .cache/wheelhouse/diffusers-*.whl \
+    >/dev/null 2>&1; then
   log "downloading the wheelhouse"
   "$PYTHON" -m pip download -q "${NODE_PACKAGES[@]}" -d .cache/wheelhouse
 fi

@@ -45,7 +45,8 @@ class BenchOptions(BaseModel):
 
     model_path: str | None = Field(
         None,
-        description="GPT-2, Llama, Qwen2 or Mistral checkpoint dir (Hugging Face config.json + safetensors), same path on every node",
+        description="GPT-2, Llama, Qwen2 or Mistral checkpoint dir (Hugging Face config.json + safetensors), or a"
+        " diffusers (Stable Diffusion) folder with model_index.json; same path on every node",
     )
     dtype: str = Field(
         "auto",
@@ -100,6 +101,13 @@ class BenchOptions(BaseModel):
     check_requests: int = Field(8, ge=1, description="requests compared by --check-output")
     allow_shared_nodes: bool = Field(False, description="let stages share nodes (single-machine tests)")
     quick: bool = Field(False, description="a short smoke run: few requests, one pilot, small model")
+    image_steps: int = Field(20, ge=1, le=1000, description="denoising steps per image (a diffusers checkpoint)")
+    image_size: int = Field(
+        512, ge=8, le=4096, multiple_of=8, description="image height and width in pixels (a diffusers checkpoint)"
+    )
+    guidance_scale: float = Field(
+        7.5, ge=0.0, le=100.0, description="classifier-free guidance, 1 or less turns it off (a diffusers checkpoint)"
+    )
 
     @field_validator("mode", "sweep", "hops", "dtype")
     @classmethod

@@ -11,6 +11,7 @@ import dataclasses
 import logging
 import time
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 import ray
@@ -358,6 +359,10 @@ class Session:
 def run(options: BenchOptions, progress: experiment.Report) -> dict[str, Any]:
     """One benchmark invocation (what ``python -m raycluster_cli.bench.driver`` runs in the head's container): the
     JSON-ready result document."""
+    if options.model_path and (Path(options.model_path) / "model_index.json").is_file():
+        from raycluster_cli.bench import images  # a diffusers checkpoint: image generation
+
+        return images.run(options, progress)
     options = options.effective()
     started = time.perf_counter()
     session = Session.start(options, progress)

@@ -1,0 +1,104 @@
+"""Ray actors holding parts of a diffusers checkpoint, one per node (or one per part), timing their compute.
+
+A replica is the actors that together hold ``text``, ``unet`` and ``vae``: one actor with all three on a node that
+holds the whole pipeline, else one actor per part on its own node.  ``generate`` chains the steps through Ray's
+object store (each step's output goes from its actor to the next actor, not through the driver).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import ray
+import torch
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from raycluster_cli.bench.diffusion import PARTS, Components, ImageRequest
+from raycluster_cli.bench.pipeline import node_cpu_count, node_ip
+
+
+class _DiffusionWorker:
+    def __init__(self, path: str, parts: list[str], num_threads: int | None = None) -> None:
+        self.node_id: str = ray.get_runtime_context().get_node_id()
+        self.node_ip = node_ip(self.node_id)
+        self.num_threads = num_threads or node_cpu_count(self.node_id)
+        torch.set_num_threads(self.num_threads)
+        self.components = Components(path, tuple(parts))
+        self.reset_stats()
+
+    def reset_stats(self) -> None:
+        self.busy_s, self.calls = 0.0, 0
+
+    def _timed(self, work: Any) -> Any:
+        began = time.perf_counter()
+        try:
+            return work()
+        finally:
+            self.busy_s += time.perf_counter() - began
+            self.calls += 1
+
+    def encode(self, request: ImageRequest) -> torch.Tensor:
+        return self._timed(lambda: self.components.encode(request))
+
+    def denoise(self, embeddings: torch.Tensor, request: ImageRequest) -> torch.Tensor:
+        return self._timed(lambda: self.components.denoise(embeddings, request))
+
+    def decode(self, latents: torch.Tensor) -> Any:
+        return self._timed(lambda: self.components.decode(latents))
+
+    def generate(self, request: ImageRequest) -> Any:
+        return self._timed(lambda: self.components.generate(request))
+
+    def info(self) -> dict[str, Any]:
+        return {
+            "node_id": self.node_id,
+            "node_ip": self.node_ip,
+            "parts": list(self.components.parts),
+            "num_threads": self.num_threads,
+            "weight_bytes": self.components.weight_bytes(),
+            "load_s": round(self.components.load_s, 3),
+        }
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "node_ip": self.node_ip,
+            "parts": list(self.components.parts),
+            "busy_s": self.busy_s,
+            "calls": self.calls,
+        }
+
+
+DiffusionWorker = ray.remote(num_cpus=0)(_DiffusionWorker)
+
+
+class Replica:
+    """The actors of one replica, by part; ``submit`` starts one request through them and returns its image's ref."""
+
+    def __init__(self, path: str, holders: list[tuple[str, list[str]]], num_threads: int | None = None) -> None:
+        self.actors: list[Any] = [
+            DiffusionWorker.options(
+                scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node_id, soft=False)
+            ).remote(path, parts, num_threads)
+            for node_id, parts in holders
+        ]
+        self.holders = holders
+        self.by_part = {part: actor for actor, (_, parts) in zip(self.actors, holders, strict=True) for part in parts}
+        missing = set(PARTS) - set(self.by_part)
+        if missing:
+            raise ValueError(f"a replica needs every part: {sorted(missing)} held by no actor")
+
+    @property
+    def whole(self) -> bool:
+        return len(self.actors) == 1
+
+    def submit(self, request: ImageRequest) -> Any:
+        if self.whole:
+            return self.actors[0].generate.remote(request)
+        embeddings = self.by_part["text"].encode.remote(request)
+        latents = self.by_part["unet"].denoise.remote(embeddings, request)
+        return self.by_part["vae"].decode.remote(latents)
+
+    def kill(self) -> None:
+        for actor in self.actors:
+            ray.kill(actor)

@@ -1,0 +1,123 @@
+"""`bench` on a diffusers checkpoint, on a real multi-node Ray started on loopback (``ray.cluster_utils.Cluster``).
+
+Each Ray node is a real raylet with its own `memory` resource: three nodes that each hold the whole tiny pipeline
+get a replica each; three nodes that each hold only one part get the parts as stages.  Every run's first image
+is compared with diffusers' own StableDiffusionPipeline for the same prompt, seed and steps.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytestmark = [pytest.mark.slow]
+
+ray = pytest.importorskip("ray")
+pytest.importorskip("diffusers")
+from ray.cluster_utils import Cluster  # noqa: E402
+
+from raycluster_cli.bench import images, session  # noqa: E402
+from raycluster_cli.bench.diffusion import part_bytes  # noqa: E402
+from raycluster_cli.bench.options import BenchOptions  # noqa: E402
+
+from ..diffusion_checkpoint import write_tiny_sd  # noqa: E402
+
+MIB = 1024 * 1024
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_sd(tmp_path_factory.mktemp("sd") / "tiny-sd")
+
+
+def _cluster(memory: list[int]) -> Iterator[Cluster]:
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("RAY_AUTH_MODE", "disabled")
+        cluster = Cluster(
+            initialize_head=True,
+            head_node_args={
+                "num_cpus": 1,
+                "memory": memory[0],
+                "include_dashboard": False,
+                "node_ip_address": "127.0.0.1",
+            },
+        )
+        for room in memory[1:]:
+            cluster.add_node(num_cpus=1, memory=room, node_ip_address="127.0.0.1")
+        cluster.wait_for_nodes()
+        ray.init(address=cluster.address, log_to_driver=False, configure_logging=False)
+        try:
+            yield cluster
+        finally:
+            ray.shutdown()
+            cluster.shutdown()
+
+
+def _run(checkpoint: Path, **fields: Any) -> dict[str, Any]:
+    base: dict[str, Any] = {
+        "model_path": str(checkpoint), "image_steps": 3, "image_size": 16, "calibration_repeats": 1,
+        "threads": 1, "check_output": True, "seed": 7,
+    }  # fmt: skip
+    return session.run(BenchOptions(**(base | fields)), lambda *a, **k: None)
+
+
+@pytest.fixture
+def roomy() -> Iterator[Cluster]:
+    yield from _cluster([2048 * MIB] * 3)
+
+
+def test_every_node_that_holds_the_pipeline_gets_a_replica_and_requests_follow_speed(
+    roomy: Cluster, checkpoint: Path
+) -> None:
+    doc = _run(checkpoint, requests=12)
+    assert doc["ok"] and doc["kind"] == "image"
+    placement = doc["placement"]
+    assert len(placement["replicas"]) == 3 and "a replica on each" in placement["why"]
+    assert all(r["holders"][0]["parts"] == ["text", "unet", "vae"] for r in placement["replicas"])
+    assert doc["images"] == 12 and sum(doc["per_replica"]) == 12
+    seconds = [r["s_per_image"] for r in placement["replicas"]]
+    # the counts are the weighted routing of the measured seconds: every replica ends within one image of the others
+    ends = [n * s for n, s in zip(doc["per_replica"], seconds, strict=True)]
+    assert max(ends) - min(ends) <= max(seconds) + 1e-9, (doc["per_replica"], seconds)
+    busy = [n["busy_s"] for n in doc["nodes"]]
+    assert len(busy) == 3 and all(b > 0 for b in busy)
+    assert sum(n["calls"] for n in doc["nodes"]) == 12
+    assert doc["imbalance"] == pytest.approx((max(busy) - min(busy)) / (sum(busy) / 3), rel=1e-6)
+    assert doc["output_check"]["identical"] is True, doc["output_check"]
+    refs = doc["references"]
+    assert refs["equal"]["per_replica"] == [4, 4, 4]
+    assert refs["one_node"]["per_replica"] == [12] and len(refs["one_node"]["busy_s"]) == 1
+    for ref in refs.values():
+        assert ref["ratio"] == pytest.approx(doc["images_per_s"] / ref["images_per_s"], rel=1e-6)
+    q = doc["latency_s"]
+    assert 0 < q["p50"] <= q["p90"] <= q["p99"] <= doc["wall_s"]
+
+
+@pytest.fixture
+def small(checkpoint: Path) -> Iterator[Cluster]:
+    weights = part_bytes(checkpoint)
+    # each node holds any one part with its activations, none the whole pipeline
+    act = images.activation_bytes(16)
+    one = int(max(weights.values()) * images.WEIGHT_HEADROOM) + act + MIB
+    assert one < int(sum(weights.values()) * images.WEIGHT_HEADROOM) + act
+    yield from _cluster([one] * 3)
+
+
+def test_nodes_too_small_for_the_pipeline_hold_its_parts_as_stages(small: Cluster, checkpoint: Path) -> None:
+    doc = _run(checkpoint, requests=4)
+    placement = doc["placement"]
+    assert "no node holds the whole pipeline" in placement["why"], placement
+    (replica,) = placement["replicas"]
+    assert [h["parts"] for h in replica["holders"]] == [["text"], ["unet"], ["vae"]]
+    assert len({w["node_id"] for w in doc["workers"]}) == 3  # three raylets, one part each
+    assert sorted(n["parts"][0] for n in doc["nodes"] if n["calls"] == 4) == ["text", "unet", "vae"]
+    assert doc["output_check"]["identical"] is True, doc["output_check"]
+
+
+def test_a_pipeline_no_node_set_can_hold_is_refused_with_the_numbers(checkpoint: Path) -> None:
+    rooms = [images.NodeRoom(f"n{i}", f"10.0.0.{i}", 1 * MIB) for i in range(3)]
+    with pytest.raises(ValueError, match=r"the unet needs \d+ MiB and no node left has it \(nodes: 10.0.0.0 1 MiB"):
+        images.place(rooms, part_bytes(checkpoint), 512)

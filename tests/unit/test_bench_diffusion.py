@@ -1,0 +1,76 @@
+"""The three steps of a generation, each part loaded alone, give diffusers' own StableDiffusionPipeline image."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytest.importorskip("diffusers")
+
+from raycluster_cli.bench.diffusion import (
+    Components,
+    ImageRequest,
+    is_diffusers_folder,
+    part_bytes,
+    to_png,
+)
+
+from ..diffusion_checkpoint import diffusers_image, write_tiny_sd
+
+# float32 on CPU: the same operations in the same order; what remains is the order of reductions in torch's
+# kernels between a batch of one and the pipeline's own call, far below one 8-bit level (1/255 = 0.0039)
+TOLERANCE = 1e-5
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_sd(tmp_path_factory.mktemp("sd") / "tiny-sd")
+
+
+@pytest.mark.parametrize("guidance", [7.5, 1.0])
+def test_the_whole_pipeline_in_one_process_equals_diffusers(checkpoint: Path, guidance: float) -> None:
+    request = ImageRequest("a red cat on the hill", seed=3, steps=4, height=16, width=16, guidance=guidance)
+    ours = Components(checkpoint).generate(request)
+    theirs = diffusers_image(checkpoint, request.prompt, seed=3, steps=4, size=16, guidance=guidance)
+    assert ours.shape == theirs.shape == (1, 16, 16, 3)
+    assert np.abs(ours - theirs).max() <= TOLERANCE
+    assert theirs.std() > 0.01  # a random model still draws something: the comparison is not of two blank images
+
+
+def test_each_part_alone_chained_equals_diffusers(checkpoint: Path) -> None:
+    request = ImageRequest("a blue house", seed=11, steps=3, height=16, width=16)
+    text, unet, vae = (Components(checkpoint, (part,)) for part in ("text", "unet", "vae"))
+    assert text.unet is None and text.vae is None and unet.text_encoder is None and vae.unet is None
+    image = vae.decode(unet.denoise(text.encode(request), request))
+    theirs = diffusers_image(checkpoint, request.prompt, seed=11, steps=3, size=16)
+    assert np.abs(image - theirs).max() <= TOLERANCE
+
+
+def test_another_seed_is_another_image(checkpoint: Path) -> None:
+    whole = Components(checkpoint)
+    one = whole.generate(ImageRequest("a dog", seed=1, steps=2, height=16, width=16))
+    two = whole.generate(ImageRequest("a dog", seed=2, steps=2, height=16, width=16))
+    assert np.abs(one - two).max() > 0.01
+
+
+def test_the_checkpoint_is_recognised_and_weighed_by_part(checkpoint: Path, tmp_path: Path) -> None:
+    assert is_diffusers_folder(checkpoint) and not is_diffusers_folder(tmp_path)
+    sizes = part_bytes(checkpoint)
+    whole = Components(checkpoint)
+    assert set(sizes) == {"text", "unet", "vae"} and all(v > 0 for v in sizes.values())
+    # the files hold the parameters (float32) and a small header each
+    assert sum(sizes.values()) == pytest.approx(whole.weight_bytes(), rel=0.05)
+
+
+def test_png_decodes_to_the_same_pixels(checkpoint: Path) -> None:
+    from io import BytesIO
+
+    from PIL import Image
+
+    image = Components(checkpoint).generate(ImageRequest("a tree", seed=5, steps=2, height=16, width=16))[0]
+    png = to_png(image)
+    assert png.startswith(b"\x89PNG")
+    decoded = np.asarray(Image.open(BytesIO(png)))
+    assert decoded.shape == (16, 16, 3) and np.array_equal(decoded, (image * 255).round().astype("uint8"))
