@@ -220,8 +220,55 @@ def _faults(output: Output, body: dict[str, Any]) -> None:
         output.line(f"retried requests in the counted run: {body['retried_requests']}")
 
 
+def render_images(output: Output, body: dict[str, Any]) -> None:
+    """An image benchmark: the placement and why, T_i per node, images/s, seconds per image, references."""
+    placement = body.get("placement", {})
+    output.line(f"placement: {_escape(str(placement.get('why', '')))}")
+    for index, replica in enumerate(placement.get("replicas", [])):
+        held = " | ".join(
+            f"{h.get('host') or h.get('node_ip')} ({'+'.join(h.get('parts', []))})" for h in replica.get("holders", [])
+        )
+        output.line(f"  replica {index}: {_escape(held)}, {replica.get('s_per_image', 0):.3f} s per image calibrated")
+    nodes = body.get("nodes", [])
+    bar_chart(
+        output,
+        "busy time T_i per node:",
+        [
+            (
+                f"{n.get('host') or n.get('node_ip')} {'+'.join(n.get('parts', []))}",
+                n["busy_s"],
+                f"{n['busy_s']:.3f}s, {n.get('calls', 0)} calls",
+            )
+            for n in nodes
+        ],
+    )
+    latency = body.get("latency_s") or {}
+    output.line(
+        f"{body.get('images_per_s', 0):.3f} images/s ({body.get('images')} images in {body.get('wall_s', 0):.1f}s, "
+        f"routing {body.get('policy')}: {body.get('per_replica')}); seconds per image p50 {_secs(latency.get('p50'))}, "
+        f"p90 {_secs(latency.get('p90'))}, p99 {_secs(latency.get('p99'))}; T_max − T_min = "
+        f"{body.get('t_max_minus_t_min_s', 0):.3f}s, imbalance {body.get('imbalance', 0):.3f}"
+    )
+    for name, ref in body.get("references", {}).items():
+        where = f" on {ref['node_ip']}" if ref.get("node_ip") else ""
+        output.line(
+            f"÷ {name.replace('_', ' ')}{where}: {_ratio(ref.get('ratio'))} "
+            f"({ref.get('images_per_s', 0):.3f} images/s, imbalance {ref.get('imbalance', 0):.3f})"
+        )
+    check = body.get("output_check")
+    if check:
+        verdict = "identical" if check.get("identical") else "[red]DIFFERENT[/red]"
+        output.line(
+            f"first image vs diffusers' StableDiffusionPipeline: {verdict} "
+            f"(max |difference| {check.get('max_abs_diff', 0):.2e}, tolerance {check.get('tolerance')})"
+        )
+
+
 def render_bench(output: Output, body: dict[str, Any]) -> None:
     """Per-node table with a bar of busy time T_i, then throughput, latency, balance and references."""
+    if body.get("kind") == "image":
+        render_images(output, body)
+        return
     stages = body.get("stages", [])
     multi = len(body.get("replicas", [])) > 1
     _stage_table(output, stages, multi)

@@ -7,6 +7,7 @@ is compared with diffusers' own StableDiffusionPipeline for the same prompt, see
 
 from __future__ import annotations
 
+import io
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -17,11 +18,14 @@ pytestmark = [pytest.mark.slow]
 
 ray = pytest.importorskip("ray")
 pytest.importorskip("diffusers")
+import ray._private.services as services  # noqa: E402
 from ray.cluster_utils import Cluster  # noqa: E402
 
 from raycluster_cli.bench import images, session  # noqa: E402
 from raycluster_cli.bench.diffusion import part_bytes  # noqa: E402
 from raycluster_cli.bench.options import BenchOptions  # noqa: E402
+from raycluster_cli.render.base import Output  # noqa: E402
+from raycluster_cli.render.bench import render_bench  # noqa: E402
 
 from ..diffusion_checkpoint import write_tiny_sd  # noqa: E402
 
@@ -36,6 +40,9 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def _cluster(memory: list[int]) -> Iterator[Cluster]:
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("RAY_AUTH_MODE", "disabled")
+        # every raylet and the GCS on loopback: Ray's Cluster helper otherwise addresses the GCS at the machine's
+        # default-route IP whatever node_ip_address says (tests send traffic to loopback only)
+        mp.setattr(services, "get_node_ip_address", lambda *args, **kwargs: "127.0.0.1")
         cluster = Cluster(
             initialize_head=True,
             head_node_args={
@@ -94,6 +101,12 @@ def test_every_node_that_holds_the_pipeline_gets_a_replica_and_requests_follow_s
         assert ref["ratio"] == pytest.approx(doc["images_per_s"] / ref["images_per_s"], rel=1e-6)
     q = doc["latency_s"]
     assert 0 < q["p50"] <= q["p90"] <= q["p99"] <= doc["wall_s"]
+    # what the operator reads: the placement, every node's T_i, the references and the check
+    buffer = io.StringIO()
+    render_bench(Output(False, stdout=buffer, stderr=io.StringIO()), doc)
+    text = buffer.getvalue()
+    assert "a replica on each" in text and text.count("text+unet+vae") >= 6  # 3 replicas, 3 T_i bars
+    assert "÷ equal:" in text and "÷ one node on 127.0.0.1:" in text and ": identical" in text
 
 
 @pytest.fixture
@@ -101,7 +114,7 @@ def small(checkpoint: Path) -> Iterator[Cluster]:
     weights = part_bytes(checkpoint)
     # each node holds any one part with its activations, none the whole pipeline
     act = images.activation_bytes(16)
-    one = int(max(weights.values()) * images.WEIGHT_HEADROOM) + act + MIB
+    one = int(max(weights.values()) * images.WEIGHT_HEADROOM) + act + 1024
     assert one < int(sum(weights.values()) * images.WEIGHT_HEADROOM) + act
     yield from _cluster([one] * 3)
 
