@@ -15,6 +15,7 @@ head; also the random model's) or Llama's (``llama.py``); both run through the s
 from __future__ import annotations
 
 import hashlib
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import replace
 from pathlib import Path
@@ -374,3 +375,23 @@ def greedy_generate(
         for stage in stages:
             stage.release(cache_id)
     return torch.stack(out, dim=1)
+
+
+def seconds_per_pass(
+    stage: Any, first: Any, prompt_len: int, decode_steps: int, min_sample_s: float, key: str, prefill_chunk: int = 0
+) -> float:
+    """Seconds of one micro-batch (the prompt in ``prefill_chunk`` pieces, then ``decode_steps``) through ``stage``:
+    passes repeated until ``min_sample_s`` has elapsed (a CPU quota's stalls show only over several scheduler
+    periods), their mean; the cache under ``key`` released after."""
+    passes, began = 0, time.perf_counter()
+    while True:
+        for a, b in prefill_chunks(prompt_len, prefill_chunk):
+            stage(first[:, a:b], key, a)
+        for i in range(decode_steps):
+            stage(first[:, :1], key, prompt_len + i)
+        passes += 1
+        elapsed = time.perf_counter() - began
+        if elapsed >= min_sample_s:
+            break
+    stage.release(key)
+    return elapsed / passes

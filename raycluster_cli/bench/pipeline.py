@@ -26,7 +26,7 @@ import torch
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from raycluster_cli.bench.cgroup import container_cpu_quota, container_cpu_usage, container_memory, node_capacity
-from raycluster_cli.bench.model import ModelConfig, Stage, prefill_chunks
+from raycluster_cli.bench.model import ModelConfig, Stage, seconds_per_pass
 from raycluster_cli.bench.scheduling import torch_threads
 
 # Idle OpenMP threads sleep instead of spinning: several stages may share a machine's cores (a lab on
@@ -243,20 +243,10 @@ class _StageWorker:
         samples: dict[str, list[float]] = {kind: [] for kind in subjects}
         for round_ in range(repeats + 1):  # round 0 is a warm-up
             for kind, (stage, first, units) in subjects.items():
-                passes = 0
-                began = time.perf_counter()
-                while True:
-                    for a, b in prefill_chunks(prompt_len, prefill_chunk):
-                        stage(first[:, a:b], "calibrate", a)
-                    for i in range(decode_steps):
-                        stage(first[:, :1], "calibrate", prompt_len + i)
-                    passes += 1
-                    elapsed = time.perf_counter() - began
-                    if not round_ or elapsed >= min_sample_s:
-                        break
-                stage.release("calibrate")
+                sample_s = min_sample_s if round_ else 0.0  # the warm-up: one pass
+                seconds = seconds_per_pass(stage, first, prompt_len, decode_steps, sample_s, "calibrate", prefill_chunk)
                 if round_:
-                    samples[kind].append(elapsed / (passes * units))
+                    samples[kind].append(seconds / units)
         medians = {kind: statistics.median(values) for kind, values in samples.items()}
         spread = {kind: (max(v) - min(v)) / medians[kind] if medians[kind] else 0.0 for kind, v in samples.items()}
         return {

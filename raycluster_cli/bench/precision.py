@@ -9,11 +9,10 @@ only when it won everywhere.  On GPUs ``auto`` keeps the checkpoint's dtype (``c
 from __future__ import annotations
 
 import statistics
-import time
 from dataclasses import replace
 from typing import Any
 
-from raycluster_cli.bench.model import ModelConfig, Stage, prefill_chunks
+from raycluster_cli.bench.model import ModelConfig, Stage, seconds_per_pass
 
 PROBED = ("float32", "bfloat16")
 
@@ -27,20 +26,10 @@ def block_seconds(
     stage = Stage(replace(cfg, dtype=dtype), 1, 2, device=device)
     hidden = torch.randn(batch, prompt_len, cfg.d_model, generator=torch.Generator().manual_seed(cfg.seed))
     samples: list[float] = []
-    for round_ in range(4):  # round 0 warms up
-        passes, began = 0, time.perf_counter()
-        while True:
-            for a, b in prefill_chunks(prompt_len):
-                stage(hidden[:, a:b], "probe", a)
-            for i in range(decode_steps):
-                stage(hidden[:, :1], "probe", prompt_len + i)
-            passes += 1
-            elapsed = time.perf_counter() - began
-            if not round_ or elapsed >= min_sample_s:
-                break
-        stage.release("probe")
+    for round_ in range(4):  # round 0 warms up: one pass
+        seconds = seconds_per_pass(stage, hidden, prompt_len, decode_steps, min_sample_s if round_ else 0.0, "probe")
         if round_:
-            samples.append(elapsed / passes)
+            samples.append(seconds)
     return statistics.median(samples)
 
 
