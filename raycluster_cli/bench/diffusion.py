@@ -84,6 +84,7 @@ class Components:
         if unknown:
             raise ValueError(f"unknown parts {sorted(unknown)}: the parts are {list(PARTS)}")
         self.path, self.parts, self.dtype = Path(path), tuple(parts), dtype
+        self.scale_factor = vae_scale_factor(self.path)
         self.text_encoder: Any = None
         self.tokenizer: Any = None
         self.unet: Any = None
@@ -105,7 +106,7 @@ class Components:
             from diffusers.image_processor import VaeImageProcessor
 
             self.vae = AutoencoderKL.from_pretrained(str(self.path / "vae"), torch_dtype=dtype).eval()
-            self.processor = VaeImageProcessor(vae_scale_factor=vae_scale_factor(self.path))
+            self.processor = VaeImageProcessor(vae_scale_factor=self.scale_factor)
         self.load_s = time.monotonic() - started
 
     def weight_bytes(self) -> int:
@@ -135,9 +136,8 @@ class Components:
         from diffusers.utils.torch_utils import randn_tensor
 
         generator = torch.Generator().manual_seed(request.seed)
-        factor = vae_scale_factor(self.path)
         channels = self.unet.config.in_channels
-        shape = (request.n, channels, request.height // factor, request.width // factor)
+        shape = (request.n, channels, request.height // self.scale_factor, request.width // self.scale_factor)
         self.scheduler.set_timesteps(request.steps)
         latents = randn_tensor(shape, generator=generator, dtype=self.dtype) * self.scheduler.init_noise_sigma
         accepted = set(inspect.signature(self.scheduler.step).parameters)
@@ -164,15 +164,3 @@ class Components:
     def generate(self, request: ImageRequest) -> np.ndarray:
         """All three steps here (a node that holds the whole pipeline)."""
         return self.decode(self.denoise(self.encode(request), request))
-
-
-def to_png(image: np.ndarray) -> bytes:
-    """One image (height, width, 3) in [0, 1] as PNG bytes (diffusers' own rounding to 8 bits)."""
-    import io
-
-    from PIL import Image
-
-    pixels = (image * 255).round().astype("uint8")
-    buffer = io.BytesIO()
-    Image.fromarray(pixels).save(buffer, format="PNG")
-    return buffer.getvalue()

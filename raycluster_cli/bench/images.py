@@ -109,8 +109,10 @@ def measure(
     policy: str,
     progress: Report,
     label: str,
+    keep_first: bool = False,
 ) -> dict[str, Any]:
-    """``total`` images through ``replicas`` under ``policy``: wall time, per-image seconds, each actor's busy time."""
+    """``total`` images through ``replicas`` under ``policy``: wall time, per-image seconds, each actor's busy time;
+    with ``keep_first``, request 0's image (else None) under ``first_image``."""
     import ray
 
     assignment = routing.assign(total, seconds, policy)
@@ -119,7 +121,7 @@ def measure(
     ray.get([a.reset_stats.remote() for r in replicas for a in r.actors], timeout=60)
     pending: dict[Any, tuple[int, int, float]] = {}
     latencies: list[float] = []
-    images: dict[int, Any] = {}
+    first: Any = None
     started = time.perf_counter()
     progress(label, 0, total)
     while any(queues) or pending:
@@ -135,7 +137,8 @@ def measure(
         for ref in done:
             index, request, began = pending.pop(ref)
             latencies.append(time.perf_counter() - began)
-            images[request] = ray.get(ref, timeout=60) if request == 0 else None
+            if request == 0 and keep_first:
+                first = ray.get(ref, timeout=60)
             progress(label, len(latencies), total)
     wall = time.perf_counter() - started
     stats = ray.get([a.stats.remote() for r in replicas for a in r.actors], timeout=60)
@@ -150,7 +153,7 @@ def measure(
         "nodes": stats,
         "imbalance": balance.imbalance(busy) if len(busy) > 1 else 0.0,
         "t_max_minus_t_min_s": balance.spread(busy) if len(busy) > 1 else 0.0,
-        "first_image": images.get(0),
+        "first_image": first,
     }
 
 
@@ -197,7 +200,8 @@ def run(options: BenchOptions, progress: Report) -> dict[str, Any]:
         seconds = calibrate(replicas, options, progress)
         total = options.requests or max(2 * len(replicas), 8)
         policy = "weighted" if options.partition == "balanced" else "equal"
-        main = measure(replicas, seconds, options, total, policy, progress, "counted run")
+        main = measure(replicas, seconds, options, total, policy, progress, "counted run", options.check_output)
+        first_image = main.pop("first_image")
         references: dict[str, Any] = {}
         if options.references and len(replicas) > 1:
             other = "equal" if policy == "weighted" else "weighted"
@@ -208,12 +212,10 @@ def run(options: BenchOptions, progress: Report) -> dict[str, Any]:
                 [replicas[fastest]], [seconds[fastest]], options, total, "equal", progress, "reference: one node"
             )
             references["one_node"] = _reference(main, one) | {"node_ip": ip_of[holders[fastest][0][0]]}
-        output_check = _check(path, options, main.pop("first_image")) if options.check_output else None
+        output_check = _check(path, options, first_image) if options.check_output else None
     finally:
         for replica in replicas:
             replica.kill()
-    for ref in references.values():
-        ref.pop("first_image", None)
     doc: dict[str, Any] = {
         "kind": "image",
         **main,
@@ -240,7 +242,6 @@ def run(options: BenchOptions, progress: Report) -> dict[str, Any]:
         },
         "total_s": time.perf_counter() - started,
     }
-    doc.pop("first_image", None)
     if output_check is not None:
         doc["output_check"] = output_check
     return {"schema_version": SCHEMA_VERSION, "ok": True, **doc}

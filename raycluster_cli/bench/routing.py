@@ -35,11 +35,3 @@ def counts(assignment: Sequence[int], replicas: int) -> list[int]:
     for index in assignment:
         found[index] += 1
     return found
-
-
-def pick(outstanding: Sequence[int], seconds: Sequence[float], alive: Sequence[bool] | None = None) -> int:
-    """The replica a new request should go to now: the soonest finish, ``(outstanding + 1) × seconds``."""
-    usable = [i for i in range(len(seconds)) if alive is None or alive[i]]
-    if not usable:
-        raise ValueError("no replica alive to route to")
-    return min(usable, key=lambda i: ((outstanding[i] + 1) * seconds[i], i))

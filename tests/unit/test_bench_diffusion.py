@@ -14,7 +14,6 @@ from raycluster_cli.bench.diffusion import (
     ImageRequest,
     is_diffusers_folder,
     part_bytes,
-    to_png,
 )
 
 from ..diffusion_checkpoint import diffusers_image, write_tiny_sd
@@ -62,15 +61,3 @@ def test_the_checkpoint_is_recognised_and_weighed_by_part(checkpoint: Path, tmp_
     assert set(sizes) == {"text", "unet", "vae"} and all(v > 0 for v in sizes.values())
     # the files hold the parameters (float32) and a small header each
     assert sum(sizes.values()) == pytest.approx(whole.weight_bytes(), rel=0.05)
-
-
-def test_png_decodes_to_the_same_pixels(checkpoint: Path) -> None:
-    from io import BytesIO
-
-    from PIL import Image
-
-    image = Components(checkpoint).generate(ImageRequest("a tree", seed=5, steps=2, height=16, width=16))[0]
-    png = to_png(image)
-    assert png.startswith(b"\x89PNG")
-    decoded = np.asarray(Image.open(BytesIO(png)))
-    assert decoded.shape == (16, 16, 3) and np.array_equal(decoded, (image * 255).round().astype("uint8"))

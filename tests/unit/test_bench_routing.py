@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from raycluster_cli.bench.routing import assign, counts, pick
+from raycluster_cli.bench.routing import assign, counts
 
 
 def test_a_four_times_faster_replica_gets_four_times_the_requests() -> None:
@@ -29,11 +29,3 @@ def test_bad_input_is_refused_with_its_reason() -> None:
         assign(3, [])
     with pytest.raises(ValueError, match="'fastest'"):
         assign(3, [1.0], "fastest")
-
-
-def test_pick_counts_what_each_replica_holds_and_skips_the_dead() -> None:
-    assert pick([0, 0], [1.0, 4.0]) == 0
-    assert pick([4, 0], [1.0, 4.0]) == 1  # 5 × 1 s against 1 × 4 s
-    assert pick([0, 0], [1.0, 4.0], alive=[False, True]) == 1
-    with pytest.raises(ValueError, match="alive"):
-        pick([0], [1.0], alive=[False])
