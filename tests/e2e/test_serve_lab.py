@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import uuid
 import xml.etree.ElementTree as ET
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -51,6 +52,9 @@ def served(lab_hosts: Lab, tmp_path_factory: pytest.TempPathFactory) -> Iterator
     code, doc, err = lab_hosts.cli("up", timeout=1500)
     assert code == 0, err
     path = write_chat_llama(tmp_path_factory.mktemp("serve") / "tiny-chat")
+    # a file of this run's own: a model no host holds yet (lab hosts keep their cluster folders across modules
+    # and sessions, and other lab tests serve the same seeded checkpoint)
+    (path / "NOTICE").write_text(f"raycluster serve lab test {uuid.uuid4()}\n")
     code, doc, err = lab_hosts.cli("serve", f"--model-path={path}", "--max-seq=96", "--slots=8", timeout=1200)
     assert code == 0, err[-4000:]
     token = state.token_file(inventory.load(lab_hosts.inventory).inventory).read_text().strip()

@@ -51,6 +51,10 @@ def test_doctor_names_host_with_loopback_hostname(lab_hosts: Lab, broken_hosts_f
 
 
 def test_up_brings_three_alive_nodes(lab_hosts: Lab) -> None:
+    """From no cluster (the lab is shared with the modules before this one, which may leave nodes running), so
+    the tests after this one read the start of every node by this `up`."""
+    code, _, err = lab_hosts.cli("down")
+    assert code == 0, err
     code, doc, err = lab_hosts.cli("up")
     assert code == 0, err
     assert doc["ok"] is True
