@@ -33,11 +33,14 @@ from raycluster_cli.transport.base import CommandResult, put_command
 from raycluster_cli.transport.guard import guarded
 from raycluster_cli.transport.keepalive import KeepAlive
 from raycluster_cli.transport.sshio import (
+    DeadlineExceeded,
     Lines,
     LineSink,
     OutputSink,
+    close_quietly,
     collect,
     drain_once,
+    exec_within,
     heartbeat,
     send_stream,
     summary,
@@ -243,9 +246,8 @@ class SSHTransport:
         channel = self._open_channel(command)
         beat = beat and self.guard
         try:
-            channel.exec_command(
-                guarded(command, timeout, heartbeat_s=self.stall_s if beat else None) if self.guard else command
-            )
+            line = guarded(command, timeout, heartbeat_s=self.stall_s if beat else None) if self.guard else command
+            exec_within(channel, line, self.host, command, self.connect_timeout, self._heard_since)
             if stdin is not None:
                 channel.settimeout(self.stall_s)
                 channel.sendall(stdin)
@@ -277,7 +279,8 @@ class SSHTransport:
 
         deadline = None if timeout is None else started + timeout
         try:
-            channel.exec_command(guarded(command, timeout, self.stall_s) if self.guard else command)
+            line = guarded(command, timeout, self.stall_s) if self.guard else command
+            exec_within(channel, line, self.host, command, self.connect_timeout, self._heard_since)
             send_stream(
                 channel, source, host=self.host, stall_s=self.stall_s, on_sent=on_sent, drain=drain,
                 deadline=deadline, command=command,
@@ -336,15 +339,31 @@ class SSHTransport:
         self._running[channel.get_id()] = command
         return channel
 
+    def _heard_since(self, moment: float) -> bool:
+        """Whether the host sent anything since `moment` (always true without a keepalive to decide)."""
+        keepalive = self._keepalive
+        return keepalive is None or keepalive.last_heard > moment
+
     def _finish(self, channel: paramiko.Channel) -> None:
         self._running.pop(channel.get_id(), None)
         channel.close()
 
     def _failed(self, channel: paramiko.Channel, exc: BaseException, command: str) -> BaseException:
-        """A command did not end normally (deadline, stall, lost connection, interrupt): drop the whole
-        connection — closing only the channel could block on a frozen host, and a closed connection ends
-        the command's session on the host — and return the error to raise."""
+        """A command did not end normally: return the error to raise. Past its own deadline (or sshd's reply to
+        run it), only its channel is closed, in the background: the connection and every other command on it
+        go on, and the closed session ends the command on the host (guard.py). Otherwise (stall, lost
+        connection, interrupt) the whole connection is dropped: a closed connection ends every session."""
         self._running.pop(channel.get_id(), None)
+        keepalive = self._keepalive
+        # the host answered within two keepalive intervals (it is asked after one of silence, checked every half):
+        # it is this command that ran long, not the host that froze (a frozen host's
+        # connection is dropped as before, so the next command logs in again instead of waiting on it)
+        alive = keepalive is None or (
+            not keepalive.declared_dead and time.monotonic() - keepalive.last_heard < 2 * keepalive.interval
+        )
+        if isinstance(exc, DeadlineExceeded) and alive:
+            close_quietly(channel)
+            return exc
         if isinstance(exc, TransportError | KeyboardInterrupt) or not isinstance(exc, Exception):
             if isinstance(exc, TransportError) and self._keepalive is not None and self._keepalive.declared_dead:
                 return self._dropped(exc, command)

@@ -9,6 +9,7 @@ Both poll the cancellation flag, so Ctrl-C stops them within a fraction of a sec
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 from collections.abc import Callable
 from typing import BinaryIO
@@ -32,6 +33,64 @@ class Stalled(TransportError):
 
 class DeadlineExceeded(TransportError):
     """A command ran past its deadline."""
+
+
+class NoExecReply(DeadlineExceeded):
+    """sshd did not answer the request to run a command in time."""
+
+
+def exec_within(
+    channel: paramiko.Channel,
+    line: str,
+    host: str,
+    command: str,
+    timeout: float,
+    heard_since: Callable[[float], bool] | None = None,
+) -> None:
+    """`channel.exec_command(line)`, but waiting at most `timeout` for sshd's reply (paramiko's own wait has
+    no deadline) and interruptible; the request itself goes out at once, in a helper thread.
+
+    `heard_since(t)` says whether the host sent anything since `t` (the connection's keepalive). A host that
+    sent nothing at all since the request went out is not a slow sshd but a host that may have stopped
+    answering: the wait goes on until the keepalive decides (it closes the connection, which ends this wait,
+    within its own deadline), so a frozen host is reported as one ("stopped answering"), not as an sshd
+    that did not answer one request."""
+    failed: list[BaseException] = []
+    done = threading.Event()
+
+    def ask() -> None:
+        try:
+            channel.exec_command(line)
+        except BaseException as exc:  # handed to the caller's thread
+            failed.append(exc)
+        finally:
+            done.set()
+
+    threading.Thread(target=ask, name=f"exec-request {host}", daemon=True).start()
+    asked = time.monotonic()
+    deadline = asked + timeout
+    while not done.wait(_POLL_S):
+        cancel.check(f"running a command on {host}")
+        if time.monotonic() > deadline and (heard_since is None or heard_since(asked)):
+            raise NoExecReply(
+                host,
+                f"sshd did not answer the request to run {_what(command)} within {timeout:.0f}s",
+                "check that the host is up and not overloaded (sshd, load); raise ssh.connect_timeout_s for slow "
+                "hosts; then re-run",
+            )
+    if failed:
+        raise failed[0]
+
+
+def close_quietly(channel: paramiko.Channel) -> None:
+    """Close one channel in the background (a close to a host that stopped reading could block), leaving the
+    connection and every other command on it running."""
+
+    def close() -> None:
+        with contextlib.suppress(Exception):
+            channel.close()
+
+    threading.Thread(target=close, name="channel-close", daemon=True).start()
 
 
 def summary(command: str, limit: int = 60) -> str:
