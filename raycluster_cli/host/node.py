@@ -20,6 +20,7 @@ from raycluster_cli.host.containers import (
     container_name,
     docker_run_command,
     run_argv,
+    token_path_on_host,
 )
 from raycluster_cli.host.engine import image_id
 from raycluster_cli.host.engine_facts import CONTAINERS, parse_containers
@@ -54,6 +55,7 @@ class ContainerView:
     container: Container | None
     image_id: str = ""
     files_digest: str | None = None
+    token_digest: str | None = None  # SHA-256 of the Ray token it started with (None: no token, or not running)
 
 
 def container_command(ctx: HostContext) -> str:
@@ -61,7 +63,10 @@ def container_command(ctx: HostContext) -> str:
     start (bind mounts keep the file a container started with, even after `up` rewrote the host's copy).
     Whether it exists, its state and labels come from the host's one `docker ps -a` (enginefacts.CONTAINERS)."""
     name = quote(container_name(ctx.inventory, ctx.host))
-    files = f"cat {ENV_IN_CONTAINER} {TOKEN_IN_CONTAINER} 2>/dev/null | sha256sum"
+    files = (
+        f"cat {ENV_IN_CONTAINER} {TOKEN_IN_CONTAINER} 2>/dev/null | sha256sum; "
+        f"if [ -f {TOKEN_IN_CONTAINER} ]; then printf 'token '; sha256sum < {TOKEN_IN_CONTAINER}; fi"
+    )
     return (
         f"s=$(docker inspect --type container --format '{{{{.State.Running}}}} {{{{.Image}}}}' {name} 2>/dev/null)"
         f' && [ "${{s%% *}}" = true ] || exit 0; echo "${{s#* }}"; echo {PART_SEPARATOR}; '
@@ -79,8 +84,11 @@ def parse_container_view(ctx: HostContext, results: list[CommandResult]) -> Cont
     row = found[0]
     parts = running.stdout.split(PART_SEPARATOR)
     seen = image_id(parts[0])
-    digest = parts[1].split()[0] if len(parts) > 1 and parts[1].split() else None
-    return ContainerView(Container(row.id, row.name.lstrip("/"), row.state, row.image, row.labels), seen, digest)
+    lines = [line.split() for line in parts[1].splitlines() if line.split()] if len(parts) > 1 else []
+    digest = next((words[0] for words in lines if words[0] != "token"), None)
+    token = next((words[1] for words in lines if words[0] == "token" and len(words) > 1), None)
+    container = Container(row.id, row.name.lstrip("/"), row.state, row.image, row.labels)
+    return ContainerView(container, seen, digest, token)
 
 
 CONTAINER_RUNNING = raw("container-running", container_command)
@@ -93,6 +101,11 @@ class Plan:
     reason: str = ""
 
 
+def token_digest(token: bytes | None) -> str | None:
+    """What `container_command` prints for the token a container started with (a fingerprint, never the token)."""
+    return hashlib.sha256(token).hexdigest() if token else None
+
+
 def files_digest(env: bytes, token: bytes | None) -> str:
     """Digest of the files a container reads at start (env file, token file): the same digest is computed
     inside a running container, so a changed env or token is seen without either crossing the wire."""
@@ -100,11 +113,21 @@ def files_digest(env: bytes, token: bytes | None) -> str:
 
 
 def plan_node(
-    inventory: Inventory, host: HostConfig, view: ContainerView, image_id: str, digest: str, force: str = ""
+    inventory: Inventory,
+    host: HostConfig,
+    view: ContainerView,
+    image_id: str,
+    digest: str,
+    force: str = "",
+    token: str | None = None,
 ) -> Plan:
-    """What `up` must do on `host` (pure); refuse a container named like ours that this cluster did not start.
+    """What `up` must do on `host` (pure); refuse a container named like ours that this cluster did not start,
+    and one of this cluster that runs with another Ray token than this machine's.
 
-    `image_id` is the ID the inventory's image name has on the host now.
+    `image_id` is the ID the inventory's image name has on the host now; `token` the digest of this machine's
+    token (`token_digest`). Two operators (or two state folders) running `up` on one cluster each have their
+    own token: replacing the other's containers would cut off its jobs and clients without a word, so the
+    second is refused, with both fingerprints, until it takes the running cluster's token or `down`s it.
     """
     existing = view.container
     if existing is None:
@@ -114,6 +137,15 @@ def plan_node(
         raise OperationError(
             f"{host.address}: a container named {name} exists that this cluster did not start",
             f"remove or rename it on {host.address} (docker rm -f {name}) if it is not needed",
+        )
+    if view.token_digest and token and view.token_digest != token and not force:
+        raise OperationError(
+            f"{host.address}: cluster {inventory.cluster}'s {host.role} container there runs with another Ray token "
+            f"(SHA-256 {view.token_digest[:12]}…, this machine's {token[:12]}…): another operator, or `up` with "
+            "another state folder, started it, and replacing it would cut off its jobs and clients",
+            f"to work on that cluster, copy its token ({token_path_on_host(inventory, host)} on {host.address}) "
+            "into this machine's state folder (`raycluster status` names it); to replace it, run `raycluster down` "
+            "first",
         )
     ids = (view.image_id, image_id or "?")
     return Plan(*decide(existing, inventory, host, force, ids, view.files_digest, digest))

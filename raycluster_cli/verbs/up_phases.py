@@ -43,6 +43,7 @@ from raycluster_cli.host.node import (
     plan_node,
     probe,
     start_failure,
+    token_digest,
     wait_started,
 )
 from raycluster_cli.image.deliver import ImageTransfer, distribute, local_image_id, plan_transfers
@@ -196,7 +197,8 @@ class UpRun:
         facts = self.cache.of(run.host)
         image = facts.result(IMAGE_ID)
         now = image_id(image.stdout) if image.ok else ""
-        return plan_node(self.inventory, run.host, facts.get(CONTAINER), now, run.digest, force)
+        mine = token_digest(self.token)
+        return plan_node(self.inventory, run.host, facts.get(CONTAINER), now, run.digest, force, mine)
 
     def files(self, run: HostRun) -> dict[str, bytes]:
         """What the host's container reads at start: its env file and, with token auth, the token."""

@@ -52,10 +52,14 @@ class Lab:
     def host(self, hostname: str) -> lab.LabHost:
         return next(h for h in self.info.hosts if h.hostname == hostname)
 
-    def cli(self, *args: str, timeout: float = 600, inventory: str | None = None) -> tuple[int, dict[str, Any], str]:
-        """Run `raycluster ARGS -i <lab inventory> --json` as a real process (the command's own path: cli/entry.py)."""
+    def cli(
+        self, *args: str, timeout: float = 600, inventory: str | None = None, env: dict[str, str] | None = None
+    ) -> tuple[int, dict[str, Any], str]:
+        """Run `raycluster ARGS -i <lab inventory> --json` as a real process (the command's own path: cli/entry.py);
+        `env` changes its environment (another operator's state folder, say)."""
         command = [sys.executable, "-m", "raycluster_cli", *args, "-i", inventory or self.inventory, "--json"]
-        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
+        environment = os.environ | env if env else None
+        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=environment)
         try:
             document = json.loads(done.stdout)
         except ValueError:

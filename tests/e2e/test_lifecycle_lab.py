@@ -5,6 +5,7 @@ purge test runs last and leaves the image back on every host (it re-streams it).
 from __future__ import annotations
 
 import base64
+import hashlib
 import json
 import os
 import subprocess
@@ -223,6 +224,27 @@ def test_insecure_turns_auth_off_with_a_warning_and_up_turns_it_back_on(lab_host
     assert doc["auth"] == "token" and doc["warnings"] == []
     assert {n["action"] for n in doc["nodes"]} == {"restarted"}
     assert "RAY_AUTH_MODE=token" in lab_hosts.sh("lab-h1", f"docker inspect --format '{{{{json .Config.Env}}}}' {HEAD}")
+
+
+def test_up_with_another_token_is_refused_and_leaves_the_running_cluster_alone(lab_hosts: Lab, tmp_path: Path) -> None:
+    """A second operator (another state folder, so another Ray token) runs `up` on the running cluster: refused
+    before any container is touched, naming the head and both token fingerprints (issue 34, item 8); the first
+    operator's cluster runs on, the same containers, its token still accepted."""
+    _up(lab_hosts)
+    ids = "docker ps -q --no-trunc --filter label=io.raycluster.cluster=lab | sort"
+    before = {h: lab_hosts.sh(h, ids) for h in ("lab-h1", "lab-h2", "lab-h3")}
+    assert all(before.values()), before
+    code, doc, err = lab_hosts.cli("up", timeout=600, env={"RAYCLUSTER_STATE_DIR": str(tmp_path / "other")})
+    assert code == 1, err
+    text = str(doc)
+    assert f"{IP1}: cluster lab's head container there runs with another Ray token" in text, text
+    assert "raycluster down" in text
+    token = (Path(os.environ["RAYCLUSTER_STATE_DIR"]) / "lab" / "auth-token").read_bytes()
+    assert hashlib.sha256(token).hexdigest()[:12] in text  # the running cluster's fingerprint, never the token
+    assert token.decode().strip() not in text + err
+    assert {h: lab_hosts.sh(h, ids) for h in ("lab-h1", "lab-h2", "lab-h3")} == before
+    code, doc, err = lab_hosts.cli("status")
+    assert code == 0 and doc["state"] == "healthy" and doc["totals"]["alive_nodes"] == 3, err
 
 
 def test_z_down_purge_removes_image_and_token_files_then_up_streams_to_every_host(lab_hosts: Lab) -> None:

@@ -822,3 +822,34 @@ def test_the_registration_watch_ends_when_the_container_stays_paused(
     assert error.message.endswith("cannot register: last line")
     quiet = nodes.start_failure(inv, inv.hosts[1], nodes.CommandResult(nodes.PAUSED, "", ""), 60)
     assert quiet.message.endswith("so its Ray node cannot register")  # no "(no log)" after a paused start
+
+
+def test_plan_node_refuses_our_cluster_running_with_another_token() -> None:
+    """Issue 34, item 8: a second operator (another state folder, another token) must not replace the running
+    cluster's containers; the same token, or none on either side (`--insecure`), plans as before."""
+    from raycluster_cli.host.facts import HostContext
+    from raycluster_cli.host.node import container_command, parse_container_view, plan_node, token_digest
+
+    inv = _inv()
+    theirs, mine = token_digest(b"their token"), token_digest(b"my token")
+    assert theirs and mine and theirs != mine and token_digest(None) is None
+    labels = "io.raycluster.cluster=demo,io.raycluster.role=worker"
+    row = f'{{"ID":"f00","Names":"raycluster-demo-worker","State":"running","Image":"x","Labels":"{labels}"}}'
+    ctx = HostContext(inv, inv.hosts[1])
+    assert "sha256sum < /run/raycluster/auth-token" in container_command(ctx)
+    answer = f"{A}\n--raycluster--\nd1  -\ntoken {theirs}  -\n"
+    view = parse_container_view(ctx, [CommandResult(0, row + "\n", ""), CommandResult(0, answer, "")])
+    assert (view.files_digest, view.token_digest) == ("d1", theirs)
+    with pytest.raises(OperationError) as info:
+        plan_node(inv, inv.hosts[1], view, A, "d2", token=mine)
+    message = info.value.message
+    assert message.startswith(f"{inv.hosts[1].address}: cluster demo's worker container there runs with another")
+    assert theirs[:12] in message and mine[:12] in message and "their token" not in message
+    assert "raycluster down" in info.value.hint and "/auth-token" in info.value.hint
+    assert plan_node(inv, inv.hosts[1], view, A, "d1", token=theirs).action in ("keep", "replace")
+    assert plan_node(inv, inv.hosts[1], view, A, "d2", token=None).action == "replace"  # --insecure
+    no_token = parse_container_view(
+        ctx, [CommandResult(0, row + "\n", ""), CommandResult(0, f"{A}\n--raycluster--\nd1  -\n", "")]
+    )
+    assert no_token.token_digest is None
+    assert plan_node(inv, inv.hosts[1], no_token, A, "d2", token=mine).action == "replace"  # auth turned on
