@@ -5,6 +5,7 @@ from __future__ import annotations
 from raycluster_cli.checks.base import CheckContext, Finding, Status
 from raycluster_cli.host.containers import LABEL_CLUSTER, LABEL_ROLE
 from raycluster_cli.host.engine_facts import parse_containers, running, split_sections
+from raycluster_cli.host.firewall import blocked_ports
 from raycluster_cli.host.parsers import (
     is_loopback,
     node_addresses,
@@ -112,8 +113,8 @@ def ports_command(ctx: CheckContext) -> str:
     """Listening TCP ports, then the INPUT chain's head (iptables, nft): the containers holding Ray's ports come
     from the host's one `docker ps -a` (enginefacts.CONTAINERS), not from a command of their own."""
     return (
-        "ss -ltnH; echo ---; iptables -S INPUT 2>&1 | head -n 5; echo ---; "
-        "nft list ruleset 2>&1 | grep -E 'table|hook input'"
+        "ss -ltnH; echo ---; iptables -S INPUT 2>&1 | head -n 400; echo ---; "
+        "nft list ruleset 2>&1 | grep -E 'table|chain|hook input|accept|drop|reject' | head -n 2000"
     )
 
 
@@ -157,6 +158,10 @@ def ports_free(rc: int, out: str, err: str, ctx: CheckContext) -> Finding:
     )
 
 
+def _iptables_ports(wanted: dict[str, tuple[int, int]]) -> list[str]:
+    return [str(low) if low == high else f"{low}:{high}" for low, high in wanted.values()]
+
+
 def worker_ports(rc: int, out: str, err: str, ctx: CheckContext) -> Finding:
     listening_text, ours, iptables, nft = split_sections(out, 4)
     ray = ctx.inventory.ray
@@ -174,15 +179,29 @@ def worker_ports(rc: int, out: str, err: str, ctx: CheckContext) -> Finding:
             hints.append(
                 f"stop what listens there (`ss -ltnp | grep :{taken[0]}`) or move ray.min_worker_port/max_worker_port"
             )
+    wanted = {f"worker ports {span}": (low, high)}
+    if ctx.host.role == "head":
+        wanted = {f"{ray.port} (GCS)": (ray.port, ray.port), **wanted}
+    blocked = blocked_ports(iptables, nft, wanted)
+    for each in blocked:
+        maybe = " for some sources (check that the cluster's hosts are let in)" if each.restricted else ""
+        problems.append(f"the INPUT rule `{each.rule}` drops {each.name}{maybe}")
+    if blocked:
+        ports = ", ".join(f"{low}-{high}" if low != high else str(low) for low, high in wanted.values())
+        hints.append(
+            f"on {ctx.address}, accept TCP {ports} from the cluster's hosts before that rule (e.g. "
+            f"`iptables -I INPUT -p tcp -s SUBNET -m multiport --dports {','.join(_iptables_ports(wanted))} -j ACCEPT`)"
+        )
     if firewall.drops:
         problems.append(f"{firewall.detail}: Ray's ports must be accepted")
         hints.append(
             f"accept TCP {ray.port}, {ray.dashboard_port}, {ray.client_port} and {span} from the other hosts "
             "(Ray also uses random node-manager and object-manager ports)"
         )
-    data = {"range": span, "firewall_checked": firewall.checked}
+    data = {"range": span, "firewall_checked": firewall.checked, "blocked": [b.__dict__ for b in blocked]}
     if problems:
-        return Finding(Status.WARN, "; ".join(problems), "; ".join(hints), data)
+        status = Status.FAIL if any(not b.restricted for b in blocked) else Status.WARN
+        return Finding(status, "; ".join(problems), "; ".join(hints), data)
     held = " (in use by this cluster's running node, not checked)" if ours.strip() else ""
     firewall_note = "" if firewall.checked else "; firewall not readable"
     return Finding(Status.OK, f"worker ports {span} free{held}{firewall_note}", data=data)

@@ -1,5 +1,5 @@
 """doctor's network checks on the real lab: a second network that steals a worker's source address, the
-name × host matrix, the worker port range, clock skew, and `doctor --network` figures and MTU mismatches."""
+name × host matrix, the worker port range and firewall rules on Ray's ports, clock skew, and `doctor --network` figures and MTU mismatches."""
 
 from __future__ import annotations
 
@@ -116,6 +116,38 @@ def test_worker_port_range_in_use_warns(lab_hosts: Lab) -> None:
         assert "12345" in finding(doc, IP2, "worker-ports")["message"]
     finally:
         lab_hosts.sh("lab-h2", "docker rm -f range-squatter")
+
+
+GCS_DROP = "INPUT -p tcp -m tcp --dport 6379 -j DROP"
+RANGE_REJECT = "INPUT -p tcp -m multiport --dports 8080,12000:12100 -j REJECT --reject-with icmp-port-unreachable"
+SOME_SOURCES = "INPUT -s 198.51.100.0/24 -p tcp -m tcp --dport 10002:19999 -j DROP"
+
+
+@pytest.fixture
+def firewalls(lab_hosts: Lab) -> Iterator[None]:
+    """Real INPUT rules in each lab host's network (where its Ray container listens): the head drops the GCS
+    port, lab-h2 rejects part of the worker range, lab-h3 drops the range for one foreign subnet only."""
+    rules = {"lab-h1": GCS_DROP, "lab-h2": RANGE_REJECT, "lab-h3": SOME_SOURCES}
+    for hostname, rule in rules.items():
+        lab_hosts.sh(hostname, f"iptables -A {rule}")
+    try:
+        yield
+    finally:
+        for hostname, rule in rules.items():
+            lab_hosts.sh_result(hostname, f"while iptables -D {rule} 2>/dev/null; do :; done")
+
+
+def test_firewall_rules_that_drop_rays_ports_fail_worker_ports_naming_the_rule(lab_hosts: Lab, firewalls: None) -> None:
+    """issue 33: doctor's firewall finding on the lab (it used to see only a DROP policy, in the first 5 lines)."""
+    code, doc, _ = lab_hosts.cli("doctor")
+    assert code == 1
+    assert failed(doc) == sorted([(IP1, "worker-ports"), (IP2, "worker-ports")]), problems(doc)
+    assert warned(doc) == [(IP3, "worker-ports")], problems(doc)
+    head = finding(doc, IP1, "worker-ports")
+    assert f"the INPUT rule `-A {GCS_DROP}` drops 6379 (GCS)" in head["message"], head
+    assert f"on {IP1}, accept TCP 6379, 10002-19999" in head["hint"]
+    assert "worker ports 10002-19999" in finding(doc, IP2, "worker-ports")["message"]
+    assert "for some sources" in finding(doc, IP3, "worker-ports")["message"]
 
 
 def test_clock_skew_warns(lab_hosts: Lab) -> None:
