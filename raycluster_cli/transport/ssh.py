@@ -305,9 +305,22 @@ class SSHTransport:
         client = self._client
         transport = client.get_transport() if client is not None else None
         if transport is None or not transport.is_active():
+            lost = self.stopped_answering()
             self._forget()
+            if lost:
+                raise HostStoppedAnswering(
+                    self.host, lost, "check that the host is up and not frozen (console, load); re-run when it answers"
+                )
             raise TransportError(self.host, "SSH connection was lost", "check the host and retry")
         return transport
+
+    def stopped_answering(self) -> str | None:
+        """Why the connection ended when its keepalive ended it (the host went silent), else None: for the
+        users of its channels (a forwarded port), whose own errors would only say the channel failed."""
+        keepalive = self._keepalive
+        if keepalive is not None and keepalive.declared_dead:
+            return f"the host stopped answering (nothing received for {keepalive.dead_after:.0f}s)"
+        return None
 
     def running(self) -> list[str]:
         """The commands running on this host now (what an interrupted run had started)."""

@@ -148,20 +148,25 @@ def _assert_sleep_ends(lab_hosts: Lab, marker: str) -> None:
         pytest.fail(f"sleep {marker} still runs in lab-h1's container 60 s after the host side ended: {left}")
 
 
-def test_exec_interrupted_leaves_no_process_in_the_container(lab_hosts: Lab, cluster_up: str) -> None:
-    marker = "600"
-    assert _sleeps(lab_hosts, "lab-h1", marker) == [], "a sleep 600 from elsewhere runs on lab-h1"
+@pytest.mark.parametrize(
+    ("signum", "marker"), [(signal.SIGINT, "600"), (signal.SIGTERM, "603")], ids=["SIGINT", "SIGTERM"]
+)
+def test_exec_interrupted_leaves_no_process_in_the_container(
+    lab_hosts: Lab, cluster_up: str, signum: signal.Signals, marker: str
+) -> None:
+    """Ctrl-C, or SIGTERM (a service manager, `timeout`, a CI runner ending the job), to a real `exec`."""
+    assert _sleeps(lab_hosts, "lab-h1", marker) == [], f"a sleep {marker} from elsewhere runs on lab-h1"
     verb = Verb("exec", inventory=cluster_up, words=("--", "sleep", marker))
     try:
         assert wait_until(lambda: bool(_sleeps(lab_hosts, "lab-h1", marker)), 120), verb.stderr
-        sent = verb.signal(signal.SIGINT)
+        sent = verb.signal(signum)
         code, doc, ended = verb.finish(timeout=60)
     finally:
         if verb.process.poll() is None:
             verb.process.kill()
     assert code == 130 and ended - sent <= 5, verb.stderr
-    assert doc["ok"] is False and doc["interrupted"]["signal"] == "SIGINT", doc
-    assert any(r["host"] == IP1 and "sleep 600" in r["command"] for r in doc["interrupted"]["running"]), doc
+    assert doc["ok"] is False and doc["interrupted"]["signal"] == signum.name, doc
+    assert any(r["host"] == IP1 and f"sleep {marker}" in r["command"] for r in doc["interrupted"]["running"]), doc
     assert "Traceback" not in verb.stderr and verb.session_alive() == []
     # The host side ended with the connection; its trap ended the container's process group.
     _assert_sleep_ends(lab_hosts, marker)
@@ -202,6 +207,31 @@ def test_exec_whose_connection_is_cut_ends_on_the_host_too(lab_hosts: Lab, clust
         lab_hosts.sh_result("lab-h1", UNCUT)
         if verb.process.poll() is None:
             verb.process.kill()
+
+
+# up: SIGTERM while it waits for the nodes ------------------------------------------------------------------
+
+
+def test_up_sent_sigterm_while_it_waits_for_the_nodes_stops_in_seconds_and_the_next_up_completes(
+    lab_hosts: Lab, quick: str
+) -> None:
+    """SIGTERM (not only Ctrl-C) to a real `up` once its containers started: exit 130 within 5 s, one JSON
+    document saying which signal and what ran, nothing of it left on this machine; `up` again completes."""
+    code, _, err = lab_hosts.cli("down", inventory=quick)
+    assert code == 0, err
+    verb = Verb("up", inventory=quick)
+    try:
+        verb.wait_for("waiting for every node to join", timeout=600)
+        sent = verb.signal(signal.SIGTERM)
+        code, doc, ended = verb.finish(timeout=60)
+    finally:
+        if verb.process.poll() is None:
+            verb.process.kill()
+    assert code == 130 and ended - sent <= 5, verb.stderr[-3000:]
+    assert doc["ok"] is False and doc["interrupted"]["signal"] == "SIGTERM", doc
+    assert "Traceback" not in verb.stderr and verb.session_alive() == []
+    code, doc, err = lab_hosts.cli("up", inventory=quick, timeout=900)
+    assert code == 0 and sorted(n["host"] for n in doc["nodes"] if n["alive"]) == sorted([IP1, IP2, IP3]), err
 
 
 # up: a worker frozen while up waits for the nodes -----------------------------------------------------

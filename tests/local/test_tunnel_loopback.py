@@ -64,3 +64,41 @@ def test_a_port_in_use_is_a_usage_error_naming_it() -> None:
     first = Tunnel(lambda origin: socket.socket())  # type: ignore[arg-type,return-value]
     with first, pytest.raises(UsageError, match=f"127.0.0.1:{first.port}"):
         Tunnel(lambda origin: socket.socket(), first.port)  # type: ignore[arg-type,return-value]
+
+
+class _Closed:
+    """A paramiko transport whose connection was just closed under a request (paramiko raises EOFError)."""
+
+    def open_channel(self, *args: object, **kwargs: object) -> None:
+        raise EOFError()
+
+
+class _Connection:
+    def __init__(self, lost: str | None) -> None:
+        self.lost = lost
+
+    def paramiko_transport(self) -> _Closed:
+        return _Closed()
+
+    def stopped_answering(self) -> str | None:
+        return self.lost
+
+
+def test_a_channel_lost_with_its_host_says_the_host_stopped_answering() -> None:
+    """The keepalive closed the head's connection as the channel opened (the lab's cut link, in
+    tests/e2e/test_faults_tools_lab.py): the error says the host went silent, not "check AllowTcpForwarding"."""
+    from raycluster_cli.errors import HostStoppedAnswering
+    from raycluster_cli.transport.tunnel import forward_opener
+
+    silent = forward_opener(_Connection("the host stopped answering (nothing received for 6s)"), "192.0.2.11", DEST)
+    with pytest.raises(HostStoppedAnswering) as info:
+        silent(("127.0.0.1", 5000))
+    expected = "the host stopped answering (nothing received for 6s) while opening a channel to 192.0.2.11:8265"
+    assert info.value.message == f"192.0.2.11: {expected}"
+    other = forward_opener(_Connection(None), "192.0.2.11", DEST)
+    with pytest.raises(TransportError) as info:
+        other(("127.0.0.1", 5000))
+    assert "AllowTcpForwarding" in info.value.hint
+
+
+DEST = ("192.0.2.11", 8265)
