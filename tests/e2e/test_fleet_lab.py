@@ -46,7 +46,12 @@ def test_status_and_down_answer_for_every_fleet_host(fleet_lab: Lab) -> None:
     code, doc, err = fleet_lab.cli("status", timeout=300)
     assert code == 1, err  # no cluster runs on the fleet
     assert {h["host"] for h in doc["hosts"]} == addresses
-    code, doc, err = fleet_lab.cli("down", timeout=300)
-    assert code == 0, err
-    code, doc, err = fleet_lab.cli("down", timeout=300)  # idempotent
-    assert code == 0, err
+    # every host answered (none unreachable or in error), and each says what it holds: no container of ours
+    assert {h["host"]: (h["container"], h["healthy"], h["error"]) for h in doc["hosts"]} == {
+        a: ("missing", False, "") for a in addresses
+    }, [h for h in doc["hosts"] if h["container"] != "missing" or h["error"]]
+    assert doc["state"] == "down" and doc["totals"]["alive_nodes"] == 0
+    for _ in range(2):  # idempotent: nothing to remove, and no host fails to say so
+        code, doc, err = fleet_lab.cli("down", timeout=300)
+        assert code == 0, err
+        assert (doc["removed"], doc["errors"], doc["purged"]) == ([], [], []), doc
