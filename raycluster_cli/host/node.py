@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from raycluster_cli.config.inventory import HostConfig, Inventory
+from raycluster_cli.config.state import token_file
 from raycluster_cli.errors import OperationError
 from raycluster_cli.host.containers import (
     ENV_IN_CONTAINER,
@@ -144,8 +145,7 @@ def plan_node(
             f"(SHA-256 {view.token_digest[:12]}…, this machine's {token[:12]}…): another operator, or `up` with "
             "another state folder, started it, and replacing it would cut off its jobs and clients",
             f"to work on that cluster, copy its token ({token_path_on_host(inventory, host)} on {host.address}) "
-            "into this machine's state folder (`raycluster status` names it); to replace it, run `raycluster down` "
-            "first",
+            f"to {token_file(inventory)}; to replace it, run `raycluster down` first",
         )
     ids = (view.image_id, image_id or "?")
     return Plan(*decide(existing, inventory, host, force, ids, view.files_digest, digest))
