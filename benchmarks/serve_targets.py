@@ -82,6 +82,10 @@ def summarize(rounds: list[dict[str, dict[str, Any]]], single: list[dict[str, An
         "four_over_one_tpot_p50": _spread([b / a for a, b in zip(tpot1, tpot4, strict=True)]),
         "one_at_a_time_tpot_p50_s": _spread(tpot1),
         "four_at_a_time_tpot_p50_s": _spread(tpot4),
+        "load_before": {  # the machine's 1-minute load average as each run began (it is shared)
+            "three": [[r[k]["load"]["before"][0] for k in ("saturation", "one", "four")] for r in rounds],
+            "alone": [s["load"]["before"][0] for s in single],
+        },
     }
 
 
@@ -92,6 +96,7 @@ def main() -> None:
     p.add_argument("--requests", type=int, default=32, help="per saturation run")
     p.add_argument("--lengths", default="--prompt-tokens=16:64 --output-tokens=32:96")
     p.add_argument("--out", type=Path, default=Path("/tmp/serve-targets"))
+    p.add_argument("--alternate", action="store_true", help="each round: the 3 hosts, then the fastest alone")
     args = p.parse_args()
     out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)
@@ -100,34 +105,37 @@ def main() -> None:
     inventory = cli("lab", "up", f"--hosts={len(quotas)}", *cpus)["inventory"]
     model = write_chat_llama(out / "serve-llama", seed=1, **MODEL_SIZES)
     lengths = args.lengths.split()
-    cli("down", inventory=inventory)
-    cli("up", inventory=inventory)
-    cli("serve", f"--model-path={model}", "--max-seq=256", "--slots=16", inventory=inventory)
-    record = cli("status", inventory=inventory, check=False)["service"][
-        "record"
-    ]  # the launcher's: split, each node's speed
-    (out / "serve-record.json").write_text(json.dumps(record, indent=2) + "\n")
-    print("serving:", json.dumps(record.get("pipelines")), json.dumps(record.get("nodes")), flush=True)
-    rounds = []
-    for number in range(args.rounds):
-        rounds.append(
-            {
-                "saturation": bench(inventory, out, f"three-sat-{number}", args.requests, lengths),
-                "one": bench(inventory, out, f"three-one-{number}", 8, [*lengths, "--concurrency=1"]),
-                "four": bench(inventory, out, f"three-four-{number}", 16, [*lengths, "--concurrency=4"]),
-            }
-        )
-    cli("serve", "--stop", inventory=inventory)
-    cli("down", inventory=inventory)
     data = yaml.safe_load(Path(inventory).read_text())
     data["hosts"] = data["hosts"][:1]  # lab-h1: the highest quota, the fastest node
     alone = out / "fastest-alone.yaml"
     alone.write_text(yaml.safe_dump(data, sort_keys=False))
-    cli("up", inventory=str(alone))
-    cli("serve", f"--model-path={model}", "--max-seq=256", "--slots=16", inventory=str(alone))
-    single = [bench(str(alone), out, f"one-sat-{n}", args.requests, lengths) for n in range(args.rounds)]
-    cli("serve", "--stop", inventory=str(alone))
-    cli("down", inventory=str(alone))
+    rounds: list[dict[str, dict[str, Any]]] = []
+    single: list[dict[str, Any]] = []
+    # --alternate: each round is the 3-host service, then the fastest host alone (a load on the shared machine
+    # then falls on both); without it every 3-host round comes first, then every alone round (as in session 22).
+    blocks = [[n] for n in range(args.rounds)] if args.alternate else [list(range(args.rounds))]
+    for block in blocks:
+        cli("down", inventory=inventory)
+        cli("up", inventory=inventory)
+        cli("serve", f"--model-path={model}", "--max-seq=256", "--slots=16", inventory=inventory)
+        record = cli("status", inventory=inventory, check=False)["service"]["record"]  # the split, each node's speed
+        (out / f"serve-record-{block[0]}.json").write_text(json.dumps(record, indent=2) + "\n")
+        print("serving:", json.dumps(record.get("pipelines")), json.dumps(record.get("nodes")), flush=True)
+        for number in block:
+            rounds.append(
+                {
+                    "saturation": bench(inventory, out, f"three-sat-{number}", args.requests, lengths),
+                    "one": bench(inventory, out, f"three-one-{number}", 8, [*lengths, "--concurrency=1"]),
+                    "four": bench(inventory, out, f"three-four-{number}", 16, [*lengths, "--concurrency=4"]),
+                }
+            )
+        cli("serve", "--stop", inventory=inventory)
+        cli("down", inventory=inventory)
+        cli("up", inventory=str(alone))
+        cli("serve", f"--model-path={model}", "--max-seq=256", "--slots=16", inventory=str(alone))
+        single += [bench(str(alone), out, f"one-sat-{n}", args.requests, lengths) for n in block]
+        cli("serve", "--stop", inventory=str(alone))
+        cli("down", inventory=str(alone))
     summary = {"quotas": quotas, "model": MODEL_SIZES, "lengths": lengths} | summarize(rounds, single)
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     print(json.dumps(summary, indent=2))

@@ -379,11 +379,11 @@ def greedy_generate(
 
 def seconds_per_pass(
     stage: Any, first: Any, prompt_len: int, decode_steps: int, min_sample_s: float, key: str, prefill_chunk: int = 0
-) -> float:
-    """Seconds of one micro-batch (the prompt in ``prefill_chunk`` pieces, then ``decode_steps``) through ``stage``:
-    passes repeated until ``min_sample_s`` has elapsed (a CPU quota's stalls show only over several scheduler
-    periods), their mean; the cache under ``key`` released after."""
-    passes, began = 0, time.perf_counter()
+) -> tuple[float, float]:
+    """Wall and CPU seconds (this process's, every thread) of one micro-batch (the prompt in ``prefill_chunk``
+    pieces, then ``decode_steps``) through ``stage``: passes repeated until ``min_sample_s`` has elapsed (a CPU
+    quota's stalls show only over several scheduler periods), their means; the cache under ``key`` released after."""
+    passes, began, cpu_began = 0, time.perf_counter(), time.process_time()
     while True:
         for a, b in prefill_chunks(prompt_len, prefill_chunk):
             stage(first[:, a:b], key, a)
@@ -393,5 +393,6 @@ def seconds_per_pass(
         elapsed = time.perf_counter() - began
         if elapsed >= min_sample_s:
             break
+    cpu = time.process_time() - cpu_began
     stage.release(key)
-    return elapsed / passes
+    return elapsed / passes, cpu / passes

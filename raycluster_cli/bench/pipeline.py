@@ -241,18 +241,24 @@ class _StageWorker:
             "head": (Stage(cfg, cfg.head_unit, cfg.num_units, device=self.device), hidden, 1),
         }
         samples: dict[str, list[float]] = {kind: [] for kind in subjects}
+        cpu: dict[str, list[float]] = {kind: [] for kind in subjects}
         for round_ in range(repeats + 1):  # round 0 is a warm-up
             for kind, (stage, first, units) in subjects.items():
                 sample_s = min_sample_s if round_ else 0.0  # the warm-up: one pass
-                seconds = seconds_per_pass(stage, first, prompt_len, decode_steps, sample_s, "calibrate", prefill_chunk)
+                wall, cpu_s = seconds_per_pass(stage, first, prompt_len, decode_steps, sample_s, "cal", prefill_chunk)
                 if round_:
-                    samples[kind].append(seconds / units)
+                    samples[kind].append(wall / units)
+                    cpu[kind].append(cpu_s / units)
         medians = {kind: statistics.median(values) for kind, values in samples.items()}
         spread = {kind: (max(v) - min(v)) / medians[kind] if medians[kind] else 0.0 for kind, v in samples.items()}
         return {
             "node_ip": self.node_ip,
             "repeats": repeats,
             **{f"{k}_s": medians[k] for k in UNIT_TYPES},
+            **{f"{k}_cpu_s": statistics.median(cpu[k]) for k in UNIT_TYPES},  # for balance.capacity_costs
+            "cpu_quota": container_cpu_quota(),
+            "num_threads": self.num_threads,
+            "device": self.device,
             "spread": spread,
         }
 

@@ -27,7 +27,7 @@ def block_seconds(
     hidden = torch.randn(batch, prompt_len, cfg.d_model, generator=torch.Generator().manual_seed(cfg.seed))
     samples: list[float] = []
     for round_ in range(4):  # round 0 warms up: one pass
-        seconds = seconds_per_pass(stage, hidden, prompt_len, decode_steps, min_sample_s if round_ else 0.0, "probe")
+        seconds, _ = seconds_per_pass(stage, hidden, prompt_len, decode_steps, min_sample_s if round_ else 0.0, "probe")
         if round_:
             samples.append(seconds)
     return statistics.median(samples)

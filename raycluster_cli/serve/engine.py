@@ -170,7 +170,7 @@ class Engine:
     async def _plan_steps(self) -> None:
         while True:
             self._wake.clear()
-            while self.failure is None and self._in_flight < self.max_in_flight:
+            while self.failure is None and self._in_flight < self._steps_wanted():
                 rows = -(-self.scheduler.active // self.max_in_flight)  # an even share per step in flight
                 chunks = self.scheduler.schedule(max_rows=rows)
                 if not chunks:
@@ -182,6 +182,21 @@ class Engine:
                 self._tasks.add(task)
                 task.add_done_callback(self._tasks.discard)
             await self._wake.wait()
+
+    def _steps_wanted(self) -> int:
+        """Steps to keep in flight: as many as the active sequences fill at an even share of ``max_in_flight``.
+
+        Four sequences over three stages are two steps of two rows, not three steps of 2, 1 and 1: a step
+        of one row costs a stage nearly what a step of two does (its weights are read once per step: on the
+        lab a stage of 5 blocks took 10.3 ms of CPU for 1 row, 14.6 ms for 4.2), and a third step only
+        queues at the busiest stage.  Capped so, a sequence that comes back alone (or a new one) waits for
+        the next step to return and goes with its rows, instead of travelling on in a step of its own for
+        the rest of its life (session 22: 1.33 rows per step at 4 sequences)."""
+        active = self.scheduler.active
+        if active == 0:
+            return self.max_in_flight
+        share = -(-active // self.max_in_flight)
+        return -(-active // share)
 
     async def _step(self, chunks: list[Chunk]) -> None:
         try:

@@ -1,8 +1,8 @@
 """The pool's backend on Ray: which nodes are alive, what each one costs per unit, and pipelines on them.
 
 A node's speed is measured with the bench's own calibration (``bench.pipeline``: a ``StageWorker``
-pinned to the node times embedding, block and head; ``unit_cost_row`` turns that into a cost per
-unit), all nodes at once, as they will run.  The launcher measures every alive node before the
+pinned to the node times embedding, block and head; ``balance.capacity_costs`` weighs the CPU time
+against the node's quota, ``unit_cost_row`` turns that into a cost per unit), all nodes at once.  The launcher measures every alive node before the
 first placement and hands the costs to the ingress (``ServeSettings.speeds``), which measures only
 nodes it has not seen (one that joined, or came back) when it re-plans.
 """
@@ -18,6 +18,7 @@ from typing import Any
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from raycluster_cli.bench.balance import capacity_costs
 from raycluster_cli.bench.config import ModelConfig
 from raycluster_cli.bench.pipeline import calibrate_workers, start_workers, stop_workers, unit_cost_row
 from raycluster_cli.serve.engine import Engine
@@ -81,7 +82,9 @@ def answering(node_ids: Sequence[str], timeout_s: float = NODE_ANSWER_TIMEOUT_S)
 
 
 def measure(cfg: ModelConfig, nodes: dict[str, str], calibration: Calibration) -> list[NodeSpeed]:
-    """Each node's cost per unit from the bench's calibration, every node timed at once."""
+    """Each node's cost per unit from the bench's calibration, every node timed at once, as capacity time
+    (``balance.capacity_costs``: CPU seconds against the node's quota, which the wall clock of nodes timed
+    together on shared cores does not show)."""
     ids = list(nodes)
     if not ids:
         return []
@@ -94,7 +97,7 @@ def measure(cfg: ModelConfig, nodes: dict[str, str], calibration: Calibration) -
     finally:
         stop_workers(workers)
     return [
-        NodeSpeed(node_id, nodes[node_id], tuple(unit_cost_row(cal, cfg.layers)))
+        NodeSpeed(node_id, nodes[node_id], tuple(unit_cost_row(capacity_costs(cal), cfg.layers)))
         for node_id, cal in zip(ids, found, strict=True)
     ]
 

@@ -53,6 +53,18 @@ def test_capacity_time_charges_cpu_against_the_quota() -> None:
     assert balance.capacity_time(3.0, 2.0, None) == 3.0  # no quota: busy time
 
 
+def test_a_calibration_s_capacity_is_its_cpu_time_against_what_the_node_may_use() -> None:
+    cal = {"embedding_s": 0.01, "block_s": 0.24, "head_s": 0.02, "block_cpu_s": 0.06, "num_threads": 1}
+    cal |= {"embedding_cpu_s": 0.002, "head_cpu_s": 0.004, "device": "cpu"}
+    quarter = balance.capacity_costs({**cal, "cpu_quota": 0.25})
+    assert quarter["block_s"] == pytest.approx(0.24) and quarter["block_wall_s"] == 0.24  # CPU / quota
+    assert balance.capacity_costs({**cal, "cpu_quota": 1.0})["block_s"] == pytest.approx(0.06)  # contended wall no more
+    two = balance.capacity_costs({**cal, "cpu_quota": 4.0, "num_threads": 2})
+    assert two["block_s"] == pytest.approx(0.03)  # no more cores than its threads, however large the quota
+    assert balance.capacity_costs({**cal, "cpu_quota": None})["block_s"] == 0.24  # no quota: the wall clock
+    assert balance.capacity_costs({"block_s": 0.24, "cpu_quota": 0.5})["block_s"] == 0.24  # no CPU reading
+
+
 def test_capacity_time_leaves_the_quota_other_processes_used() -> None:
     # The head: a 0.6 quota of which the driver and the GCS used 0.1 -> the stage had 0.5.
     assert balance.capacity_time(18.0, 10.0, 0.6, others_cpus=0.1) == pytest.approx(20.0)

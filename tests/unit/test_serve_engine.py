@@ -124,3 +124,51 @@ async def _alone(path: Path, prompt: list[int], n: int) -> list[int]:
     tokens = await _tokens(engine.generate(prompt, n, Sampling(temperature=0)))
     await engine.close()
     return tokens
+
+
+class _TimedStage:
+    """A stage actor's handle that takes ``seconds`` per step, as a remote call does (awaited, not blocking),
+    and records each step's rows; the last one answers logits that always pick token 5."""
+
+    def __init__(self, seconds: float, rows: list[int] | None = None, vocab: int = 0) -> None:
+        self.seconds, self.rows, self.vocab = seconds, rows, vocab
+        self.forward = self
+
+    def remote(self, x: Any, table: Any) -> Any:
+        async def run() -> Any:
+            value = await x if asyncio.isfuture(x) else x
+            await asyncio.sleep(self.seconds)
+            if self.rows is not None:
+                self.rows.append(int(table.shape[1]))
+            if self.vocab:
+                logits = torch.zeros(table.shape[1], self.vocab)
+                logits[:, 5] = 1.0
+                return logits
+            return value
+
+        return asyncio.ensure_future(run())
+
+
+def test_four_sequences_over_three_stages_go_two_to_a_step(checkpoint: Path) -> None:
+    """Session 22 on the lab: 4 sequences on a 3-stage pipeline travelled as 1.33 rows per step, a sequence
+    that arrived alone keeping a step of its own; a step of one row costs a stage nearly what two do."""
+    rows: list[int] = []
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(checkpoint))
+    vocab = len(tokenizer)
+    stages = [_TimedStage(0.004), _TimedStage(0.004), _TimedStage(0.004, rows, vocab)]
+
+    async def run() -> list[list[int]]:
+        engine = Engine(stages, tokenizer, Limits(slots=4, max_seq=64), frozenset())
+        engine.start()
+        sampling = Sampling(temperature=0, ignore_eos=True)
+        first = asyncio.ensure_future(_tokens(engine.generate([7, 8], 20, sampling)))
+        await asyncio.sleep(0.002)  # the first is on its way alone when the others come
+        others = [asyncio.ensure_future(_tokens(engine.generate([9, 10], 20, sampling))) for _ in range(3)]
+        done = await asyncio.gather(first, *others)
+        await engine.close()
+        return done
+
+    done = asyncio.run(run())
+    assert all(len(tokens) == 20 for tokens in done)
+    steady = rows[4:-4]  # after the arrivals settled, before the first finish
+    assert steady and sum(steady) / len(steady) >= 1.9, rows

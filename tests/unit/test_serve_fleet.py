@@ -17,8 +17,9 @@ pytest.importorskip("ray")
 pytest.importorskip("torch")
 
 from raycluster_cli.bench.config import ModelConfig
+from raycluster_cli.bench.partition import blocks_held
 from raycluster_cli.serve import fleet
-from raycluster_cli.serve.placement import NodeSpeed, PipelinePlan
+from raycluster_cli.serve.placement import NodeSpeed, PipelinePlan, plan_replicas
 from raycluster_cli.serve.scheduler import Limits
 
 CFG = ModelConfig(layers=6)
@@ -94,3 +95,42 @@ def test_a_listed_node_that_runs_no_task_is_neither_rebuilt_on_nor_taken_in(clus
     cluster.silent.clear()
     changes = asyncio.run(_fleet().growth([_pipeline("a"), _pipeline("c", "d")]))
     assert [plan.node_ids for _, plan in changes] == [("a", "b")]  # once it answers, it is
+
+
+def test_the_launcher_s_measure_splits_by_the_nodes_quotas_not_their_contended_wall_clock(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Session 22 on the 1.0 / 0.5 / 0.25-CPU lab: every node timed at once on shared cores took about the same
+    wall clock per block, and the split put 3 of 8 blocks on the 0.25-CPU node.  The same CPU time per block
+    on each node, against its quota, must give the fast node the most blocks (here the calibration's answers
+    are the test's; the weighing and the split are the launcher's)."""
+    cfg = ModelConfig(layers=8)
+    quotas = {"fast": 1.0, "mid": 0.5, "slow": 0.25}
+    calibration = {
+        name: {
+            "node_ip": f"ip-{name}",
+            "embedding_s": 0.002,
+            "block_s": 0.24,  # contended: every node got about the same share of the cores while timed
+            "head_s": 0.002,
+            "embedding_cpu_s": 0.0005,
+            "block_cpu_s": 0.06,
+            "head_cpu_s": 0.0005,
+            "cpu_quota": quota,
+            "num_threads": 1,
+            "device": "cpu",
+        }
+        for name, quota in quotas.items()
+    }
+    monkeypatch.setattr(fleet, "start_workers", lambda cfg, ids, **_: list(ids))
+    monkeypatch.setattr(fleet, "stop_workers", lambda workers: None)
+    monkeypatch.setattr(fleet, "calibrate_workers", lambda workers, *_: [calibration[w] for w in workers])
+    speeds = fleet.measure(cfg, {n: f"ip-{n}" for n in quotas}, fleet.Calibration())
+    assert [round(s.block_s, 3) for s in speeds] == [0.06, 0.12, 0.24]  # CPU seconds / quota
+    (plan,) = plan_replicas(speeds, stages=3)
+    blocks = {node: blocks_held(a, b, cfg.layers) for node, (a, b) in zip(plan.node_ids, plan.ranges, strict=True)}
+    assert blocks == {"fast": 5, "mid": 2, "slow": 1}, plan
+    # a GPU node's work is not its process's CPU time: its wall clock stands
+    on_gpu = {**calibration["fast"], "device": "cuda"}
+    monkeypatch.setattr(fleet, "calibrate_workers", lambda workers, *_: [on_gpu for _ in workers])
+    (gpu,) = fleet.measure(cfg, {"fast": "ip-fast"}, fleet.Calibration())
+    assert gpu.block_s == 0.24
