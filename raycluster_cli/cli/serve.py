@@ -39,7 +39,8 @@ def serve_command(
     json_mode: JsonOpt = False,
     debug: DebugOpt = False,
 ) -> None:
-    """Serve a model across the cluster as an OpenAI-compatible API (/v1/completions, /v1/chat/completions).
+    """Serve a model across the cluster as an OpenAI-compatible API (/v1/completions, /v1/chat/completions; a
+    diffusers checkpoint, with model_index.json: /v1/images/generations, PNGs as b64_json).
 
     Returns once a real generation went through every stage; the service keeps running after this command
     (a second `serve` replaces it; `serve --stop` removes it; `status` shows it). The cluster's token is the API

@@ -67,6 +67,7 @@ class ServeResult:
     copies: list[ModelCopy] = field(default_factory=list)
     auth_token_file: str | None = None
     seconds: float = 0.0
+    kind: str = "text"  # "image": a diffusers checkpoint served as /v1/images/generations
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -160,6 +161,7 @@ def serve(inventory: Inventory, connect: Connect, options: ServeOptions, progres
         copies=copies,
         auth_token_file=str(token_file(inventory)) if inventory.ray.auth == "token" else None,
         seconds=round(time.monotonic() - started, 2),
+        kind=str(document.get("kind", "text")),
     )
 
 
