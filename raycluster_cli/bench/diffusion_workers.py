@@ -63,6 +63,7 @@ class _DiffusionWorker:
 
     def stats(self) -> dict[str, Any]:
         return {
+            "node_id": self.node_id,
             "node_ip": self.node_ip,
             "parts": list(self.components.parts),
             "busy_s": self.busy_s,

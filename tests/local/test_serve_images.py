@@ -166,6 +166,38 @@ def test_errors_have_the_openai_shape(service: Service) -> None:
         service.client().images.generate(model=MODEL, prompt="a cat", n=11)
 
 
+def test_bench_serve_measures_images_per_second_and_each_nodes_busy_time(service: Service, tmp_path: Path) -> None:
+    """`bench --serve`'s runs (verbs/serve_bench.py, its own HTTP client) against the image service."""
+    from xml.etree import ElementTree
+
+    from raycluster_cli.render.base import Output
+    from raycluster_cli.render.serve_bench import render_serve_bench, save_serve_svg
+    from raycluster_cli.verbs import serve_bench
+
+    target = serve_bench.ServiceTarget(service.base_url, TOKEN)
+    plan = serve_bench.LoadPlan(rates=(2.0,), requests=8, saturation=True, concurrency=4, seed=3, request_timeout_s=120)
+    body = serve_bench.run_blocking(target, plan, serve_bench.ServeBenchReport(), timeout_s=600).to_dict()
+    assert body["workload"]["kind"] == "image" and body["workload"]["size"] == 16 and body["model"] == MODEL
+    assert [r["kind"] for r in body["runs"]] == ["poisson", "saturation"]
+    for run in body["runs"]:
+        assert run["completed"] == 8 and run["failed"] == 0, run["errors"]
+        assert run["images_per_s"] == pytest.approx(8 / run["wall_s"])
+        q = run["latency_s"]["e2e"]
+        assert 0 < q["p50"] <= q["p90"] <= q["p99"] <= run["wall_s"]
+        assert sum(r["images"] for r in run["replicas"]) == 8  # the service's own count of what each made
+        assert sum(s["calls"] for s in run["stages"]) == 8 and all(s["busy_s"] >= 0 for s in run["stages"])
+        assert all(r["png_bytes"] > 0 for r in run["per_request"])
+    saturated = body["runs"][-1]
+    busy = [s["busy_s"] for s in saturated["stages"]]
+    assert saturated["imbalance"] == pytest.approx((max(busy) - min(busy)) / (sum(busy) / len(busy)), rel=1e-6)
+    buffer = io.StringIO()
+    render_serve_bench(Output(False, stdout=buffer, stderr=io.StringIO()), body)
+    assert "seconds per image: p50 / p90 / p99" in buffer.getvalue() and "T_i per node" in buffer.getvalue()
+    save_serve_svg(body, tmp_path / "images.svg")
+    points = ElementTree.parse(tmp_path / "images.svg").getroot().iter("{http://www.w3.org/2000/svg}circle")
+    assert {p.get("data-series") for p in points} == {"e2e-p50", "e2e-p99"}
+
+
 def test_a_lost_replica_moves_its_images_and_none_left_answers_503(service: Service) -> None:
     """Runs last: kills one replica's process (its images go to the other, still equal to diffusers'), then the
     other (503 with Retry-After)."""
