@@ -44,6 +44,7 @@ class ServeOptions:
     model_id: str = ""
     timeout_s: float = 900.0
     dtype: str = "auto"
+    image_steps: int | None = None  # a diffusers checkpoint: denoising steps when a request gives none
 
 
 @dataclass
@@ -120,6 +121,8 @@ def launcher_command(inventory: Inventory, model_path: str, options: ServeOption
         args.append(f"--stages={options.stages}")
     if options.model_id:
         args.append(f"--model-id={options.model_id}")
+    if options.image_steps:
+        args.append(f"--image-steps={options.image_steps}")
     if inventory.ray.auth == "token":
         args.append(f"--token-file={TOKEN_IN_CONTAINER}")
     else:

@@ -121,3 +121,11 @@ def test_the_request_shape_sizes_and_the_refused_url_format() -> None:
     with pytest.raises(APIError) as many:
         parse(ImageGenerationRequest, b'{"prompt": "a cat", "n": 11}')
     assert many.value.param == "n"
+
+
+def test_image_dtypes_auto_is_float32_and_float16_is_refused_with_the_choices() -> None:
+    from raycluster_cli.serve.image_launch import image_dtype
+
+    assert image_dtype("auto") == "float32" and image_dtype("bfloat16") == "bfloat16"
+    with pytest.raises(SystemExit, match="--dtype float16 is not offered for images: use one of auto, float32"):
+        image_dtype("float16")
