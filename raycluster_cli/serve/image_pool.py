@@ -72,7 +72,8 @@ class Slot:
 class ImagePool:
     slots: list[Slot]
     max_waiting: int = 64  # images held across all replicas before new requests get 503
-    deadline: Callable[[float], float] = lambda s: max(60.0, 20 * s)  # seconds an image may take on its replica
+    # seconds an image may take on its replica, given the seconds of work ahead of it and its own there
+    deadline: Callable[[float], float] = lambda s: max(60.0, 20 * s)
     events: list[dict[str, Any]] = field(default_factory=list)
 
     def live(self) -> list[Slot]:
@@ -103,8 +104,9 @@ class ImagePool:
             if slot is None:
                 raise NoReplica("no replica is serving (the last one was lost)")
             slot.held += 1
+            limit = self.deadline(slot.s_per_image * slot.held)  # it waits behind the images the replica holds
             try:
-                out = await asyncio.wait_for(_awaited(slot.replica.submit(request)), self.deadline(slot.s_per_image))
+                out = await asyncio.wait_for(_awaited(slot.replica.submit(request)), limit)
             except LOST as exc:
                 self.lose(slot, exc)
                 continue
