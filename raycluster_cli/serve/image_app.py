@@ -189,9 +189,9 @@ class ImageServer:
         except RayTaskError as exc:  # the generation itself raised (not a lost node): nothing to move
             first = str(exc.cause if exc.cause is not None else exc).strip().splitlines()
             raise APIError(500, f"the generation failed: {first[-1] if first else type(exc).__name__}") from None
+        encoded = await asyncio.to_thread(lambda: [png_b64(image[0]) for image in made])  # off the event loop
         data = [
-            {"b64_json": png_b64(image[0]), "revised_prompt": None, "seed": r.seed}
-            for image, r in zip(made, requests, strict=True)
+            {"b64_json": b64, "revised_prompt": None, "seed": r.seed} for b64, r in zip(encoded, requests, strict=True)
         ]
         return {"created": int(time.time()), "data": data, "output_format": "png", "size": f"{width}x{height}"}
 
