@@ -6,6 +6,12 @@ where it would finish first given what that replica already holds (``routing.pic
 image``), so a node 4× faster makes 4× the images under load, and a lone request goes to the fastest node.  One
 request's ``n`` images are ``n`` separate images (seed, seed + 1, …), spread like any others.
 
+The seconds per image start at the calibration's and then follow what each replica shows while serving: every
+image that comes back gives a sample (from when it could start there — its submission, or the replica's previous
+image coming back if that was later — to its return; under a backlog, the replica's time between images), folded in
+with weight ``LEARN``.  A calibration taken while the machine was loaded differently (on the lab: the 0.25-CPU
+host timed faster than the 0.5-CPU one) is so corrected by the traffic itself (docs/PERFORMANCE.md, S10).
+
 A replica whose actor died, or whose image did not come back within its deadline (a frozen node), is taken out
 and its image is made again on another one: the image depends only on its request, so a moved image is the same
 image.  With no replica left the service answers 503 and ``check_health`` fails, so Ray Serve rebuilds the ingress,
@@ -28,6 +34,7 @@ from raycluster_cli.bench.routing import pick
 
 LOST = (RayActorError, ObjectLostError, TimeoutError)  # the replica is gone (or frozen): move the image
 MAX_ATTEMPTS = 3  # an image moved this often fails: something other than one node is wrong
+LEARN = 0.2  # the weight of each served image's time in a replica's seconds per image
 
 
 class QueueFull(Exception):
@@ -59,11 +66,23 @@ class Slot:
     state: str = "live"  # live | lost
     error: str = ""
     lost_at: float | None = None
+    calibrated_s: float = 0.0  # the calibration's seconds per image (``s_per_image`` then follows the traffic)
+    last_done: float | None = None
+
+    def __post_init__(self) -> None:
+        self.calibrated_s = self.calibrated_s or self.s_per_image
+
+    def learn(self, submitted: float, now: float) -> None:
+        """Fold one served image's time into ``s_per_image`` (see the module's docstring)."""
+        began = max(submitted, self.last_done) if self.last_done is not None else submitted
+        self.last_done = now
+        if now > began:
+            self.s_per_image = (1 - LEARN) * self.s_per_image + LEARN * (now - began)
 
     def to_json(self) -> dict[str, Any]:
         row = {
             "index": self.index, "state": self.state, "s_per_image": self.s_per_image, "held": self.held,
-            "served": self.served, "stages": self.holders,
+            "served": self.served, "stages": self.holders, "calibrated_s_per_image": self.calibrated_s,
         }  # fmt: skip
         return row | ({"error": self.error} if self.error else {})
 
@@ -105,6 +124,7 @@ class ImagePool:
                 raise NoReplica("no replica is serving (the last one was lost)")
             slot.held += 1
             limit = self.deadline(slot.s_per_image * slot.held)  # it waits behind the images the replica holds
+            submitted = time.monotonic()
             try:
                 out = await asyncio.wait_for(_awaited(slot.replica.submit(request)), limit)
             except LOST as exc:
@@ -113,6 +133,7 @@ class ImagePool:
             finally:
                 slot.held -= 1
             slot.served += 1
+            slot.learn(submitted, time.monotonic())
             return out
         raise NoReplica(f"the image failed on {MAX_ATTEMPTS} replicas")
 

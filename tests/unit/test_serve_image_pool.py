@@ -20,18 +20,22 @@ from raycluster_cli.serve.protocol import APIError, ImageGenerationRequest, pars
 
 
 class FakeReplica:
-    """Makes an image (its request's seed) after ``seconds``; a dead one raises as a killed actor's ref does."""
+    """Makes an image (its request's seed) in ``seconds``, one at a time as a Ray actor does; a dead one raises as a
+    killed actor's ref does."""
 
     def __init__(self, seconds: float, dead: bool = False, frozen: bool = False) -> None:
         self.seconds, self.dead, self.frozen = seconds, dead, frozen
         self.actors: list[Any] = []
         self.made: list[int] = []
         self.killed = False
+        self.lock: asyncio.Lock | None = None
 
     async def _make(self, request: ImageRequest) -> Any:
         if self.dead:
             raise RayActorError()
-        await asyncio.sleep(3600 if self.frozen else self.seconds)
+        self.lock = self.lock or asyncio.Lock()
+        async with self.lock:
+            await asyncio.sleep(3600 if self.frozen else self.seconds)
         self.made.append(request.seed)
         return request.seed
 
@@ -61,6 +65,31 @@ def test_a_replica_four_times_faster_makes_four_times_the_images() -> None:
     assert made == list(range(20))  # each request's own image, in request order
     assert (len(fast.made), len(slow.made)) == (16, 4)
     assert [s.served for s in pool.slots] == [16, 4] and pool.held == 0
+
+
+def test_a_wrong_calibration_is_corrected_by_the_images_served() -> None:
+    """Calibrated 1 : 4 the wrong way round (as a loaded machine can time them): after a few waves of images the
+    shares follow the replicas' real speeds."""
+    slow, fast = FakeReplica(0.04), FakeReplica(0.01)
+    slots = [
+        Slot(0, slow, 0.01, [{"node_ip": "10.0.0.0"}]),  # calibrated fast, really slow
+        Slot(1, fast, 0.04, [{"node_ip": "10.0.0.1"}]),
+    ]
+    pool = ImagePool(slots, max_waiting=100)
+
+    async def waves() -> list[tuple[int, int]]:
+        shares = []
+        for _ in range(8):
+            before = (len(slow.made), len(fast.made))
+            await pool.images(_requests(5))
+            shares.append((len(slow.made) - before[0], len(fast.made) - before[1]))
+        return shares
+
+    shares = asyncio.run(waves())
+    assert shares[0] == (4, 1)  # the calibration's routing
+    assert all(fast_made >= 4 for _, fast_made in shares[-3:]), shares  # the real one
+    assert slots[0].s_per_image > slots[1].s_per_image
+    assert [s["calibrated_s_per_image"] for s in pool.status()["pipelines"]] == [0.01, 0.04]
 
 
 def test_a_lone_request_goes_to_the_fastest_replica() -> None:
