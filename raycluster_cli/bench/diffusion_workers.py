@@ -19,12 +19,12 @@ from raycluster_cli.bench.pipeline import node_cpu_count, node_ip
 
 
 class _DiffusionWorker:
-    def __init__(self, path: str, parts: list[str], num_threads: int | None = None) -> None:
+    def __init__(self, path: str, parts: list[str], num_threads: int | None = None, dtype: str = "float32") -> None:
         self.node_id: str = ray.get_runtime_context().get_node_id()
         self.node_ip = node_ip(self.node_id)
         self.num_threads = num_threads or node_cpu_count(self.node_id)
         torch.set_num_threads(self.num_threads)
-        self.components = Components(path, tuple(parts))
+        self.components = Components(path, tuple(parts), getattr(torch, dtype))
         self.reset_stats()
 
     def reset_stats(self) -> None:
@@ -58,10 +58,12 @@ class _DiffusionWorker:
             "num_threads": self.num_threads,
             "weight_bytes": self.components.weight_bytes(),
             "load_s": round(self.components.load_s, 3),
+            "dtype": str(self.components.dtype).removeprefix("torch."),
         }
 
     def stats(self) -> dict[str, Any]:
         return {
+            "node_id": self.node_id,
             "node_ip": self.node_ip,
             "parts": list(self.components.parts),
             "busy_s": self.busy_s,
@@ -75,11 +77,13 @@ DiffusionWorker = ray.remote(num_cpus=0)(_DiffusionWorker)
 class Replica:
     """The actors of one replica, by part; ``submit`` starts one request through them and returns its image's ref."""
 
-    def __init__(self, path: str, holders: list[tuple[str, list[str]]], num_threads: int | None = None) -> None:
+    def __init__(
+        self, path: str, holders: list[tuple[str, list[str]]], num_threads: int | None = None, dtype: str = "float32"
+    ) -> None:
         self.actors: list[Any] = [
             DiffusionWorker.options(
                 scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node_id, soft=False)
-            ).remote(path, parts, num_threads)
+            ).remote(path, parts, num_threads, dtype)
             for node_id, parts in holders
         ]
         self.holders = holders

@@ -76,7 +76,8 @@ def place(nodes: list[NodeRoom], weights: dict[str, int], size: int) -> tuple[li
     return [sorted(holders, key=lambda h: order[h[1][0]])], why
 
 
-def _rooms() -> list[NodeRoom]:
+def node_rooms() -> list[NodeRoom]:
+    """The alive Ray nodes and the `memory` each offers tasks (what ``place`` weighs)."""
     import ray
 
     rooms = [
@@ -190,7 +191,7 @@ def run(options: BenchOptions, progress: Report) -> dict[str, Any]:
         ray.init(address="auto", logging_level=logging.ERROR, log_to_driver=False)
     path = str(options.model_path)
     weights = part_bytes(path)
-    rooms = _rooms()
+    rooms = node_rooms()
     holders, why = place(rooms, weights, options.image_size)
     ip_of = {n.node_id: n.node_ip for n in rooms}
     progress(f"placing {len(holders)} replica(s)")

@@ -1,7 +1,7 @@
 """Requests to replicas of unequal speed: in proportion to each one's measured seconds per request, or equally.
 
 Pure Python (the operator side imports it without torch).  ``assign`` gives every request the replica where it
-would finish first, counting what that replica already holds (``(held + 1) × seconds``): a replica 4× faster gets
+would finish first (``pick``), counting what that replica already holds (``(held + 1) × seconds``): a replica 4× faster gets
 4× the requests, and the last ones land where they end soonest.  ``equal`` is the round-robin every replica gets
 the same share from: the reference a speed-weighted run is compared with.
 """
@@ -24,10 +24,16 @@ def assign(total: int, seconds: Sequence[float], policy: str = "weighted") -> li
     held = [0] * len(seconds)
     out: list[int] = []
     for _ in range(total):
-        best = min(range(len(seconds)), key=lambda i: ((held[i] + 1) * seconds[i], i))
+        best = pick(held, seconds)
         held[best] += 1
         out.append(best)
     return out
+
+
+def pick(held: Sequence[int], seconds: Sequence[float]) -> int:
+    """The replica where one more request would finish first, ``held`` being what each already has (ties: the
+    lowest index): the weighted rule for one request at a time, as the image service routes them."""
+    return min(range(len(seconds)), key=lambda i: ((held[i] + 1) * seconds[i], i))
 
 
 def counts(assignment: Sequence[int], replicas: int) -> list[int]:

@@ -33,13 +33,18 @@ def serve_command(
             " dtype when every node has a GPU, else float32"
         ),
     ] = "auto",
+    image_steps: Annotated[
+        int | None,
+        typer.Option(min=1, max=500, help="a diffusers checkpoint: denoising steps when a request gives none (20)"),
+    ] = None,
     stop: Annotated[bool, typer.Option("--stop", help="remove the service instead")] = False,
     timeout: Annotated[float, typer.Option(help="seconds the deployment may take")] = 900.0,
     inventory_path: InventoryOpt = None,
     json_mode: JsonOpt = False,
     debug: DebugOpt = False,
 ) -> None:
-    """Serve a model across the cluster as an OpenAI-compatible API (/v1/completions, /v1/chat/completions).
+    """Serve a model across the cluster as an OpenAI-compatible API (/v1/completions, /v1/chat/completions; a
+    diffusers checkpoint, with model_index.json: /v1/images/generations, PNGs as b64_json).
 
     Returns once a real generation went through every stage; the service keeps running after this command
     (a second `serve` replaces it; `serve --stop` removes it; `status` shows it). The cluster's token is the API
@@ -61,7 +66,7 @@ def serve_command(
             raise UsageError(
                 f"--dtype {dtype!r} is not one of auto, float32, bfloat16, float16", "e.g. --dtype bfloat16"
             )
-        options = serve.ServeOptions(model_path, port, stages, slots, max_seq, model_id, timeout, dtype)
+        options = serve.ServeOptions(model_path, port, stages, slots, max_seq, model_id, timeout, dtype, image_steps)
         with open_cluster(inventory_path) as (inv, pool), output.live_progress() as progress:
             result = serve.serve(inv, pool, options, progress)
         return emit(output, True, {"cluster": inv.cluster, **result.to_dict()}, render_serve)

@@ -72,13 +72,15 @@ class ModelFolder:
 def read_model_folder(path: str | os.PathLike[str]) -> ModelFolder:
     """Hash every file of the folder (regular files only; links that stay inside it are followed).
 
-    Refuses a folder without config.json, links that lead out of it, and anything that is not a file."""
+    Refuses a folder without config.json (or a diffusers model_index.json), links that lead out of it, and anything
+    that is not a file."""
     root = Path(path).expanduser().resolve()
     if not root.is_dir():
         raise UsageError(f"--model-path {path}: no such folder on this machine", "give a checkpoint folder")
-    if not (root / "config.json").is_file():
+    if not (root / "config.json").is_file() and not (root / "model_index.json").is_file():
         raise UsageError(
-            f"--model-path {path}: no config.json there", "give a Hugging Face checkpoint folder (config.json, weights)"
+            f"--model-path {path}: no config.json (or diffusers model_index.json) there",
+            "give a Hugging Face checkpoint folder (config.json, weights)",
         )
     files = []
     for file in sorted(_walk(root)):

@@ -394,6 +394,7 @@ def _service_line(service: dict[str, Any] | None, error: str) -> str:
         for d in ((service.get("serve") or {}).get("deployments") or {}).values()
     )
     what = f"{_escape(str(record.get('model', '?')))} at {_escape(str(record.get('url', '?')))}" if record else "?"
+    what += " (images)" if record.get("kind") == "image" else ""
     return f"service: {what}: [{colour}]{_escape(state)}[/{colour}], {replicas} running deployment replica(s)"
 
 

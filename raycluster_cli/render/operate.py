@@ -138,18 +138,28 @@ def render_serve(output: Output, body: dict[str, Any]) -> None:
     output.line(f"serving {model} at {url} ({body['replicas']} replica(s)), ready in {body['seconds']:.0f}s")
     for index, pipeline in enumerate(body.get("pipelines") or []):
         stages = ", ".join(
-            f"{terminal_safe(str(st.get('host', st.get('node_ip', '?'))))}: {st.get('blocks', '?')} block(s)"
+            f"{terminal_safe(str(st.get('host', st.get('node_ip', '?'))))}: "
+            + ("+".join(map(str, st["parts"])) if "parts" in st else f"{st.get('blocks', '?')} block(s)")
             for st in pipeline.get("stages", [])
         )
+        if "s_per_image" in pipeline:
+            stages += f", {pipeline['s_per_image']:.2f} s/image"
         output.line(
             f"replica {index}: {stages}" + (f" ({terminal_safe(pipeline['why'])})" if pipeline.get("why") else "")
         )
     if not body.get("pipelines"):
         output.line(f"split: {terminal_safe(str(body['split']))}")
-    chat = json.dumps({"model": body["model"], "messages": [{"role": "user", "content": "Hello"}]})
     output.line("call it (the API key is the cluster's token):")
     if body.get("auth_token_file"):
         output.line(f'  export OPENAI_API_KEY="$(cat {body["auth_token_file"]})"')
+    if body.get("kind") == "image":
+        output.line(
+            f'  python -c \'import base64, openai; open("out.png", "wb").write(base64.b64decode(openai.OpenAI('
+            f'base_url="{url}").images.generate(model="{model}", prompt="a red house").data[0].b64_json))\''
+        )
+        output.line("raycluster status shows it; raycluster serve --stop removes it")
+        return
+    chat = json.dumps({"model": body["model"], "messages": [{"role": "user", "content": "Hello"}]})
     output.line(
         f'  curl -s {url}/chat/completions -H "Authorization: Bearer $OPENAI_API_KEY" '
         f"-H 'Content-Type: application/json' -d '{chat}'"

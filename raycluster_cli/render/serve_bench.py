@@ -40,6 +40,9 @@ def _pair(run: dict[str, Any], key: str) -> str:
 
 def render_serve_bench(output: Output, body: dict[str, Any]) -> None:
     work = body.get("workload", {})
+    if work.get("kind") == "image":
+        _render_images(output, body)
+        return
     output.line(
         f"service {_escape(str(body.get('model')))} at {_escape(str(body.get('url')))}: "
         f"{work.get('requests_per_run')} requests per run, prompts {work.get('prompt_tokens')} tokens, "
@@ -90,6 +93,52 @@ def render_serve_bench(output: Output, body: dict[str, Any]) -> None:
             )
     if body.get("interrupted"):
         output.line("[yellow]* interrupted: the requests it finished; the runs above are what was measured[/yellow]")
+
+
+def _seconds(run: dict[str, Any]) -> list[str]:
+    values = run.get("latency_s", {}).get("e2e") or {}
+    return ["-" if values.get(q) is None else f"{values[q]:.2f}" for q in ("p50", "p90", "p99")]
+
+
+def _render_images(output: Output, body: dict[str, Any]) -> None:
+    """An image service's runs: images/s, seconds per image p50/p90/p99, each replica's share, each node's T_i."""
+    work = body.get("workload", {})
+    output.line(
+        f"image service {_escape(str(body.get('model')))} at {_escape(str(body.get('url')))}: "
+        f"{work.get('requests_per_run')} images per run, {work.get('size')} px, {work.get('steps')} steps, "
+        f"{work.get('replicas')} replica(s), seed {work.get('seed')}"
+    )
+    runs = body.get("runs", [])
+    table = Table(title="images (seconds per image: p50 / p90 / p99)", title_justify="left")
+    table.add_column("load", no_wrap=True)
+    for column in ("done", "failed", "images/s", "p50 s", "p90 s", "p99 s", "per replica", "imbalance"):
+        table.add_column(column, justify="right")
+    for run in runs:
+        share = "/".join(str(r["images"]) for r in run.get("replicas", []))
+        table.add_row(
+            _load(run) + (" [yellow]*[/yellow]" if run.get("interrupted") else ""),
+            str(run["completed"]), str(run["failed"]), f"{run['images_per_s']:.2f}", *_seconds(run), share or "-",
+            "-" if run.get("imbalance") is None else f"{run['imbalance']:.3f}",
+        )  # fmt: skip
+    output.out.print(table)
+    for run in runs:
+        for error in run.get("errors", []):
+            output.line(f"[yellow]{_escape(_load(run))}: {_escape(error)}[/yellow]")
+    measured = [r for r in runs if r.get("stages")]
+    if measured:
+        shown = next((r for r in measured if r["kind"] == "saturation"), measured[-1])
+        rows = [
+            (f"{s['node_ip']} ({'+'.join(s['parts'])})", s["busy_s"], f"{s['busy_s']:.3f}s, {s['calls']} calls")
+            for s in shown["stages"]
+        ]
+        bar_chart(output, f"busy time T_i per node ({_load(shown)}, wall {shown['wall_s']:.2f}s):", rows)
+        if shown.get("t_max_minus_t_min_s") is not None:
+            output.line(
+                f"T_max − T_min = {shown['t_max_minus_t_min_s']:.3f}s, imbalance {shown['imbalance']:.3f}, "
+                f"utilisation {shown['utilisation']:.2f}"
+            )
+    if body.get("interrupted"):
+        output.line("[yellow]* interrupted: the images it finished; the runs above are what was measured[/yellow]")
 
 
 def _scale(values: list[float], low_px: float, high_px: float) -> tuple[float, Any]:
@@ -161,7 +210,10 @@ def save_serve_svg(body: dict[str, Any], path: Path) -> None:
         f'<text x="{MARGIN}" y="18" font-size="15">raycluster bench --serve: '
         f"{escape(str(body.get('model', '')))}</text>",
     ]
-    parts += _panel("ttft", "time to first token (ms)", runs, 30)
-    parts += _panel("tpot", "time per output token (ms)", runs, 30 + PANEL_H)
+    if body.get("workload", {}).get("kind") == "image":
+        parts += _panel("e2e", "time per image (ms)", runs, 30)
+    else:
+        parts += _panel("ttft", "time to first token (ms)", runs, 30)
+        parts += _panel("tpot", "time per output token (ms)", runs, 30 + PANEL_H)
     parts.append("</svg>")
     path.write_text("\n".join(parts) + "\n")

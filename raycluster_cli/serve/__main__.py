@@ -11,6 +11,9 @@ went through every stage of every replica, printing one JSON line:
                     "why": "..."}, ...],
      "nodes": [{"node_id": ID, "node_ip": IP, "block_s": s}, ...], "why": "...", "dtype": D}
 
+A diffusers checkpoint (``model_index.json``) is served as the images API instead (serve/image_launch.py: the
+bench's placement and replicas, routed by measured speed).
+
 Units are the model's embedding (0), blocks (1..L) and head (L+1); ``[a, b)`` is half-open;
 ``stage_s`` is the modelled seconds of the stage per calibration step (absent when not measured).  The application outlives this
 process, as Ray Serve applications do; ``serve.delete`` or ``serve shutdown`` removes it.  The bearer
@@ -32,8 +35,10 @@ from ray import serve
 
 from raycluster_cli.bench import memory
 from raycluster_cli.bench.config import ModelConfig
+from raycluster_cli.bench.diffusion import is_diffusers_folder
 from raycluster_cli.bench.model import config_from_checkpoint
 from raycluster_cli.bench.partition import DoesNotFit
+from raycluster_cli.serve import image_launch
 from raycluster_cli.serve.app import ServeSettings, build_app
 from raycluster_cli.serve.fleet import Calibration, alive_nodes, measure
 from raycluster_cli.serve.placement import NodeSpeed, plan_replicas
@@ -78,6 +83,7 @@ def _parser() -> argparse.ArgumentParser:
         default="HeadOnly",
         help="Ray Serve's HTTP proxies: HeadOnly (one, on --host) or EveryNode (then --host must be 0.0.0.0)",
     )
+    image_launch.add_arguments(p)
     return p
 
 
@@ -164,6 +170,8 @@ def _report(url: str, settings: ServeSettings, layers: int) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if is_diffusers_folder(args.model_path):  # the images API (serve/image_launch.py)
+        return image_launch.launch(args, _token(args), APP_NAME, INGRESS_ACTOR_OPTIONS)
     split = tuple(int(c) for c in args.split.split(",")) if args.split else None
     settings = ServeSettings(
         model_path=args.model_path,

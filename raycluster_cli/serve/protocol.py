@@ -1,7 +1,7 @@
 """The OpenAI API's shapes: request bodies (validated), responses, stream chunks and the error document.
 
 Only what this service does is accepted: one choice (``n`` = 1), text or token-id prompts, plain
-string chat content (or a list of text parts).  Fields the service does not use are ignored, as
+string chat content (or a list of text parts); images come back inline (``b64_json``, PNG), never as URLs.  Fields the service does not use are ignored, as
 OpenAI-compatible servers do, so existing clients that send them still work.
 """
 
@@ -96,7 +96,55 @@ class ChatRequest(_Sampled):
     max_completion_tokens: int | None = Field(default=None, ge=1)
 
 
-def parse(model: type[_Sampled], body: bytes) -> Any:
+class ImageGenerationRequest(BaseModel):
+    """``POST /v1/images/generations``.  OpenAI's ``prompt``, ``model``, ``n``, ``size`` and ``response_format``;
+    ``seed``, ``num_inference_steps``, ``guidance_scale`` and ``negative_prompt`` are extensions (diffusers'
+    names).  Image ``i`` of ``n`` is made with ``seed + i``, so each one equals diffusers' own pipeline run with
+    that seed, whichever node made it.  ``quality``, ``style``, ``user`` … are ignored."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    prompt: str = Field(min_length=1, max_length=4000)
+    model: str | None = None
+    n: int = Field(default=1, ge=1, le=10)
+    size: str | None = None  # "WIDTHxHEIGHT"; None or "auto": the checkpoint's own size
+    response_format: str | None = None  # b64_json (the default here); url is refused
+    seed: int | None = Field(default=None, ge=0, le=2**63 - 11)
+    num_inference_steps: int | None = Field(default=None, ge=1, le=500)
+    guidance_scale: float | None = Field(default=None, ge=0.0, le=100.0)
+    negative_prompt: str = Field(default="", max_length=4000)
+
+    @field_validator("response_format")
+    @classmethod
+    def _inline_only(cls, value: str | None) -> str | None:
+        if value == "url":
+            raise ValueError(
+                "'url' is not offered: this service keeps no image store to link to; ask for 'b64_json' (PNG inline)"
+            )
+        if value not in (None, "b64_json"):
+            raise ValueError(f"{value!r} is not a response format; use 'b64_json'")
+        return value
+
+    def dimensions(self, default: int, multiple: int, largest: int) -> tuple[int, int]:
+        """(width, height) from ``size``; a size that is not WxH, not a multiple of ``multiple`` or over
+        ``largest`` is a 400 naming ``size``."""
+        if self.size in (None, "auto"):
+            return default, default
+        width, sep, height = str(self.size).lower().partition("x")
+        if not (sep and width.isdigit() and height.isdigit()):
+            raise APIError(400, f"size {self.size!r} is not WIDTHxHEIGHT, e.g. '{default}x{default}'", param="size")
+        w, h = int(width), int(height)
+        if not (multiple <= w <= largest and multiple <= h <= largest) or w % multiple or h % multiple:
+            raise APIError(
+                400,
+                f"size {self.size!r}: width and height must be multiples of {multiple} between {multiple} and "
+                f"{largest} (this model's own size: {default}x{default})",
+                param="size",
+            )
+        return w, h
+
+
+def parse(model: type[BaseModel], body: bytes) -> Any:
     """The request body as ``model``, or a 400 naming the first bad field."""
     try:
         data = json.loads(body or b"null")

@@ -44,6 +44,7 @@ class ServeOptions:
     model_id: str = ""
     timeout_s: float = 900.0
     dtype: str = "auto"
+    image_steps: int | None = None  # a diffusers checkpoint: denoising steps when a request gives none
 
 
 @dataclass
@@ -67,6 +68,7 @@ class ServeResult:
     copies: list[ModelCopy] = field(default_factory=list)
     auth_token_file: str | None = None
     seconds: float = 0.0
+    kind: str = "text"  # "image": a diffusers checkpoint served as /v1/images/generations
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -119,6 +121,8 @@ def launcher_command(inventory: Inventory, model_path: str, options: ServeOption
         args.append(f"--stages={options.stages}")
     if options.model_id:
         args.append(f"--model-id={options.model_id}")
+    if options.image_steps:
+        args.append(f"--image-steps={options.image_steps}")
     if inventory.ray.auth == "token":
         args.append(f"--token-file={TOKEN_IN_CONTAINER}")
     else:
@@ -160,6 +164,7 @@ def serve(inventory: Inventory, connect: Connect, options: ServeOptions, progres
         copies=copies,
         auth_token_file=str(token_file(inventory)) if inventory.ray.auth == "token" else None,
         seconds=round(time.monotonic() - started, 2),
+        kind=str(document.get("kind", "text")),
     )
 
 

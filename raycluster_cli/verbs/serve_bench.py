@@ -6,7 +6,8 @@ token as the key), from one event loop (transport/http.py): a run at each Poisso
 ``ignore_eos`` (the service's extension, as vLLM's), prompts are plain words sized from the service's own count
 of tokens per word. Before and after each run the service's `/raycluster/status` gives every stage's counters
 (steps, seconds inside forward, CPU seconds), so each run reports T_i per node. Statistics: verbs/serve_load.py.
-The report fills in as runs end: a caller that is interrupted still holds what was measured. Never prints.
+The report fills in as runs end: a caller that is interrupted still holds what was measured. An image service
+(its status says ``kind: image``) gets the same runs of images instead (verbs/serve_images_bench.py). Never prints.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from raycluster_cli.config.state import token_file
 from raycluster_cli.errors import OperationError, UsageError
 from raycluster_cli.progress import Progress, quiet
 from raycluster_cli.transport import http
+from raycluster_cli.verbs.serve_images_bench import run_image_bench, summarize_images
 from raycluster_cli.verbs.serve_load import (
     WORDS,
     RequestResult,
@@ -67,14 +69,15 @@ class ServeBenchReport:
     workload: dict[str, Any] = field(default_factory=dict)
     runs: list[dict[str, Any]] = field(default_factory=list)
     current: dict[str, Any] | None = None
-    current_results: list[RequestResult] = field(default_factory=list)
+    current_results: list[Any] = field(default_factory=list)  # RequestResult; ImageResult for images
     current_began: float = 0.0
 
     def to_dict(self, interrupted: bool = False) -> dict[str, Any]:
         runs = list(self.runs)
         if interrupted and self.current is not None:  # the run under way: what finished before the interrupt
             wall = time.monotonic() - self.current_began
-            partial = self.current | summarize(self.current_results, wall)
+            image = self.workload.get("kind") == "image"
+            partial = self.current | (summarize_images if image else summarize)(self.current_results, wall)
             runs.append(partial | {"interrupted": True, "per_request": [r.to_dict() for r in self.current_results]})
         return {
             "url": self.url,
@@ -130,6 +133,13 @@ class ServiceClient:
         if a.status != 200:
             raise OperationError(f"{url}: HTTP {a.status}: {_message(answer)}", _hint(a.status))
         return int(answer["usage"]["prompt_tokens"])
+
+    async def image(self, model: str, prompt: str, seed: int) -> tuple[int, Any]:
+        """One image (the service's size and steps), as its HTTP status and JSON body."""
+        body = {"model": model, "prompt": prompt, "n": 1, "response_format": "b64_json", "seed": seed}
+        url = f"{self.target.url.rstrip('/')}/images/generations"
+        async with http.request("POST", url, timeout_s=self.timeout_s, json_body=body, headers=self.headers) as a:
+            return a.status, await _json_or_text(a)
 
     async def stream(self, model: str, spec: RequestSpec, result: RequestResult) -> None:
         """Send one streamed completion; fill ``result`` with what the client saw and when."""
@@ -244,6 +254,8 @@ async def run_serve_bench(
     client = ServiceClient(target, plan.request_timeout_s)
     status = await client.status()
     report.url, report.model = target.url, str(status.get("model", ""))
+    if status.get("kind") == "image":  # an image service: images/s and seconds per image (serve_images_bench)
+        return await run_image_bench(client, plan, report, status, progress)
     report.max_seq = int((status.get("limits") or {}).get("max_seq", 0))
     prompt, output = _lengths(plan.prompt_tokens, report.max_seq), _lengths(plan.output_tokens, report.max_seq)
     if report.max_seq and prompt[1] + output[1] > report.max_seq:

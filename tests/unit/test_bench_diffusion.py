@@ -61,3 +61,20 @@ def test_the_checkpoint_is_recognised_and_weighed_by_part(checkpoint: Path, tmp_
     assert set(sizes) == {"text", "unet", "vae"} and all(v > 0 for v in sizes.values())
     # the files hold the parameters (float32) and a small header each
     assert sum(sizes.values()) == pytest.approx(whole.weight_bytes(), rel=0.05)
+
+
+def test_in_bfloat16_it_equals_diffusers_own_pipeline_in_bfloat16(checkpoint: Path) -> None:
+    """`serve --dtype bfloat16` on an image model: the same image as diffusers' pipeline loaded in bfloat16."""
+    import torch
+    from diffusers import StableDiffusionPipeline
+
+    request = ImageRequest("a red cat", seed=3, steps=4, height=16, width=16)
+    ours = Components(checkpoint, dtype=torch.bfloat16).generate(request)
+    pipe = StableDiffusionPipeline.from_pretrained(str(checkpoint), torch_dtype=torch.bfloat16)
+    pipe.set_progress_bar_config(disable=True)
+    theirs = pipe(
+        request.prompt, num_inference_steps=4, generator=torch.Generator().manual_seed(3), output_type="np",
+        height=16, width=16,
+    ).images  # fmt: skip
+    assert np.abs(ours - theirs).max() <= TOLERANCE
+    assert np.abs(ours - diffusers_image(checkpoint, request.prompt, 3, 4, 16)).max() > TOLERANCE  # not float32

@@ -65,6 +65,15 @@ def test_a_folder_without_config_or_with_a_link_out_of_it_is_refused(tmp_path: P
         models.read_model_folder(folder)
 
 
+def test_a_diffusers_folder_is_a_model_by_its_model_index(tmp_path: Path) -> None:
+    folder = tmp_path / "tiny-sd"
+    (folder / "unet").mkdir(parents=True)
+    (folder / "model_index.json").write_text('{"_class_name": "StableDiffusionPipeline"}')
+    (folder / "unet" / "config.json").write_text("{}")
+    model = models.read_model_folder(folder)
+    assert [f.path for f in model.files] == ["model_index.json", "unet/config.json"]
+
+
 def test_a_host_stores_a_whole_model_read_only_under_its_digest(tmp_path: Path) -> None:
     model = models.read_model_folder(_folder(tmp_path))
     done = _receive(tmp_path, model, _stream(model))

@@ -66,6 +66,9 @@ def test_the_launcher_runs_in_the_heads_container_with_the_clusters_token() -> N
     assert words[:4] == ["set", "-a", "&&", "."] and "python" in words
     assert "--host=192.0.2.10" in words and "--stages=3" in words and "--token-file=/run/raycluster/auth-token" in words
     assert f"--record={serve.RECORD}" in words and "--no-auth" not in words and "--dtype=bfloat16" in words
+    assert not any(w.startswith("--image-steps") for w in words)
+    steps = shlex.split(serve.launcher_command(inv, "/m", serve.ServeOptions("x", image_steps=8)))
+    assert "--image-steps=8" in steps
 
 
 def test_serve_sends_the_model_only_where_missing_and_splits_it_over_every_node(tmp_path: Path) -> None:
@@ -100,3 +103,27 @@ def test_the_status_line_says_what_is_served_and_ray_serves_state() -> None:
     assert "tiny at http://h:8000/v1" in _service_line(running, "") and "RUNNING" in _service_line(running, "")
     assert _service_line(None, "").startswith("no service")
     assert "could not be read" in _service_line(None, "h: refused")
+
+
+def test_an_image_service_shows_each_replicas_parts_and_speed_and_how_to_ask_for_an_image() -> None:
+    import io
+
+    from raycluster_cli.render.base import Output
+    from raycluster_cli.render.operate import render_serve
+
+    stage = {"node_ip": "192.0.2.11", "host": "192.0.2.11", "parts": ["text", "unet", "vae"]}
+    body = serve.ServeResult(
+        url="http://192.0.2.10:8000/v1", model="tiny-sd", replicas=1, split=None, model_path="/m", model_digest=None,
+        pipelines=[{"stages": [stage], "s_per_image": 1.25, "why": "1 of 3 node(s) hold the whole pipeline"}],
+        kind="image",
+    ).to_dict()  # fmt: skip
+    buffer = io.StringIO()
+    render_serve(Output(False, stdout=buffer, stderr=io.StringIO()), body)
+    text = buffer.getvalue()
+    assert "replica 0: 192.0.2.11: text+unet+vae, 1.25 s/image" in text
+    assert "images.generate(" in text and "chat/completions" not in text
+    record = {
+        "record": {"model": "tiny-sd", "url": "http://h:8000/v1", "kind": "image"},
+        "serve": {"status": "RUNNING"},
+    }
+    assert "tiny-sd at http://h:8000/v1 (images)" in _service_line(record, "")

@@ -1,0 +1,208 @@
+"""The image service: a Ray Serve ingress that speaks OpenAI's images API over the bench's diffusion replicas.
+
+``POST /v1/images/generations`` answers PNGs inline (``b64_json``), ``/v1/models`` lists the checkpoint, and
+``/raycluster/status`` shows the placement, each replica's measured seconds per image, what it holds and made,
+and each actor's busy time.  Same key as the text routes (the cluster's token), same error shape, 503 with
+Retry-After when full or when no replica serves.
+
+The ingress places the replicas itself, when it is built (``bench.images.place`` on the alive nodes' `memory`),
+and times each on a real image (``bench.images.calibrate``): so the service is up only once a real image went
+through every replica, and a rebuilt ingress (Ray Serve's answer to a failed ``check_health``) re-places on the
+nodes alive then.  The stage code is the bench's (``bench.diffusion``), so the service's image is the bench's,
+which equals diffusers' own pipeline's.
+
+No ``from __future__ import annotations``: FastAPI reads the route methods' annotations at runtime (serve/app.py).
+"""
+
+import asyncio
+import base64
+import hmac
+import io
+import secrets
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from ray import serve
+from ray.exceptions import RayTaskError
+from starlette.exceptions import HTTPException
+
+from raycluster_cli.bench import images as placing
+from raycluster_cli.bench.diffusion import ImageRequest, part_bytes, vae_scale_factor
+from raycluster_cli.bench.options import BenchOptions
+from raycluster_cli.serve import app as text_app
+from raycluster_cli.serve import protocol
+from raycluster_cli.serve.image_pool import ImagePool, NoReplica, QueueFull, Slot
+from raycluster_cli.serve.protocol import APIError, ImageGenerationRequest
+
+RETRY_AFTER_S = 2
+COUNTERS_S = 10.0
+MULTIPLE = 8  # width and height: diffusers' StableDiffusionPipeline refuses others
+
+
+@dataclass(frozen=True)
+class ImageSettings:
+    """What the image service serves and its defaults for what a request leaves out."""
+
+    model_path: str
+    model_id: str = ""
+    token: str | None = None  # None: no auth (local tests only)
+    dtype: str = "float32"
+    steps: int = 20  # denoising steps when a request does not say (num_inference_steps)
+    guidance: float = 7.5
+    size: int | None = None  # default width and height; None: the checkpoint's own (UNet sample size × VAE factor)
+    largest: int = 1024
+    num_threads: int | None = None
+    calibration_repeats: int = 1
+    max_waiting: int = 64
+
+    @property
+    def served_model(self) -> str:
+        return self.model_id or Path(self.model_path).name
+
+
+def native_size(path: str) -> int:
+    """The checkpoint's own image size, as diffusers picks it: the UNet's sample size × the VAE's factor."""
+    import json
+
+    unet = json.loads((Path(path) / "unet" / "config.json").read_text())
+    sample = unet.get("sample_size", 64)
+    return int((sample[0] if isinstance(sample, list) else sample) * vae_scale_factor(path))
+
+
+def png_b64(image: Any) -> str:
+    """One (H, W, 3) float image in [0, 1] as base64 PNG, converted as diffusers' ``output_type="pil"`` does."""
+    from diffusers.image_processor import VaeImageProcessor
+
+    buffer = io.BytesIO()
+    VaeImageProcessor.numpy_to_pil(image[None] if image.ndim == 3 else image)[0].save(buffer, format="PNG")
+    return base64.b64encode(buffer.getvalue()).decode()
+
+
+def _place(settings: ImageSettings, size: int) -> tuple[list[placing.Holders], str, dict[str, str]]:
+    rooms = placing.node_rooms()
+    holders, why = placing.place(rooms, part_bytes(settings.model_path), size)
+    return holders, why, {n.node_id: n.node_ip for n in rooms}
+
+
+image_api = FastAPI(title="raycluster serve (images)")
+for _kind in (APIError, RequestValidationError, HTTPException):  # the text routes' error shape, the same handlers
+    image_api.add_exception_handler(_kind, text_app.app.exception_handlers[_kind])
+
+
+@serve.deployment(max_ongoing_requests=256, ray_actor_options={"num_cpus": 0}, health_check_timeout_s=60)
+@serve.ingress(image_api)
+class ImageServer:
+    """One ingress: the replicas of the diffusion pipeline (bench actors on the nodes) and the routing over them."""
+
+    async def __init__(self, settings: ImageSettings) -> None:  # type: ignore[misc]  # Serve awaits it
+        from raycluster_cli.bench.diffusion_workers import Replica
+
+        self.settings = settings
+        self.model_id = settings.served_model
+        self.size = settings.size or native_size(settings.model_path)
+        holders, self.why, ip_of = await asyncio.to_thread(_place, settings, self.size)
+        replicas = [Replica(settings.model_path, h, settings.num_threads, settings.dtype) for h in holders]
+        options = BenchOptions(
+            model_path=settings.model_path, image_steps=settings.steps, image_size=self.size,
+            guidance_scale=settings.guidance, calibration_repeats=settings.calibration_repeats,
+        )  # fmt: skip
+        try:  # a real image through every replica, timed: the service starts only once each generates
+            seconds = await asyncio.to_thread(placing.calibrate, replicas, options, lambda *a, **k: None)
+        except BaseException:
+            for replica in replicas:
+                replica.kill()
+            raise
+        self.calibration = {"steps": settings.steps, "size": self.size, "guidance_scale": settings.guidance}
+        slots = [
+            Slot(i, r, s, [{"node_id": n, "node_ip": ip_of.get(n, ""), "parts": parts} for n, parts in h])
+            for i, (r, h, s) in enumerate(zip(replicas, holders, seconds, strict=True))
+        ]
+        self.pool = ImagePool(slots, max_waiting=settings.max_waiting)
+        self.created = int(time.time())
+
+    async def check_health(self) -> None:
+        problem = self.pool.health()
+        if problem is not None:
+            raise RuntimeError(problem)
+
+    def describe(self) -> dict[str, Any]:
+        """The placement, for the launcher's document (called through the deployment handle)."""
+        return {
+            "why": self.why, "calibration": self.calibration, "dtype": self.settings.dtype,
+            "pipelines": [s.to_json() | {"why": self.why} for s in self.pool.slots],
+        }  # fmt: skip
+
+    def _authorize(self, request: Request) -> None:
+        if self.settings.token is None:
+            return
+        scheme, _, given = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), self.settings.token.encode()):
+            raise APIError(401, "missing or wrong API key: send Authorization: Bearer <the cluster's token>")
+
+    @image_api.get("/v1/models")
+    async def models(self, request: Request) -> dict[str, Any]:
+        self._authorize(request)
+        card = {"id": self.model_id, "object": "model", "created": self.created, "owned_by": "raycluster"}
+        return {"object": "list", "data": [card]}
+
+    @image_api.get("/raycluster/status")
+    async def status(self, request: Request) -> dict[str, Any]:
+        self._authorize(request)
+        body = {"model": self.model_id, "kind": "image", "why": self.why, **self.pool.status()}
+        body["calibration"] = self.calibration
+        actors = [a for s in self.pool.slots if s.state == "live" for a in s.replica.actors]
+        try:
+            body["nodes"] = list(
+                await asyncio.wait_for(asyncio.gather(*(a.stats.remote() for a in actors)), COUNTERS_S)
+            )
+        except Exception as exc:
+            body["counters_error"] = f"{type(exc).__name__}: {exc}"
+        return body
+
+    @image_api.post("/v1/images/generations")
+    async def generations(self, request: Request) -> dict[str, Any]:
+        self._authorize(request)
+        body: ImageGenerationRequest = protocol.parse(ImageGenerationRequest, await request.body())
+        if body.model is not None and body.model != self.model_id:
+            raise APIError(
+                404, f"the model {body.model!r} does not exist; this service serves {self.model_id!r}",
+                param="model", code="model_not_found",
+            )  # fmt: skip
+        width, height = body.dimensions(self.size, MULTIPLE, self.settings.largest)
+        seed = body.seed if body.seed is not None else secrets.randbelow(2**31)
+        steps = body.num_inference_steps or self.settings.steps
+        guidance = self.settings.guidance if body.guidance_scale is None else body.guidance_scale
+        requests = [
+            ImageRequest(body.prompt, seed + i, steps, height, width, guidance, body.negative_prompt)
+            for i in range(body.n)
+        ]
+        try:
+            made = await self.pool.images(requests)
+        except QueueFull as exc:
+            raise APIError(503, f"the service is full ({exc}); retry later", retry_after=RETRY_AFTER_S) from None
+        except NoReplica as exc:
+            raise APIError(503, f"the service is not ready: {exc}", retry_after=RETRY_AFTER_S) from None
+        except RayTaskError as exc:  # the generation itself raised (not a lost node): nothing to move
+            first = str(exc.cause if exc.cause is not None else exc).strip().splitlines()
+            raise APIError(500, f"the generation failed: {first[-1] if first else type(exc).__name__}") from None
+        encoded = await asyncio.to_thread(lambda: [png_b64(image[0]) for image in made])  # off the event loop
+        data = [
+            {"b64_json": b64, "revised_prompt": None, "seed": r.seed} for b64, r in zip(encoded, requests, strict=True)
+        ]
+        return {"created": int(time.time()), "data": data, "output_format": "png", "size": f"{width}x{height}"}
+
+
+def build_image_app(settings: ImageSettings, **options: Any) -> Any:
+    """The application to ``serve.run``: ``options`` go to the deployment (ray_actor_options, health checks)."""
+    deployment: Any = ImageServer
+    return deployment.options(**options).bind(settings) if options else deployment.bind(settings)
+
+
+def settings_summary(settings: ImageSettings) -> dict[str, Any]:
+    data = asdict(settings)
+    data["token"] = "set" if settings.token else None
+    return data

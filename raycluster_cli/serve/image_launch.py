@@ -1,0 +1,74 @@
+"""The launcher's image branch: a diffusers checkpoint (``model_index.json``) deployed as the images API.
+
+``python -m raycluster_cli.serve --model-path DIR`` comes here when DIR is a diffusers folder.  The ingress places
+and times the replicas itself (serve/image_app.py), so this deploys it, waits until Ray Serve reports it running
+(which is after a real image went through every replica), asks it for its placement through the deployment
+handle, and prints one JSON line shaped like the text launcher's:
+
+    {"url": ..., "model": ID, "kind": "image", "replicas": R, "split": null, "why": "...", "dtype": "float32",
+     "image": {"steps": S, "size": P, "guidance_scale": G},
+     "pipelines": [{"stages": [{"node_ip", "node_id", "parts"}, ...], "s_per_image": s, "why": "..."}, ...]}
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+import ray
+from ray import serve
+
+IMAGE_DTYPES = ("float32", "bfloat16")  # on CPU; float16 convolutions are not kernels every torch build has
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("images (a diffusers checkpoint)")
+    group.add_argument("--image-steps", type=int, default=20, help="denoising steps when a request gives none")
+    group.add_argument("--image-size", type=int, default=0, help="default width and height (0: the checkpoint's)")
+    group.add_argument("--guidance-scale", type=float, default=7.5, help="when a request gives none")
+    group.add_argument("--max-images-waiting", type=int, default=64, help="images held before requests get 503")
+
+
+def image_dtype(asked: str) -> str:
+    """``auto`` is float32 (the replicas run on CPU); float16 is refused with the choices."""
+    dtype = "float32" if asked == "auto" else asked
+    if dtype not in IMAGE_DTYPES:
+        raise SystemExit(
+            f"serve: --dtype {asked} is not offered for images: use one of auto, {', '.join(IMAGE_DTYPES)}"
+        )
+    return dtype
+
+
+def launch(args: argparse.Namespace, token: str | None, app_name: str, ingress_options: dict[str, Any]) -> int:
+    from raycluster_cli.serve.image_app import ImageSettings, build_image_app
+
+    if args.image_size and (args.image_size < 8 or args.image_size % 8):
+        raise SystemExit(f"serve: --image-size {args.image_size} must be a multiple of 8")
+    settings = ImageSettings(
+        model_path=args.model_path, model_id=args.model_id, token=token, dtype=image_dtype(args.dtype),
+        steps=args.image_steps, guidance=args.guidance_scale, size=args.image_size or None,
+        max_waiting=args.max_images_waiting,
+    )  # fmt: skip
+    ray.init(address="auto")
+    serve.start(proxy_location=args.proxy_location, http_options={"host": args.host, "port": args.port})
+    handle = serve.run(build_image_app(settings, ray_actor_options=ingress_options), name=app_name, route_prefix="/")
+    placement = handle.describe.remote().result(timeout_s=120)
+    url = f"http://{ray.util.get_node_ip_address()}:{args.port}/v1"
+    document = json.dumps(report(url, settings.served_model, placement))
+    if args.record:
+        Path(args.record).write_text(document + "\n")
+    print(document)
+    return 0
+
+
+def report(url: str, model: str, placement: dict[str, Any]) -> dict[str, Any]:
+    pipelines = placement["pipelines"]
+    return {
+        "url": url, "model": model, "kind": "image", "replicas": len(pipelines), "split": None,
+        "why": placement["why"], "dtype": placement["dtype"], "image": placement["calibration"],
+        "pipelines": [
+            {"stages": p["stages"], "s_per_image": p["s_per_image"], "why": p["why"]} for p in pipelines
+        ],
+    }  # fmt: skip
