@@ -328,15 +328,17 @@ def test_stream_sends_the_cached_archive_and_verifies_the_image_id(tmp_path: Pat
     archive = tmp_path / "aaaaaaaaaaaa.tar.gz"
     archive.write_bytes(b"x" * 600_000)
     fake = FakeTransport(
-        HOSTS[2], {"command -v": "bash\ntimeout\n", "docker load": f"Loaded image\n{A}\n", "rm -f": ""}
+        HOSTS[2], {"for t in zstd": "bash\ntimeout\nsha256sum\n", "docker load": f"Loaded image\n{A}\n", "rm -f": ""}
     )
     events: list[object] = []
     done = distribute(inv, lambda h: fake, [ImageTransfer(HOSTS[2], "missing", "stream")], A, tmp_path, events.append)
     assert [(t.host, t.method, t.codec, t.bytes_sent) for t in done] == [(HOSTS[2], "stream", "gzip", 600_000)]
     assert list(fake.fed.values()) == [archive.read_bytes()]
-    assert "gzip -dc | docker load -q" in next(iter(fake.fed))
+    command = next(iter(fake.fed))
+    assert 'gzip -dc <"$a" | docker load -q' in command  # the archive, once its SHA-256 matched
+    assert command.index("_sha ") < command.index("docker load")
     transfers = [e for e in events if isinstance(e, TransferProgress)]
-    assert transfers[-1] == TransferProgress(HOSTS[2], 600_000, 600_000, done=True)
+    assert transfers[-1] == TransferProgress(HOSTS[2], 600_000, 600_000, done=True, label=f"image → {HOSTS[2]}")
 
 
 def test_stream_fails_when_the_loaded_image_has_another_id(tmp_path: Path) -> None:
@@ -344,7 +346,7 @@ def test_stream_fails_when_the_loaded_image_has_another_id(tmp_path: Path) -> No
 
     (tmp_path / "aaaaaaaaaaaa.tar.gz").write_bytes(b"x")
     fake = FakeTransport(
-        HOSTS[1], {"command -v": "bash\ntimeout\n", "docker load": f"Loaded image\n{B}\n", "rm -f": ""}
+        HOSTS[1], {"for t in zstd": "bash\ntimeout\nsha256sum\n", "docker load": f"Loaded image\n{B}\n", "rm -f": ""}
     )
     with pytest.raises(OperationError) as info:
         distribute(_inv(), lambda h: fake, [ImageTransfer(HOSTS[1], "missing", "stream")], A, tmp_path)
