@@ -61,7 +61,7 @@ def cluster(lab_hosts: Lab) -> Iterator[Lab]:
     yield lab_hosts
 
 
-def test_a_model_is_relayed_once_then_held_listed_and_purged(cluster: Lab, tmp_path: Path) -> None:
+def test_a_model_is_relayed_once_then_held_and_listed(cluster: Lab, tmp_path: Path) -> None:
     model = _checkpoint(tmp_path / "tiny-gpt2-relay")
     before = _bridge_tx(cluster)
     code, doc, err = cluster.cli("bench", f"--model-path={model.root}", *BENCH, timeout=1500)
@@ -90,18 +90,6 @@ def test_a_model_is_relayed_once_then_held_listed_and_purged(cluster: Lab, tmp_p
         assert mine == [{"digest": model.digest, "size": model.size, "name": "tiny-gpt2-relay"}], host
     for hostname in ("lab-h1", "lab-h2", "lab-h3"):  # the staged tar was removed after the relay
         assert cluster.sh(hostname, f"ls -A {ARCHIVE_DIR}").split() == []
-
-    code, doc, err = cluster.cli("down", "--purge", timeout=600)
-    assert code == 0, err[-3000:]
-    purged = {(p["host"], p["item"]) for p in doc["purged"]}
-    for address, hostname in ((IP1, "lab-h1"), (IP2, "lab-h2"), (IP3, "lab-h3")):
-        assert (address, "/etc/raycluster/lab") in purged and (address, ARCHIVE_DIR) in purged
-        assert cluster.sh(hostname, f"ls -d {CACHE} {ARCHIVE_DIR} 2>/dev/null; true").strip() == ""
-    # After the purge the image is gone too: `up` relays it again, each host's archive verified before its load.
-    code, doc, err = cluster.cli("up", timeout=1500)
-    assert code == 0, err[-3000:]
-    assert sorted(t["host"] for t in doc["images"]) == [IP1, IP2, IP3]
-    assert {t["checksum"] for t in doc["images"]} == {"sha256"}, doc["images"]
 
 
 # A `cat` that flips one byte of what it writes into the relay's staging folder, on one host: what arrives there is
@@ -150,3 +138,19 @@ def test_a_foreign_staging_folder_is_refused_and_never_used(cluster: Lab, tmp_pa
     finally:
         cluster.sh("lab-h2", f"rm -rf {ARCHIVE_DIR}")
     assert model.digest in _held(cluster, "lab-h1") and model.digest in _held(cluster, "lab-h3")
+
+
+def test_z_down_purge_removes_the_model_cache_and_staging_then_up_relays_the_image_verified(cluster: Lab) -> None:
+    for hostname in ("lab-h1", "lab-h2", "lab-h3"):
+        assert cluster.sh(hostname, f"ls {CACHE}").split(), hostname  # the models of the tests before
+    code, doc, err = cluster.cli("down", "--purge", timeout=600)
+    assert code == 0, err[-3000:]
+    purged = {(p["host"], p["item"]) for p in doc["purged"]}
+    for address, hostname in ((IP1, "lab-h1"), (IP2, "lab-h2"), (IP3, "lab-h3")):
+        assert (address, "/etc/raycluster/lab") in purged and (address, ARCHIVE_DIR) in purged
+        assert cluster.sh(hostname, f"ls -d {CACHE} {ARCHIVE_DIR} 2>/dev/null; true").strip() == ""
+    # After the purge the image is gone too: `up` relays it again, each host's archive verified before its load.
+    code, doc, err = cluster.cli("up", timeout=1500)
+    assert code == 0, err[-3000:]
+    assert sorted(t["host"] for t in doc["images"]) == [IP1, IP2, IP3]
+    assert {t["checksum"] for t in doc["images"]} == {"sha256"}, doc["images"]
