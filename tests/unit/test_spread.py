@@ -16,8 +16,8 @@ import pytest
 from raycluster_cli.config.inventory import Inventory, parse
 from raycluster_cli.errors import OperationError
 from raycluster_cli.image import peer_copy as peers
-from raycluster_cli.image import schedule as spread
 from raycluster_cli.image import receive
+from raycluster_cli.image import schedule as spread
 from raycluster_cli.image.deliver import choose_codec, decompressor, distribute, image_job
 from raycluster_cli.image.relay import TOOLS_COMMAND
 from raycluster_cli.image.schedule import ImageTransfer
