@@ -95,7 +95,7 @@ def test_a_model_is_relayed_once_then_held_and_listed(cluster: Lab, tmp_path: Pa
 # A `cat` that flips one byte of what it writes into the relay's staging folder, on one host: what arrives there is
 # corrupt, whoever sent it (the operator or a peer), as a bad NIC or disk would make it.
 FLIPPING_CAT = """#!/bin/bash
-case "$(readlink /proc/self/fd/1 2>/dev/null)" in
+case "$(readlink /proc/$$/fd/1 2>/dev/null)" in
 */raycluster-images/*.part) { head -c 100000; head -c 1 >/dev/null; printf 'Z'; exec /usr/bin/cat; } ;;
 *) exec /usr/bin/cat "$@" ;;
 esac
