@@ -134,8 +134,13 @@ def stop_command(archive: str) -> str:
 
 
 def cleanup_command(archive: str) -> str:
-    """Remove what a copy left in the staging folder (the published file, a partial one, its pid file)."""
-    return f"rm -f -- {quote(archive)} {quote(archive + '.part')} {quote(archive + '.part.pid')}"
+    """Remove what a copy left in the staging folder (the published file, a partial one, its pid file), only when
+    the folder is this login user's private one: never a file in a folder another user made (root may)."""
+    folder = quote(folder_of(archive))
+    return (
+        f'[ -d {folder} ] && [ ! -L {folder} ] && [ -O {folder} ] && [ "$(stat -c %a {folder})" = 700 ] || exit 0; '
+        f"rm -f -- {quote(archive)} {quote(archive + '.part')} {quote(archive + '.part.pid')}"
+    )
 
 
 def purge_command(folder: str) -> str:

@@ -135,8 +135,8 @@ def test_a_foreign_staging_folder_is_refused_and_never_used(cluster: Lab, tmp_pa
         assert f"{IP2}: " in message and f"{ARCHIVE_DIR} on " in message and "belongs to nobody" in message, message
         assert model.digest not in _held(cluster, "lab-h2")
         assert cluster.sh("lab-h2", f"cat {planted}").strip() == "planted"  # untouched, unused
-    finally:
-        cluster.sh("lab-h2", f"rm -rf {ARCHIVE_DIR}")
+    finally:  # the folder raycluster would have made (the next test purges it)
+        cluster.sh("lab-h2", f"rm -rf {ARCHIVE_DIR} && mkdir -m 700 {ARCHIVE_DIR}")
     assert model.digest in _held(cluster, "lab-h1") and model.digest in _held(cluster, "lab-h3")
 
 

@@ -290,3 +290,23 @@ def test_down_purge_removes_only_the_login_users_own_staging_folder(tmp_path: Pa
         os.chown(theirs, 65534, 65534)
         out = subprocess.run(["sh", "-c", receive.purge_command(str(theirs))], capture_output=True, text=True)
         assert out.stdout.split() == [] and theirs.exists()
+
+
+def test_the_clean_up_removes_nothing_from_a_folder_that_is_not_the_login_users_own(tmp_path: Path) -> None:
+    """Root's `rm -f` removed a file planted in another user's folder (found by the lab test)."""
+    for kind in ("open", *(("foreign",) if os.geteuid() == 0 else ())):
+        staging = tmp_path / kind
+        staging.mkdir(mode=0o700)
+        (staging / "a.tar").write_text("planted")
+        if kind == "open":
+            staging.chmod(0o777)
+        else:
+            os.chown(staging, 65534, 65534)
+        _run(receive.cleanup_command(str(staging / "a.tar")))
+        assert (staging / "a.tar").read_text() == "planted", kind
+    mine = tmp_path / "mine"
+    mine.mkdir(mode=0o700)
+    for name in ("a.tar", "a.tar.part", "a.tar.part.pid"):
+        (mine / name).write_text("x")
+    _run(receive.cleanup_command(str(mine / "a.tar")))
+    assert list(mine.iterdir()) == []

@@ -39,7 +39,7 @@ class Host:
             return CommandResult(0, "".join(f"{d}\t1000\ttiny\n" for d in self.held), "")
         if command.startswith("for t in zstd"):  # the relay's look at the host's tools
             return CommandResult(0, "bash\ntimeout\nsha256sum\npython3\n", "")
-        if command.startswith("rm -f -- "):  # the relay's clean-up of its staged copy
+        if "; rm -f -- " in command:  # the relay's clean-up of its staged copy
             return CommandResult(0, "", "")
         document = {
             "url": "http://192.0.2.10:8000/v1",
