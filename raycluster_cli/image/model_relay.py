@@ -70,6 +70,8 @@ def model_job(inventory: Inventory, model: ModelFolder) -> Job:
         listener_image=inventory.image,
         image_on_hosts=True,
         codec="tar",
+        noun="model tar",
+        uses="unpacks",
     )
 
 

@@ -80,6 +80,8 @@ class Job:
     listener_image: str  # whose python3 runs a listener on a host without python3
     image_on_hosts: bool = False  # that image is on every receiver already: all of them serve before their use ends
     codec: str = ""
+    noun: str = "archive"  # what the progress lines call the file on a host
+    uses: str = "loads"  # and what the host does with it
 
     def remote(self, directory: str = peer_copy.ARCHIVE_DIR) -> str:
         """Where a host keeps its copy while it may serve others (`directory`: its login user's staging folder)."""
@@ -181,10 +183,11 @@ class Spread:
             return None
         future: Future[None] = Future()
         self.ready[future] = receiver
-        then = "it serves others while it uses it" if early else "it uses it (its listener needs the image)"
+        uses = self.job.uses
+        then = f"it serves others while it {uses}" if early else f"it {uses} (its listener needs the image)"
 
         def published() -> None:
-            self.progress(f"{receiver.host}: {self.job.what} whole (SHA-256 checked); {then}")
+            self.progress(f"{receiver.host}: {self.job.noun} whole (SHA-256 checked); {then}")
             future.set_result(None)
 
         return published

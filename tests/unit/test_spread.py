@@ -285,7 +285,7 @@ def test_a_host_serves_others_as_soon_as_its_archive_is_published_before_its_loa
     assert len(receives) == 8 and all(digest in c for c in receives)  # each checks the operator's checksum
     assert (archive.parent / (archive.name + ".sha256")).read_text().strip() == digest  # computed once, kept
     assert {t.checksum for t in done} == {"sha256"} and {t.to_dict()["checksum"] for t in done} == {"sha256"}
-    said = {e.split(":")[0] for e in events if isinstance(e, str) and "serves others while it uses it" in e}
+    said = {e.split(":")[0] for e in events if isinstance(e, str) and "serves others while it loads" in e}
     senders = {t.source for t in done if t.source != "operator"}
     assert len(senders) >= 3 and senders <= said  # each host that served did so once its archive was published
     # A sender is free once its receiver's archive is published, not when that receiver's load ends: the holders
@@ -346,8 +346,8 @@ def test_without_python3_a_host_serves_after_its_load_but_its_sender_is_free_onc
     seed = next(t.host for t in done if t.source == "operator")
     assert len(done) == 8 and {t.source for t in done if t.host != seed} == {seed}
     assert fleet.loads_waited == [True] * 7
-    said = [e for e in events if isinstance(e, str) and "whole (SHA-256 checked)" in e]
-    assert said and all(e.endswith("it uses it (its listener needs the image)") for e in said)
+    said = [e for e in events if isinstance(e, str) and "archive whole (SHA-256 checked)" in e]
+    assert said and all(e.endswith("it loads (its listener needs the image)") for e in said)
     # Each peer copy's notice came from its own receive command; the seed's was of no use (nobody waited on it).
     assert sorted(e.split(":")[0] for e in said) == sorted(t.host for t in done if t.host != seed)
     assert {t.checksum for t in done} == {"sha256"}  # every copy verified before its load, the seed's too
