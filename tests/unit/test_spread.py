@@ -50,7 +50,7 @@ class Host(FakeTransport):
 
 
 TOOLS = "zstd\nbash\ntimeout\nsha256sum\n"
-LISTENER = "import hmac"  # in the listener's command only (the receive commands name python3 too: the hash)
+LISTENER = "compare_digest"  # in the listener's command only (the receive commands name python3 too: the hash)
 
 
 def _table(loaded: str = A, tools: str = TOOLS) -> dict[str, CommandResult | str]:
