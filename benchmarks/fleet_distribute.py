@@ -19,6 +19,7 @@ from pathlib import Path
 
 from raycluster_cli.config import inventory
 from raycluster_cli.image import deliver as images
+from raycluster_cli.image import relay
 from raycluster_cli.progress import TransferProgress
 from raycluster_cli.transport.pool import SSHPool
 
@@ -32,7 +33,7 @@ def main() -> None:
     size = archive.stat().st_size
     if mode == "operator":
         # The reference: hosts that cannot receive from a peer (no bash found) are all streamed by the operator.
-        images.TOOLS_COMMAND = images.TOOLS_COMMAND.replace(" bash timeout", "")
+        relay.TOOLS_COMMAND = relay.TOOLS_COMMAND.replace(" bash timeout", "")
     plan = [images.ImageTransfer(str(h.address), "missing", "stream") for h in inv.hosts]
     pool = SSHPool(inv)
     for host in inv.hosts:

@@ -88,10 +88,11 @@ def bench_command(**values: Any) -> None:
             return serve_bench_action(output, values, own)
         from raycluster_cli.checks.network import measure_network
         from raycluster_cli.render.bench import bench_progress, render_bench, save_svg
-        from raycluster_cli.verbs.bench import BenchFailed, run_bench
+        from raycluster_cli.verbs.bench import BenchFailed, place_bench_model, run_bench
 
         options = _bench_options(values)
         with open_cluster(own["inventory_path"]) as (inv, pool):
+            options, copies = place_bench_model(inv, pool, options, output.progress())
             network = measure_network(inv, pool, output.progress(), seconds=1.0) if own["network_check"] else []
             output.progress()(f"running the benchmark on {len(inv.hosts)} node(s)")
             try:
@@ -107,6 +108,8 @@ def bench_command(**values: Any) -> None:
                     )
                 return ExitCode.FAILED
         document["network"] = [r.to_dict() for r in network]
+        if copies:
+            document["model_copies"] = copies
         document.pop("schema_version", None)
         ok = bool(document.pop("ok", True))
         if own["save_result"]:

@@ -1,5 +1,6 @@
-"""Getting the node image onto the hosts: the plan and delivery (`deliver`), the archive saved and compressed once
-(`archive`), who sends to whom (`schedule`) and the host-to-host copy (`peer_copy`).
+"""Getting content onto the hosts with one relay (`relay`, who sends to whom: `schedule`, host to host: `peer_copy`,
+the receiving host's verify-then-use script: `receive`) for the node image (`deliver`, the archive saved and
+compressed once: `archive`) and for models (`models`, `model_relay`).
 
 May import host/, transport/, config/ and the root modules.
 """

@@ -2,9 +2,10 @@
 
 Streaming is how air-gapped fleets get images: `docker save` here, compressed once with all cores into a
 cached archive (zstd -T0 when this machine and every receiving host have it, else pigz or gzip), sent over
-one seed host's SSH connection into `docker load`; from there the hosts that have it serve the hosts that
-lack it (image/schedule.py, peer_copy.py), so this machine uploads about one copy whatever the fleet's size. Every
-arrival is checked against this machine's image ID.
+one seed host's SSH connection; from there the hosts that have it serve the hosts that lack it (image/relay.py,
+schedule.py, peer_copy.py), so this machine uploads about one copy whatever the fleet's size. Each host loads
+the archive only once its SHA-256 is this machine's (image/receive.py), and the loaded ID must be this
+machine's image ID.
 """
 
 from __future__ import annotations
@@ -21,12 +22,12 @@ import psutil
 
 from raycluster_cli.config.inventory import Inventory
 from raycluster_cli.errors import OperationError
-from raycluster_cli.host.folders import archive_dir as archive_dir_on_host
-from raycluster_cli.image import peer_copy
+from raycluster_cli.host.engine import image_id as image_id_of
 from raycluster_cli.image.archive import Step, save_compressed
-from raycluster_cli.image.schedule import ImageTransfer, Job, Receiver, Spread
+from raycluster_cli.image.relay import relay
+from raycluster_cli.image.schedule import ImageTransfer, Job, Receiver
 from raycluster_cli.progress import Progress, TransferProgress, quiet
-from raycluster_cli.transport import Transport, quote
+from raycluster_cli.transport import CommandResult, Transport, quote
 from raycluster_cli.transport.fanout import GroupResult, Outcome, fanout
 from raycluster_cli.transport.pool import Connect
 
@@ -114,52 +115,48 @@ def _spread(
     archive_dir: Path,
     progress: Progress,
 ) -> list[tuple[ImageTransfer, Outcome[ImageTransfer]]]:
-    """Stream: learn each host's tools (one command), compress once, seed and spread, remove the hosts' copies."""
-    host_of = {str(h.address): h for h in inventory.hosts}
+    """Stream: compress once (the codec every receiving host can read), then relay it (image/relay.py)."""
 
-    def tools_of(transfer: ImageTransfer) -> tuple[Transport, frozenset[str]]:
-        transport = connect(host_of[transfer.host])
-        return transport, frozenset(transport.run(TOOLS_COMMAND, timeout=30).stdout.split())
+    def make_job(tools: list[frozenset[str]]) -> Job:
+        here = {tool for tool in ("zstd", "pigz") if shutil.which(tool)}
+        codec = choose_codec(here, tools)
+        archive = _archive(inventory.image, image_id, codec, archive_dir, progress)
+        return image_job(inventory.image, image_id, archive, codec, archive_digest(archive))
 
-    found = fanout(plan, tools_of, what="look for zstd, bash and python3")
-    reached = [(t, o.value) for t, o in found if o.value is not None]
-    if not reached:
-        return [(t, Outcome(error=o.error)) for t, o in found]
-    here = {tool for tool in ("zstd", "pigz") if shutil.which(tool)}
-    codec = choose_codec(here, [tools for _, (_, tools) in reached])
-    archive = _archive(inventory.image, image_id, codec, archive_dir, progress)
-    job = Job(inventory.image, image_id, archive, codec, archive_digest(archive))
-    receivers = {
-        t.host: Receiver(
-            t,
-            inventory.node_ip(host_of[t.host]),
-            transport,
-            decompressor(codec, tools),
-            {"bash", "timeout"} <= tools,
-            archive_dir=archive_dir_on_host(inventory, host_of[t.host]),
-            sums="sha256sum" in tools,
-            listens="python3" in tools,
+    return relay(inventory, connect, plan, make_job, progress)
+
+
+def image_job(image: str, image_id: str, archive: Path, codec: str, digest: str) -> Job:
+    """The node image as the relay carries it: its compressed archive, loaded once verified; the loaded ID must be
+    this machine's."""
+
+    def use(receiver: Receiver) -> str:
+        return (
+            f'{decompressor(codec, receiver.tools)} <"$a" | docker load -q >&2 && '
+            f"docker image inspect --format '{{{{.Id}}}}' {quote(image)}"
         )
-        for t, (transport, tools) in reached
-    }
-    try:
-        Spread(list(receivers.values()), job, progress).run()
-    finally:
-        cleanup = lambda r: r.transport.run(peer_copy.cleanup_command(job.remote(r.archive_dir)), timeout=60)  # noqa: E731
-        fanout(receivers.values(), cleanup, what="remove the hosts' copies of the archive")
-    outcomes: list[tuple[ImageTransfer, Outcome[ImageTransfer]]] = []
-    for transfer, outcome in found:
-        receiver = receivers.get(transfer.host)
-        if receiver is not None and receiver.result is not None:
-            outcomes.append((transfer, receiver.result))
-        else:
-            outcomes.append((transfer, Outcome(error=outcome.error or OperationError(f"{transfer.host}: not sent"))))
-    return outcomes
 
+    def verify(receiver: Receiver, result: CommandResult) -> None:
+        lines = result.stdout.strip().splitlines()
+        found = image_id_of(lines[-1]) if lines else ""
+        if found != image_id:
+            raise OperationError(
+                f"{receiver.host}: after docker load, {image} is {found[7:19] or 'missing'}, expected {image_id[7:19]}",
+                "the image may have been re-tagged meanwhile: re-run `raycluster up`",
+            )
 
-TOOLS_COMMAND = (
-    "for t in zstd pigz bash timeout python3 sha256sum; do command -v $t >/dev/null 2>&1 && echo $t; done; true"
-)
+    suffix = archive.name.split(".", 1)[1]
+    return Job(
+        what=f"image {image}",
+        name=f"{image_id[7:19]}.{suffix}",
+        size=archive.stat().st_size,
+        digest=digest,
+        open=lambda: archive.open("rb"),
+        use=use,
+        verify=verify,
+        listener_image=image,
+        codec=codec,
+    )
 
 
 def choose_codec(here: set[str], hosts: list[frozenset[str]]) -> str:

@@ -1,4 +1,4 @@
-"""A model folder onto the hosts: content-addressed, verified whole on arrival, sent only where it is missing.
+"""A model folder on the hosts: content-addressed, verified whole before it is used, sent only where it is missing.
 
 A checkpoint folder on the operator's machine (Hugging Face layout: config.json, *.safetensors, tokenizer files)
 is named by a digest of its manifest (each file's path, size and SHA-256), so the same files are the same model
@@ -6,35 +6,38 @@ wherever they are and a changed file is a new model. Each host keeps models in i
 (`<host state dir>/<cluster>/models/<digest>/`, host/folders.py), which `up` mounts read-only into every Ray
 container at MODELS_IN_CONTAINER: bench and serve read `/run/raycluster/models/<digest>` on every node.
 
-A host that lacks a model gets it as one tar stream over its own SSH connection. The receiver unpacks into a
-private folder beside the cache, checks every file against the manifest with `sha256sum -c` (a file that differs,
-is missing or is extra stops it), makes the files read-only and only then renames the folder to its digest, so a
-model folder that exists is whole and verified; a broken or interrupted copy leaves nothing under that name. A
-host that has the model is not sent a byte. (Today the operator sends each host that lacks the model its own copy;
-the host-to-host relay `up` uses for images, one upload then hosts serve each other, is the next step.)
+What travels is one uncompressed tar of the files with the manifest last, written the same way every time
+(fixed headers, no times or owners), so its size and SHA-256 are known from the one pass that hashes the files
+and the relay (image/relay.py) carries it like the image archive: one upload, then host to host, each host's
+copy verified whole (the tar's SHA-256) before it is unpacked. The unpack (`use_command`) goes into a private
+folder beside the cache, checks every file against the manifest again (a file that differs, is missing or is
+extra stops it), makes the files read-only and only then renames the folder to its digest, so a model folder
+that exists is whole and verified; a broken or interrupted copy leaves nothing under that name. A host that
+has the model is not sent a byte.
 """
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
+import io
 import os
 import tarfile
-import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Generator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any
 
 from raycluster_cli.config.inventory import HostConfig, Inventory
-from raycluster_cli.errors import OperationError, UsageError
+from raycluster_cli.errors import UsageError
 from raycluster_cli.host.containers import MODELS_IN_CONTAINER
 from raycluster_cli.host.folders import models_dir
-from raycluster_cli.transport import Transport, quote, shell_path
+from raycluster_cli.transport import quote, shell_path
 
 MANIFEST = ".raycluster-manifest"
+ABOUT = ".raycluster-model"  # in a stored model's folder: its name and bytes, tab-separated (for `status`)
 RECEIVED = "raycluster: model received and verified"
 _CHUNK = 1 << 20
+_BLOCK = 512
 
 
 @dataclass(frozen=True)
@@ -50,6 +53,8 @@ class ModelFolder:
 
     root: Path
     files: tuple[ModelFile, ...]
+    tar_size: int = 0  # the bytes of its tar (tar_chunks), what the relay carries
+    tar_sha256: str = ""  # their SHA-256 (hex)
 
     @property
     def manifest(self) -> str:
@@ -83,12 +88,32 @@ def read_model_folder(path: str | os.PathLike[str]) -> ModelFolder:
             "give a Hugging Face checkpoint folder (config.json, weights)",
         )
     files = []
+    whole = hashlib.sha256()  # the tar's, fed as tar_chunks would write it: one read of each file
+    size = 0
     for file in sorted(_walk(root)):
         relative = file.relative_to(root).as_posix()
         if any(c in relative for c in "\n\\"):
             raise UsageError(f"--model-path: {relative!r} has a newline or backslash in its name", "rename the file")
-        files.append(ModelFile(relative, file.stat().st_size, _sha256(file)))
-    return ModelFolder(root, tuple(files))
+        length = file.stat().st_size
+        header = _header(relative, length)
+        whole.update(header)
+        digest = hashlib.sha256()
+        read = 0
+        with file.open("rb") as handle:
+            while chunk := handle.read(_CHUNK):
+                digest.update(chunk)
+                whole.update(chunk)
+                read += len(chunk)
+        if read != length:
+            raise UsageError(f"--model-path: {relative} changed while it was read", "run again once it is written")
+        whole.update(_padding(length))
+        size += len(header) + length + len(_padding(length))
+        files.append(ModelFile(relative, length, digest.hexdigest()))
+    folder = ModelFolder(root, tuple(files))
+    for chunk in _tail(folder):
+        whole.update(chunk)
+        size += len(chunk)
+    return ModelFolder(root, folder.files, size, whole.hexdigest())
 
 
 def _walk(root: Path) -> Iterator[Path]:
@@ -106,105 +131,133 @@ def _walk(root: Path) -> Iterator[Path]:
             yield file
 
 
-def _sha256(file: Path) -> str:
-    digest = hashlib.sha256()
-    with file.open("rb") as handle:
-        while chunk := handle.read(_CHUNK):
-            digest.update(chunk)
-    return digest.hexdigest()
+def _header(path: str, size: int) -> bytes:
+    """A tar member's header, the same for the same path and size (no time, owner or mode of this machine's)."""
+    info = tarfile.TarInfo(path)
+    info.size, info.mode, info.mtime = size, 0o644, 0
+    return info.tobuf(tarfile.PAX_FORMAT, "utf-8", "surrogateescape")
+
+
+def _padding(size: int) -> bytes:
+    return b"\0" * (-size % _BLOCK)
+
+
+def _tail(model: ModelFolder) -> Iterator[bytes]:
+    """The manifest (last, so the files' digests are known by then) and the end-of-archive blocks."""
+    manifest = model.manifest.encode()
+    yield _header(MANIFEST, len(manifest))
+    yield manifest + _padding(len(manifest))
+    yield b"\0" * (2 * _BLOCK)
+
+
+def tar_chunks(model: ModelFolder) -> Generator[bytes, None, None]:
+    """The model's tar, as read_model_folder hashed it: each file, then the manifest. Raises when a file's size
+    changed since (its SHA-256 would not match the receivers' anyway)."""
+    for file in model.files:
+        yield _header(file.path, file.size)
+        sent = 0
+        with (model.root / file.path).open("rb") as handle:
+            while sent < file.size and (chunk := handle.read(min(_CHUNK, file.size - sent))):
+                sent += len(chunk)
+                yield chunk
+        if sent != file.size:
+            raise OSError(f"{model.root / file.path} changed while it was sent")
+        yield _padding(file.size)
+    yield from _tail(model)
+
+
+class TarReader(io.RawIOBase):
+    """tar_chunks as a raw binary file (what transport.feed reads, through `open_tar`)."""
+
+    def __init__(self, model: ModelFolder) -> None:
+        super().__init__()
+        self._chunks = tar_chunks(model)
+        self._left = b""
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        while not self._left:
+            chunk = next(self._chunks, None)
+            if chunk is None:
+                return 0
+            self._left = chunk
+        view = memoryview(buffer).cast("B")
+        count = min(len(view), len(self._left))
+        view[:count] = self._left[:count]
+        self._left = self._left[count:]
+        return count
+
+    def close(self) -> None:
+        self._chunks.close()
+        super().close()
+
+
+def open_tar(model: ModelFolder) -> io.BufferedReader:
+    """The model's tar, to read from the start (no copy of it on this machine's disk)."""
+    return io.BufferedReader(TarReader(model), _CHUNK)
+
+
+@dataclass(frozen=True)
+class HeldModel:
+    """A model a host holds: its digest, its files' bytes and its folder's name when it was sent (else "")."""
+
+    digest: str
+    size: int | None
+    name: str
+
+    def to_dict(self) -> dict[str, object]:
+        return {"digest": self.digest, "size": self.size, "name": self.name}
 
 
 def held_command(inventory: Inventory, host: HostConfig) -> str:
-    """Prints the digest of each whole model the host holds, one a line (nothing when the cache is empty)."""
-    folder = shell_path(models_dir(inventory, host))
-    return f'for m in {folder}/*/{MANIFEST}; do [ -f "$m" ] && basename "$(dirname "$m")"; done; true'
-
-
-def parse_held(text: str) -> set[str]:
-    return {line.strip() for line in text.splitlines() if len(line.strip()) == 32}
-
-
-def receive_command(inventory: Inventory, host: HostConfig, digest: str) -> str:
-    """Unpack a tar stream from stdin into a private folder, verify every file against the manifest in it, make
-    it read-only and rename it to the digest; on any failure remove it. Prints RECEIVED when the model is there."""
+    """Prints each whole model the host holds, one a line: digest, bytes and name, tab-separated ("-" unknown)."""
     folder = shell_path(models_dir(inventory, host))
     return (
-        f'set -e; models={folder}; mkdir -p "$models"; incoming="$models/.incoming-$$"; '
-        'rm -rf -- "$incoming"; mkdir -m 700 -- "$incoming"; trap \'chmod -R u+w "$incoming" 2>/dev/null; '
-        'rm -rf -- "$incoming"\' EXIT; '
-        'tar -x --no-same-owner --no-same-permissions -C "$incoming" -f -; '
-        f'cd "$incoming"; sha256sum --quiet --strict -c {MANIFEST} >&2; '
-        f"listed=$(cut -c67- {MANIFEST} | sort); present=$(find . -type f ! -name {MANIFEST} | cut -c3- | sort); "
-        '[ "$listed" = "$present" ] || { echo "files that the manifest does not list arrived" >&2; exit 1; }; '
-        f'cd /; chmod -R a-w,a+rX "$incoming"; chmod u+w "$incoming"; '
-        f'if [ -f "$models/{digest}/{MANIFEST}" ]; then :; else chmod -R u+w "$models/{digest}" 2>/dev/null || true; '
-        f'rm -rf -- "$models/{digest}"; mv -- "$incoming" "$models/{digest}"; chmod u-w "$models/{digest}"; fi; '
-        f'trap - EXIT; if [ -e "$incoming" ]; then chmod -R u+w "$incoming"; rm -rf -- "$incoming"; fi; '
-        f"echo {quote(RECEIVED)}"
+        f'for m in {folder}/*/{MANIFEST}; do [ -f "$m" ] || continue; d=${{m%/*}}; n=; s=; '
+        f'[ -f "$d/{ABOUT}" ] && IFS="$(printf \'\\t\')" read -r n s <"$d/{ABOUT}"; '
+        'printf "%s\\t%s\\t%s\\n" "${d##*/}" "${s:--}" "${n:--}"; done; true'
     )
 
 
-def tar_stream(model: ModelFolder) -> tuple[BinaryIO, threading.Thread]:
-    """The model's files and its manifest as an uncompressed tar (weights do not compress), written by a thread
-    into a pipe: the stream's size is the model's, nothing is staged on this machine's disk."""
-    read_fd, write_fd = os.pipe()
-    reader = os.fdopen(read_fd, "rb")
-
-    def write() -> None:
-        with os.fdopen(write_fd, "wb") as out, tarfile.open(fileobj=out, mode="w|", format=tarfile.PAX_FORMAT) as tar:
-            manifest = model.manifest.encode()
-            info = tarfile.TarInfo(MANIFEST)
-            info.size, info.mode = len(manifest), 0o644
-            tar.addfile(info, _BytesReader(manifest))
-            for file in model.files:
-                info = tarfile.TarInfo(file.path)
-                info.size, info.mode = file.size, 0o644
-                with (model.root / file.path).open("rb") as handle:
-                    tar.addfile(info, handle)
-
-    thread = threading.Thread(target=_quietly(write), daemon=True, name="model-tar")
-    thread.start()
-    return reader, thread
+def parse_models(text: str) -> list[HeldModel]:
+    """held_command's output (pure); lines that are not a model's are left out."""
+    held = []
+    for line in text.splitlines():
+        digest, _, rest = line.strip("\r").partition("\t")
+        size, _, name = rest.partition("\t")
+        if len(digest) == 32 and all(c in "0123456789abcdef" for c in digest):
+            held.append(HeldModel(digest, int(size) if size.isdigit() else None, "" if name == "-" else name))
+    return held
 
 
-class _BytesReader:
-    def __init__(self, data: bytes) -> None:
-        self.data, self.offset = data, 0
-
-    def read(self, size: int = -1) -> bytes:
-        end = len(self.data) if size < 0 else self.offset + size
-        chunk, self.offset = self.data[self.offset : end], min(end, len(self.data))
-        return chunk
+def parse_held(text: str) -> set[str]:
+    return {m.digest for m in parse_models(text)}
 
 
-def _quietly(write: Callable[[], None]) -> Callable[[], None]:
-    def run() -> None:
-        with contextlib.suppress(OSError):  # the receiver stopped reading: its own error says why
-            write()
-
-    return run
-
-
-def send_model(
-    transport: Transport,
-    inventory: Inventory,
-    host: HostConfig,
-    model: ModelFolder,
-    on_sent: Callable[[int], None] | None = None,
-    timeout_s: float = 3600.0,
-) -> None:
-    """Stream `model` into `host`'s cache and have it verified there; raise naming the host when it is not."""
-    source, writer = tar_stream(model)
-    try:
-        result = transport.feed(
-            receive_command(inventory, host, model.digest), source, on_sent=on_sent, timeout=timeout_s
-        )
-    finally:
-        source.close()
-        writer.join(timeout=5)
-    if not result.ok or RECEIVED not in result.stdout:
-        raise OperationError(
-            f"{host.address}: the model {model.root.name} ({model.digest[:12]}) was not stored: "
-            f"{result.first_line() or f'exit {result.rc}'}",
-            f"check free space in {models_dir(inventory, host)} on {host.address}, then run again",
-        )
+def use_command(inventory: Inventory, host: HostConfig, model: ModelFolder) -> str:
+    """Shell text run by the relay's receive script once the tar ("$a") is verified whole (its `_sha` defined):
+    unpack it into a private folder, check every file against the manifest in it (and no file it does not list),
+    note the name and size, make it read-only and rename it to the digest; on any failure remove it. Prints
+    RECEIVED when the model is there."""
+    folder = shell_path(models_dir(inventory, host))
+    digest = model.digest
+    name = "".join(" " if c in "\t\r\n" else c for c in model.root.name)
+    about = quote(f"{name}\t{model.size}")
+    return (
+        f'models={folder}; [ -d "${{models%/*}}" ] || {{ echo "no cluster folder ${{models%/*}}: run raycluster up first" >&2; '
+        'exit 1; }; [ -d "$models" ] || (umask 022 && mkdir -- "$models") || exit 1; incoming=$(mktemp -d "$models/.incoming-XXXXXX") || exit 1; '
+        'trap \'chmod -R u+w "$incoming" 2>/dev/null; rm -rf -- "$incoming"; rm -f -- "$p" "$f"\' EXIT; '
+        'tar -x --no-same-owner --no-same-permissions -C "$incoming" -f "$a" || exit 1; cd "$incoming" || exit 1; '
+        f"while IFS= read -r line; do sum=${{line%%  *}}; path=${{line#*  }}; "
+        '[ "$(_sha "$path")" = "$sum" ] || { echo "$path does not match the manifest" >&2; exit 1; }; '
+        f"done <{MANIFEST}; "
+        f"listed=$(cut -c67- {MANIFEST} | sort); present=$(find . -type f ! -name {MANIFEST} | cut -c3- | sort); "
+        '[ "$listed" = "$present" ] || { echo "files that the manifest does not list arrived" >&2; exit 1; }; '
+        f"printf '%s\\n' {about} >{ABOUT}; "
+        'cd / && chmod -R a-w,a+rX "$incoming" && chmod u+w "$incoming" || exit 1; '
+        f'if [ ! -f "$models/{digest}/{MANIFEST}" ]; then chmod -R u+w "$models/{digest}" 2>/dev/null; '
+        f'rm -rf -- "$models/{digest}"; mv -- "$incoming" "$models/{digest}" && chmod u-w "$models/{digest}" || exit 1; fi; '
+        f"echo {quote(RECEIVED)}"
+    )

@@ -1,14 +1,17 @@
-"""Scheduling an image over a fleet: the operator seeds one host, then every host that has the image
-serves one that lacks it, so the number of holders doubles each round (O(log N) rounds for N hosts) while
-the operator uploads one copy. A host whose peer copy fails is served by the operator (as Dragonfly's
-peers go back to the source); a sender whose listener failed serves no one else.
+"""Scheduling the relay over a fleet (node images and models alike): the operator seeds one host, then every
+host that has the content serves one that lacks it, so the number of holders doubles each round (O(log N)
+rounds for N hosts) while the operator uploads one copy. A host whose peer copy fails (unreachable, stalled,
+or its bytes did not match the operator's SHA-256) is served by the operator (as Dragonfly's peers go back to
+the source); a sender whose listener failed, or whose copy arrived corrupt, serves no one else.
 
-A copy is done for the scheduler as soon as the receiver's archive is whole and its checksum matches the
-operator's (peer_copy.receive_command publishes it then), not when the receiver's `docker load` ends: its
-sender is free to serve the next host, and a receiver whose listener runs on the host's own python3 serves
-others from then on, while it loads. A round then takes the copy's time, and the loads (most of the time
-of a multi-GB image) run side by side. A host without python3 runs its listener in the image, so it serves
-once its load is done.
+A copy is done for the scheduler as soon as the receiver's file is whole and its SHA-256 is the operator's
+(image/receive.py publishes it then, before it is used), not when the receiver's use of it (`docker load`, a
+model's unpack) ends: its sender is free to serve the next host, and a receiver whose listener runs on the
+host's own python3 (or in the node image the host already has: models) serves others from then on, while
+it uses its copy. A round then takes the copy's time, and the uses run side by side. A host without python3
+receiving the image runs its listener in that image, so it serves once its load is done.
+
+What travels is a Job: its bytes here, their SHA-256, and what the host does with them once verified.
 """
 
 from __future__ import annotations
@@ -18,14 +21,14 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, replace
-from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from raycluster_cli import cancel
 from raycluster_cli.errors import OperationError
-from raycluster_cli.host.engine import image_id
 from raycluster_cli.image import peer_copy
+from raycluster_cli.image.receive import CORRUPT, SENDER_UNPROVEN, receive_command, receive_script
 from raycluster_cli.progress import Progress, TransferProgress
 from raycluster_cli.transport import CommandResult, Transport
 from raycluster_cli.transport.fanout import Outcome
@@ -35,17 +38,17 @@ SEEDS = 1  # hosts the operator seeds before peers take over
 
 
 @dataclass(frozen=True)
-class ImageTransfer:
-    """What `up` did (or has to do) about the image on one host."""
+class Delivery:
+    """What the relay did (or has to do) about its content (the node image, a model) on one host."""
 
     host: str
     reason: str  # "missing" / "different image ID …"
     method: str  # "stream" / "pull"
     seconds: float = 0.0
-    bytes_sent: int = 0  # bytes of the archive this host received
+    bytes_sent: int = 0  # bytes this host received
     codec: str = ""
     source: str = ""  # "operator", the address of the peer that served it, or "operator (after …)"
-    checksum: str = ""  # "sha256": its archive matched the operator's SHA-256 as it arrived ("": not checked)
+    checksum: str = ""  # "sha256": what it received matched the operator's SHA-256 before it was used
 
     def to_dict(self) -> dict[str, object]:
         return {
@@ -60,37 +63,46 @@ class ImageTransfer:
         }
 
 
+ImageTransfer = Delivery  # the name `up`'s documents and callers know
+
+
 @dataclass(frozen=True)
 class Job:
-    """What travels: the same for every copy of one distribution."""
+    """What travels: the same for every copy of one relay."""
 
-    image: str
-    image_id: str
-    archive: Path  # the compressed archive on this machine
-    codec: str
-    digest: str = ""  # the archive's SHA-256 (hex): a copy that matches is done before the receiver's load
+    what: str  # for messages: "image img:1", "model tiny (3f2a…)"
+    name: str  # the file's name in each host's staging folder
+    size: int  # its bytes
+    digest: str  # their SHA-256 (hex): a receiver uses nothing else
+    open: Callable[[], AbstractContextManager[BinaryIO]]  # the bytes on this machine, from the start
+    use: Callable[[Receiver], str]  # shell text that uses the verified file "$a" on the receiver
+    verify: Callable[[Receiver, CommandResult], None]  # raises when that use did not do what it must
+    listener_image: str  # whose python3 runs a listener on a host without python3
+    image_on_hosts: bool = False  # that image is on every receiver already: all of them serve before their use ends
+    codec: str = ""
+    noun: str = "archive"  # what the progress lines call the file on a host
+    uses: str = "loads"  # and what the host does with it
 
     def remote(self, directory: str = peer_copy.ARCHIVE_DIR) -> str:
-        """Where a host keeps its copy of the archive while it may serve others (`directory`: its login user's)."""
-        return peer_copy.archive_path(self.image_id, self.archive.name.split(".", 1)[1], directory)
+        """Where a host keeps its copy while it may serve others (`directory`: its login user's staging folder)."""
+        return f"{directory}/{self.name}"
 
 
 @dataclass
 class Receiver:
-    """One host that lacks the image, and what the scheduler knows about it."""
+    """One host that lacks the content, and what the scheduler knows about it."""
 
-    transfer: ImageTransfer
+    transfer: Delivery
     address: str  # its cluster address (where its listener binds when it serves)
     transport: Transport
-    decompress: str
     peer_ok: bool  # has bash and timeout: can receive from a peer
     fallback: str = ""  # why its peer copy failed (then the operator serves it)
-    result: Outcome[ImageTransfer] | None = None
-    serves: bool = True  # False once its listener failed
-    sums: bool = False  # has sha256sum: can check its copy as it arrives (its sender is then free)
-    listens: bool = False  # has python3 for its listener: can serve others before its own load ends
-    serving: bool = False  # already among the holders (its archive whole, or its copy done)
-    archive_dir: str = peer_copy.ARCHIVE_DIR  # where this host keeps the archive (host/folders.archive_dir)
+    result: Outcome[Delivery] | None = None
+    serves: bool = True  # False once its listener failed or its copy was found corrupt by another host
+    listens: bool = False  # can serve others before its own use ends (python3 here, or the image already here)
+    serving: bool = False  # already among the holders (its copy whole and verified, or its copy done)
+    archive_dir: str = peer_copy.ARCHIVE_DIR  # its staging folder (host/folders.archive_dir)
+    tools: frozenset[str] = frozenset()  # what TOOLS_COMMAND found there
 
     @property
     def host(self) -> str:
@@ -103,7 +115,7 @@ class Spread:
         self.pending: deque[Receiver] = deque(r for r in receivers if r.peer_ok)
         self.direct: deque[Receiver] = deque(r for r in receivers if not r.peer_ok)
         self.idle: deque[Receiver] = deque()  # holders free to serve
-        self.running: dict[Future[ImageTransfer], tuple[str, Receiver, Receiver | None]] = {}
+        self.running: dict[Future[Delivery], tuple[str, Receiver, Receiver | None]] = {}
         self.ready: dict[Future[None], Receiver] = {}  # set by a copy's watch once its archive is published
         self.seeded = 0
 
@@ -162,22 +174,23 @@ class Spread:
                 self.running[future] = (kind, each, None)  # freed here, not again when the copy ends
                 self._free(sender)
 
-    def _readiness(self, receiver: Receiver, peer: bool) -> tuple[str, Callable[[], None] | None]:
-        """The digest to check on `receiver` and what its watch calls once its copy is published ("", None: no
-        use in knowing before the copy ends). Called where its copy is scheduled (this thread), which waits on
-        the result. Worth knowing for a peer copy (its sender is freed) and for a host that serves early."""
+    def _readiness(self, receiver: Receiver, peer: bool) -> Callable[[], None] | None:
+        """What `receiver`'s copy calls once its file is published (verified whole), or None when there is no use in
+        knowing before the copy ends. Called where its copy is scheduled (this thread), which waits on the result.
+        Worth knowing for a peer copy (its sender is freed) and for a host that serves early."""
         early = receiver.listens and self._may_hold(receiver)
-        if not (self.job.digest and receiver.sums and (peer or early)):
-            return "", None
+        if not (peer or early):
+            return None
         future: Future[None] = Future()
         self.ready[future] = receiver
-        then = "it serves others while it loads" if early else "it loads (its listener needs the image)"
+        uses = self.job.uses
+        then = f"it serves others while it {uses}" if early else f"it {uses} (its listener needs the image)"
 
         def published() -> None:
-            self.progress(f"{receiver.host}: archive whole (SHA-256 checked); {then}")
+            self.progress(f"{receiver.host}: {self.job.noun} whole (SHA-256 checked); {then}")
             future.set_result(None)
 
-        return self.job.digest, published
+        return published
 
     def _operator_next(self) -> Receiver | None:
         """Fallbacks first; then seeds, and more of them only when no holder is or will soon be free."""
@@ -195,13 +208,13 @@ class Spread:
             if receiver is None:
                 break
             ready = self._readiness(receiver, peer=False)
-            self.running[pool.submit(self._stream, receiver, *ready)] = ("operator", receiver, None)
+            self.running[pool.submit(self._stream, receiver, ready)] = ("operator", receiver, None)
         while self.idle and self.pending:
             sender, receiver = self.idle.popleft(), self.pending.popleft()
             ready = self._readiness(receiver, peer=True)
-            self.running[pool.submit(self._peer, sender, receiver, *ready)] = ("peer", receiver, sender)
+            self.running[pool.submit(self._peer, sender, receiver, ready)] = ("peer", receiver, sender)
 
-    def _finish(self, future: Future[ImageTransfer]) -> None:
+    def _finish(self, future: Future[Delivery]) -> None:
         kind, receiver, sender = self.running.pop(future)
         for waiting in [f for f, r in self.ready.items() if r is receiver]:  # its copy ended unpublished
             del self.ready[waiting]
@@ -219,69 +232,64 @@ class Spread:
 
     # the two kinds of copy ------------------------------------------------------------------------------
 
-    def _stream(
-        self, receiver: Receiver, digest: str = "", on_ready: Callable[[], None] | None = None
-    ) -> ImageTransfer:
-        """The operator sends its archive over the receiver's SSH connection."""
+    def _stream(self, receiver: Receiver, on_ready: Callable[[], None] | None = None) -> Delivery:
+        """The operator sends the bytes over the receiver's SSH connection."""
         started = time.monotonic()
-        total = self.job.archive.stat().st_size
+        total = self.job.size
         sent = 0
-        self.progress(TransferProgress(receiver.host, 0, total))
+        self.progress(TransferProgress(receiver.host, 0, total, label=self._label("operator", receiver)))
 
         def on_sent(count: int) -> None:
             nonlocal sent
             sent += count
-            self.progress(TransferProgress(receiver.host, sent, total))
+            self.progress(TransferProgress(receiver.host, sent, total, label=self._label("operator", receiver)))
 
         archive = self.job.remote(receiver.archive_dir)
-        command = peer_copy.receive_script(
-            peer_copy.receive_command(archive, receiver.decompress, self.job.image, "", digest)
-        )
-        with self.job.archive.open("rb") as source:
+        command = receive_script(receive_command(archive, self.job.digest, self.job.use(receiver)))
+        with self.job.open() as source:
             result = receiver.transport.feed(
                 command, source, on_sent=on_sent, timeout=peer_copy.DEADLINE_S, on_line=_told(on_ready)
             )
-        self.progress(TransferProgress(receiver.host, sent, total, done=True))
-        self._check(receiver, result, "docker load")
+        self.progress(TransferProgress(receiver.host, sent, total, done=True, label=self._label("operator", receiver)))
+        self._check(receiver, result, "the copy from the operator")
         after = f" (after a peer copy failed: {receiver.fallback})" if receiver.fallback else ""
         return self._done(receiver, "operator" + after, started, sent, result)
 
-    def _peer(
-        self, sender: Receiver, receiver: Receiver, digest: str = "", on_ready: Callable[[], None] | None = None
-    ) -> ImageTransfer:
-        """`sender` serves its copy of the archive to `receiver` over the cluster network."""
+    def _label(self, source: str, receiver: Receiver) -> str:
+        """The progress bar's name: "image → HOST" from the operator, "model SENDER → HOST" from a peer."""
+        kind = self.job.what.split(" ", 1)[0]
+        return f"{kind} → {receiver.host}" if source == "operator" else f"{kind} {source} → {receiver.host}"
+
+    def _peer(self, sender: Receiver, receiver: Receiver, on_ready: Callable[[], None] | None = None) -> Delivery:
+        """`sender` serves its copy to `receiver` over the cluster network."""
         started = time.monotonic()
-        total = self.job.archive.stat().st_size
+        total = self.job.size
         copy = peer_copy.Copy.new(sender.host, receiver.host, sender.address)
-        secret = (copy.secret + "\n").encode()
         heard: list[CommandResult | BaseException] = []
 
         def listen() -> None:
             try:
-                command = peer_copy.listener_command(copy, self.job.remote(sender.archive_dir), self.job.image)
-                heard.append(sender.transport.run(command, stdin=secret, timeout=peer_copy.DEADLINE_S + 60))
+                command = peer_copy.listener_command(copy, self.job.remote(sender.archive_dir), self.job.listener_image)
+                heard.append(sender.transport.run(command, stdin=copy.stdin, timeout=peer_copy.DEADLINE_S + 60))
             except BaseException as exc:
                 heard.append(exc)
 
         listener = threading.Thread(target=listen, daemon=True)
         listener.start()
-        label = f"image {sender.host} → {receiver.host}"
+        label = self._label(sender.host, receiver)
         self.progress(TransferProgress(receiver.host, 0, total, label=label))
         archive = self.job.remote(receiver.archive_dir)
-        command = peer_copy.receive_script(
-            peer_copy.receive_command(
-                archive, receiver.decompress, self.job.image, f"{copy.address} {copy.port}", digest
-            )
-        )
+        source = f"{copy.address} {copy.port}"
+        command = receive_script(receive_command(archive, self.job.digest, self.job.use(receiver), source))
         report = lambda n: self.progress(TransferProgress(receiver.host, n, total, label=label))  # noqa: E731
         with peer_copy.Watch(receiver.transport, archive, report, total) as watch:
             result = receiver.transport.run(
-                command, stdin=secret, timeout=peer_copy.DEADLINE_S + 60, on_line=_told(on_ready)
+                command, stdin=copy.stdin, timeout=peer_copy.DEADLINE_S + 60, on_line=_told(on_ready)
             )
         listener.join(peer_copy.CONNECT_S + 60)
         self.progress(TransferProgress(receiver.host, total, total, done=True, label=label))
-        if not result.ok and _listener_failed(heard[0] if heard else None):
-            sender.serves = False
+        if not result.ok and (_listener_failed(heard[0] if heard else None) or _said(result, CORRUPT)):
+            sender.serves = False  # its listener broke, or what it served did not match: it serves no one else
         if watch.stalled:
             why = _listener_said(heard[0] if heard else None)
             raise OperationError(
@@ -289,10 +297,10 @@ class Spread:
                 f"({watch.seen / 1e6:.0f} of {total / 1e6:.0f} MB had arrived{'; the listener: ' + why if why else ''})",
                 "",
             )
-        self._check(receiver, result, f"copy from {sender.host}")
+        self._check(receiver, result, f"the copy from {sender.host}")
         return self._done(receiver, sender.host, started, total, result)
 
-    def _done(self, receiver: Receiver, source: str, started: float, size: int, result: CommandResult) -> ImageTransfer:
+    def _done(self, receiver: Receiver, source: str, started: float, size: int, result: CommandResult) -> Delivery:
         return replace(
             receiver.transfer,
             method="stream",
@@ -304,20 +312,28 @@ class Spread:
         )
 
     def _check(self, receiver: Receiver, result: CommandResult, what: str) -> None:
-        """The receive command prints the loaded image's ID last: it must be the operator's."""
+        """The receive command verified the bytes before their use; the job checks what the use did."""
         if not result.ok:
+            corrupt = _said(result, CORRUPT)
+            if corrupt:
+                raise OperationError(
+                    f"{receiver.host}: {what}: {self.job.what} arrived corrupt and was not used ({corrupt})",
+                    f"check {receiver.host}'s network and disk; run again (it is sent again)",
+                )
+            unproven = _said(result, SENDER_UNPROVEN)
             raise OperationError(
-                f"{receiver.host}: {what} failed: {result.first_line()}",
-                f"check free disk space on {receiver.host} (df -h /var/lib/docker) and retry `raycluster up`",
+                f"{receiver.host}: {what} failed: {unproven or result.first_line()}",
+                f"check free disk space on {receiver.host} (df -h {receiver.archive_dir}) and run again",
             )
-        lines = result.stdout.strip().splitlines()
-        found = image_id(lines[-1]) if lines else ""
-        if found != self.job.image_id:
-            raise OperationError(
-                f"{receiver.host}: after docker load, {self.job.image} is {found[7:19] or 'missing'}, "
-                f"expected {self.job.image_id[7:19]}",
-                "the image may have been re-tagged meanwhile: re-run `raycluster up`",
-            )
+        self.job.verify(receiver, result)
+
+
+def _said(result: CommandResult, marker: str) -> str:
+    """The first line of a command's stderr that starts with `marker`, without it ("" when none)."""
+    for line in result.stderr.splitlines():
+        if line.startswith(marker):
+            return line[len(marker) :].strip()
+    return ""
 
 
 def _told(on_ready: Callable[[], None] | None) -> Callable[[str], None] | None:

@@ -369,6 +369,7 @@ def status_view(body: dict[str, Any], title: str = "") -> Group:
         table,
         Text.from_markup(f"{totals['alive_nodes']}/{totals['hosts']} nodes alive; {summary or 'no resources'}"),
     ]
+    lines.extend(Text(line) for line in _model_lines(body["hosts"]))
     for host in body["hosts"]:
         if host.get("error"):
             lines.append(
@@ -378,6 +379,24 @@ def status_view(body: dict[str, Any], title: str = "") -> Group:
     if service:
         lines.append(Text.from_markup(service))
     return Group(*lines)
+
+
+def _model_lines(hosts: list[dict[str, Any]]) -> list[str]:
+    """One line per model held on any host: its name, digest and size, and which hosts hold it."""
+    holders: dict[str, list[str]] = {}
+    about: dict[str, dict[str, Any]] = {}
+    for host in hosts:
+        for model in host.get("models") or []:
+            holders.setdefault(model["digest"], []).append(host["host"])
+            about.setdefault(model["digest"], model)
+    lines = []
+    for digest, on in holders.items():
+        model = about[digest]
+        size = f", {model['size'] / 1e6:.1f} MB" if isinstance(model.get("size"), int) else ""
+        lines.append(
+            f"model {model.get('name') or '?'} ({digest[:12]}{size}) on {len(on)}/{len(hosts)}: {', '.join(on)}"
+        )
+    return lines
 
 
 def _service_line(service: dict[str, Any] | None, error: str) -> str:

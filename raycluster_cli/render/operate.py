@@ -133,7 +133,9 @@ def render_serve(output: Output, body: dict[str, Any]) -> None:
     sent = [c for c in body["copies"] if c["action"] == "sent"]
     if body["copies"]:
         already = len(body["copies"]) - len(sent)
-        output.line(f"model {body['model_digest'][:12]}: sent to {len(sent)} host(s), already on {already}")
+        here = sum(str(c.get("source", "")).startswith("operator") for c in sent)
+        relayed = f" ({here} from here, {len(sent) - here} host to host)" if sent else ""
+        output.line(f"model {body['model_digest'][:12]}: sent to {len(sent)} host(s){relayed}, already on {already}")
     model, url = terminal_safe(body["model"]), body["url"]
     output.line(f"serving {model} at {url} ({body['replicas']} replica(s)), ready in {body['seconds']:.0f}s")
     for index, pipeline in enumerate(body.get("pipelines") or []):

@@ -14,7 +14,7 @@ import json
 import secrets
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from raycluster_cli import cancel
@@ -22,6 +22,8 @@ from raycluster_cli.bench.options import BenchOptions
 from raycluster_cli.config.inventory import Inventory
 from raycluster_cli.errors import OperationError, RayclusterError
 from raycluster_cli.host.containers import container_name, inspect_name_command, parse_ps
+from raycluster_cli.image.model_relay import place_model
+from raycluster_cli.progress import Progress, quiet
 from raycluster_cli.transport import Transport, quote
 from raycluster_cli.transport.pool import Connect
 
@@ -143,6 +145,17 @@ class _Run:
 
     def clean(self) -> None:
         self.sh(f"rm -rf {self.folder}")
+
+
+def place_bench_model(
+    inventory: Inventory, connect: Connect, options: BenchOptions, progress: Progress = quiet
+) -> tuple[BenchOptions, list[dict[str, Any]]]:
+    """`--model-path` naming a folder on this machine: relayed into every host's model cache where it is missing
+    (image/model_relay.py), and the driver reads it there; any other path is passed on as one the nodes have."""
+    if not options.model_path:
+        return options, []
+    path, _, copies = place_model(inventory, connect, options.model_path, progress)
+    return options.model_copy(update={"model_path": path}), [asdict(c) for c in copies]
 
 
 def run_bench(

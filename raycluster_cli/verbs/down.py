@@ -12,7 +12,8 @@ from raycluster_cli.config.inventory import HostConfig, Inventory
 from raycluster_cli.config.state import purge_local
 from raycluster_cli.errors import OperationError, RayclusterError
 from raycluster_cli.host.containers import host_state_dir, list_cluster_containers
-from raycluster_cli.host.folders import fix_hint, refusal, remove_dir_command
+from raycluster_cli.host.folders import archive_dir, fix_hint, refusal, remove_dir_command
+from raycluster_cli.image.receive import purge_command
 from raycluster_cli.progress import Progress, quiet
 from raycluster_cli.transport import quote
 from raycluster_cli.transport.fanout import error_message, fanout
@@ -111,6 +112,9 @@ def _purge_host(inventory: Inventory, connect: Connect) -> Callable[[HostConfig]
             )
         if "removed" in result.stdout.split():
             done.append(folder)
+        staging = archive_dir(inventory, host)  # the relay's staging folder: only when it is the login user's own
+        if "removed" in transport.run(purge_command(staging), timeout=120).stdout.split():
+            done.append(staging)
         return done
 
     return purge

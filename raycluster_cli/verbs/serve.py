@@ -2,8 +2,9 @@
 it is doing now, and its end.
 
 The service itself is node side (raycluster_cli/serve/: Ray Serve, the stages, the OpenAI routes). `serve` puts the
-model where every node can read it (image/models.py: a folder on this machine goes into each host's model cache,
-mounted read-only into the Ray containers; a path that is not on this machine is taken as one on the nodes), then
+model where every node can read it (image/model_relay.py: a folder on this machine is relayed into each host's
+model cache, mounted read-only into the Ray containers; a path that is not on this machine is taken as one on the
+nodes), then
 runs the launcher (`python -m raycluster_cli.serve`) in the head's container: it deploys the Ray Serve application
 and returns once a real generation went through every stage. The application outlives the launcher and this
 process (Ray Serve keeps it), so closing the operator's laptop does not stop it; `serve --stop` removes it. The
@@ -17,17 +18,16 @@ import json
 import shlex
 import time
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any
 
-from raycluster_cli.config.inventory import HostConfig, Inventory
+from raycluster_cli.config.inventory import Inventory
 from raycluster_cli.config.state import token_file
 from raycluster_cli.errors import OperationError, UsageError
 from raycluster_cli.host.containers import SOURCE_ENV, TOKEN_IN_CONTAINER, container_name
-from raycluster_cli.image.models import ModelFolder, held_command, parse_held, read_model_folder, send_model
-from raycluster_cli.progress import Progress, TransferProgress, quiet
+from raycluster_cli.image.model_relay import ModelCopy, place_model
+from raycluster_cli.image.models import ModelFolder
+from raycluster_cli.progress import Progress, quiet
 from raycluster_cli.transport import Transport, quote
-from raycluster_cli.transport.fanout import fanout
 from raycluster_cli.transport.pool import Connect
 
 APP = "raycluster"  # the Ray Serve application's name (the launcher's APP_NAME)
@@ -48,14 +48,6 @@ class ServeOptions:
 
 
 @dataclass
-class ModelCopy:
-    host: str
-    action: str  # "held" (nothing sent) / "sent"
-    bytes_sent: int = 0
-    seconds: float = 0.0
-
-
-@dataclass
 class ServeResult:
     url: str
     model: str
@@ -72,37 +64,6 @@ class ServeResult:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
-
-
-def place_model(
-    inventory: Inventory, connect: Connect, model_path: str, progress: Progress = quiet
-) -> tuple[str, ModelFolder | None, list[ModelCopy]]:
-    """Where the nodes read the model, and what was copied for it: a folder on this machine goes into every host's
-    cache where it is missing (verified there); any other path is taken as one that every node already has."""
-    if not Path(model_path).expanduser().exists():
-        return model_path, None, []
-    progress(f"hashing the model folder {model_path}")
-    model = read_model_folder(model_path)
-
-    def one(host: HostConfig) -> ModelCopy:
-        transport = connect(host)
-        held = parse_held(transport.run(held_command(inventory, host), timeout=60).stdout)
-        if model.digest in held:
-            return ModelCopy(str(host.address), "held")
-        started = time.monotonic()
-        label = f"model → {host.address}"
-        progress(TransferProgress(str(host.address), 0, model.size, label=label))
-
-        def sent(count: int) -> None:
-            progress(TransferProgress(str(host.address), count, model.size, label=label))
-
-        send_model(transport, inventory, host, model, on_sent=sent)
-        progress(TransferProgress(str(host.address), model.size, model.size, done=True, label=label))
-        return ModelCopy(str(host.address), "sent", model.size, round(time.monotonic() - started, 2))
-
-    copies = fanout(inventory.hosts, one, what="put the model on the hosts")
-    copies.raise_failures()
-    return model.in_container, model, copies.values()
 
 
 def _head(inventory: Inventory, connect: Connect) -> tuple[Transport, str]:

@@ -1,4 +1,5 @@
-"""`raycluster status`: per host the container, the Ray node, its resources, image and Ray version."""
+"""`raycluster status`: per host the container, the Ray node, its resources, image and Ray version, and the models
+in its cache (image/models.py)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from raycluster_cli.errors import RayclusterError
 from raycluster_cli.host.containers import LABEL_CLUSTER, LABEL_ROLE, container_name
 from raycluster_cli.host.engine import image_id
 from raycluster_cli.host.node import probe
+from raycluster_cli.image.models import held_command, parse_models
 from raycluster_cli.transport import PART_SEPARATOR, prefetch, quote
 from raycluster_cli.transport.fanout import error_message, fanout
 from raycluster_cli.transport.pool import Connect
@@ -28,6 +30,7 @@ class HostStatus:
     resources: dict[str, float] = field(default_factory=dict)
     image_id: str = ""
     ray_version: str = ""
+    models: list[dict[str, Any]] = field(default_factory=list)  # what its model cache holds: digest, size, name
     error: str = ""
 
     @property
@@ -68,15 +71,18 @@ def host_command(inventory: Inventory, host: HostConfig) -> str:
     labels = f'{{{{index .Config.Labels "{LABEL_CLUSTER}"}}}}/{{{{index .Config.Labels "{LABEL_ROLE}"}}}}'
     return (
         f"docker inspect --format '{{{{.State.Status}}}} {{{{.Image}}}} {labels}' {name} 2>/dev/null; echo {PART_SEPARATOR}; "
-        f"docker exec {name} python -c {quote(_VERSION)} 2>/dev/null"
+        f"docker exec {name} python -c {quote(_VERSION)} 2>/dev/null; echo {PART_SEPARATOR}; "
+        f"{held_command(inventory, host)}"
     )
 
 
 def parse_host(inventory: Inventory, host: HostConfig, text: str) -> HostStatus:
     """HostStatus from the output of `host_command` (pure)."""
-    state_text, _, version = text.partition(PART_SEPARATOR)
+    state_text, _, rest = text.partition(PART_SEPARATOR)
+    version, _, held = rest.partition(PART_SEPARATOR)
     fields = state_text.split()
     status = HostStatus(str(host.address), host.role, inventory.node_ip(host), "missing")
+    status.models = [m.to_dict() for m in parse_models(held)]
     if len(fields) >= 3:
         ours = fields[2] == f"{inventory.cluster}/{host.role}"
         status.container = fields[0] if ours else "foreign"

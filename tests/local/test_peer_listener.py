@@ -31,6 +31,7 @@ class Listener:
         self.archive = tmp / "archive.zst"
         self.archive.write_bytes(secrets.token_bytes(3 << 20))
         self.secret = secrets.token_hex(24)
+        self.answer = secrets.token_hex(24)  # what it says back first: the receiver's proof that it is the sender
         self.port = _free_port()
         argv = [
             "127.0.0.1",
@@ -48,7 +49,7 @@ class Listener:
             stderr=subprocess.PIPE,
         )
         assert self.process.stdin is not None
-        self.process.stdin.write(f"{self.secret}\n".encode())
+        self.process.stdin.write(f"{self.secret}\n{self.answer}\n".encode())
         self.process.stdin.close()
         self.process.stdin = None  # written and closed: communicate() has nothing to send
         deadline = time.monotonic() + 10
@@ -90,7 +91,8 @@ def test_connections_that_say_nothing_do_not_keep_the_receiver_out(listener: Lis
     silent = [listener.connect() for _ in range(4)]
     try:
         start = time.monotonic()
-        assert listener.receive(f"{listener.secret}\n".encode()) == listener.archive.read_bytes()
+        expected = f"{listener.answer}\n".encode() + listener.archive.read_bytes()
+        assert listener.receive(f"{listener.secret}\n".encode()) == expected
         assert time.monotonic() - start < 4  # was: 10 s per silent connection ahead of it, past the wait
     finally:
         for conn in silent:
@@ -105,7 +107,8 @@ def test_wrong_secrets_and_half_lines_are_dropped_and_the_right_one_served(liste
     try:
         assert listener.receive(b"0" * 48 + b"\n") == b""  # a wrong secret: closed, nothing sent
         assert listener.receive(b"x" * 300) == b""  # no newline within 200 bytes: closed
-        assert listener.receive(f"{listener.secret}\n".encode()) == listener.archive.read_bytes()
+        expected = f"{listener.answer}\n".encode() + listener.archive.read_bytes()
+        assert listener.receive(f"{listener.secret}\n".encode()) == expected
     finally:
         half.close()
 

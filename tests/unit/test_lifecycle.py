@@ -273,6 +273,23 @@ def test_parse_host_status() -> None:
     assert "raycluster-demo-worker" in host_command(inv, inv.hosts[1])
 
 
+def test_status_lists_the_models_each_host_holds() -> None:
+    from raycluster_cli.render.base import _model_lines
+
+    inv = _inv()
+    digest = "0123456789abcdef" * 2
+    text = f"running {A} demo/worker\n--raycluster--\n2.60.0\n--raycluster--\n{digest}\t4096\ttiny llama\n"
+    st = parse_host(inv, inv.hosts[1], text)
+    assert st.models == [{"digest": digest, "size": 4096, "name": "tiny llama"}]
+    assert st.to_dict()["models"] == st.models
+    assert parse_host(inv, inv.hosts[1], f"running {A} demo/worker\n--raycluster--\n2.60.0\n").models == []
+    old = parse_host(inv, inv.hosts[2], f"--raycluster--\n--raycluster--\n{digest}\t-\t-\n")  # no .raycluster-model
+    assert old.models == [{"digest": digest, "size": None, "name": ""}]
+    hosts = [st.to_dict(), old.to_dict()]
+    assert _model_lines(hosts) == [f"model tiny llama ({digest[:12]}, 0.0 MB) on 2/2: {HOSTS[1]}, {HOSTS[2]}"]
+    assert "models/*/.raycluster-manifest" in host_command(inv, inv.hosts[1])
+
+
 def test_status_merges_the_gcs_view_and_totals_only_healthy_nodes() -> None:
     hosts = [
         HostStatus(HOSTS[0], "head", HOSTS[0], "running"),
@@ -328,15 +345,17 @@ def test_stream_sends_the_cached_archive_and_verifies_the_image_id(tmp_path: Pat
     archive = tmp_path / "aaaaaaaaaaaa.tar.gz"
     archive.write_bytes(b"x" * 600_000)
     fake = FakeTransport(
-        HOSTS[2], {"command -v": "bash\ntimeout\n", "docker load": f"Loaded image\n{A}\n", "rm -f": ""}
+        HOSTS[2], {"for t in zstd": "bash\ntimeout\nsha256sum\n", "docker load": f"Loaded image\n{A}\n", "rm -f": ""}
     )
     events: list[object] = []
     done = distribute(inv, lambda h: fake, [ImageTransfer(HOSTS[2], "missing", "stream")], A, tmp_path, events.append)
     assert [(t.host, t.method, t.codec, t.bytes_sent) for t in done] == [(HOSTS[2], "stream", "gzip", 600_000)]
     assert list(fake.fed.values()) == [archive.read_bytes()]
-    assert "gzip -dc | docker load -q" in next(iter(fake.fed))
+    command = next(iter(fake.fed))
+    assert 'gzip -dc <"$a" | docker load -q' in command  # the archive, once its SHA-256 matched
+    assert command.index("_sha ") < command.index("docker load")
     transfers = [e for e in events if isinstance(e, TransferProgress)]
-    assert transfers[-1] == TransferProgress(HOSTS[2], 600_000, 600_000, done=True)
+    assert transfers[-1] == TransferProgress(HOSTS[2], 600_000, 600_000, done=True, label=f"image → {HOSTS[2]}")
 
 
 def test_stream_fails_when_the_loaded_image_has_another_id(tmp_path: Path) -> None:
@@ -344,7 +363,7 @@ def test_stream_fails_when_the_loaded_image_has_another_id(tmp_path: Path) -> No
 
     (tmp_path / "aaaaaaaaaaaa.tar.gz").write_bytes(b"x")
     fake = FakeTransport(
-        HOSTS[1], {"command -v": "bash\ntimeout\n", "docker load": f"Loaded image\n{B}\n", "rm -f": ""}
+        HOSTS[1], {"for t in zstd": "bash\ntimeout\nsha256sum\n", "docker load": f"Loaded image\n{B}\n", "rm -f": ""}
     )
     with pytest.raises(OperationError) as info:
         distribute(_inv(), lambda h: fake, [ImageTransfer(HOSTS[1], "missing", "stream")], A, tmp_path)
@@ -384,6 +403,8 @@ def _purge_hosts(rmi: CommandResult) -> dict[str, FakeTransport]:
         "docker rmi": rmi,
         r"^if \[ -e /etc/raycluster/demo \] \|\| \[ -L /etc/raycluster/demo \]; then \( f=/etc/raycluster/demo; .* "
         r"&& rm -rf -- /etc/raycluster/demo && echo removed; fi$": "removed\n",
+        r"^if \[ -d /var/tmp/raycluster-images \] && \[ ! -L /var/tmp/raycluster-images \] && "
+        r"\[ -O /var/tmp/raycluster-images \]; then rm -rf -- /var/tmp/raycluster-images": "removed\n",
     }
     return {h: FakeTransport(h, table) for h in HOSTS}
 
@@ -401,6 +422,7 @@ def test_down_purge_removes_image_host_files_and_local_state(tmp_path: Path, mon
     purged = {(p["host"], p["item"]) for p in result.purged}
     for host in HOSTS:
         assert (host, "image raycluster/node:0.1.0") in purged and (host, "/etc/raycluster/demo") in purged
+        assert (host, "/var/tmp/raycluster-images") in purged  # the relay's staging folder (only if it is ours)
         assert any("rm -rf -- /etc/raycluster/demo &&" in c for c in hosts[host].commands)
     assert ("localhost", str(state_dir(inv))) in purged and not state_dir(inv).exists()
     kept = down(inv, lambda h: _purge_hosts(CommandResult(0, "", ""))[str(h.address)])

@@ -1,8 +1,10 @@
-"""A model folder's digest, its tar stream, and the receiving host's check, in a real shell (the host side is bash,
-tar and sha256sum, as on every Linux host)."""
+"""A model folder's digest, its tar (the bytes the relay carries, hashed in the same pass as the files), and the
+receiving host's checks in a real shell: the relay's receive script (the tar's SHA-256, whole, before anything is
+unpacked), then the model's use step (each file against the manifest, read-only, renamed to the digest)."""
 
 from __future__ import annotations
 
+import hashlib
 import io
 import subprocess
 import tarfile
@@ -12,7 +14,7 @@ import pytest
 
 from raycluster_cli.config import inventory
 from raycluster_cli.errors import UsageError
-from raycluster_cli.image import models
+from raycluster_cli.image import models, receive
 
 INVENTORY = """
 cluster: demo
@@ -32,17 +34,33 @@ def _folder(tmp_path: Path, weights: bytes = b"\x00\x01" * 5000) -> Path:
     return folder
 
 
-def _receive(tmp_path: Path, model: models.ModelFolder, stream: bytes) -> subprocess.CompletedProcess[bytes]:
+def _receive(
+    tmp_path: Path, model: models.ModelFolder, stream: bytes, digest: str = ""
+) -> subprocess.CompletedProcess[bytes]:
+    """The relay's receive script with the model's use step, `stream` on stdin (as the operator sends it)."""
     inv = inventory.parse(INVENTORY.format(state=tmp_path / "host"), "inv.yaml")
-    command = models.receive_command(inv, inv.hosts[0], model.digest)
+    (tmp_path / "host" / "demo").mkdir(parents=True, exist_ok=True)
+    staged = f"{tmp_path}/staging/model-{model.digest}.tar"
+    use = models.use_command(inv, inv.hosts[0], model)
+    command = receive.receive_script(receive.receive_command(staged, digest or model.tar_sha256, use))
     return subprocess.run(["bash", "-c", command], input=stream, capture_output=True, timeout=60)
 
 
 def _stream(model: models.ModelFolder) -> bytes:
-    source, writer = models.tar_stream(model)
-    data = source.read()
-    writer.join()
-    return data
+    with models.open_tar(model) as source:
+        return source.read()
+
+
+def test_the_tar_is_what_was_hashed_and_any_tar_reads_it(tmp_path: Path) -> None:
+    folder = _folder(tmp_path)
+    (folder / "vocab é.txt").write_text("x")  # a name that needs a pax header
+    model = models.read_model_folder(folder)
+    data = _stream(model)
+    assert len(data) == model.tar_size and hashlib.sha256(data).hexdigest() == model.tar_sha256
+    with tarfile.open(fileobj=io.BytesIO(data)) as tar:
+        assert tar.getnames() == [f.path for f in model.files] + [models.MANIFEST]  # the manifest last
+        assert tar.extractfile("sub/tokenizer.json").read() == b"{}"  # type: ignore[union-attr]
+    assert models.read_model_folder(folder).tar_sha256 == model.tar_sha256  # the same bytes every time
 
 
 def test_the_digest_names_the_files_and_their_content(tmp_path: Path) -> None:
@@ -84,7 +102,10 @@ def test_a_host_stores_a_whole_model_read_only_under_its_digest(tmp_path: Path) 
     inv = inventory.parse(INVENTORY.format(state=tmp_path / "host"), "inv.yaml")
     held = subprocess.run(["bash", "-c", models.held_command(inv, inv.hosts[0])], capture_output=True, text=True)
     assert models.parse_held(held.stdout) == {model.digest}
-    assert [p.name for p in stored.parent.iterdir()] == [model.digest]  # no staging folder left
+    assert models.parse_models(held.stdout) == [models.HeldModel(model.digest, model.size, "tiny")]
+    assert [p.name for p in stored.parent.iterdir()] == [model.digest]  # no unpacking folder left
+    assert [p.name for p in (tmp_path / "staging").iterdir()] == [f"model-{model.digest}.tar"]  # served on, then
+    # the relay removes it
 
 
 def test_a_byte_flipped_in_flight_is_never_stored(tmp_path: Path) -> None:
@@ -93,9 +114,9 @@ def test_a_byte_flipped_in_flight_is_never_stored(tmp_path: Path) -> None:
     at = stream.index(b"\x00\x01\x00\x01")
     stream[at + 1] ^= 0xFF
     done = _receive(tmp_path, model, bytes(stream))
-    assert done.returncode != 0 and b"FAILED" in done.stderr
-    cache = tmp_path / "host" / "demo" / "models"
-    assert list(cache.iterdir()) == []  # neither the digest's folder nor the staging one
+    assert done.returncode == receive.CORRUPT_RC and receive.CORRUPT.encode() in done.stderr
+    assert not (tmp_path / "host" / "demo" / "models").exists()  # nothing was unpacked at all
+    assert list((tmp_path / "staging").iterdir()) == []
 
 
 def test_a_file_the_manifest_does_not_list_is_refused(tmp_path: Path) -> None:
@@ -108,6 +129,34 @@ def test_a_file_the_manifest_does_not_list_is_refused(tmp_path: Path) -> None:
             info = tarfile.TarInfo(name)
             info.size = len(data)
             tar.addfile(info, io.BytesIO(data))
-    done = _receive(tmp_path, model, buffer.getvalue())
+    data = buffer.getvalue()  # whole as sent (its SHA-256 is the one given): the unpack's own check refuses it
+    done = _receive(tmp_path, model, data, hashlib.sha256(data).hexdigest())
     assert done.returncode != 0 and b"manifest does not list" in done.stderr
     assert list((tmp_path / "host" / "demo" / "models").iterdir()) == []
+
+
+def test_a_file_that_differs_from_the_manifest_is_refused_even_in_a_whole_tar(tmp_path: Path) -> None:
+    model = models.read_model_folder(_folder(tmp_path))
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w") as tar:
+        for f in model.files:
+            data = (model.root / f.path).read_bytes()
+            data = b"changed" + data[7:] if f.path == "model.safetensors" else data
+            info = tarfile.TarInfo(f.path)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+        manifest = model.manifest.encode()
+        info = tarfile.TarInfo(models.MANIFEST)
+        info.size = len(manifest)
+        tar.addfile(info, io.BytesIO(manifest))
+    data = buffer.getvalue()
+    done = _receive(tmp_path, model, data, hashlib.sha256(data).hexdigest())
+    assert done.returncode != 0 and b"model.safetensors does not match the manifest" in done.stderr
+    assert list((tmp_path / "host" / "demo" / "models").iterdir()) == []
+
+
+def test_a_model_folder_read_while_it_changes_is_refused(tmp_path: Path) -> None:
+    model = models.read_model_folder(_folder(tmp_path))
+    (tmp_path / "tiny" / "model.safetensors").write_bytes(b"short")
+    with pytest.raises(OSError, match="changed while it was sent"):
+        _stream(model)

@@ -6,11 +6,12 @@ from __future__ import annotations
 import json
 import shlex
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from raycluster_cli.config import inventory
-from raycluster_cli.image import models
+from raycluster_cli.image import models, receive
 from raycluster_cli.render.base import _service_line
 from raycluster_cli.transport.base import CommandResult
 from raycluster_cli.verbs import serve
@@ -35,7 +36,11 @@ class Host:
     def run(self, command: str, **_: object) -> CommandResult:
         self.commands.append(command)
         if "raycluster-manifest" in command and "for m in" in command:
-            return CommandResult(0, "".join(f"{d}\n" for d in self.held), "")
+            return CommandResult(0, "".join(f"{d}\t1000\ttiny\n" for d in self.held), "")
+        if command.startswith("for t in zstd"):  # the relay's look at the host's tools
+            return CommandResult(0, "bash\ntimeout\nsha256sum\npython3\n", "")
+        if "; rm -f -- " in command:  # the relay's clean-up of its staged copy
+            return CommandResult(0, "", "")
         document = {
             "url": "http://192.0.2.10:8000/v1",
             "model": "tiny",
@@ -45,10 +50,13 @@ class Host:
         }
         return CommandResult(0, "ray says hello\n" + json.dumps(document) + "\n", "")
 
-    def feed(self, command: str, source: object, **_: object) -> CommandResult:
+    def feed(self, command: str, source: object, on_sent: Any = None, **_: object) -> CommandResult:
         data = source.read()  # type: ignore[attr-defined]
         self.fed += len(data)
-        return CommandResult(0, models.RECEIVED + "\n", "")
+        if on_sent is not None:
+            on_sent(len(data))
+        self.commands.append(command)
+        return CommandResult(0, f"{receive.PUBLISHED}\n{models.RECEIVED}\n", "")
 
 
 def _model(tmp_path: Path, layers: int = 2) -> Path:
@@ -81,7 +89,11 @@ def test_serve_sends_the_model_only_where_missing_and_splits_it_over_every_node(
         "192.0.2.11": "held",
         "192.0.2.12": "held",
     }
-    assert hosts["192.0.2.10"].fed > 1000 and hosts["192.0.2.11"].fed == 0
+    model = models.read_model_folder(tmp_path / "tiny")
+    assert hosts["192.0.2.10"].fed == model.tar_size and hosts["192.0.2.11"].fed == 0
+    assert [c.source for c in result.copies] == ["operator", "", ""] and result.copies[0].bytes_sent == model.tar_size
+    received = next(c for c in hosts["192.0.2.10"].commands if "/srv/rc/demo/models" in c and "tar -x" in c)
+    assert model.tar_sha256 in received  # the tar is verified whole before it is unpacked
     launch = hosts["192.0.2.10"].commands[-1]
     assert "--stages=2" in launch  # three nodes, but the model has two blocks
     assert "--model-id=tiny" in launch and f"/run/raycluster/models/{digest}" in launch

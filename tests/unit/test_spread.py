@@ -16,8 +16,10 @@ import pytest
 from raycluster_cli.config.inventory import Inventory, parse
 from raycluster_cli.errors import OperationError
 from raycluster_cli.image import peer_copy as peers
+from raycluster_cli.image import receive
 from raycluster_cli.image import schedule as spread
-from raycluster_cli.image.deliver import TOOLS_COMMAND, choose_codec, decompressor, distribute
+from raycluster_cli.image.deliver import choose_codec, decompressor, distribute, image_job
+from raycluster_cli.image.relay import TOOLS_COMMAND
 from raycluster_cli.image.schedule import ImageTransfer
 from raycluster_cli.progress import TransferProgress
 from raycluster_cli.transport import CommandResult
@@ -47,14 +49,18 @@ class Host(FakeTransport):
             return super().run(command, stdin=stdin, **options)
 
 
-def _table(loaded: str = A, tools: str = "zstd\nbash\ntimeout\n") -> dict[str, CommandResult | str]:
+TOOLS = "zstd\nbash\ntimeout\nsha256sum\n"
+LISTENER = "compare_digest"  # in the listener's command only (the receive commands name python3 too: the hash)
+
+
+def _table(loaded: str = A, tools: str = TOOLS) -> dict[str, CommandResult | str]:
     table: dict[str, CommandResult | str] = {re.escape(TOOLS_COMMAND): tools}
-    table.update({"python3 -c": "123", "/dev/tcp/": f"Loaded image: img:1\n{loaded}\n"})
+    table.update({LISTENER: "123", "/dev/tcp/": f"Loaded image: img:1\n{loaded}\n"})
     table.update({"docker load": f"Loaded image: img:1\n{loaded}\n", "stat -c": "0", "rm -f": ""})
     return table
 
 
-def _host(address: str, loaded: str = A, tools: str = "zstd\nbash\ntimeout\n", **extra: CommandResult | str) -> Host:
+def _host(address: str, loaded: str = A, tools: str = TOOLS, **extra: CommandResult | str) -> Host:
     return Host(address, {**_table(loaded, tools), **extra})
 
 
@@ -80,17 +86,17 @@ def test_the_operator_seeds_one_host_and_the_hosts_serve_the_rest(archive: Path)
     assert by_source[fed[0]] == "operator"
     assert all(by_source[a] in hosts and by_source[a] != a for a in hosts if a != fed[0])
     assert {t.codec for t in done} == {"zstd"} and {t.bytes_sent for t in done} == {1000}
-    # Every secret went on stdin and appears in no command line.
-    secrets = {s.decode().strip() for host in hosts.values() for s in host.stdin}
-    assert len(secrets) == 7
+    # Every secret went on stdin (the receiver's and the sender's, both ends) and appears in no command line.
+    secrets = {line for host in hosts.values() for s in host.stdin for line in s.decode().split()}
+    assert len(secrets) == 14
     commands = [c for host in hosts.values() for c in host.commands]
     assert not [c for c in commands if any(s in c for s in secrets)]
     # Each listener binds its own host's cluster address; every host's copy of the archive is removed after.
     for address, host in hosts.items():
         for command in host.commands:
-            if "python3 -c" in command:
+            if LISTENER in command:
                 assert f" {address} " in command
-        assert any(c.startswith("rm -f ") for c in host.commands)
+        assert any("; rm -f -- " in c for c in host.commands)
     assert any(isinstance(e, TransferProgress) and "→" in e.label for e in events)
 
 
@@ -117,17 +123,17 @@ def test_a_sender_whose_listener_fails_serves_no_one_else(archive: Path) -> None
     broken = CommandResult(1, "", "OSError: [Errno 98] Address already in use")
     fail_all = CommandResult(3, "", "cannot reach")
     for host in hosts.values():
-        host.table.insert(0, (re.compile("python3 -c"), broken))
+        host.table.insert(0, (re.compile(LISTENER), broken))
         host.table.insert(0, (re.compile("/dev/tcp/"), fail_all))
     done = distribute(inv, lambda h: hosts[str(h.address)], _plan(inv), A, archive.parent)
     assert all(t.source.startswith("operator") for t in done)
-    listeners = sum("python3 -c" in c for h in hosts.values() for c in h.commands)
+    listeners = sum(LISTENER in c for h in hosts.values() for c in h.commands)
     assert listeners <= 3  # each failed sender tried once and was dropped
 
 
 def test_a_host_without_bash_is_streamed_by_the_operator(archive: Path) -> None:
     inv = _fleet(3)
-    hosts = {str(h.address): _host(str(h.address), tools="zstd\n") for h in inv.hosts}
+    hosts = {str(h.address): _host(str(h.address), tools="zstd\nsha256sum\n") for h in inv.hosts}
     done = distribute(inv, lambda h: hosts[str(h.address)], _plan(inv), A, archive.parent)
     assert all(h.fed for h in hosts.values())
     assert {t.source for t in done} == {"operator"}
@@ -180,17 +186,19 @@ def test_watch_ends_without_a_stall_once_the_whole_archive_is_there(monkeypatch:
 def test_commands_keep_secrets_off_the_command_line_and_bound_every_wait() -> None:
     copy = peers.Copy.new("192.0.2.10", "192.0.2.11", "10.0.0.10")
     listen = peers.listener_command(copy, "/var/tmp/raycluster-images/a.tar.zst", "img:1")
-    receive = peers.receive_command("/var/tmp/raycluster-images/a.tar.zst", "zstd -dc", "img:1", "10.0.0.10 20001")
-    assert copy.secret not in listen and copy.secret not in receive
+    taking = receive.receive_command("/var/tmp/raycluster-images/a.tar.zst", "d" * 64, "true", "10.0.0.10 20001")
+    for secret in (copy.secret, copy.answer):
+        assert secret and secret not in listen and secret not in taking
+    assert copy.stdin == f"{copy.secret}\n{copy.answer}\n".encode()
     assert "docker run --rm -i --network host" in listen and f"timeout {peers.DEADLINE_S:.0f} python3" in listen
-    assert f"timeout -k 5 {peers.DEADLINE_S:.0f}" in receive and "/dev/tcp/10.0.0.10/20001" in receive
+    assert f"timeout -k 5 {peers.DEADLINE_S:.0f}" in taking and "/dev/tcp/10.0.0.10/20001" in taking
     assert peers.PORTS[0] <= copy.port <= peers.PORTS[1]
 
 
 def test_operator_streams_are_bounded(archive: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(spread, "SEEDS", 1)
     inv = _fleet(6)
-    hosts = {str(h.address): _host(str(h.address), tools="zstd\n") for h in inv.hosts}  # no bash: all direct
+    hosts = {str(h.address): _host(str(h.address), tools="zstd\nsha256sum\n") for h in inv.hosts}  # no bash: direct
     assert len(distribute(inv, lambda h: hosts[str(h.address)], _plan(inv), A, archive.parent)) == 6
 
 
@@ -205,7 +213,7 @@ def test_each_host_keeps_the_archive_in_its_login_users_folder(archive: Path) ->
         other = peers.ARCHIVE_DIR + ("-rayops" if folder == peers.ARCHIVE_DIR else "/")
         touching = [c for c in hosts[address].commands if peers.ARCHIVE_DIR in c]
         assert touching and all(f"{folder}/" in c and other not in c for c in touching), touching
-        assert any(c.startswith(f"rm -f {folder}/") for c in touching)  # removed after, from the same folder
+        assert any(f"; rm -f -- {folder}/" in c for c in touching)  # removed after, from the same folder
 
 
 class Loading(Host):
@@ -286,13 +294,41 @@ def test_a_host_serves_others_as_soon_as_its_archive_is_published_before_its_loa
     assert sum(t.source == seed for t in done) >= 2, [(t.host, t.source) for t in done]
 
 
-def test_a_host_without_sha256sum_serves_after_its_load(archive: Path) -> None:
+def test_a_host_with_no_tool_to_verify_is_refused_by_name_and_the_others_still_get_it(archive: Path) -> None:
     inv = _fleet(3)
-    hosts = {str(h.address): _host(str(h.address)) for h in inv.hosts}  # zstd, bash, timeout
-    done = distribute(inv, lambda h: hosts[str(h.address)], _plan(inv), A, archive.parent)
-    assert len(done) == 3
-    receives = [c for h in hosts.values() for c in h.commands if "docker load" in c]
-    assert receives and not [c for c in receives if "sha256sum" in c]
+    bare = "192.0.2.12"
+    hosts = {
+        str(h.address): _host(str(h.address), tools="zstd\nbash\ntimeout\n" if str(h.address) == bare else TOOLS)
+        for h in inv.hosts
+    }
+    with pytest.raises(OperationError) as info:
+        distribute(inv, lambda h: hosts[str(h.address)], _plan(inv), A, archive.parent)
+    assert "1 host(s)" in info.value.message and f"{bare}: has no sha256sum, python3 or openssl" in info.value.message
+    assert not hosts[bare].fed and not any("/dev/tcp/" in c for c in hosts[bare].commands)  # nothing sent there
+    assert all(any("docker load" in c for c in h.commands) for a, h in hosts.items() if a != bare)
+
+
+def test_a_peer_copy_that_arrives_corrupt_is_fetched_again_from_the_operator_and_its_sender_serves_no_more(
+    archive: Path,
+) -> None:
+    inv = _fleet(4)
+    corrupt = CommandResult(receive.CORRUPT_RC, "", f"{receive.CORRUPT} h: what arrived has SHA-256 0000…: not used")
+    hosts = {str(h.address): _host(str(h.address), **{"/dev/tcp/": corrupt}) for h in inv.hosts}
+    done = {t.host: t for t in distribute(inv, lambda h: hosts[str(h.address)], _plan(inv), A, archive.parent)}
+    assert all(t.source.startswith("operator") for t in done.values())  # each corrupt peer copy: again from here
+    fallbacks = [t for t in done.values() if t.source.startswith("operator (after")]
+    assert fallbacks and all("arrived corrupt and was not used" in t.source for t in fallbacks)
+    served = [sum(LISTENER in c for c in h.commands) for h in hosts.values()]
+    assert max(served) == 1  # a sender whose copy was found corrupt served no one after
+
+
+def test_an_operator_copy_that_arrives_corrupt_stops_the_run_naming_the_host(archive: Path) -> None:
+    inv = _fleet(1)
+    corrupt = CommandResult(receive.CORRUPT_RC, "", f"{receive.CORRUPT} h: what arrived has SHA-256 0000…: not used")
+    hosts = {str(h.address): _host(str(h.address), **{"docker load": corrupt}) for h in inv.hosts}
+    with pytest.raises(OperationError) as info:
+        distribute(inv, lambda h: hosts[str(h.address)], _plan(inv), A, archive.parent)
+    assert "192.0.2.10: the copy from the operator: image img:1 arrived corrupt and was not used" in info.value.message
 
 
 def test_without_python3_a_host_serves_after_its_load_but_its_sender_is_free_once_its_archive_is_published(
@@ -310,28 +346,27 @@ def test_without_python3_a_host_serves_after_its_load_but_its_sender_is_free_onc
     seed = next(t.host for t in done if t.source == "operator")
     assert len(done) == 8 and {t.source for t in done if t.host != seed} == {seed}
     assert fleet.loads_waited == [True] * 7
-    said = [e for e in events if isinstance(e, str) and "archive whole" in e]
+    said = [e for e in events if isinstance(e, str) and "archive whole (SHA-256 checked)" in e]
     assert said and all(e.endswith("it loads (its listener needs the image)") for e in said)
-    # Each peer copy's notice came from its own receive command; the seed's stream was not checked (no use).
+    # Each peer copy's notice came from its own receive command; the seed's was of no use (nobody waited on it).
     assert sorted(e.split(":")[0] for e in said) == sorted(t.host for t in done if t.host != seed)
-    assert {t.host: t.checksum for t in done} == {t.host: "" if t.host == seed else "sha256" for t in done}
+    assert {t.checksum for t in done} == {"sha256"}  # every copy verified before its load, the seed's too
 
 
 @pytest.mark.parametrize("ready_first", [True, False])
 def test_a_copy_that_ends_as_its_archive_is_published_frees_its_sender_once(archive: Path, ready_first: bool) -> None:
     """Both futures of one copy can be among those that `wait` returns together, in either order."""
     sender, receiver = (
-        spread.Receiver(ImageTransfer(a, "missing", "stream"), a, _host(a), "zstd -dc", True, sums=True)
-        for a in ("192.0.2.10", "192.0.2.11")
+        spread.Receiver(ImageTransfer(a, "missing", "stream"), a, _host(a), True) for a in ("192.0.2.10", "192.0.2.11")
     )
-    job = spread.Job("img:1", A, archive, "zstd", "d" * 64)
+    job = image_job("img:1", A, archive, "zstd", "d" * 64)
     run = spread.Spread([receiver], job, lambda e: None)
     run.pending.clear()
     copy: Future[ImageTransfer] = Future()
     copy.set_result(ImageTransfer(receiver.host, "missing", "stream", source=sender.host))
     run.running[copy] = ("peer", receiver, sender)
-    digest, published = run._readiness(receiver, peer=True)
-    assert digest == "d" * 64 and published is not None
+    published = run._readiness(receiver, peer=True)
+    assert published is not None
     published()
     (ready,) = run.ready
     run._settle([ready, copy] if ready_first else [copy, ready])
