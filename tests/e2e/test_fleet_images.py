@@ -87,7 +87,8 @@ def test_one_upload_reaches_eight_hosts(fleet_lab: Lab, small_image: str, tmp_pa
     sent = _bridge_tx(fleet_lab.info.network) - before
     assert sorted(t.host for t in done) == sorted(h.address for h in hosts)
     assert [t.source for t in done].count("operator") == 1
-    assert all(t.source in {h.address for h in hosts} for t in done if t.source != "operator")
+    sources = {t.host: t.source for t in done}
+    assert all(t.source in {h.address for h in hosts} for t in done if t.source != "operator"), sources
     assert sent < 1.5 * size, f"the operator sent {sent} bytes for a {size}-byte archive"
     for host in hosts:
         found = fleet_lab.sh(host.hostname, f"docker image inspect --format '{{{{.Id}}}}' {SMALL}").strip()
