@@ -9,7 +9,7 @@ QUOTAS=${DEMO_QUOTAS:-1.0,0.5,0.25}
 HOSTS=${LAB_HOSTS:-3}
 # A first look: a smaller model and a shorter counted run than bench's defaults (which are sized for stable
 # figures, about 7 minutes here). The same comparison, measured in about 2 minutes.
-DEMO_BENCH=${DEMO_BENCH:---min-blocks-per-node 16 --duration-s 6 --refine 1 --calibration-repeats 3 --check-output}
+DEMO_BENCH=${DEMO_BENCH:---min-blocks-per-node 16 --duration-s 6 --refine 1 --calibration-repeats 3 --dtype float32 --check-output}
 KEEP=${KEEP:-0}
 
 inv=$("$BIN/raycluster" lab up --hosts "$HOSTS" --cpu-quotas "$QUOTAS" --json \
