@@ -54,6 +54,9 @@ class HostStoppedAnswering(TransportError):
     """The connection died under a command because the host stopped answering (keepalive, or no channel)."""
 
 
+STOPPED_ANSWERING_HINT = "check that the host is up and not frozen (console, load); re-run when it answers"
+
+
 class HostKeyError(TransportError):
     """The host's SSH key is unknown (strict mode) or has changed."""
 

@@ -27,7 +27,7 @@ from typing import Any, BinaryIO
 import paramiko
 
 from raycluster_cli import cancel
-from raycluster_cli.errors import HostStoppedAnswering, TransportError
+from raycluster_cli.errors import STOPPED_ANSWERING_HINT, HostStoppedAnswering, TransportError
 from raycluster_cli.transport import prefetch, sshkeys
 from raycluster_cli.transport.base import CommandResult, put_command
 from raycluster_cli.transport.guard import guarded
@@ -308,9 +308,7 @@ class SSHTransport:
             lost = self.stopped_answering()
             self._forget()
             if lost:
-                raise HostStoppedAnswering(
-                    self.host, lost, "check that the host is up and not frozen (console, load); re-run when it answers"
-                )
+                raise HostStoppedAnswering(self.host, lost, STOPPED_ANSWERING_HINT)
             raise TransportError(self.host, "SSH connection was lost", "check the host and retry")
         return transport
 
@@ -386,16 +384,11 @@ class SSHTransport:
 
     def _dropped(self, exc: BaseException, command: str) -> TransportError:
         """The connection died under a command: forget it (the next call reconnects) and say why in one line."""
-        keepalive = self._keepalive
-        lost = keepalive is not None and keepalive.declared_dead
+        lost = self.stopped_answering()
         self._forget()
         what = f"`{summary(command)}`"
-        if lost and keepalive is not None:
-            return HostStoppedAnswering(
-                self.host,
-                f"the host stopped answering (nothing received for {keepalive.dead_after:.0f}s) during {what}",
-                "check that the host is up and not frozen (console, load); re-run when it answers",
-            )
+        if lost:
+            return HostStoppedAnswering(self.host, f"{lost} during {what}", STOPPED_ANSWERING_HINT)
         if isinstance(exc, paramiko.ChannelException):
             return TransportError(
                 self.host,
@@ -406,7 +399,7 @@ class SSHTransport:
             return HostStoppedAnswering(
                 self.host,
                 f"the host stopped answering: no SSH channel for {what} within {self.connect_timeout:.0f}s",
-                "check that the host is up and not frozen (console, load); re-run when it answers",
+                STOPPED_ANSWERING_HINT,
             )
         return TransportError(
             self.host,

@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 import paramiko
 
-from raycluster_cli.errors import HostStoppedAnswering, TransportError, UsageError
+from raycluster_cli.errors import STOPPED_ANSWERING_HINT, HostStoppedAnswering, TransportError, UsageError
 
 ChannelOpener = Callable[[tuple[str, int]], paramiko.Channel]
 OPEN_TIMEOUT_S = 15.0
@@ -40,10 +40,7 @@ def forward_opener(transport: object, host: str, dest: tuple[str, int]) -> Chann
             lost = getattr(transport, "stopped_answering", lambda: None)()
             if lost:  # the keepalive closed the connection under the request: say that, not "channel failed"
                 raise HostStoppedAnswering(
-                    host,
-                    f"{lost} while opening a channel to {dest[0]}:{dest[1]}",
-                    "check that the host is up and not frozen (console, load, the network to it); re-run when it "
-                    "answers",
+                    host, f"{lost} while opening a channel to {dest[0]}:{dest[1]}", STOPPED_ANSWERING_HINT
                 ) from None
             raise TransportError(
                 host, f"cannot open a forwarded channel: {exc}", "check AllowTcpForwarding in the host's sshd_config"
