@@ -195,3 +195,21 @@ def power_on(the_lab: Lab, hostname: str, timeout_s: float = 120.0) -> None:
     )
     assert wait_until(ready, timeout_s / 2), f"{hostname}: its engine did not answer after boot: {log}"
     print(f"[power_on] {hostname}: the engine started on a second try; its log before: {log}")
+
+
+@contextmanager
+def dashboard(inventory: str) -> Iterator[tuple[subprocess.Popen[str], dict[str, Any]]]:
+    """A real `raycluster dashboard --port 0 --json` and the document it prints once its forward listens (it
+    stays until a signal); killed at the end if the test did not end it."""
+    command = [sys.executable, "-m", "raycluster_cli.cli", "dashboard", "-i", inventory, "--port", "0", "--json"]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert process.stdout is not None
+        text = ""
+        deadline = time.monotonic() + 120
+        while not text.endswith("}\n") and time.monotonic() < deadline:
+            text += process.stdout.readline()
+        yield process, json.loads(text)
+    finally:
+        if process.poll() is None:
+            process.kill()

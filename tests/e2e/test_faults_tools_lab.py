@@ -5,11 +5,8 @@ deadlines and names the host; every test puts the lab back in `finally`."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
-import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
@@ -19,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from .conftest import IP1, IP2, IP3, Lab
-from .faults import CUT, LOGIN_DEADLINE_S, SLACK_S, UNCUT, Verb, frozen, quick_inventory, wait_until
+from .faults import CUT, LOGIN_DEADLINE_S, SLACK_S, UNCUT, Verb, dashboard, frozen, quick_inventory, wait_until
 
 pytestmark = pytest.mark.lab
 KEEPALIVE_DEADLINE_S = 6  # QUICK_SSH: 2 s × 3 of silence
@@ -82,15 +79,8 @@ def test_dashboard_forward_fails_fast_while_the_link_is_cut_and_answers_again_af
     """As `ssh -L` with ServerAliveInterval, but it does not end: a request while the link is cut fails
     within the keepalive (not a hang); once the link is back the same forward answers again (a new login),
     and Ctrl-C still ends it with 0."""
-    command = [sys.executable, "-m", "raycluster_cli.cli", "dashboard", "-i", cluster, "--port", "0", "--json"]
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        assert process.stdout is not None
-        text = ""
-        deadline = time.monotonic() + 120
-        while not text.endswith("}\n") and time.monotonic() < deadline:
-            text += process.stdout.readline()
-        url = json.loads(text)["url"] + "/api/version"
+    with dashboard(cluster) as (process, doc):
+        url = doc["url"] + "/api/version"
         assert _get(url, token) == 200
         lab_hosts.sh("lab-h1", CUT)
         cut_at = time.monotonic()
@@ -114,9 +104,6 @@ def test_dashboard_forward_fails_fast_while_the_link_is_cut_and_answers_again_af
         assert process.poll() is None  # the verb stayed up through it
         process.send_signal(signal.SIGINT)
         assert process.wait(timeout=15) == 0
-    finally:
-        if process.poll() is None:
-            process.kill()
 
 
 def test_metrics_with_a_worker_machine_frozen_names_it_and_keeps_the_others(lab_hosts: Lab, cluster: str) -> None:

@@ -28,6 +28,7 @@ import yaml
 from raycluster_cli.config import inventory, state
 
 from .conftest import IP1, IP2, IP3, UNUSED_IP, Lab
+from .faults import dashboard
 
 pytestmark = pytest.mark.lab
 DROP_DASHBOARD = "INPUT -i eth0 -p tcp --dport 8265 -j DROP"
@@ -198,15 +199,7 @@ def test_submit_with_a_wrong_token_is_refused(cluster: Lab, token: str, tmp_path
 
 
 def test_dashboard_forwards_a_local_port_until_ctrl_c(cluster: Lab, dashboard_blocked: None, token: str) -> None:
-    command = [sys.executable, "-m", "raycluster_cli.cli", "dashboard", "-i", cluster.inventory, "--port", "0"]
-    process = subprocess.Popen([*command, "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        assert process.stdout is not None
-        text = ""
-        deadline = time.monotonic() + 120
-        while not text.endswith("}\n") and time.monotonic() < deadline:
-            text += process.stdout.readline()
-        doc = json.loads(text)
+    with dashboard(cluster.inventory) as (process, doc):
         assert doc["ok"] is True and doc["url"].startswith("http://127.0.0.1:")
         request = urllib.request.Request(doc["url"] + "/api/jobs/", headers={"Authorization": f"Bearer {token}"})
         with urllib.request.urlopen(request, timeout=30) as response:
@@ -216,9 +209,6 @@ def test_dashboard_forwards_a_local_port_until_ctrl_c(cluster: Lab, dashboard_bl
         assert refused.value.code == 401  # the token is still needed through the tunnel
         process.send_signal(signal.SIGINT)
         assert process.wait(timeout=10) == 0
-    finally:
-        if process.poll() is None:
-            process.kill()
 
 
 # metrics and status --watch -------------------------------------------------------------------------
