@@ -193,7 +193,8 @@ def _no_stream_left(the_lab: Lab, timeout: float = 30) -> None:
 def _streaming_up(quick: str) -> Verb:
     """`up` started with the image missing on lab-h3; returns once the stream to it is under way."""
     verb = Verb("up", "--timeout", "120", inventory=quick)
-    verb.wait_for(rf"{IP3}: \$ .*docker load", timeout=900)  # the archive may be made first
+    # The receive script (image/receive.py) is logged over several lines; its first names the staging step.
+    verb.wait_for(rf"{IP3}: \$ exec bash -c 'set -o pipefail; umask 077;", timeout=900)  # the archive may be made first
     time.sleep(2)  # some of the image is on its way
     return verb
 
