@@ -44,6 +44,7 @@ class TransportError(RayclusterError):
     """A host could not be reached or a command could not be run on it."""
 
     transient = False  # True when a retry may help (refused or reset while booting, no banner yet)
+    silent = False  # True when the host said nothing at all (no SSH banner, no answer on the port)
 
     def __init__(self, host: str, message: str, hint: str = "") -> None:
         super().__init__(f"{host}: {message}", hint)

@@ -91,6 +91,7 @@ class SSHTransport:
         self._running: dict[int, str] = {}  # channel id → command, while it runs
         self.first_read_only: prefetch.Recipe | None = None  # the recipe of the first declared read-only command
         self._ahead: dict[tuple[str, float | None], prefetch.Pending] = {}  # commands started ahead (prefetch.py)
+        self._silent: str | None = None  # why the last connection was dropped, when the host had gone silent
 
     @property
     def target(self) -> str:
@@ -113,9 +114,18 @@ class SSHTransport:
                 try:
                     with self.gate:
                         self._client = self._connect_once()
+                    self._silent = None
                     break
                 except TransportError as exc:
-                    if not getattr(exc, "transient", False) or attempt >= self.retries:
+                    if self._silent is not None and exc.silent:
+                        # the host went silent under the last connection and a new login finds it silent too:
+                        # the same fault, said the same way whichever command noticed it (no retries: a frozen
+                        # host would be waited on once per retry)
+                        again = exc.message.removeprefix(f"{exc.host}: ")
+                        raise HostStoppedAnswering(
+                            self.host, f"{self._silent}; a new login: {again}", STOPPED_ANSWERING_HINT
+                        ) from None
+                    if not exc.transient or attempt >= self.retries:
                         raise
                     pause = min(8.0, 1.0 * 2**attempt) * random.uniform(0.75, 1.25)
                     log.debug("%s: %s; retrying in %.1fs", self.host, exc.message, pause)
@@ -378,6 +388,9 @@ class SSHTransport:
         if isinstance(exc, TransportError | KeyboardInterrupt) or not isinstance(exc, Exception):
             if isinstance(exc, TransportError) and self._keepalive is not None and self._keepalive.declared_dead:
                 return self._dropped(exc, command)
+            if isinstance(exc, DeadlineExceeded) and keepalive is not None:
+                silent_s = time.monotonic() - keepalive.last_heard
+                self._silent = f"the host stopped answering (nothing received for {silent_s:.0f}s)"
             self._forget()
             return exc
         return self._dropped(exc, command)
@@ -385,6 +398,7 @@ class SSHTransport:
     def _dropped(self, exc: BaseException, command: str) -> TransportError:
         """The connection died under a command: forget it (the next call reconnects) and say why in one line."""
         lost = self.stopped_answering()
+        self._silent = lost
         self._forget()
         what = f"`{summary(command)}`"
         if lost:

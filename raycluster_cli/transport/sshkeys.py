@@ -212,19 +212,23 @@ def connect_error(ssh: Login, exc: Exception) -> TransportError:
                 "set ssh.key in the inventory, or start ssh-agent and ssh-add your key",
             )
         if any(sign in text for sign in _HANDSHAKE_STALLED):
-            return _transient(
+            error = _transient(
                 host,
                 f"no SSH banner or handshake within {ssh.connect_timeout:.0f}s (host frozen or overloaded, or "
                 "sshd's MaxStartups dropping new connections)",
                 "check that the host answers (console, load); raise ssh.connect_timeout_s for slow hosts",
             )
+            error.silent = True
+            return error
         return TransportError(host, f"SSH failed: {text or type(exc).__name__}", "check sshd on the host")
     if isinstance(exc, TimeoutError):
-        return TransportError(
+        error = TransportError(
             host,
             f"no answer on port {port} within {ssh.connect_timeout:.0f}s (host down or filtered)",
             "check the address, that the host is up, and firewalls between here and it",
         )
+        error.silent = True
+        return error
     if isinstance(exc, ConnectionResetError | ConnectionAbortedError | EOFError):
         return _transient(
             host,

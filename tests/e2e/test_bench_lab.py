@@ -84,7 +84,6 @@ def _stage_metrics_present(stage: dict[str, Any]) -> None:
 def test_bench_three_stages_on_three_hosts_with_every_metric(cluster: Cluster, tmp_path: Path) -> None:
     svg = tmp_path / "bench.svg"
     doc = cluster.bench("--quick", "--check-output", f"--save-svg={svg}")
-    assert doc["config"]["quick"] and doc["config"]["layers_auto"]
     assert svg.read_text().startswith("<svg")
     hosts = {h.address for h in cluster.lab.info.hosts}
     stages = doc["stages"]
@@ -94,8 +93,8 @@ def test_bench_three_stages_on_three_hosts_with_every_metric(cluster: Cluster, t
     assert sum(s["layers"] for s in stages) == doc["config"]["model"]["layers"]
     for stage in stages:
         _stage_metrics_present(stage)
-    assert doc["completed"] == doc["requests"] == 12
-    assert doc["generated_tokens"] == 12 * 8 and doc["failed"] == 0
+    assert doc["completed"] == doc["requests"] == 12  # what --quick runs (bench/options.py QUICK): 12 requests
+    assert doc["generated_tokens"] == 12 * 8 and doc["failed"] == 0  # of 8 new tokens each
     assert_latencies_are_the_runs(doc)
     assert_balance_is_the_stages(doc)
     assert 0 < doc["hop_overhead"]["per_hop_s"] < 0.1  # a hop between lab hosts: milliseconds (2.8–4 ms measured)

@@ -275,7 +275,9 @@ def test_a_worker_frozen_while_up_waits_ends_by_the_deadline_naming_it(lab_hosts
         error = doc["error"]
         assert "missing" in error, (error, verb.stderr[-4000:])
         assert [m["host"] for m in error["missing"]] == [IP3] and IP3 in error["message"], error
-        assert "stopped answering" in error["message"] or "no SSH banner" in error["message"], error
+        # whether up's diagnosis found the connection dead or logged in again to a host still silent (SSHTransport
+        # remembers why it dropped the last one), it is the same fault in the same words
+        assert f"{IP3}: the host stopped answering" in error["message"], error
         assert "re-run" in error["hint"] and sorted(error["joined"]) == sorted([IP1, IP2]), error
         assert "unexpected" not in verb.stderr and verb.session_alive() == []  # (--debug re-raises the error)
         print(f"up ended {ended - frozen_at:.0f}s after the freeze: {error['message']} — {error['hint']}")

@@ -134,7 +134,14 @@ def test_submit_through_ssh_uploads_the_working_dir_streams_logs_and_returns_the
     code, out, err = _cli(cluster, *no_wait)
     doc = json.loads(out)
     assert code == 0 and doc["ok"] is True, err
-    assert doc["job"]["submission_id"] == "raycluster-no-wait" and doc["job"]["status"] == "PENDING"
+    assert doc["job"]["status"] == "PENDING"
+    # Ray's own job client on the head holds a job of that ID with the entrypoint given (it raises for an unknown ID)
+    ask = (
+        "from ray.job_submission import JobSubmissionClient as C; "
+        f"i = C('http://{IP1}:8265').get_job_info('raycluster-no-wait'); print(i.submission_id, '|', i.entrypoint)"
+    )
+    held = cluster.sh("lab-h1", f'docker exec raycluster-lab-head python -c "{ask}"')
+    assert held.strip().splitlines()[-1] == "raycluster-no-wait | python -c 1", held
     code, out, err = _cli(cluster, *no_wait)
     assert code == 1 and json.loads(out)["ok"] is False, err
 

@@ -14,6 +14,7 @@ from raycluster_cli.lab import hosts as lab
 
 from ..bench_report_checks import assert_balance_is_the_stages, assert_latencies_are_the_runs
 from .conftest import IP1, IP2, IP3, Lab
+from .faults import processes
 
 pytestmark = pytest.mark.lab
 
@@ -58,7 +59,11 @@ def test_up_brings_three_alive_nodes(lab_hosts: Lab) -> None:
     code, doc, err = lab_hosts.cli("up")
     assert code == 0, err
     assert doc["ok"] is True
-    assert doc["head"] == lab_hosts.info.hosts[0].address
+    assert doc["head"] == IP1
+    # the head is where up says it is: Ray's GCS runs on lab-h1 and nowhere else
+    for hostname, gcs in (("lab-h1", True), ("lab-h2", False), ("lab-h3", False)):
+        running = processes(lab_hosts, hostname, r"(^|/)gcs_server( |$)")
+        assert bool(running) is gcs, (hostname, running)
     assert sorted(n["host"] for n in doc["nodes"]) == sorted(h.address for h in lab_hosts.info.hosts)
     assert all(n["alive"] for n in doc["nodes"])
 

@@ -9,9 +9,10 @@ tests/e2e/test_faults_lab.py), and a command past its deadline on a silent host 
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import paramiko
@@ -161,3 +162,48 @@ def test_a_deadline_on_a_host_that_went_silent_drops_the_connection(tmp_path: Pa
     finally:
         ssh.close()
         served.close()
+
+
+def _silent_sock(kept: list[socket.socket]) -> Callable[[float], socket.socket]:
+    """A host whose kernel takes the connection but which sends nothing (a paused container): no SSH banner."""
+
+    def sock(timeout: float) -> socket.socket:
+        client, server = socket.socketpair()
+        kept.append(server)
+        return client
+
+    return sock
+
+
+def test_a_host_still_silent_at_the_next_login_is_reported_as_stopped_answering_without_retries(
+    tmp_path: Path,
+) -> None:
+    """The command that noticed the freeze and the next one, which logs in again, say the same thing: the
+    host stopped answering (up's diagnosis of a node that did not join is such a next command)."""
+    held = Pair(tmp_path, on_exec=host, hold_exec=threading.Event())
+    ssh = _transport(held, tmp_path, keepalive_s=0.4)
+    ssh.retries = 2
+    kept: list[socket.socket] = []
+    try:
+        with pytest.raises(HostStoppedAnswering):
+            ssh.run("slow", timeout=None)
+        ssh.sock = _silent_sock(kept)
+        started = time.monotonic()
+        with pytest.raises(HostStoppedAnswering) as info:
+            ssh.run("slow", timeout=5)
+        elapsed = time.monotonic() - started
+    finally:
+        held.close()
+    message = info.value.message
+    assert message.startswith("192.0.2.1: the host stopped answering (nothing received for "), message
+    assert "; a new login: no SSH banner or handshake within 1s" in message, message
+    assert elapsed < 2.5  # one login of 1 s, not three with backoff between them
+
+    # A host never heard from is not said to have stopped: its first login's failure is its own.
+    fresh = _transport(held, tmp_path)
+    fresh.sock = _silent_sock(kept)
+    with pytest.raises(TransportError) as first:
+        fresh.run("slow", timeout=5)
+    assert not isinstance(first.value, HostStoppedAnswering) and "no SSH banner" in first.value.message
+    for server in kept:
+        server.close()
