@@ -91,6 +91,29 @@ def test_docker_daemon_stopped(lab_hosts: Lab) -> None:
         lab_hosts.start_engine("lab-h2")
 
 
+def test_docker_root_full_and_the_image_does_not_fit(lab_hosts: Lab) -> None:
+    """lab-h3's engine restarted with its data root on a 64 MiB volume (a tmpfs over /var/lib/docker): the engine
+    answers, but containers need at least 1 GiB there and the node image (2 GiB on the other hosts) is missing and
+    does not fit: `disk` and `image-fits` fail on lab-h3 with the free bytes, nothing fails elsewhere."""
+    stop = "pkill -x dockerd; while pgrep -x dockerd >/dev/null; do sleep 0.2; done"
+    lab_hosts.sh("lab-h3", f"{stop}; mount -t tmpfs -o size=64m raycluster-full /var/lib/docker")
+    try:
+        lab_hosts.start_engine("lab-h3")
+        code, doc, _ = lab_hosts.cli("doctor")
+        assert code == 1
+        assert sorted(failed(doc)) == [(IP3, "disk"), (IP3, "image"), (IP3, "image-fits")], failed(doc)
+        disk = finding(doc, IP3, "disk")
+        assert disk["data"]["docker_root_free_bytes"] <= 64 * 1024**2, disk
+        assert "free for Docker (/var/lib/docker)" in disk["message"] and "docker system prune" in disk["hint"]
+        fits = finding(doc, IP3, "image-fits")
+        assert fits["data"]["image_bytes"] > 1024**3 > fits["data"]["docker_root_free_bytes"], fits
+        assert "is missing here and only 0.1 GiB are free for Docker" in fits["message"], fits
+    finally:
+        lab_hosts.sh("lab-h3", f"{stop}; umount /var/lib/docker")
+        lab_hosts.start_engine("lab-h3")
+    lab_hosts.sh("lab-h3", f"docker image inspect {IMAGE} >/dev/null")  # the engine's own data is back
+
+
 def test_image_missing_on_one_host(lab_hosts: Lab) -> None:
     lab_hosts.sh("lab-h3", f"docker tag {IMAGE} {STASH} && docker rmi {IMAGE}")
     try:
