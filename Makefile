@@ -47,7 +47,7 @@ unit: venv
 LAB_SUBNET = $${RAYCLUSTER_LAB_SUBNET:-$$($(BIN)/python -c 'from raycluster_cli.lab.hosts import DEFAULT_SUBNET, free_subnet; print(free_subnet(DEFAULT_SUBNET))' 2>/dev/null || echo 10.77.0.0/24)}
 
 test: lint images
-	RAYCLUSTER_REQUIRE_LAB=1 RAYCLUSTER_LAB_SUBNET=$(LAB_SUBNET) $(BIN)/pytest -ra -m "not fleet" --junitxml=test-results/junit.xml tests
+	RAYCLUSTER_REQUIRE_LAB=1 RAYCLUSTER_LAB_SUBNET=$(LAB_SUBNET) $(BIN)/pytest -ra --durations=30 -m "not fleet" --junitxml=test-results/junit.xml tests
 
 # The fleet tests: a second lab of $(FLEET_HOSTS) hosts without the node image, beside the 3-host one.
 FLEET_HOSTS ?= 30
