@@ -287,7 +287,9 @@ def start_workers(
 
     Stages normally each get their own node; ``allow_shared_nodes`` lets a node appear several
     times (single-machine tests).  On a node in ``gpu_nodes`` the worker asks Ray for one GPU, so
-    Ray makes it visible and the stage runs on ``cuda``.  Returns once every actor is up.
+    Ray makes it visible and the stage runs on ``cuda``; the stages sharing one node's GPU ask for
+    an equal share of it (three stages on a one-GPU machine: a third each, all on that GPU; whole
+    GPUs would leave the second stage unscheduled for ever).  Returns once every actor is up.
     """
     if not node_ids:
         raise ValueError("need at least one node for the pipeline")
@@ -298,7 +300,7 @@ def start_workers(
         StageWorker.options(
             scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node_id, soft=False),
             runtime_env={"env_vars": dict(WORKER_ENV)},
-            num_gpus=1 if node_id in gpus else 0,
+            num_gpus=1 / node_ids.count(node_id) if node_id in gpus else 0,
         ).remote(cfg.to_dict(), num_threads)
         for node_id in node_ids
     ]
