@@ -24,11 +24,11 @@ from typing import Any
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # a private throwaway cluster on this machine
 
-import ray  # noqa: E402
-import torch  # noqa: E402
+import ray
+import torch
 
-from raycluster_cli.bench import session  # noqa: E402
-from raycluster_cli.bench.options import BenchOptions  # noqa: E402
+from raycluster_cli.bench import session
+from raycluster_cli.bench.options import BenchOptions
 
 BIG = {"d_model": 2048, "heads": 16, "layers": 24, "vocab": 32000, "prompt_len": 128, "max_new_tokens": 64}
 SMALL = {"d_model": 64, "heads": 4, "layers": 6, "vocab": 256, "prompt_len": 8, "max_new_tokens": 4}
