@@ -6,6 +6,14 @@ sharded at all, the check goes unit by unit instead: each request's prompt + gen
 the model in one teacher-forced pass, one unit built at a time and freed before the next, and the greedy
 token at every generated position must be the one the pipeline produced.  A unit larger than the room
 left skips the check, with the reason.
+
+In reduced precision (bfloat16, float16) the pipeline's stages and this process run different kernels (CUDA on
+the stages' GPUs, the CPU here; other batch shapes), so equal greedy tokens cannot be asked for: on an H200,
+bfloat16 stages against this process's bfloat16 differed in 15 of 16 requests of a random model (nearly flat
+logits), where float32 was identical. There the check is teacher-forced (the pipeline's own tokens fed back,
+so one early difference does not make every later token differ) and each generated token must be among the
+reference's TOP_K at its position, as vLLM's tests compare logprobs; the share of positions whose argmax agreed
+is reported. `identical` stays the strict verdict; `tolerance.within` is the reduced-precision one.
 """
 
 from __future__ import annotations
@@ -30,15 +38,57 @@ def _rows_to_check(result: RunResult, num_requests: int) -> list[list[int]]:
     return groups
 
 
-def _unit_by_unit(cfg: ModelConfig, sequences: torch.Tensor, prompt_len: int) -> list[list[int]]:
-    """Teacher-forced greedy tokens of every generated position, the model built one unit at a time."""
+TOP_K = 5  # reduced precision: each generated token must be among the reference's 5 likeliest there
+
+
+def _teacher_forced_logits(cfg: ModelConfig, sequences: torch.Tensor, prompt_len: int) -> torch.Tensor:
+    """The logits at every generated position given the tokens before it, the model built one unit at a time."""
     x: torch.Tensor = sequences[:, :-1]
     for unit in range(cfg.num_units):
         stage = Stage(cfg, unit, unit + 1, emit="logits")
         x = stage(x, "check", 0)
         del stage
-    predicted: list[list[int]] = x[:, prompt_len - 1 :].argmax(-1).tolist()
+    return x[:, prompt_len - 1 :]
+
+
+def _unit_by_unit(cfg: ModelConfig, sequences: torch.Tensor, prompt_len: int) -> list[list[int]]:
+    """Teacher-forced greedy tokens of every generated position, the model built one unit at a time."""
+    predicted: list[list[int]] = _teacher_forced_logits(cfg, sequences, prompt_len).argmax(-1).tolist()
     return predicted
+
+
+def _within_tolerance(
+    cfg: ModelConfig, prompts: torch.Tensor, result: RunResult, groups: list[list[int]], prompt_len: int
+) -> dict[str, Any]:
+    """Reduced precision: teacher-forced, each generated token among the reference's TOP_K there."""
+    positions = agreed = 0
+    mismatched: list[int] = []
+    outside: list[int] = []
+    for rows in groups:
+        generated = torch.tensor([result.tokens[row] for row in rows], dtype=torch.long)
+        logits = _teacher_forced_logits(cfg, torch.cat([prompts[rows], generated], dim=1), prompt_len)
+        top = logits.float().topk(TOP_K, dim=-1).indices
+        agree = top[..., 0] == generated
+        inside = (top == generated[..., None]).any(-1)
+        positions += generated.numel()
+        agreed += int(agree.sum())
+        mismatched.extend(row for row, ok in zip(rows, agree.all(-1).tolist(), strict=True) if not ok)
+        outside.extend(row for row, ok in zip(rows, inside.all(-1).tolist(), strict=True) if not ok)
+    compared = sum(len(rows) for rows in groups)
+    return {
+        "identical": not mismatched and compared > 0,
+        "compared_requests": compared,
+        "mismatched": mismatched,
+        "method": "teacher-forced, unit by unit",
+        "tolerance": {
+            "dtype": cfg.dtype,
+            "top_k": TOP_K,
+            "positions": positions,
+            "argmax_agreed": round(agreed / positions, 4) if positions else None,
+            "outside_top_k": outside,
+            "within": not outside and compared > 0,
+        },
+    }
 
 
 def check_output(
@@ -58,6 +108,8 @@ def check_output(
         if largest > room:
             reason = f"its largest unit needs {memory.gb(largest)}, the driver has {memory.gb(room)} left"
             return {"identical": None, "skipped": f"the model does not fit the driver's memory and {reason}"}
+    if cfg.dtype != "float32":
+        return _within_tolerance(cfg, prompts, result, groups, params.prompt_len)
     mismatched: list[int] = []
     model = full_model_stage(cfg, emit="tokens") if method == "whole model" else None
     for rows in groups:

@@ -299,8 +299,23 @@ def render_bench(output: Output, body: dict[str, Any]) -> None:
     if check and check.get("skipped"):
         output.line(f"[yellow]output check skipped: {_escape(str(check['skipped']))}[/yellow]")
     elif check:
-        verdict = "identical" if check.get("identical") else "[red]DIFFERENT[/red]"
-        output.line(f"sharded vs unsharded greedy output: {verdict} ({check.get('compared_requests')} requests)")
+        output.line(
+            f"sharded vs unsharded greedy output: {_verdict(check)} ({check.get('compared_requests')} requests)"
+        )
+
+
+def _verdict(check: dict[str, Any]) -> str:
+    """identical; in reduced precision, within its tolerance (bench/outputcheck.py); else DIFFERENT."""
+    tolerance = check.get("tolerance") or {}
+    if check.get("identical"):
+        return "identical"
+    if tolerance.get("within"):
+        return (
+            f"[yellow]within {tolerance['dtype']} tolerance[/yellow]: every token among the reference's top "
+            f"{tolerance['top_k']}, argmax agreed at {100 * (tolerance.get('argmax_agreed') or 0):.1f} % of "
+            f"{tolerance.get('positions')} positions"
+        )
+    return "[red]DIFFERENT[/red]"
 
 
 def _memory(output: Output, memory: dict[str, Any] | None) -> None:

@@ -135,3 +135,31 @@ def test_node_capacity_reads_this_machine() -> None:
     if cap.limit is not None:
         assert cap.usable <= cap.limit - cap.used
     assert set(container_memory()) == {"limit_bytes", "working_set_bytes", "peak_bytes"}
+
+
+def test_output_check_in_bfloat16_takes_tokens_among_the_references_top_k(configs: list[ModelConfig]) -> None:
+    """Reduced precision: teacher-forced, a token the reference ranks second passes the tolerance (not identity),
+    one outside its top 5 fails it. The tokens are the reference's own greedy choices, made one position at a
+    time with the same teacher-forced pass (so every one is its argmax)."""
+    cfg = replace(configs[1], dtype="bfloat16")
+    params = BenchParams(requests=4, prompt_len=5, max_new_tokens=4, micro_batch=2, seed=1)
+    prompts = make_prompts(cfg.vocab, params.requests, params.prompt_len, params.seed)
+    tokens = torch.zeros(4, params.max_new_tokens, dtype=torch.long)
+    for j in range(params.max_new_tokens):
+        logits = outputcheck._teacher_forced_logits(cfg, torch.cat([prompts, tokens], 1), params.prompt_len)
+        tokens[:, j] = logits[:, j].float().argmax(-1)
+    result: Any = SimpleNamespace(groups=[[0, 1], [2, 3]], tokens=tokens.tolist())
+    same = outputcheck.check_output(cfg, params, result, num_requests=4)
+    assert same["identical"] is True and same["tolerance"]["within"] is True
+    assert same["tolerance"] == {
+        "dtype": "bfloat16", "top_k": 5, "positions": 16, "argmax_agreed": 1.0, "outside_top_k": [], "within": True,
+    }  # fmt: skip
+
+    ranked = logits[1, -1].float().argsort(descending=True).tolist()
+    result.tokens[1][-1] = ranked[1]  # the last token (nothing after it depends on it): the reference's second
+    second = outputcheck.check_output(cfg, params, result, num_requests=4)
+    assert second["identical"] is False and second["mismatched"] == [1]
+    assert second["tolerance"]["within"] is True and second["tolerance"]["argmax_agreed"] == 15 / 16
+    result.tokens[1][-1] = ranked[20]  # well outside the top 5
+    far = outputcheck.check_output(cfg, params, result, num_requests=4)
+    assert far["tolerance"]["within"] is False and far["tolerance"]["outside_top_k"] == [1]
