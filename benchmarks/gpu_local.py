@@ -1,13 +1,15 @@
 """`bench` with its stages on CUDA: a local single-node Ray on a GPU machine, the pipeline's stages stacked on
 its one GPU (each stage asks Ray for an equal share of it), the report as `raycluster bench --json` gives it.
 
-    PYTHONPATH=. python benchmarks/gpu_local.py OUT_DIR [small]
+    PYTHONPATH=. python benchmarks/gpu_local.py OUT_DIR [small] [batches]
 
 Runs, each saved as OUT_DIR/gpu-bench-NAME.json with a one-line summary on stdout:
 - `float32`: a random Llama (d_model 2048, 16 heads, 24 blocks, ~1.3 B parameters), 3 stages, balanced split
   next to the even split and the whole model unsharded on the same GPU, greedy output checked against the
   unsharded model;
 - `bfloat16`: the same in bfloat16 (weights, KV cache, activations), output checked the same way.
+`batches` runs instead: bfloat16 with its output checked (teacher-forced, top-5 tolerance), then bfloat16 and
+float32 with four times the micro-batch and the requests (no output check).
 `small` shrinks the model for a try on a CPU machine (no GPU: the stages run on the CPU). A run that fails is
 saved with its error and the others still run.
 """
@@ -43,7 +45,7 @@ def summary(name: str, doc: dict[str, Any], wall: float) -> str:
     )
     return (
         f"{name}: {wall:.0f}s wall; {doc.get('tokens_per_s', 0):.1f} tok/s; split {doc.get('split_choice')}; "
-        f"imbalance {doc.get('balance', {}).get('imbalance')}; stages [{stages}]; "
+        f"imbalance {doc.get('imbalance')}; stages [{stages}]; "
         f"even x{refs.get('even', {}).get('ratio')}, unsharded x{refs.get('unsharded', {}).get('ratio')}; "
         f"hop {doc.get('hop_overhead', {}).get('per_hop_s')}; output {doc.get('output_check')}"
     )
@@ -69,10 +71,21 @@ def main() -> int:
         "check_output": True,
         "check_requests": 8,
     }
-    for name, fields in (("float32", {"dtype": "float32"}), ("bfloat16", {"dtype": "bfloat16"})):
+    runs: tuple[tuple[str, dict[str, Any]], ...] = (
+        ("float32", {"dtype": "float32"}),
+        ("bfloat16", {"dtype": "bfloat16"}),
+    )
+    if "batches" in sys.argv[2:]:  # the bfloat16 check's tolerance, then four times the micro-batch
+        big = {"micro_batch": base["micro_batch"] * 4, "requests": base["requests"] * 4, "check_output": False}
+        runs = (
+            ("bfloat16-check", {"dtype": "bfloat16"}),
+            ("bfloat16-mb4x", {"dtype": "bfloat16", **big}),
+            ("float32-mb4x", {"dtype": "float32", **big}),
+        )
+    for name, fields in runs:
         started = time.monotonic()
         try:
-            doc = session.run(BenchOptions(**base, **fields), lambda *a, **k: None)
+            doc = session.run(BenchOptions(**{**base, **fields}), lambda *a, **k: None)
         except Exception as exc:  # saved with the others
             doc = {"ok": False, "error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
         wall = time.monotonic() - started
