@@ -9,6 +9,7 @@ data attributes, so tests and other tools read the figures back.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 from xml.sax.saxutils import escape
@@ -70,29 +71,41 @@ def render_serve_bench(output: Output, body: dict[str, Any]) -> None:
         latency.add_row(load, *(_pair(run, key) for key in ("ttft", "tpot", "itl", "e2e")))
     output.out.print(counts)
     output.out.print(latency)
+
+    def row(s: dict[str, Any], several: bool) -> tuple[str, float, str]:
+        label = (f"#{s['pipeline']} " if several else "") + f"{s['node_ip']} ({s.get('blocks')} blocks)"
+        return label, s["busy_s"], f"{s['busy_s']:.3f}s, {s['steps']} steps"
+
+    _errors_and_busy_time(
+        output, runs, row, lambda shown: f", the slowest stage busy {shown['of_ceiling']:.0%} of the run"
+    )
+    if body.get("interrupted"):
+        output.line("[yellow]* interrupted: the requests it finished; the runs above are what was measured[/yellow]")
+
+
+def _errors_and_busy_time(
+    output: Output,
+    runs: list[dict[str, Any]],
+    row: Callable[[dict[str, Any], bool], tuple[str, float, str]],
+    more: Callable[[dict[str, Any]], str],
+) -> None:
+    """Each run's errors, then the T_i chart and the balance of the saturation run (else the last measured):
+    text and image services alike, `row` making a stage's bar (its label, busy seconds, detail)."""
     for run in runs:
         for error in run.get("errors", []):
             output.line(f"[yellow]{_escape(_load(run))}: {_escape(error)}[/yellow]")
     measured = [r for r in runs if r.get("stages")]
-    if measured:
-        shown = next((r for r in measured if r["kind"] == "saturation"), measured[-1])
-        several = len({s["pipeline"] for s in shown["stages"]}) > 1
-        rows = [
-            (
-                (f"#{s['pipeline']} " if several else "") + f"{s['node_ip']} ({s.get('blocks')} blocks)",
-                s["busy_s"],
-                f"{s['busy_s']:.3f}s, {s['steps']} steps",
-            )
-            for s in shown["stages"]
-        ]
-        bar_chart(output, f"busy time T_i per node ({_load(shown)}, wall {shown['wall_s']:.2f}s):", rows)
-        if shown.get("t_max_minus_t_min_s") is not None:
-            output.line(
-                f"T_max − T_min = {shown['t_max_minus_t_min_s']:.3f}s, imbalance {shown['imbalance']:.3f}, "
-                f"utilisation {shown['utilisation']:.2f}, the slowest stage busy {shown['of_ceiling']:.0%} of the run"
-            )
-    if body.get("interrupted"):
-        output.line("[yellow]* interrupted: the requests it finished; the runs above are what was measured[/yellow]")
+    if not measured:
+        return
+    shown = next((r for r in measured if r["kind"] == "saturation"), measured[-1])
+    several = len({s.get("pipeline") for s in shown["stages"]}) > 1
+    rows = [row(s, several) for s in shown["stages"]]
+    bar_chart(output, f"busy time T_i per node ({_load(shown)}, wall {shown['wall_s']:.2f}s):", rows)
+    if shown.get("t_max_minus_t_min_s") is not None:
+        output.line(
+            f"T_max − T_min = {shown['t_max_minus_t_min_s']:.3f}s, imbalance {shown['imbalance']:.3f}, "
+            f"utilisation {shown['utilisation']:.2f}{more(shown)}"
+        )
 
 
 def _seconds(run: dict[str, Any]) -> list[str]:
@@ -121,22 +134,11 @@ def _render_images(output: Output, body: dict[str, Any]) -> None:
             "-" if run.get("imbalance") is None else f"{run['imbalance']:.3f}",
         )  # fmt: skip
     output.out.print(table)
-    for run in runs:
-        for error in run.get("errors", []):
-            output.line(f"[yellow]{_escape(_load(run))}: {_escape(error)}[/yellow]")
-    measured = [r for r in runs if r.get("stages")]
-    if measured:
-        shown = next((r for r in measured if r["kind"] == "saturation"), measured[-1])
-        rows = [
-            (f"{s['node_ip']} ({'+'.join(s['parts'])})", s["busy_s"], f"{s['busy_s']:.3f}s, {s['calls']} calls")
-            for s in shown["stages"]
-        ]
-        bar_chart(output, f"busy time T_i per node ({_load(shown)}, wall {shown['wall_s']:.2f}s):", rows)
-        if shown.get("t_max_minus_t_min_s") is not None:
-            output.line(
-                f"T_max − T_min = {shown['t_max_minus_t_min_s']:.3f}s, imbalance {shown['imbalance']:.3f}, "
-                f"utilisation {shown['utilisation']:.2f}"
-            )
+
+    def row(s: dict[str, Any], several: bool) -> tuple[str, float, str]:
+        return f"{s['node_ip']} ({'+'.join(s['parts'])})", s["busy_s"], f"{s['busy_s']:.3f}s, {s['calls']} calls"
+
+    _errors_and_busy_time(output, runs, row, lambda shown: "")
     if body.get("interrupted"):
         output.line("[yellow]* interrupted: the images it finished; the runs above are what was measured[/yellow]")
 
