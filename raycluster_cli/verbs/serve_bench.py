@@ -30,6 +30,7 @@ from raycluster_cli.verbs.serve_load import (
     RequestSpec,
     make_requests,
     poisson_arrivals,
+    run_load,
     stage_times,
     summarize,
 )
@@ -217,30 +218,19 @@ async def _run(
     send_at: list[float] | None,
     concurrency: int,
 ) -> dict[str, Any]:
-    """One run: each request sent at its time (``send_at``) or as soon as fewer than ``concurrency`` are in
-    flight; the stages' counters read before and after."""
-    before = await client.status()
-    report.current, report.current_results, report.current_began = header, [], time.monotonic()
-    gate = asyncio.Semaphore(concurrency or len(specs) or 1)
-    began = report.current_began
+    """One run of ``specs`` (serve_load.run_load); the stages' busy times from their counters."""
+    by_index = {spec.index: spec for spec in specs}
 
-    async def send(spec: RequestSpec) -> None:
-        if send_at is not None:
-            await asyncio.sleep(max(0.0, began + send_at[spec.index] - time.monotonic()))
-        async with gate:
-            result = RequestResult(spec.index, spec.max_tokens, sent_s=time.monotonic() - began)
-            await _one(client, report.model, spec, result)
-            report.current_results.append(result)
+    async def one(index: int, sent_s: float) -> RequestResult:
+        spec = by_index[index]
+        result = RequestResult(spec.index, spec.max_tokens, sent_s=sent_s)
+        await _one(client, report.model, spec, result)
+        return result
 
-    await asyncio.gather(*(send(spec) for spec in specs))
-    wall = time.monotonic() - began
-    after = await client.status()
-    results = sorted(report.current_results, key=lambda r: r.index)
-    run = header | summarize(results, wall) | stage_times(before, after, wall)
-    run["per_request"] = [r.to_dict() for r in results]
-    report.runs.append(run)
-    report.current = None
-    return run
+    def measure(results: list[Any], wall: float, before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
+        return summarize(results, wall) | stage_times(before, after, wall)
+
+    return await run_load(client, report, header, len(specs), send_at, concurrency, one, measure)
 
 
 def _lengths(given: tuple[int, int] | None, max_seq: int) -> tuple[int, int]:

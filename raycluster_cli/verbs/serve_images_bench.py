@@ -12,7 +12,6 @@ this module imports nothing of it.  Never prints.
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import binascii
 import time
@@ -21,7 +20,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from raycluster_cli.bench.balance import imbalance, latency_summary, spread, utilisation
-from raycluster_cli.verbs.serve_load import WORDS, poisson_arrivals
+from raycluster_cli.verbs.serve_load import WORDS, poisson_arrivals, run_load
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -129,34 +128,24 @@ async def run_images(
     send_at: list[float] | None,
     concurrency: int,
 ) -> dict[str, Any]:
-    """One run of ``count`` images (``client``: serve_bench.ServiceClient; ``report``: its ServeBenchReport)."""
-    before = await client.status()
-    report.current, report.current_results, report.current_began = header, [], time.monotonic()
-    gate = asyncio.Semaphore(concurrency or count or 1)
-    began = report.current_began
+    """One run of ``count`` images (serve_load.run_load; ``client``: serve_bench.ServiceClient); each replica's
+    busy time from its counters."""
 
-    async def send(index: int) -> None:
-        if send_at is not None:
-            await asyncio.sleep(max(0.0, began + send_at[index] - time.monotonic()))
-        async with gate:
-            result = ImageResult(index, seed + index, sent_s=time.monotonic() - began)
-            try:
-                status, body = await client.image(report.model, prompt_of(index, seed), seed + index)
-                result.png_bytes, result.error = check_answer(status, body)
-                result.e2e_s = time.monotonic() - began - result.sent_s
-            except (TimeoutError, OSError, ValueError) as exc:
-                result.error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
-            report.current_results.append(result)
+    async def one(index: int, sent_s: float) -> ImageResult:
+        result = ImageResult(index, seed + index, sent_s=sent_s)
+        started = time.monotonic()
+        try:
+            status, body = await client.image(report.model, prompt_of(index, seed), seed + index)
+            result.png_bytes, result.error = check_answer(status, body)
+            result.e2e_s = time.monotonic() - started
+        except (TimeoutError, OSError, ValueError) as exc:
+            result.error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+        return result
 
-    await asyncio.gather(*(send(i) for i in range(count)))
-    wall = time.monotonic() - began
-    after = await client.status()
-    results = sorted(report.current_results, key=lambda r: r.index)
-    run = header | summarize_images(results, wall) | replica_times(before, after, wall)
-    run["per_request"] = [r.to_dict() for r in results]
-    report.runs.append(run)
-    report.current = None
-    return run
+    def measure(results: list[Any], wall: float, before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
+        return summarize_images(results, wall) | replica_times(before, after, wall)
+
+    return await run_load(client, report, header, count, send_at, concurrency, one, measure)
 
 
 async def run_image_bench(client: Any, plan: Any, report: Any, status: dict[str, Any], progress: Any) -> Any:

@@ -1,7 +1,8 @@
 """The serving benchmark's load and its statistics: seeded requests, Poisson arrivals, per-request timings from a
 streamed answer, each run's percentiles and throughput, and each stage's busy time T_i over the run.
 
-Pure Python (no network): `verbs/serve_bench.py` sends the requests and reads the service's counters. The
+Pure Python (no network): `verbs/serve_bench.py` sends the requests and reads the service's counters; `run_load`
+is the loop of one run for text and images alike, over the caller's client. The
 figures follow vLLM's `benchmarks/benchmark_serving.py`: TTFT is the time from sending a request to its first
 piece of text; TPOT is (end to end − TTFT) / (output tokens − 1), the mean time per token after the first; ITL are
 the gaps between successive streamed pieces of one request; throughput counts the tokens the service's `usage`
@@ -10,8 +11,10 @@ reports. T_i is the seconds a stage spent inside its forward passes between two 
 
 from __future__ import annotations
 
+import asyncio
 import random
-from collections.abc import Sequence
+import time
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -194,3 +197,40 @@ def stage_times(before: dict[str, Any], after: dict[str, Any], wall_s: float) ->
         "utilisation": utilisation(busy) if busy else None,
         "of_ceiling": sum(peaks) / (len(peaks) * wall_s) if peaks and wall_s > 0 else None,
     }
+
+
+async def run_load(
+    client: Any,
+    report: Any,
+    header: dict[str, Any],
+    count: int,
+    send_at: list[float] | None,
+    concurrency: int,
+    one: Callable[[int, float], Awaitable[Any]],
+    measure: Callable[[list[Any], float, dict[str, Any], dict[str, Any]], dict[str, Any]],
+) -> dict[str, Any]:
+    """One run of ``count`` requests: request i sent ``send_at[i]`` seconds after the start (Poisson), or as soon
+    as fewer than ``concurrency`` are in flight; ``one(i, sent_s)`` makes it and returns its result (``index``,
+    ``to_dict``); the service's counters (``client.status()``) read before and after, and ``measure(results,
+    wall, before, after)`` gives the run's figures. What finished stays in ``report.current_results`` if the run
+    is interrupted (``report``: serve_bench.ServeBenchReport)."""
+    before = await client.status()
+    report.current, report.current_results, report.current_began = header, [], time.monotonic()
+    gate = asyncio.Semaphore(concurrency or count or 1)
+    began = report.current_began
+
+    async def send(index: int) -> None:
+        if send_at is not None:
+            await asyncio.sleep(max(0.0, began + send_at[index] - time.monotonic()))
+        async with gate:
+            report.current_results.append(await one(index, time.monotonic() - began))
+
+    await asyncio.gather(*(send(i) for i in range(count)))
+    wall = time.monotonic() - began
+    after = await client.status()
+    results = sorted(report.current_results, key=lambda r: r.index)
+    run = header | measure(results, wall, before, after)
+    run["per_request"] = [r.to_dict() for r in results]
+    report.runs.append(run)
+    report.current = None
+    return run

@@ -149,17 +149,28 @@ def test_output_check_in_bfloat16_takes_tokens_among_the_references_top_k(config
         logits = outputcheck._teacher_forced_logits(cfg, torch.cat([prompts, tokens], 1), params.prompt_len)
         tokens[:, j] = logits[:, j].float().argmax(-1)
     result: Any = SimpleNamespace(groups=[[0, 1], [2, 3]], tokens=tokens.tolist())
-    same = outputcheck.check_output(cfg, params, result, num_requests=4)
-    assert same["identical"] is True and same["tolerance"]["within"] is True
+
+    def within() -> dict[str, Any]:
+        tolerance: dict[str, Any] = outputcheck._within_tolerance(cfg, prompts, result, result.groups, 5)
+        return tolerance
+
+    same = within()
+    assert same["identical"] is True and same["mismatched"] == []
     assert same["tolerance"] == {
         "dtype": "bfloat16", "top_k": 5, "positions": 16, "argmax_agreed": 1.0, "outside_top_k": [], "within": True,
     }  # fmt: skip
-
     ranked = logits[1, -1].float().argsort(descending=True).tolist()
     result.tokens[1][-1] = ranked[1]  # the last token (nothing after it depends on it): the reference's second
-    second = outputcheck.check_output(cfg, params, result, num_requests=4)
+    second = within()
     assert second["identical"] is False and second["mismatched"] == [1]
     assert second["tolerance"]["within"] is True and second["tolerance"]["argmax_agreed"] == 15 / 16
     result.tokens[1][-1] = ranked[20]  # well outside the top 5
-    far = outputcheck.check_output(cfg, params, result, num_requests=4)
-    assert far["tolerance"]["within"] is False and far["tolerance"]["outside_top_k"] == [1]
+    assert within()["tolerance"]["outside_top_k"] == [1] and within()["tolerance"]["within"] is False
+
+    # Through check_output: the strict comparison first (the whole model decoding the same micro-batches); a
+    # request it rejects in reduced precision gets the tolerance's verdict beside the strict one.
+    checked = outputcheck.check_output(cfg, params, result, num_requests=4)
+    assert checked["identical"] is False and 1 in checked["mismatched"]
+    assert checked["tolerance"]["outside_top_k"] == [1] and checked["tolerance"]["within"] is False
+    in_float32 = outputcheck.check_output(replace(cfg, dtype="float32"), params, result, num_requests=4)
+    assert "tolerance" not in in_float32  # float32 is held to identity alone
