@@ -119,7 +119,8 @@ def test_a_changed_shard_copies_only_that_shard_and_the_hosts_folders_are_the_op
         _, first, copies = model_relay.place_model(inv, pool, str(folder))
     finally:
         pool.close()
-    assert first is not None and [c.files_sent for c in copies] == [len(first.files)] * 3
+    assert first is not None and {c.files_sent + c.files_reused for c in copies} == {len(first.files)}
+    assert all(c.files_sent >= SHARDS for c in copies)  # the shards are new (the weights may be the test's above)
 
     changed = folder / f"extra-1-of-{SHARDS}.bin"
     changed.write_bytes(uuid.uuid4().bytes + os.urandom(PADDING // SHARDS))
