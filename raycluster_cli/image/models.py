@@ -150,10 +150,10 @@ def _tail(model: ModelFolder) -> Iterator[bytes]:
     yield b"\0" * (2 * _BLOCK)
 
 
-def tar_chunks(model: ModelFolder) -> Generator[bytes, None, None]:
-    """The model's tar, as read_model_folder hashed it: each file, then the manifest. Raises when a file's size
-    changed since (its SHA-256 would not match the receivers' anyway)."""
-    for file in model.files:
+def tar_chunks(model: ModelFolder, files: tuple[ModelFile, ...] | None = None) -> Generator[bytes, None, None]:
+    """The model's tar, as read_model_folder hashed it: each file (or only `files`, what a host lacks), then the
+    whole manifest. Raises when a file's size changed since (its SHA-256 would not match the receivers' anyway)."""
+    for file in model.files if files is None else files:
         yield _header(file.path, file.size)
         sent = 0
         with (model.root / file.path).open("rb") as handle:
@@ -169,9 +169,9 @@ def tar_chunks(model: ModelFolder) -> Generator[bytes, None, None]:
 class TarReader(io.RawIOBase):
     """tar_chunks as a raw binary file (what transport.feed reads, through `open_tar`)."""
 
-    def __init__(self, model: ModelFolder) -> None:
+    def __init__(self, model: ModelFolder, files: tuple[ModelFile, ...] | None = None) -> None:
         super().__init__()
-        self._chunks = tar_chunks(model)
+        self._chunks = tar_chunks(model, files)
         self._left = b""
 
     def readable(self) -> bool:
@@ -194,9 +194,10 @@ class TarReader(io.RawIOBase):
         super().close()
 
 
-def open_tar(model: ModelFolder) -> io.BufferedReader:
-    """The model's tar, to read from the start (no copy of it on this machine's disk)."""
-    return io.BufferedReader(TarReader(model), _CHUNK)
+def open_tar(model: ModelFolder, files: tuple[ModelFile, ...] | None = None) -> io.BufferedReader:
+    """The model's tar (or the part of it with only `files`), to read from the start (no copy of it on this
+    machine's disk)."""
+    return io.BufferedReader(TarReader(model, files), _CHUNK)
 
 
 @dataclass(frozen=True)
@@ -238,26 +239,35 @@ def parse_held(text: str) -> set[str]:
 
 def use_command(inventory: Inventory, host: HostConfig, model: ModelFolder) -> str:
     """Shell text run by the relay's receive script once the tar ("$a") is verified whole (its `_sha` defined):
-    unpack it into a private folder, check every file against the manifest in it (and no file it does not list),
-    note the name and size, make it read-only and rename it to the digest; on any failure remove it. Prints
-    RECEIVED when the model is there."""
+    unpack it into a private folder, add each file the tar left out (the host holds it in another model: a hard
+    link to that read-only file, else a copy; the old model is never written to), check every file against the
+    manifest (and no file it does not list), note the name and size, make it read-only and rename it to the
+    digest; on any failure remove it (its folders made writable, never its files: some are another model's).
+    Prints RECEIVED when the model is there."""
     folder = shell_path(models_dir(inventory, host))
     digest = model.digest
     name = "".join(" " if c in "\t\r\n" else c for c in model.root.name)
     about = quote(f"{name}\t{model.size}")
+    writable_folders = 'find "$d" -type d -exec chmod u+w {} + 2>/dev/null'
     return (
         f'models={folder}; [ -d "${{models%/*}}" ] || {{ echo "no cluster folder ${{models%/*}}: run raycluster up first" >&2; '
         'exit 1; }; [ -d "$models" ] || (umask 022 && mkdir -- "$models") || exit 1; incoming=$(mktemp -d "$models/.incoming-XXXXXX") || exit 1; '
-        'trap \'chmod -R u+w "$incoming" 2>/dev/null; rm -rf -- "$incoming"; rm -f -- "$p" "$f"\' EXIT; '
+        f'trap \'d=$incoming; {writable_folders}; rm -rf -- "$incoming"; rm -f -- "$p" "$f"\' EXIT; '
         'tar -x --no-same-owner --no-same-permissions -C "$incoming" -f "$a" || exit 1; cd "$incoming" || exit 1; '
-        f"while IFS= read -r line; do sum=${{line%%  *}}; path=${{line#*  }}; "
+        'while IFS= read -r line; do sum=${line%%  *}; path=${line#*  }; [ -e "$path" ] && continue; '
+        'case "$path" in */*) mkdir -p -- "${path%/*}" || exit 1;; esac; '
+        f'for m in "$models"/*/{MANIFEST}; do hit=$(grep -m1 -e "^$sum  " -- "$m" 2>/dev/null) || continue; '
+        'src=${m%/*}/${hit#*  }; { ln -- "$src" "$path" 2>/dev/null || cp -- "$src" "$path"; } && break; done; '
+        '[ -e "$path" ] || { echo "$path neither arrived nor is in a model this host holds" >&2; exit 1; }; '
+        f"done <{MANIFEST}; "
+        "while IFS= read -r line; do sum=${line%%  *}; path=${line#*  }; "
         '[ "$(_sha "$path")" = "$sum" ] || { echo "$path does not match the manifest" >&2; exit 1; }; '
         f"done <{MANIFEST}; "
         f"listed=$(cut -c67- {MANIFEST} | sort); present=$(find . -type f ! -name {MANIFEST} | cut -c3- | sort); "
         '[ "$listed" = "$present" ] || { echo "files that the manifest does not list arrived" >&2; exit 1; }; '
         f"printf '%s\\n' {about} >{ABOUT}; "
         'cd / && chmod -R a-w,a+rX "$incoming" && chmod u+w "$incoming" || exit 1; '
-        f'if [ ! -f "$models/{digest}/{MANIFEST}" ]; then chmod -R u+w "$models/{digest}" 2>/dev/null; '
+        f'if [ ! -f "$models/{digest}/{MANIFEST}" ]; then d="$models/{digest}"; {writable_folders}; '
         f'rm -rf -- "$models/{digest}"; mv -- "$incoming" "$models/{digest}" && chmod u-w "$models/{digest}" || exit 1; fi; '
         f"echo {quote(RECEIVED)}"
     )

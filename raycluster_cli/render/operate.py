@@ -135,6 +135,8 @@ def render_serve(output: Output, body: dict[str, Any]) -> None:
         already = len(body["copies"]) - len(sent)
         here = sum(str(c.get("source", "")).startswith("operator") for c in sent)
         relayed = f" ({here} from here, {len(sent) - here} host to host)" if sent else ""
+        if reused := max((int(c.get("files_reused", 0)) for c in sent), default=0):  # only the changed files went
+            relayed += f", {reused} file(s) reused from the models they hold"
         output.line(f"model {body['model_digest'][:12]}: sent to {len(sent)} host(s){relayed}, already on {already}")
     model, url = terminal_safe(body["model"]), body["url"]
     output.line(f"serving {model} at {url} ({body['replicas']} replica(s)), ready in {body['seconds']:.0f}s")

@@ -2,6 +2,8 @@
 machine reaches the 3 hosts that lack it with one upload from here, then host to host (bytes counted on the lab
 bridge, independently of the program); a second run sends nothing; `status` lists it on every host; `down --purge`
 removes the cache and the staging folder (and `up` then relays the image again, verified before each load). A
+changed shard of a held model is all that travels (bridge bytes about its size), and each host's new folder is the
+operator's, file for file, the unchanged files linked to the old model's. A
 host whose received bytes are flipped (a `cat` that corrupts what it writes into the staging folder, on that host
 only) never stores the model, and the run stops naming it; a host with a staging folder another user planted is
 refused by name and never uses what was planted there."""
@@ -16,9 +18,11 @@ from typing import Any
 
 import pytest
 
+from raycluster_cli.config import inventory
 from raycluster_cli.host.folders import ARCHIVE_DIR
-from raycluster_cli.image import models
+from raycluster_cli.image import model_relay, models
 from raycluster_cli.lab import hosts as lab
+from raycluster_cli.transport.pool import SSHPool
 
 from ..bench_checkpoints import write_random_gpt2
 from .conftest import IP1, IP2, IP3, Lab
@@ -90,6 +94,58 @@ def test_a_model_is_relayed_once_then_held_and_listed(cluster: Lab, tmp_path: Pa
         assert mine == [{"digest": model.digest, "size": model.size, "name": "tiny-gpt2-relay"}], host
     for hostname in ("lab-h1", "lab-h2", "lab-h3"):  # the staged tar was removed after the relay
         assert cluster.sh(hostname, f"ls -A {ARCHIVE_DIR}").split() == []
+
+
+SHARDS = 4  # beside the weights: a checkpoint of several shards, one of which changes
+
+
+def _sums_on(cluster: Lab, hostname: str, digest: str) -> dict[str, str]:
+    listing = cluster.sh(
+        hostname, f"cd {CACHE}/{digest} && find . -type f ! -name '.raycluster*' -exec sha256sum {{}} +"
+    )
+    return {line.split("  ", 1)[1][2:]: line.split("  ", 1)[0] for line in listing.splitlines()}
+
+
+def test_a_changed_shard_copies_only_that_shard_and_the_hosts_folders_are_the_operators(
+    cluster: Lab, tmp_path: Path
+) -> None:
+    folder = tmp_path / "tiny-sharded"
+    write_random_gpt2(folder, layers=6, d_model=64, heads=4, vocab=256, positions=64)
+    for index in range(SHARDS):
+        (folder / f"extra-{index}-of-{SHARDS}.bin").write_bytes(uuid.uuid4().bytes + os.urandom(PADDING // SHARDS))
+    inv = inventory.load(cluster.inventory).inventory
+    pool = SSHPool(inv)
+    try:  # the first version: the whole tar, through the relay (as the test above measures it)
+        _, first, copies = model_relay.place_model(inv, pool, str(folder))
+    finally:
+        pool.close()
+    assert first is not None and {c.files_sent + c.files_reused for c in copies} == {len(first.files)}
+    assert all(c.files_sent >= SHARDS for c in copies)  # the shards are new (the weights may be the test's above)
+
+    changed = folder / f"extra-1-of-{SHARDS}.bin"
+    changed.write_bytes(uuid.uuid4().bytes + os.urandom(PADDING // SHARDS))
+    model = models.read_model_folder(folder)
+    before = _bridge_tx(cluster)
+    code, doc, err = cluster.cli("bench", f"--model-path={folder}", *BENCH, timeout=1500)
+    again = _bridge_tx(cluster) - before
+    assert code == 0, err[-3000:]
+    assert doc["config"]["model_source"] == f"gpt2:/run/raycluster/models/{model.digest}" and doc["completed"] == 8
+    size = changed.stat().st_size
+    print(
+        f"[relay] changed 1 of {len(model.files)} files ({size} bytes): {again} bridge bytes, "
+        f"{again / size:.3f} of the changed file, {again / model.tar_size:.3f} of the model's tar",
+        flush=True,
+    )
+    for copy in doc["model_copies"]:
+        assert (copy["action"], copy["files_sent"], copy["files_reused"]) == ("sent", 1, len(model.files) - 1), copy
+        assert size < copy["bytes_sent"] < size + 64 * 1024, copy  # the shard, its header and the manifest
+    assert 0.95 * size < again < 1.3 * size  # one upload of the changed shard, the rest host to host
+    operator = {f.path: f.sha256 for f in model.files}
+    for hostname in ("lab-h1", "lab-h2", "lab-h3"):
+        assert _sums_on(cluster, hostname, model.digest) == operator, hostname
+        assert _sums_on(cluster, hostname, first.digest) == {f.path: f.sha256 for f in first.files}  # untouched
+        links = cluster.sh(hostname, f"stat -c %h {CACHE}/{model.digest}/extra-0-of-{SHARDS}.bin").strip()
+        assert links == "2", hostname  # the unchanged shard is the old model's file, linked
 
 
 # A `cat` that flips one byte of what it writes into the relay's staging folder, on one host: what arrives there is
