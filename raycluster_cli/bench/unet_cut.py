@@ -19,6 +19,7 @@ adapters is refused with its name (``check_supported``).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from dataclasses import dataclass
@@ -204,7 +205,9 @@ class UNetStage:
         res = carry.residuals[-len(block.resnets) :]
         carry.residuals = carry.residuals[: -len(block.resnets)]
         size = carry.residuals[-1].shape[2:] if not is_final and carry.forward_upsample_size else None
-        kwargs: dict[str, Any] = {"encoder_hidden_states": context} if getattr(block, "has_cross_attention", False) else {}
+        kwargs: dict[str, Any] = (
+            {"encoder_hidden_states": context} if getattr(block, "has_cross_attention", False) else {}
+        )
         carry.sample = block(
             hidden_states=carry.sample, temb=carry.emb, res_hidden_states_tuple=res, upsample_size=size, **kwargs
         )
@@ -222,8 +225,11 @@ class UNetStage:
         """The held units on ``x`` (the scaled latents when this stage holds ``in``, else the previous stage's
         carry); the noise prediction when it holds ``out``, else the carry for the next stage."""
         context = self.model.process_encoder_hidden_states(encoder_hidden_states=context, added_cond_kwargs=None)
-        carry = self.begin(x, timestep) if self.start == 0 else x
-        assert isinstance(carry, Carry), "a stage after the first needs the previous stage's carry"
+        if self.start == 0:
+            carry = self.begin(x, timestep)  # type: ignore[arg-type]
+        else:
+            assert isinstance(x, Carry), "a stage after the first needs the previous stage's carry"
+            carry = dataclasses.replace(x)  # the caller's carry is left as it was (a probe runs it again)
         for unit in self.held:
             kind, _, index = unit.partition(".")
             if kind == "down_blocks":

@@ -181,20 +181,30 @@ def place_cut(
         f"nodes: {'; '.join(f'{r.node_ip} {r.capacity // MIB} MiB' for r in rooms)}): the UNet cut by blocks into "
         f"{len(plan.stages)} stage(s) by each node's measured seconds per unit and its memory ({stages}), the carry "
         f"per UNet call {cuts or 'none'}; text encoder on {ip[plan.text]}, VAE decoder on {ip[plan.vae]}; predicted "
-        "busy per image " + ", ".join(f"{ip[n]} {s:.3f} s" for n, s in sorted(plan.busy_s.items(), key=lambda i: ip[i[0]]))
+        "busy per image "
+        + ", ".join(f"{ip[n]} {s:.3f} s" for n, s in sorted(plan.busy_s.items(), key=lambda i: ip[i[0]]))
     )
     detail = {
         "units": names,
         "unit_mib": [round(b / MIB, 3) for b in unit_bytes],
         "carry_kib": [round(c / 1024, 1) for c in crossing],
         "stages": [{"node_ip": ip[n], "units": names[a:b]} for n, a, b in plan.stages],
-        "predicted_busy_s": {ip[n]: s for n, s in plan.busy_s.items()},
-        "planned_mib": {ip[n]: round(m / MIB, 2) for n, m in plan.memory.items()},
+        "nodes": [
+            {"node_ip": ip[n], "predicted_busy_s": s, "planned_mib": round(plan.memory[n] / MIB, 2)}
+            for n, s in plan.busy_s.items()
+        ],
         "probes": [
-            {"node_ip": n.node_ip, "text_s": n.text_s, "vae_s": n.vae_s, "unit_s": n.unit_s, "send_s": n.send_s,
-             "recv_s": n.recv_s, "cpu_quota": m.get("cpu_quota"), "num_threads": m.get("num_threads")}
+            {
+                "node_ip": n.node_ip,
+                "text_s": n.text_s,
+                "vae_s": n.vae_s,
+                "unit_s": n.unit_s,
+                "send_s": n.send_s,
+                "recv_s": n.recv_s,
+                "cpu_quota": m.get("cpu_quota"),
+                "num_threads": m.get("num_threads"),
+            }
             for n, m in zip(nodes, measured, strict=True)
-        ],  # fmt: skip
+        ],
     }
     return plan, detail, why
-

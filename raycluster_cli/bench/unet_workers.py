@@ -17,6 +17,7 @@ in flight fill the stages in turn.
 
 from __future__ import annotations
 
+import functools
 import gc
 import inspect
 import time
@@ -65,12 +66,12 @@ class _UNetProbe:
         ``request``'s shape, and of the carry's serialisation at each cut; a unit ``fits`` marks too big is
         not loaded (its cost None)."""
         text = Components(path, ("text",))
-        context, text_wall, text_cpu = self._time(lambda: text.encode(request), repeats)
+        context, text_wall, text_cpu = self._time(functools.partial(text.encode, request), repeats)
         del text
         vae = Components(path, ("vae",))
         latents_shape = (request.n, 4, request.height // vae.scale_factor, request.width // vae.scale_factor)
         latents = torch.randn(latents_shape, generator=torch.Generator().manual_seed(0))
-        _, vae_wall, vae_cpu = self._time(lambda: vae.decode(latents), repeats)
+        _, vae_wall, vae_cpu = self._time(functools.partial(vae.decode, latents), repeats)
         del vae
         batch = context.shape[0]
         x: Any = torch.randn((batch, *latents_shape[1:]), generator=torch.Generator().manual_seed(1))
@@ -168,6 +169,7 @@ class _UNetStageWorker:
             out = self.stage.forward(x, t, context.to(self.stage.dtype))
             if not self.last:
                 return out
+            assert isinstance(out, torch.Tensor)
             job = self.jobs[key]
             request: ImageRequest = job["request"]
             if request.guidance > 1.0:
