@@ -33,8 +33,11 @@ PROMPTS = ["a red house on the hill", "a small green tree", "a blue cat", "the d
 class CutNeeded(ValueError):
     """No node holds the UNet: ``unet_place`` cuts it by blocks."""
 
-    def __init__(self, needs: dict[str, int]) -> None:
-        super().__init__(f"the unet needs {needs['unet'] // MIB} MiB and no node has it")
+    def __init__(self, needs: dict[str, int], rooms: str) -> None:
+        super().__init__(
+            f"the unet needs {needs['unet'] // MIB} MiB and no node has it (nodes: {rooms}); only `bench` cuts "
+            "the UNet by blocks: add memory or nodes"
+        )
         self.needs = needs
 
 
@@ -66,7 +69,7 @@ def place(nodes: list[NodeRoom], weights: dict[str, int], size: int) -> tuple[li
         return [[(n.node_id, list(PARTS))] for n in fits], why
     rooms = "; ".join(f"{n.node_ip} {n.capacity // MIB} MiB" for n in nodes)
     if not any(n.capacity >= need["unet"] for n in nodes):
-        raise CutNeeded(need | {"act": act})
+        raise CutNeeded(need | {"act": act}, rooms)
     free = sorted(nodes, key=lambda n: -n.capacity)
     holders: Holders = []
     for part in ("unet", "text", "vae"):  # the largest part first, onto the roomiest node left
