@@ -2,10 +2,11 @@
 
 Placement (``place``): every node whose memory holds the whole pipeline gets a replica of it; when none does,
 the parts become pipeline stages on three nodes (text encoder | UNet | VAE decoder), each where it fits, the UNet
-on the node with the most room.  Each replica is timed on a calibration image; requests then go to replicas in
+on the node with the most room; when no node holds even the UNet (``CutNeeded``), ``unet_place`` cuts it by blocks
+across the nodes from their measured seconds per block (``unet_cut``, ``unet_workers``).  Each replica is timed on a calibration image; requests then go to replicas in
 proportion to their speed (``routing.assign``: a replica 4× faster makes 4× the images).  The report, as for
 text: images/s, seconds per image p50/p90/p99, each node's busy time T_i, T_max − T_min and imbalance, and the
-same requests routed equally and on the fastest node alone as references.
+same requests routed equally and on the fastest node alone as references, and the pipeline ceiling (``ceiling``).
 """
 
 from __future__ import annotations
