@@ -132,7 +132,7 @@ def measure(
 
     assignment = routing.assign(total, seconds, policy)
     queues = [[i for i, r in enumerate(assignment) if r == index] for index in range(len(replicas))]
-    depth = [1 if r.whole else len(r.actors) for r in replicas]
+    depth = [1 if r.whole else getattr(r, "depth", len(r.actors)) for r in replicas]
     ray.get([a.reset_stats.remote() for r in replicas for a in r.actors], timeout=60)
     pending: dict[Any, tuple[int, int, float]] = {}
     latencies: list[float] = []

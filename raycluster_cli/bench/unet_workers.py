@@ -29,6 +29,7 @@ import ray
 import torch
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from raycluster_cli.bench import balance
 from raycluster_cli.bench.cgroup import container_cpu_quota
 from raycluster_cli.bench.diffusion import Components, ImageRequest, _scheduler_class, vae_scale_factor
 from raycluster_cli.bench.diffusion_workers import DiffusionWorker
@@ -132,6 +133,8 @@ class _UNetStageWorker:
 
     def reset_stats(self) -> None:
         self.busy_s, self.calls = 0.0, 0
+        self.since, self.cpu_since = time.perf_counter(), time.process_time()
+        self.spans: list[tuple[float, float]] = []  # each call's (start, end), seconds after the reset
 
     @torch.no_grad()
     def begin(self, request: ImageRequest, key: str) -> tuple[torch.Tensor, list[Any]]:
@@ -181,8 +184,10 @@ class _UNetStageWorker:
                 return self.jobs.pop(key)["latents"]
             return self._model_input(job, job["timesteps"][job["step"]])
         finally:
-            self.busy_s += time.perf_counter() - began
+            ended = time.perf_counter()
+            self.busy_s += ended - began
             self.calls += 1
+            self.spans.append((began - self.since, ended - self.since))
 
     def info(self) -> dict[str, Any]:
         return {
@@ -202,6 +207,11 @@ class _UNetStageWorker:
             "parts": [self.label],
             "busy_s": self.busy_s,
             "calls": self.calls,
+            # where the stage's time went (the ceiling's measured cause): all of the process's CPU since the
+            # reset (its forward passes and Ray's per-call work in it), and its idle time before its first call,
+            # between calls (waiting for work) and after its last, up to now
+            "cpu_s": time.process_time() - self.cpu_since,
+            **balance.idle_breakdown(self.spans, time.perf_counter() - self.since),
         }
 
 
@@ -247,6 +257,13 @@ class CutReplica:
         ]
 
     whole = False
+
+    @property
+    def depth(self) -> int:
+        """Images in flight: each image waits at every step for its own round trip through the stages and the
+        conductor, so one image per actor leaves a stage idle while the others' hops run; twice that covers them
+        (the first lab run, one per actor: 0.66 of the ceiling)."""
+        return 2 * len(self.actors)
 
     def submit(self, request: ImageRequest) -> Any:
         return self.conductor.generate.remote(request)
