@@ -166,11 +166,16 @@ def place_cut(
     sizes = unet_cut.unit_bytes(path)
     names, unit_bytes = list(sizes), list(sizes.values())
     crossing = crossing_for(path, request)
-    probes = []
+    actors, probes = [], []
     for room in rooms:
         fits = [int(b * headroom) + needs["act"] <= room.capacity for b in unit_bytes]
-        probes.append(_pinned(UNetProbe, room.node_id).remote(threads).measure.remote(path, request, fits))
-    measured = ray.get(probes, timeout=1800)
+        actors.append(_pinned(UNetProbe, room.node_id).remote(threads))
+        probes.append(actors[-1].measure.remote(path, request, fits))
+    try:
+        measured = ray.get(probes, timeout=1800)
+    finally:
+        for actor in actors:  # their processes would keep torch and the last unit's memory on every node
+            ray.kill(actor)
     nodes = [node_costs(m, r.node_ip, r.capacity) for m, r in zip(measured, rooms, strict=True)]
     plan = search(nodes, unit_bytes, crossing, needs, request.steps, headroom)
     ip = {n.node_id: n.node_ip for n in nodes}
