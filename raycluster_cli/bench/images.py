@@ -2,10 +2,11 @@
 
 Placement (``place``): every node whose memory holds the whole pipeline gets a replica of it; when none does,
 the parts become pipeline stages on three nodes (text encoder | UNet | VAE decoder), each where it fits, the UNet
-on the node with the most room.  Each replica is timed on a calibration image; requests then go to replicas in
+on the node with the most room; when no node holds even the UNet (``CutNeeded``), ``unet_place`` cuts it by blocks
+across the nodes from their measured seconds per block (``unet_cut``, ``unet_workers``).  Each replica is timed on a calibration image; requests then go to replicas in
 proportion to their speed (``routing.assign``: a replica 4× faster makes 4× the images).  The report, as for
 text: images/s, seconds per image p50/p90/p99, each node's busy time T_i, T_max − T_min and imbalance, and the
-same requests routed equally and on the fastest node alone as references.
+same requests routed equally and on the fastest node alone as references, and the pipeline ceiling (``ceiling``).
 """
 
 from __future__ import annotations
@@ -28,6 +29,17 @@ MIB = 1024 * 1024
 WEIGHT_HEADROOM = 1.2  # loading copies and allocator slack over the weights themselves
 ACTIVATION_BYTES_512 = 768 * MIB  # a float32 generation's activations at 512 × 512 with guidance, scaled by area
 PROMPTS = ["a red house on the hill", "a small green tree", "a blue cat", "the dog on the hill", "a red tree"]
+
+
+class CutNeeded(ValueError):
+    """No node holds the UNet: ``unet_place`` cuts it by blocks."""
+
+    def __init__(self, needs: dict[str, int], rooms: str) -> None:
+        super().__init__(
+            f"the unet needs {needs['unet'] // MIB} MiB and no node has it (nodes: {rooms}); only `bench` cuts "
+            "the UNet by blocks: add memory or nodes"
+        )
+        self.needs = needs
 
 
 @dataclass(frozen=True)
@@ -57,6 +69,8 @@ def place(nodes: list[NodeRoom], weights: dict[str, int], size: int) -> tuple[li
         )
         return [[(n.node_id, list(PARTS))] for n in fits], why
     rooms = "; ".join(f"{n.node_ip} {n.capacity // MIB} MiB" for n in nodes)
+    if not any(n.capacity >= need["unet"] for n in nodes):
+        raise CutNeeded(need | {"act": act}, rooms)
     free = sorted(nodes, key=lambda n: -n.capacity)
     holders: Holders = []
     for part in ("unet", "text", "vae"):  # the largest part first, onto the roomiest node left
@@ -64,7 +78,7 @@ def place(nodes: list[NodeRoom], weights: dict[str, int], size: int) -> tuple[li
         if node is None:
             raise ValueError(
                 f"the {part} needs {need[part] // MIB} MiB and no node left has it (nodes: {rooms}); the whole "
-                f"pipeline needs {whole // MIB} MiB. Cutting the UNet by blocks is not built: add memory or nodes"
+                f"pipeline needs {whole // MIB} MiB: add memory or nodes"
             )
         free.remove(node)
         holders.append((node.node_id, [part]))
@@ -118,7 +132,7 @@ def measure(
 
     assignment = routing.assign(total, seconds, policy)
     queues = [[i for i, r in enumerate(assignment) if r == index] for index in range(len(replicas))]
-    depth = [1 if r.whole else len(r.actors) for r in replicas]
+    depth = [1 if r.whole else getattr(r, "depth", len(r.actors)) for r in replicas]
     ray.get([a.reset_stats.remote() for r in replicas for a in r.actors], timeout=60)
     pending: dict[Any, tuple[int, int, float]] = {}
     latencies: list[float] = []
@@ -192,10 +206,22 @@ def run(options: BenchOptions, progress: Report) -> dict[str, Any]:
     path = str(options.model_path)
     weights = part_bytes(path)
     rooms = node_rooms()
-    holders, why = place(rooms, weights, options.image_size)
     ip_of = {n.node_id: n.node_ip for n in rooms}
-    progress(f"placing {len(holders)} replica(s)")
-    replicas = [Replica(path, h, options.threads) for h in holders]
+    cut: dict[str, Any] | None = None
+    try:
+        holders, why = place(rooms, weights, options.image_size)
+        progress(f"placing {len(holders)} replica(s)")
+        replicas: list[Any] = [Replica(path, h, options.threads) for h in holders]
+    except CutNeeded as exc:
+        from raycluster_cli.bench import unet_place
+        from raycluster_cli.bench.unet_workers import CutReplica
+
+        progress("no node holds the UNet: timing its blocks on every node")
+        plan, cut, why = unet_place.place_cut(
+            path, rooms, request_for(options, 0), exc.needs, WEIGHT_HEADROOM, options.threads
+        )
+        replicas = [CutReplica(path, plan.text, plan.stages, plan.vae, options.threads)]
+        holders = [replicas[0].holders]
     try:
         infos: list[dict[str, Any]] = ray.get([a.info.remote() for r in replicas for a in r.actors], timeout=600)
         seconds = calibrate(replicas, options, progress)
@@ -203,7 +229,7 @@ def run(options: BenchOptions, progress: Report) -> dict[str, Any]:
         policy = "weighted" if options.partition == "balanced" else "equal"
         main = measure(replicas, seconds, options, total, policy, progress, "counted run", options.check_output)
         first_image = main.pop("first_image")
-        references: dict[str, Any] = {}
+        references: dict[str, Any] = {"ceiling": ceiling(main, replicas)}
         if options.references and len(replicas) > 1:
             other = "equal" if policy == "weighted" else "weighted"
             ref = measure(replicas, seconds, options, total, other, progress, f"reference: {other} routing")
@@ -227,6 +253,7 @@ def run(options: BenchOptions, progress: Report) -> dict[str, Any]:
                 for h, s in zip(holders, seconds, strict=True)
             ],
             "weights_mib": {part: round(b / MIB, 2) for part, b in weights.items()},
+            **({"unet_cut": cut} if cut is not None else {}),
             "node_memory_mib": {n.node_ip: n.capacity // MIB for n in rooms},
         },
         "workers": infos,
@@ -246,6 +273,29 @@ def run(options: BenchOptions, progress: Report) -> dict[str, Any]:
     if output_check is not None:
         doc["output_check"] = output_check
     return {"schema_version": SCHEMA_VERSION, "ok": True, **doc}
+
+
+def ceiling(main: dict[str, Any], replicas: list[Any]) -> dict[str, Any]:
+    """The pipeline ceiling (as ``scheduling.ceiling_tokens_per_s`` for text): each replica's images over its
+    busiest node's busy time (the parts on one node share its CPU, so a node's parts add up), summed; the run's
+    images/s over it.  1.0: the slowest node computed all the time and every hand-over was hidden."""
+    per_actor = iter(main["nodes"])
+    total, busiest_at = 0.0, []
+    for replica, made in zip(replicas, main["per_replica"], strict=True):
+        by_node: dict[str, float] = {}
+        ips: dict[str, str] = {}
+        for _ in replica.actors:
+            stat = next(per_actor)
+            by_node[stat["node_id"]] = by_node.get(stat["node_id"], 0.0) + stat["busy_s"]
+            ips[stat["node_id"]] = stat["node_ip"]
+        busiest = max(by_node.values())
+        busiest_at.append({"busy_s": busiest, "node_ip": ips[max(by_node, key=lambda k: by_node[k])]})
+        total += made / busiest if busiest > 0 else 0.0
+    return {
+        "images_per_s": total,
+        "ratio": main["images_per_s"] / total if total else None,
+        "busiest": busiest_at,
+    }
 
 
 def _reference(main: dict[str, Any], ref: dict[str, Any]) -> dict[str, Any]:

@@ -253,7 +253,8 @@ def render_images(output: Output, body: dict[str, Any]) -> None:
         where = f" on {ref['node_ip']}" if ref.get("node_ip") else ""
         output.line(
             f"÷ {name.replace('_', ' ')}{where}: {_ratio(ref.get('ratio'))} "
-            f"({ref.get('images_per_s', 0):.3f} images/s, imbalance {ref.get('imbalance', 0):.3f})"
+            f"({ref.get('images_per_s', 0):.3f} images/s"
+            + (f", imbalance {ref['imbalance']:.3f})" if ref.get("imbalance") is not None else ")")
         )
     check = body.get("output_check")
     if check:

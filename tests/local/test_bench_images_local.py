@@ -132,5 +132,5 @@ def test_nodes_too_small_for_the_pipeline_hold_its_parts_as_stages(small: Cluste
 
 def test_a_pipeline_no_node_set_can_hold_is_refused_with_the_numbers(checkpoint: Path) -> None:
     rooms = [images.NodeRoom(f"n{i}", f"10.0.0.{i}", 1 * MIB) for i in range(3)]
-    with pytest.raises(ValueError, match=r"the unet needs \d+ MiB and no node left has it \(nodes: 10.0.0.0 1 MiB"):
+    with pytest.raises(ValueError, match=r"the unet needs \d+ MiB and no node has it \(nodes: 10.0.0.0 1 MiB"):
         images.place(rooms, part_bytes(checkpoint), 512)
