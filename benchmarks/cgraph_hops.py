@@ -1,5 +1,6 @@
 """A decode step's hop through three no-op stage actors, one per node: the driver relay (what `serve`'s engine
-does) against a Ray Compiled Graph, and what a compiled actor spends while it waits for input.
+did until session 24), the actors handing on to each other (``chained``, what it does since), a Ray Compiled
+Graph, and what a compiled actor spends while it waits for input.
 
 Run on the cluster as a job (its driver is on the head, as `serve`'s ingress is):
   raycluster submit -i INVENTORY --working-dir benchmarks -- python cgraph_hops.py 200
@@ -7,6 +8,7 @@ Prints one JSON document: each node's CPU quota, the relay's and the compiled gr
 each actor's CPU per second while idle before and after compiling, and the relay's CPU per call on each actor.
 """
 
+import itertools
 import json
 import os
 import statistics
@@ -21,8 +23,18 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 @ray.remote(num_cpus=0)
 class Hop:
+    def __init__(self) -> None:
+        self.following = None
+
     def hop(self, x: torch.Tensor) -> torch.Tensor:
         return x
+
+    def link(self, following) -> None:
+        self.following = following
+
+    def chain(self, x: torch.Tensor):
+        """As a linked serve stage does: hand the input to the next actor, return that call's ref."""
+        return x if self.following is None else self.following.chain.remote(x)
 
     def cpu(self) -> float:
         t = os.times()  # this process, every thread
@@ -75,6 +87,21 @@ def main() -> None:
         "actor_cpu_per_call_ms": [1000 * (b - a) / (n + 10) for a, b in zip(before, cpu(), strict=True)],
     }
     doc["plain_idle_cpu_per_s"] = idle()
+    ray.get([a.link.remote(b) for a, b in itertools.pairwise(actors)])
+
+    def chained() -> torch.Tensor:  # serve's engine since session 24: one call, the stages hand on
+        value = ray.get(actors[0].chain.remote(x))
+        while isinstance(value, ray.ObjectRef):
+            value = ray.get(value)
+        return value
+
+    before = cpu()
+    c = timed(chained, n)
+    doc["chained"] = {
+        "round_trip_ms_p50": 1000 * statistics.median(c),
+        "per_hop_ms": 1000 * statistics.median(c) / 3,
+        "actor_cpu_per_call_ms": [1000 * (b - a) / (n + 10) for a, b in zip(before, cpu(), strict=True)],
+    }
     with InputNode() as inp:
         dag = actors[2].hop.bind(actors[1].hop.bind(actors[0].hop.bind(inp)))
     began = time.perf_counter()
