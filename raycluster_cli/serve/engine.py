@@ -75,10 +75,8 @@ class Engine:
         limits: Limits,
         eos_ids: frozenset[int],
         max_in_flight: int | None = None,
-        chained: bool = False,
     ) -> None:
         self.stages = list(stages)
-        self.chained = chained  # linked stages (stages.start_stages): a step goes to the first stage only
         self.tokenizer = tokenizer
         self.scheduler = Scheduler(limits, eos_ids)
         self.max_in_flight = max_in_flight or len(self.stages)
@@ -203,16 +201,10 @@ class Engine:
     async def _step(self, chunks: list[Chunk]) -> None:
         try:
             ids, table = step_inputs(chunks)
-            if self.chained:  # each stage calls the next and returns that call's ref: follow them to the logits
-                value: Any = await self.stages[0].forward.remote(ids, table)
-                while not isinstance(value, torch.Tensor):
-                    value = await value
-                logits: torch.Tensor = value
-            else:  # each stage returns its output; the next call takes it (Ray resolves it here, in the engine)
-                ref: Any = ids
-                for stage in self.stages:
-                    ref = stage.forward.remote(ref, table)
-                logits = await ref
+            ref: Any = ids
+            for stage in self.stages:
+                ref = stage.forward.remote(ref, table)
+            logits: torch.Tensor = await ref
             self.steps_done += 1
             self.last_step_at = time.monotonic()
             self._finish_step(chunks, logits)

@@ -141,7 +141,7 @@ class RayFleet:
             ),
             BUILD_TIMEOUT_S + 10,
         )
-        engine = Engine(actors, self.tokenizer, limits, self.eos, self.max_in_flight, chained=True)
+        engine = Engine(actors, self.tokenizer, limits, self.eos, self.max_in_flight)
         engine.start()
         try:
             await engine.probe()

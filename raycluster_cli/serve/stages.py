@@ -1,18 +1,12 @@
 """The pipeline's stages as Ray actors: one ``BatchedStage`` per actor, optionally pinned to a node.
 
-Each stage hands its output straight to the next (``link``): the engine sends a step to the first stage
-only, stage i calls stage i+1 with its hidden states and returns that call's ObjectRef, and the engine
-follows the refs to the last stage's logits.  A step so crosses the pipeline stage to stage (one round
-trip to the engine, not one per stage: session 23 measured a step's round trip at 2.5-2.7x the stages'
-busy time when every hop went back through the engine on the loaded head), and the engine's waits for
-the inner refs are answered by the stages' Ray core workers while the stages compute the next steps.
-A stage calls the next in step order and Ray runs a caller's calls to an actor in order, so steps in
-flight never overtake each other.
+A step goes ``stage0.forward -> stage1.forward -> ...``, each call taking the previous call's
+ObjectRef, as the bench's driver hops do: activations of a step are small and travel through Ray's
+object store; Ray runs an actor's calls in order, so steps in flight never overtake each other.
 """
 
 from __future__ import annotations
 
-import itertools
 import os
 import time
 from collections.abc import Sequence
@@ -51,21 +45,13 @@ class _StageActor:
         self.units = (start, end)
         self.steps = 0
         self.busy_s = 0.0
-        self.following: Any = None  # the next stage's actor handle (``link``); None: the last stage
 
-    def link(self, following: Any) -> None:
-        """From now on hand each step's output to ``following`` (the next stage) instead of returning it."""
-        self.following = following
-
-    def forward(self, x: torch.Tensor, table: torch.Tensor) -> Any:
-        """The step's output: the logits on the last stage, else the next stage's call on it (an ObjectRef)."""
+    def forward(self, x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
         began = time.perf_counter()
         out = self.stage.forward(x, table)
         self.busy_s += time.perf_counter() - began
         self.steps += 1
-        if self.following is None:
-            return out
-        return self.following.forward.remote(out, table)
+        return out
 
     def counters(self) -> dict[str, Any]:
         """What a benchmark diffs before/after a run: steps, seconds inside forward, this process's CPU
@@ -99,8 +85,8 @@ def start_stages(
     names: Sequence[str] | None = None,
     timeout_s: float | None = None,
 ) -> list[Any]:
-    """One StageActor per range (hard-pinned to ``node_ids[i]`` when given and not ""), each linked to the
-    next; returns their handles once their units are loaded (an engine over them is ``chained``).  ``names`` names the actors (in ``STAGE_NAMESPACE``), so an
+    """One StageActor per range (hard-pinned to ``node_ids[i]`` when given and not ""); returns their
+    handles once their units are loaded.  ``names`` names the actors (in ``STAGE_NAMESPACE``), so an
     operator or a test can find a pipeline's stages.  ``timeout_s``: the stages not up by then (a node
     that died while they loaded) fail the start (``GetTimeoutError``) instead of holding the caller."""
     if node_ids is not None and len(node_ids) != len(ranges):
@@ -115,7 +101,6 @@ def start_stages(
         actors.append(StageActor.options(**options).remote(cfg.to_dict(), start, end, slots, num_threads))
     try:
         ray.get([a.info.remote() for a in actors], timeout=timeout_s)
-        ray.get([a.link.remote(b) for a, b in itertools.pairwise(actors)], timeout=timeout_s)
     except Exception:
         for actor in actors:  # none of a half-started pipeline is left holding memory
             ray.kill(actor)

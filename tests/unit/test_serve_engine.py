@@ -51,18 +51,6 @@ class _InProcessStage:
         self.forward = _Method(stage.forward)
 
 
-class _LinkedStage:
-    """A linked stage actor's handle (``stages._StageActor.link``): it hands its output to the next stage
-    and answers that call's pending result, as the actor returns the next call's ObjectRef."""
-
-    def __init__(self, stage: BatchedStage, following: _LinkedStage | None = None) -> None:
-        self.stage, self.following, self.forward = stage, following, self
-
-    def remote(self, x: Any, table: Any) -> _Done:
-        out = self.stage.forward(x, table)
-        return _Done(out if self.following is None else self.following.remote(out, table))
-
-
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_chat_llama(tmp_path_factory.mktemp("engine") / "ckpt")
@@ -209,24 +197,3 @@ def test_a_full_pipeline_carries_slots_rows_in_every_step_in_flight(
     done = asyncio.run(run())
     assert all(len(tokens) == 12 for tokens in done)
     assert max(rows) == want and sorted(rows)[len(rows) // 2] == want, rows  # the median step is full
-
-
-def test_linked_stages_give_the_same_tokens_with_one_call_from_the_engine(checkpoint: Path) -> None:
-    """The engine sends a step to the first stage only and follows the refs the stages hand back."""
-    cfg = config_from_checkpoint(checkpoint, max_seq=64)
-    third = 1 + cfg.layers // 3
-    cuts = ((0, third), (third, 2 * third), (2 * third, cfg.num_units))
-    last = _LinkedStage(BatchedStage(cfg, *cuts[2], 4))
-    first = _LinkedStage(BatchedStage(cfg, *cuts[0], 4), _LinkedStage(BatchedStage(cfg, *cuts[1], 4), last))
-    tokenizer = transformers.AutoTokenizer.from_pretrained(str(checkpoint))
-
-    async def run() -> list[list[int]]:
-        engine = Engine([first], tokenizer, Limits(slots=4, max_seq=64, prefill_chunk=4), frozenset(), 3, chained=True)
-        engine.start()
-        prompts = ([5, 6, 7, 8, 9, 10, 11], [12, 13], [7, 8, 9])
-        done = await asyncio.gather(*(_tokens(engine.generate(p, 6, Sampling(temperature=0))) for p in prompts))
-        await engine.close()
-        return done
-
-    done = asyncio.run(run())
-    assert done == [asyncio.run(_alone(checkpoint, p, 6)) for p in ([5, 6, 7, 8, 9, 10, 11], [12, 13], [7, 8, 9])]
