@@ -75,8 +75,9 @@ class Limits:
         costs nearly as much for few rows as for many (its weights are read once per step).  Session 23:
         4.3 rows per step on 3 stages against 12 on one node, so the pipeline spent 1.5-1.9x the CPU per
         token.  vLLM's pipeline parallelism does the same: one scheduler of ``max_num_seqs`` per step in
-        flight (its "virtual engines").  The memory holds: each stage keeps the KV cache of its own blocks
-        only, so S x slots slots over 1/S of the blocks weigh what ``slots`` slots of the whole model do."""
+        flight (its "virtual engines").  Each stage keeps the KV cache of its own blocks only (S x slots slots
+        over an even 1/S of the blocks weigh what ``slots`` of the whole model do); the launcher's memory
+        check counts S x slots rows."""
         if steps < 1:
             raise ValueError(f"steps in flight must be >= 1, got {steps}")
         return replace(self, slots=self.slots * steps)
