@@ -10,6 +10,10 @@ Usage (the lab's name, subnet and node image from the environment, as the lab te
    four at a time (`--concurrency 4`).
 3. `down`, then `up` of the fastest host alone (an inventory of its one host) and `serve` there: the same service
    with the whole model on the fastest node; each round a saturation run.
+   With --baseline-image TAG (a node image of the code before a change, built as the lab's own): each round also
+   serves the 3 hosts from that image, in the other order every round (before, after; after, before; ...), so a
+   change is measured against the code before it in the same rounds of a shared machine (`baseline` in the
+   summary, and `after_over_before`: the per-round ratio of the saturation throughput).
 4. The figures (median and min–max over rounds): 3-host ÷ 1-node saturation throughput (target ≥ 1.3); the share
    of the pipeline ceiling (T_max / wall of the slowest stage, target ≥ 0.9); 4-at-a-time ÷ one-at-a-time
    throughput (≥ 3) and p50 TPOT (≤ 1.5). Every document is kept under --out; the summary is --out/summary.json.
@@ -89,6 +93,38 @@ def summarize(rounds: list[dict[str, dict[str, Any]]], single: list[dict[str, An
     }
 
 
+def three_host_round(
+    inventory: str, model: Path, out: Path, tag: str, number: int, requests: int, lengths: list[str]
+) -> dict[str, Any]:
+    """`serve` over the 3 hosts (from ``inventory``'s image), then the saturation, one and four at a time."""
+    cli("down", inventory=inventory)
+    cli("up", inventory=inventory)
+    cli("serve", f"--model-path={model}", "--max-seq=256", "--slots=16", inventory=inventory)
+    record = cli("status", inventory=inventory, check=False)["service"]["record"]  # the split, each node's speed
+    (out / f"serve-record{tag}-{number}.json").write_text(json.dumps(record, indent=2) + "\n")
+    print(f"serving{tag}:", json.dumps(record.get("pipelines")), json.dumps(record.get("nodes")), flush=True)
+    runs = {
+        "saturation": bench(inventory, out, f"three{tag}-sat-{number}", requests, lengths),
+        "one": bench(inventory, out, f"three{tag}-one-{number}", 8, [*lengths, "--concurrency=1"]),
+        "four": bench(inventory, out, f"three{tag}-four-{number}", 16, [*lengths, "--concurrency=4"]),
+    }
+    cli("serve", "--stop", inventory=inventory)
+    return runs
+
+
+def baseline_inventory(inventory: str, image: str, hosts: int, out: Path) -> str:
+    """The same lab with ``image`` loaded into its hosts: an inventory whose `up` starts that image."""
+    from raycluster_cli.lab.engines import load_image
+    from raycluster_cli.lab.hosts import docker_client, lab_hosts
+
+    load_image(docker_client(), [h.name for h in lab_hosts(hosts)], image)
+    data = yaml.safe_load(Path(inventory).read_text())
+    data["image"] = image
+    path = out / "baseline.yaml"
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return str(path)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quotas", default="1.0,0.5,0.25")
@@ -97,6 +133,7 @@ def main() -> None:
     p.add_argument("--lengths", default="--prompt-tokens=16:64 --output-tokens=32:96")
     p.add_argument("--out", type=Path, default=Path("/tmp/serve-targets"))
     p.add_argument("--alternate", action="store_true", help="each round: the 3 hosts, then the fastest alone")
+    p.add_argument("--baseline-image", default="", help="also serve the 3 hosts from this node image each round")
     args = p.parse_args()
     out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)
@@ -104,6 +141,8 @@ def main() -> None:
     cpus = [f"--cpus=lab-h{i + 1}={q}" for i, q in enumerate(quotas)]
     inventory = cli("lab", "up", f"--hosts={len(quotas)}", *cpus)["inventory"]
     model = write_chat_llama(out / "serve-llama", seed=1, **MODEL_SIZES)
+    base = baseline_inventory(inventory, args.baseline_image, len(quotas), out) if args.baseline_image else ""
+    before: list[dict[str, dict[str, Any]]] = []
     lengths = args.lengths.split()
     data = yaml.safe_load(Path(inventory).read_text())
     data["hosts"] = data["hosts"][:1]  # lab-h1: the highest quota, the fastest node
@@ -115,21 +154,12 @@ def main() -> None:
     # then falls on both); without it every 3-host round comes first, then every alone round (as in session 22).
     blocks = [[n] for n in range(args.rounds)] if args.alternate else [list(range(args.rounds))]
     for block in blocks:
-        cli("down", inventory=inventory)
-        cli("up", inventory=inventory)
-        cli("serve", f"--model-path={model}", "--max-seq=256", "--slots=16", inventory=inventory)
-        record = cli("status", inventory=inventory, check=False)["service"]["record"]  # the split, each node's speed
-        (out / f"serve-record-{block[0]}.json").write_text(json.dumps(record, indent=2) + "\n")
-        print("serving:", json.dumps(record.get("pipelines")), json.dumps(record.get("nodes")), flush=True)
         for number in block:
-            rounds.append(
-                {
-                    "saturation": bench(inventory, out, f"three-sat-{number}", args.requests, lengths),
-                    "one": bench(inventory, out, f"three-one-{number}", 8, [*lengths, "--concurrency=1"]),
-                    "four": bench(inventory, out, f"three-four-{number}", 16, [*lengths, "--concurrency=4"]),
-                }
-            )
-        cli("serve", "--stop", inventory=inventory)
+            if base and number % 2 == 0:
+                before.append(three_host_round(base, model, out, "-before", number, args.requests, lengths))
+            rounds.append(three_host_round(inventory, model, out, "", number, args.requests, lengths))
+            if base and number % 2 == 1:
+                before.append(three_host_round(base, model, out, "-before", number, args.requests, lengths))
         cli("down", inventory=inventory)
         cli("up", inventory=str(alone))
         cli("serve", f"--model-path={model}", "--max-seq=256", "--slots=16", inventory=str(alone))
@@ -137,6 +167,13 @@ def main() -> None:
         cli("serve", "--stop", inventory=str(alone))
         cli("down", inventory=str(alone))
     summary = {"quotas": quotas, "model": MODEL_SIZES, "lengths": lengths} | summarize(rounds, single)
+    if before:
+        summary["baseline"] = {"image": args.baseline_image} | summarize(before, single)
+        sat = [
+            (r["saturation"]["output_tokens_per_s"], b["saturation"]["output_tokens_per_s"])
+            for r, b in zip(rounds, before, strict=True)
+        ]
+        summary["after_over_before"] = _spread([a / b for a, b in sat])
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     print(json.dumps(summary, indent=2))
 

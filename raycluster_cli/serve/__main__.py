@@ -66,7 +66,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--calibrate-repeats", type=int, default=3, help="timed rounds per node (median kept)")
     p.add_argument("--calibrate-sample-s", type=float, default=0.1, help="least seconds per timed sample")
     p.add_argument("--replace-period", type=float, default=30.0, help="seconds between looks for nodes to take in")
-    p.add_argument("--slots", type=int, default=16, help="sequences batched at once (KV cache slots)")
+    p.add_argument(
+        "--slots",
+        type=int,
+        default=16,
+        help="sequences in one step (a pipeline of S stages keeps S steps in flight: S x slots KV slots)",
+    )
     p.add_argument("--max-seq", type=int, default=512, help="prompt + generated tokens per sequence")
     p.add_argument("--prefill-chunk", type=int, default=64)
     p.add_argument(
@@ -121,7 +126,8 @@ def _rooms(cfg: ModelConfig, args: argparse.Namespace, node_ids: list[str]) -> t
         for n in node_ids
     ]
     capacities = [memory.Capacity.from_dict(c) for c in ray.get(calls, timeout=120)]
-    need = memory.demand(cfg, rows=args.slots, tokens=args.prefill_chunk)
+    # each stage holds --slots KV slots for each of the --stages steps in flight (Limits.for_steps)
+    need = memory.demand(cfg, rows=args.slots * args.stages, tokens=args.prefill_chunk)
     memory.check_fits(need, capacities, args.stages)
     return {c.node_id: max(0, c.usable - need.fixed) for c in capacities}, need
 

@@ -127,12 +127,13 @@ class RayFleet:
 
     async def build(self, plan: PipelinePlan, index: int) -> tuple[Engine, list[Any]]:
         names = [f"raycluster-stage-{index}-{s}" for s in range(len(plan.ranges))]
+        limits = self.limits.for_steps(self.max_in_flight or len(plan.ranges))  # slots for every step in flight
         actors = await asyncio.wait_for(
             asyncio.to_thread(
                 start_stages,
                 self.cfg,
                 list(plan.ranges),
-                self.limits.slots,
+                limits.slots,
                 node_ids=plan.node_ids,
                 num_threads=self.num_threads,
                 names=names,
@@ -140,7 +141,7 @@ class RayFleet:
             ),
             BUILD_TIMEOUT_S + 10,
         )
-        engine = Engine(actors, self.tokenizer, self.limits, self.eos, self.max_in_flight)
+        engine = Engine(actors, self.tokenizer, limits, self.eos, self.max_in_flight)
         engine.start()
         try:
             await engine.probe()

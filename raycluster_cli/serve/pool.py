@@ -290,6 +290,7 @@ class Pool:
                     "served": p.served,
                     "outstanding_tokens": p.engine.outstanding,
                     "requests": len(p.engine.live),
+                    "slots": p.engine.scheduler.limits.slots,  # KV slots: --slots for each step in flight
                     **p.plan.to_json(num_blocks),
                 }
                 for p in self.pipelines

@@ -86,6 +86,7 @@ def test_an_idle_service_shows_no_busy_time_and_counters_move_only_with_work(tar
     assert before["limits"]["max_seq"] == 128 and before["model"] == MODEL
     stages = before["pipelines"][0]["stages"]
     assert [s["blocks"] for s in stages] == [2, 1] and all(s["steps"] > 0 for s in stages)  # the readiness probe
+    assert before["pipelines"][0]["slots"] == 16  # 8 sequences for each of its 2 steps in flight
     idle = stage_times(before, _status(target), wall_s=1.0)
     assert [(s["busy_s"], s["steps"]) for s in idle["stages"]] == [(0.0, 0), (0.0, 0)]
 

@@ -132,3 +132,11 @@ def test_ignore_eos_runs_to_max_tokens_past_the_eos_token() -> None:
             seen[e.request_id].append((e.token, e.finish_reason))
     assert seen["plain"] == [(EOS, "stop")]
     assert seen["bench"] == [(EOS, None), (EOS, None), (EOS, None), (EOS, "length")]
+
+
+def test_a_pipeline_holds_slots_for_each_step_in_flight() -> None:
+    limits = Limits(slots=16, step_tokens=100, max_seq=256)
+    assert limits.for_steps(3) == Limits(slots=48, step_tokens=100, max_seq=256)  # only the slots grow
+    assert limits.for_steps(1) == limits
+    with pytest.raises(ValueError, match="steps in flight"):
+        limits.for_steps(0)
