@@ -17,7 +17,6 @@ Env: LAB (default rc-fleet-model), SUBNET (default 10.87.0.0/24), BASE_IMAGE (ra
 
 from __future__ import annotations
 
-import io
 import json
 import os
 import statistics
@@ -37,6 +36,7 @@ from raycluster_cli.image import deliver as images
 from raycluster_cli.image import model_relay
 from raycluster_cli.image.models import read_model_folder
 from raycluster_cli.lab import hosts as lab
+from raycluster_cli.lab.engines import build_small_image
 from raycluster_cli.transport import quote
 from raycluster_cli.transport.pool import SSHPool
 
@@ -46,15 +46,7 @@ BASE_IMAGE = os.environ.get("BASE_IMAGE", "raycluster/debian-base:bookworm")
 
 def _image(tag: str) -> str:
     """The small image with python3 (cached layers: the fleet test builds the same one)."""
-    dockerfile = (
-        f"FROM {BASE_IMAGE}\n"
-        "RUN apt-get update -qq && apt-get install -y -qq --no-install-recommends python3-minimal >/dev/null "
-        "&& rm -rf /var/lib/apt/lists/*\n"
-        "LABEL io.raycluster.test=p2p\n"
-    )
-    client = lab.docker_client()
-    client.images.build(fileobj=io.BytesIO(dockerfile.encode()), tag=tag, network_mode="host", rm=True)
-    return str(client.images.get(tag).id)
+    return build_small_image(lab.docker_client(), tag, BASE_IMAGE)
 
 
 def _load() -> float:

@@ -9,6 +9,7 @@ file, and the OCI runtime is runc (crun 1.8 refuses this machine's hybrid cgroup
 
 from __future__ import annotations
 
+import io
 import os
 import socket
 from collections.abc import Iterable
@@ -108,3 +109,19 @@ def _exec_with_stdin(
         for sock in socks:
             sock.close()
     return results
+
+
+SMALL_BASE_IMAGE = os.environ.get("BASE_IMAGE", "raycluster/debian-base:bookworm")
+
+
+def build_small_image(client: Any, tag: str, base: str = SMALL_BASE_IMAGE) -> str:
+    """A small image with python3 on this machine's Docker (``client``; tagged ``tag``, its ID returned): the
+    cluster image of the fleet tests and benchmarks, whose hosts lack the node image (layers cached)."""
+    dockerfile = (
+        f"FROM {base}\n"
+        "RUN apt-get update -qq && apt-get install -y -qq --no-install-recommends python3-minimal >/dev/null "
+        "&& rm -rf /var/lib/apt/lists/*\n"
+        "LABEL io.raycluster.test=p2p\n"
+    )
+    client.images.build(fileobj=io.BytesIO(dockerfile.encode()), tag=tag, network_mode="host", rm=True)
+    return str(client.images.get(tag).id)

@@ -4,7 +4,6 @@ the image from the operator. Bytes are counted on the lab bridge, independently 
 
 from __future__ import annotations
 
-import io
 import os
 import sys
 from collections.abc import Iterator
@@ -16,6 +15,7 @@ import pytest
 from raycluster_cli.config import inventory
 from raycluster_cli.image import deliver as images
 from raycluster_cli.lab import hosts as lab
+from raycluster_cli.lab.engines import build_small_image
 from raycluster_cli.progress import Event
 from raycluster_cli.transport.pool import SSHPool
 
@@ -30,15 +30,7 @@ SMALL = f"raycluster/p2ptest:{FLEET_NAME}"
 
 @pytest.fixture(scope="module")
 def small_image() -> str:
-    dockerfile = (
-        f"FROM {BASE_IMAGE}\n"
-        "RUN apt-get update -qq && apt-get install -y -qq --no-install-recommends python3-minimal >/dev/null "
-        "&& rm -rf /var/lib/apt/lists/*\n"
-        "LABEL io.raycluster.test=p2p\n"
-    )
-    client = lab.docker_client()
-    client.images.build(fileobj=io.BytesIO(dockerfile.encode()), tag=SMALL, network_mode="host", rm=True)
-    return str(client.images.get(SMALL).id)
+    return build_small_image(lab.docker_client(), SMALL, BASE_IMAGE)
 
 
 def _bridge_tx(network: str) -> int:
