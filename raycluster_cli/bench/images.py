@@ -3,8 +3,10 @@
 Placement (``place``): every node whose memory holds the whole pipeline gets a replica of it; when none does,
 the parts become pipeline stages on three nodes (text encoder | UNet | VAE decoder), each where it fits, the UNet
 on the node with the most room; when no node holds even the UNet (``CutNeeded``), ``unet_place`` cuts it by blocks
-across the nodes from their measured seconds per block (``unet_cut``, ``unet_workers``).  Each replica is timed on a calibration image; requests then go to replicas in
-proportion to their speed (``routing.assign``: a replica 4× faster makes 4× the images).  The report, as for
+across the nodes from their measured seconds per block (``unet_cut``, ``unet_workers``).  Each replica is timed on
+a calibration image; the images then go through the image service's router (``image_pool``): each to a replica
+only when it can start there, so a replica 4× faster makes 4× the images whatever the calibration said, and the
+last ones land where they finish first.  The report, as for
 text: images/s, seconds per image p50/p90/p99, each node's busy time T_i, T_max − T_min and imbalance, and the
 same requests routed equally and on the fastest node alone as references, and the pipeline ceiling (``ceiling``).
 """
@@ -17,7 +19,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from raycluster_cli.bench import balance, routing
+from raycluster_cli.bench import balance
 from raycluster_cli.bench.diffusion import PARTS, ImageRequest, part_bytes
 from raycluster_cli.bench.experiment import Report
 from raycluster_cli.bench.options import BenchOptions
@@ -126,37 +128,45 @@ def measure(
     label: str,
     keep_first: bool = False,
 ) -> dict[str, Any]:
-    """``total`` images through ``replicas`` under ``policy``: wall time, per-image seconds, each actor's busy time;
-    with ``keep_first``, request 0's image (else None) under ``first_image``."""
+    """``total`` images through ``replicas`` by the image service's router (``image_pool``: late binding, under
+    ``policy``): wall time, per-image seconds on their lanes, each actor's busy time, what each replica made and
+    the seconds per image it ended with; with ``keep_first``, request 0's image (else None) under ``first_image``.
+    A replica lost meanwhile is taken out and its images made on the others (``lost``)."""
+    import asyncio
+
     import ray
 
-    assignment = routing.assign(total, seconds, policy)
-    queues = [[i for i, r in enumerate(assignment) if r == index] for index in range(len(replicas))]
-    depth = [1 if r.whole else getattr(r, "depth", len(r.actors)) for r in replicas]
-    ray.get([a.reset_stats.remote() for r in replicas for a in r.actors], timeout=60)
-    pending: dict[Any, tuple[int, int, float]] = {}
+    from raycluster_cli.bench.image_pool import ImagePool, NoReplica, Slot, lanes_of
+
+    slots = [Slot(i, r, s, [], lanes_of(r)) for i, (r, s) in enumerate(zip(replicas, seconds, strict=True))]
     latencies: list[float] = []
-    first: Any = None
-    started = time.perf_counter()
+
+    def served(slot: Slot, lane_s: float) -> None:
+        latencies.append(lane_s)
+        progress(label, len(latencies), total)
+
+    pool = ImagePool(
+        slots, max_waiting=total, deadline=lambda s: _deadline_s(options, s), policy=policy, observe=served
+    )
+
+    async def everything() -> Any:
+        async def one(index: int) -> Any:
+            image = await pool.image(request_for(options, index))
+            return image if index == 0 and keep_first else None
+
+        made = await asyncio.gather(*(one(i) for i in range(total)))
+        return made[0]
+
+    ray.get([a.reset_stats.remote() for r in replicas for a in r.actors], timeout=60)
     progress(label, 0, total)
-    while any(queues) or pending:
-        for index, replica in enumerate(replicas):
-            while queues[index] and sum(1 for v in pending.values() if v[0] == index) < depth[index]:
-                request = queues[index].pop(0)
-                pending[replica.submit(request_for(options, request))] = (index, request, time.perf_counter())
-        limit = max(_deadline_s(options, seconds[pending[ref][0]]) for ref in pending)
-        done, _ = ray.wait(list(pending), num_returns=1, timeout=limit)
-        if not done:
-            stuck = sorted({pending[ref][0] for ref in pending})
-            raise TimeoutError(f"no image finished within {limit:.0f} s on replica(s) {stuck}: a node stopped")
-        for ref in done:
-            index, request, began = pending.pop(ref)
-            latencies.append(time.perf_counter() - began)
-            if request == 0 and keep_first:
-                first = ray.get(ref, timeout=60)
-            progress(label, len(latencies), total)
+    started = time.perf_counter()
+    try:
+        first = asyncio.run(everything())
+    except NoReplica as exc:
+        raise TimeoutError(f"{exc}: {'; '.join(e['why'] for e in pool.events)}") from None
     wall = time.perf_counter() - started
-    stats = ray.get([a.stats.remote() for r in replicas for a in r.actors], timeout=60)
+    alive = [a for s in slots if s.state == "live" for a in s.replica.actors]
+    stats = ray.get([a.stats.remote() for a in alive], timeout=60)
     busy = [s["busy_s"] for s in stats]
     return {
         "policy": policy,
@@ -164,11 +174,15 @@ def measure(
         "wall_s": wall,
         "images_per_s": total / wall if wall > 0 else 0.0,
         "latency_s": balance.latency_summary(latencies),
-        "per_replica": routing.counts(assignment, len(replicas)),
+        "per_replica": [s.served for s in slots],
+        "learned_s_per_image": [s.s_per_image for s in slots],
         "nodes": stats,
         "imbalance": balance.imbalance(busy) if len(busy) > 1 else 0.0,
         "t_max_minus_t_min_s": balance.spread(busy) if len(busy) > 1 else 0.0,
         "first_image": first,
+        **(
+            {"lost": pool.events, "lost_replicas": [s.index for s in slots if s.state != "live"]} if pool.events else {}
+        ),
     }
 
 
@@ -279,9 +293,12 @@ def ceiling(main: dict[str, Any], replicas: list[Any]) -> dict[str, Any]:
     """The pipeline ceiling (as ``scheduling.ceiling_tokens_per_s`` for text): each replica's images over its
     busiest node's busy time (the parts on one node share its CPU, so a node's parts add up), summed; the run's
     images/s over it.  1.0: the slowest node computed all the time and every hand-over was hidden."""
-    per_actor = iter(main["nodes"])
+    per_actor = iter(main["nodes"])  # the replicas that stayed live, in order
     total, busiest_at = 0.0, []
-    for replica, made in zip(replicas, main["per_replica"], strict=True):
+    lost = set(main.get("lost_replicas", []))
+    for index, (replica, made) in enumerate(zip(replicas, main["per_replica"], strict=True)):
+        if index in lost:
+            continue
         by_node: dict[str, float] = {}
         ips: dict[str, str] = {}
         for _ in replica.actors:

@@ -228,7 +228,11 @@ def render_images(output: Output, body: dict[str, Any]) -> None:
         held = " | ".join(
             f"{h.get('host') or h.get('node_ip')} ({'+'.join(h.get('parts', []))})" for h in replica.get("holders", [])
         )
-        output.line(f"  replica {index}: {_escape(held)}, {replica.get('s_per_image', 0):.3f} s per image calibrated")
+        learned = (body.get("learned_s_per_image") or [])[index : index + 1]
+        output.line(
+            f"  replica {index}: {_escape(held)}, {replica.get('s_per_image', 0):.3f} s per image calibrated"
+            + (f", {learned[0]:.3f} s in the counted run" if learned else "")
+        )
     nodes = body.get("nodes", [])
     bar_chart(
         output,
@@ -249,6 +253,8 @@ def render_images(output: Output, body: dict[str, Any]) -> None:
         f"p90 {_secs(latency.get('p90'))}, p99 {_secs(latency.get('p99'))}; T_max − T_min = "
         f"{body.get('t_max_minus_t_min_s', 0):.3f}s, imbalance {body.get('imbalance', 0):.3f}"
     )
+    for event in body.get("lost", []):
+        output.line(f"[bold yellow]replica {event.get('replica')} lost:[/bold yellow] {_escape(str(event.get('why')))}")
     for name, ref in body.get("references", {}).items():
         where = f" on {ref['node_ip']}" if ref.get("node_ip") else ""
         output.line(

@@ -32,10 +32,10 @@ from starlette.exceptions import HTTPException
 
 from raycluster_cli.bench import images as placing
 from raycluster_cli.bench.diffusion import ImageRequest, part_bytes, vae_scale_factor
+from raycluster_cli.bench.image_pool import ImagePool, NoReplica, QueueFull, Slot, lanes_of
 from raycluster_cli.bench.options import BenchOptions
 from raycluster_cli.serve import app as text_app
 from raycluster_cli.serve import protocol
-from raycluster_cli.serve.image_pool import ImagePool, NoReplica, QueueFull, Slot
 from raycluster_cli.serve.protocol import APIError, ImageGenerationRequest
 
 RETRY_AFTER_S = 2
@@ -118,7 +118,7 @@ class ImageServer:
             raise
         self.calibration = {"steps": settings.steps, "size": self.size, "guidance_scale": settings.guidance}
         slots = [
-            Slot(i, r, s, [{"node_id": n, "node_ip": ip_of.get(n, ""), "parts": parts} for n, parts in h])
+            Slot(i, r, s, [{"node_id": n, "node_ip": ip_of.get(n, ""), "parts": parts} for n, parts in h], lanes_of(r))
             for i, (r, h, s) in enumerate(zip(replicas, holders, seconds, strict=True))
         ]
         self.pool = ImagePool(slots, max_waiting=settings.max_waiting)

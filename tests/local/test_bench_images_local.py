@@ -85,12 +85,15 @@ def test_every_node_that_holds_the_pipeline_gets_a_replica_and_requests_follow_s
     assert len(placement["replicas"]) == 3 and "a replica on each" in placement["why"]
     assert all(r["holders"][0]["parts"] == ["text", "unet", "vae"] for r in placement["replicas"])
     assert doc["images"] == 12 and sum(doc["per_replica"]) == 12
-    seconds = [r["s_per_image"] for r in placement["replicas"]]
-    # the counts are the weighted routing of the measured seconds: every replica ends within one image of the others
-    ends = [n * s for n, s in zip(doc["per_replica"], seconds, strict=True)]
-    assert max(ends) - min(ends) <= max(seconds) + 1e-9, (doc["per_replica"], seconds)
+    # each image went to a replica when it could start there: every replica computed until the last images, so the
+    # busy times differ by less than one image (calibration and learned seconds per image both reported)
     busy = [n["busy_s"] for n in doc["nodes"]]
+    learned = doc["learned_s_per_image"]
+    assert (
+        len(learned) == 3 and all(s > 0 for s in learned) and all(r["s_per_image"] > 0 for r in placement["replicas"])
+    )
     assert len(busy) == 3 and all(b > 0 for b in busy)
+    assert max(busy) - min(busy) <= max(learned) + 0.05, (busy, learned, doc["per_replica"])
     assert sum(n["calls"] for n in doc["nodes"]) == 12
     assert doc["imbalance"] == pytest.approx((max(busy) - min(busy)) / (sum(busy) / 3), rel=1e-6)
     assert doc["output_check"]["identical"] is True, doc["output_check"]
