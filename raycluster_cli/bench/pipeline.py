@@ -14,10 +14,12 @@ no-op ``hop`` to measure what a stage boundary costs without any compute.
 
 from __future__ import annotations
 
+import math
 import os
 import statistics
 import sys
 import time
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import psutil
@@ -275,34 +277,59 @@ def unit_cost_row(calibration: dict[str, Any], num_blocks: int) -> list[float]:
     ]
 
 
+def node_gpus() -> dict[str, float]:
+    """GPUs each alive Ray node offers (nodes without any left out)."""
+    return {
+        str(n["NodeID"]): float(n.get("Resources", {}).get("GPU", 0.0))
+        for n in ray.nodes()
+        if n.get("Alive") and float(n.get("Resources", {}).get("GPU", 0.0)) > 0
+    }
+
+
+def gpu_shares(node_ids: Sequence[str], gpus: Mapping[str, float]) -> list[float]:
+    """The part of a GPU each of these stages asks Ray for: nothing on a node without GPUs; a whole GPU each while
+    a node has one per stage; else the stages on that node split its GPUs evenly in parts Ray can pack (1/2 each for
+    3 stages on 2 GPUs: two on one, one on the other; asking 2/3 each, the third would never be placed)."""
+    shares = []
+    for node_id in node_ids:
+        have = int(gpus.get(node_id, 0.0))
+        if have < 1:
+            shares.append(0.0)
+            continue
+        stacked = sum(1 for n in node_ids if n == node_id)
+        shares.append(1.0 / math.ceil(stacked / have))
+    return shares
+
+
 def start_workers(
     cfg: ModelConfig,
     node_ids: list[str],
     *,
     num_threads: int | None = None,
     allow_shared_nodes: bool = False,
-    gpu_nodes: set[str] | None = None,
+    gpu_nodes: set[str] | Mapping[str, float] | None = None,
 ) -> list[Any]:
     """One StageWorker per entry of ``node_ids``, hard-pinned to that node, in order.
 
     Stages normally each get their own node; ``allow_shared_nodes`` lets a node appear several
-    times (single-machine tests).  On a node in ``gpu_nodes`` the worker asks Ray for one GPU, so
-    Ray makes it visible and the stage runs on ``cuda``; the stages sharing one node's GPU ask for
-    an equal share of it (three stages on a one-GPU machine: a third each, all on that GPU; whole
-    GPUs would leave the second stage unscheduled for ever).  Returns once every actor is up.
+    times (single-machine tests).  On a node in ``gpu_nodes`` (a set: one GPU each; a mapping: the
+    node's GPU count) the worker asks Ray for a GPU, so Ray makes it visible and the stage runs on
+    ``cuda``; stages stacked on one node share its GPUs (``gpu_shares``: three stages on a one-GPU
+    machine a third each, all on that GPU; whole GPUs would leave the second stage unscheduled for
+    ever).  Returns once every actor is up.
     """
     if not node_ids:
         raise ValueError("need at least one node for the pipeline")
     if not allow_shared_nodes and len(set(node_ids)) != len(node_ids):
         raise ValueError("each stage needs its own node (pass allow_shared_nodes to repeat a node)")
-    gpus = gpu_nodes or set()
+    gpus = gpu_nodes if isinstance(gpu_nodes, Mapping) else dict.fromkeys(gpu_nodes or (), 1.0)
     workers: list[Any] = [
         StageWorker.options(
             scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node_id, soft=False),
             runtime_env={"env_vars": dict(WORKER_ENV)},
-            num_gpus=1 / node_ids.count(node_id) if node_id in gpus else 0,
+            num_gpus=share,
         ).remote(cfg.to_dict(), num_threads)
-        for node_id in node_ids
+        for node_id, share in zip(node_ids, gpu_shares(node_ids, gpus), strict=True)
     ]
     ray.get([w.node_info.remote() for w in workers])
     return workers

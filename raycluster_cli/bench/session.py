@@ -79,7 +79,7 @@ class Session:
             node_ids,
             num_threads=options.threads,
             allow_shared_nodes=options.allow_shared_nodes,
-            gpu_nodes=gpu_nodes,
+            gpu_nodes={n["node_id"]: n["gpus"] for n in nodes if n["gpus"] >= 1},  # each node's GPUs shared out
         )
         session = cls(options, progress, nodes, num_stages, node_ids, workers, cfg, gpu_nodes)
         try:

@@ -20,7 +20,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from raycluster_cli.bench.balance import capacity_costs
 from raycluster_cli.bench.config import ModelConfig
-from raycluster_cli.bench.pipeline import calibrate_workers, start_workers, stop_workers, unit_cost_row
+from raycluster_cli.bench.pipeline import calibrate_workers, node_gpus, start_workers, stop_workers, unit_cost_row
 from raycluster_cli.serve.engine import Engine
 from raycluster_cli.serve.placement import NodeSpeed, PipelinePlan, replan, snake_groups, split_over
 from raycluster_cli.serve.pool import Pipeline
@@ -88,7 +88,7 @@ def measure(cfg: ModelConfig, nodes: dict[str, str], calibration: Calibration) -
     ids = list(nodes)
     if not ids:
         return []
-    workers = start_workers(cfg, ids, allow_shared_nodes=True)
+    workers = start_workers(cfg, ids, allow_shared_nodes=True, gpu_nodes=node_gpus())  # timed where stages run
     try:
         c = calibration
         found = calibrate_workers(
@@ -128,6 +128,7 @@ class RayFleet:
     async def build(self, plan: PipelinePlan, index: int) -> tuple[Engine, list[Any]]:
         names = [f"raycluster-stage-{index}-{s}" for s in range(len(plan.ranges))]
         limits = self.limits.for_steps(self.max_in_flight or len(plan.ranges))  # slots for every step in flight
+        gpus = await asyncio.wait_for(asyncio.to_thread(node_gpus), NODES_TIMEOUT_S)  # stages on GPU nodes ask a share
         actors = await asyncio.wait_for(
             asyncio.to_thread(
                 start_stages,
@@ -138,6 +139,7 @@ class RayFleet:
                 num_threads=self.num_threads,
                 names=names,
                 timeout_s=BUILD_TIMEOUT_S,
+                gpus=gpus,
             ),
             BUILD_TIMEOUT_S + 10,
         )

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import ray
@@ -18,7 +18,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from raycluster_cli.bench.config import ModelConfig
 from raycluster_cli.bench.partition import Ranges, even_partition, manual_partition
-from raycluster_cli.bench.pipeline import WORKER_ENV, node_cpu_count, node_ip, pick_device
+from raycluster_cli.bench.pipeline import WORKER_ENV, gpu_shares, node_cpu_count, node_ip, pick_device
 from raycluster_cli.serve.batched import BatchedStage
 
 
@@ -58,6 +58,10 @@ class _StageActor:
         seconds (Ray's per-call work included) and the pid (a new actor starts again from zero)."""
         return {"pid": os.getpid(), "steps": self.steps, "busy_s": self.busy_s, "cpu_s": time.process_time()}
 
+    def visible_gpus(self) -> str:
+        """The GPUs Ray made visible to this stage ("" on a CPU node)."""
+        return os.environ.get("CUDA_VISIBLE_DEVICES", "")
+
     def info(self) -> dict[str, Any]:
         return {
             "node_id": self.node_id,
@@ -84,18 +88,24 @@ def start_stages(
     num_threads: int | None = None,
     names: Sequence[str] | None = None,
     timeout_s: float | None = None,
+    gpus: Mapping[str, float] | None = None,
 ) -> list[Any]:
     """One StageActor per range (hard-pinned to ``node_ids[i]`` when given and not ""); returns their
-    handles once their units are loaded.  ``names`` names the actors (in ``STAGE_NAMESPACE``), so an
+    handles once their units are loaded.  On a node with GPUs (``gpus``: each node's count) a stage asks Ray
+    for its share of them (``bench.pipeline.gpu_shares``), so Ray makes its GPU visible and the stage runs
+    on ``cuda`` there, each stage of a node on its own GPU while there are enough.  ``names`` names the actors (in ``STAGE_NAMESPACE``), so an
     operator or a test can find a pipeline's stages.  ``timeout_s``: the stages not up by then (a node
     that died while they loaded) fail the start (``GetTimeoutError``) instead of holding the caller."""
     if node_ids is not None and len(node_ids) != len(ranges):
         raise ValueError(f"{len(node_ids)} nodes for {len(ranges)} stages")
     actors: list[Any] = []
+    shares = gpu_shares(node_ids, gpus or {}) if node_ids is not None else [0.0] * len(ranges)
     for index, (start, end) in enumerate(ranges):
         options: dict[str, Any] = {"runtime_env": {"env_vars": dict(WORKER_ENV)}}
         if node_ids is not None and node_ids[index]:
             options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node_id=node_ids[index], soft=False)
+        if shares[index]:
+            options["num_gpus"] = shares[index]
         if names is not None:
             options |= {"name": names[index], "namespace": STAGE_NAMESPACE}
         actors.append(StageActor.options(**options).remote(cfg.to_dict(), start, end, slots, num_threads))

@@ -51,3 +51,31 @@ def test_three_stages_on_a_one_gpu_node_share_its_gpu(one_gpu_ray: str) -> None:
         assert len(ids) == 3
     finally:
         pipeline.stop_workers(started)
+
+
+def test_serves_stages_on_a_gpu_node_ask_ray_for_its_gpu(one_gpu_ray: str) -> None:
+    """The service's stages (serve/stages.py) on a node with a GPU ask Ray for their share of it, as the bench's do:
+    Ray then makes that GPU visible to them (CUDA_VISIBLE_DEVICES) and accounts for it.  Before, they asked for
+    none, so on a GPU node each used the first GPU unaccounted, whatever else Ray had placed on it."""
+    from raycluster_cli.bench.pipeline import node_gpus
+    from raycluster_cli.serve.stages import start_stages
+
+    cfg = ModelConfig(vocab=97, d_model=32, heads=4, layers=3, max_seq=16, seed=1)
+    assert node_gpus() == {one_gpu_ray: 1.0}
+    actors = start_stages(cfg, [(0, 2), (2, 3), (3, 5)], 2, node_ids=[one_gpu_ray] * 3, gpus=node_gpus(), timeout_s=90)
+    try:
+        assert ray.available_resources().get("GPU", 0.0) == pytest.approx(0.0, abs=1e-3)  # a third each
+        seen = ray.get([a.visible_gpus.remote() for a in actors], timeout=30)
+        assert seen == ["0", "0", "0"], seen
+    finally:
+        for actor in actors:
+            ray.kill(actor)
+
+
+def test_gpu_shares_give_whole_gpus_while_there_are_enough_and_packable_parts_after() -> None:
+    shares = pipeline.gpu_shares
+    assert shares(["a", "a", "b"], {}) == [0.0, 0.0, 0.0]  # no GPU anywhere: the CPU
+    assert shares(["a", "a"], {"a": 2.0}) == [1.0, 1.0]  # one GPU each
+    assert shares(["a", "a", "a"], {"a": 2.0}) == [0.5, 0.5, 0.5]  # 2 on one GPU, 1 on the other (2/3 would not pack)
+    assert shares(["a", "b", "a"], {"a": 1.0, "b": 4.0}) == [0.5, 1.0, 0.5]
+    assert shares(["a"], {"a": 0.5}) == [0.0]  # part of a GPU offered: not a GPU node
