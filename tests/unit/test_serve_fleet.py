@@ -121,11 +121,14 @@ def test_the_launcher_s_measure_splits_by_the_nodes_quotas_not_their_contended_w
         }
         for name, quota in quotas.items()
     }
-    monkeypatch.setattr(fleet, "start_workers", lambda cfg, ids, **_: list(ids))
+    asked: dict[str, Any] = {}
+    monkeypatch.setattr(fleet, "node_gpus", lambda: {"fast": 1.0})
+    monkeypatch.setattr(fleet, "start_workers", lambda cfg, ids, **kw: asked.update(kw) or list(ids))
     monkeypatch.setattr(fleet, "stop_workers", lambda workers: None)
     monkeypatch.setattr(fleet, "calibrate_workers", lambda workers, *_: [calibration[w] for w in workers])
     speeds = fleet.measure(cfg, {n: f"ip-{n}" for n in quotas}, fleet.Calibration())
     assert [round(s.block_s, 3) for s in speeds] == [0.06, 0.12, 0.24]  # CPU seconds / quota
+    assert asked["gpu_nodes"] == {"fast": 1.0}  # timed on the GPU where its stage will run
     (plan,) = plan_replicas(speeds, stages=3)
     blocks = {node: blocks_held(a, b, cfg.layers) for node, (a, b) in zip(plan.node_ids, plan.ranges, strict=True)}
     assert blocks == {"fast": 5, "mid": 2, "slow": 1}, plan
