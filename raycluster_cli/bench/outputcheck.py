@@ -61,9 +61,9 @@ def _unit_by_unit(cfg: ModelConfig, sequences: torch.Tensor, prompt_len: int) ->
 def _within_tolerance(
     cfg: ModelConfig, prompts: torch.Tensor, result: RunResult, groups: list[list[int]], prompt_len: int
 ) -> dict[str, Any]:
-    """Reduced precision: teacher-forced, each generated token among the reference's TOP_K there."""
+    """Reduced precision: teacher-forced, each generated token among the reference's TOP_K there; the share of
+    positions whose reference argmax is the generated token."""
     positions = agreed = 0
-    mismatched: list[int] = []
     outside: list[int] = []
     for rows in groups:
         generated = torch.tensor([result.tokens[row] for row in rows], dtype=torch.long)
@@ -73,22 +73,15 @@ def _within_tolerance(
         inside = (top == generated[..., None]).any(-1)
         positions += generated.numel()
         agreed += int(agree.sum())
-        mismatched.extend(row for row, ok in zip(rows, agree.all(-1).tolist(), strict=True) if not ok)
         outside.extend(row for row, ok in zip(rows, inside.all(-1).tolist(), strict=True) if not ok)
     compared = sum(len(rows) for rows in groups)
     return {
-        "identical": not mismatched and compared > 0,
-        "compared_requests": compared,
-        "mismatched": mismatched,
-        "method": "teacher-forced, unit by unit",
-        "tolerance": {
-            "dtype": cfg.dtype,
-            "top_k": TOP_K,
-            "positions": positions,
-            "argmax_agreed": round(agreed / positions, 4) if positions else None,
-            "outside_top_k": outside,
-            "within": not outside and compared > 0,
-        },
+        "dtype": cfg.dtype,
+        "top_k": TOP_K,
+        "positions": positions,
+        "argmax_agreed": round(agreed / positions, 4) if positions else None,
+        "outside_top_k": outside,
+        "within": not outside and compared > 0,
     }
 
 
@@ -129,4 +122,4 @@ def check_output(
     }
     if cfg.dtype == "float32" or strict["identical"]:
         return strict
-    return {**strict, "tolerance": _within_tolerance(cfg, prompts, result, groups, params.prompt_len)["tolerance"]}
+    return {**strict, "tolerance": _within_tolerance(cfg, prompts, result, groups, params.prompt_len)}
