@@ -18,16 +18,13 @@ pytest.importorskip("torch")
 from raycluster_cli.bench import pipeline  # noqa: E402
 from raycluster_cli.bench.model import ModelConfig  # noqa: E402
 
+from ..local_ray import one_node_ray  # noqa: E402
+
 
 @pytest.fixture(scope="module")
 def one_gpu_ray() -> Iterator[str]:
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("RAY_AUTH_MODE", "disabled")
-        ray.init(num_cpus=2, num_gpus=1, include_dashboard=False, log_to_driver=False, configure_logging=False)
-        try:
-            yield ray.get_runtime_context().get_node_id()
-        finally:
-            ray.shutdown()
+    with one_node_ray(num_gpus=1) as node_id:  # told it has one GPU (Ray takes the count as given)
+        yield node_id
 
 
 def test_three_stages_on_a_one_gpu_node_share_its_gpu(one_gpu_ray: str) -> None:

@@ -17,24 +17,13 @@ from raycluster_cli.serve.__main__ import _parser, _placement  # noqa: E402
 from raycluster_cli.serve.app import ServeSettings  # noqa: E402
 
 from ..llama_checkpoint import GQA, write_llama  # noqa: E402
+from ..local_ray import one_node_ray  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def local_ray() -> Iterator[None]:
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("RAY_AUTH_MODE", "disabled")
-        ray.init(
-            address="local",
-            num_cpus=2,
-            include_dashboard=False,
-            log_to_driver=False,
-            configure_logging=False,
-            _node_ip_address="127.0.0.1",
-        )
-        try:
-            yield
-        finally:
-            ray.shutdown()
+    with one_node_ray(_node_ip_address="127.0.0.1"):
+        yield
 
 
 def test_placement_measures_memory_and_refuses_what_cannot_fit(local_ray: None, tmp_path: Path) -> None:

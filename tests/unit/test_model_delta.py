@@ -15,13 +15,7 @@ from raycluster_cli.config import inventory
 from raycluster_cli.image import model_delta, models, receive
 from raycluster_cli.image.model_delta import Holdings
 
-INVENTORY = """
-cluster: demo
-image: raycluster/node:0.1.0
-host_state_dir: {state}
-hosts:
-  - {{address: 192.0.2.10, role: head}}
-"""
+from .test_models import INVENTORY  # one head host whose state folder is under tmp_path
 
 
 def _folder(root: Path, shards: int = 3) -> Path:
