@@ -52,6 +52,16 @@ def alive_nodes() -> list[dict[str, Any]]:
     return nodes
 
 
+def gpu_counts(nodes: list[dict[str, Any]]) -> dict[str, float]:
+    """The GPUs of each node of ``alive_nodes()`` that has at least one whole GPU (the others left out)."""
+    return {str(n["node_id"]): float(n["gpus"]) for n in nodes if n["gpus"] >= 1}
+
+
+def node_gpus() -> dict[str, float]:
+    """GPUs each alive Ray node offers (nodes without a whole GPU left out)."""
+    return gpu_counts(alive_nodes())
+
+
 def model_config(options: BenchOptions, layers: int, on_gpu: bool = False, dtype: str | None = None) -> Any:
     """The run's model: ``dtype`` (a resolved one) wins over ``--dtype``, whose ``auto`` resolves with
     ``on_gpu`` (every stage node has a GPU) to the checkpoint's dtype, else to float32."""

@@ -16,7 +16,8 @@ check runs again while a lane idles beside waiting images.  The earlier rule bou
 the estimates of that moment: a burst of 21 images on a calibration taken under another load went 12 / 4 / 5 with
 busy times 0.85 apart (docs/PERFORMANCE.md, I6).
 
-Seconds per image start at the calibration's and follow each served image (its time on the lane, folded in with
+One request's ``n`` images are ``n`` separate images (seed, seed + 1, …), routed like any others.  Seconds per
+image start at the calibration's and follow each served image (its time on the lane, folded in with
 weight ``LEARN``).  ``policy="equal"`` is the reference a speed-weighted run is compared with: image k waits for
 replica k mod n, as a round robin does.
 
@@ -204,8 +205,7 @@ class ImagePool:
     def _dispatch(self) -> None:
         """Hand free lanes to waiting images (see the module's docstring); look again later while a lane idles
         beside waiting images."""
-        while self._waiting and self._waiting[0].future.done():
-            self._waiting.popleft()
+        self._waiting = deque(w for w in self._waiting if not w.future.done())
         if not self._waiting:
             if self._timer is not None:  # nothing waits: no look again (nor one left in a finished event loop)
                 self._timer.cancel()
@@ -218,7 +218,7 @@ class ImagePool:
             self._waiting.clear()
             return
         now = time.monotonic()
-        handed = self._equal(now) if self.policy == "equal" else self._plan(now)
+        handed = self._equal() if self.policy == "equal" else self._plan(now)
         for waiter, slot in handed:
             slot.started.append(now)
             waiter.future.set_result((slot, now))
@@ -232,7 +232,7 @@ class ImagePool:
         self._timer = None
         self._dispatch()
 
-    def _equal(self, now: float) -> list[tuple[_Waiter, Slot]]:
+    def _equal(self) -> list[tuple[_Waiter, Slot]]:
         free = {s.index: s.lanes - s.held for s in self.live()}
         handed = []
         for waiter in self._waiting:
@@ -249,12 +249,11 @@ class ImagePool:
     def _plan(self, now: float) -> list[tuple[_Waiter, Slot]]:
         """Earliest finish over every lane for the waiting images in order; those whose best lane is free now
         start now, the others wait (their lane is busy, or nobody's is free)."""
+        costs = {slot.index: slot.cost(now) for slot in self.live()}
         lanes: list[tuple[float, bool, int, Slot]] = []  # (free in s, free now, index, slot) of every lane
         for slot in self.live():
-            cost = slot.cost(now)
-            lanes += [(max(cost - (now - t), 0.0), False, slot.index, slot) for t in slot.started]
+            lanes += [(max(costs[slot.index] - (now - t), 0.0), False, slot.index, slot) for t in slot.started]
             lanes += [(0.0, True, slot.index, slot)] * (slot.lanes - slot.held)
-        costs = {slot.index: slot.cost(now) for slot in self.live()}
         handed = []
         for waiter in self._waiting:
             if waiter.future.done():

@@ -277,15 +277,6 @@ def unit_cost_row(calibration: dict[str, Any], num_blocks: int) -> list[float]:
     ]
 
 
-def node_gpus() -> dict[str, float]:
-    """GPUs each alive Ray node offers (nodes without any left out)."""
-    return {
-        str(n["NodeID"]): float(n.get("Resources", {}).get("GPU", 0.0))
-        for n in ray.nodes()
-        if n.get("Alive") and float(n.get("Resources", {}).get("GPU", 0.0)) > 0
-    }
-
-
 def gpu_shares(node_ids: Sequence[str], gpus: Mapping[str, float]) -> list[float]:
     """The part of a GPU each of these stages asks Ray for: nothing on a node without GPUs; a whole GPU each while
     a node has one per stage; else the stages on that node split its GPUs evenly in parts Ray can pack (1/2 each for

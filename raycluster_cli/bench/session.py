@@ -66,7 +66,8 @@ class Session:
         num_stages = options.stages or (len(manual) if manual else None) or len(nodes)
         provisional = options.layers or (sum(manual) if manual else max(4, num_stages))
         plan = scheduling.plan_replicas(len(nodes), num_stages, options.replicas, options.allow_shared_nodes)
-        gpu_nodes = {n["node_id"] for n in nodes if n["gpus"] >= 1}
+        gpus = experiment.gpu_counts(nodes)
+        gpu_nodes = set(gpus)
         node_ids = [nodes[i]["node_id"] for replica in plan for i in replica]
         cfg = experiment.model_config(options, provisional, on_gpu=set(node_ids) <= gpu_nodes)
         if num_stages > cfg.layers and (options.layers or options.model_path):
@@ -79,7 +80,7 @@ class Session:
             node_ids,
             num_threads=options.threads,
             allow_shared_nodes=options.allow_shared_nodes,
-            gpu_nodes={n["node_id"]: n["gpus"] for n in nodes if n["gpus"] >= 1},  # each node's GPUs shared out
+            gpu_nodes=gpus,  # each node's GPUs shared out among its stages
         )
         session = cls(options, progress, nodes, num_stages, node_ids, workers, cfg, gpu_nodes)
         try:

@@ -33,7 +33,7 @@ from typing import Any
 import ray
 from ray import serve
 
-from raycluster_cli.bench import memory
+from raycluster_cli.bench import experiment, memory
 from raycluster_cli.bench.config import ModelConfig
 from raycluster_cli.bench.diffusion import is_diffusers_folder
 from raycluster_cli.bench.model import config_from_checkpoint
@@ -102,8 +102,8 @@ def _token(args: argparse.Namespace) -> str | None:
 
 def _on_gpus() -> bool:
     """Every alive node offers Ray a GPU (what ``--dtype auto`` keeps the checkpoint's dtype for)."""
-    alive = [n for n in ray.nodes() if n.get("Alive")]
-    return bool(alive) and all(float(n.get("Resources", {}).get("GPU", 0.0)) >= 1 for n in alive)
+    alive = experiment.alive_nodes()
+    return bool(alive) and all(n["gpus"] >= 1 for n in alive)
 
 
 @ray.remote(num_cpus=0)

@@ -20,7 +20,8 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from raycluster_cli.bench.balance import capacity_costs
 from raycluster_cli.bench.config import ModelConfig
-from raycluster_cli.bench.pipeline import calibrate_workers, node_gpus, start_workers, stop_workers, unit_cost_row
+from raycluster_cli.bench.experiment import node_gpus
+from raycluster_cli.bench.pipeline import calibrate_workers, start_workers, stop_workers, unit_cost_row
 from raycluster_cli.serve.engine import Engine
 from raycluster_cli.serve.placement import NodeSpeed, PipelinePlan, replan, snake_groups, split_over
 from raycluster_cli.serve.pool import Pipeline

@@ -54,7 +54,7 @@ def test_serves_stages_on_a_gpu_node_ask_ray_for_its_gpu(one_gpu_ray: str) -> No
     """The service's stages (serve/stages.py) on a node with a GPU ask Ray for their share of it, as the bench's do:
     Ray then makes that GPU visible to them (CUDA_VISIBLE_DEVICES) and accounts for it.  Before, they asked for
     none, so on a GPU node each used the first GPU unaccounted, whatever else Ray had placed on it."""
-    from raycluster_cli.bench.pipeline import node_gpus
+    from raycluster_cli.bench.experiment import node_gpus
     from raycluster_cli.serve.stages import start_stages
 
     cfg = ModelConfig(vocab=97, d_model=32, heads=4, layers=3, max_seq=16, seed=1)
