@@ -36,12 +36,27 @@ def container_cpu_usage() -> float | None:
     return cgroup_cpu_usage_s(cpuacct_usage=read("/sys/fs/cgroup/cpuacct/cpuacct.usage"))
 
 
+def oom_kills(events_text: str | None) -> int | None:
+    """The kernel's OOM-kill count in a cgroup's ``memory.events`` (v2) or ``memory.oom_control`` (v1)."""
+    for line in (events_text or "").splitlines():
+        name, _, value = line.partition(" ")
+        if name == "oom_kill" and value.strip().isdigit():
+            return int(value)
+    return None
+
+
 def container_memory() -> dict[str, Any]:
-    """The container's memory limit, working set (without droppable page cache) and peak usage, in bytes
-    (None where the cgroup does not say)."""
-    for base, limit, usage, peak in (
-        ("/sys/fs/cgroup/", "memory.max", "memory.current", "memory.peak"),
-        ("/sys/fs/cgroup/memory/", "memory.limit_in_bytes", "memory.usage_in_bytes", "memory.max_usage_in_bytes"),
+    """The container's memory limit, working set (without droppable page cache) and peak usage, in bytes, and
+    how many processes the kernel killed in it for memory (None where the cgroup does not say)."""
+    for base, limit, usage, peak, events in (
+        ("/sys/fs/cgroup/", "memory.max", "memory.current", "memory.peak", "memory.events"),
+        (
+            "/sys/fs/cgroup/memory/",
+            "memory.limit_in_bytes",
+            "memory.usage_in_bytes",
+            "memory.max_usage_in_bytes",
+            "memory.oom_control",
+        ),
     ):
         usage_text = read(base + usage)
         if usage_text is None:
@@ -52,8 +67,9 @@ def container_memory() -> dict[str, Any]:
             "limit_bytes": found[0] if found else None,
             "working_set_bytes": found[1] if found else int(usage_text),
             "peak_bytes": int(peak_text) if peak_text and peak_text.strip().isdigit() else None,
+            "oom_kills": oom_kills(read(base + events)),
         }
-    return {"limit_bytes": None, "working_set_bytes": None, "peak_bytes": None}
+    return {"limit_bytes": None, "working_set_bytes": None, "peak_bytes": None, "oom_kills": None}
 
 
 def ray_memory_threshold() -> float:

@@ -8,6 +8,7 @@ that cannot hold the whole pipeline holds one step of it.  The steps follow ``St
 (diffusers 0.42): the same tokenisation, classifier-free guidance, initial noise from the request's seeded
 generator, scheduler steps and decoding, so the image equals the library's own for the same prompt, seed and
 steps (tests/unit/test_bench_diffusion.py).  The safety checker is not run (a checkpoint's own is ignored).
+``reference_step`` is the library's own pipeline run one part at a time (what the image is checked against).
 """
 
 from __future__ import annotations
@@ -164,3 +165,34 @@ class Components:
     def generate(self, request: ImageRequest) -> np.ndarray:
         """All three steps here (a node that holds the whole pipeline)."""
         return self.decode(self.denoise(self.encode(request), request))
+
+
+def reference_step(path: str | Path, part: str, request: ImageRequest, given: Any) -> Any:
+    """One step of diffusers' own ``StableDiffusionPipeline`` for ``request``, loading only ``part``: ``text``
+    gives (prompt embeddings, negative embeddings) by ``encode_prompt``; ``unet`` takes them (``given``) through
+    the pipeline's own ``__call__`` to latents (``output_type="latent"``); ``vae`` decodes ``given`` latents and
+    post-processes them as ``__call__`` does (``output_type="np"``).  The three in a row give the library's image
+    (tests/unit/test_bench_diffusion.py) with one part in memory at a time."""
+    from diffusers import StableDiffusionPipeline
+
+    absent = {"text": ("text_encoder", "tokenizer"), "unet": ("unet",), "vae": ("vae",)}
+    skip = {name: None for other, names in absent.items() if other != part for name in names}
+    pipe = StableDiffusionPipeline.from_pretrained(
+        str(path), safety_checker=None, requires_safety_checker=False, dtype=torch.float32, **skip
+    )
+    pipe.set_progress_bar_config(disable=True)
+    guided = request.guidance > 1.0
+    if part == "text":
+        negative = request.negative_prompt or None
+        return pipe.encode_prompt(request.prompt, "cpu", request.n, guided, negative)
+    if part == "unet":
+        pipe.vae_scale_factor = vae_scale_factor(path)  # the pipeline's default (8) when it has no VAE
+        prompt, negative = given
+        return pipe(
+            prompt_embeds=prompt, negative_prompt_embeds=negative, num_inference_steps=request.steps,
+            generator=torch.Generator().manual_seed(request.seed), output_type="latent", height=request.height,
+            width=request.width, guidance_scale=request.guidance,
+        ).images  # fmt: skip
+    with torch.no_grad():
+        image = pipe.vae.decode(given / pipe.vae.config.scaling_factor, return_dict=False)[0]
+    return pipe.image_processor.postprocess(image, output_type="np", do_denormalize=[True] * image.shape[0])

@@ -2,7 +2,10 @@
 
 A replica is the actors that together hold ``text``, ``unet`` and ``vae``: one actor with all three on a node that
 holds the whole pipeline, else one actor per part on its own node.  ``generate`` chains the steps through Ray's
-object store (each step's output goes from its actor to the next actor, not through the driver).
+object store (each step's output goes from its actor to the next actor, not through the driver).  ``node_room``
+reads a node's container (memory room, CPU quota) where it runs; ``reference_image`` runs diffusers' own pipeline
+one part per task, each on a node the placement gave room for it, so checking an image never needs a node (or the
+driver's) room for the whole pipeline.
 """
 
 from __future__ import annotations
@@ -14,8 +17,9 @@ import ray
 import torch
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from raycluster_cli.bench.diffusion import PARTS, Components, ImageRequest
-from raycluster_cli.bench.pipeline import node_cpu_count, node_ip
+from raycluster_cli.bench.cgroup import container_cpu_quota, container_memory, node_capacity
+from raycluster_cli.bench.diffusion import PARTS, Components, ImageRequest, reference_step
+from raycluster_cli.bench.pipeline import node_cpu_count, node_ip, peak_rss
 
 
 class _DiffusionWorker:
@@ -68,10 +72,41 @@ class _DiffusionWorker:
             "parts": list(self.components.parts),
             "busy_s": self.busy_s,
             "calls": self.calls,
+            "memory": container_memory(),  # the container's, after the run: working set, peak, OOM kills
+            "process_peak_rss_bytes": peak_rss(),
         }
 
 
 DiffusionWorker = ray.remote(num_cpus=0)(_DiffusionWorker)
+
+
+def _on(node_id: str) -> NodeAffinitySchedulingStrategy:
+    return NodeAffinitySchedulingStrategy(node_id=node_id, soft=False)
+
+
+@ray.remote(num_cpus=0)
+def _room() -> dict[str, Any]:
+    node_id = ray.get_runtime_context().get_node_id()
+    return node_capacity(node_id, node_ip(node_id)).to_dict() | {"cpu_quota": container_cpu_quota()}
+
+
+def node_room(node_id: str) -> Any:
+    """A ref to ``node_id``'s room as its container sees it (``cgroup.node_capacity``) and its CPU quota."""
+    return _room.options(scheduling_strategy=_on(node_id)).remote()
+
+
+@ray.remote(num_cpus=0)
+def _reference(path: str, part: str, request: ImageRequest, given: Any) -> Any:
+    return reference_step(path, part, request, given)
+
+
+def reference_image(path: str, request: ImageRequest, where: dict[str, str], timeout_s: float) -> Any:
+    """diffusers' own image for ``request``: each part's step (``diffusion.reference_step``) a task on the node
+    ``where`` names for it, the output of one handed to the next through the object store."""
+    given: Any = None
+    for part in PARTS:
+        given = _reference.options(scheduling_strategy=_on(where[part])).remote(path, part, request, given)
+    return ray.get(given, timeout=timeout_s)
 
 
 class Replica:
@@ -81,9 +116,7 @@ class Replica:
         self, path: str, holders: list[tuple[str, list[str]]], num_threads: int | None = None, dtype: str = "float32"
     ) -> None:
         self.actors: list[Any] = [
-            DiffusionWorker.options(
-                scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node_id, soft=False)
-            ).remote(path, parts, num_threads, dtype)
+            DiffusionWorker.options(scheduling_strategy=_on(node_id)).remote(path, parts, num_threads, dtype)
             for node_id, parts in holders
         ]
         self.holders = holders

@@ -2,8 +2,11 @@
 
 Placement (``place``): every node whose memory holds the whole pipeline gets a replica of it; when none does,
 the parts become pipeline stages on three nodes (text encoder | UNet | VAE decoder), each where it fits, the UNet
-on the node with the most room; when no node holds even the UNet (``CutNeeded``), ``unet_place`` cuts it by blocks
-across the nodes from their measured seconds per block (``unet_cut``, ``unet_workers``).  Each replica is timed on
+first onto the node with the most CPU that holds it; when no node holds even the UNet (``CutNeeded``),
+``unet_place`` cuts it by blocks across the nodes from their measured seconds per block (``unet_cut``,
+``unet_workers``).  A node's memory (``node_rooms``) is the least of Ray's `memory` resource and what its container
+can still give a part's worker (its cgroup limit less what is in use, as for text: ``cgroup.node_capacity``), so a
+container memory limit below the whole pipeline places its parts apart instead of an out-of-memory kill.  Each replica is timed on
 a calibration image; the images then go through the image service's router (``image_pool``): each to a replica
 only when it can start there, so a replica 4× faster makes 4× the images whatever the calibration said, and the
 last ones land where they finish first.  The report, as for
@@ -29,6 +32,7 @@ log = logging.getLogger("raycluster.bench")
 
 MIB = 1024 * 1024
 WEIGHT_HEADROOM = 1.2  # loading copies and allocator slack over the weights themselves
+WORKER_BYTES = 400 * MIB  # a part worker's own process, Python with torch and diffusers (360 MiB measured)
 ACTIVATION_BYTES_512 = 768 * MIB  # a float32 generation's activations at 512 × 512 with guidance, scaled by area
 PROMPTS = ["a red house on the hill", "a small green tree", "a blue cat", "the dog on the hill", "a red tree"]
 
@@ -48,7 +52,16 @@ class CutNeeded(ValueError):
 class NodeRoom:
     node_id: str
     node_ip: str
-    capacity: int  # bytes Ray may give tasks on that node (its `memory` resource)
+    capacity: int  # bytes a part may take on that node: the least of Ray's `memory` and the container's room
+    cpus: float | None = None  # its CPU quota (else Ray's CPU count): the UNet goes to the most CPU it fits
+    source: str = "ray"  # where the room came from: "ray" (its `memory` resource), else the container's cgroup
+    limit: int | None = None  # the container's memory limit
+    container: int | None = None  # what the container alone can still give a part (Ray's `memory` aside)
+
+    def describe(self) -> str:
+        limit = f", limit {self.limit // MIB} MiB" if self.limit else ""
+        cpus = f", {self.cpus:g} CPU" if self.cpus else ""
+        return f"{self.node_ip} {self.capacity // MIB} MiB ({self.source}{limit}{cpus})"
 
 
 Holders = list[tuple[str, list[str]]]  # (node id, parts) of one replica
@@ -70,12 +83,12 @@ def place(nodes: list[NodeRoom], weights: dict[str, int], size: int) -> tuple[li
             "a replica on each, requests in proportion to their measured speed"
         )
         return [[(n.node_id, list(PARTS))] for n in fits], why
-    rooms = "; ".join(f"{n.node_ip} {n.capacity // MIB} MiB" for n in nodes)
+    rooms = "; ".join(n.describe() for n in nodes)
     if not any(n.capacity >= need["unet"] for n in nodes):
         raise CutNeeded(need | {"act": act}, rooms)
-    free = sorted(nodes, key=lambda n: -n.capacity)
+    free = sorted(nodes, key=lambda n: (-(n.cpus or 0.0), -n.capacity))
     holders: Holders = []
-    for part in ("unet", "text", "vae"):  # the largest part first, onto the roomiest node left
+    for part in ("unet", "text", "vae"):  # the largest part first, onto the fastest node left that holds it
         node = next((n for n in free if n.capacity >= need[part]), None)
         if node is None:
             raise ValueError(
@@ -84,24 +97,36 @@ def place(nodes: list[NodeRoom], weights: dict[str, int], size: int) -> tuple[li
             )
         free.remove(node)
         holders.append((node.node_id, [part]))
+    where = ", ".join(f"{part} on {next(n.node_ip for n in nodes if n.node_id == h)}" for h, (part,) in holders)
     why = (
         f"no node holds the whole pipeline ({whole // MIB} MiB; nodes: {rooms}): its parts as stages, "
-        "text encoder | UNet | VAE decoder, each on a node it fits"
+        f"text encoder | UNet | VAE decoder, the largest first onto the node with the most CPU it fits ({where})"
     )
     order = {part: i for i, part in enumerate(PARTS)}
     return [sorted(holders, key=lambda h: order[h[1][0]])], why
 
 
-def node_rooms() -> list[NodeRoom]:
-    """The alive Ray nodes and the `memory` each offers tasks (what ``place`` weighs)."""
+def node_rooms(timeout_s: float = 120.0) -> list[NodeRoom]:
+    """The alive Ray nodes and the memory each offers a part (what ``place`` weighs): Ray's `memory` resource,
+    or less where the node's container has less room left for a part's worker (``WORKER_BYTES`` and the part)."""
     import ray
 
-    rooms = [
-        NodeRoom(str(n["NodeID"]), str(n.get("NodeManagerAddress", "")), int(n.get("Resources", {}).get("memory", 0)))
-        for n in ray.nodes()
-        if n.get("Alive")
-    ]
-    return sorted(rooms, key=lambda n: (n.node_ip, n.node_id))
+    from raycluster_cli.bench.diffusion_workers import node_room
+
+    alive = [n for n in ray.nodes() if n.get("Alive")]
+    found = ray.get([node_room(str(n["NodeID"])) for n in alive], timeout=timeout_s)
+    return sorted((room_of(n, c) for n, c in zip(alive, found, strict=True)), key=lambda n: (n.node_ip, n.node_id))
+
+
+def room_of(node: dict[str, Any], container: dict[str, Any]) -> NodeRoom:
+    """One node's room from its ``ray.nodes()`` entry and what its container said (``cgroup.node_capacity``)."""
+    resources = node.get("Resources", {})
+    logical = int(resources.get("memory", 0))
+    physical = max(0, int(container["usable"]) - WORKER_BYTES)
+    source = "ray" if logical <= physical else str(container["source"])
+    cpus = container.get("cpu_quota") or float(resources.get("CPU", 0.0)) or None
+    ip = str(node.get("NodeManagerAddress", ""))
+    return NodeRoom(str(node["NodeID"]), ip, min(logical, physical), cpus, source, container.get("limit"), physical)
 
 
 def request_for(options: BenchOptions, index: int) -> ImageRequest:
@@ -222,6 +247,7 @@ def run(options: BenchOptions, progress: Report) -> dict[str, Any]:
     rooms = node_rooms()
     ip_of = {n.node_id: n.node_ip for n in rooms}
     cut: dict[str, Any] | None = None
+    output_check: dict[str, Any] | None = None
     try:
         holders, why = place(rooms, weights, options.image_size)
         progress(f"placing {len(holders)} replica(s)")
@@ -253,10 +279,11 @@ def run(options: BenchOptions, progress: Report) -> dict[str, Any]:
                 [replicas[fastest]], [seconds[fastest]], options, total, "equal", progress, "reference: one node"
             )
             references["one_node"] = _reference(main, one) | {"node_ip": ip_of[holders[fastest][0][0]]}
-        output_check = _check(path, options, first_image) if options.check_output else None
     finally:
         for replica in replicas:
             replica.kill()
+    if options.check_output:  # with the replicas gone: a part's reference step takes the room its worker had
+        output_check = _check(path, options, first_image, check_nodes(holders, cut, rooms, weights))
     doc: dict[str, Any] = {
         "kind": "image",
         **main,
@@ -269,6 +296,16 @@ def run(options: BenchOptions, progress: Report) -> dict[str, Any]:
             "weights_mib": {part: round(b / MIB, 2) for part, b in weights.items()},
             **({"unet_cut": cut} if cut is not None else {}),
             "node_memory_mib": {n.node_ip: n.capacity // MIB for n in rooms},
+            "node_rooms": [
+                {
+                    "node_ip": n.node_ip,
+                    "room_mib": n.capacity // MIB,
+                    "source": n.source,
+                    "limit_mib": n.limit // MIB if n.limit else None,
+                    "cpus": n.cpus,
+                }
+                for n in rooms
+            ],
         },
         "workers": infos,
         "references": references,
@@ -331,18 +368,35 @@ def _reference(main: dict[str, Any], ref: dict[str, Any]) -> dict[str, Any]:
 CHECK_TOLERANCE = 1e-4
 
 
-def _check(path: str, options: BenchOptions, image: Any) -> dict[str, Any]:
-    """The first request's image against diffusers' own StableDiffusionPipeline, run here in the driver."""
-    import numpy as np
-    import torch
-    from diffusers import StableDiffusionPipeline
+def check_nodes(
+    holders: list[Holders], cut: dict[str, Any] | None, rooms: list[NodeRoom], weights: dict[str, int]
+) -> dict[str, str] | str:
+    """Where each part's reference step runs: on the node the first replica holds it on; for a UNet cut by blocks
+    (no node's `memory` holds it), the UNet's on the node whose container has the most room, if that holds it.
+    Else why the check cannot run, in words."""
+    where = {part: node for node, parts in holders[0] for part in parts}
+    if cut is None:
+        return where
+    roomiest = max(rooms, key=lambda n: n.container or 0)
+    need = int(weights["unet"] * WEIGHT_HEADROOM)
+    if (roomiest.container or 0) < need:
+        return (
+            f"no node's container holds the UNet for diffusers' own pipeline ({need // MIB} MiB; the most room: "
+            f"{roomiest.node_ip} {(roomiest.container or 0) // MIB} MiB)"
+        )
+    return where | {"unet": roomiest.node_id}
 
-    request = request_for(options, 0)
-    pipe = StableDiffusionPipeline.from_pretrained(path, safety_checker=None, requires_safety_checker=False)
-    pipe.set_progress_bar_config(disable=True)
-    theirs = pipe(
-        request.prompt, num_inference_steps=request.steps, generator=torch.Generator().manual_seed(request.seed),
-        output_type="np", height=request.height, width=request.width, guidance_scale=request.guidance,
-    ).images  # fmt: skip
+
+def _check(path: str, options: BenchOptions, image: Any, where: dict[str, str] | str) -> dict[str, Any]:
+    """The first request's image against diffusers' own StableDiffusionPipeline, run one part at a time on the
+    nodes ``where`` names (``diffusion_workers.reference_image``): no node, the driver's included, needs room for
+    the whole pipeline."""
+    import numpy as np
+
+    from raycluster_cli.bench.diffusion_workers import reference_image
+
+    if isinstance(where, str):
+        return {"identical": None, "skipped": where, "tolerance": CHECK_TOLERANCE}
+    theirs = reference_image(path, request_for(options, 0), where, _deadline_s(options, None))
     diff = float(np.abs(np.asarray(image) - theirs).max())
     return {"identical": diff <= CHECK_TOLERANCE, "max_abs_diff": diff, "tolerance": CHECK_TOLERANCE}

@@ -53,7 +53,7 @@ def node_ip(node_id: str) -> str:
     return str(_node_entry(node_id).get("NodeManagerAddress") or ray.util.get_node_ip_address())
 
 
-def _peak_rss() -> int:
+def peak_rss() -> int:
     """This process's peak resident set (Linux reports ru_maxrss in KiB)."""
     import resource
 
@@ -169,7 +169,7 @@ class _StageWorker:
             "weights_bytes": self.stage.weight_bytes() if self.stage is not None else 0,
             "cache_peak_bytes": self.cache_peak,
             "memory": container_memory(),
-            "process_peak_rss_bytes": _peak_rss() if sys.platform == "linux" else self.process.memory_info().rss,
+            "process_peak_rss_bytes": peak_rss() if sys.platform == "linux" else self.process.memory_info().rss,
             # every forward's (start, end), seconds after reset_stats (the run's start, on this node's clock)
             "intervals": [(round(a, 5), round(b, 5)) for a, b in self.intervals],
         }

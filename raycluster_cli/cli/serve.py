@@ -37,6 +37,15 @@ def serve_command(
         int | None,
         typer.Option(min=1, max=500, help="a diffusers checkpoint: denoising steps when a request gives none (20)"),
     ] = None,
+    rebalance_period: Annotated[
+        float,
+        typer.Option(
+            min=0,
+            help="seconds between looks at each stage's time per step under load: a pipeline they show unbalanced"
+            " (a node slower than its calibration) is re-split over its nodes, the new one built before the old"
+            " drains; 0: never",
+        ),
+    ] = 20.0,
     stop: Annotated[bool, typer.Option("--stop", help="remove the service instead")] = False,
     timeout: Annotated[float, typer.Option(help="seconds the deployment may take")] = 900.0,
     inventory_path: InventoryOpt = None,
@@ -66,7 +75,9 @@ def serve_command(
             raise UsageError(
                 f"--dtype {dtype!r} is not one of auto, float32, bfloat16, float16", "e.g. --dtype bfloat16"
             )
-        options = serve.ServeOptions(model_path, port, stages, slots, max_seq, model_id, timeout, dtype, image_steps)
+        options = serve.ServeOptions(
+            model_path, port, stages, slots, max_seq, model_id, timeout, dtype, image_steps, rebalance_period
+        )
         with open_cluster(inventory_path) as (inv, pool), output.live_progress() as progress:
             result = serve.serve(inv, pool, options, progress)
         return emit(output, True, {"cluster": inv.cluster, **result.to_dict()}, render_serve)

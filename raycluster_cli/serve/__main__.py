@@ -67,6 +67,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--calibrate-sample-s", type=float, default=0.1, help="least seconds per timed sample")
     p.add_argument("--replace-period", type=float, default=30.0, help="seconds between looks for nodes to take in")
     p.add_argument(
+        "--rebalance-period",
+        type=float,
+        default=20.0,
+        help="seconds between looks at the stages' times under load, re-splitting a pipeline they show unbalanced"
+        " (0: never)",
+    )
+    p.add_argument(
         "--slots",
         type=int,
         default=16,
@@ -157,7 +164,7 @@ def _placement(args: argparse.Namespace, settings: ServeSettings, layers: int) -
     except DoesNotFit as exc:
         raise SystemExit(f"serve: {exc}") from None
     measured = tuple(s for s in speeds if s.unit_costs)
-    return replace(settings, plans=tuple(plans), speeds=measured, replicas=len(plans))
+    return replace(settings, plans=tuple(plans), speeds=measured, replicas=len(plans), unit_bytes=tuple(need.units))
 
 
 def _report(url: str, settings: ServeSettings, layers: int) -> dict[str, Any]:
@@ -187,6 +194,7 @@ def main(argv: list[str] | None = None) -> int:
         split=split,
         limits=Limits(slots=args.slots, max_seq=args.max_seq, prefill_chunk=args.prefill_chunk),
         replace_period_s=args.replace_period,
+        rebalance_period_s=args.rebalance_period,
     )
     layers = config_from_checkpoint(args.model_path, max_seq=args.max_seq).layers
     split_units(layers, args.stages, split)  # a bad split fails here, before anything starts

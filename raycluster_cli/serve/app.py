@@ -67,6 +67,8 @@ class ServeSettings:
     speeds: tuple[NodeSpeed, ...] = ()  # the nodes' measured unit costs, for re-plans without re-measuring
     calibration: Calibration | None = None  # how a node that joins later is measured
     replace_period_s: float = 30.0  # how often alive nodes no pipeline uses are looked for
+    rebalance_period_s: float = 20.0  # how often the stages' times under load are judged for a re-split (0: never)
+    unit_bytes: tuple[int, ...] = ()  # each unit's bytes (weights + KV slots): re-splits stay within memory
     failover_wait_s: float = 90.0  # how long a moved request waits for a pipeline to come back
     dtype: str = "float32"  # weights, KV cache and activations (resolved: never "auto")
 
@@ -196,12 +198,14 @@ class OpenAIServer:
             calibration=settings.calibration,
             num_threads=settings.num_threads,
             max_in_flight=settings.max_in_flight,
+            unit_bytes=settings.unit_bytes or None,
         )
         self.pool = Pool(
             fleet,
             failover_wait_s=settings.failover_wait_s,
             replace_period_s=settings.replace_period_s,
             stall_s=STALL_S,
+            rebalance_period_s=settings.rebalance_period_s,
         )
         await self._start(settings.pipeline_plans(self.cfg.layers))
         self.created = int(time.time())

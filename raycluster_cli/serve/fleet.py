@@ -4,13 +4,16 @@ A node's speed is measured with the bench's own calibration (``bench.pipeline``:
 pinned to the node times embedding, block and head; ``balance.capacity_costs`` weighs the CPU time
 against the node's quota, ``unit_cost_row`` turns that into a cost per unit), all nodes at once.  The launcher measures every alive node before the
 first placement and hands the costs to the ingress (``ServeSettings.speeds``), which measures only
-nodes it has not seen (one that joined, or came back) when it re-plans.
+nodes it has not seen (one that joined, or came back) when it re-plans.  While it serves, each pipeline's stages
+are read between looks (``rebalance``): their seconds per step under load correct the calibration, and a split
+that makes the slowest stage markedly faster replaces the pipeline (``placement.resplit``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -23,7 +26,7 @@ from raycluster_cli.bench.config import ModelConfig
 from raycluster_cli.bench.experiment import node_gpus
 from raycluster_cli.bench.pipeline import calibrate_workers, start_workers, stop_workers, unit_cost_row
 from raycluster_cli.serve.engine import Engine
-from raycluster_cli.serve.placement import NodeSpeed, PipelinePlan, replan, snake_groups, split_over
+from raycluster_cli.serve.placement import NodeSpeed, PipelinePlan, replan, resplit, snake_groups, split_over
 from raycluster_cli.serve.pool import Pipeline
 from raycluster_cli.serve.scheduler import Limits
 from raycluster_cli.serve.stages import start_stages
@@ -34,6 +37,11 @@ NODES_TIMEOUT_S = 30.0  # the GCS's list of nodes
 # A node the GCS still lists may have died seconds ago (its health checks take from seconds to a minute to
 # fail): before a pipeline is rebuilt on its own nodes, each must run a trivial task within this.
 NODE_ANSWER_TIMEOUT_S = 15.0
+COUNTERS_TIMEOUT_S = 10.0  # the stages' counters (they answer between steps)
+# A window of serving is judged only when every stage ran this many steps in it and the busiest stage was busy
+# this share of it: an idle or nearly idle pipeline's timings are noise, and its balance does not matter.
+REBALANCE_MIN_STEPS = 40
+REBALANCE_MIN_BUSY = 0.3
 
 
 @dataclass(frozen=True)
@@ -118,8 +126,11 @@ class RayFleet:
         calibration: Calibration | None = None,
         num_threads: int | None = None,
         max_in_flight: int | None = None,
+        unit_bytes: Sequence[int] | None = None,
     ) -> None:
         self.cfg, self.tokenizer, self.limits, self.eos = cfg, tokenizer, limits, eos
+        self.unit_bytes = list(unit_bytes) if unit_bytes else None  # each unit's bytes (weights + KV slots)
+        self._counted: dict[int, tuple[float, list[dict[str, Any]]]] = {}  # pipeline -> (when, its stages' counters)
         self.stages = stages
         self.speeds = {s.node_id: s for s in speeds if s.node_id}
         self.calibration = calibration or Calibration(prefill_chunk=limits.prefill_chunk)
@@ -180,6 +191,34 @@ class RayFleet:
         survivors = await self._speeds({n: alive[n] for n in mine if n in alive})
         free = await self._speeds({n: ip for n, ip in alive.items() if n not in used and n not in mine})
         return replan(list(survivors.values()), list(free.values()), self.stages, self.cfg.layers)
+
+    async def rebalance(self, pipeline: Pipeline) -> PipelinePlan | None:
+        """The pipeline re-split from its stages' seconds per step since the last look, when the window was
+        loaded enough to judge and the new split gains enough (``placement.resplit``); the corrected costs are
+        kept for later re-plans.  None: keep it (also on the first look, which only starts the window)."""
+        plan = pipeline.plan
+        if plan.stages < 2 or not all(plan.node_ids) or any(n not in self.speeds for n in plan.node_ids):
+            return None
+        asked = asyncio.gather(*(a.counters.remote() for a in pipeline.stages))
+        counters = list(await asyncio.wait_for(asked, COUNTERS_TIMEOUT_S))
+        now = time.monotonic()
+        before = self._counted.get(pipeline.index)
+        self._counted[pipeline.index] = (now, counters)
+        if before is None or any(a["pid"] != b["pid"] for a, b in zip(counters, before[1], strict=True)):
+            return None
+        window = now - before[0]
+        steps = [a["steps"] - b["steps"] for a, b in zip(counters, before[1], strict=True)]
+        busy = [a["busy_s"] - b["busy_s"] for a, b in zip(counters, before[1], strict=True)]
+        if min(steps) < REBALANCE_MIN_STEPS or max(busy) < REBALANCE_MIN_BUSY * window:
+            return None
+        measured = [b / n for b, n in zip(busy, steps, strict=True)]
+        found = resplit(plan, [self.speeds[n] for n in plan.node_ids], measured, self.unit_bytes)
+        if found is None:
+            return None
+        new, corrected = found
+        self.speeds.update({n.node_id: n for n in corrected})
+        self._counted.pop(pipeline.index, None)
+        return new
 
     async def growth(self, pipelines: Sequence[Pipeline]) -> list[tuple[Pipeline | None, PipelinePlan]]:
         """Nodes alive and unused fill degraded pipelines first (fewer stages than asked), then form new

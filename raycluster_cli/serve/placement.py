@@ -8,7 +8,10 @@ every replica gets a like mix of fast and slow nodes and the replicas' throughpu
 that balances outstanding work then keeps them equally busy.  Each replica's blocks are split by
 the bench's exact min-max DP (``balanced_partition``) over its own nodes' costs, so its slowest
 stage is as fast as it can be.  A pipeline that lost a node is re-planned over its survivors plus
-any free node (``replan``), with fewer stages when there are fewer nodes.
+any free node (``replan``), with fewer stages when there are fewer nodes.  A serving pipeline whose stages
+measure, under load, otherwise than their calibration said (a node that shares its CPU with the ingress, Ray's own
+processes or a neighbour) is re-split from those measurements (``resplit``) when that makes its slowest stage
+markedly faster.
 
 Memory is a hard limit: given each unit's bytes (weights at the dtype + the KV cache slots of a block,
 ``bench.memory.demand``) and each node's ``capacity``, a split never puts more on a node than it holds,
@@ -18,10 +21,12 @@ however fast the node; a replica that cannot fit is refused with the numbers.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from raycluster_cli.bench.partition import DoesNotFit, balanced_partition, blocks_held, stage_costs
+
+REBALANCE_GAIN = 0.15  # a re-split is worth building a new pipeline when its slowest stage is this much faster
 
 
 @dataclass(frozen=True)
@@ -196,3 +201,47 @@ def replan(
         " free) by their measured block costs (min-max)"
     )
     return split_over(nodes, None, why, unit_bytes)
+
+
+def resplit(
+    plan: PipelinePlan,
+    speeds: Sequence[NodeSpeed],
+    measured: Sequence[float],
+    unit_bytes: Sequence[int] | None = None,
+) -> tuple[PipelinePlan, list[NodeSpeed]] | None:
+    """``plan`` re-split from its stages' measured seconds per step under load, with the nodes' corrected costs;
+    None when the split stays or gains less than ``REBALANCE_GAIN`` on its slowest stage.
+
+    ``speeds`` are the plan's nodes in stage order (their calibrated costs).  Each node's costs are scaled by its
+    stage's measured ÷ modelled seconds, relative to the least slowed stage (a batch larger than the calibration's
+    slows every stage alike and moves nothing); the min-max split over the corrected costs is then compared with
+    the measured slowest stage.  With ``unit_bytes`` and the nodes' capacities, the new stage must fit its node
+    beside the old one (the new pipeline is built before the old one drains)."""
+    if plan.stages < 2 or len(plan.stage_s) != plan.stages or len(measured) != plan.stages:
+        return None
+    if any(p <= 0 for p in plan.stage_s) or any(m <= 0 for m in measured):
+        return None
+    ratios = [m / p for m, p in zip(measured, plan.stage_s, strict=True)]
+    factors = [r / min(ratios) for r in ratios]
+    now = max(f * p for f, p in zip(factors, plan.stage_s, strict=True))
+    corrected = [
+        NodeSpeed(n.node_id, n.ip, tuple(c * f for c in n.unit_costs), n.capacity)
+        for n, f in zip(speeds, factors, strict=True)
+    ]
+    beside = corrected
+    if unit_bytes is not None and all(n.capacity is not None for n in corrected):
+        held = [sum(unit_bytes[a:b]) for a, b in plan.ranges]
+        beside = [
+            NodeSpeed(n.node_id, n.ip, n.unit_costs, (n.capacity or 0) - h)
+            for n, h in zip(corrected, held, strict=True)
+        ]
+    slowed = ", ".join(f"{n.ip or i} x{f:.2f}" for i, (n, f) in enumerate(zip(speeds, factors, strict=True)))
+    why = f"re-split from the stages' seconds per step measured under load (relative slowdown: {slowed})"
+    try:
+        new = split_over(beside, None, why, unit_bytes)
+    except DoesNotFit:
+        return None
+    if new.ranges == plan.ranges or max(new.stage_s) > (1.0 - REBALANCE_GAIN) * now:
+        return None
+    gain = f"; slowest stage {1.0 - max(new.stage_s) / now:.0%} faster by the corrected costs"
+    return replace(new, why=why + gain), corrected

@@ -65,6 +65,11 @@ class Backend(Protocol):
         """(pipeline to replace or None, new plan) for nodes that are alive and unused."""
         ...
 
+    async def rebalance(self, pipeline: Pipeline) -> PipelinePlan | None:
+        """A better split of ``pipeline`` over its own nodes from what its stages measured since the last look
+        (``placement.resplit``), None to keep it."""
+        ...
+
 
 def least_loaded(candidates: Sequence[T], load: Callable[[T], tuple[float, ...]]) -> T | None:
     """The candidate with the least load (ties: the earliest), None if there is none."""
@@ -87,10 +92,12 @@ class Pool:
         replace_period_s: float = 30.0,
         stall_s: float = 30.0,
         watch_s: float = 0.5,
+        rebalance_period_s: float = 0.0,
     ) -> None:
         self.backend = backend
         self.failover_wait_s = failover_wait_s
         self.replace_period_s = replace_period_s
+        self.rebalance_period_s = rebalance_period_s  # 0: never re-split a pipeline from its measurements
         self.stall_s = stall_s
         self.watch_s = watch_s
         self.pipelines: list[Pipeline] = []
@@ -197,7 +204,7 @@ class Pool:
         task.add_done_callback(self._tasks.discard)
 
     async def _watch(self) -> None:
-        last_growth = time.monotonic()
+        last_growth = last_balance = time.monotonic()
         while True:
             await asyncio.sleep(self.watch_s)
             try:
@@ -206,6 +213,14 @@ class Pool:
                     last_growth = time.monotonic()
                     self.rebuilding += 1  # one re-plan at a time; the watch goes on meanwhile
                     self._spawn(self._grow_once())
+                if (
+                    self.rebalance_period_s > 0
+                    and time.monotonic() - last_balance >= self.rebalance_period_s
+                    and not self.rebuilding
+                ):
+                    last_balance = time.monotonic()
+                    self.rebuilding += 1
+                    self._spawn(self._rebalance_once())
             except Exception:  # the watch must outlive any one bad look
                 log.exception("serve: the pipelines' watch failed once")
 
@@ -268,6 +283,27 @@ class Pool:
             if old is not None and old in self.pipelines:
                 old.state = "draining"
             self._note("grown", new, f"{len(plan.ranges)} stage(s)" + (f", replaces {old.index}" if old else ""))
+
+    async def _rebalance_once(self) -> None:
+        try:
+            await self.rebalance()
+        except Exception as exc:
+            self._note("rebalance failed", None, f"{type(exc).__name__}: {exc}")
+        finally:
+            self.rebuilding -= 1
+
+    async def rebalance(self) -> None:
+        """Re-split the live pipelines whose stages measured a better split under load: the new pipeline over
+        the same nodes is built first, then the old one drains (its requests finish there, new ones go to the
+        new one), so no request fails or waits for the rebuild."""
+        for old in self.live():
+            plan = await self.backend.rebalance(old)
+            if plan is None or old not in self.live():
+                continue
+            new = await self.add(plan)
+            if old in self.pipelines:
+                old.state = "draining"
+            self._note("rebalanced", new, f"replaces {old.index}: {plan.why}")
 
     def health(self, grace_s: float) -> str | None:
         """Why the service cannot answer (None: it can): no live pipeline and none coming back soon."""

@@ -45,6 +45,7 @@ class ServeOptions:
     timeout_s: float = 900.0
     dtype: str = "auto"
     image_steps: int | None = None  # a diffusers checkpoint: denoising steps when a request gives none
+    rebalance_period_s: float = 20.0  # seconds between looks at the stages' times under load (0: never re-split)
 
 
 @dataclass
@@ -76,7 +77,7 @@ def launcher_command(inventory: Inventory, model_path: str, options: ServeOption
         "python", "-m", "raycluster_cli.serve", f"--model-path={model_path}",
         f"--host={inventory.node_ip(inventory.head_host)}", f"--port={options.port}",
         f"--slots={options.slots}", f"--max-seq={options.max_seq}", f"--record={RECORD}",
-        f"--dtype={options.dtype}",
+        f"--dtype={options.dtype}", f"--rebalance-period={options.rebalance_period_s:g}",
     ]  # fmt: skip
     if options.stages:
         args.append(f"--stages={options.stages}")

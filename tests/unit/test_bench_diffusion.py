@@ -14,6 +14,7 @@ from raycluster_cli.bench.diffusion import (
     ImageRequest,
     is_diffusers_folder,
     part_bytes,
+    reference_step,
 )
 
 from ..diffusion_checkpoint import diffusers_image, write_tiny_sd
@@ -45,6 +46,28 @@ def test_each_part_alone_chained_equals_diffusers(checkpoint: Path) -> None:
     image = vae.decode(unet.denoise(text.encode(request), request))
     theirs = diffusers_image(checkpoint, request.prompt, seed=11, steps=3, size=16)
     assert np.abs(image - theirs).max() <= TOLERANCE
+
+
+@pytest.mark.parametrize("guidance", [7.5, 1.0])
+def test_diffusers_own_pipeline_one_part_at_a_time_gives_its_whole_image(checkpoint: Path, guidance: float) -> None:
+    """The check's reference (``reference_step``, one part loaded per step) is diffusers' whole-pipeline image,
+    for several images of one prompt too; and it is what our parts make."""
+    import torch
+    from diffusers import StableDiffusionPipeline
+
+    request = ImageRequest("a small tree", seed=5, steps=3, height=16, width=16, guidance=guidance, n=2)
+    given = None
+    for part in ("text", "unet", "vae"):
+        given = reference_step(checkpoint, part, request, given)
+    pipe = StableDiffusionPipeline.from_pretrained(str(checkpoint))
+    pipe.set_progress_bar_config(disable=True)
+    whole = pipe(
+        request.prompt, num_inference_steps=3, generator=torch.Generator().manual_seed(5), output_type="np",
+        height=16, width=16, guidance_scale=guidance, num_images_per_prompt=2,
+    ).images  # fmt: skip
+    assert given.shape == whole.shape == (2, 16, 16, 3)
+    assert np.abs(given - whole).max() <= TOLERANCE and np.abs(given[0] - given[1]).max() > 0.01
+    assert np.abs(Components(checkpoint).generate(request) - given).max() <= TOLERANCE
 
 
 def test_another_seed_is_another_image(checkpoint: Path) -> None:

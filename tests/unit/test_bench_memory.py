@@ -134,7 +134,15 @@ def test_node_capacity_reads_this_machine() -> None:
     assert cap.source in ("cgroup v2", "cgroup v1", "host") and cap.usable >= 0
     if cap.limit is not None:
         assert cap.usable <= cap.limit - cap.used
-    assert set(container_memory()) == {"limit_bytes", "working_set_bytes", "peak_bytes"}
+    assert set(container_memory()) == {"limit_bytes", "working_set_bytes", "peak_bytes", "oom_kills"}
+
+
+def test_oom_kills_are_read_from_either_cgroup_version() -> None:
+    from raycluster_cli.bench.cgroup import oom_kills
+
+    v2 = "low 0\nhigh 0\nmax 12\noom 3\noom_kill 2\noom_group_kill 0\n"
+    v1 = "oom_kill_disable 0\nunder_oom 0\noom_kill 5\n"
+    assert (oom_kills(v2), oom_kills(v1), oom_kills(None), oom_kills("oom 1\n")) == (2, 5, None, None)
 
 
 def test_output_check_in_bfloat16_takes_tokens_among_the_references_top_k(configs: list[ModelConfig]) -> None:

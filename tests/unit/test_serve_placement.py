@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from raycluster_cli.bench.partition import stage_costs
-from raycluster_cli.serve.placement import NodeSpeed, plan_replicas, replan, snake_groups
+from raycluster_cli.serve.placement import NodeSpeed, plan_replicas, replan, resplit, snake_groups, split_over
 
 BLOCKS = 8
 
@@ -75,3 +77,46 @@ def test_memory_caps_each_stage_however_fast_its_node() -> None:
         plan_replicas([fast, small], stages=2, unit_bytes=sizes)
     replanned = replan([fast], [slow], stages=2, num_blocks=6, unit_bytes=sizes)
     assert replanned is not None and replanned.ranges == ((0, 3), (3, 8))
+
+
+def _blocks(ranges: tuple[tuple[int, int], ...]) -> list[int]:
+    return [min(end, BLOCKS + 1) - max(start, 1) for start, end in ranges]
+
+
+def test_a_stage_slower_under_load_than_its_calibration_gets_fewer_blocks() -> None:
+    """Three equal nodes split 3/3/2; under load the first node's stage takes twice its modelled time (its
+    container shares the CPU with the ingress): the re-split moves blocks off it, and is predicted faster."""
+    nodes = [_node("1", 1.0), _node("2", 1.0), _node("3", 1.0)]
+    (plan,) = plan_replicas(nodes, stages=3)
+    measured = [2.0 * plan.stage_s[0], plan.stage_s[1], plan.stage_s[2]]
+    found = resplit(plan, nodes, measured)
+    assert found is not None
+    new, corrected = found
+    assert new.node_ids == plan.node_ids and _blocks(new.ranges)[0] < _blocks(plan.ranges)[0]
+    assert max(new.stage_s) <= 0.85 * max(measured)
+    assert corrected[0].unit_costs == tuple(2.0 * c for c in nodes[0].unit_costs) and corrected[1] == nodes[1]
+    assert "x2.00" in new.why and "faster" in new.why
+
+
+def test_a_pipeline_slowed_evenly_or_within_noise_is_left_alone() -> None:
+    nodes = [_node("1", 1.0), _node("2", 2.0)]
+    (plan,) = plan_replicas(nodes, stages=2)
+    assert resplit(plan, nodes, [3.0 * s for s in plan.stage_s]) is None  # a bigger batch slows every stage
+    assert resplit(plan, nodes, [1.05 * plan.stage_s[0], plan.stage_s[1]]) is None  # 5 %: not worth a rebuild
+    assert resplit(plan, nodes[:1], [1.0]) is None and resplit(replace(plan, stage_s=()), nodes, [1.0, 2.0]) is None
+
+
+def test_a_re_split_must_fit_beside_the_old_stage_on_each_node() -> None:
+    """The new pipeline is built while the old one still holds its blocks: with only the old stage's bytes
+    (plus one block) of room on the slow node, no re-split that gives it more blocks is offered."""
+    unit_bytes = [10] + [100] * BLOCKS + [10]
+    nodes = [_node("1", 1.0), _node("2", 1.0)]
+    (plan,) = plan_replicas(nodes, stages=2)
+    measured = [plan.stage_s[0], 3.0 * plan.stage_s[1]]  # the second node is slowed: blocks move to the first
+    held = [sum(unit_bytes[a:b]) for a, b in plan.ranges]
+    roomy = [replace(n, capacity=10_000) for n in nodes]
+    assert resplit(plan, roomy, measured, unit_bytes) is not None
+    tight = [replace(nodes[0], capacity=held[0] + 100), replace(nodes[1], capacity=10_000)]
+    assert resplit(plan, tight, measured, unit_bytes) is None  # alone, its room would take the bigger stage
+    alone = split_over([replace(n, capacity=10_000) for n in nodes], None, "", unit_bytes)
+    assert alone.ranges == plan.ranges and held[0] + 100 >= sum(unit_bytes[: plan.ranges[0][1] + 1])

@@ -38,11 +38,11 @@ class _Died(RuntimeError):
 
 
 class _Call:
-    def __init__(self, fn: Any, args: tuple[Any, ...]) -> None:
-        self.fn, self.args = fn, args
+    def __init__(self, fn: Any, args: tuple[Any, ...], delay_s: float = 0.0) -> None:
+        self.fn, self.args, self.delay_s = fn, args, delay_s
 
     def __await__(self) -> Any:
-        yield from asyncio.sleep(0).__await__()
+        yield from asyncio.sleep(self.delay_s).__await__()
         args = []
         for arg in self.args:  # a previous stage's call, as an ObjectRef passed on
             args.append((yield from arg.__await__()) if isinstance(arg, _Call) else arg)
@@ -52,9 +52,9 @@ class _Call:
 class _Stage:
     """A stage handle over an in-process BatchedStage; ``die_after`` forward calls it fails (as dead)."""
 
-    def __init__(self, stage: BatchedStage) -> None:
+    def __init__(self, stage: BatchedStage, step_s: float = 0.0) -> None:
         self.stage, self.calls, self.die_after = stage, 0, -1
-        self.forward = SimpleNamespace(remote=lambda *a: _Call(self._forward, a))
+        self.forward = SimpleNamespace(remote=lambda *a: _Call(self._forward, a, step_s))
 
     def _forward(self, x: Any, table: Any) -> Any:
         self.calls += 1
@@ -66,18 +66,21 @@ class _Stage:
 class _Backend:
     """Builds pipelines in process; pipeline ``doomed``'s last stage dies after ``die_after`` steps."""
 
-    def __init__(self, path: Path, doomed: int = -1, die_after: int = -1, rebuild_s: float = 0.0) -> None:
+    def __init__(
+        self, path: Path, doomed: int = -1, die_after: int = -1, rebuild_s: float = 0.0, step_s: float = 0.0
+    ) -> None:
         self.cfg = config_from_checkpoint(path, max_seq=96)
         self.tokenizer = transformers.AutoTokenizer.from_pretrained(str(path))
         self.eos = eos_ids(self.tokenizer, json.loads((path / "generation_config.json").read_text()))
         self.limits = Limits(slots=4, max_seq=96, prefill_chunk=4, step_tokens=24)
-        self.doomed, self.die_after, self.rebuild_s = doomed, die_after, rebuild_s
+        self.doomed, self.die_after, self.rebuild_s, self.step_s = doomed, die_after, rebuild_s, step_s
         self.built: list[int] = []
+        self.resplit_to: PipelinePlan | None = None
 
     async def build(self, plan: PipelinePlan, index: int) -> tuple[Engine, list[Any]]:
         if self.built:
             await asyncio.sleep(self.rebuild_s)  # a replacement loads its stages
-        stages = [_Stage(BatchedStage(self.cfg, a, b, self.limits.slots)) for a, b in plan.ranges]
+        stages = [_Stage(BatchedStage(self.cfg, a, b, self.limits.slots), self.step_s) for a, b in plan.ranges]
         engine = Engine(stages, self.tokenizer, self.limits, self.eos)
         engine.start()
         await engine.probe()
@@ -94,6 +97,13 @@ class _Backend:
 
     async def growth(self, pipelines: Sequence[Pipeline]) -> list[tuple[Pipeline | None, PipelinePlan]]:
         return []
+
+    async def rebalance(self, pipeline: Pipeline) -> PipelinePlan | None:
+        """``resplit_to`` once, for a pipeline whose engine has requests running (a loaded window)."""
+        if self.resplit_to is None or not pipeline.engine.live:
+            return None
+        plan, self.resplit_to = self.resplit_to, None
+        return plan
 
 
 @pytest.fixture(scope="module")
@@ -225,3 +235,39 @@ def test_requests_that_find_the_only_pipeline_being_rebuilt_wait_for_it_instead_
     for prompt, answer in zip(PROMPTS, answers + later, strict=True):
         assert answer == reference[prompt], prompt
     assert backend.built == [0, 1]
+
+
+def test_a_pipeline_re_split_under_load_swaps_without_failing_or_changing_an_answer(
+    checkpoint: Path, reference: dict[str, tuple[str, list[int]]]
+) -> None:
+    """The backend finds a better split while requests run: the new pipeline is built beside the old one, new
+    requests go to it, the old one finishes its own and is retired; every answer is generate()'s, none failed."""
+    backend = _Backend(checkpoint, rebuild_s=0.2, step_s=0.01)  # requests long enough to be running at the look
+    units = backend.cfg.num_units
+    backend.resplit_to = PipelinePlan(("", ""), ("", ""), ((0, 2), (2, units)), why="re-split")
+
+    async def run() -> tuple[list[tuple[str, list[int]]], list[tuple[str, list[int]]], Pool]:
+        pool = Pool(backend, watch_s=0.05, replace_period_s=3600, rebalance_period_s=0.1)
+        await pool.add(PipelinePlan(("", ""), ("", ""), ((0, 4), (4, units))))
+        pool.start()
+        first = asyncio.gather(*(_stream(pool, p, backend.tokenizer, stream=i % 2 == 0) for i, p in enumerate(PROMPTS)))
+        for _ in range(400):
+            if len(backend.built) == 2:
+                break
+            await asyncio.sleep(0.01)
+        later = await asyncio.gather(*(_stream(pool, p, backend.tokenizer, stream=True) for p in PROMPTS[:3]))
+        answers = await first
+        for _ in range(100):
+            if len(pool.pipelines) == 1:
+                break
+            await asyncio.sleep(0.05)
+        await pool.close()
+        return list(answers), list(later), pool
+
+    answers, later, pool = asyncio.run(run())
+    for prompt, answer in zip(PROMPTS + PROMPTS[:3], answers + later, strict=True):
+        assert answer == reference[prompt], prompt
+    assert pool.failovers == 0 and backend.built == [0, 1]
+    (only,) = pool.pipelines
+    assert only.index == 1 and only.plan.ranges == ((0, 2), (2, units)) and only.served >= 3
+    assert [e["event"] for e in pool.events] == ["rebalanced", "retired"]
