@@ -13,7 +13,11 @@ Usage (the lab's name, subnet and node image from the environment, as the lab te
    With --baseline-image TAG (a node image of the code before a change, built as the lab's own): each round also
    serves the 3 hosts from that image, in the other order every round (before, after; after, before; ...), so a
    change is measured against the code before it in the same rounds of a shared machine (`baseline` in the
-   summary, and `after_over_before`: the per-round ratio of the saturation throughput).
+   summary, and `after_over_before`: the per-round ratio of the saturation throughput).  With --baseline-flags
+   FLAGS instead, the "before" service is the same image served with FLAGS added (e.g. --rebalance-period=0: the
+   service that does not re-split itself, against the one that does); --serve-flags add to every 3-host serve;
+   --warmups N: N saturation runs before the measured ones, not counted (a re-split from the stages' times under
+   load happens in them; each run's stages, with their blocks, show the split it ran on).
 4. The figures (median and min–max over rounds): 3-host ÷ 1-node saturation throughput (target ≥ 1.3); the share
    of the pipeline ceiling (T_max / wall of the slowest stage, target ≥ 0.9); 4-at-a-time ÷ one-at-a-time
    throughput (≥ 3) and p50 TPOT (≤ 1.5). Every document is kept under --out; the summary is --out/summary.json.
@@ -57,7 +61,8 @@ def bench(inventory: str, out: Path, name: str, requests: int, extra: list[str])
     run["load"] = {"before": load_before, "after": Path("/proc/loadavg").read_text().split()[:3]}
     print(
         f"{name}: {run['output_tokens_per_s']:.1f} tok/s, TPOT p50 {run['latency_s']['tpot']['p50']}, "
-        f"of ceiling {run['of_ceiling']}, imbalance {run['imbalance']}, load {run['load']}",
+        f"of ceiling {run['of_ceiling']}, imbalance {run['imbalance']}, load {run['load']}, stages "
+        f"{[(s['pipeline'], s['node_ip'], s['blocks'], round(s['busy_s'], 2)) for s in run['stages']]}",
         flush=True,
     )
     return run
@@ -94,15 +99,25 @@ def summarize(rounds: list[dict[str, dict[str, Any]]], single: list[dict[str, An
 
 
 def three_host_round(
-    inventory: str, model: Path, out: Path, tag: str, number: int, requests: int, lengths: list[str]
+    inventory: str,
+    model: Path,
+    out: Path,
+    tag: str,
+    number: int,
+    requests: int,
+    lengths: list[str],
+    flags: list[str] = (),  # type: ignore[assignment]
+    warmups: int = 0,
 ) -> dict[str, Any]:
     """`serve` over the 3 hosts (from ``inventory``'s image), then the saturation, one and four at a time."""
     cli("down", inventory=inventory)
     cli("up", inventory=inventory)
-    cli("serve", f"--model-path={model}", "--max-seq=256", "--slots=16", inventory=inventory)
+    cli("serve", f"--model-path={model}", "--max-seq=256", "--slots=16", *flags, inventory=inventory)
     record = cli("status", inventory=inventory, check=False)["service"]["record"]  # the split, each node's speed
     (out / f"serve-record{tag}-{number}.json").write_text(json.dumps(record, indent=2) + "\n")
     print(f"serving{tag}:", json.dumps(record.get("pipelines")), json.dumps(record.get("nodes")), flush=True)
+    for warm in range(warmups):
+        bench(inventory, out, f"three{tag}-warm{warm}-{number}", 2 * requests, lengths)
     runs = {
         "saturation": bench(inventory, out, f"three{tag}-sat-{number}", requests, lengths),
         "one": bench(inventory, out, f"three{tag}-one-{number}", 8, [*lengths, "--concurrency=1"]),
@@ -134,6 +149,9 @@ def main() -> None:
     p.add_argument("--out", type=Path, default=Path("/tmp/serve-targets"))
     p.add_argument("--alternate", action="store_true", help="each round: the 3 hosts, then the fastest alone")
     p.add_argument("--baseline-image", default="", help="also serve the 3 hosts from this node image each round")
+    p.add_argument("--baseline-flags", default="", help="or: also serve the 3 hosts with these serve flags added")
+    p.add_argument("--serve-flags", default="", help="serve flags for every 3-host service")
+    p.add_argument("--warmups", type=int, default=0, help="saturation runs before the measured ones, not counted")
     args = p.parse_args()
     out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)
@@ -142,6 +160,10 @@ def main() -> None:
     inventory = cli("lab", "up", f"--hosts={len(quotas)}", *cpus)["inventory"]
     model = write_chat_llama(out / "serve-llama", seed=1, **MODEL_SIZES)
     base = baseline_inventory(inventory, args.baseline_image, len(quotas), out) if args.baseline_image else ""
+    flags, base_flags = args.serve_flags.split(), [*args.serve_flags.split(), *args.baseline_flags.split()]
+    if args.baseline_flags and not base:
+        base = inventory
+    keep = {"flags": flags, "warmups": args.warmups}
     before: list[dict[str, dict[str, Any]]] = []
     lengths = args.lengths.split()
     data = yaml.safe_load(Path(inventory).read_text())
@@ -155,11 +177,12 @@ def main() -> None:
     blocks = [[n] for n in range(args.rounds)] if args.alternate else [list(range(args.rounds))]
     for block in blocks:
         for number in block:
+            earlier = {"flags": base_flags, "warmups": args.warmups}
             if base and number % 2 == 0:
-                before.append(three_host_round(base, model, out, "-before", number, args.requests, lengths))
-            rounds.append(three_host_round(inventory, model, out, "", number, args.requests, lengths))
+                before.append(three_host_round(base, model, out, "-before", number, args.requests, lengths, **earlier))
+            rounds.append(three_host_round(inventory, model, out, "", number, args.requests, lengths, **keep))
             if base and number % 2 == 1:
-                before.append(three_host_round(base, model, out, "-before", number, args.requests, lengths))
+                before.append(three_host_round(base, model, out, "-before", number, args.requests, lengths, **earlier))
         cli("down", inventory=inventory)
         cli("up", inventory=str(alone))
         cli("serve", f"--model-path={model}", "--max-seq=256", "--slots=16", inventory=str(alone))
@@ -168,7 +191,7 @@ def main() -> None:
         cli("down", inventory=str(alone))
     summary = {"quotas": quotas, "model": MODEL_SIZES, "lengths": lengths} | summarize(rounds, single)
     if before:
-        summary["baseline"] = {"image": args.baseline_image} | summarize(before, single)
+        summary["baseline"] = {"image": args.baseline_image, "flags": base_flags} | summarize(before, single)
         sat = [
             (r["saturation"]["output_tokens_per_s"], b["saturation"]["output_tokens_per_s"])
             for r, b in zip(rounds, before, strict=True)

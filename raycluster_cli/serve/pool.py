@@ -22,7 +22,7 @@ import contextlib
 import itertools
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
@@ -212,7 +212,7 @@ class Pool:
                 if time.monotonic() - last_growth >= self.replace_period_s and not self.rebuilding:
                     last_growth = time.monotonic()
                     self.rebuilding += 1  # one re-plan at a time; the watch goes on meanwhile
-                    self._spawn(self._grow_once())
+                    self._spawn(self._once(self.grow, "growth"))
                 if (
                     self.rebalance_period_s > 0
                     and time.monotonic() - last_balance >= self.rebalance_period_s
@@ -220,7 +220,7 @@ class Pool:
                 ):
                     last_balance = time.monotonic()
                     self.rebuilding += 1
-                    self._spawn(self._rebalance_once())
+                    self._spawn(self._once(self.rebalance, "rebalance"))
             except Exception:  # the watch must outlive any one bad look
                 log.exception("serve: the pipelines' watch failed once")
 
@@ -267,11 +267,12 @@ class Pool:
         finally:
             self.rebuilding -= 1
 
-    async def _grow_once(self) -> None:
+    async def _once(self, work: Callable[[], Awaitable[None]], what: str) -> None:
+        """One background re-plan (``rebuilding`` was raised for it); its failure noted, never raised."""
         try:
-            await self.grow()
+            await work()
         except Exception as exc:
-            self._note("growth failed", None, f"{type(exc).__name__}: {exc}")
+            self._note(f"{what} failed", None, f"{type(exc).__name__}: {exc}")
         finally:
             self.rebuilding -= 1
 
@@ -283,14 +284,6 @@ class Pool:
             if old is not None and old in self.pipelines:
                 old.state = "draining"
             self._note("grown", new, f"{len(plan.ranges)} stage(s)" + (f", replaces {old.index}" if old else ""))
-
-    async def _rebalance_once(self) -> None:
-        try:
-            await self.rebalance()
-        except Exception as exc:
-            self._note("rebalance failed", None, f"{type(exc).__name__}: {exc}")
-        finally:
-            self.rebuilding -= 1
 
     async def rebalance(self) -> None:
         """Re-split the live pipelines whose stages measured a better split under load: the new pipeline over

@@ -34,6 +34,15 @@ IP1, IP2, IP3 = (h.address for h in lab.lab_hosts(3))
 UNUSED_IP = str(ipaddress.ip_network(lab.DEFAULT_SUBNET).network_address + 99)  # in the subnet, on no host
 
 
+def keep_report(variable: str, name: str, document: dict[str, Any]) -> None:
+    """Write ``document`` to DIR/``name`` when the environment sets ``variable`` to DIR: the figures behind
+    docs/PERFORMANCE.md, kept from a lab run."""
+    folder = os.environ.get(variable)
+    if folder:
+        Path(folder).mkdir(parents=True, exist_ok=True)
+        (Path(folder) / name).write_text(json.dumps(document, indent=2) + "\n")
+
+
 def lab_subnet(variable: str, default: str, name: str) -> str:
     """A second lab's subnet: the environment's `variable` if set, else `default` unless another Docker network
     holds it (a lab left by an interrupted run), then a free one (lab.free_subnet)."""

@@ -11,11 +11,9 @@ N rounds on the same cluster (each asserted alike), as docs/PERFORMANCE.md's ima
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -23,7 +21,7 @@ import pytest
 from raycluster_cli.lab import hosts as lab
 
 from ..diffusion_checkpoint import write_tiny_sd
-from .conftest import DOCKER, IP1, IP3, Lab
+from .conftest import DOCKER, IP1, IP3, Lab, keep_report
 from .test_bench_lab import Cluster
 
 pytestmark = [pytest.mark.lab, pytest.mark.slow]
@@ -71,10 +69,7 @@ def test_replicas_on_unequal_hosts_make_images_in_proportion_to_their_speed(
         f"--model-path={MODEL_DIR}", f"--requests={IMAGES}", "--image-steps=8", "--image-size=32", "--threads=1",
         "--calibration-repeats=2", "--check-output",
     )  # fmt: skip
-    if os.environ.get("RAYCLUSTER_BENCH_IMAGES_RESULT"):
-        keep = Path(os.environ["RAYCLUSTER_BENCH_IMAGES_RESULT"])
-        keep.mkdir(parents=True, exist_ok=True)
-        (keep / f"round-{round_number}.json").write_text(json.dumps(doc, indent=2) + "\n")
+    keep_report("RAYCLUSTER_BENCH_IMAGES_RESULT", f"round-{round_number}.json", doc)
     assert doc["kind"] == "image" and doc["output_check"]["identical"] is True, doc["output_check"]
     replicas = doc["placement"]["replicas"]
     assert len(replicas) == 3 and "a replica on each" in doc["placement"]["why"]
@@ -109,10 +104,7 @@ def test_the_image_service_on_unequal_hosts_sends_each_host_images_by_its_speed(
         code, bench, err = cluster.lab.cli(*args, inventory=cluster.current, timeout=900)
         assert code == 0, err[-3000:]
         (run,) = bench["runs"]
-        if os.environ.get("RAYCLUSTER_BENCH_IMAGES_RESULT"):
-            keep = Path(os.environ["RAYCLUSTER_BENCH_IMAGES_RESULT"])
-            keep.mkdir(parents=True, exist_ok=True)
-            (keep / "serve.json").write_text(json.dumps({"serve": doc, "bench": bench}, indent=2) + "\n")
+        keep_report("RAYCLUSTER_BENCH_IMAGES_RESULT", "serve.json", {"serve": doc, "bench": bench})
         assert run["kind"] == "saturation" and (run["completed"], run["failed"]) == (SERVE_IMAGES, 0), run["errors"]
         made = {r["node_ips"][0]: r["images"] for r in run["replicas"]}
         assert made[IP1] > made[IP3] and sum(made.values()) == SERVE_IMAGES, made

@@ -15,12 +15,10 @@ RAYCLUSTER_BENCH_IMAGES_MEMORY_RESULT=DIR keeps the report.
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -28,7 +26,7 @@ import pytest
 from raycluster_cli.lab import hosts as lab
 
 from ..diffusion_checkpoint import write_tiny_sd
-from .conftest import DOCKER, Lab
+from .conftest import DOCKER, Lab, keep_report
 from .test_bench_lab import Cluster
 
 pytestmark = [pytest.mark.lab, pytest.mark.slow]
@@ -75,10 +73,7 @@ def test_a_pipeline_no_container_holds_runs_as_its_parts_without_an_oom(limited:
         f"--model-path={MODEL_DIR}", f"--requests={REQUESTS}", "--image-steps=4", "--image-size=32", "--threads=1",
         "--calibration-repeats=1", "--check-output",
     )  # fmt: skip
-    if os.environ.get("RAYCLUSTER_BENCH_IMAGES_MEMORY_RESULT"):
-        keep = Path(os.environ["RAYCLUSTER_BENCH_IMAGES_MEMORY_RESULT"])
-        keep.mkdir(parents=True, exist_ok=True)
-        (keep / "images-memory.json").write_text(json.dumps(doc, indent=2) + "\n")
+    keep_report("RAYCLUSTER_BENCH_IMAGES_MEMORY_RESULT", "images-memory.json", doc)
     placement = doc["placement"]
     weights = sum(placement["weights_mib"].values()) * MIB
     rooms = placement["node_rooms"]

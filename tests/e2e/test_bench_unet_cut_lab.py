@@ -24,7 +24,7 @@ import pytest
 from raycluster_cli.lab import hosts as lab
 
 from ..diffusion_checkpoint import write_tiny_sd
-from .conftest import DOCKER, Lab
+from .conftest import DOCKER, Lab, keep_report
 from .test_bench_lab import Cluster
 
 pytestmark = [pytest.mark.lab, pytest.mark.slow]
@@ -68,10 +68,7 @@ def _bench(cluster: Cluster, name: str) -> dict[str, Any]:
         f"--model-path={MODEL_DIR}", "--requests=12", "--image-steps=8", "--image-size=32", "--threads=1",
         "--calibration-repeats=1", "--check-output",
     )  # fmt: skip
-    if os.environ.get("RAYCLUSTER_BENCH_UNET_CUT_RESULT"):
-        keep = Path(os.environ["RAYCLUSTER_BENCH_UNET_CUT_RESULT"])
-        keep.mkdir(parents=True, exist_ok=True)
-        (keep / f"{name}.json").write_text(json.dumps(doc, indent=2) + "\n")
+    keep_report("RAYCLUSTER_BENCH_UNET_CUT_RESULT", f"{name}.json", doc)
     assert doc["output_check"]["identical"] is True, doc["output_check"]
     ceiling = doc["references"]["ceiling"]
     print(

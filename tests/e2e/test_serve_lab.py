@@ -55,7 +55,9 @@ def served(lab_hosts: Lab, tmp_path_factory: pytest.TempPathFactory) -> Iterator
     # a file of this run's own: a model no host holds yet (lab hosts keep their cluster folders across modules
     # and sessions, and other lab tests serve the same seeded checkpoint)
     (path / "NOTICE").write_text(f"raycluster serve lab test {uuid.uuid4()}\n")
-    code, doc, err = lab_hosts.cli("serve", f"--model-path={path}", "--max-seq=96", "--slots=8", timeout=1200)
+    code, doc, err = lab_hosts.cli(
+        "serve", f"--model-path={path}", "--max-seq=96", "--slots=8", "--rebalance-period=0", timeout=1200
+    )
     assert code == 0, err[-4000:]
     token = state.token_file(inventory.load(lab_hosts.inventory).inventory).read_text().strip()
     tokenizer = transformers.AutoTokenizer.from_pretrained(str(path))
@@ -72,7 +74,9 @@ def test_the_model_reaches_every_host_once_and_the_service_answers_at_the_head(s
     assert sorted(c["action"] for c in doc["copies"]) == ["sent"] * 3
     assert doc["model_path"] == f"/run/raycluster/models/{doc['model_digest']}"
     # a second serve of the same files copies nothing and replaces the service with itself
-    code, again, err = served.lab.cli("serve", f"--model-path={doc['path']}", "--max-seq=96", timeout=1200)
+    code, again, err = served.lab.cli(
+        "serve", f"--model-path={doc['path']}", "--max-seq=96", "--rebalance-period=0", timeout=1200
+    )
     assert code == 0, err[-3000:]
     assert [c["action"] for c in again["copies"]] == ["held"] * 3 and again["url"] == doc["url"]
 
