@@ -378,7 +378,29 @@ def status_view(body: dict[str, Any], title: str = "") -> Group:
     service = _service_line(body.get("service"), body.get("service_error", ""))
     if service:
         lines.append(Text.from_markup(service))
+    lines.extend(Text(line) for line in _live_lines((body.get("service") or {}).get("live")))
     return Group(*lines)
+
+
+def _live_lines(live: dict[str, Any] | None) -> list[str]:
+    """The service's pipelines now (each one's state, requests served, its stages' nodes and blocks or parts)
+    and its last event."""
+    if not live:
+        return []
+    lines = []
+    for pipeline in live.get("pipelines") or []:
+        stages = " | ".join(
+            f"{st.get('node_ip') or '?'} "
+            + (f"{st['blocks']} block(s)" if st.get("blocks") is not None else "+".join(st.get("parts") or []))
+            for st in pipeline.get("stages") or []
+        )
+        served = pipeline.get("served", pipeline.get("images"))
+        lines.append(f"  pipeline {pipeline.get('index')} ({pipeline.get('state')}, served {served}): {stages}")
+    events = live.get("events") or []
+    if events:
+        last = events[-1]
+        lines.append(f"  last event: {last.get('event')} {last.get('detail', '')}".rstrip())
+    return lines
 
 
 def _model_lines(hosts: list[dict[str, Any]]) -> list[str]:

@@ -183,13 +183,36 @@ try:
     }
 except Exception as exc:
     out["error"] = f"{type(exc).__name__}: {exc}"
+service_url = (out["record"] or {}).get("url")
+if service_url and out.get("serve"):  # the service's own view: its pipelines now, what they served, its events
+    live = urllib.request.Request(service_url.removesuffix("/v1") + "/raycluster/status")
+    if os.path.exists(%(token)r):
+        live.add_header("Authorization", "Bearer " + open(%(token)r).read().strip())
+    try:
+        with urllib.request.urlopen(live, timeout=15) as answer:
+            body = json.load(answer)
+        keep = ("index", "state", "served", "images", "requests", "outstanding_tokens")
+        out["live"] = {
+            "replicas": body.get("replicas"), "failovers": body.get("failovers"),
+            "pipelines": [
+                {k: p[k] for k in keep if k in p}
+                | {"stages": [{"node_ip": st.get("node_ip"), "blocks": st.get("blocks"), "parts": st.get("parts")}
+                              for st in p.get("stages", [])]}
+                for p in body.get("pipelines", [])
+            ],
+            "events": body.get("events", [])[-5:],
+        }
+    except Exception as exc:
+        out["live_error"] = f"{type(exc).__name__}: {exc}"
 print(json.dumps(out))
 """
 
 
 def service_status(inventory: Inventory, connect: Connect) -> dict[str, Any] | None:
     """The service as the head sees it: None when none is deployed, else its record (url, model, split,
-    replicas) and Ray Serve's status (RUNNING, DEPLOYING, UNHEALTHY …) with each deployment's replicas."""
+    replicas) and Ray Serve's status (RUNNING, DEPLOYING, UNHEALTHY …) with each deployment's replicas, and the
+    service's own view (``live``): its pipelines now (a re-split or a failover changes them), each one's state,
+    stages and requests served, and its last events."""
     transport, head = _head(inventory, connect)
     ray = inventory.ray
     url = f"http://{inventory.node_ip(inventory.head_host)}:{ray.dashboard_port}/api/serve/applications/"

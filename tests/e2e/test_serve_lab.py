@@ -147,6 +147,9 @@ def test_status_shows_the_service_and_serve_stop_removes_it(served: Served) -> N
     code, doc, err = served.lab.cli("status")
     assert doc["service"]["serve"]["status"] == "RUNNING", (doc.get("service"), err[-2000:])
     assert doc["service"]["record"]["model"] == "tiny-chat" and doc["service"]["record"]["url"] == served.doc["url"]
+    live = doc["service"]["live"]  # the service's own view: its pipeline now and what it served (the tests above)
+    (pipeline,) = [p for p in live["pipelines"] if p["state"] == "live"]
+    assert len(pipeline["stages"]) == 3 and pipeline["served"] > 0, live
     code, stopped, err = served.lab.cli("serve", "--stop", timeout=300)
     assert code == 0 and stopped["removed"] is True, err
     code, doc, err = served.lab.cli("status")

@@ -12,7 +12,7 @@ import pytest
 
 from raycluster_cli.config import inventory
 from raycluster_cli.image import models, receive
-from raycluster_cli.render.base import _service_line
+from raycluster_cli.render.base import _live_lines, _service_line
 from raycluster_cli.transport.base import CommandResult
 from raycluster_cli.verbs import serve
 
@@ -115,6 +115,72 @@ def test_the_status_line_says_what_is_served_and_ray_serves_state() -> None:
     assert "tiny at http://h:8000/v1" in _service_line(running, "") and "RUNNING" in _service_line(running, "")
     assert _service_line(None, "").startswith("no service")
     assert "could not be read" in _service_line(None, "h: refused")
+
+
+def test_the_status_script_reads_ray_serve_and_the_services_own_pipelines_over_http(tmp_path: Path) -> None:
+    """The script `status` runs in the head's container, against two loopback HTTP servers standing in for Ray's
+    dashboard and the service: Ray Serve's state, then the service's pipelines now (after a re-split: the new
+    one live, the old one draining) with the token sent to both; a service that does not answer is an error
+    beside the rest, not a failure."""
+    import http.server
+    import subprocess
+    import sys
+    import threading
+
+    seen: list[tuple[str, str | None]] = []
+    live = {
+        "replicas": 1, "failovers": 0,
+        "pipelines": [
+            {"index": 0, "state": "draining", "served": 40, "stages": [{"node_ip": "10.0.0.1", "blocks": 5}]},
+            {"index": 1, "state": "live", "served": 3, "stages": [{"node_ip": "10.0.0.1", "blocks": 4}]},
+        ],
+        "events": [{"event": "rebalanced", "pipeline": 1, "detail": "replaces 0: re-split"}],
+    }  # fmt: skip
+
+    class Answer(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            seen.append((self.path, self.headers.get("Authorization")))
+            body = (
+                live if self.path == "/raycluster/status" else {"applications": {"raycluster": {"status": "RUNNING"}}}
+            )
+            data = json.dumps(body).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Answer)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    port = server.server_address[1]
+    token = tmp_path / "token"
+    token.write_text("secret\n")
+
+    def run(record: dict[str, Any]) -> dict[str, Any]:
+        (tmp_path / "record.json").write_text(json.dumps(record))
+        url = f"http://127.0.0.1:{port}/api/serve/applications/"
+        script = serve._STATUS % {
+            "record": str(tmp_path / "record.json"),
+            "url": url,
+            "token": str(token),
+            "app": "raycluster",
+        }
+        done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=True)
+        document: dict[str, Any] = json.loads(done.stdout)
+        return document
+
+    try:
+        doc = run({"model": "tiny", "url": f"http://127.0.0.1:{port}/v1"})
+        gone = run({"model": "tiny", "url": "http://127.0.0.1:9/v1"})  # nothing listens on the discard port
+    finally:
+        server.shutdown()
+    assert doc["serve"]["status"] == "RUNNING" and doc["live"]["pipelines"][1]["served"] == 3
+    assert ("/raycluster/status", "Bearer secret") in seen and all(auth == "Bearer secret" for _, auth in seen)
+    lines = _live_lines(doc["live"])
+    assert lines[1] == "  pipeline 1 (live, served 3): 10.0.0.1 4 block(s)" and "rebalanced" in lines[-1]
+    assert gone["serve"]["status"] == "RUNNING" and "live" not in gone and gone["live_error"]
 
 
 def test_an_image_service_shows_each_replicas_parts_and_speed_and_how_to_ask_for_an_image() -> None:
