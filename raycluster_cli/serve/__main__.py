@@ -194,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
         split=split,
         limits=Limits(slots=args.slots, max_seq=args.max_seq, prefill_chunk=args.prefill_chunk),
         replace_period_s=args.replace_period,
-        rebalance_period_s=args.rebalance_period,
+        rebalance_period_s=0.0 if split else args.rebalance_period,  # a split the operator gave is kept
     )
     layers = config_from_checkpoint(args.model_path, max_seq=args.max_seq).layers
     split_units(layers, args.stages, split)  # a bad split fails here, before anything starts
