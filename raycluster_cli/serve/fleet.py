@@ -178,7 +178,8 @@ class RayFleet:
 
     async def replacement(self, dead: Pipeline, others: Sequence[Pipeline]) -> PipelinePlan | None:
         """The same plan when every node of it lives and answers (only an actor died); else its survivors
-        re-split, with free nodes added up to the stage count."""
+        re-split, with free nodes added up to the stage count, within each node's memory where it is known
+        (``DoesNotFit`` when they cannot hold the model: no pipeline is built to be killed for memory)."""
         alive = await _alive()
         mine = dead.plan.node_ids
         pinned = [n for n in mine if n and n in alive]
@@ -190,7 +191,7 @@ class RayFleet:
         used = {n for p in others for n in p.plan.node_ids}
         survivors = await self._speeds({n: alive[n] for n in mine if n in alive})
         free = await self._speeds({n: ip for n, ip in alive.items() if n not in used and n not in mine})
-        return replan(list(survivors.values()), list(free.values()), self.stages, self.cfg.layers)
+        return replan(list(survivors.values()), list(free.values()), self.stages, self.cfg.layers, self.unit_bytes)
 
     async def rebalance(self, pipeline: Pipeline) -> PipelinePlan | None:
         """The pipeline re-split from its stages' seconds per step since the last look, when the window was
@@ -239,14 +240,14 @@ class RayFleet:
                 continue
             taken, free = free[:want], free[want:]
             own = [self.speeds[n] for n in pipeline.plan.node_ids if n in self.speeds]
-            plan = replan(own, taken, self.stages, self.cfg.layers)
+            plan = replan(own, taken, self.stages, self.cfg.layers, self.unit_bytes)
             if plan is not None:
                 changes.append((pipeline, plan))
         if len(free) >= self.stages:
             for group in snake_groups(free, len(free) // self.stages, self.stages):
-                changes.append((None, split_over(group, None, "a new replica over nodes that joined")))
+                changes.append((None, split_over(group, None, "a new replica over nodes that joined", self.unit_bytes)))
         elif free and not pipelines:
-            plan = replan([], free, self.stages, self.cfg.layers)
+            plan = replan([], free, self.stages, self.cfg.layers, self.unit_bytes)
             changes += [(None, plan)] if plan is not None else []
         return changes
 

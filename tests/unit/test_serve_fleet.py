@@ -67,6 +67,26 @@ def test_a_dead_node_s_pipeline_is_re_split_over_its_survivor_and_a_free_node(cl
     assert "e" in f.speeds  # the newcomer was measured
 
 
+def test_survivors_that_cannot_hold_the_model_are_not_rebuilt_into_a_pipeline(cluster: dict[str, str]) -> None:
+    """b dies and no node is free: a alone must hold every unit; with room for half the model it is refused
+    (the pool notes the replacement failed) rather than built to be killed for memory; with room, a takes all."""
+    from dataclasses import replace
+
+    from raycluster_cli.bench.partition import DoesNotFit
+
+    cluster.update({n: f"ip-{n}" for n in "acd"})
+    unit_bytes = [10] * CFG.num_units
+
+    def with_room(room: int) -> fleet.RayFleet:
+        speeds = [replace(_speed(n), capacity=room) for n in "abcd"]
+        return fleet.RayFleet(CFG, None, Limits(), frozenset(), stages=2, speeds=speeds, unit_bytes=unit_bytes)
+
+    with pytest.raises(DoesNotFit):
+        asyncio.run(with_room(40).replacement(_pipeline("a", "b"), [_pipeline("c", "d")]))
+    plan = asyncio.run(with_room(1000).replacement(_pipeline("a", "b"), [_pipeline("c", "d")]))
+    assert plan is not None and plan.node_ids == ("a",) and plan.ranges == ((0, CFG.num_units),)
+
+
 def test_a_killed_actor_on_living_nodes_keeps_its_plan(cluster: dict[str, str]) -> None:
     cluster.update({n: f"ip-{n}" for n in "abcd"})
     dead = _pipeline("a", "b")
