@@ -106,6 +106,13 @@ def _errors_and_busy_time(
             f"T_max − T_min = {shown['t_max_minus_t_min_s']:.3f}s, imbalance {shown['imbalance']:.3f}, "
             f"utilisation {shown['utilisation']:.2f}{more(shown)}"
         )
+    for run in runs:
+        changed = run.get("pipelines_changed")
+        if changed:
+            output.line(
+                f"[yellow]{_escape(_load(run))}: pipelines changed during the run (a re-split or a failover): "
+                f"retired {changed['retired']}, new {changed['new']}; the retired ones' work is not in T_i[/yellow]"
+            )
 
 
 def _seconds(run: dict[str, Any]) -> list[str]:

@@ -168,7 +168,7 @@ def stage_rows(status: dict[str, Any]) -> dict[tuple[int, int], dict[str, Any]]:
 def stage_times(before: dict[str, Any], after: dict[str, Any], wall_s: float) -> dict[str, Any]:
     """Each stage's T_i (busy seconds), steps and CPU seconds between two status reads, and the balance
     figures over them (as `bench` reports them). A stage whose actor changed (its pid: it was rebuilt) counts
-    from zero. ``of_ceiling``: the mean over pipelines of T_max / wall, how close the run came to the pace
+    from zero; pipelines that came or went between the reads are named (``pipelines_changed``). ``of_ceiling``: the mean over pipelines of T_max / wall, how close the run came to the pace
     its slowest stage allows (1.0: the bottleneck stage never idled)."""
     old = stage_rows(before)
     stages = []
@@ -190,8 +190,14 @@ def stage_times(before: dict[str, Any], after: dict[str, Any], wall_s: float) ->
         )
     busy = [s["busy_s"] for s in stages]
     peaks = [max(s["busy_s"] for s in stages if s["pipeline"] == p) for p in sorted({s["pipeline"] for s in stages})]
+    earlier, later = {p for p, _ in old}, {p for p, _ in stage_rows(after)}
+    changed = (
+        {"retired": sorted(earlier - later), "new": sorted(later - earlier)} if earlier and earlier != later else None
+    )
     return {
         "stages": stages,
+        # pipelines replaced during the run (a re-split, a failover): the retired ones' work is not in T_i
+        "pipelines_changed": changed,
         "t_max_minus_t_min_s": spread(busy) if busy else None,
         "imbalance": imbalance(busy) if busy else None,
         "utilisation": utilisation(busy) if busy else None,

@@ -108,6 +108,9 @@ def test_a_rebuilt_stage_counts_from_zero_and_an_unanswered_one_is_left_out() ->
     after = _status((21, 0.5, 20, 2), (12, 5.0, 150, 1))  # stage 0's actor was replaced (a new pid)
     got = stage_times(before, after, wall_s=2.0)
     assert [s["busy_s"] for s in got["stages"]] == [0.5, 1.0] and got["stages"][0]["steps"] == 20
+    assert got["pipelines_changed"] is None  # the same pipeline, one actor rebuilt
+    resplit = {"pipelines": [dict(after["pipelines"][0], index=1)]}  # type: ignore[index]
+    assert stage_times(before, resplit, 2.0)["pipelines_changed"] == {"retired": [0], "new": [1]}
     silent = {"pipelines": [{"index": 0, "stages": [{"node_ip": "x"}], "counters_error": "TimeoutError"}]}
     assert stage_times(before, silent, 1.0)["stages"] == [] and stage_times(before, silent, 1.0)["imbalance"] is None
 
