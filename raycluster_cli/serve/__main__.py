@@ -40,7 +40,7 @@ from raycluster_cli.bench.model import config_from_checkpoint
 from raycluster_cli.bench.partition import DoesNotFit
 from raycluster_cli.serve import image_launch
 from raycluster_cli.serve.app import ServeSettings, build_app
-from raycluster_cli.serve.fleet import Calibration, alive_nodes, measure
+from raycluster_cli.serve.fleet import Calibration, alive_nodes, measure, measure_rooms
 from raycluster_cli.serve.placement import NodeSpeed, plan_replicas
 from raycluster_cli.serve.scheduler import Limits
 from raycluster_cli.serve.stages import split_units
@@ -113,26 +113,10 @@ def _on_gpus() -> bool:
     return bool(alive) and all(n["gpus"] >= 1 for n in alive)
 
 
-@ray.remote(num_cpus=0)
-def _node_room(node_id: str) -> dict[str, Any]:
-    """This node's room for a stage, measured in a process that has torch loaded as a stage actor will."""
-    import raycluster_cli.bench.model  # noqa: F401  (torch in this process, as in the actor)
-    from raycluster_cli.bench.cgroup import node_capacity
-    from raycluster_cli.bench.pipeline import node_ip, pick_device
-
-    return node_capacity(node_id, node_ip(node_id), pick_device()).to_dict()
-
-
 def _rooms(cfg: ModelConfig, args: argparse.Namespace, node_ids: list[str]) -> tuple[dict[str, int], memory.Demand]:
     """Each node's bytes for a stage's units (after a step's room), and the model's demand; refuses, with the
     numbers, a model no split over ``--stages`` nodes can hold."""
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-    calls = [
-        _node_room.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=n, soft=False)).remote(n)
-        for n in node_ids
-    ]
-    capacities = [memory.Capacity.from_dict(c) for c in ray.get(calls, timeout=120)]
+    capacities = measure_rooms(node_ids, timeout_s=120)
     # each stage holds --slots KV slots for each of the --stages steps in flight (Limits.for_steps)
     need = memory.demand(cfg, rows=args.slots * args.stages, tokens=args.prefill_chunk)
     memory.check_fits(need, capacities, args.stages)
@@ -164,7 +148,14 @@ def _placement(args: argparse.Namespace, settings: ServeSettings, layers: int) -
     except DoesNotFit as exc:
         raise SystemExit(f"serve: {exc}") from None
     measured = tuple(s for s in speeds if s.unit_costs)
-    return replace(settings, plans=tuple(plans), speeds=measured, replicas=len(plans), unit_bytes=tuple(need.units))
+    return replace(
+        settings,
+        plans=tuple(plans),
+        speeds=measured,
+        replicas=len(plans),
+        unit_bytes=tuple(need.units),
+        stage_fixed_bytes=need.fixed,
+    )
 
 
 def _report(url: str, settings: ServeSettings, layers: int) -> dict[str, Any]:

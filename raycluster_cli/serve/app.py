@@ -69,6 +69,7 @@ class ServeSettings:
     replace_period_s: float = 30.0  # how often alive nodes no pipeline uses are looked for
     rebalance_period_s: float = 20.0  # how often the stages' times under load are judged for a re-split (0: never)
     unit_bytes: tuple[int, ...] = ()  # each unit's bytes (weights + KV slots): re-splits stay within memory
+    stage_fixed_bytes: int = 0  # what a stage needs besides its units (a step's tensors, a tensor being read)
     failover_wait_s: float = 90.0  # how long a moved request waits for a pipeline to come back
     dtype: str = "float32"  # weights, KV cache and activations (resolved: never "auto")
 
@@ -199,6 +200,7 @@ class OpenAIServer:
             num_threads=settings.num_threads,
             max_in_flight=settings.max_in_flight,
             unit_bytes=settings.unit_bytes or None,
+            stage_fixed_bytes=settings.stage_fixed_bytes,
         )
         self.pool = Pool(
             fleet,

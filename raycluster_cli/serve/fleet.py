@@ -15,7 +15,7 @@ import asyncio
 import contextlib
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import ray
@@ -24,6 +24,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from raycluster_cli.bench.balance import capacity_costs
 from raycluster_cli.bench.config import ModelConfig
 from raycluster_cli.bench.experiment import node_gpus
+from raycluster_cli.bench.memory import Capacity
 from raycluster_cli.bench.pipeline import calibrate_workers, start_workers, stop_workers, unit_cost_row
 from raycluster_cli.serve.engine import Engine
 from raycluster_cli.serve.placement import NodeSpeed, PipelinePlan, replan, resplit, snake_groups, split_over
@@ -90,6 +91,26 @@ def answering(node_ids: Sequence[str], timeout_s: float = NODE_ANSWER_TIMEOUT_S)
     return found
 
 
+@ray.remote(num_cpus=0)
+def _node_room(node_id: str) -> dict[str, Any]:
+    """This node's room for a stage, measured in a process that has torch loaded as a stage actor will."""
+    import raycluster_cli.bench.model  # noqa: F401  (torch in this process, as in the actor)
+    from raycluster_cli.bench.cgroup import node_capacity
+    from raycluster_cli.bench.pipeline import node_ip, pick_device
+
+    return node_capacity(node_id, node_ip(node_id), pick_device()).to_dict()
+
+
+def measure_rooms(node_ids: Sequence[str], timeout_s: float = MEASURE_TIMEOUT_S) -> list[Capacity]:
+    """Each node's room for a stage (``cgroup.node_capacity`` on the node: its container's limit less what is in
+    use, or its GPU's free memory), all at once."""
+    calls = [
+        _node_room.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=n, soft=False)).remote(n)
+        for n in node_ids
+    ]
+    return [Capacity.from_dict(c) for c in ray.get(calls, timeout=timeout_s)]
+
+
 def measure(cfg: ModelConfig, nodes: dict[str, str], calibration: Calibration) -> list[NodeSpeed]:
     """Each node's cost per unit from the bench's calibration, every node timed at once, as capacity time
     (``balance.capacity_costs``: CPU seconds against the node's quota, which the wall clock of nodes timed
@@ -127,9 +148,11 @@ class RayFleet:
         num_threads: int | None = None,
         max_in_flight: int | None = None,
         unit_bytes: Sequence[int] | None = None,
+        stage_fixed_bytes: int = 0,
     ) -> None:
         self.cfg, self.tokenizer, self.limits, self.eos = cfg, tokenizer, limits, eos
         self.unit_bytes = list(unit_bytes) if unit_bytes else None  # each unit's bytes (weights + KV slots)
+        self.stage_fixed_bytes = stage_fixed_bytes  # what every stage needs besides its units (a step's tensors)
         self._counted: dict[int, tuple[float, list[dict[str, Any]]]] = {}  # pipeline -> (when, its stages' counters)
         self.stages = stages
         self.speeds = {s.node_id: s for s in speeds if s.node_id}
@@ -172,7 +195,12 @@ class RayFleet:
         unknown = {n: ip for n, ip in nodes.items() if n not in self.speeds}
         if unknown:
             timed = asyncio.to_thread(measure, self.cfg, unknown, self.calibration)
-            for speed in await asyncio.wait_for(timed, MEASURE_TIMEOUT_S):
+            speeds = await asyncio.wait_for(timed, MEASURE_TIMEOUT_S)
+            if self.unit_bytes:  # a node measured now gets its room too, as the launcher's nodes had
+                found = asyncio.to_thread(measure_rooms, list(unknown))
+                rooms = {c.node_id: c.usable for c in await asyncio.wait_for(found, MEASURE_TIMEOUT_S + 10)}
+                speeds = [replace(s, capacity=max(0, rooms[s.node_id] - self.stage_fixed_bytes)) for s in speeds]
+            for speed in speeds:
                 self.speeds[speed.node_id] = speed
         return {n: self.speeds[n] for n in nodes}
 

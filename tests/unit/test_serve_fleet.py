@@ -87,6 +87,30 @@ def test_survivors_that_cannot_hold_the_model_are_not_rebuilt_into_a_pipeline(cl
     assert plan is not None and plan.node_ids == ("a",) and plan.ranges == ((0, CFG.num_units),)
 
 
+def test_a_node_measured_later_gets_its_room_and_the_re_split_keeps_within_it(
+    cluster: dict[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """e joins after the launch: it is timed (twice as fast as a) and its room measured; the re-split over a and e
+    gives e only what fits its room (25 bytes, less a stage's fixed 5: two units of 10), not the most blocks."""
+    from dataclasses import replace
+
+    from raycluster_cli.bench.memory import Capacity
+
+    cluster.update({n: f"ip-{n}" for n in "acde"})  # b died; e joined
+    rooms = {"e": 25}
+    monkeypatch.setattr(
+        fleet, "measure_rooms", lambda ids, *a, **k: [Capacity(n, f"ip-{n}", rooms[n], None, 0, "host") for n in ids]
+    )
+    speeds = [replace(_speed(n), capacity=1000) for n in "abcd"]
+    f = fleet.RayFleet(
+        CFG, None, Limits(), frozenset(), stages=2, speeds=speeds, unit_bytes=[10] * CFG.num_units, stage_fixed_bytes=5
+    )
+    plan = asyncio.run(f.replacement(_pipeline("a", "b"), [_pipeline("c", "d")]))
+    assert plan is not None and plan.node_ids == ("a", "e") and f.speeds["e"].capacity == 20
+    (start, end) = plan.ranges[1]
+    assert end - start <= 2, plan.ranges
+
+
 def test_a_killed_actor_on_living_nodes_keeps_its_plan(cluster: dict[str, str]) -> None:
     cluster.update({n: f"ip-{n}" for n in "abcd"})
     dead = _pipeline("a", "b")
