@@ -172,23 +172,28 @@ def _report(url: str, settings: ServeSettings, layers: int) -> dict[str, Any]:
     }
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
-    if is_diffusers_folder(args.model_path):  # the images API (serve/image_launch.py)
-        return image_launch.launch(args, _token(args), APP_NAME, INGRESS_ACTOR_OPTIONS)
+def _settings(args: argparse.Namespace, token: str | None) -> ServeSettings:
+    """The service's settings from the flags, before any placement."""
     split = tuple(int(c) for c in args.split.split(",")) if args.split else None
-    settings = ServeSettings(
+    return ServeSettings(
         model_path=args.model_path,
         model_id=args.model_id,
-        token=_token(args),
+        token=token,
         stages=args.stages,
         split=split,
         limits=Limits(slots=args.slots, max_seq=args.max_seq, prefill_chunk=args.prefill_chunk),
         replace_period_s=args.replace_period,
         rebalance_period_s=0.0 if split else args.rebalance_period,  # a split the operator gave is kept
     )
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if is_diffusers_folder(args.model_path):  # the images API (serve/image_launch.py)
+        return image_launch.launch(args, _token(args), APP_NAME, INGRESS_ACTOR_OPTIONS)
+    settings = _settings(args, _token(args))
     layers = config_from_checkpoint(args.model_path, max_seq=args.max_seq).layers
-    split_units(layers, args.stages, split)  # a bad split fails here, before anything starts
+    split_units(layers, args.stages, settings.split)  # a bad split fails here, before anything starts
     ray.init(address="auto")
     cfg = config_from_checkpoint(args.model_path, max_seq=args.max_seq, dtype=args.dtype, on_gpu=_on_gpus())
     settings = _placement(args, replace(settings, dtype=cfg.dtype), layers)

@@ -9,7 +9,7 @@ import pytest
 pytest.importorskip("ray")
 pytest.importorskip("torch")
 
-from raycluster_cli.serve.__main__ import _parser, _report
+from raycluster_cli.serve.__main__ import _parser, _report, _settings
 from raycluster_cli.serve.app import ServeSettings
 from raycluster_cli.serve.placement import NodeSpeed, plan_replicas
 
@@ -40,3 +40,11 @@ def test_the_json_line_names_url_model_replicas_and_each_replica_s_split() -> No
     assert set(stage) == {"units", "blocks", "node_ip", "node_id", "stage_s"}
     assert sum(s["blocks"] for s in line["pipelines"][1]["stages"]) == 4
     assert "replica(s)" in line["why"] and line["nodes"][0]["block_s"] == 1.0
+
+
+def test_the_service_re_splits_itself_unless_told_not_or_given_a_split() -> None:
+    def period(*flags: str) -> float:
+        return _settings(_parser().parse_args(["--model-path", "/m", "--no-auth", *flags]), None).rebalance_period_s
+
+    assert period() == 20.0 and period("--rebalance-period", "5") == 5.0 and period("--rebalance-period", "0") == 0
+    assert period("--stages", "2", "--split", "2,1") == 0.0  # the operator's split is kept as given
