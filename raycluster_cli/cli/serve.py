@@ -37,6 +37,14 @@ def serve_command(
         int | None,
         typer.Option(min=1, max=500, help="a diffusers checkpoint: denoising steps when a request gives none (20)"),
     ] = None,
+    steps_in_flight: Annotated[
+        int,
+        typer.Option(
+            min=0,
+            help="steps travelling through a pipeline at once (0: one per stage); more keep every stage fed while"
+            " a step is back at the ingress, at --slots x steps KV slots per stage",
+        ),
+    ] = 0,
     rebalance_period: Annotated[
         float,
         typer.Option(
@@ -76,7 +84,17 @@ def serve_command(
                 f"--dtype {dtype!r} is not one of auto, float32, bfloat16, float16", "e.g. --dtype bfloat16"
             )
         options = serve.ServeOptions(
-            model_path, port, stages, slots, max_seq, model_id, timeout, dtype, image_steps, rebalance_period
+            model_path,
+            port,
+            stages,
+            slots,
+            max_seq,
+            model_id,
+            timeout,
+            dtype,
+            image_steps,
+            rebalance_period,
+            steps_in_flight,
         )
         with open_cluster(inventory_path) as (inv, pool), output.live_progress() as progress:
             result = serve.serve(inv, pool, options, progress)

@@ -67,6 +67,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--calibrate-sample-s", type=float, default=0.1, help="least seconds per timed sample")
     p.add_argument("--replace-period", type=float, default=30.0, help="seconds between looks for nodes to take in")
     p.add_argument(
+        "--steps-in-flight",
+        type=int,
+        default=0,
+        help="steps travelling through a pipeline at once (default 0: one per stage); more keep every stage fed"
+        " while a step is back at the ingress being sampled, at slots x steps KV slots per stage",
+    )
+    p.add_argument(
         "--rebalance-period",
         type=float,
         default=20.0,
@@ -117,8 +124,8 @@ def _rooms(cfg: ModelConfig, args: argparse.Namespace, node_ids: list[str]) -> t
     """Each node's bytes for a stage's units (after a step's room), and the model's demand; refuses, with the
     numbers, a model no split over ``--stages`` nodes can hold."""
     capacities = measure_rooms(node_ids, timeout_s=120)
-    # each stage holds --slots KV slots for each of the --stages steps in flight (Limits.for_steps)
-    need = memory.demand(cfg, rows=args.slots * args.stages, tokens=args.prefill_chunk)
+    # each stage holds --slots KV slots for each step in flight (Limits.for_steps): --steps-in-flight, else --stages
+    need = memory.demand(cfg, rows=args.slots * (args.steps_in_flight or args.stages), tokens=args.prefill_chunk)
     memory.check_fits(need, capacities, args.stages)
     return {c.node_id: max(0, c.usable - need.fixed) for c in capacities}, need
 
@@ -184,6 +191,7 @@ def _settings(args: argparse.Namespace, token: str | None) -> ServeSettings:
         limits=Limits(slots=args.slots, max_seq=args.max_seq, prefill_chunk=args.prefill_chunk),
         replace_period_s=args.replace_period,
         rebalance_period_s=0.0 if split else args.rebalance_period,  # a split the operator gave is kept
+        max_in_flight=args.steps_in_flight or None,
     )
 
 

@@ -46,6 +46,7 @@ class ServeOptions:
     dtype: str = "auto"
     image_steps: int | None = None  # a diffusers checkpoint: denoising steps when a request gives none
     rebalance_period_s: float = 20.0  # seconds between looks at the stages' times under load (0: never re-split)
+    steps_in_flight: int = 0  # steps travelling through a pipeline at once (0: one per stage)
 
 
 @dataclass
@@ -81,6 +82,8 @@ def launcher_command(inventory: Inventory, model_path: str, options: ServeOption
     ]  # fmt: skip
     if options.stages:
         args.append(f"--stages={options.stages}")
+    if options.steps_in_flight:
+        args.append(f"--steps-in-flight={options.steps_in_flight}")
     if options.model_id:
         args.append(f"--model-id={options.model_id}")
     if options.image_steps:

@@ -48,3 +48,5 @@ def test_the_service_re_splits_itself_unless_told_not_or_given_a_split() -> None
 
     assert period() == 20.0 and period("--rebalance-period", "5") == 5.0 and period("--rebalance-period", "0") == 0
     assert period("--stages", "2", "--split", "2,1") == 0.0  # the operator's split is kept as given
+    steps = _settings(_parser().parse_args(["--model-path", "/m", "--steps-in-flight", "4"]), None).max_in_flight
+    assert steps == 4 and _settings(_parser().parse_args(["--model-path", "/m"]), None).max_in_flight is None

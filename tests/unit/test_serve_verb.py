@@ -75,8 +75,11 @@ def test_the_launcher_runs_in_the_heads_container_with_the_clusters_token() -> N
     assert "--host=192.0.2.10" in words and "--stages=3" in words and "--token-file=/run/raycluster/auth-token" in words
     assert f"--record={serve.RECORD}" in words and "--no-auth" not in words and "--dtype=bfloat16" in words
     assert not any(w.startswith("--image-steps") for w in words)
+    assert "--rebalance-period=20" in words and not any(w.startswith("--steps-in-flight") for w in words)
     steps = shlex.split(serve.launcher_command(inv, "/m", serve.ServeOptions("x", image_steps=8)))
     assert "--image-steps=8" in steps
+    tuned = serve.ServeOptions("x", rebalance_period_s=0, steps_in_flight=4)
+    assert {"--rebalance-period=0", "--steps-in-flight=4"} <= set(shlex.split(serve.launcher_command(inv, "/m", tuned)))
 
 
 def test_serve_sends_the_model_only_where_missing_and_splits_it_over_every_node(tmp_path: Path) -> None:
