@@ -81,12 +81,14 @@ def ray_memory_threshold() -> float:
 
 
 def node_capacity(node_id: str, node_ip: str, device: str = "cpu") -> Capacity:
-    """This process's node: the GPU's free memory on ``cuda``, else its container's room (cgroup), else the host's."""
+    """This process's node: the GPU's free memory on ``cuda``, else its container's room (cgroup), else the host's;
+    with its container's CPU quota."""
+    quota = container_cpu_quota()
     if device.startswith("cuda"):
         import torch
 
         free, total = torch.cuda.mem_get_info()
-        return Capacity(node_id, node_ip, max(0, free - margin(total)), total, total - free, "cuda")
+        return Capacity(node_id, node_ip, max(0, free - margin(total)), total, total - free, "cuda", quota)
     import psutil
 
     host = psutil.virtual_memory()
@@ -98,6 +100,7 @@ def node_capacity(node_id: str, node_ip: str, device: str = "cpu") -> Capacity:
         if found is not None:
             limit, used = found
             room = min(int(limit * ray_memory_threshold()) - used, int(host.available))
-            return Capacity(node_id, node_ip, max(0, room - margin(limit)), limit, used, source)
+            return Capacity(node_id, node_ip, max(0, room - margin(limit)), limit, used, source, quota)
     available = int(host.available)
-    return Capacity(node_id, node_ip, max(0, available - margin(available)), None, int(host.total - available), "host")
+    used = int(host.total - available)
+    return Capacity(node_id, node_ip, max(0, available - margin(available)), None, used, "host", quota)

@@ -2,8 +2,8 @@
 
 A replica is the actors that together hold ``text``, ``unet`` and ``vae``: one actor with all three on a node that
 holds the whole pipeline, else one actor per part on its own node.  ``generate`` chains the steps through Ray's
-object store (each step's output goes from its actor to the next actor, not through the driver).  ``node_room``
-reads a node's container (memory room, CPU quota) where it runs; ``reference_image`` runs diffusers' own pipeline
+object store (each step's output goes from its actor to the next actor, not through the driver).
+``reference_image`` runs diffusers' own pipeline
 one part per task, each on a node the placement gave room for it, so checking an image never needs a node (or the
 driver's) room for the whole pipeline.
 """
@@ -17,7 +17,7 @@ import ray
 import torch
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from raycluster_cli.bench.cgroup import container_cpu_quota, container_memory, node_capacity
+from raycluster_cli.bench.cgroup import container_memory
 from raycluster_cli.bench.diffusion import PARTS, Components, ImageRequest, reference_step
 from raycluster_cli.bench.pipeline import node_cpu_count, node_ip, peak_rss
 
@@ -82,17 +82,6 @@ DiffusionWorker = ray.remote(num_cpus=0)(_DiffusionWorker)
 
 def _on(node_id: str) -> NodeAffinitySchedulingStrategy:
     return NodeAffinitySchedulingStrategy(node_id=node_id, soft=False)
-
-
-@ray.remote(num_cpus=0)
-def _room() -> dict[str, Any]:
-    node_id = ray.get_runtime_context().get_node_id()
-    return node_capacity(node_id, node_ip(node_id)).to_dict() | {"cpu_quota": container_cpu_quota()}
-
-
-def node_room(node_id: str) -> Any:
-    """A ref to ``node_id``'s room as its container sees it (``cgroup.node_capacity``) and its CPU quota."""
-    return _room.options(scheduling_strategy=_on(node_id)).remote()
 
 
 @ray.remote(num_cpus=0)

@@ -25,6 +25,7 @@ from typing import Any
 from raycluster_cli.bench import balance
 from raycluster_cli.bench.diffusion import PARTS, ImageRequest, part_bytes
 from raycluster_cli.bench.experiment import Report
+from raycluster_cli.bench.memory import Capacity
 from raycluster_cli.bench.options import BenchOptions
 from raycluster_cli.schema import SCHEMA_VERSION
 
@@ -111,22 +112,22 @@ def node_rooms(timeout_s: float = 120.0) -> list[NodeRoom]:
     or less where the node's container has less room left for a part's worker (``WORKER_BYTES`` and the part)."""
     import ray
 
-    from raycluster_cli.bench.diffusion_workers import node_room
+    from raycluster_cli.bench.pipeline import measure_rooms
 
     alive = [n for n in ray.nodes() if n.get("Alive")]
-    found = ray.get([node_room(str(n["NodeID"])) for n in alive], timeout=timeout_s)
+    found = measure_rooms([str(n["NodeID"]) for n in alive], timeout_s, device="cpu")  # the parts run on CPUs
     return sorted((room_of(n, c) for n, c in zip(alive, found, strict=True)), key=lambda n: (n.node_ip, n.node_id))
 
 
-def room_of(node: dict[str, Any], container: dict[str, Any]) -> NodeRoom:
+def room_of(node: dict[str, Any], container: Capacity) -> NodeRoom:
     """One node's room from its ``ray.nodes()`` entry and what its container said (``cgroup.node_capacity``)."""
     resources = node.get("Resources", {})
     logical = int(resources.get("memory", 0))
-    physical = max(0, int(container["usable"]) - WORKER_BYTES)
-    source = "ray" if logical <= physical else str(container["source"])
-    cpus = container.get("cpu_quota") or float(resources.get("CPU", 0.0)) or None
+    physical = max(0, container.usable - WORKER_BYTES)
+    source = "ray" if logical <= physical else container.source
+    cpus = container.cpu_quota or float(resources.get("CPU", 0.0)) or None
     ip = str(node.get("NodeManagerAddress", ""))
-    return NodeRoom(str(node["NodeID"]), ip, min(logical, physical), cpus, source, container.get("limit"), physical)
+    return NodeRoom(str(node["NodeID"]), ip, min(logical, physical), cpus, source, container.limit, physical)
 
 
 def request_for(options: BenchOptions, index: int) -> ImageRequest:

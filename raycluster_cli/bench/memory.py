@@ -128,6 +128,7 @@ class Capacity:
     limit: int | None  # the container's memory limit, or the GPU's total; None: the host's memory
     used: int  # the working set (or GPU memory in use) when measured
     source: str  # "cgroup v2", "cgroup v1", "host", "cuda"
+    cpu_quota: float | None = None  # the container's CPU quota in CPUs, where it has one
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -28,6 +28,7 @@ import torch
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from raycluster_cli.bench.cgroup import container_cpu_quota, container_cpu_usage, container_memory, node_capacity
+from raycluster_cli.bench.memory import Capacity
 from raycluster_cli.bench.model import ModelConfig, Stage, seconds_per_pass
 from raycluster_cli.bench.scheduling import torch_threads
 
@@ -66,6 +67,23 @@ def node_cpu_count(node_id: str) -> int:
     advertised = float(_node_entry(node_id).get("Resources", {}).get("CPU", 0.0))
     usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     return torch_threads(advertised, usable, container_cpu_quota())
+
+
+@ray.remote(num_cpus=0)
+def _node_room(node_id: str, device: str | None) -> dict[str, Any]:
+    """This node's room, measured in a process that has torch loaded as a stage or part worker will."""
+    return node_capacity(node_id, node_ip(node_id), device or pick_device()).to_dict()
+
+
+def measure_rooms(node_ids: Sequence[str], timeout_s: float, device: str | None = None) -> list[Capacity]:
+    """Each node's room (``cgroup.node_capacity`` on the node: its container's limit less what is in use, or its
+    GPU's free memory where a stage would run on ``cuda``; ``device`` "cpu" for workers that stay on the CPU), all
+    at once."""
+    calls = [
+        _node_room.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=n, soft=False)).remote(n, device)
+        for n in node_ids
+    ]
+    return [Capacity.from_dict(c) for c in ray.get(calls, timeout=timeout_s)]
 
 
 def pick_device() -> str:

@@ -38,9 +38,10 @@ from raycluster_cli.bench.config import ModelConfig
 from raycluster_cli.bench.diffusion import is_diffusers_folder
 from raycluster_cli.bench.model import config_from_checkpoint
 from raycluster_cli.bench.partition import DoesNotFit
+from raycluster_cli.bench.pipeline import measure_rooms
 from raycluster_cli.serve import image_launch
 from raycluster_cli.serve.app import ServeSettings, build_app
-from raycluster_cli.serve.fleet import Calibration, alive_nodes, measure, measure_rooms
+from raycluster_cli.serve.fleet import Calibration, alive_nodes, measure
 from raycluster_cli.serve.placement import NodeSpeed, plan_replicas
 from raycluster_cli.serve.scheduler import Limits
 from raycluster_cli.serve.stages import split_units

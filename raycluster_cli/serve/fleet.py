@@ -24,8 +24,13 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from raycluster_cli.bench.balance import capacity_costs
 from raycluster_cli.bench.config import ModelConfig
 from raycluster_cli.bench.experiment import node_gpus
-from raycluster_cli.bench.memory import Capacity
-from raycluster_cli.bench.pipeline import calibrate_workers, start_workers, stop_workers, unit_cost_row
+from raycluster_cli.bench.pipeline import (
+    calibrate_workers,
+    measure_rooms,
+    start_workers,
+    stop_workers,
+    unit_cost_row,
+)
 from raycluster_cli.serve.engine import Engine
 from raycluster_cli.serve.placement import NodeSpeed, PipelinePlan, replan, resplit, snake_groups, split_over
 from raycluster_cli.serve.pool import Pipeline
@@ -89,26 +94,6 @@ def answering(node_ids: Sequence[str], timeout_s: float = NODE_ANSWER_TIMEOUT_S)
             if ref in ready and ray.get(ref, timeout=1) == node:
                 found.add(node)
     return found
-
-
-@ray.remote(num_cpus=0)
-def _node_room(node_id: str) -> dict[str, Any]:
-    """This node's room for a stage, measured in a process that has torch loaded as a stage actor will."""
-    import raycluster_cli.bench.model  # noqa: F401  (torch in this process, as in the actor)
-    from raycluster_cli.bench.cgroup import node_capacity
-    from raycluster_cli.bench.pipeline import node_ip, pick_device
-
-    return node_capacity(node_id, node_ip(node_id), pick_device()).to_dict()
-
-
-def measure_rooms(node_ids: Sequence[str], timeout_s: float = MEASURE_TIMEOUT_S) -> list[Capacity]:
-    """Each node's room for a stage (``cgroup.node_capacity`` on the node: its container's limit less what is in
-    use, or its GPU's free memory), all at once."""
-    calls = [
-        _node_room.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=n, soft=False)).remote(n)
-        for n in node_ids
-    ]
-    return [Capacity.from_dict(c) for c in ray.get(calls, timeout=timeout_s)]
 
 
 def measure(cfg: ModelConfig, nodes: dict[str, str], calibration: Calibration) -> list[NodeSpeed]:
@@ -197,7 +182,7 @@ class RayFleet:
             timed = asyncio.to_thread(measure, self.cfg, unknown, self.calibration)
             speeds = await asyncio.wait_for(timed, MEASURE_TIMEOUT_S)
             if self.unit_bytes:  # a node measured now gets its room too, as the launcher's nodes had
-                found = asyncio.to_thread(measure_rooms, list(unknown))
+                found = asyncio.to_thread(measure_rooms, list(unknown), MEASURE_TIMEOUT_S)
                 rooms = {c.node_id: c.usable for c in await asyncio.wait_for(found, MEASURE_TIMEOUT_S + 10)}
                 speeds = [replace(s, capacity=max(0, rooms[s.node_id] - self.stage_fixed_bytes)) for s in speeds]
             for speed in speeds:
