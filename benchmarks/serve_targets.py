@@ -62,7 +62,10 @@ def bench(inventory: str, out: Path, name: str, requests: int, extra: list[str])
     print(
         f"{name}: {run['output_tokens_per_s']:.1f} tok/s, TPOT p50 {run['latency_s']['tpot']['p50']}, "
         f"of ceiling {run['of_ceiling']}, imbalance {run['imbalance']}, load {run['load']}, stages "
-        f"{[(s['pipeline'], s['node_ip'], s['blocks'], round(s['busy_s'], 2)) for s in run['stages']]}",
+        f"{[(s['pipeline'], s['node_ip'], s['blocks'], round(s['busy_s'], 2)) for s in run['stages']]}, "
+        f"Ray's CPU ms per step {[round(1000 * (s['cpu_s'] - s.get('forward_cpu_s', 0)) / max(1, s['steps']), 2) for s in run['stages']]}, "
+        f"node CPU ÷ quota {[s.get('node_cpu_share') for s in run['stages']]}, "
+        f"anatomy {json.dumps(run.get('anatomy'))}",
         flush=True,
     )
     return run

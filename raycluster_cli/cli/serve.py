@@ -45,6 +45,13 @@ def serve_command(
             " a step is back at the ingress, at --slots x steps KV slots per stage",
         ),
     ] = 0,
+    links: Annotated[
+        str,
+        typer.Option(
+            help="how a step travels between stages: direct (torch.distributed links between the stages' nodes,"
+            " TCP on free ports; Ray's calls where they do not form) or ray (Ray's calls only)",
+        ),
+    ] = "direct",
     rebalance_period: Annotated[
         float,
         typer.Option(
@@ -83,6 +90,8 @@ def serve_command(
             raise UsageError(
                 f"--dtype {dtype!r} is not one of auto, float32, bfloat16, float16", "e.g. --dtype bfloat16"
             )
+        if links not in ("direct", "ray"):
+            raise UsageError(f"--links {links!r} is not one of direct, ray", "e.g. --links ray")
         options = serve.ServeOptions(
             model_path,
             port,
@@ -95,6 +104,7 @@ def serve_command(
             image_steps,
             rebalance_period,
             steps_in_flight,
+            links,
         )
         with open_cluster(inventory_path) as (inv, pool), output.live_progress() as progress:
             result = serve.serve(inv, pool, options, progress)

@@ -395,7 +395,10 @@ def _live_lines(live: dict[str, Any] | None) -> list[str]:
             for st in pipeline.get("stages") or []
         )
         served = pipeline.get("served", pipeline.get("images"))
-        lines.append(f"  pipeline {pipeline.get('index')} ({pipeline.get('state')}, served {served}): {stages}")
+        links = f", {pipeline['links']} links" if pipeline.get("links") else ""
+        lines.append(f"  pipeline {pipeline.get('index')} ({pipeline.get('state')}, served {served}{links}): {stages}")
+        if pipeline.get("links_note"):
+            lines.append(f"    {pipeline['links_note']}")
     events = live.get("events") or []
     if events:
         last = events[-1]

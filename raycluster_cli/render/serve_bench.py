@@ -74,7 +74,9 @@ def render_serve_bench(output: Output, body: dict[str, Any]) -> None:
 
     def row(s: dict[str, Any], several: bool) -> tuple[str, float, str]:
         label = (f"#{s['pipeline']} " if several else "") + f"{s['node_ip']} ({s.get('blocks')} blocks)"
-        return label, s["busy_s"], f"{s['busy_s']:.3f}s, {s['steps']} steps"
+        share = s.get("node_cpu_share")
+        node = f", its node {share:.0%} of its CPU quota" if share is not None else ""
+        return label, s["busy_s"], f"{s['busy_s']:.3f}s, {s['steps']} steps{node}"
 
     _errors_and_busy_time(
         output, runs, row, lambda shown: f", the slowest stage busy {shown['of_ceiling']:.0%} of the run"
@@ -106,6 +108,8 @@ def _errors_and_busy_time(
             f"T_max − T_min = {shown['t_max_minus_t_min_s']:.3f}s, imbalance {shown['imbalance']:.3f}, "
             f"utilisation {shown['utilisation']:.2f}{more(shown)}"
         )
+    for index, anatomy in sorted((shown.get("anatomy") or {}).items()):
+        output.line(_anatomy_line(index if several else None, anatomy))
     for run in runs:
         changed = run.get("pipelines_changed")
         if changed:
@@ -113,6 +117,25 @@ def _errors_and_busy_time(
                 f"[yellow]{_escape(_load(run))}: pipelines changed during the run (a re-split or a failover): "
                 f"retired {changed['retired']}, new {changed['new']}; the retired ones' work is not in T_i[/yellow]"
             )
+
+
+def _anatomy_line(pipeline: str | None, anatomy: dict[str, Any]) -> str:
+    """A step's time, median ms over the last steps: round trip, then per stage compute+queued+link (idle share)."""
+
+    def ms(value: Any) -> str:
+        return "-" if value is None else f"{float(value):.1f}"
+
+    parts = [
+        f"s{i} {ms(s.get('compute_ms'))}+{ms(s.get('queued_ms'))}q+{ms(s.get('link_ms'))}l"
+        + (f" (idle {s['idle_share']:.0%})" if s.get("idle_share") is not None else "")
+        for i, s in enumerate(anatomy.get("stages", []))
+    ]
+    return (
+        (f"#{pipeline} " if pipeline is not None else "")
+        + f"a step (median ms over {anatomy.get('steps')}): round trip {ms(anatomy.get('round_trip_ms'))}, "
+        + f"{anatomy.get('in_flight')} in flight; compute+queued+link: {', '.join(parts)}; "
+        + f"back {ms(anatomy.get('return_link_ms'))}, engine {ms(anatomy.get('engine_ms'))}"
+    )
 
 
 def _seconds(run: dict[str, Any]) -> list[str]:

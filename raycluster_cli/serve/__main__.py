@@ -75,6 +75,13 @@ def _parser() -> argparse.ArgumentParser:
         " while a step is back at the ingress being sampled, at slots x steps KV slots per stage",
     )
     p.add_argument(
+        "--links",
+        choices=["direct", "ray"],
+        default="direct",
+        help="how a step travels between stages: direct links (torch.distributed over TCP between the stages'"
+        " nodes; Ray's calls where they do not form) or Ray's calls only",
+    )
+    p.add_argument(
         "--rebalance-period",
         type=float,
         default=20.0,
@@ -193,6 +200,7 @@ def _settings(args: argparse.Namespace, token: str | None) -> ServeSettings:
         replace_period_s=args.replace_period,
         rebalance_period_s=0.0 if split else args.rebalance_period,  # a split the operator gave is kept
         max_in_flight=args.steps_in_flight or None,
+        links=args.links,
     )
 
 

@@ -33,6 +33,7 @@ from starlette.exceptions import HTTPException
 
 from raycluster_cli.bench.model import config_from_checkpoint
 from raycluster_cli.serve import protocol
+from raycluster_cli.serve.anatomy import step_anatomy
 from raycluster_cli.serve.engine import EngineDown, Output, QueueFull
 from raycluster_cli.serve.fleet import Calibration, RayFleet
 from raycluster_cli.serve.placement import NodeSpeed, PipelinePlan
@@ -62,6 +63,7 @@ class ServeSettings:
     num_threads: int | None = None
     limits: Limits = field(default_factory=Limits)
     max_in_flight: int | None = None  # steps travelling through the pipeline at once; None: one per stage
+    links: str = "direct"  # how a step travels between stages: "direct" links (serve.links) or "ray" calls
     replicas: int = 1  # pipelines when ``plans`` is not given (each of ``split``, on ``node_ids``)
     plans: tuple[PipelinePlan, ...] = ()  # the placement (the launcher's, from measured node speeds)
     speeds: tuple[NodeSpeed, ...] = ()  # the nodes' measured unit costs, for re-plans without re-measuring
@@ -143,20 +145,26 @@ async def _stream_events(
     yield protocol.sse("[DONE]")
 
 
-async def _add_counters(rows: list[dict[str, Any]], stages: list[list[Any]]) -> None:
-    """Each pipeline's stages get their counters (steps, busy_s, cpu_s, pid) from the stage actors, all
-    asked at once; a pipeline whose stages do not answer in time gets ``counters_error`` instead."""
+async def _add_counters(rows: list[dict[str, Any]], stages: list[list[Any]], engines: list[Any]) -> None:
+    """Each pipeline's stages get their counters (steps, busy_s, cpu_s, pid) from the stage actors, and the
+    pipeline its step anatomy (``serve.anatomy``: the engine's and the stages' last steps), all asked at once;
+    a pipeline whose stages do not answer in time gets ``counters_error`` instead."""
 
-    async def one(actors: list[Any]) -> list[dict[str, Any]]:
-        return list(await asyncio.wait_for(asyncio.gather(*(a.counters.remote() for a in actors)), COUNTERS_S))
+    async def one(actors: list[Any]) -> tuple[list[dict[str, Any]], list[Any]]:
+        counters = asyncio.gather(*(a.counters.remote() for a in actors))
+        timelines = asyncio.gather(*(a.timeline.remote() for a in actors))
+        both = await asyncio.wait_for(asyncio.gather(counters, timelines), COUNTERS_S)
+        return list(both[0]), list(both[1])
 
     found = await asyncio.gather(*(one(actors) for actors in stages), return_exceptions=True)
-    for row, counters in zip(rows, found, strict=True):
-        if isinstance(counters, BaseException):
-            row["counters_error"] = f"{type(counters).__name__}: {counters}"
+    for row, engine, answer in zip(rows, engines, found, strict=True):
+        if isinstance(answer, BaseException):
+            row["counters_error"] = f"{type(answer).__name__}: {answer}"
             continue
+        counters, timelines = answer
         for stage, values in zip(row.get("stages", []), counters, strict=False):
             stage.update(values)
+        row["anatomy"] = step_anatomy(list(engine.recent), timelines)
 
 
 app = FastAPI(title="raycluster serve")
@@ -199,6 +207,7 @@ class OpenAIServer:
             calibration=settings.calibration,
             num_threads=settings.num_threads,
             max_in_flight=settings.max_in_flight,
+            links=settings.links,
             unit_bytes=settings.unit_bytes or None,
             stage_fixed_bytes=settings.stage_fixed_bytes,
         )
@@ -263,9 +272,9 @@ class OpenAIServer:
         """The pipelines (split, nodes, state, load, requests served, each stage's counters), the batching
         limits, failovers and recent events."""
         self._authorize(request)
-        stages = [list(p.stages) for p in self.pool.pipelines]  # the rows' order, taken at the same moment
+        pipelines = list(self.pool.pipelines)  # the rows' order, taken at the same moment
         body = {"model": self.model_id, "limits": asdict(self.settings.limits), **self.pool.status(self.cfg.layers)}
-        await _add_counters(body["pipelines"], stages)
+        await _add_counters(body["pipelines"], [list(p.stages) for p in pipelines], [p.engine for p in pipelines])
         return body
 
     @app.post("/v1/completions")

@@ -12,12 +12,15 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
+from collections import deque
 from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from raycluster_cli.serve.anatomy import TIMELINE_STEPS
+from raycluster_cli.serve.links import DirectLinks
 from raycluster_cli.serve.scheduler import Chunk, Limits, QueueFull, Scheduler
 from raycluster_cli.serve.text import Sampling, TextStream, sample
 
@@ -75,8 +78,11 @@ class Engine:
         limits: Limits,
         eos_ids: frozenset[int],
         max_in_flight: int | None = None,
+        links: DirectLinks | None = None,
     ) -> None:
         self.stages = list(stages)
+        self.links = links  # direct links between the stages (serve.links); None: Ray's calls relay each step
+        self.links_note: str | None = None  # why a pipeline meant to have direct links has none
         self.tokenizer = tokenizer
         self.scheduler = Scheduler(limits, eos_ids)
         self.max_in_flight = max_in_flight or len(self.stages)
@@ -85,6 +91,9 @@ class Engine:
         self.steps_done = 0
         self.last_step_at = 0.0
         self._sent_at = 0.0
+        self._steps_sent = itertools.count()  # a step's number: the stages count theirs in the same order
+        # (number, sent, back, handled) wall times of the last steps (serve.anatomy)
+        self.recent: deque[tuple[int, float, float, float]] = deque(maxlen=TIMELINE_STEPS)
         self._ids = itertools.count()
         self._wake = asyncio.Event()
         self._in_flight = 0  # steps sent and not yet back (counted by the steps themselves: no lost wake-up)
@@ -94,9 +103,15 @@ class Engine:
     def start(self) -> None:
         self._loop_task = asyncio.get_running_loop().create_task(self._loop())
 
+    @property
+    def transport(self) -> str:
+        return "direct" if self.links is not None else "ray"
+
     async def close(self) -> None:
         if self._loop_task is not None:
             self._loop_task.cancel()
+        if self.links is not None:
+            self.links.close()
 
     @property
     def waiting(self) -> int:
@@ -178,7 +193,7 @@ class Engine:
                 if self._in_flight == 0:
                     self._sent_at = time.monotonic()
                 self._in_flight += 1
-                task = asyncio.get_running_loop().create_task(self._step(chunks))
+                task = asyncio.get_running_loop().create_task(self._step(chunks, next(self._steps_sent)))
                 self._tasks.add(task)
                 task.add_done_callback(self._tasks.discard)
             await self._wake.wait()
@@ -198,16 +213,23 @@ class Engine:
         share = -(-active // self.max_in_flight)
         return -(-active // share)
 
-    async def _step(self, chunks: list[Chunk]) -> None:
+    async def _step(self, chunks: list[Chunk], number: int) -> None:
         try:
+            sent = time.time()
             ids, table = step_inputs(chunks)
-            ref: Any = ids
-            for stage in self.stages:
-                ref = stage.forward.remote(ref, table)
-            logits: torch.Tensor = await ref
+            logits: torch.Tensor
+            if self.links is not None:
+                logits = await self.links.run(ids, table)
+            else:
+                ref: Any = ids
+                for stage in self.stages:
+                    ref = stage.forward.remote(ref, table)
+                logits = await ref
+            back = time.time()
             self.steps_done += 1
             self.last_step_at = time.monotonic()
             self._finish_step(chunks, logits)
+            self.recent.append((number, sent, back, time.time()))
         except Exception as exc:  # a stage died or failed: every request in flight gets the error
             self._fail(exc)
         finally:
@@ -242,6 +264,8 @@ class Engine:
 
     def _fail(self, exc: BaseException) -> None:
         self.failure = exc
+        if self.links is not None:  # nothing more goes out on them (the stages are killed next)
+            self.links.close()
         down = EngineDown(f"a stage failed: {type(exc).__name__}: {exc}")
         for live in self.live.values():
             live.queue.put_nowait(down)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import secrets
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -32,6 +33,7 @@ from raycluster_cli.bench.pipeline import (
     unit_cost_row,
 )
 from raycluster_cli.serve.engine import Engine
+from raycluster_cli.serve.links import CONNECT_TIMEOUT_S, DirectLinks, ring_group, ring_store
 from raycluster_cli.serve.placement import NodeSpeed, PipelinePlan, replan, resplit, snake_groups, split_over
 from raycluster_cli.serve.pool import Pipeline
 from raycluster_cli.serve.scheduler import Limits
@@ -134,11 +136,15 @@ class RayFleet:
         max_in_flight: int | None = None,
         unit_bytes: Sequence[int] | None = None,
         stage_fixed_bytes: int = 0,
+        links: str = "direct",
     ) -> None:
         self.cfg, self.tokenizer, self.limits, self.eos = cfg, tokenizer, limits, eos
+        self.links = links  # "direct": a ring of links between the stages (serve.links); "ray": Ray's calls
         self.unit_bytes = list(unit_bytes) if unit_bytes else None  # each unit's bytes (weights + KV slots)
         self.stage_fixed_bytes = stage_fixed_bytes  # what every stage needs besides its units (a step's tensors)
         self._counted: dict[int, tuple[float, list[dict[str, Any]]]] = {}  # pipeline -> (when, its stages' counters)
+        # the splits a re-split left, per set of nodes in stage order: never re-split back into one of them
+        self._left: dict[tuple[str, ...], set[tuple[tuple[int, int], ...]]] = {}
         self.stages = stages
         self.speeds = {s.node_id: s for s in speeds if s.node_id}
         self.calibration = calibration or Calibration(prefill_chunk=limits.prefill_chunk)
@@ -163,7 +169,9 @@ class RayFleet:
             ),
             BUILD_TIMEOUT_S + 10,
         )
-        engine = Engine(actors, self.tokenizer, limits, self.eos, self.max_in_flight)
+        links, why = await self._connect(actors) if self.links == "direct" else (None, None)
+        engine = Engine(actors, self.tokenizer, limits, self.eos, self.max_in_flight, links=links)
+        engine.links_note = why
         engine.start()
         try:
             await engine.probe()
@@ -172,6 +180,25 @@ class RayFleet:
             _kill(actors)
             raise
         return engine, actors
+
+    async def _connect(self, actors: Sequence[Any]) -> tuple[DirectLinks | None, str | None]:
+        """The ring of direct links over ``actors`` (the engine is rank 0, on its node's Ray address), or None
+        when it does not form within ``CONNECT_TIMEOUT_S`` (a firewall between nodes that lets only Ray's ports
+        through): the pipeline then keeps Ray's calls, and the note (status shows it) says why."""
+        ip = ray.util.get_node_ip_address()
+        size = len(actors) + 1
+        try:
+            store = ring_store(ip, 0, size)
+            secret = secrets.token_hex(16)  # only this pipeline's stages get it (over Ray's calls): they alone join
+            asked = (a.start_links.remote(ip, store.port, i + 1, size, secret) for i, a in enumerate(actors))
+            joined = asyncio.gather(*asked)
+            mine = asyncio.to_thread(ring_group, store, 0, size, ip, secret)
+            group, _ = await asyncio.wait_for(asyncio.gather(mine, joined), CONNECT_TIMEOUT_S + 10)
+        except Exception as exc:
+            return None, f"direct links did not form ({type(exc).__name__}: {exc}): steps go through Ray's calls"
+        links = DirectLinks(group, size, store)
+        links.start(actors)
+        return links, None
 
     async def stop(self, pipeline: Pipeline) -> None:
         _kill(pipeline.stages)
@@ -230,6 +257,10 @@ class RayFleet:
         if found is None:
             return None
         new, corrected = found
+        left = self._left.setdefault(plan.node_ids, set())
+        if new.ranges in left:  # back to a split these nodes left: the measurements swing (they differ with the
+            return None  # load's rows per step); going back and forth would rebuild the pipeline every period
+        left.add(plan.ranges)
         self.speeds.update({n.node_id: n for n in corrected})
         self._counted.pop(pipeline.index, None)
         return new

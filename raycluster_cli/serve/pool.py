@@ -320,6 +320,8 @@ class Pool:
                     "outstanding_tokens": p.engine.outstanding,
                     "requests": len(p.engine.live),
                     "slots": p.engine.scheduler.limits.slots,  # KV slots: --slots for each step in flight
+                    "links": p.engine.transport,  # direct links between the stages, or Ray's calls
+                    **({"links_note": p.engine.links_note} if p.engine.links_note else {}),
                     **p.plan.to_json(num_blocks),
                 }
                 for p in self.pipelines

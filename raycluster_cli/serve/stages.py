@@ -8,7 +8,9 @@ object store; Ray runs an actor's calls in order, so steps in flight never overt
 from __future__ import annotations
 
 import os
+import threading
 import time
+from collections import deque
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -16,10 +18,13 @@ import ray
 import torch
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from raycluster_cli.bench.cgroup import container_cpu_quota, container_cpu_usage
 from raycluster_cli.bench.config import ModelConfig
 from raycluster_cli.bench.partition import Ranges, even_partition, manual_partition
 from raycluster_cli.bench.pipeline import WORKER_ENV, gpu_shares, node_cpu_count, node_ip, pick_device
+from raycluster_cli.serve.anatomy import TIMELINE_STEPS
 from raycluster_cli.serve.batched import BatchedStage
+from raycluster_cli.serve.links import StageLoop, ring_group, ring_store
 
 
 def split_units(layers: int, stages: int, split: Sequence[int] | str | None = None) -> Ranges:
@@ -45,18 +50,62 @@ class _StageActor:
         self.units = (start, end)
         self.steps = 0
         self.busy_s = 0.0
+        self.forward_cpu_s = 0.0  # CPU seconds inside forward: cpu_s less this is Ray's own work per call
+        # (step number, wall start, wall end) of the last steps: where a step's time goes (serve.anatomy)
+        self.recent: deque[tuple[int, float, float]] = deque(maxlen=TIMELINE_STEPS)
+        self._recent_lock = threading.Lock()  # the links thread steps while Ray's thread reads the timeline
+        self.links: StageLoop | None = None
 
     def forward(self, x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
-        began = time.perf_counter()
+        began, wall, cpu = time.perf_counter(), time.time(), time.process_time()
         out = self.stage.forward(x, table)
-        self.busy_s += time.perf_counter() - began
-        self.steps += 1
+        spent = time.perf_counter() - began
+        self.busy_s += spent
+        self.forward_cpu_s += time.process_time() - cpu
+        with self._recent_lock:
+            self.recent.append((self.steps, wall, wall + spent))
+            self.steps += 1
         return out
+
+    def timeline(self) -> list[tuple[int, float, float]]:
+        """The last steps' (number, wall start, wall end): the k-th step here is the engine's k-th (it
+        sends every step through every stage, in order: Ray runs one caller's calls to an actor in order, and
+        each direct link is one ordered connection)."""
+        with self._recent_lock:
+            return list(self.recent)
+
+    @ray.method(concurrency_group="links")
+    def start_links(self, host: str, port: int, rank: int, size: int, secret: str = "") -> str:
+        """Join the pipeline's ring of direct links (``serve.links``; rank 0 is the engine at ``host:port``) and
+        serve steps from it on a thread; returns once the ring has formed (``secret``: the ring's, from the
+        engine).  The address this stage's links bind to: its node's Ray address."""
+        ip = node_ip(self.node_id)
+        group = ring_group(ring_store(host, port, size), rank, size, ip, secret)
+        self.links = StageLoop(group, rank, size, self.forward)
+        self.links.start()
+        return ip
+
+    @ray.method(concurrency_group="links")
+    def links_ended(self) -> str:
+        """Block until this stage's links loop ends (a neighbour died, a forward failed); why it ended."""
+        if self.links is None:
+            return "this stage has no links"
+        return self.links.wait()
 
     def counters(self) -> dict[str, Any]:
         """What a benchmark diffs before/after a run: steps, seconds inside forward, this process's CPU
         seconds (Ray's per-call work included) and the pid (a new actor starts again from zero)."""
-        return {"pid": os.getpid(), "steps": self.steps, "busy_s": self.busy_s, "cpu_s": time.process_time()}
+        return {
+            "pid": os.getpid(),
+            "steps": self.steps,
+            "busy_s": self.busy_s,
+            "cpu_s": time.process_time(),
+            "forward_cpu_s": self.forward_cpu_s,
+            # the stage's container: every process on its node (Ray's, the ingress and proxy on the head) against
+            # its quota, so a run shows which node's CPU was used up
+            "node_cpu_s": container_cpu_usage(),
+            "node_cpu_quota": container_cpu_quota(),
+        }
 
     def visible_gpus(self) -> str:
         """The GPUs Ray made visible to this stage ("" on a CPU node)."""
@@ -75,7 +124,9 @@ class _StageActor:
         }
 
 
-StageActor = ray.remote(num_cpus=0)(_StageActor)
+# forward, counters and timeline run on the actor's one default thread (in order, as the relay needs); joining
+# the ring and waiting for its end each get a thread of their own
+StageActor = ray.remote(num_cpus=0, concurrency_groups={"links": 2})(_StageActor)  # type: ignore[call-overload]
 STAGE_NAMESPACE = "raycluster-serve"
 
 

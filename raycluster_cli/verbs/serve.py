@@ -47,6 +47,7 @@ class ServeOptions:
     image_steps: int | None = None  # a diffusers checkpoint: denoising steps when a request gives none
     rebalance_period_s: float = 20.0  # seconds between looks at the stages' times under load (0: never re-split)
     steps_in_flight: int = 0  # steps travelling through a pipeline at once (0: one per stage)
+    links: str = "direct"  # how a step travels between stages: "direct" links or "ray" calls
 
 
 @dataclass
@@ -84,6 +85,8 @@ def launcher_command(inventory: Inventory, model_path: str, options: ServeOption
         args.append(f"--stages={options.stages}")
     if options.steps_in_flight:
         args.append(f"--steps-in-flight={options.steps_in_flight}")
+    if options.links != "direct":
+        args.append(f"--links={options.links}")
     if options.model_id:
         args.append(f"--model-id={options.model_id}")
     if options.image_steps:
@@ -194,7 +197,7 @@ if service_url and out.get("serve"):  # the service's own view: its pipelines no
     try:
         with urllib.request.urlopen(live, timeout=15) as answer:
             body = json.load(answer)
-        keep = ("index", "state", "served", "images", "requests", "outstanding_tokens")
+        keep = ("index", "state", "served", "images", "requests", "outstanding_tokens", "links", "links_note")
         out["live"] = {
             "replicas": body.get("replicas"), "failovers": body.get("failovers"),
             "pipelines": [

@@ -165,6 +165,14 @@ def stage_rows(status: dict[str, Any]) -> dict[tuple[int, int], dict[str, Any]]:
     return rows
 
 
+def _node_share(was: dict[str, Any], now: dict[str, Any], wall_s: float) -> float | None:
+    """CPU seconds the stage's node (its container) used between two reads ÷ (wall × its quota)."""
+    used, before, quota = now.get("node_cpu_s"), was.get("node_cpu_s"), now.get("node_cpu_quota")
+    if used is None or before is None or not quota or wall_s <= 0:
+        return None
+    return round((used - before) / (wall_s * quota), 3)
+
+
 def stage_times(before: dict[str, Any], after: dict[str, Any], wall_s: float) -> dict[str, Any]:
     """Each stage's T_i (busy seconds), steps and CPU seconds between two status reads, and the balance
     figures over them (as `bench` reports them). A stage whose actor changed (its pid: it was rebuilt) counts
@@ -186,6 +194,12 @@ def stage_times(before: dict[str, Any], after: dict[str, Any], wall_s: float) ->
                 "busy_s": max(0.0, now["busy_s"] - (was["busy_s"] if same else 0.0)),
                 "steps": int(now.get("steps", 0)) - (int(was.get("steps", 0)) if same else 0),
                 "cpu_s": max(0.0, now.get("cpu_s", 0.0) - (was.get("cpu_s", 0.0) if same else 0.0)),
+                # CPU inside forward: the rest of cpu_s is the stage process's other work (Ray's, per call)
+                "forward_cpu_s": max(
+                    0.0, now.get("forward_cpu_s", 0.0) - (was.get("forward_cpu_s", 0.0) if same else 0.0)
+                ),
+                # the share of its node's CPU quota the whole node used during the run (None: no quota, or unknown)
+                "node_cpu_share": _node_share(was, now, wall_s),
             }
         )
     busy = [s["busy_s"] for s in stages]
@@ -196,6 +210,8 @@ def stage_times(before: dict[str, Any], after: dict[str, Any], wall_s: float) ->
     )
     return {
         "stages": stages,
+        # where a step's time went, per pipeline, over its last steps at the run's end (serve.anatomy)
+        "anatomy": {str(p["index"]): p["anatomy"] for p in after.get("pipelines", []) if p.get("anatomy") is not None},
         # pipelines replaced during the run (a re-split, a failover): the retired ones' work is not in T_i
         "pipelines_changed": changed,
         "t_max_minus_t_min_s": spread(busy) if busy else None,

@@ -150,6 +150,8 @@ def test_status_shows_the_service_and_serve_stop_removes_it(served: Served) -> N
     live = doc["service"]["live"]  # the service's own view: its pipeline now and what it served (the tests above)
     (pipeline,) = [p for p in live["pipelines"] if p["state"] == "live"]
     assert len(pipeline["stages"]) == 3 and pipeline["served"] > 0, live
+    # the steps went over direct links between the three hosts (not Ray's calls): the ring formed across hosts
+    assert pipeline["links"] == "direct" and "links_note" not in pipeline, pipeline
     code, stopped, err = served.lab.cli("serve", "--stop", timeout=300)
     assert code == 0 and stopped["removed"] is True, err
     code, doc, err = served.lab.cli("status")

@@ -87,6 +87,7 @@ def test_an_idle_service_shows_no_busy_time_and_counters_move_only_with_work(tar
     stages = before["pipelines"][0]["stages"]
     assert [s["blocks"] for s in stages] == [2, 1] and all(s["steps"] > 0 for s in stages)  # the readiness probe
     assert before["pipelines"][0]["slots"] == 16  # 8 sequences for each of its 2 steps in flight
+    assert before["pipelines"][0]["links"] == "direct" and "links_note" not in before["pipelines"][0]
     idle = stage_times(before, _status(target), wall_s=1.0)
     assert [(s["busy_s"], s["steps"]) for s in idle["stages"]] == [(0.0, 0), (0.0, 0)]
 
@@ -123,6 +124,13 @@ def test_the_benchmark_measures_every_request_and_each_stages_time(target: Servi
     # all at once keeps more sequences in each step than arrivals spread at 2/s: fewer steps per token
     per_token = [r["stages"][0]["steps"] / r["output_tokens"] for r in body["runs"]]
     assert per_token[2] < per_token[0]
+    # where a step's time went: the real stages' and engine's timelines, matched step by step
+    anatomy = saturation["anatomy"]["0"]
+    assert anatomy["steps"] >= min(saturation["stages"][0]["steps"], 100)
+    compute = [s["compute_ms"] for s in anatomy["stages"]]
+    assert len(compute) == 2 and all(c > 0 for c in compute)
+    assert anatomy["round_trip_ms"] > max(compute) and 0 < anatomy["in_flight"] <= 2.05
+    assert all(s["link_ms"] >= 0 and 0 <= s["idle_share"] < 1 for s in anatomy["stages"])
 
     svg = tmp_path / "latency.svg"
     save_serve_svg(body, svg)

@@ -181,3 +181,49 @@ def test_the_launcher_s_measure_splits_by_the_nodes_quotas_not_their_contended_w
     monkeypatch.setattr(fleet, "calibrate_workers", lambda workers, *_: [on_gpu for _ in workers])
     (gpu,) = fleet.measure(cfg, {"fast": "ip-fast"}, fleet.Calibration())
     assert gpu.block_s == 0.24
+
+
+class _Counting:
+    """A stage actor's ``counters`` as the fleet reads them: steps and busy seconds that grow between looks."""
+
+    def __init__(self) -> None:
+        self.steps, self.busy_s = 0, 0.0
+        self.counters = SimpleNamespace(remote=self._remote)
+
+    def run(self, steps: int, seconds_per_step: float) -> None:
+        self.steps += steps
+        self.busy_s += steps * seconds_per_step
+
+    async def _remote(self) -> dict[str, Any]:
+        return {"pid": 1, "steps": self.steps, "busy_s": self.busy_s}
+
+
+def test_a_re_split_never_goes_back_to_the_split_it_left(cluster: dict[str, str]) -> None:
+    """Loaded windows that measure one way, then the other (as rows per step change with the load): the pipeline
+    is re-split once, and the look that would take it back to the split it left keeps it."""
+    nodes = [_speed("a"), _speed("b")]
+    fleet_ = fleet.RayFleet(CFG, None, Limits(), frozenset(), stages=2, speeds=nodes)
+    first = fleet.split_over(nodes)  # even costs: 4 units each
+    stages = [_Counting(), _Counting()]
+
+    async def look(pipeline: Any, measured: tuple[float, float]) -> PipelinePlan | None:
+        for stage, seconds in zip(pipeline.stages, measured, strict=True):
+            stage.run(100, seconds)
+        return await fleet_.rebalance(pipeline)
+
+    async def scenario() -> tuple[Any, ...]:
+        old = SimpleNamespace(plan=first, index=0, stages=stages)
+        assert await fleet_.rebalance(old) is None  # the first look only opens the window
+        new = await look(old, (2.0 * first.stage_s[0], first.stage_s[1]))  # node a measured twice as slow
+        assert new is not None and new.ranges != first.ranges
+        again = [_Counting(), _Counting()]
+        follower = SimpleNamespace(plan=new, index=1, stages=again)
+        assert await fleet_.rebalance(follower) is None
+        # now node b is measured the slower one by as much: the min-max split over the corrected costs is the first
+        back = await look(follower, (new.stage_s[0], 2.0 * new.stage_s[1]))
+        return new, back
+
+    new, back = asyncio.run(scenario())
+    assert new.ranges != back  # re-split once (above), then kept
+    assert back is None  # not rebuilt into the split it left
+    assert first.ranges in fleet_._left[first.node_ids]

@@ -82,10 +82,21 @@ def test_nothing_completed_gives_none_not_nan() -> None:
 def _status(*stages: tuple[int, float, int, int]) -> dict[str, object]:
     """One pipeline; each stage (pid, busy_s, steps, blocks)."""
     rows = [
-        {"node_ip": f"10.0.0.{i + 1}", "blocks": b, "pid": pid, "busy_s": busy, "steps": steps, "cpu_s": busy * 2}
+        {
+            "node_ip": f"10.0.0.{i + 1}",
+            "blocks": b,
+            "pid": pid,
+            "busy_s": busy,
+            "steps": steps,
+            "cpu_s": busy * 2,
+            "forward_cpu_s": busy,
+            "node_cpu_s": 10 * busy,
+            "node_cpu_quota": 0.5,
+        }
         for i, (pid, busy, steps, b) in enumerate(stages)
     ]
-    return {"pipelines": [{"index": 0, "state": "live", "stages": rows}]}
+    anatomy = {"steps": 3, "round_trip_ms": 30.0}
+    return {"pipelines": [{"index": 0, "state": "live", "stages": rows, "anatomy": anatomy}]}
 
 
 def test_stage_times_diff_the_counters_and_judge_the_balance() -> None:
@@ -96,11 +107,17 @@ def test_stage_times_diff_the_counters_and_judge_the_balance() -> None:
         ("10.0.0.1", 2.0, 50),
         ("10.0.0.2", 1.0, 50),
     ]
-    assert got["stages"][0]["cpu_s"] == pytest.approx(4.0)
+    assert got["stages"][0]["cpu_s"] == pytest.approx(4.0) and got["stages"][0]["forward_cpu_s"] == pytest.approx(2.0)
     assert got["t_max_minus_t_min_s"] == pytest.approx(1.0)
     assert got["imbalance"] == pytest.approx(1.0 / 1.5)
     assert got["utilisation"] == pytest.approx(3.0 / 4.0)
     assert got["of_ceiling"] == pytest.approx(2.0 / 4.0)
+    assert got["anatomy"] == {"0": {"steps": 3, "round_trip_ms": 30.0}}
+    # node 1's container used 20 CPU-s over 4 s at a 0.5-CPU quota: 10 times its share (the figures are made up)
+    assert [s["node_cpu_share"] for s in got["stages"]] == [10.0, 5.0]
+    assert (
+        stage_times(before, after, wall_s=0)["stages"][0]["node_cpu_share"] is None
+    )  # the step anatomy at the run's end
 
 
 def test_a_rebuilt_stage_counts_from_zero_and_an_unanswered_one_is_left_out() -> None:

@@ -1,0 +1,91 @@
+"""Where a pipeline step's time goes: compute in each stage, the hand-offs between them, queues, the engine.
+
+The engine remembers each step's wall times (sent, back, handled) and each stage its (start, end) of the
+same step: the engine sends every step through every stage, and Ray runs one caller's calls to an actor in
+order, so the k-th forward of a stage is the engine's k-th step.  From those, per step and stage:
+
+- ``compute``: inside the stage's forward;
+- ``queued``: its input was ready but the stage was still busy with the step before;
+- ``link``: after both its input was ready and the stage was free, until the forward began: the hand-off
+  (Ray's call, the object transfer, a throttled container's wait for its CPU quota);
+- ``idle``: the stage's gap between the step before and this one (time the pipeline could have used);
+- the last stage's result back to the engine (``return_link``), and the engine's own work on it (``engine``:
+  sampling, detokenizing).
+
+Medians over the remembered steps, in milliseconds; ``in_flight`` is the mean number of steps travelling
+while any was (Little's law: the sum of round trips over the time some step was out; idle gaps between runs
+do not count).  Wall clocks of different machines differ by their
+NTP offset, which shows in the links between them (not in compute, queued or idle, each read on one clock).
+Pure: no Ray here.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+TIMELINE_STEPS = 512  # the steps the engine and each stage remember
+
+EngineRecord = tuple[int, float, float, float]  # step number, sent, back, handled
+StageRecord = tuple[int, float, float]  # step number, start, end
+
+
+def _ms(values: list[float]) -> float | None:
+    return round(statistics.median(values) * 1000, 3) if values else None
+
+
+def _busy_span(intervals: list[tuple[float, float]]) -> float:
+    """Seconds during which at least one of ``intervals`` was open (the gaps between runs do not count)."""
+    total, end = 0.0, float("-inf")
+    for begin, finish in sorted(intervals):
+        if finish <= end:
+            continue
+        total += finish - max(begin, end)
+        end = finish
+    return total
+
+
+def step_anatomy(engine: Sequence[EngineRecord], stages: Sequence[Sequence[StageRecord]]) -> dict[str, Any] | None:
+    """The medians above over the steps every party still remembers; None when there are none."""
+    sent = {n: (s, b, h) for n, s, b, h in engine}
+    spans: list[Mapping[int, tuple[float, float]]] = [{n: (a, e) for n, a, e in stage} for stage in stages]
+    numbers = sorted(n for n in sent if all(n in span for span in spans))
+    if not numbers or not spans:
+        return None
+    per_stage: list[dict[str, list[float]]] = [{"compute": [], "queued": [], "link": [], "idle": []} for _ in spans]
+    return_link: list[float] = []
+    engine_work: list[float] = []
+    round_trips: list[float] = []
+    for n in numbers:
+        ready = sent[n][0]
+        for index, span in enumerate(spans):
+            start, end = span[n]
+            before = span.get(n - 1)
+            free = before[1] if before is not None else ready
+            figures = per_stage[index]
+            figures["compute"].append(end - start)
+            figures["queued"].append(max(0.0, free - ready))
+            figures["link"].append(max(0.0, start - max(ready, free)))
+            if before is not None:
+                figures["idle"].append(max(0.0, start - before[1]))
+            ready = end
+        return_link.append(max(0.0, sent[n][1] - ready))
+        engine_work.append(sent[n][2] - sent[n][1])
+        round_trips.append(sent[n][1] - sent[n][0])
+    span_s = _busy_span([(sent[n][0], sent[n][1]) for n in numbers])
+    stage_rows = []
+    for figures in per_stage:
+        busy, idle = sum(figures["compute"]), sum(figures["idle"])
+        stage_rows.append(
+            {f"{name}_ms": _ms(values) for name, values in figures.items()}
+            | {"idle_share": round(idle / (idle + busy), 3) if idle + busy > 0 else None}
+        )
+    return {
+        "steps": len(numbers),
+        "round_trip_ms": _ms(round_trips),
+        "in_flight": round(sum(round_trips) / span_s, 2) if span_s > 0 else None,
+        "stages": stage_rows,
+        "return_link_ms": _ms(return_link),
+        "engine_ms": _ms(engine_work),
+    }

@@ -1,0 +1,280 @@
+"""How a step travels through a pipeline's stages: Ray's calls (the relay), or direct links between them.
+
+The relay: the engine calls ``stage.forward.remote(ref, table)`` for each stage, chaining the refs.  Every
+hand-off then goes through the engine's process (a small result is returned to the ref's owner, which sends it
+on with the next call): two messages per hop, and Ray's per-call work in every process, on the head's CPU
+too (docs/PERFORMANCE.md S9: 3–4 ms per hop, 2–9 ms of CPU per call under a CPU quota).
+
+Direct links: the engine and the stages form a ring of ``torch.distributed`` point-to-point links (gloo over
+TCP, as vLLM's pipeline-parallel ranks send hidden states with ``torch.distributed``): the engine sends a step
+to stage 0, each stage sends its output to the next, and the last sends the logits back to the engine.  One
+message per hop, no Ray call per step; Ray still places, watches and kills the stage actors.  Every link is
+bound to the node's Ray address (``create_device(hostname=ip)``), never to whatever the host name resolves
+to, so on hosts with several NICs the links take the network Ray uses.
+
+A message is a header (int64 ``[kind, ndim, shape padded to 3, dtype]``), then one uint8 buffer: the
+``[3, rows]`` table (slot, start, length per row) followed by the payload (token ids, hidden states or
+logits).  Steps come out in the order they went in (one link per pair of neighbours, in order), which the step
+anatomy relies on as the relay does.
+
+When a link breaks (a stage died: its connections close at once) the stage's loop ends and the next stage's
+receive fails in turn, down to the engine's; a stage whose loop ended answers ``links_ended`` with why, which
+the engine watches beside its steps.  A frozen host closes nothing: the engine's stall deadline fails the
+pipeline, as with the relay.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import datetime
+import queue
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+HEADER = 6  # kind, the payload's ndim, its shape padded to 3, its dtype
+KIND_IDS, KIND_HIDDEN, KIND_LOGITS = 0, 1, 2
+DTYPES = [torch.int64, torch.float32, torch.float16, torch.bfloat16]
+# A link waits for the next step for as long as the service is idle: its receive must not time out.
+IDLE_FOREVER = datetime.timedelta(days=365)
+CONNECT_TIMEOUT_S = 30.0  # the ring forms within this, or the pipeline keeps Ray's calls
+
+
+def ring_group(
+    store: Any, rank: int, size: int, my_ip: str, secret: str = "", timeout_s: float = CONNECT_TIMEOUT_S
+) -> Any:
+    """This process's member of one pipeline's ring: a gloo process group of ``size`` ranks meeting at
+    ``store`` (the engine's, rank 0), its links bound to ``my_ip``.  Its own object, not the process's default
+    group: the engine's process holds one per pipeline.  ``secret`` prefixes every rendezvous key: the engine
+    makes it and hands it to its stages over Ray's token-checked calls, so a host that reaches the store's port
+    but lacks it can neither read the ring's addresses nor join it (the store lists no keys)."""
+    import torch.distributed as dist
+
+    if secret:
+        store = dist.PrefixStore(f"raycluster-ring/{secret}/", store)
+    # every rank present (with the secret) within ``timeout_s``, or none builds its links: a ring that cannot form
+    # fails here, not in gloo's own rendezvous, which waits as long as a link may idle
+    store.set(f"present/{rank}", "1")
+    store.wait([f"present/{r}" for r in range(size)], datetime.timedelta(seconds=timeout_s))
+    options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # the devices are set here only
+    options._devices = [dist.ProcessGroupGloo.create_device(hostname=my_ip)]
+    options._timeout = IDLE_FOREVER
+    return dist.ProcessGroupGloo(store, rank, size, options)
+
+
+def ring_store(host: str, port: int, size: int, timeout_s: float = CONNECT_TIMEOUT_S) -> Any:
+    """The ring's rendezvous: hosted by the engine (``port`` 0: a free one, on its node's Ray address), joined
+    by the stages at ``host:port``."""
+    import torch.distributed as dist
+
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if port == 0:
+        return dist.TCPStore(host, 0, size, True, timeout=timeout, wait_for_workers=False)
+    return dist.TCPStore(host, port, size, False, timeout=timeout)
+
+
+HEADER_TAG, BODY_TAG = 0, 1  # a header and a body each travel in order on their own tag
+
+
+def start_send(group: Any, peer: int, kind: int, table: torch.Tensor, payload: torch.Tensor) -> list[Any]:
+    """Send a step without waiting for it: the sends' works, then the tensors they read (alive until waited)."""
+    payload = payload.contiguous()
+    shape = list(payload.shape) + [0] * (3 - payload.dim())
+    header = torch.tensor([kind, payload.dim(), *shape, DTYPES.index(payload.dtype)], dtype=torch.int64)
+    body = torch.cat([table.contiguous().view(-1).view(torch.uint8), payload.view(-1).view(torch.uint8)])
+    return [group.send([header], peer, HEADER_TAG), group.send([body], peer, BODY_TAG), header, body]
+
+
+def finish_send(sending: list[Any]) -> None:
+    for work in sending[:2]:
+        work.wait()
+
+
+class Receiver:
+    """Steps from one neighbour, in order.  The next step's header is asked for as soon as one step is read, so it
+    lands while this process computes (a gloo send completes only once its receiver asked for it)."""
+
+    def __init__(self, group: Any, peer: int) -> None:
+        self.group, self.peer = group, peer
+        self._post()
+
+    def _post(self) -> None:
+        self.header = torch.empty(HEADER, dtype=torch.int64)
+        self.asked = self.group.recv([self.header], self.peer, HEADER_TAG)
+
+    def next(self) -> tuple[int, torch.Tensor, torch.Tensor]:
+        """(kind, table [3, rows], payload): ids [rows, width], hidden [rows, width, features] or logits
+        [rows, vocab]."""
+        self.asked.wait()
+        kind, ndim, *sizes, code = (int(v) for v in self.header)
+        dtype, shape = DTYPES[code], sizes[:ndim]
+        rows = shape[0]
+        table_bytes = 3 * rows * 8
+        count = 1
+        for size in shape:
+            count *= size
+        body = torch.empty(table_bytes + count * dtype.itemsize, dtype=torch.uint8)
+        reading = self.group.recv([body], self.peer, BODY_TAG)
+        self._post()
+        reading.wait()
+        table = body[:table_bytes].view(torch.int64).view(3, rows)
+        payload = body[table_bytes:].view(dtype).view(shape)
+        return kind, table, payload
+
+    def close(self) -> None:
+        self.group = self.asked = None
+
+
+class StageLoop:
+    """A stage's side of the ring, on a thread of its actor: receive a step, ``forward`` it, send it on.  Its
+    output's send completes while it receives and computes the next step (waited before the next send)."""
+
+    def __init__(
+        self, group: Any, rank: int, size: int, forward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    ) -> None:
+        self.group: Any = group
+        self.forward = forward
+        self.previous, self.next = rank - 1, (rank + 1) % size
+        self.error: str | None = None
+        self.thread = threading.Thread(target=self._run, name="raycluster-links", daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def _run(self) -> None:
+        receiver = Receiver(self.group, self.previous)
+        sending: list[Any] = []
+        kind = KIND_LOGITS if self.next == 0 else KIND_HIDDEN
+        try:
+            while True:
+                _, table, payload = receiver.next()
+                out = self.forward(payload, table)
+                if sending:
+                    finish_send(sending)
+                sending = start_send(self.group, self.next, kind, table, out)
+        except BaseException as exc:  # a neighbour gone, or this stage's forward failed: the ring is over
+            self.error = f"{type(exc).__name__}: {exc}"
+            # dropping the group (every reference: the receiver's, the works') closes this stage's links, so its
+            # neighbours' receives fail in turn, down to the engine's: the ring ends at once instead of waiting
+            # for a step that never comes
+            receiver.close()
+            sending = []
+            self.group = None
+
+    def wait(self) -> str:
+        """Block until the loop ends; why it ended."""
+        self.thread.join()
+        return self.error or "the links loop ended"
+
+
+class LinksDown(RuntimeError):
+    """The ring broke: a stage died or failed (the engine treats it as a failed step)."""
+
+
+class DirectLinks:
+    """The engine's side of the ring: ``run(ids, table)`` sends a step to stage 0 and awaits its logits from the
+    last stage; steps in flight come back in order.  ``watch(stages)`` fails it when a stage's loop ends."""
+
+    def __init__(self, group: Any, size: int, store: Any = None) -> None:
+        self.group: Any = group
+        self.size, self.store = size, store
+        self.failure: BaseException | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._waiting: collections.deque[asyncio.Future[torch.Tensor]] = collections.deque()
+        self._lock = threading.Lock()
+        self._outbox: queue.SimpleQueue[tuple[torch.Tensor, torch.Tensor] | None] = queue.SimpleQueue()
+        self._threads = [
+            threading.Thread(target=self._send_all, name="raycluster-links-send", daemon=True),
+            threading.Thread(target=self._receive_all, name="raycluster-links-receive", daemon=True),
+        ]
+        self._watch: asyncio.Task[None] | None = None
+
+    def start(self, stages: Sequence[Any] = ()) -> None:
+        self._loop = asyncio.get_running_loop()
+        for thread in self._threads:
+            thread.start()
+        if stages:
+            self._watch = self._loop.create_task(self._watch_stages(stages))
+
+    async def run(self, ids: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+        assert self._loop is not None, "start() first"
+        if self.failure is not None:
+            raise LinksDown(str(self.failure))
+        future: asyncio.Future[torch.Tensor] = self._loop.create_future()
+        with self._lock:
+            self._waiting.append(future)
+        self._outbox.put((ids, table))
+        return await future
+
+    def _send_all(self) -> None:
+        sending: list[Any] = []
+        try:
+            while (item := self._outbox.get()) is not None:
+                if sending:
+                    finish_send(sending)
+                sending = start_send(self.group, 1, KIND_IDS, item[1], item[0])
+        except BaseException as exc:
+            sending = []
+            self._fail(exc)
+
+    def _receive_all(self) -> None:
+        receiver = Receiver(self.group, self.size - 1)
+        try:
+            while True:
+                _, _, logits = receiver.next()
+                with self._lock:
+                    future = self._waiting.popleft()
+                self._resolve(future, logits)
+        except BaseException as exc:
+            receiver.close()
+            self._fail(exc)
+
+    def _resolve(self, future: asyncio.Future[torch.Tensor], logits: torch.Tensor) -> None:
+        assert self._loop is not None
+
+        def give() -> None:
+            if not future.done():
+                future.set_result(logits)
+
+        with contextlib.suppress(RuntimeError):  # the loop closed: nobody waits any more
+            self._loop.call_soon_threadsafe(give)
+
+    def _fail(self, exc: BaseException) -> None:
+        """Every step waiting gets ``LinksDown``; later ``run``s raise at once."""
+        down = exc if isinstance(exc, LinksDown) else LinksDown(f"{type(exc).__name__}: {exc}")
+        if self.failure is None:
+            self.failure = down  # not ``exc``: its traceback holds the frames that hold the group
+        self.group = None  # the engine's links close with it (once no thread is inside a call): stage 0's loop ends
+        self._outbox.put(None)  # the sender ends, dropping its last sends' works (they hold the group too)
+        with self._lock:
+            waiting, self._waiting = list(self._waiting), collections.deque()
+        if self._loop is None:
+            return
+
+        def tell() -> None:
+            for future in waiting:
+                if not future.done():
+                    future.set_exception(down)
+
+        with contextlib.suppress(RuntimeError):
+            self._loop.call_soon_threadsafe(tell)
+
+    async def _watch_stages(self, stages: Sequence[Any]) -> None:
+        """A stage whose loop ended (or whose actor died) fails the ring at once, not at the stall deadline."""
+        refs = [stage.links_ended.remote() for stage in stages]
+        try:
+            done, _ = await asyncio.wait([asyncio.ensure_future(r) for r in refs], return_when=asyncio.FIRST_COMPLETED)
+            why = [f"{type(e).__name__}: {e}" if (e := d.exception()) else str(d.result()) for d in done]
+            self._fail(LinksDown(f"a stage's links ended: {why[0]}"))
+        except asyncio.CancelledError:
+            raise
+
+    def close(self) -> None:
+        """Stop sending (the receive thread ends when the stages are killed and its link closes)."""
+        if self._watch is not None:
+            self._watch.cancel()
+        self._fail(LinksDown("the pipeline was closed"))

@@ -1,0 +1,69 @@
+"""The step anatomy from recorded timelines: each figure read back from a timeline built with it."""
+
+from __future__ import annotations
+
+import pytest
+
+from raycluster_cli.serve.anatomy import step_anatomy
+
+
+def _pipeline(steps: int, compute: list[float], link: float, back: float, engine: float, in_flight: int):
+    """Steps sent ``in_flight`` at a time through stages of fixed ``compute`` seconds, each hand-off ``link``
+    seconds; the engine sends step n when step n - in_flight was handled."""
+    records, stages = [], [[] for _ in compute]
+    free = [0.0] * len(compute)
+    handled: dict[int, float] = {}
+    for n in range(steps):
+        sent = handled.get(n - in_flight, 0.0)
+        ready = sent
+        for i, seconds in enumerate(compute):
+            start = max(ready, free[i]) + link
+            stages[i].append((n, start, start + seconds))
+            ready = free[i] = start + seconds
+        came = ready + back
+        handled[n] = came + engine
+        records.append((n, sent, came, came + engine))
+    return records, stages
+
+
+def test_one_step_at_a_time_shows_each_hand_off_and_the_idle_stages() -> None:
+    engine, stages = _pipeline(50, [0.010, 0.020], link=0.003, back=0.004, engine=0.001, in_flight=1)
+    found = step_anatomy(engine, stages)
+    assert found is not None and found["steps"] == 50
+    assert found["round_trip_ms"] == pytest.approx(3 + 10 + 3 + 20 + 4)
+    assert [s["compute_ms"] for s in found["stages"]] == pytest.approx([10, 20])
+    assert [s["link_ms"] for s in found["stages"]] == pytest.approx([3, 3])
+    assert [s["queued_ms"] for s in found["stages"]] == [0, 0]
+    # between two steps the 20 ms stage waits for everything else: 40 + 1 - 20 = 21 ms
+    assert found["stages"][1]["idle_ms"] == pytest.approx(21)
+    assert found["stages"][1]["idle_share"] == pytest.approx(21 / 41, abs=0.01)
+    assert found["return_link_ms"] == pytest.approx(4) and found["engine_ms"] == pytest.approx(1)
+    assert found["in_flight"] == pytest.approx(1.0)  # one step out whenever any is
+
+
+def test_enough_steps_in_flight_queue_at_the_slowest_stage_which_never_idles() -> None:
+    engine, stages = _pipeline(200, [0.010, 0.020], link=0.003, back=0.004, engine=0.001, in_flight=4)
+    found = step_anatomy(engine, stages)
+    assert found is not None
+    slow = found["stages"][1]
+    assert slow["idle_ms"] == pytest.approx(3)  # only its own hand-off, every step
+    assert slow["queued_ms"] > 0 and slow["idle_share"] == pytest.approx(3 / 23, abs=0.01)
+    assert found["in_flight"] > 3
+
+
+def test_steps_in_flight_count_only_while_some_step_is_out() -> None:
+    engine, stages = _pipeline(20, [0.010, 0.010], link=0.001, back=0.001, engine=0.0, in_flight=2)
+    late = [(n + 20, s + 100.0, b + 100.0, h + 100.0) for n, s, b, h in engine]  # a second run 100 s later
+    later = [[(n + 20, a + 100.0, e + 100.0) for n, a, e in stage] for stage in stages]
+    alone = step_anatomy(engine, stages)
+    both = step_anatomy(engine + late, [a + b for a, b in zip(stages, later, strict=True)])
+    assert alone is not None and both is not None
+    assert both["in_flight"] == pytest.approx(alone["in_flight"], abs=0.01) and alone["in_flight"] > 1.5
+
+
+def test_only_steps_every_party_remembers_count() -> None:
+    engine, stages = _pipeline(20, [0.010, 0.010], link=0.001, back=0.001, engine=0.0, in_flight=1)
+    stages[0] = stages[0][5:]  # the first stage forgot its oldest steps
+    found = step_anatomy(engine[:-3], stages)
+    assert found is not None and found["steps"] == 12
+    assert step_anatomy([], stages) is None and step_anatomy(engine, [[], []]) is None

@@ -1,0 +1,118 @@
+"""Direct links (serve.links) over real gloo process groups on loopback: the engine and its stages as ranks of one
+ring in this process (each rank its own group object, as the engine's process holds one per pipeline)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+from raycluster_cli.serve.links import DirectLinks, LinksDown, StageLoop, ring_group, ring_store
+
+pytest.importorskip("torch.distributed")
+
+Forward = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def _ring(forwards: list[Forward], secret: str = "s3cret") -> tuple[list[Any], list[StageLoop]]:
+    """[the engine's group (rank 0)] and a started loop per stage (ranks 1..n), all joined on loopback."""
+    size = len(forwards) + 1
+    store = ring_store("127.0.0.1", 0, size)
+    groups: dict[int, Any] = {}
+
+    def join(rank: int) -> None:
+        mine = store if rank == 0 else ring_store("127.0.0.1", store.port, size)
+        groups[rank] = ring_group(mine, rank, size, "127.0.0.1", secret)
+
+    threads = [threading.Thread(target=join, args=(rank,)) for rank in range(size)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    loops = [StageLoop(groups[i + 1], i + 1, size, f) for i, f in enumerate(forwards)]
+    for loop in loops:
+        loop.start()
+    return [groups[0]], loops
+
+
+def _embed(ids: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    return ids.to(torch.float32)[..., None].expand(*ids.shape, 4) + table[0][:, None, None]
+
+
+def _double(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    return x * 2
+
+
+def _logits(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    return x[:, -1, :].to(torch.float16)  # [rows, vocab], in another dtype on the way back
+
+
+def test_steps_go_round_the_ring_in_order_and_come_back_as_logits() -> None:
+    engine_side, _ = _ring([_embed, _double, _logits])
+
+    async def run() -> list[torch.Tensor]:
+        links = DirectLinks(engine_side.pop(), 4)
+        links.start()
+        steps = []
+        for n in range(12):  # all in flight at once: they come back in the order they went
+            rows = 1 + n % 3
+            ids = torch.arange(rows * 2, dtype=torch.long).view(rows, 2) + n
+            table = torch.tensor([[n] * rows, [0] * rows, [2] * rows], dtype=torch.long)
+            steps.append(links.run(ids, table))
+        return list(await asyncio.gather(*steps))
+
+    for n, logits in enumerate(asyncio.run(run())):
+        rows = 1 + n % 3
+        ids = torch.arange(rows * 2, dtype=torch.long).view(rows, 2) + n
+        want = ((ids[:, -1].to(torch.float32) + n) * 2)[:, None].expand(rows, 4).to(torch.float16)
+        assert logits.dtype == torch.float16 and torch.equal(logits, want)
+
+
+def test_a_stage_that_fails_ends_the_ring_and_the_engine_hears_of_it() -> None:
+    def broken(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+        raise ValueError("slot out of range")
+
+    engine_side, loops = _ring([_embed, broken, _logits])
+
+    async def run() -> BaseException:
+        links = DirectLinks(engine_side.pop(), 4)  # the links own the engine's group: failing closes it
+        links.start()
+        ids, table = torch.zeros(1, 1, dtype=torch.long), torch.tensor([[0], [0], [1]])
+        with pytest.raises(LinksDown) as failed:
+            await asyncio.wait_for(links.run(ids, table), 30)
+        with pytest.raises(LinksDown):  # and nothing more is sent
+            await links.run(ids, table)
+        return failed.value
+
+    error = asyncio.run(run())
+    assert "closed" in str(error).lower() or "peer" in str(error).lower()
+    assert "ValueError: slot out of range" in loops[1].wait()
+    assert all(loop.wait() for loop in loops)  # every stage's loop ended: nothing is left waiting
+
+
+def test_a_rank_without_the_ring_s_secret_cannot_join_it() -> None:
+    """The store's port is open to anyone on the network; the rendezvous keys are under the engine's secret, so a
+    process that connects without it waits for keys that never come, and the engine's ring never forms with it."""
+    store = ring_store("127.0.0.1", 0, 2, timeout_s=3)
+    found: dict[str, BaseException] = {}
+
+    def join(name: str, rank: int, secret: str) -> None:
+        mine = store if rank == 0 else ring_store("127.0.0.1", store.port, 2, timeout_s=3)
+        try:
+            ring_group(mine, rank, 2, "127.0.0.1", secret, timeout_s=3)
+        except BaseException as exc:
+            found[name] = exc
+
+    threads = [
+        threading.Thread(target=join, args=("engine", 0, "the-engine-s")),
+        threading.Thread(target=join, args=("intruder", 1, "a-guess")),
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert set(found) == {"engine", "intruder"}  # neither formed a ring: each timed out waiting for the other
