@@ -53,15 +53,29 @@ def cli(*args: str, inventory: str | None = None, timeout: float = 1800, check: 
     return doc
 
 
+def machine_cpu() -> tuple[int, int]:
+    """(busy, total) jiffies of this whole machine (/proc/stat's first line): the lab's hosts share its cores."""
+    fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    idle = fields[3] + fields[4]  # idle + iowait
+    return sum(fields) - idle, sum(fields)
+
+
 def bench(inventory: str, out: Path, name: str, requests: int, extra: list[str]) -> dict[str, Any]:
     args = ["bench", "--serve", "--rates=", f"--requests={requests}", *extra]
     load_before = Path("/proc/loadavg").read_text().split()[:3]
+    cpu_before = machine_cpu()
     doc = cli(*args, f"--save-result={out / (name + '.json')}", inventory=inventory)
+    cpu_after = machine_cpu()
     (run,) = doc["runs"]
     run["load"] = {"before": load_before, "after": Path("/proc/loadavg").read_text().split()[:3]}
+    # the whole machine's CPU busy share over the bench command (its start and the service's work): near 1.0, the
+    # lab's hosts got less than their quotas, whatever the quotas say
+    spent = [a - b for a, b in zip(cpu_after, cpu_before, strict=True)]
+    run["machine_cpu_busy"] = round(spent[0] / spent[1], 3) if spent[1] else None
     print(
         f"{name}: {run['output_tokens_per_s']:.1f} tok/s, TPOT p50 {run['latency_s']['tpot']['p50']}, "
-        f"of ceiling {run['of_ceiling']}, imbalance {run['imbalance']}, load {run['load']}, stages "
+        f"of ceiling {run['of_ceiling']}, imbalance {run['imbalance']}, load {run['load']}, "
+        f"machine CPU busy {run['machine_cpu_busy']}, stages "
         f"{[(s['pipeline'], s['node_ip'], s['blocks'], round(s['busy_s'], 2)) for s in run['stages']]}, "
         f"Ray's CPU ms per step {[round(1000 * (s['cpu_s'] - s.get('forward_cpu_s', 0)) / max(1, s['steps']), 2) for s in run['stages']]}, "
         f"node CPU ÷ quota {[s.get('node_cpu_share') for s in run['stages']]}, "

@@ -125,6 +125,8 @@ def _anatomy_line(pipeline: str | None, anatomy: dict[str, Any]) -> str:
     def ms(value: Any) -> str:
         return "-" if value is None else f"{float(value):.1f}"
 
+    lag = anatomy.get("loop_lag_ms") or {}
+
     parts = [
         f"s{i} {ms(s.get('compute_ms'))}+{ms(s.get('queued_ms'))}q+{ms(s.get('link_ms'))}l"
         + (f" (idle {s['idle_share']:.0%})" if s.get("idle_share") is not None else "")
@@ -134,7 +136,8 @@ def _anatomy_line(pipeline: str | None, anatomy: dict[str, Any]) -> str:
         (f"#{pipeline} " if pipeline is not None else "")
         + f"a step (median ms over {anatomy.get('steps')}): round trip {ms(anatomy.get('round_trip_ms'))}, "
         + f"{anatomy.get('in_flight')} in flight; compute+queued+link: {', '.join(parts)}; "
-        + f"back {ms(anatomy.get('return_link_ms'))}, engine {ms(anatomy.get('engine_ms'))}"
+        + f"back {ms(anatomy.get('return_link_ms'))}, engine's loop {ms(anatomy.get('engine_wait_ms'))}"
+        + f" (lag p50 {ms(lag.get('p50'))}, p90 {ms(lag.get('p90'))}), engine {ms(anatomy.get('engine_ms'))}"
     )
 
 

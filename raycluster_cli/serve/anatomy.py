@@ -9,8 +9,11 @@ order, so the k-th forward of a stage is the engine's k-th step.  From those, pe
 - ``link``: after both its input was ready and the stage was free, until the forward began: the hand-off
   (Ray's call, the object transfer, a throttled container's wait for its CPU quota);
 - ``idle``: the stage's gap between the step before and this one (time the pipeline could have used);
-- the last stage's result back to the engine (``return_link``), and the engine's own work on it (``engine``:
-  sampling, detokenizing).
+- the last stage's result back to the engine's process (``return_link``: on direct links, until its receive
+  thread has it), the wait until the engine's event loop took it up (``engine_wait``: the loop busy with the
+  requests' streams, on the head's CPU), and the engine's own work on it (``engine``: sampling, detokenizing);
+- ``loop_lag``: how late the engine's event loop ran a timer (p50 and p90 over the last seconds), the same
+  loop's congestion seen from outside the steps.
 
 Medians over the remembered steps, in milliseconds; ``in_flight`` is the mean number of steps travelling
 while any was (Little's law: the sum of round trips over the time some step was out; idle gaps between runs
@@ -27,7 +30,7 @@ from typing import Any
 
 TIMELINE_STEPS = 512  # the steps the engine and each stage remember
 
-EngineRecord = tuple[int, float, float, float]  # step number, sent, back, handled
+EngineRecord = tuple[int, float, float, float, float]  # step number, sent, arrived, back (on the loop), handled
 StageRecord = tuple[int, float, float]  # step number, start, end
 
 
@@ -46,15 +49,18 @@ def _busy_span(intervals: list[tuple[float, float]]) -> float:
     return total
 
 
-def step_anatomy(engine: Sequence[EngineRecord], stages: Sequence[Sequence[StageRecord]]) -> dict[str, Any] | None:
+def step_anatomy(
+    engine: Sequence[EngineRecord], stages: Sequence[Sequence[StageRecord]], loop_lag: Sequence[float] = ()
+) -> dict[str, Any] | None:
     """The medians above over the steps every party still remembers; None when there are none."""
-    sent = {n: (s, b, h) for n, s, b, h in engine}
+    sent = {n: (s, b, h, a) for n, s, a, b, h in engine}
     spans: list[Mapping[int, tuple[float, float]]] = [{n: (a, e) for n, a, e in stage} for stage in stages]
     numbers = sorted(n for n in sent if all(n in span for span in spans))
     if not numbers or not spans:
         return None
     per_stage: list[dict[str, list[float]]] = [{"compute": [], "queued": [], "link": [], "idle": []} for _ in spans]
     return_link: list[float] = []
+    engine_wait: list[float] = []
     engine_work: list[float] = []
     round_trips: list[float] = []
     for n in numbers:
@@ -70,7 +76,8 @@ def step_anatomy(engine: Sequence[EngineRecord], stages: Sequence[Sequence[Stage
             if before is not None:
                 figures["idle"].append(max(0.0, start - before[1]))
             ready = end
-        return_link.append(max(0.0, sent[n][1] - ready))
+        return_link.append(max(0.0, sent[n][3] - ready))
+        engine_wait.append(max(0.0, sent[n][1] - sent[n][3]))
         engine_work.append(sent[n][2] - sent[n][1])
         round_trips.append(sent[n][1] - sent[n][0])
     span_s = _busy_span([(sent[n][0], sent[n][1]) for n in numbers])
@@ -87,5 +94,17 @@ def step_anatomy(engine: Sequence[EngineRecord], stages: Sequence[Sequence[Stage
         "in_flight": round(sum(round_trips) / span_s, 2) if span_s > 0 else None,
         "stages": stage_rows,
         "return_link_ms": _ms(return_link),
+        "engine_wait_ms": _ms(engine_wait),
         "engine_ms": _ms(engine_work),
+        "loop_lag_ms": _lag(loop_lag),
+    }
+
+
+def _lag(values: Sequence[float]) -> dict[str, float] | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return {
+        "p50": round(ordered[len(ordered) // 2] * 1000, 3),
+        "p90": round(ordered[min(len(ordered) - 1, int(len(ordered) * 0.9))] * 1000, 3),
     }

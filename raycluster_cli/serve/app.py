@@ -164,7 +164,7 @@ async def _add_counters(rows: list[dict[str, Any]], stages: list[list[Any]], eng
         counters, timelines = answer
         for stage, values in zip(row.get("stages", []), counters, strict=False):
             stage.update(values)
-        row["anatomy"] = step_anatomy(list(engine.recent), timelines)
+        row["anatomy"] = step_anatomy(list(engine.recent), timelines, list(engine.loop_lag))
 
 
 app = FastAPI(title="raycluster serve")

@@ -26,6 +26,9 @@ from raycluster_cli.serve.text import Sampling, TextStream, sample
 
 __all__ = ["Engine", "EngineDown", "Output", "QueueFull", "Resume"]
 
+LAG_PERIOD_S = 0.05  # the loop-lag sampler's period: 20 wake-ups a second
+LAG_SAMPLES = 200  # the last 10 s of them
+
 
 class EngineDown(RuntimeError):
     """A stage failed: the engine answers no more requests (the service says 503)."""
@@ -92,24 +95,38 @@ class Engine:
         self.last_step_at = 0.0
         self._sent_at = 0.0
         self._steps_sent = itertools.count()  # a step's number: the stages count theirs in the same order
-        # (number, sent, back, handled) wall times of the last steps (serve.anatomy)
-        self.recent: deque[tuple[int, float, float, float]] = deque(maxlen=TIMELINE_STEPS)
+        # (number, sent, arrived, back, handled) wall times of the last steps (serve.anatomy)
+        self.recent: deque[tuple[int, float, float, float, float]] = deque(maxlen=TIMELINE_STEPS)
+        # how late this loop ran a timer, the last LAG_SAMPLES times (sampled every LAG_PERIOD_S)
+        self.loop_lag: deque[float] = deque(maxlen=LAG_SAMPLES)
         self._ids = itertools.count()
         self._wake = asyncio.Event()
         self._in_flight = 0  # steps sent and not yet back (counted by the steps themselves: no lost wake-up)
         self._tasks: set[asyncio.Task[None]] = set()  # strong references, so running steps are not collected
         self._loop_task: asyncio.Task[None] | None = None
+        self._lag_task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
-        self._loop_task = asyncio.get_running_loop().create_task(self._loop())
+        loop = asyncio.get_running_loop()
+        self._loop_task = loop.create_task(self._loop())
+        self._lag_task = loop.create_task(self._watch_lag())
+
+    async def _watch_lag(self) -> None:
+        """How late the loop wakes a sleeper: a busy loop (many streams, the GIL held by other threads) delays
+        every step's hand-back by as much."""
+        while True:
+            due = time.perf_counter() + LAG_PERIOD_S
+            await asyncio.sleep(LAG_PERIOD_S)
+            self.loop_lag.append(max(0.0, time.perf_counter() - due))
 
     @property
     def transport(self) -> str:
         return "direct" if self.links is not None else "ray"
 
     async def close(self) -> None:
-        if self._loop_task is not None:
-            self._loop_task.cancel()
+        for task in (self._loop_task, self._lag_task):
+            if task is not None:
+                task.cancel()
         if self.links is not None:
             self.links.close()
 
@@ -219,17 +236,18 @@ class Engine:
             ids, table = step_inputs(chunks)
             logits: torch.Tensor
             if self.links is not None:
-                logits = await self.links.run(ids, table)
+                logits, arrived = await self.links.run(ids, table)
+                back = time.time()
             else:
                 ref: Any = ids
                 for stage in self.stages:
                     ref = stage.forward.remote(ref, table)
                 logits = await ref
-            back = time.time()
+                back = arrived = time.time()
             self.steps_done += 1
             self.last_step_at = time.monotonic()
             self._finish_step(chunks, logits)
-            self.recent.append((number, sent, back, time.time()))
+            self.recent.append((number, sent, arrived, back, time.time()))
         except Exception as exc:  # a stage died or failed: every request in flight gets the error
             self._fail(exc)
         finally:

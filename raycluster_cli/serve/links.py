@@ -12,9 +12,15 @@ message per hop, no Ray call per step; Ray still places, watches and kills the s
 bound to the node's Ray address (``create_device(hostname=ip)``), never to whatever the host name resolves
 to, so on hosts with several NICs the links take the network Ray uses.
 
-A message is a header (int64 ``[kind, ndim, shape padded to 3, dtype]``), then one uint8 buffer: the
-``[3, rows]`` table (slot, start, length per row) followed by the payload (token ids, hidden states or
-logits).  Steps come out in the order they went in (one link per pair of neighbours, in order), which the step
+A step is one message of bytes: a header (int64 ``[kind, ndim, shape padded to 3, dtype, rows, big]``), the
+``[3, rows]`` table (slot, start, length per row), then the payload (token ids, hidden states or logits).  A
+receiver always has its next receive posted, into a buffer of the ring's ``capacity`` (agreed when it forms:
+the largest decode step of the model, ``link_capacity``), so a sender finds it waiting and sends at once: one
+message, no exchange between the two processes before the bytes move (gloo sends only into a posted receive;
+with a header and then a body of its size, the body waited for the receiver's thread to read the header, take
+the GIL and post it — 6-9 ms per hop on a busy head or a throttled host).  A step larger than ``capacity`` (a
+prompt's chunk of a large model) sends its header alone, flagged ``big``, and its body after it on a tag of
+its own.  Steps come out in the order they went in (one link per pair of neighbours, in order), which the step
 anatomy relies on as the relay does.
 
 When a link breaks (a stage died: its connections close at once) the stage's loop ends and the next stage's
@@ -31,12 +37,14 @@ import contextlib
 import datetime
 import queue
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
-HEADER = 6  # kind, the payload's ndim, its shape padded to 3, its dtype
+HEADER = 8  # kind, the payload's ndim, its shape padded to 3, its dtype, the table's rows, big (its body follows)
+HEADER_BYTES = HEADER * 8
 KIND_IDS, KIND_HIDDEN, KIND_LOGITS = 0, 1, 2
 DTYPES = [torch.int64, torch.float32, torch.float16, torch.bfloat16]
 # A link waits for the next step for as long as the service is idle: its receive must not time out.
@@ -77,56 +85,78 @@ def ring_store(host: str, port: int, size: int, timeout_s: float = CONNECT_TIMEO
     return dist.TCPStore(host, port, size, False, timeout=timeout)
 
 
-HEADER_TAG, BODY_TAG = 0, 1  # a header and a body each travel in order on their own tag
+MESSAGE_TAG, BODY_TAG = 0, 1  # steps travel in order on the first tag; a big step's body on the second
+MIN_CAPACITY = 64 * 1024
 
 
-def start_send(group: Any, peer: int, kind: int, table: torch.Tensor, payload: torch.Tensor) -> list[Any]:
-    """Send a step without waiting for it: the sends' works, then the tensors they read (alive until waited)."""
+def link_capacity(rows: int, hidden: int, vocab: int, itemsize: int = 4) -> int:
+    """The bytes a ring's receivers post for each message: a decode step of ``rows`` rows (one token each) from
+    any rank, hidden states or logits, fits.  Only the touched pages of a receive buffer are ever mapped."""
+    return max(MIN_CAPACITY, HEADER_BYTES + 3 * rows * 8 + rows * max(hidden, vocab) * itemsize)
+
+
+Sending = tuple[list[Any], list[torch.Tensor]]  # a send's works, and the tensors they read (alive until waited)
+
+
+def start_send(group: Any, peer: int, kind: int, table: torch.Tensor, payload: torch.Tensor, capacity: int) -> Sending:
+    """Send a step without waiting for it."""
     payload = payload.contiguous()
+    table = table.contiguous()
+    rows = table.shape[1]
+    size = HEADER_BYTES + table.numel() * 8 + payload.numel() * payload.element_size()
+    big = size > capacity
     shape = list(payload.shape) + [0] * (3 - payload.dim())
-    header = torch.tensor([kind, payload.dim(), *shape, DTYPES.index(payload.dtype)], dtype=torch.int64)
-    body = torch.cat([table.contiguous().view(-1).view(torch.uint8), payload.view(-1).view(torch.uint8)])
-    return [group.send([header], peer, HEADER_TAG), group.send([body], peer, BODY_TAG), header, body]
+    header = torch.tensor([kind, payload.dim(), *shape, DTYPES.index(payload.dtype), rows, int(big)], dtype=torch.int64)
+    parts = [header.view(torch.uint8), table.view(-1).view(torch.uint8), payload.view(-1).view(torch.uint8)]
+    if big:
+        body = torch.cat(parts[1:])
+        return [group.send([header], peer, MESSAGE_TAG), group.send([body], peer, BODY_TAG)], [header, body]
+    message = torch.cat(parts)
+    return [group.send([message], peer, MESSAGE_TAG)], [message]
 
 
-def finish_send(sending: list[Any]) -> None:
-    for work in sending[:2]:
-        work.wait()
+def finish_send(sending: Sending | None) -> None:
+    if sending is not None:
+        for work in sending[0]:
+            work.wait()
 
 
 class Receiver:
-    """Steps from one neighbour, in order.  The next step's header is asked for as soon as one step is read, so it
-    lands while this process computes (a gloo send completes only once its receiver asked for it)."""
+    """Steps from one neighbour, in order.  The next message's receive is posted as soon as one is read, so the
+    next step lands while this process computes, without this thread's help (see the module's docstring)."""
 
-    def __init__(self, group: Any, peer: int) -> None:
-        self.group, self.peer = group, peer
+    def __init__(self, group: Any, peer: int, capacity: int) -> None:
+        self.group, self.peer, self.capacity = group, peer, capacity
         self._post()
 
     def _post(self) -> None:
-        self.header = torch.empty(HEADER, dtype=torch.int64)
-        self.asked = self.group.recv([self.header], self.peer, HEADER_TAG)
+        self.buffer: torch.Tensor | None = torch.empty(self.capacity, dtype=torch.uint8)
+        self.asked = self.group.recv([self.buffer], self.peer, MESSAGE_TAG)
 
     def next(self) -> tuple[int, torch.Tensor, torch.Tensor]:
         """(kind, table [3, rows], payload): ids [rows, width], hidden [rows, width, features] or logits
         [rows, vocab]."""
         self.asked.wait()
-        kind, ndim, *sizes, code = (int(v) for v in self.header)
+        message = self.buffer
+        assert message is not None, "closed"
+        kind, ndim, *sizes, code, rows, big = (int(v) for v in message[:HEADER_BYTES].view(torch.int64))
         dtype, shape = DTYPES[code], sizes[:ndim]
-        rows = shape[0]
         table_bytes = 3 * rows * 8
         count = 1
         for size in shape:
             count *= size
-        body = torch.empty(table_bytes + count * dtype.itemsize, dtype=torch.uint8)
-        reading = self.group.recv([body], self.peer, BODY_TAG)
         self._post()
-        reading.wait()
+        if big:
+            body = torch.empty(table_bytes + count * dtype.itemsize, dtype=torch.uint8)
+            self.group.recv([body], self.peer, BODY_TAG).wait()
+        else:
+            body = message[HEADER_BYTES : HEADER_BYTES + table_bytes + count * dtype.itemsize]
         table = body[:table_bytes].view(torch.int64).view(3, rows)
         payload = body[table_bytes:].view(dtype).view(shape)
         return kind, table, payload
 
     def close(self) -> None:
-        self.group = self.asked = None
+        self.group = self.asked = self.buffer = None
 
 
 class StageLoop:
@@ -134,9 +164,15 @@ class StageLoop:
     output's send completes while it receives and computes the next step (waited before the next send)."""
 
     def __init__(
-        self, group: Any, rank: int, size: int, forward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+        self,
+        group: Any,
+        rank: int,
+        size: int,
+        forward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+        capacity: int = MIN_CAPACITY,
     ) -> None:
         self.group: Any = group
+        self.capacity = capacity
         self.forward = forward
         self.previous, self.next = rank - 1, (rank + 1) % size
         self.error: str | None = None
@@ -146,23 +182,22 @@ class StageLoop:
         self.thread.start()
 
     def _run(self) -> None:
-        receiver = Receiver(self.group, self.previous)
-        sending: list[Any] = []
+        receiver = Receiver(self.group, self.previous, self.capacity)
+        sending: Sending | None = None
         kind = KIND_LOGITS if self.next == 0 else KIND_HIDDEN
         try:
             while True:
                 _, table, payload = receiver.next()
                 out = self.forward(payload, table)
-                if sending:
-                    finish_send(sending)
-                sending = start_send(self.group, self.next, kind, table, out)
+                finish_send(sending)
+                sending = start_send(self.group, self.next, kind, table, out, self.capacity)
         except BaseException as exc:  # a neighbour gone, or this stage's forward failed: the ring is over
             self.error = f"{type(exc).__name__}: {exc}"
             # dropping the group (every reference: the receiver's, the works') closes this stage's links, so its
             # neighbours' receives fail in turn, down to the engine's: the ring ends at once instead of waiting
             # for a step that never comes
             receiver.close()
-            sending = []
+            sending = None
             self.group = None
 
     def wait(self) -> str:
@@ -179,12 +214,12 @@ class DirectLinks:
     """The engine's side of the ring: ``run(ids, table)`` sends a step to stage 0 and awaits its logits from the
     last stage; steps in flight come back in order.  ``watch(stages)`` fails it when a stage's loop ends."""
 
-    def __init__(self, group: Any, size: int, store: Any = None) -> None:
+    def __init__(self, group: Any, size: int, store: Any = None, capacity: int = MIN_CAPACITY) -> None:
         self.group: Any = group
-        self.size, self.store = size, store
+        self.size, self.store, self.capacity = size, store, capacity
         self.failure: BaseException | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._waiting: collections.deque[asyncio.Future[torch.Tensor]] = collections.deque()
+        self._waiting: collections.deque[asyncio.Future[tuple[torch.Tensor, float]]] = collections.deque()
         self._lock = threading.Lock()
         self._outbox: queue.SimpleQueue[tuple[torch.Tensor, torch.Tensor] | None] = queue.SimpleQueue()
         self._threads = [
@@ -200,45 +235,47 @@ class DirectLinks:
         if stages:
             self._watch = self._loop.create_task(self._watch_stages(stages))
 
-    async def run(self, ids: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    async def run(self, ids: torch.Tensor, table: torch.Tensor) -> tuple[torch.Tensor, float]:
+        """The step's logits, and the wall time its receive thread had them (the engine's loop takes them up
+        later: the difference is the loop's wait, in the step anatomy)."""
         assert self._loop is not None, "start() first"
         if self.failure is not None:
             raise LinksDown(str(self.failure))
-        future: asyncio.Future[torch.Tensor] = self._loop.create_future()
+        future: asyncio.Future[tuple[torch.Tensor, float]] = self._loop.create_future()
         with self._lock:
             self._waiting.append(future)
         self._outbox.put((ids, table))
         return await future
 
     def _send_all(self) -> None:
-        sending: list[Any] = []
+        sending: Sending | None = None
         try:
             while (item := self._outbox.get()) is not None:
-                if sending:
-                    finish_send(sending)
-                sending = start_send(self.group, 1, KIND_IDS, item[1], item[0])
+                finish_send(sending)
+                sending = start_send(self.group, 1, KIND_IDS, item[1], item[0], self.capacity)
         except BaseException as exc:
-            sending = []
+            sending = None
             self._fail(exc)
 
     def _receive_all(self) -> None:
-        receiver = Receiver(self.group, self.size - 1)
+        receiver = Receiver(self.group, self.size - 1, self.capacity)
         try:
             while True:
                 _, _, logits = receiver.next()
+                arrived = time.time()
                 with self._lock:
                     future = self._waiting.popleft()
-                self._resolve(future, logits)
+                self._resolve(future, (logits, arrived))
         except BaseException as exc:
             receiver.close()
             self._fail(exc)
 
-    def _resolve(self, future: asyncio.Future[torch.Tensor], logits: torch.Tensor) -> None:
+    def _resolve(self, future: asyncio.Future[tuple[torch.Tensor, float]], result: tuple[torch.Tensor, float]) -> None:
         assert self._loop is not None
 
         def give() -> None:
             if not future.done():
-                future.set_result(logits)
+                future.set_result(result)
 
         with contextlib.suppress(RuntimeError):  # the loop closed: nobody waits any more
             self._loop.call_soon_threadsafe(give)

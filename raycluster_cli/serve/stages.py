@@ -24,7 +24,7 @@ from raycluster_cli.bench.partition import Ranges, even_partition, manual_partit
 from raycluster_cli.bench.pipeline import WORKER_ENV, gpu_shares, node_cpu_count, node_ip, pick_device
 from raycluster_cli.serve.anatomy import TIMELINE_STEPS
 from raycluster_cli.serve.batched import BatchedStage
-from raycluster_cli.serve.links import StageLoop, ring_group, ring_store
+from raycluster_cli.serve.links import MIN_CAPACITY, StageLoop, ring_group, ring_store
 
 
 def split_units(layers: int, stages: int, split: Sequence[int] | str | None = None) -> Ranges:
@@ -75,13 +75,16 @@ class _StageActor:
             return list(self.recent)
 
     @ray.method(concurrency_group="links")
-    def start_links(self, host: str, port: int, rank: int, size: int, secret: str = "") -> str:
+    def start_links(
+        self, host: str, port: int, rank: int, size: int, secret: str = "", capacity: int = MIN_CAPACITY
+    ) -> str:
         """Join the pipeline's ring of direct links (``serve.links``; rank 0 is the engine at ``host:port``) and
         serve steps from it on a thread; returns once the ring has formed (``secret``: the ring's, from the
-        engine).  The address this stage's links bind to: its node's Ray address."""
+        engine; ``capacity``: the ring's message size, ``serve.links.link_capacity``).  The address this stage's
+        links bind to: its node's Ray address."""
         ip = node_ip(self.node_id)
         group = ring_group(ring_store(host, port, size), rank, size, ip, secret)
-        self.links = StageLoop(group, rank, size, self.forward)
+        self.links = StageLoop(group, rank, size, self.forward, capacity)
         self.links.start()
         return ip
 

@@ -7,9 +7,12 @@ import pytest
 from raycluster_cli.serve.anatomy import step_anatomy
 
 
-def _pipeline(steps: int, compute: list[float], link: float, back: float, engine: float, in_flight: int):
+def _pipeline(
+    steps: int, compute: list[float], link: float, back: float, engine: float, in_flight: int, wait: float = 0.0
+):
     """Steps sent ``in_flight`` at a time through stages of fixed ``compute`` seconds, each hand-off ``link``
-    seconds; the engine sends step n when step n - in_flight was handled."""
+    seconds, ``wait`` seconds between the result's arrival and the engine's loop taking it up; the engine sends
+    step n when step n - in_flight was handled."""
     records, stages = [], [[] for _ in compute]
     free = [0.0] * len(compute)
     handled: dict[int, float] = {}
@@ -20,9 +23,10 @@ def _pipeline(steps: int, compute: list[float], link: float, back: float, engine
             start = max(ready, free[i]) + link
             stages[i].append((n, start, start + seconds))
             ready = free[i] = start + seconds
-        came = ready + back
+        arrived = ready + back
+        came = arrived + wait
         handled[n] = came + engine
-        records.append((n, sent, came, came + engine))
+        records.append((n, sent, arrived, came, came + engine))
     return records, stages
 
 
@@ -53,7 +57,9 @@ def test_enough_steps_in_flight_queue_at_the_slowest_stage_which_never_idles() -
 
 def test_steps_in_flight_count_only_while_some_step_is_out() -> None:
     engine, stages = _pipeline(20, [0.010, 0.010], link=0.001, back=0.001, engine=0.0, in_flight=2)
-    late = [(n + 20, s + 100.0, b + 100.0, h + 100.0) for n, s, b, h in engine]  # a second run 100 s later
+    late = [
+        (n + 20, s + 100.0, a + 100.0, b + 100.0, h + 100.0) for n, s, a, b, h in engine
+    ]  # a second run 100 s later
     later = [[(n + 20, a + 100.0, e + 100.0) for n, a, e in stage] for stage in stages]
     alone = step_anatomy(engine, stages)
     both = step_anatomy(engine + late, [a + b for a, b in zip(stages, later, strict=True)])
@@ -67,3 +73,13 @@ def test_only_steps_every_party_remembers_count() -> None:
     found = step_anatomy(engine[:-3], stages)
     assert found is not None and found["steps"] == 12
     assert step_anatomy([], stages) is None and step_anatomy(engine, [[], []]) is None
+
+
+def test_the_engine_loops_wait_is_told_apart_from_the_link_back() -> None:
+    engine, stages = _pipeline(40, [0.010, 0.010], link=0.001, back=0.002, engine=0.001, in_flight=2, wait=0.006)
+    found = step_anatomy(engine, stages, loop_lag=[0.001] * 9 + [0.020])
+    assert found is not None
+    assert found["return_link_ms"] == pytest.approx(2) and found["engine_wait_ms"] == pytest.approx(6)
+    assert found["round_trip_ms"] == pytest.approx(1 + 10 + 1 + 10 + 2 + 6)
+    assert found["loop_lag_ms"] == {"p50": pytest.approx(1), "p90": pytest.approx(20)}
+    assert step_anatomy(engine, stages)["loop_lag_ms"] is None  # type: ignore[index]

@@ -5,20 +5,32 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
 
-from raycluster_cli.serve.links import DirectLinks, LinksDown, StageLoop, ring_group, ring_store
+from raycluster_cli.serve.links import (
+    HEADER_BYTES,
+    MIN_CAPACITY,
+    DirectLinks,
+    LinksDown,
+    StageLoop,
+    link_capacity,
+    ring_group,
+    ring_store,
+)
 
 pytest.importorskip("torch.distributed")
 
 Forward = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-def _ring(forwards: list[Forward], secret: str = "s3cret") -> tuple[list[Any], list[StageLoop]]:
+def _ring(
+    forwards: list[Forward], secret: str = "s3cret", capacity: int = MIN_CAPACITY
+) -> tuple[list[Any], list[StageLoop]]:
     """[the engine's group (rank 0)] and a started loop per stage (ranks 1..n), all joined on loopback."""
     size = len(forwards) + 1
     store = ring_store("127.0.0.1", 0, size)
@@ -33,7 +45,7 @@ def _ring(forwards: list[Forward], secret: str = "s3cret") -> tuple[list[Any], l
         thread.start()
     for thread in threads:
         thread.join(60)
-    loops = [StageLoop(groups[i + 1], i + 1, size, f) for i, f in enumerate(forwards)]
+    loops = [StageLoop(groups[i + 1], i + 1, size, f, capacity) for i, f in enumerate(forwards)]
     for loop in loops:
         loop.start()
     return [groups[0]], loops
@@ -51,11 +63,15 @@ def _logits(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     return x[:, -1, :].to(torch.float16)  # [rows, vocab], in another dtype on the way back
 
 
-def test_steps_go_round_the_ring_in_order_and_come_back_as_logits() -> None:
-    engine_side, _ = _ring([_embed, _double, _logits])
+# the ring's message size: every step fits in one message; or 150 bytes, so steps of 3 rows (and hidden states of 2)
+# send their header alone and their body after it, between steps that fit, in the same order
+@pytest.mark.parametrize("capacity", [MIN_CAPACITY, 150])
+def test_steps_go_round_the_ring_in_order_and_come_back_as_logits(capacity: int) -> None:
+    assert HEADER_BYTES + 3 * 8 * 2 + 2 * 8 * 2 < 150 < HEADER_BYTES + 3 * 8 * 3 + 3 * 8 * 2  # ids of 2 rows fit, 3 not
+    engine_side, _ = _ring([_embed, _double, _logits], capacity=capacity)
 
-    async def run() -> list[torch.Tensor]:
-        links = DirectLinks(engine_side.pop(), 4)
+    async def run() -> list[tuple[torch.Tensor, float]]:
+        links = DirectLinks(engine_side.pop(), 4, capacity=capacity)
         links.start()
         steps = []
         for n in range(12):  # all in flight at once: they come back in the order they went
@@ -65,11 +81,21 @@ def test_steps_go_round_the_ring_in_order_and_come_back_as_logits() -> None:
             steps.append(links.run(ids, table))
         return list(await asyncio.gather(*steps))
 
-    for n, logits in enumerate(asyncio.run(run())):
+    began = time.time()
+    results = asyncio.run(run())
+    arrivals = [arrived for _, arrived in results]
+    assert arrivals == sorted(arrivals) and began <= arrivals[0] <= time.time()  # the receive thread's clock, in order
+    for n, (logits, _) in enumerate(results):
         rows = 1 + n % 3
         ids = torch.arange(rows * 2, dtype=torch.long).view(rows, 2) + n
         want = ((ids[:, -1].to(torch.float32) + n) * 2)[:, None].expand(rows, 4).to(torch.float16)
         assert logits.dtype == torch.float16 and torch.equal(logits, want)
+
+
+def test_a_ring_s_capacity_holds_a_decode_step_of_its_most_rows() -> None:
+    # 48 rows of Llama-3-8B's logits (128256 of them, float32) fit one message; a tiny model gets the floor
+    assert link_capacity(48, 4096, 128256) == HEADER_BYTES + 3 * 48 * 8 + 48 * 128256 * 4
+    assert link_capacity(1, 8, 16) == MIN_CAPACITY
 
 
 def test_a_stage_that_fails_ends_the_ring_and_the_engine_hears_of_it() -> None:
