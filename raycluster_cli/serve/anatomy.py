@@ -8,7 +8,8 @@ order, so the k-th forward of a stage is the engine's k-th step.  From those, pe
 - ``queued``: its input was ready but the stage was still busy with the step before;
 - ``link``: after both its input was ready and the stage was free, until the forward began: the hand-off
   (Ray's call, the object transfer, a throttled container's wait for its CPU quota);
-- ``idle``: the stage's gap between the step before and this one (time the pipeline could have used);
+- ``idle``: the stage's gap between the step before and this one (time the pipeline could have used), only
+  while some step was out or being handled (between two benchmark runs, say, nothing was asked of it);
 - the last stage's result back to the engine's process (``return_link``: on direct links, until its receive
   thread has it), the wait until the engine's event loop took it up (``engine_wait``: the loop busy with the
   requests' streams, on the head's CPU), and the engine's own work on it (``engine``: sampling, detokenizing);
@@ -24,6 +25,7 @@ Pure: no Ray here.
 
 from __future__ import annotations
 
+import bisect
 import statistics
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -38,14 +40,30 @@ def _ms(values: list[float]) -> float | None:
     return round(statistics.median(values) * 1000, 3) if values else None
 
 
+def _merged(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """``intervals`` as disjoint ones, in order."""
+    merged: list[tuple[float, float]] = []
+    for begin, finish in sorted(intervals):
+        if merged and begin <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], finish))
+        else:
+            merged.append((begin, finish))
+    return merged
+
+
 def _busy_span(intervals: list[tuple[float, float]]) -> float:
     """Seconds during which at least one of ``intervals`` was open (the gaps between runs do not count)."""
-    total, end = 0.0, float("-inf")
-    for begin, finish in sorted(intervals):
-        if finish <= end:
-            continue
-        total += finish - max(begin, end)
-        end = finish
+    return sum(finish - begin for begin, finish in _merged(intervals))
+
+
+def _within(begin: float, finish: float, merged: list[tuple[float, float]]) -> float:
+    """Seconds of [begin, finish] that fall inside the disjoint ``merged`` intervals."""
+    index = max(0, bisect.bisect_right(merged, (begin, float("inf"))) - 1)
+    total = 0.0
+    for low, high in merged[index:]:
+        if low >= finish:
+            break
+        total += max(0.0, min(high, finish) - max(low, begin))
     return total
 
 
@@ -58,6 +76,7 @@ def step_anatomy(
     numbers = sorted(n for n in sent if all(n in span for span in spans))
     if not numbers or not spans:
         return None
+    out = _merged([(sent[n][0], sent[n][2]) for n in numbers])  # while some step was out or being handled
     per_stage: list[dict[str, list[float]]] = [{"compute": [], "queued": [], "link": [], "idle": []} for _ in spans]
     return_link: list[float] = []
     engine_wait: list[float] = []
@@ -74,7 +93,7 @@ def step_anatomy(
             figures["queued"].append(max(0.0, free - ready))
             figures["link"].append(max(0.0, start - max(ready, free)))
             if before is not None:
-                figures["idle"].append(max(0.0, start - before[1]))
+                figures["idle"].append(_within(before[1], start, out))
             ready = end
         return_link.append(max(0.0, sent[n][3] - ready))
         engine_wait.append(max(0.0, sent[n][1] - sent[n][3]))

@@ -65,6 +65,10 @@ def test_steps_in_flight_count_only_while_some_step_is_out() -> None:
     both = step_anatomy(engine + late, [a + b for a, b in zip(stages, later, strict=True)])
     assert alone is not None and both is not None
     assert both["in_flight"] == pytest.approx(alone["in_flight"], abs=0.01) and alone["in_flight"] > 1.5
+    # nor do the 100 s between the runs count as the stages' idle time: each run alone idles its stages 0.12 of
+    # the time; together 0.15 (the first run's last step going round, while the next run has not begun, counts)
+    assert [s["idle_share"] for s in alone["stages"]] == pytest.approx([0.123, 0.123], abs=0.01)
+    assert [s["idle_share"] for s in both["stages"]] == pytest.approx([0.147, 0.147], abs=0.01)
 
 
 def test_only_steps_every_party_remembers_count() -> None:
