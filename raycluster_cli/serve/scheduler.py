@@ -6,7 +6,11 @@ fills the rest of a token budget with prompt chunks of at most ``prefill_chunk``
 prompt is fed over several steps while the decodes keep moving.  A request waiting for a KV slot is
 admitted at the next step that finds one free; a sequence that ends (EOS, its token limit, the
 context limit, or a stop string the engine saw) gives its slot back at once.  Several steps may be in
-flight through the pipeline; a sequence is in at most one of them (``busy``).
+flight through the pipeline.  A decoding sequence is in at most one of them (its next token needs the step
+before); a prompt's chunks go in consecutive steps without waiting for each other to come back (``scheduled``
+runs ahead of ``computed``): the stages run a pipeline's steps in the order they were sent, so each stage writes
+a chunk's KV cache before the next chunk reads it, and a prompt of k chunks costs one round trip and k - 1 steps
+instead of k round trips.
 """
 
 from __future__ import annotations
@@ -27,15 +31,25 @@ class SeqState:
     prompt: list[int]
     max_new_tokens: int
     slot: int = -1
-    computed: int = 0
+    computed: int = 0  # tokens in the KV cache: of steps that came back
+    scheduled: int = 0  # prompt tokens handed to steps (ahead of ``computed`` while chunks travel)
     generated: list[int] = field(default_factory=list)
-    busy: bool = False
+    in_flight: int = 0  # steps travelling with a chunk of this sequence
     finish_reason: str | None = None
     ignore_eos: bool = False
 
     @property
     def in_prefill(self) -> bool:
         return self.computed < len(self.prompt)
+
+    @property
+    def busy(self) -> bool:
+        return self.in_flight > 0
+
+    @property
+    def prompt_left(self) -> int:
+        """Prompt tokens not yet handed to a step."""
+        return len(self.prompt) - max(self.scheduled, self.computed)
 
 
 @dataclass(frozen=True)
@@ -140,36 +154,33 @@ class Scheduler:
         """Sequences that hold a slot or will get one at the next step."""
         return len(self.running) + min(len(self.waiting), len(self.free_slots))
 
-    def schedule(self, max_rows: int = 0) -> list[Chunk]:
+    def schedule(self, max_rows: int = 0, max_tokens: int = 0) -> list[Chunk]:
         """The next step: every idle decoding sequence's token, then prompt chunks within the budget.
 
         ``max_rows`` (0: no cap) splits the sequences over several steps in flight, so that every stage
-        of the pipeline has a step to work on instead of one step carrying them all."""
+        of the pipeline has a step to work on instead of one step carrying them all.  ``max_tokens`` (0: the
+        limits' ``step_tokens``) caps this step's tokens below that."""
         self._admit()
-        budget = self.limits.step_tokens
+        budget = min(self.limits.step_tokens, max_tokens or self.limits.step_tokens)
         rows = max_rows or self.limits.slots
         chunks: list[Chunk] = []
-        idle = [seq for seq in self.running.values() if not seq.busy]
-        for seq in idle:
-            if not seq.in_prefill and budget > 0 and len(chunks) < rows:
+        running = list(self.running.values())
+        for seq in running:
+            if not seq.busy and not seq.in_prefill and budget > 0 and len(chunks) < rows:
                 chunks.append(Chunk(seq.request_id, seq.slot, seq.computed, (seq.generated[-1],), True))
                 budget -= 1
-        for seq in idle:
-            if seq.in_prefill and budget > 0 and len(chunks) < rows:
-                size = min(self.limits.prefill_chunk, len(seq.prompt) - seq.computed, budget)
-                end = seq.computed + size
+        for seq in running:
+            if seq.prompt_left > 0 and seq.finish_reason is None and budget > 0 and len(chunks) < rows:
+                start = max(seq.scheduled, seq.computed)
+                size = min(self.limits.prefill_chunk, seq.prompt_left, budget)
+                end = start + size
                 chunks.append(
-                    Chunk(
-                        seq.request_id,
-                        seq.slot,
-                        seq.computed,
-                        tuple(seq.prompt[seq.computed : end]),
-                        end == len(seq.prompt),
-                    )
+                    Chunk(seq.request_id, seq.slot, start, tuple(seq.prompt[start:end]), end == len(seq.prompt))
                 )
+                seq.scheduled = end
                 budget -= size
         for chunk in chunks:
-            self.running[chunk.request_id].busy = True
+            self.running[chunk.request_id].in_flight += 1
         return chunks
 
     def _admit(self) -> None:
@@ -185,9 +196,10 @@ class Scheduler:
             seq = self.running.get(chunk.request_id)
             if seq is None:  # aborted while its step was in flight
                 continue
-            seq.busy = False
-            if seq.finish_reason is not None:  # finished while in flight: its slot can go now
-                self._release(seq)
+            seq.in_flight -= 1
+            if seq.finish_reason is not None:  # finished while in flight: its slot can go once no step holds it
+                if not seq.busy:
+                    self._release(seq)
                 continue
             seq.computed += len(chunk.tokens)
             if not chunk.samples:

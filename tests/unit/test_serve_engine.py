@@ -197,3 +197,41 @@ def test_a_full_pipeline_carries_slots_rows_in_every_step_in_flight(
     done = asyncio.run(run())
     assert all(len(tokens) == 12 for tokens in done)
     assert max(rows) == want and sorted(rows)[len(rows) // 2] == want, rows  # the median step is full
+
+
+def test_a_prompt_arriving_among_decodes_is_cut_to_the_steps_around_it(checkpoint: Path) -> None:
+    """Under a steady load a new prompt's whole chunk went into one step among steps of a few decodes, which then
+    cost each stage several times the others: the steps behind it queued and the stages before it idled (session
+    28: 0.55 of the pipeline's ceiling held at 32 requests).  Now a step carries no more than the heaviest step in
+    flight, or its decodes and a third of a chunk (three steps in flight), and the prompt's pieces follow each
+    other in consecutive steps."""
+    tokens: list[int] = []
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(checkpoint))
+
+    class _Counting(_TimedStage):
+        def remote(self, x: Any, table: Any) -> Any:
+            tokens.append(int(table[2].sum()))
+            return super().remote(x, table)
+
+    stages = [_Counting(0.004), _TimedStage(0.004), _TimedStage(0.004, None, len(tokenizer))]
+    limits = Limits(slots=4, max_seq=64, step_tokens=64, prefill_chunk=16).for_steps(3)
+
+    async def run() -> tuple[list[list[int]], int]:
+        engine = Engine(stages, tokenizer, limits, frozenset())
+        engine.start()
+        sampling = Sampling(temperature=0, ignore_eos=True)
+        running = [asyncio.ensure_future(_tokens(engine.generate([9, 10], 24, sampling))) for _ in range(3)]
+        await asyncio.sleep(0.06)  # they decode, three steps in flight, when three long prompts come at once
+        before = len(tokens)
+        late = [asyncio.ensure_future(_tokens(engine.generate(list(range(3, 19)), 4, sampling))) for _ in range(3)]
+        done = await asyncio.gather(*running, *late)
+        await engine.close()
+        return done, before
+
+    done, before = asyncio.run(run())
+    assert [len(t) for t in done] == [24, 24, 24, 4, 4, 4]
+    late = tokens[before:]
+    # rows of 2 (6 sequences over 3 steps) and a third of 16: at most 8 tokens, where a step took a whole chunk of
+    # 16 beside its decodes before
+    assert max(late) <= 8, late
+    assert sum(late) >= 3 * 16, late  # every prompt token went, spread over the steps

@@ -140,3 +140,44 @@ def test_a_pipeline_holds_slots_for_each_step_in_flight() -> None:
     assert limits.for_steps(1) == limits
     with pytest.raises(ValueError, match="steps in flight"):
         limits.for_steps(0)
+
+
+def test_a_prompt_s_chunks_travel_in_consecutive_steps_without_waiting_for_each_other() -> None:
+    """Steps go through the stages in the order they were sent, so chunk k + 1 may follow chunk k before it is
+    back: a prompt of three chunks is three steps in flight, not three round trips.  Its first token comes from the
+    last chunk; it decodes only once that is back, and its slot outlives every step that still carries it."""
+    s = Scheduler(Limits(slots=2, prefill_chunk=4, step_tokens=64, max_seq=64), frozenset({EOS}))
+    s.add("p", list(range(10, 20)), 3)  # 10 prompt tokens: chunks of 4, 4, 2
+    steps = [s.schedule(), s.schedule(), s.schedule(), s.schedule()]
+    assert [[(c.start, len(c.tokens), c.samples) for c in step] for step in steps] == [
+        [(0, 4, False)],
+        [(4, 4, False)],
+        [(8, 2, True)],
+        [],  # nothing more until the last chunk's token is back
+    ]
+    assert [e.token for e in s.complete(steps[0], {})] == [] and s.running["p"].computed == 4
+    s.complete(steps[1], {})
+    assert s.schedule() == []  # still travelling: the last chunk
+    events = s.complete(steps[2], {"p": 7})
+    assert [(e.request_id, e.token) for e in events] == [("p", 7)]
+    assert [(c.start, c.tokens) for c in s.schedule()] == [(10, (7,))]  # decodes from the end of the prompt
+
+    s.add("q", list(range(30, 42)), 3)  # 12 tokens: two chunks of three sent, then the client leaves
+    first, second = s.schedule(), s.schedule()
+    slot = s.running["q"].slot
+    s.finish("q", "abort")
+    assert s.schedule() == []  # its third chunk never goes
+    s.complete(first, {})
+    assert "q" in s.running and slot not in s.free_slots  # the second chunk still writes into its slot
+    s.complete(second, {})
+    assert "q" not in s.running and slot in s.free_slots
+
+
+def test_a_step_s_token_cap_cuts_the_prompt_chunk_not_the_decodes() -> None:
+    s = Scheduler(Limits(slots=4, step_tokens=64, prefill_chunk=32, max_seq=128))
+    s.add("a", [1, 2], 8)
+    s.complete(s.schedule(), {"a": 5})  # a decodes from now on
+    s.add("b", list(range(3, 33)), 4)
+    step = s.schedule(max_tokens=10)
+    assert [(c.request_id, c.start, len(c.tokens)) for c in step] == [("a", 2, 1), ("b", 0, 9)]
+    assert [(c.request_id, c.start, len(c.tokens)) for c in s.schedule()] == [("b", 9, 21)]  # the rest, uncapped
