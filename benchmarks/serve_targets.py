@@ -7,7 +7,7 @@ Usage (the lab's name, subnet and node image from the environment, as the lab te
 1. A 3-host lab with one CPU quota per host, `up`, a random Llama with a real (word-level) tokenizer written here,
    `serve` over every host (one replica of 3 stages, the balanced split by measured speed).
 2. Each round on it: a saturation run (every request at once), one request at a time (`--concurrency 1`), and
-   four at a time (`--concurrency 4`).
+   four at a time (`--concurrency 4`); with --held also the saturation held (`--concurrency 32`, 96 requests).
 3. `down`, then `up` of the fastest host alone (an inventory of its one host) and `serve` there: the same service
    with the whole model on the fastest node; each round a saturation run.
    With --baseline-image TAG (a node image of the code before a change, built as the lab's own): each round also
@@ -107,6 +107,16 @@ def summarize(rounds: list[dict[str, dict[str, Any]]], single: list[dict[str, An
         "four_over_one_throughput": _spread([b / a for a, b in zip(conc1, conc4, strict=True)]),
         "four_over_one_tpot_p50": _spread([b / a for a, b in zip(tpot1, tpot4, strict=True)]),
         "one_at_a_time_tpot_p50_s": _spread(tpot1),
+        **(
+            {
+                "held_tokens_per_s": _spread([r["held"]["output_tokens_per_s"] for r in rounds]),
+                "held_of_pipeline_ceiling": _spread([r["held"]["of_ceiling"] for r in rounds]),
+                "held_ttft_p50_s": _spread([r["held"]["latency_s"]["ttft"]["p50"] for r in rounds]),
+                "held_tpot_p50_s": _spread([r["held"]["latency_s"]["tpot"]["p50"] for r in rounds]),
+            }
+            if all("held" in r for r in rounds)
+            else {}
+        ),
         "four_at_a_time_tpot_p50_s": _spread(tpot4),
         "load_before": {  # the machine's 1-minute load average as each run began (it is shared)
             "three": [[r[k]["load"]["before"][0] for k in ("saturation", "one", "four")] for r in rounds],
@@ -125,6 +135,7 @@ def three_host_round(
     lengths: list[str],
     flags: list[str] = (),  # type: ignore[assignment]
     warmups: int = 0,
+    held: bool = False,
 ) -> dict[str, Any]:
     """`serve` over the 3 hosts (from ``inventory``'s image), then the saturation, one and four at a time."""
     cli("down", inventory=inventory)
@@ -140,6 +151,9 @@ def three_host_round(
         "one": bench(inventory, out, f"three{tag}-one-{number}", 8, [*lengths, "--concurrency=1"]),
         "four": bench(inventory, out, f"three{tag}-four-{number}", 16, [*lengths, "--concurrency=4"]),
     }
+    if held:  # the saturation held: ``requests`` at a time, three times as many in all
+        name = f"three{tag}-held-{number}"
+        runs["held"] = bench(inventory, out, name, 3 * requests, [*lengths, f"--concurrency={requests}"])
     cli("serve", "--stop", inventory=inventory)
     return runs
 
@@ -169,6 +183,7 @@ def main() -> None:
     p.add_argument("--baseline-flags", default="", help="or: also serve the 3 hosts with these serve flags added")
     p.add_argument("--serve-flags", default="", help="serve flags for every 3-host service")
     p.add_argument("--warmups", type=int, default=0, help="saturation runs before the measured ones, not counted")
+    p.add_argument("--held", action="store_true", help="each round also holds the saturation: 3x the requests")
     args = p.parse_args()
     out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)
@@ -180,7 +195,7 @@ def main() -> None:
     flags, base_flags = args.serve_flags.split(), [*args.serve_flags.split(), *args.baseline_flags.split()]
     if args.baseline_flags and not base:
         base = inventory
-    keep = {"flags": flags, "warmups": args.warmups}
+    keep = {"flags": flags, "warmups": args.warmups, "held": args.held}
     before: list[dict[str, dict[str, Any]]] = []
     lengths = args.lengths.split()
     data = yaml.safe_load(Path(inventory).read_text())
@@ -194,7 +209,7 @@ def main() -> None:
     blocks = [[n] for n in range(args.rounds)] if args.alternate else [list(range(args.rounds))]
     for block in blocks:
         for number in block:
-            earlier = {"flags": base_flags, "warmups": args.warmups}
+            earlier = {"flags": base_flags, "warmups": args.warmups, "held": args.held}
             if base and number % 2 == 0:
                 before.append(three_host_round(base, model, out, "-before", number, args.requests, lengths, **earlier))
             rounds.append(three_host_round(inventory, model, out, "", number, args.requests, lengths, **keep))
