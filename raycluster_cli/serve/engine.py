@@ -101,8 +101,8 @@ class Engine:
         self.loop_lag: deque[float] = deque(maxlen=LAG_SAMPLES)
         self._ids = itertools.count()
         self._wake = asyncio.Event()
-        self._in_flight = 0  # steps sent and not yet back (counted by the steps themselves: no lost wake-up)
-        self._flight_tokens: dict[int, int] = {}  # each step in flight's tokens, by its number
+        # each step sent and not yet back (its number: its tokens), removed by the step itself: no lost wake-up
+        self._flight_tokens: dict[int, int] = {}
         self._tasks: set[asyncio.Task[None]] = set()  # strong references, so running steps are not collected
         self._loop_task: asyncio.Task[None] | None = None
         self._lag_task: asyncio.Task[None] | None = None
@@ -189,7 +189,7 @@ class Engine:
     def stalled_s(self) -> float:
         """Seconds steps have been in flight without one coming back (0 when none is in flight): a wedged
         node shows here, since its step neither answers nor fails."""
-        if self._in_flight == 0:
+        if not self._flight_tokens:
             return 0.0
         return time.monotonic() - max(self.last_step_at, self._sent_at)
 
@@ -203,16 +203,14 @@ class Engine:
     async def _plan_steps(self) -> None:
         while True:
             self._wake.clear()
-            while self.failure is None and self._in_flight < self._steps_wanted():
+            while self.failure is None and len(self._flight_tokens) < self._steps_wanted():
                 rows = -(-self.scheduler.active // self.max_in_flight)  # an even share per step in flight
                 chunks = self.scheduler.schedule(max_rows=rows, max_tokens=self._step_budget(rows))
                 if not chunks:
                     break
-                tokens = sum(len(c.tokens) for c in chunks)
-                self._flight_tokens[number := next(self._steps_sent)] = tokens
-                if self._in_flight == 0:
+                if not self._flight_tokens:
                     self._sent_at = time.monotonic()
-                self._in_flight += 1
+                self._flight_tokens[number := next(self._steps_sent)] = sum(len(c.tokens) for c in chunks)
                 task = asyncio.get_running_loop().create_task(self._step(chunks, number))
                 self._tasks.add(task)
                 task.add_done_callback(self._tasks.discard)
@@ -268,8 +266,7 @@ class Engine:
         except Exception as exc:  # a stage died or failed: every request in flight gets the error
             self._fail(exc)
         finally:
-            self._in_flight -= 1
-            self._flight_tokens.pop(number, None)
+            del self._flight_tokens[number]
             self._wake.set()
 
     def _finish_step(self, chunks: list[Chunk], logits: torch.Tensor) -> None:

@@ -35,6 +35,7 @@ import asyncio
 import collections
 import contextlib
 import datetime
+import math
 import queue
 import threading
 import time
@@ -142,9 +143,7 @@ class Receiver:
         kind, ndim, *sizes, code, rows, big = (int(v) for v in message[:HEADER_BYTES].view(torch.int64))
         dtype, shape = DTYPES[code], sizes[:ndim]
         table_bytes = 3 * rows * 8
-        count = 1
-        for size in shape:
-            count *= size
+        count = math.prod(shape)
         self._post()
         if big:
             body = torch.empty(table_bytes + count * dtype.itemsize, dtype=torch.uint8)

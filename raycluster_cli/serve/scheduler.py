@@ -32,7 +32,7 @@ class SeqState:
     max_new_tokens: int
     slot: int = -1
     computed: int = 0  # tokens in the KV cache: of steps that came back
-    scheduled: int = 0  # prompt tokens handed to steps (ahead of ``computed`` while chunks travel)
+    scheduled: int = 0  # prompt tokens handed to steps (ahead of ``computed`` while chunks travel; at most the prompt)
     generated: list[int] = field(default_factory=list)
     in_flight: int = 0  # steps travelling with a chunk of this sequence
     finish_reason: str | None = None
@@ -49,7 +49,7 @@ class SeqState:
     @property
     def prompt_left(self) -> int:
         """Prompt tokens not yet handed to a step."""
-        return len(self.prompt) - max(self.scheduled, self.computed)
+        return len(self.prompt) - self.scheduled
 
 
 @dataclass(frozen=True)
@@ -171,7 +171,7 @@ class Scheduler:
                 budget -= 1
         for seq in running:
             if seq.prompt_left > 0 and seq.finish_reason is None and budget > 0 and len(chunks) < rows:
-                start = max(seq.scheduled, seq.computed)
+                start = seq.scheduled
                 size = min(self.limits.prefill_chunk, seq.prompt_left, budget)
                 end = start + size
                 chunks.append(
