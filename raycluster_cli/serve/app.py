@@ -37,7 +37,7 @@ from raycluster_cli.serve.anatomy import step_anatomy
 from raycluster_cli.serve.engine import EngineDown, Output, QueueFull
 from raycluster_cli.serve.fleet import Calibration, RayFleet
 from raycluster_cli.serve.placement import NodeSpeed, PipelinePlan
-from raycluster_cli.serve.pool import Pool
+from raycluster_cli.serve.pool import Pool, suspect_after_s
 from raycluster_cli.serve.protocol import APIError, ChatRequest, CompletionRequest
 from raycluster_cli.serve.scheduler import Limits
 from raycluster_cli.serve.stages import split_units
@@ -156,7 +156,16 @@ async def _add_counters(rows: list[dict[str, Any]], stages: list[list[Any]], eng
         both = await asyncio.wait_for(asyncio.gather(counters, timelines), COUNTERS_S)
         return list(both[0]), list(both[1])
 
-    found = await asyncio.gather(*(one(actors) for actors in stages), return_exceptions=True)
+    async def unless_overdue(actors: list[Any], engine: Any) -> tuple[list[dict[str, Any]], list[Any]]:
+        # a pipeline whose steps are overdue (a frozen host answers nothing) is not waited for: status stays quick
+        if engine.failure is not None or engine.stalled_s() > suspect_after_s(engine):
+            raise TimeoutError(f"not asked: no step came back for {engine.stalled_s():.0f} s")
+        return await one(actors)
+
+    found = await asyncio.gather(
+        *(unless_overdue(actors, engine) for actors, engine in zip(stages, engines, strict=True)),
+        return_exceptions=True,
+    )
     for row, engine, answer in zip(rows, engines, found, strict=True):
         if isinstance(answer, BaseException):
             row["counters_error"] = f"{type(answer).__name__}: {answer}"

@@ -193,11 +193,15 @@ class Engine:
             return 0.0
         return time.monotonic() - max(self.last_step_at, self._sent_at)
 
+    def slowest_step_s(self) -> float:
+        """The longest round trip of the last steps (0 before any came back): what "overdue" is measured against."""
+        return max((back - sent for _, sent, _, back, _ in self.recent), default=0.0)
+
     async def _loop(self) -> None:
         try:
             await self._plan_steps()
         except Exception as exc:  # a bug in planning must not leave every request waiting forever
-            self._fail(exc)
+            self.fail(exc)
             raise
 
     async def _plan_steps(self) -> None:
@@ -264,7 +268,7 @@ class Engine:
             self._finish_step(chunks, logits)
             self.recent.append((number, sent, arrived, back, time.time()))
         except Exception as exc:  # a stage died or failed: every request in flight gets the error
-            self._fail(exc)
+            self.fail(exc)  # (unless the engine failed already: its steps' links closing is not the cause)
         finally:
             del self._flight_tokens[number]
             self._wake.set()
@@ -290,12 +294,10 @@ class Engine:
             live.queue.put_nowait(Output(text, tuple(live.stream.ids), reason, live.prompt_tokens))
 
     def fail(self, exc: BaseException) -> None:
-        """Stop taking work and hand every request here ``EngineDown`` (a stage died or is wedged)."""
+        """Stop taking work and hand every request here ``EngineDown`` (a stage died or is wedged).  The first
+        cause is kept: the steps that then fail as their links close do not replace it."""
         if self.failure is not None:
             return
-        self._fail(exc)
-
-    def _fail(self, exc: BaseException) -> None:
         self.failure = exc
         if self.links is not None:  # nothing more goes out on them (the stages are killed next)
             self.links.close()

@@ -205,6 +205,20 @@ class RayFleet:
     async def stop(self, pipeline: Pipeline) -> None:
         _kill(pipeline.stages)
 
+    async def unanswered(self, pipeline: Pipeline, timeout_s: float) -> str | None:
+        """Each stage pinged at once (``ping`` answers on a thread of its own, beside the steps): the first that
+        did not answer within ``timeout_s`` or failed, with its node's address; None when all answered."""
+        pings = [asyncio.ensure_future(_awaited(a.ping.remote())) for a in pipeline.stages]
+        await asyncio.wait(pings, timeout=timeout_s)
+        for index, ping in enumerate(pings):
+            where = f"stage {index} on {pipeline.plan.ips[index] or 'its node'}"
+            if not ping.done():
+                ping.cancel()
+                return f"{where} did not answer within {timeout_s:.0f} s"
+            if (exc := ping.exception()) is not None:
+                return f"{where} failed to answer: {type(exc).__name__}: {exc}"
+        return None
+
     async def _speeds(self, nodes: dict[str, str]) -> dict[str, NodeSpeed]:
         unknown = {n: ip for n, ip in nodes.items() if n not in self.speeds}
         if unknown:
@@ -296,6 +310,10 @@ class RayFleet:
             plan = replan([], free, self.stages, self.cfg.layers, self.unit_bytes)
             changes += [(None, plan)] if plan is not None else []
         return changes
+
+
+async def _awaited(ref: Any) -> Any:
+    return await ref
 
 
 async def _alive() -> dict[str, str]:

@@ -33,6 +33,15 @@ from raycluster_cli.serve.text import Sampling
 log = logging.getLogger("raycluster.serve")
 T = TypeVar("T")
 MAX_FAILOVERS = 3  # a request moved this often is failed: something else is wrong
+# The liveness look.  A host that freezes or is cut off closes no connection, so its pipeline's steps just stop
+# coming back; the stall deadline alone (``stall_s``, 30 s) held every stream on it that long (docs/PERFORMANCE.md
+# S7).  Steps overdue by SUSPECT_FACTOR x the slowest recent round trip (at least ``suspect_floor_s``) make the
+# pool ping the pipeline's stages; one that does not answer within ``answer_timeout_s`` fails the pipeline then.
+# A slow step (a long prompt's chunk, a loaded host) is not a lost one: its stages answer, and only the stall
+# deadline ends it.
+SUSPECT_FACTOR = 10.0
+SUSPECT_FLOOR_S = 2.0
+ANSWER_TIMEOUT_S = 5.0
 
 
 @dataclass
@@ -70,6 +79,16 @@ class Backend(Protocol):
         (``placement.resplit``), None to keep it."""
         ...
 
+    async def unanswered(self, pipeline: Pipeline, timeout_s: float) -> str | None:
+        """Which of the pipeline's stages did not answer a ping within ``timeout_s`` (or failed it), and where;
+        None when every one answered."""
+        ...
+
+
+def suspect_after_s(engine: Engine, floor_s: float = SUSPECT_FLOOR_S) -> float:
+    """How long an engine's steps may be overdue before its stages are asked whether they live."""
+    return max(floor_s, SUSPECT_FACTOR * engine.slowest_step_s())
+
 
 def least_loaded(candidates: Sequence[T], load: Callable[[T], tuple[float, ...]]) -> T | None:
     """The candidate with the least load (ties: the earliest), None if there is none."""
@@ -93,8 +112,12 @@ class Pool:
         stall_s: float = 30.0,
         watch_s: float = 0.5,
         rebalance_period_s: float = 0.0,
+        suspect_floor_s: float = SUSPECT_FLOOR_S,
+        answer_timeout_s: float = ANSWER_TIMEOUT_S,
     ) -> None:
         self.backend = backend
+        self.suspect_floor_s = suspect_floor_s  # steps overdue this long (or SUSPECT_FACTOR x the slowest): ask
+        self.answer_timeout_s = answer_timeout_s  # a stage that does not answer within this is taken as lost
         self.failover_wait_s = failover_wait_s
         self.replace_period_s = replace_period_s
         self.rebalance_period_s = rebalance_period_s  # 0: never re-split a pipeline from its measurements
@@ -109,6 +132,7 @@ class Pool:
         self._changed = asyncio.Event()
         self._tasks: set[asyncio.Task[None]] = set()
         self._watch_task: asyncio.Task[None] | None = None
+        self._asked: dict[int, float] = {}  # pipeline index -> when its stages were last asked (or are being asked)
 
     # -- pipelines ---------------------------------------------------------------------------------
 
@@ -230,6 +254,9 @@ class Pool:
             engine = pipeline.engine
             if pipeline.state != "dead" and engine.failure is None and engine.stalled_s() > self.stall_s:
                 engine.fail(TimeoutError(f"no step came back for {engine.stalled_s():.0f} s"))
+            elif pipeline.state != "dead" and engine.failure is None and self._overdue(pipeline):
+                self._asked[pipeline.index] = time.monotonic()
+                self._spawn(self._ask(pipeline))
             if pipeline.state == "draining" and engine.failure is not None:
                 pipeline.state = "dead"  # already superseded: its requests move, nothing replaces it
                 self.pipelines.remove(pipeline)
@@ -244,6 +271,29 @@ class Pool:
                 self._spawn(self._retire(pipeline))
         if not self.live() and self.lost_at is None:
             self.lost_at = time.monotonic()
+
+    def _overdue(self, pipeline: Pipeline) -> bool:
+        """Steps overdue (``SUSPECT_FACTOR`` x the slowest recent round trip, at least ``suspect_floor_s``) and its
+        stages not asked within as long."""
+        engine = pipeline.engine
+        suspect_s = suspect_after_s(engine, self.suspect_floor_s)
+        asked = self._asked.get(pipeline.index)
+        return engine.stalled_s() > suspect_s and (asked is None or time.monotonic() - asked > suspect_s)
+
+    async def _ask(self, pipeline: Pipeline) -> None:
+        """Ping the stages of a pipeline whose steps are overdue; one that does not answer (its host frozen, its
+        link cut: no connection closes, so nothing else fails) fails the pipeline now rather than at the stall
+        deadline, unless a step came back meanwhile."""
+        engine, steps = pipeline.engine, pipeline.engine.steps_done
+        try:
+            why = await asyncio.wait_for(
+                self.backend.unanswered(pipeline, self.answer_timeout_s), self.answer_timeout_s + 5.0
+            )
+        except Exception as exc:  # the look itself failed: the stall deadline still stands
+            log.warning("serve: pinging pipeline %s failed: %s: %s", pipeline.index, type(exc).__name__, exc)
+            return
+        if why is not None and engine.failure is None and engine.steps_done == steps and engine.stalled_s() > 0:
+            engine.fail(TimeoutError(f"no step came back for {engine.stalled_s():.0f} s and {why}"))
 
     async def _retire(self, pipeline: Pipeline) -> None:
         await pipeline.engine.close()

@@ -95,6 +95,13 @@ class _StageActor:
             return "this stage has no links"
         return self.links.wait()
 
+    @ray.method(concurrency_group="health")
+    def ping(self) -> int:
+        """This process's pid, answered on a thread of its own: alive even while steps queue on the default
+        thread (the relay) or run on the links thread.  No answer within seconds while the pipeline's steps are
+        overdue: its host is frozen or cut off (``serve.pool``'s liveness look)."""
+        return os.getpid()
+
     def counters(self) -> dict[str, Any]:
         """What a benchmark diffs before/after a run: steps, seconds inside forward, this process's CPU
         seconds (Ray's per-call work included) and the pid (a new actor starts again from zero)."""
@@ -128,8 +135,8 @@ class _StageActor:
 
 
 # forward, counters and timeline run on the actor's one default thread (in order, as the relay needs); joining
-# the ring and waiting for its end each get a thread of their own
-StageActor = ray.remote(num_cpus=0, concurrency_groups={"links": 2})(_StageActor)  # type: ignore[call-overload]
+# the ring and waiting for its end each get a thread of their own, and so does the liveness ping
+StageActor = ray.remote(num_cpus=0, concurrency_groups={"links": 2, "health": 1})(_StageActor)  # type: ignore[call-overload]
 STAGE_NAMESPACE = "raycluster-serve"
 
 

@@ -31,7 +31,7 @@ from raycluster_cli.config import inventory, state
 
 from ..serve_checkpoint import WORDS, write_chat_llama
 from .conftest import IP1, IP3, Lab
-from .faults import power_off, power_on, wait_until
+from .faults import freeze, power_off, power_on, thaw, wait_until
 
 pytestmark = [pytest.mark.lab, pytest.mark.slow]
 
@@ -41,6 +41,10 @@ CLIENTS = 6  # streams at once, over and over: about two on each replica
 PROMPTS = [" ".join(WORDS[(7 * i + 3 * j) % len(WORDS)] for j in range(2 + i % 9)) for i in range(18)]
 DEAD = "lab-h3"  # a worker: the head (lab-h1) holds the GCS, the Serve controller, the proxy and the ingress
 RECOVERY_LIMIT_S = 60.0  # the issue's target: capacity without the dead node back within this
+# A frozen machine's pipeline is failed once its stages do not answer a ping (serve.pool's liveness look: steps
+# overdue 2 s, a ping unanswered 5 s), well before the 30 s stall deadline that alone caught it before
+FROZEN_LIMIT_S = 20.0
+RAY_CONTAINER = "$(docker ps -q --filter label=io.raycluster.cluster=lab)"  # on a lab host, its Ray node
 RETURN_LIMIT_S = 150.0  # the pool looks for free nodes every 30 s, then measures the node and builds on it
 ROUNDS = int(os.environ.get("RAYCLUSTER_FAILOVER_ROUNDS", "1"))  # machine lost and back, again and again
 FIGURES: list[dict[str, float]] = []
@@ -242,3 +246,50 @@ def test_a_machine_lost_under_load_fails_no_request_and_the_machine_back_is_take
         for key in figures:
             values = sorted(f[key] for f in FIGURES)
             print(f"[all rounds] {key}: median {statistics.median(values):.1f} s, {values[0]:.1f}-{values[-1]:.1f} s")
+
+
+def test_a_frozen_machine_is_taken_out_within_seconds_and_back_in_when_it_thaws(served: Served) -> None:
+    """A worker's lab host frozen under load (`docker pause` of its Ray container and of the host: every process
+    stops, no connection closes, the GCS still lists the node): its pipeline is failed once its stage does not answer a ping, well before the 30 s
+    stall deadline; its requests finish on the others, right and none failed.  Thawed seconds later (before Ray's
+    own health checks give the node up), the node is serving again by itself, no `up` needed."""
+    lab = served.lab
+    assert sorted(pipeline_ips(served.status())) == sorted([[h.address] for h in lab.info.hosts])
+    with Load(served) as load:
+        assert wait_until(lambda: len(load.answers) >= 2 * CLIENTS, 300), load.errors
+        frozen_at, frozen_wall = time.monotonic(), time.time()
+        lab.sh(DEAD, f"docker pause {RAY_CONTAINER}")  # its Ray node (a cgroup of its own, not under the host's)
+        freeze(lab, DEAD)  # and the host itself: sshd, its engine
+        try:
+
+            def failed() -> list[dict[str, Any]]:
+                return [e for e in served.status()["events"] if e["event"] == "failed" and e["at"] >= frozen_wall]
+
+            _seconds_until(lambda: bool(failed()), RECOVERY_LIMIT_S, "the frozen pipeline failed", frozen_at)
+            fresh = PROMPTS[5]
+            assert asyncio.run(served.complete(fresh, stream=False)) == served.want(fresh)
+            recovered_s = time.monotonic() - frozen_at
+        finally:
+            thaw(lab, DEAD)
+            lab.sh_result(DEAD, f"docker unpause {RAY_CONTAINER}")
+        thawed = time.monotonic()
+
+        def serving_again() -> bool:
+            status = served.status()
+            return status["replicas"] == 3 and [IP3] in pipeline_ips(status)
+
+        back_s = _seconds_until(serving_again, RETURN_LIMIT_S, "the thawed node serving", thawed)
+        before = len(load.answers)
+        assert wait_until(lambda: len(load.answers) >= before + 3 * CLIENTS, 300), load.errors
+    (first, *_) = failed()
+    failed_s = first["at"] - frozen_wall
+    events = [e for e in served.status()["events"] if e["at"] >= frozen_wall]
+    print(
+        f"\n[frozen] pipeline failed {failed_s:.1f} s after the freeze ({first.get('detail')}); fresh answer"
+        f" {recovered_s:.1f} s; thawed -> serving again {back_s:.1f} s; {len(load.answers)} answers,"
+        f" {len(load.errors)} errors; events {[e['event'] for e in events]}"
+    )
+    assert load.errors == [] and load.wrong() == []
+    assert any(e["event"] == "failover" for e in events)  # requests really were on the frozen node and moved
+    assert "did not answer" in str(first.get("detail")), first
+    assert failed_s < FROZEN_LIMIT_S, first  # the stall deadline alone: 30 s

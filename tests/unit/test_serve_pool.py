@@ -38,25 +38,34 @@ class _Died(RuntimeError):
 
 
 class _Call:
-    def __init__(self, fn: Any, args: tuple[Any, ...], delay_s: float = 0.0) -> None:
-        self.fn, self.args, self.delay_s = fn, args, delay_s
+    def __init__(self, stage: _Stage, args: tuple[Any, ...], delay_s: float = 0.0) -> None:
+        self.stage, self.args, self.delay_s = stage, args, delay_s
 
     def __await__(self) -> Any:
         yield from asyncio.sleep(self.delay_s).__await__()
         args = []
         for arg in self.args:  # a previous stage's call, as an ObjectRef passed on
             args.append((yield from arg.__await__()) if isinstance(arg, _Call) else arg)
-        return self.fn(*args)
+        out = self.stage.forward_now(*args)
+        if self.stage.frozen():  # a frozen host: the call neither answers nor fails, ever
+            yield from asyncio.get_running_loop().create_future().__await__()
+        if self.stage.slow_s:  # a slow step on a host that is alive
+            yield from asyncio.sleep(self.stage.slow_s).__await__()
+        return out
 
 
 class _Stage:
-    """A stage handle over an in-process BatchedStage; ``die_after`` forward calls it fails (as dead)."""
+    """A stage handle over an in-process BatchedStage; ``die_after`` forward calls it fails (as dead), from
+    ``freeze_after`` calls on it hangs (as on a frozen host, where no connection closes)."""
 
     def __init__(self, stage: BatchedStage, step_s: float = 0.0) -> None:
-        self.stage, self.calls, self.die_after = stage, 0, -1
-        self.forward = SimpleNamespace(remote=lambda *a: _Call(self._forward, a, step_s))
+        self.stage, self.calls, self.die_after, self.freeze_after, self.slow_s = stage, 0, -1, -1, 0.0
+        self.forward = SimpleNamespace(remote=lambda *a: _Call(self, a, step_s))
 
-    def _forward(self, x: Any, table: Any) -> Any:
+    def frozen(self) -> bool:
+        return 0 <= self.freeze_after < self.calls
+
+    def forward_now(self, x: Any, table: Any) -> Any:
         self.calls += 1
         if 0 <= self.die_after < self.calls:
             raise _Died("the actor died")
@@ -67,13 +76,21 @@ class _Backend:
     """Builds pipelines in process; pipeline ``doomed``'s last stage dies after ``die_after`` steps."""
 
     def __init__(
-        self, path: Path, doomed: int = -1, die_after: int = -1, rebuild_s: float = 0.0, step_s: float = 0.0
+        self,
+        path: Path,
+        doomed: int = -1,
+        die_after: int = -1,
+        rebuild_s: float = 0.0,
+        step_s: float = 0.0,
+        freeze_after: int = -1,
     ) -> None:
         self.cfg = config_from_checkpoint(path, max_seq=96)
         self.tokenizer = transformers.AutoTokenizer.from_pretrained(str(path))
         self.eos = eos_ids(self.tokenizer, json.loads((path / "generation_config.json").read_text()))
         self.limits = Limits(slots=4, max_seq=96, prefill_chunk=4, step_tokens=24)
         self.doomed, self.die_after, self.rebuild_s, self.step_s = doomed, die_after, rebuild_s, step_s
+        self.freeze_after = freeze_after  # pipeline ``doomed``'s last stage hangs from this many steps on
+        self.asked: list[int] = []  # the pipelines whose stages were pinged
         self.built: list[int] = []
         self.resplit_to: PipelinePlan | None = None
 
@@ -84,8 +101,10 @@ class _Backend:
         engine = Engine(stages, self.tokenizer, self.limits, self.eos)
         engine.start()
         await engine.probe()
-        if index == self.doomed:
+        if index == self.doomed and self.die_after >= 0:
             stages[-1].die_after = stages[-1].calls + self.die_after
+        if index == self.doomed and self.freeze_after >= 0:
+            stages[-1].freeze_after = stages[-1].calls + self.freeze_after
         self.built.append(index)
         return engine, stages
 
@@ -97,6 +116,15 @@ class _Backend:
 
     async def growth(self, pipelines: Sequence[Pipeline]) -> list[tuple[Pipeline | None, PipelinePlan]]:
         return []
+
+    async def unanswered(self, pipeline: Pipeline, timeout_s: float) -> str | None:
+        """A frozen stage answers no ping: the caller waits the whole ``timeout_s`` for nothing."""
+        self.asked.append(pipeline.index)
+        frozen = [i for i, stage in enumerate(pipeline.stages) if stage.frozen()]
+        if frozen:
+            await asyncio.sleep(timeout_s)
+            return f"stage {frozen[0]} did not answer within {timeout_s} s"
+        return None
 
     async def rebalance(self, pipeline: Pipeline) -> PipelinePlan | None:
         """``resplit_to`` once, for a pipeline whose engine has requests running (a loaded window)."""
@@ -271,3 +299,55 @@ def test_a_pipeline_re_split_under_load_swaps_without_failing_or_changing_an_ans
     (only,) = pool.pipelines
     assert only.index == 1 and only.plan.ranges == ((0, 2), (2, units)) and only.served >= 3
     assert [e["event"] for e in pool.events] == ["rebalanced", "retired"]
+
+
+def test_a_frozen_stage_fails_its_pipeline_within_seconds_and_its_requests_finish_on_the_other(
+    checkpoint: Path, reference: dict[str, tuple[str, list[int]]]
+) -> None:
+    """Pipeline 0's last stage hangs 9 steps in (its host frozen: no call fails, no connection closes).  Its steps
+    are overdue, its stages are pinged, the frozen one does not answer: the pipeline is failed then, not at the
+    30 s stall deadline, and every request on it finishes on pipeline 1 with generate()'s text."""
+    backend = _Backend(checkpoint, doomed=0, freeze_after=9)
+
+    async def run() -> tuple[list[tuple[str, list[int]]], Pool, float]:
+        pool = Pool(backend, watch_s=0.05, replace_period_s=3600, suspect_floor_s=0.3, answer_timeout_s=0.3)
+        plan = PipelinePlan(("", ""), ("", ""), ((0, 3), (3, backend.cfg.num_units)))
+        for _ in range(2):
+            await pool.add(plan)
+        pool.start()
+        began = asyncio.get_running_loop().time()
+        calls = [_stream(pool, p, backend.tokenizer, stream=i % 3 != 2) for i, p in enumerate(PROMPTS)]
+        answers = list(await asyncio.gather(*calls))
+        took = asyncio.get_running_loop().time() - began
+        await pool.close()
+        return answers, pool, took
+
+    answers, pool, took = asyncio.run(run())
+    for prompt, answer in zip(PROMPTS, answers, strict=True):
+        assert answer == reference[prompt], prompt
+    assert pool.failovers >= 1 and 0 in backend.asked
+    failed = [e for e in pool.events if e["event"] == "failed"]
+    assert [e["pipeline"] for e in failed] == [0] and "stage 1 did not answer" in failed[0]["detail"]
+    assert took < 10.0  # the stall deadline alone (30 s) would have held the frozen pipeline's requests 30 s
+
+
+def test_a_slow_step_on_stages_that_answer_is_waited_for_not_failed(
+    checkpoint: Path, reference: dict[str, tuple[str, list[int]]]
+) -> None:
+    """Steps overdue on stages that answer their pings (a long chunk, a loaded host) are waited for: the look asks,
+    nothing is failed or moved, every answer is generate()'s."""
+    backend = _Backend(checkpoint)
+
+    async def run() -> tuple[list[tuple[str, list[int]]], Pool]:
+        pool = Pool(backend, watch_s=0.05, replace_period_s=3600, suspect_floor_s=0.2, answer_timeout_s=0.2)
+        pipeline = await pool.add(PipelinePlan(("", ""), ("", ""), ((0, 3), (3, backend.cfg.num_units))))
+        pipeline.stages[-1].slow_s = 0.6  # every step three times the floor, far over 10 x a fast step
+        pool.start()
+        answers = await asyncio.gather(*(_stream(pool, p, backend.tokenizer, stream=True) for p in PROMPTS[:2]))
+        await pool.close()
+        return list(answers), pool
+
+    answers, pool = asyncio.run(run())
+    for prompt, answer in zip(PROMPTS[:2], answers, strict=True):
+        assert answer == reference[prompt], prompt
+    assert backend.asked and pool.failovers == 0 and pool.events == []
