@@ -36,6 +36,7 @@ from raycluster_cli.serve import protocol
 from raycluster_cli.serve.anatomy import step_anatomy
 from raycluster_cli.serve.engine import EngineDown, Output, QueueFull
 from raycluster_cli.serve.fleet import Calibration, RayFleet
+from raycluster_cli.serve.metrics import RayRecorder
 from raycluster_cli.serve.placement import NodeSpeed, PipelinePlan
 from raycluster_cli.serve.pool import Pool, suspect_after_s
 from raycluster_cli.serve.protocol import APIError, ChatRequest, CompletionRequest
@@ -219,6 +220,7 @@ class OpenAIServer:
             links=settings.links,
             unit_bytes=settings.unit_bytes or None,
             stage_fixed_bytes=settings.stage_fixed_bytes,
+            model=self.model_id,
         )
         self.pool = Pool(
             fleet,
@@ -226,6 +228,8 @@ class OpenAIServer:
             replace_period_s=settings.replace_period_s,
             stall_s=STALL_S,
             rebalance_period_s=settings.rebalance_period_s,
+            recorder=RayRecorder(),
+            model=self.model_id,
         )
         await self._start(settings.pipeline_plans(self.cfg.layers))
         self.created = int(time.time())

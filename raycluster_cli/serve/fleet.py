@@ -137,8 +137,10 @@ class RayFleet:
         unit_bytes: Sequence[int] | None = None,
         stage_fixed_bytes: int = 0,
         links: str = "direct",
+        model: str = "",
     ) -> None:
         self.cfg, self.tokenizer, self.limits, self.eos = cfg, tokenizer, limits, eos
+        self.model = model  # the served model's id: its stages' metrics are tagged with it ("": no metrics)
         self.links = links  # "direct": a ring of links between the stages (serve.links); "ray": Ray's calls
         self.unit_bytes = list(unit_bytes) if unit_bytes else None  # each unit's bytes (weights + KV slots)
         self.stage_fixed_bytes = stage_fixed_bytes  # what every stage needs besides its units (a step's tensors)
@@ -166,6 +168,11 @@ class RayFleet:
                 names=names,
                 timeout_s=BUILD_TIMEOUT_S,
                 gpus=gpus,
+                metric_tags=[
+                    {"model": self.model, "pipeline": str(index), "stage": str(s)} for s in range(len(plan.ranges))
+                ]
+                if self.model
+                else None,
             ),
             BUILD_TIMEOUT_S + 10,
         )

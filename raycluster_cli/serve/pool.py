@@ -26,13 +26,15 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
-from raycluster_cli.serve.engine import Engine, EngineDown, Output, Resume
+from raycluster_cli.serve.engine import Engine, EngineDown, Output, QueueFull, Resume
+from raycluster_cli.serve.metrics import Recorder, RequestTimer, pipeline_gauges
 from raycluster_cli.serve.placement import PipelinePlan
 from raycluster_cli.serve.text import Sampling
 
 log = logging.getLogger("raycluster.serve")
 T = TypeVar("T")
 MAX_FAILOVERS = 3  # a request moved this often is failed: something else is wrong
+GAUGES_S = 1.0  # how often the pipelines' gauges (running, waiting, KV slots) are set
 # The liveness look.  A host that freezes or is cut off closes no connection, so its pipeline's steps just stop
 # coming back; the stall deadline alone (``stall_s``, 30 s) held every stream on it that long (docs/PERFORMANCE.md
 # S7).  Steps overdue by SUSPECT_FACTOR x the slowest recent round trip (at least ``suspect_floor_s``) make the
@@ -114,8 +116,11 @@ class Pool:
         rebalance_period_s: float = 0.0,
         suspect_floor_s: float = SUSPECT_FLOOR_S,
         answer_timeout_s: float = ANSWER_TIMEOUT_S,
+        recorder: Recorder | None = None,
+        model: str = "",
     ) -> None:
         self.backend = backend
+        self.recorder, self.model = recorder, model  # the service's metrics (serve.metrics); None: none
         self.suspect_floor_s = suspect_floor_s  # steps overdue this long (or SUSPECT_FACTOR x the slowest): ask
         self.answer_timeout_s = answer_timeout_s  # a stage that does not answer within this is taken as lost
         self.failover_wait_s = failover_wait_s
@@ -133,6 +138,7 @@ class Pool:
         self._tasks: set[asyncio.Task[None]] = set()
         self._watch_task: asyncio.Task[None] | None = None
         self._asked: dict[int, float] = {}  # pipeline index -> when its stages were last asked (or are being asked)
+        self._gauged: set[int] = set()  # the pipelines whose gauges were set (a removed one's go to 0 once)
 
     # -- pipelines ---------------------------------------------------------------------------------
 
@@ -168,6 +174,28 @@ class Pool:
         rebuilt (the only replica lost a node) waits for it like a moved one.  Raises ``EngineDown``
         (503) only when no pipeline serves or is coming back, or none came back within
         ``failover_wait_s``."""
+        timer = RequestTimer(self.recorder, self.model, len(prompt))
+        try:
+            async for out in self._generate(prompt, max_tokens, sampling, stop, stream, timer):
+                yield out
+        except (QueueFull, ValueError):  # 503 full, 400 too long: refused before it started
+            timer.end("refused")
+            raise
+        except EngineDown:
+            timer.end("error")
+            raise
+        finally:
+            timer.end("abort")  # the client left (or the request was refused): no-op once it ended
+
+    async def _generate(
+        self,
+        prompt: list[int],
+        max_tokens: int,
+        sampling: Sampling,
+        stop: list[str] | None,
+        stream: bool,
+        timer: RequestTimer,
+    ) -> AsyncIterator[Output]:
         tokens: tuple[int, ...] = ()
         released = 0
         for attempt in range(MAX_FAILOVERS + 1):
@@ -183,6 +211,7 @@ class Pool:
             held: list[Output] = []
             try:
                 async for out in outputs:
+                    timer.output(len(out.token_ids))
                     if stream:
                         tokens, released = out.token_ids, released + len(out.text)
                         yield out
@@ -190,11 +219,14 @@ class Pool:
                         held.append(out)
                     if out.finish_reason is not None:
                         pipeline.served += 1
+                        timer.end(out.finish_reason)
                         for whole in held:
                             yield whole
                         return
             except EngineDown as exc:
                 self.failovers += 1
+                if self.recorder is not None:
+                    self.recorder.record("raycluster_serve_failovers", 1, {"model": self.model})
                 self._note("failover", pipeline, f"{len(tokens)} token(s) sent: {exc}")
             finally:
                 await outputs.aclose()
@@ -228,11 +260,14 @@ class Pool:
         task.add_done_callback(self._tasks.discard)
 
     async def _watch(self) -> None:
-        last_growth = last_balance = time.monotonic()
+        last_growth = last_balance = last_gauges = time.monotonic()
         while True:
             await asyncio.sleep(self.watch_s)
             try:
                 self.look()
+                if self.recorder is not None and time.monotonic() - last_gauges >= GAUGES_S:
+                    last_gauges = time.monotonic()
+                    self.gauges()
                 if time.monotonic() - last_growth >= self.replace_period_s and not self.rebuilding:
                     last_growth = time.monotonic()
                     self.rebuilding += 1  # one re-plan at a time; the watch goes on meanwhile
@@ -271,6 +306,14 @@ class Pool:
                 self._spawn(self._retire(pipeline))
         if not self.live() and self.lost_at is None:
             self.lost_at = time.monotonic()
+
+    def gauges(self) -> None:
+        """Set the pipelines' gauges (serve.metrics), and those of pipelines gone since the last time to 0."""
+        if self.recorder is None:
+            return
+        now = {p.index for p in self.pipelines}
+        pipeline_gauges(self.recorder, self.model, list(self.pipelines), sorted(self._gauged - now))
+        self._gauged = now
 
     def _overdue(self, pipeline: Pipeline) -> bool:
         """Steps overdue (``SUSPECT_FACTOR`` x the slowest recent round trip, at least ``suspect_floor_s``) and its

@@ -25,6 +25,7 @@ from raycluster_cli.bench.pipeline import WORKER_ENV, gpu_shares, node_cpu_count
 from raycluster_cli.serve.anatomy import TIMELINE_STEPS
 from raycluster_cli.serve.batched import BatchedStage
 from raycluster_cli.serve.links import MIN_CAPACITY, StageLoop, ring_group, ring_store
+from raycluster_cli.serve.metrics import RayRecorder, StageMeter
 
 
 def split_units(layers: int, stages: int, split: Sequence[int] | str | None = None) -> Ranges:
@@ -41,7 +42,15 @@ def split_units(layers: int, stages: int, split: Sequence[int] | str | None = No
 class _StageActor:
     """Holds units [start, end) and ``slots`` KV cache slots on one node; counts the steps it ran."""
 
-    def __init__(self, cfg: dict[str, Any], start: int, end: int, slots: int, num_threads: int | None) -> None:
+    def __init__(
+        self,
+        cfg: dict[str, Any],
+        start: int,
+        end: int,
+        slots: int,
+        num_threads: int | None,
+        metric_tags: dict[str, str] | None = None,
+    ) -> None:
         self.node_id: str = ray.get_runtime_context().get_node_id()
         torch.set_num_threads(num_threads or node_cpu_count(self.node_id))
         began = time.perf_counter()
@@ -55,6 +64,9 @@ class _StageActor:
         self.recent: deque[tuple[int, float, float]] = deque(maxlen=TIMELINE_STEPS)
         self._recent_lock = threading.Lock()  # the links thread steps while Ray's thread reads the timeline
         self.links: StageLoop | None = None
+        # the service's stage metrics (model, pipeline, stage; serve.metrics), none for a stage of no service
+        tags = {**metric_tags, "node_ip": node_ip(self.node_id)} if metric_tags else None
+        self.meter = StageMeter(RayRecorder(), tags) if tags else None
 
     def forward(self, x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
         began, wall, cpu = time.perf_counter(), time.time(), time.process_time()
@@ -65,6 +77,8 @@ class _StageActor:
         with self._recent_lock:
             self.recent.append((self.steps, wall, wall + spent))
             self.steps += 1
+        if self.meter is not None:
+            self.meter.step(spent)
         return out
 
     def timeline(self) -> list[tuple[int, float, float]]:
@@ -150,11 +164,13 @@ def start_stages(
     names: Sequence[str] | None = None,
     timeout_s: float | None = None,
     gpus: Mapping[str, float] | None = None,
+    metric_tags: Sequence[dict[str, str]] | None = None,
 ) -> list[Any]:
     """One StageActor per range (hard-pinned to ``node_ids[i]`` when given and not ""); returns their
     handles once their units are loaded.  On a node with GPUs (``gpus``: each node's count) a stage asks Ray
     for its share of them (``bench.pipeline.gpu_shares``), so Ray makes its GPU visible and the stage runs
-    on ``cuda`` there, each stage of a node on its own GPU while there are enough.  ``names`` names the actors (in ``STAGE_NAMESPACE``), so an
+    on ``cuda`` there, each stage of a node on its own GPU while there are enough.  ``metric_tags``: each stage's
+    tags for the service's stage metrics (``serve.metrics``), none recorded without them.  ``names`` names the actors (in ``STAGE_NAMESPACE``), so an
     operator or a test can find a pipeline's stages.  ``timeout_s``: the stages not up by then (a node
     that died while they loaded) fail the start (``GetTimeoutError``) instead of holding the caller."""
     if node_ids is not None and len(node_ids) != len(ranges):
@@ -169,7 +185,8 @@ def start_stages(
             options["num_gpus"] = shares[index]
         if names is not None:
             options |= {"name": names[index], "namespace": STAGE_NAMESPACE}
-        actors.append(StageActor.options(**options).remote(cfg.to_dict(), start, end, slots, num_threads))
+        tags = metric_tags[index] if metric_tags is not None else None
+        actors.append(StageActor.options(**options).remote(cfg.to_dict(), start, end, slots, num_threads, tags))
     try:
         ray.get([a.info.remote() for a in actors], timeout=timeout_s)
     except Exception:

@@ -23,6 +23,7 @@ from typing import Any
 from raycluster_cli.config.inventory import Inventory
 from raycluster_cli.errors import OperationError
 from raycluster_cli.host.containers import container_name
+from raycluster_cli.render import serve_dashboard
 from raycluster_cli.transport import quote
 from raycluster_cli.transport.pool import Connect
 
@@ -154,7 +155,10 @@ def collect_metrics(inventory: Inventory, connect: Connect, out: Path) -> Metric
     config = sd_dir / f"scrape-{inventory.cluster}.yml"
     config.write_text(scrape_config(inventory, sd_file))
     result.files += [str(sd_file), str(config)]
-    result.dashboards = _dashboards(head, name, dash_dir, result.warnings)
+    ray_dashboards = _dashboards(head, name, dash_dir, result.warnings)
+    dash_dir.mkdir(parents=True, exist_ok=True)  # the service's own, whatever Ray's gave
+    (dash_dir / serve_dashboard.FILE_NAME).write_text(json.dumps(serve_dashboard.dashboard(), indent=2) + "\n")
+    result.dashboards = sorted({*ray_dashboards, serve_dashboard.FILE_NAME})
     return result
 
 

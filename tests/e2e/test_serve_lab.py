@@ -7,8 +7,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
+import urllib.request
 import uuid
 import xml.etree.ElementTree as ET
+from collections import defaultdict
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,9 +21,11 @@ import openai
 import pytest
 import torch
 import transformers
+from prometheus_client.parser import text_string_to_metric_families
 
 from raycluster_cli.config import inventory, state
 from raycluster_cli.render.serve_bench import SVG_NS
+from raycluster_cli.serve.metrics import METRICS
 
 from ..serve_checkpoint import WORDS, write_chat_llama
 from .conftest import IP1, Lab
@@ -28,6 +33,7 @@ from .conftest import IP1, Lab
 pytestmark = [pytest.mark.lab, pytest.mark.slow]
 
 NEW_TOKENS = 10
+METRIC_TAGS = {tag for metric in METRICS.values() for tag in metric.tags} | {"le"}
 PROMPTS = [" ".join(WORDS[(5 * i + j) % len(WORDS)] for j in range(n)) for i, n in enumerate((1, 4, 9, 15, 22, 30))]
 
 
@@ -141,6 +147,91 @@ def test_bench_serve_measures_the_service_from_the_operator(served: Served, tmp_
         assert run["t_max_minus_t_min_s"] >= 0 and 0 < run["of_ceiling"] <= 1
     assert len(ET.parse(svg).getroot().findall(f"{{{SVG_NS}}}circle")) == 4 * 2
     assert served.token not in json.dumps(doc) + err
+
+
+def _scrape(ip: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """The node's Prometheus endpoint (Ray's metrics agent, `ray.metrics_export_port`) read by the Prometheus
+    project's own parser: this service's samples, by name and tags (Ray's per-process labels dropped, the
+    processes' series summed)."""
+    with urllib.request.urlopen(f"http://{ip}:8080/metrics", timeout=30) as response:
+        text = response.read().decode()
+    found: dict[tuple[str, tuple[tuple[str, str], ...]], float] = defaultdict(float)
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name.startswith("ray_raycluster_serve_") and sample.labels.get("model") == "tiny-chat":
+                tags = tuple(sorted((k, v) for k, v in sample.labels.items() if k in METRIC_TAGS))
+                found[(sample.name, tags)] += sample.value
+    return found
+
+
+def _total(samples: dict[tuple[str, tuple[tuple[str, str], ...]], float], name: str, **tags: str) -> float:
+    return sum(v for (n, t), v in samples.items() if n == name and set(tags.items()) <= set(t))
+
+
+def test_the_service_exports_its_metrics_through_each_nodes_prometheus_endpoint(served: Served) -> None:
+    """Requests, tokens, time to first token and each stage's steps and busy time reach Prometheus through every
+    node's Ray metrics agent: the counts of six requests sent here equal what the `openai` client got (usage) and
+    what the service's status says its stages ran."""
+    live = [p for p in _status(served)["pipelines"] if p["state"] == "live"]
+    (pipeline,) = live
+    stages = [(str(i), s["node_ip"]) for i, s in enumerate(pipeline["stages"])]
+    hosts = sorted({ip for _, ip in stages})
+
+    def everything() -> dict[str, dict[tuple[str, tuple[tuple[str, str], ...]], float]]:
+        return {ip: _scrape(ip) for ip in hosts}
+
+    def settled() -> dict[str, dict[tuple[str, tuple[tuple[str, str], ...]], float]]:
+        last = everything()
+        for _ in range(8):  # Ray's agents export every 10 s: the same figures twice, 11 s apart, are all there is
+            time.sleep(11)
+            now = everything()
+            if now == last:
+                return now
+            last = now
+        raise AssertionError("the metrics did not settle within 90 s")
+
+    def stage_steps() -> list[int]:
+        (now,) = [p for p in _status(served)["pipelines"] if p["index"] == pipeline["index"]]
+        return [int(s["steps"]) for s in now["stages"]]
+
+    before, steps_before = settled(), stage_steps()
+
+    async def six() -> list[Any]:
+        client = served.client()
+        asks = [
+            client.completions.create(model="tiny-chat", prompt=p, max_tokens=NEW_TOKENS, temperature=0)
+            for p in PROMPTS
+        ]
+        return list(await asyncio.gather(*asks))
+
+    answers = asyncio.run(six())
+    after = settled()
+    steps = [a - b for a, b in zip(stage_steps(), steps_before, strict=True)]
+    head = IP1
+
+    def grew(name: str, ip: str = head, **tags: str) -> float:
+        return _total(after[ip], name, **tags) - _total(before[ip], name, **tags)
+
+    assert grew("ray_raycluster_serve_requests_total") == len(PROMPTS)
+    assert grew("ray_raycluster_serve_prompt_tokens_total") == sum(a.usage.prompt_tokens for a in answers)
+    assert grew("ray_raycluster_serve_generation_tokens_total") == sum(a.usage.completion_tokens for a in answers)
+    assert grew("ray_raycluster_serve_time_to_first_token_seconds_count") == len(PROMPTS)
+    assert grew("ray_raycluster_serve_e2e_request_latency_seconds_count") == len(PROMPTS)
+    assert _total(after[head], "ray_raycluster_serve_replicas_live") >= 1
+    for (stage, ip), ran in zip(stages, steps, strict=True):
+        tags = {"stage": stage, "node_ip": ip, "pipeline": str(pipeline["index"])}
+        assert grew("ray_raycluster_serve_stage_steps_total", ip, **tags) == ran > 0, (stage, ip)
+        assert grew("ray_raycluster_serve_stage_busy_seconds_total", ip, **tags) > 0, (stage, ip)
+
+
+def _status(served: Served) -> dict[str, Any]:
+    request = urllib.request.Request(
+        served.doc["url"].removesuffix("/v1") + "/raycluster/status",
+        headers={"Authorization": f"Bearer {served.token}"},
+    )
+    with urllib.request.urlopen(request, timeout=30) as answer:
+        data: dict[str, Any] = json.loads(answer.read())
+    return data
 
 
 def test_status_shows_the_service_and_serve_stop_removes_it(served: Served) -> None:

@@ -7,10 +7,13 @@ from __future__ import annotations
 import base64
 import io
 import json
+import re
 import tarfile
 from pathlib import Path
 
 from raycluster_cli.config import inventory
+from raycluster_cli.render import serve_dashboard
+from raycluster_cli.serve.metrics import METRICS
 from raycluster_cli.transport.fake import FakeTransport
 from raycluster_cli.verbs import metrics
 from raycluster_cli.verbs.metrics import collect_metrics
@@ -49,8 +52,31 @@ def _collect(tmp_path: Path, dashboards: str) -> metrics.MetricsResult:
 def test_rays_dashboards_are_written(tmp_path: Path) -> None:
     body = json.dumps({"title": "Default Dashboard", "panels": []}).encode()
     result = _collect(tmp_path, _archive({name: body for name in RAY_FILES}))
-    assert result.dashboards == sorted(RAY_FILES)
+    assert result.dashboards == sorted([*RAY_FILES, serve_dashboard.FILE_NAME])  # and the service's own
     assert (tmp_path / "grafana" / "dashboards" / RAY_FILES[0]).read_bytes() == body
+    ours = json.loads((tmp_path / "grafana" / "dashboards" / serve_dashboard.FILE_NAME).read_text())
+    assert ours == serve_dashboard.dashboard()
+
+
+def test_the_service_dashboard_queries_only_metrics_the_service_records() -> None:
+    """Every PromQL of the serve dashboard names exported metrics of ``serve.metrics`` (Ray's prefix and suffixes),
+    with tags they have; every metric the service records is on some panel."""
+    board = serve_dashboard.dashboard()
+    exprs = [t["expr"] for p in board["panels"] for t in p["targets"]]
+    named = {n for e in exprs for n in re.findall(r"ray_raycluster_serve_\w+", e)}
+    known = {serve_dashboard.exported(n, part) for n in METRICS for part in ("", "_bucket")}
+    assert named <= known, named - known
+    covered = {re.sub(r"(_total|_bucket)$", "", n).removeprefix("ray_") for n in named}
+    assert covered >= set(METRICS) - {
+        "raycluster_serve_prompt_tokens",
+        "raycluster_serve_stage_steps",
+        "raycluster_serve_outstanding_tokens",
+    }
+    for expr in exprs:
+        for label in re.findall(r"by \(([^)]*)\)", expr):
+            tags = {t.strip() for t in label.split(",")} - {"le"}
+            assert any(tags <= set(m.tags) for m in METRICS.values()), (expr, tags)
+    assert len({p["id"] for p in board["panels"]}) == len(board["panels"])
 
 
 def test_many_files_a_huge_file_links_and_folders_are_skipped_and_counted(tmp_path: Path) -> None:
@@ -61,7 +87,7 @@ def test_many_files_a_huge_file_links_and_folders_are_skipped_and_counted(tmp_pa
     link = tarfile.TarInfo("./evil.json")
     link.type, link.linkname = tarfile.SYMTYPE, "/etc/shadow"
     result = _collect(tmp_path, _archive(members, [link]))
-    assert len(result.dashboards) == metrics.DASHBOARD_MAX_FILES
+    assert len(result.dashboards) == metrics.DASHBOARD_MAX_FILES + 1  # Ray's, capped, and the service's own
     assert "bomb.json" not in result.dashboards and "evil.json" not in result.dashboards
     assert not (tmp_path / "grafana" / "dashboards" / "evil.json").exists()
     warning = next(w for w in result.warnings if "dashboards" in w)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from types import SimpleNamespace
@@ -22,6 +23,7 @@ transformers = pytest.importorskip("transformers")
 from raycluster_cli.bench.model import config_from_checkpoint  # noqa: E402
 from raycluster_cli.serve.batched import BatchedStage  # noqa: E402
 from raycluster_cli.serve.engine import Engine  # noqa: E402
+from raycluster_cli.serve.metrics import MemoryRecorder, StageMeter  # noqa: E402
 from raycluster_cli.serve.placement import PipelinePlan  # noqa: E402
 from raycluster_cli.serve.pool import Pipeline, Pool, least_loaded, pipeline_load  # noqa: E402
 from raycluster_cli.serve.scheduler import Limits, Scheduler  # noqa: E402
@@ -351,3 +353,69 @@ def test_a_slow_step_on_stages_that_answer_is_waited_for_not_failed(
     for prompt, answer in zip(PROMPTS[:2], answers, strict=True):
         assert answer == reference[prompt], prompt
     assert backend.asked and pool.failovers == 0 and pool.events == []
+
+
+def test_the_service_metrics_count_every_request_its_tokens_times_and_failovers(
+    checkpoint: Path, reference: dict[str, tuple[str, list[int]]]
+) -> None:
+    """Through a failover: each request ended is counted once with its finish reason, its prompt and generated
+    tokens, its time to first token, per output token and end to end; the failovers; a client that leaves counts as
+    an abort, a prompt too long as refused; the pipelines' gauges, and a removed pipeline's set to 0."""
+    backend = _Backend(checkpoint, doomed=0, die_after=9)
+    recorder = MemoryRecorder()
+
+    async def run() -> Pool:
+        pool = Pool(backend, watch_s=0.05, replace_period_s=3600, recorder=recorder, model="m")
+        plan = PipelinePlan(("", ""), ("", ""), ((0, 3), (3, backend.cfg.num_units)))
+        for _ in range(2):
+            await pool.add(plan)
+        pool.gauges()
+        pool.start()
+        await asyncio.gather(*(_stream(pool, p, backend.tokenizer, stream=i % 3 != 2) for i, p in enumerate(PROMPTS)))
+        pool.gauges()  # the failed pipeline 0 was replaced by pipeline 2: its gauges go to 0
+        gone = pool.generate(backend.tokenizer.encode(PROMPTS[0]), NEW_TOKENS, Sampling(temperature=0), stream=True)
+        await anext(gone)
+        await gone.aclose()  # the client left after its first piece
+        with pytest.raises(ValueError):
+            await anext(pool.generate([1] * 200, NEW_TOKENS, Sampling(temperature=0), stream=True))
+        for _ in range(100):  # the replacement live, the aborted request's slot freed once its step is back
+            if len(pool.live()) == 2 and not any(p.engine.scheduler.running for p in pool.pipelines):
+                break
+            await asyncio.sleep(0.05)
+        pool.gauges()
+        await pool.close()
+        return pool
+
+    pool = asyncio.run(run())
+    done = len(PROMPTS)
+    assert recorder.total("raycluster_serve_requests", finish_reason="length") == done
+    assert recorder.total("raycluster_serve_requests", finish_reason="abort") == 1
+    assert recorder.total("raycluster_serve_requests", finish_reason="refused") == 1
+    assert recorder.total("raycluster_serve_requests", finish_reason="error") == 0
+    prompts = sum(len(backend.tokenizer.encode(p)) for p in PROMPTS)
+    assert recorder.total("raycluster_serve_prompt_tokens") == prompts + len(backend.tokenizer.encode(PROMPTS[0])) + 200
+    generated = sum(len(reference[p][1]) for p in PROMPTS)
+    assert generated - 1 <= recorder.total("raycluster_serve_generation_tokens") - 1 <= generated + NEW_TOKENS
+    ttft = recorder.observed("raycluster_serve_time_to_first_token_seconds")
+    assert len(ttft) == done + 1 and all(t > 0 for t in ttft)
+    e2e = recorder.observed("raycluster_serve_e2e_request_latency_seconds")
+    tpot = recorder.observed("raycluster_serve_time_per_output_token_seconds")
+    assert len(tpot) == done and all(0 < t < e for t, e in zip(tpot, e2e, strict=False))
+    assert recorder.total("raycluster_serve_failovers", model="m") == pool.failovers >= 1
+    assert recorder.last("raycluster_serve_replicas_live", model="m") == 2
+    assert recorder.last("raycluster_serve_requests_running", pipeline="1") == 0
+    assert recorder.observed("raycluster_serve_kv_slots_used_ratio", pipeline="0") == [0, 0]  # then removed: 0
+    assert len(recorder.observed("raycluster_serve_kv_slots_used_ratio", pipeline="2")) == 2
+
+
+def test_a_stage_meter_adds_its_steps_and_busy_seconds_on_its_own_thread() -> None:
+    recorder = MemoryRecorder()
+    meter = StageMeter(recorder, {"model": "m", "pipeline": "0", "stage": "1", "node_ip": "10.0.0.2"}, flush_s=0.05)
+    for _ in range(5):
+        meter.step(0.01)
+    for _ in range(100):
+        if recorder.total("raycluster_serve_stage_steps") == 5:
+            break
+        time.sleep(0.02)
+    assert recorder.total("raycluster_serve_stage_steps", node_ip="10.0.0.2") == 5
+    assert abs(recorder.total("raycluster_serve_stage_busy_seconds", stage="1") - 0.05) < 1e-9
