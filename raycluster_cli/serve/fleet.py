@@ -216,11 +216,12 @@ class RayFleet:
         """Each stage pinged at once (``ping`` answers on a thread of its own, beside the steps): the first that
         did not answer within ``timeout_s`` or failed, with its node's address; None when all answered."""
         pings = [asyncio.ensure_future(_awaited(a.ping.remote())) for a in pipeline.stages]
-        await asyncio.wait(pings, timeout=timeout_s)
+        _, late = await asyncio.wait(pings, timeout=timeout_s)
+        for ping in late:  # a frozen node's ping would wait until Ray gives the node up: not kept
+            ping.cancel()
         for index, ping in enumerate(pings):
             where = f"stage {index} on {pipeline.plan.ips[index] or 'its node'}"
-            if not ping.done():
-                ping.cancel()
+            if ping in late:
                 return f"{where} did not answer within {timeout_s:.0f} s"
             if (exc := ping.exception()) is not None:
                 return f"{where} failed to answer: {type(exc).__name__}: {exc}"

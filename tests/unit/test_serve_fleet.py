@@ -227,3 +227,42 @@ def test_a_re_split_never_goes_back_to_the_split_it_left(cluster: dict[str, str]
     assert new.ranges != back  # re-split once (above), then kept
     assert back is None  # not rebuilt into the split it left
     assert first.ranges in fleet_._left[first.node_ids]
+
+
+class _Pinged:
+    """A stage handle whose ``ping`` answers, hangs (its host frozen) or fails (its actor died)."""
+
+    def __init__(self, how: str) -> None:
+        self.ping = SimpleNamespace(remote=lambda: self._answer(how))
+
+    @staticmethod
+    async def _answer(how: str) -> int:
+        if how == "hangs":
+            await asyncio.Event().wait()
+        if how == "fails":
+            raise RuntimeError("the actor died")
+        return 1
+
+
+@pytest.mark.parametrize(
+    ("stages", "said"),
+    [
+        (("answers", "answers"), None),
+        (("answers", "hangs"), "stage 1 on ip-b did not answer within 0 s"),
+        (("fails", "hangs"), "stage 0 on ip-a failed to answer: RuntimeError: the actor died"),
+    ],
+)
+def test_a_pipeline_whose_stage_does_not_answer_a_ping_is_named_with_its_node(
+    stages: tuple[str, str], said: str | None
+) -> None:
+    pipeline = _pipeline("a", "b")
+    pipeline.stages = [_Pinged(how) for how in stages]
+
+    async def ask() -> tuple[str | None, int]:
+        found = await _fleet().unanswered(pipeline, 0.2)
+        await asyncio.sleep(0)  # a cancelled ping's task ends at the loop's next turn
+        left = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        return found, len(left)
+
+    found, left = asyncio.run(ask())
+    assert found == said and left == 0  # a ping that did not answer is not left waiting
