@@ -1,7 +1,8 @@
 """A Grafana dashboard of the service's own metrics (``serve.metrics``), written by `raycluster metrics` next to
 the dashboards Ray generates: tokens and requests per second, time to first token, per output token and end to
 end (p50 / p90 / p99 from the histograms), requests running and waiting and KV slots in use per pipeline, each
-stage's busy share (an uneven split shows as stages apart), failovers and live replicas.  Pure data: no Grafana or
+stage's busy share (an uneven split shows as stages apart), images per second and seconds per image request,
+failovers and live replicas.  Pure data: no Grafana or
 Prometheus is needed to make it, and every query names only metrics the service records."""
 
 from __future__ import annotations
@@ -89,6 +90,18 @@ def panels() -> list[tuple[str, list[tuple[str, str]], str]]:
                 )
             ],
             "percentunit",
+        ),
+        (
+            "Images: per second, and seconds per request",
+            [
+                (f"sum(rate({exported('raycluster_serve_images')}{model}{RATE}))", "images/s"),
+                (
+                    f"sum by (outcome) (rate({exported('raycluster_serve_image_requests')}{model}{RATE}))",
+                    "requests/s {{outcome}}",
+                ),
+                *_quantiles("raycluster_serve_image_request_seconds"),
+            ],
+            "short",
         ),
         (
             "Failovers and live replicas",

@@ -36,6 +36,7 @@ from raycluster_cli.bench.image_pool import ImagePool, NoReplica, QueueFull, Slo
 from raycluster_cli.bench.options import BenchOptions
 from raycluster_cli.serve import app as text_app
 from raycluster_cli.serve import protocol
+from raycluster_cli.serve.metrics import RayRecorder, image_request
 from raycluster_cli.serve.protocol import APIError, ImageGenerationRequest
 
 RETRY_AFTER_S = 2
@@ -123,8 +124,10 @@ class ImageServer:
         ]
         self.pool = ImagePool(slots, max_waiting=settings.max_waiting)
         self.created = int(time.time())
+        self.metrics = RayRecorder()
 
     async def check_health(self) -> None:
+        self.metrics.record("raycluster_serve_replicas_live", len(self.pool.live()), {"model": self.model_id})
         problem = self.pool.health()
         if problem is not None:
             raise RuntimeError(problem)
@@ -180,15 +183,21 @@ class ImageServer:
             ImageRequest(body.prompt, seed + i, steps, height, width, guidance, body.negative_prompt)
             for i in range(body.n)
         ]
+        began, outcome = time.monotonic(), "error"
         try:
             made = await self.pool.images(requests)
+            outcome = "ok"
         except QueueFull as exc:
+            outcome = "refused"
             raise APIError(503, f"the service is full ({exc}); retry later", retry_after=RETRY_AFTER_S) from None
         except NoReplica as exc:
+            outcome = "refused"
             raise APIError(503, f"the service is not ready: {exc}", retry_after=RETRY_AFTER_S) from None
         except RayTaskError as exc:  # the generation itself raised (not a lost node): nothing to move
             first = str(exc.cause if exc.cause is not None else exc).strip().splitlines()
             raise APIError(500, f"the generation failed: {first[-1] if first else type(exc).__name__}") from None
+        finally:
+            image_request(self.metrics, self.model_id, outcome, len(requests), time.monotonic() - began)
         encoded = await asyncio.to_thread(lambda: [png_b64(image[0]) for image in made])  # off the event loop
         data = [
             {"b64_json": b64, "revised_prompt": None, "seed": r.seed} for b64, r in zip(encoded, requests, strict=True)

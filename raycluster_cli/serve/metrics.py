@@ -6,7 +6,8 @@ tokens: time to first token, time per output token, tokens generated, requests r
 use, failovers, and each stage's busy time (which shows how even the split is).  These are recorded here with
 ``ray.util.metrics``, so they leave through the same agents with no port of their own (Ray prefixes their names
 with ``ray_``; a counter gets ``_total``): the ingress records the request and pipeline figures, each stage actor
-its own busy seconds and steps (tagged with its pipeline, stage and node address).
+its own busy seconds and steps (tagged with its pipeline, stage and node address); an image service its
+requests, images and seconds per request, and its live replicas.
 
 Recording goes through a ``Recorder``: ``RayRecorder`` in the service, ``MemoryRecorder`` in tests.
 """
@@ -69,6 +70,13 @@ METRICS: dict[str, Metric] = {
         GAUGE, "Prompt tokens still to prefill and tokens still to generate on a pipeline", ("model", "pipeline")
     ),
     "raycluster_serve_replicas_live": Metric(GAUGE, "Pipelines taking requests", ("model",)),
+    "raycluster_serve_image_requests": Metric(
+        COUNTER, "Image requests ended, by outcome: ok, refused (full, not ready), error", ("model", "outcome")
+    ),
+    "raycluster_serve_images": Metric(COUNTER, "Images made", ("model",)),
+    "raycluster_serve_image_request_seconds": Metric(
+        HISTOGRAM, "An image request's time from its arrival to its images made", ("model",), E2E_BOUNDS
+    ),
     "raycluster_serve_stage_busy_seconds": Metric(
         COUNTER, "Seconds a stage spent computing steps", ("model", "pipeline", "stage", "node_ip")
     ),
@@ -215,6 +223,14 @@ class StageMeter:
             time.sleep(self.flush_s)
             with contextlib.suppress(Exception):  # a metrics agent that refuses must not end the stage
                 self.flush()
+
+
+def image_request(recorder: Recorder, model: str, outcome: str, images: int, seconds: float) -> None:
+    """One image request ended: its outcome, and for one that made its images, how many and how long it took."""
+    recorder.record("raycluster_serve_image_requests", 1, {"model": model, "outcome": outcome})
+    if outcome == "ok":
+        recorder.record("raycluster_serve_images", images, {"model": model})
+        recorder.record("raycluster_serve_image_request_seconds", seconds, {"model": model})
 
 
 def pipeline_gauges(recorder: Recorder, model: str, pipelines: list[Any], gone: list[int]) -> None:

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import base64
 import io
+import urllib.request
 import uuid
+from collections import defaultdict
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,11 +21,13 @@ import numpy as np
 import openai
 import pytest
 from PIL import Image
+from prometheus_client.parser import text_string_to_metric_families
 
 from raycluster_cli.config import inventory, state
 
 from ..diffusion_checkpoint import diffusers_image, write_tiny_sd
 from .conftest import IP1, Lab
+from .faults import wait_until
 
 pytestmark = [pytest.mark.lab, pytest.mark.slow]
 
@@ -94,6 +98,26 @@ def test_bench_serve_measures_images_on_every_host(served: Served) -> None:
         assert sum(r["images"] for r in run["replicas"]) == 12
         assert run["latency_s"]["e2e"]["p50"] <= run["latency_s"]["e2e"]["p99"]
     assert served.token not in str(doc) + err
+    # the service's own metrics, through the head's Ray metrics agent (read by the Prometheus project's parser):
+    # at least the 4 images of the test before and every image of these runs, on 3 live replicas
+    made = 4 + 12 * len(doc["runs"])
+
+    def metrics() -> dict[str, float]:
+        with urllib.request.urlopen(f"http://{IP1}:8080/metrics", timeout=30) as response:
+            text = response.read().decode()
+        found: dict[str, float] = defaultdict(float)
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.labels.get("model") == "tiny-sd" and sample.name.startswith("ray_raycluster_serve_"):
+                    found[sample.name + sample.labels.get("outcome", "")] += sample.value
+        return found
+
+    assert wait_until(lambda: metrics()["ray_raycluster_serve_images_total"] >= made, 90), metrics()
+    found = metrics()
+    asked = 1 + 12 * len(doc["runs"])  # the test before's request of 4, then one image a request
+    assert found["ray_raycluster_serve_image_requests_totalok"] >= asked
+    assert found["ray_raycluster_serve_image_request_seconds_count"] >= asked
+    assert wait_until(lambda: metrics()["ray_raycluster_serve_replicas_live"] == 3, 60), metrics()
 
 
 def test_status_shows_the_image_service_and_serve_stop_removes_it(served: Served) -> None:

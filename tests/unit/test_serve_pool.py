@@ -23,7 +23,7 @@ transformers = pytest.importorskip("transformers")
 from raycluster_cli.bench.model import config_from_checkpoint  # noqa: E402
 from raycluster_cli.serve.batched import BatchedStage  # noqa: E402
 from raycluster_cli.serve.engine import Engine  # noqa: E402
-from raycluster_cli.serve.metrics import MemoryRecorder, StageMeter  # noqa: E402
+from raycluster_cli.serve.metrics import MemoryRecorder, StageMeter, image_request  # noqa: E402
 from raycluster_cli.serve.placement import PipelinePlan  # noqa: E402
 from raycluster_cli.serve.pool import Pipeline, Pool, least_loaded, pipeline_load  # noqa: E402
 from raycluster_cli.serve.scheduler import Limits, Scheduler  # noqa: E402
@@ -419,3 +419,13 @@ def test_a_stage_meter_adds_its_steps_and_busy_seconds_on_its_own_thread() -> No
         time.sleep(0.02)
     assert recorder.total("raycluster_serve_stage_steps", node_ip="10.0.0.2") == 5
     assert abs(recorder.total("raycluster_serve_stage_busy_seconds", stage="1") - 0.05) < 1e-9
+
+
+def test_an_image_request_counts_its_outcome_and_only_a_made_one_its_images_and_seconds() -> None:
+    recorder = MemoryRecorder()
+    image_request(recorder, "sd", "ok", 4, 2.5)
+    image_request(recorder, "sd", "refused", 2, 0.01)
+    assert recorder.total("raycluster_serve_image_requests", outcome="ok") == 1
+    assert recorder.total("raycluster_serve_image_requests", outcome="refused") == 1
+    assert recorder.total("raycluster_serve_images") == 4
+    assert recorder.observed("raycluster_serve_image_request_seconds") == [2.5]
