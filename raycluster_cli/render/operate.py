@@ -162,6 +162,7 @@ def render_serve(output: Output, body: dict[str, Any]) -> None:
             f'base_url="{url}").images.generate(model="{model}", prompt="a red house").data[0].b64_json))\''
         )
         output.line("raycluster status shows it; raycluster serve --stop removes it")
+        output.line(METRICS_HINT)
         return
     chat = json.dumps({"model": body["model"], "messages": [{"role": "user", "content": "Hello"}]})
     output.line(
@@ -173,6 +174,13 @@ def render_serve(output: Output, body: dict[str, Any]) -> None:
         f'model="{model}", prompt="Hello", max_tokens=16).choices[0].text)\''
     )
     output.line("raycluster status shows it; raycluster serve --stop removes it")
+    output.line(METRICS_HINT)
+
+
+METRICS_HINT = (
+    "its metrics (tokens, TTFT, TPOT, each stage's busy share) go to Prometheus with Ray's:"
+    " raycluster metrics --out DIR writes the targets and a Grafana dashboard"
+)
 
 
 def render_serve_stop(output: Output, body: dict[str, Any]) -> None:

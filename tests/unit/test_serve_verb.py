@@ -205,6 +205,7 @@ def test_an_image_service_shows_each_replicas_parts_and_speed_and_how_to_ask_for
     text = buffer.getvalue()
     assert "replica 0: 192.0.2.11: text+unet+vae, 1.25 s/image" in text
     assert "images.generate(" in text and "chat/completions" not in text
+    assert "raycluster metrics --out DIR" in text  # where its metrics go
     record = {
         "record": {"model": "tiny-sd", "url": "http://h:8000/v1", "kind": "image"},
         "serve": {"status": "RUNNING"},
