@@ -137,7 +137,8 @@ class Pool:
         self._changed = asyncio.Event()
         self._tasks: set[asyncio.Task[None]] = set()
         self._watch_task: asyncio.Task[None] | None = None
-        self._asked: dict[int, float] = {}  # pipeline index -> when its stages were last asked (or are being asked)
+        self._asked: dict[int, float] = {}  # pipeline index -> when its stages' last ask ended
+        self._asking: set[int] = set()  # the pipelines whose stages are being asked now
         self._gauged: set[int] = set()  # the pipelines whose gauges were set (a removed one's go to 0 once)
 
     # -- pipelines ---------------------------------------------------------------------------------
@@ -290,7 +291,7 @@ class Pool:
             if pipeline.state != "dead" and engine.failure is None and engine.stalled_s() > self.stall_s:
                 engine.fail(TimeoutError(f"no step came back for {engine.stalled_s():.0f} s"))
             elif pipeline.state != "dead" and engine.failure is None and self._overdue(pipeline):
-                self._asked[pipeline.index] = time.monotonic()
+                self._asking.add(pipeline.index)
                 self._spawn(self._ask(pipeline))
             if pipeline.state == "draining" and engine.failure is not None:
                 pipeline.state = "dead"  # already superseded: its requests move, nothing replaces it
@@ -321,13 +322,16 @@ class Pool:
         engine = pipeline.engine
         suspect_s = suspect_after_s(engine, self.suspect_floor_s)
         asked = self._asked.get(pipeline.index)
-        return engine.stalled_s() > suspect_s and (asked is None or time.monotonic() - asked > suspect_s)
+        if pipeline.index in self._asking or engine.stalled_s() <= suspect_s:
+            return False
+        return asked is None or time.monotonic() - asked > suspect_s
 
     async def _ask(self, pipeline: Pipeline) -> None:
         """Ping the stages of a pipeline whose steps are overdue; one that does not answer (its host frozen, its
         link cut: no connection closes, so nothing else fails) fails the pipeline now rather than at the stall
         deadline, unless a step came back meanwhile."""
         engine, steps = pipeline.engine, pipeline.engine.steps_done
+        self._asking.add(pipeline.index)  # one ask at a time per pipeline
         try:
             why = await asyncio.wait_for(
                 self.backend.unanswered(pipeline, self.answer_timeout_s), self.answer_timeout_s + 5.0
@@ -335,6 +339,9 @@ class Pool:
         except Exception as exc:  # the look itself failed: the stall deadline still stands
             log.warning("serve: pinging pipeline %s failed: %s: %s", pipeline.index, type(exc).__name__, exc)
             return
+        finally:
+            self._asking.discard(pipeline.index)
+            self._asked[pipeline.index] = time.monotonic()  # the next ask waits as long again after this one
         if why is not None and engine.failure is None and engine.steps_done == steps and engine.stalled_s() > 0:
             engine.fail(TimeoutError(f"no step came back for {engine.stalled_s():.0f} s and {why}"))
 

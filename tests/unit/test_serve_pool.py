@@ -93,6 +93,7 @@ class _Backend:
         self.doomed, self.die_after, self.rebuild_s, self.step_s = doomed, die_after, rebuild_s, step_s
         self.freeze_after = freeze_after  # pipeline ``doomed``'s last stage hangs from this many steps on
         self.asked: list[int] = []  # the pipelines whose stages were pinged
+        self.asking = self.most_asking = 0  # asks under way now, and the most at once
         self.built: list[int] = []
         self.resplit_to: PipelinePlan | None = None
 
@@ -122,11 +123,16 @@ class _Backend:
     async def unanswered(self, pipeline: Pipeline, timeout_s: float) -> str | None:
         """A frozen stage answers no ping: the caller waits the whole ``timeout_s`` for nothing."""
         self.asked.append(pipeline.index)
-        frozen = [i for i, stage in enumerate(pipeline.stages) if stage.frozen()]
-        if frozen:
-            await asyncio.sleep(timeout_s)
-            return f"stage {frozen[0]} did not answer within {timeout_s} s"
-        return None
+        self.asking += 1
+        self.most_asking = max(self.most_asking, self.asking)
+        try:
+            frozen = [i for i, stage in enumerate(pipeline.stages) if stage.frozen()]
+            if frozen:
+                await asyncio.sleep(timeout_s)
+                return f"stage {frozen[0]} did not answer within {timeout_s} s"
+            return None
+        finally:
+            self.asking -= 1
 
     async def rebalance(self, pipeline: Pipeline) -> PipelinePlan | None:
         """``resplit_to`` once, for a pipeline whose engine has requests running (a loaded window)."""
@@ -312,7 +318,7 @@ def test_a_frozen_stage_fails_its_pipeline_within_seconds_and_its_requests_finis
     backend = _Backend(checkpoint, doomed=0, freeze_after=9)
 
     async def run() -> tuple[list[tuple[str, list[int]]], Pool, float]:
-        pool = Pool(backend, watch_s=0.05, replace_period_s=3600, suspect_floor_s=0.3, answer_timeout_s=0.3)
+        pool = Pool(backend, watch_s=0.05, replace_period_s=3600, suspect_floor_s=0.3, answer_timeout_s=1.0)
         plan = PipelinePlan(("", ""), ("", ""), ((0, 3), (3, backend.cfg.num_units)))
         for _ in range(2):
             await pool.add(plan)
@@ -331,6 +337,7 @@ def test_a_frozen_stage_fails_its_pipeline_within_seconds_and_its_requests_finis
     failed = [e for e in pool.events if e["event"] == "failed"]
     assert [e["pipeline"] for e in failed] == [0] and "stage 1 did not answer" in failed[0]["detail"]
     assert took < 10.0  # the stall deadline alone (30 s) would have held the frozen pipeline's requests 30 s
+    assert backend.most_asking == 1  # an ask longer than the suspicion is not joined by a second one
 
 
 def test_a_slow_step_on_stages_that_answer_is_waited_for_not_failed(
