@@ -21,6 +21,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from raycluster_cli.bench.model import config_from_checkpoint  # noqa: E402
+from raycluster_cli.serve import pool as pool_module  # noqa: E402
 from raycluster_cli.serve.batched import BatchedStage  # noqa: E402
 from raycluster_cli.serve.engine import Engine  # noqa: E402
 from raycluster_cli.serve.metrics import MemoryRecorder, StageMeter, image_request  # noqa: E402
@@ -363,22 +364,27 @@ def test_a_slow_step_on_stages_that_answer_is_waited_for_not_failed(
 
 
 def test_the_service_metrics_count_every_request_its_tokens_times_and_failovers(
-    checkpoint: Path, reference: dict[str, tuple[str, list[int]]]
+    checkpoint: Path, reference: dict[str, tuple[str, list[int]]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Through a failover: each request ended is counted once with its finish reason, its prompt and generated
     tokens, its time to first token, per output token and end to end; the failovers; a client that leaves counts as
     an abort, a prompt too long as refused; the pipelines' gauges, and a removed pipeline's set to 0."""
     backend = _Backend(checkpoint, doomed=0, die_after=9)
     recorder = MemoryRecorder()
+    monkeypatch.setattr(pool_module, "GAUGES_S", 3600.0)  # the gauges set only where the test says
 
     async def run() -> Pool:
         pool = Pool(backend, watch_s=0.05, replace_period_s=3600, recorder=recorder, model="m")
         plan = PipelinePlan(("", ""), ("", ""), ((0, 3), (3, backend.cfg.num_units)))
         for _ in range(2):
             await pool.add(plan)
-        pool.gauges()
         pool.start()
-        await asyncio.gather(*(_stream(pool, p, backend.tokenizer, stream=i % 3 != 2) for i, p in enumerate(PROMPTS)))
+        calls = [_stream(pool, p, backend.tokenizer, stream=i % 3 != 2) for i, p in enumerate(PROMPTS)]
+        running = asyncio.gather(*calls)
+        while not pool.pipelines[0].engine.scheduler.running:
+            await asyncio.sleep(0.001)
+        pool.gauges()  # pipeline 0 busy: its KV slots in use
+        await running
         pool.gauges()  # the failed pipeline 0 was replaced by pipeline 2: its gauges go to 0
         gone = pool.generate(backend.tokenizer.encode(PROMPTS[0]), NEW_TOKENS, Sampling(temperature=0), stream=True)
         await anext(gone)
@@ -411,8 +417,9 @@ def test_the_service_metrics_count_every_request_its_tokens_times_and_failovers(
     assert recorder.total("raycluster_serve_failovers", model="m") == pool.failovers >= 1
     assert recorder.last("raycluster_serve_replicas_live", model="m") == 2
     assert recorder.last("raycluster_serve_requests_running", pipeline="1") == 0
-    assert recorder.observed("raycluster_serve_kv_slots_used_ratio", pipeline="0") == [0, 0]  # then removed: 0
-    assert len(recorder.observed("raycluster_serve_kv_slots_used_ratio", pipeline="2")) == 2
+    busy, *_, gone = recorder.observed("raycluster_serve_kv_slots_used_ratio", pipeline="0")
+    assert busy > 0 and gone == 0  # then removed: set to 0 (a gauge keeps its last value)
+    assert recorder.observed("raycluster_serve_kv_slots_used_ratio", pipeline="2")
 
 
 def test_a_stage_meter_adds_its_steps_and_busy_seconds_on_its_own_thread() -> None:
