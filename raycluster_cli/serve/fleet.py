@@ -273,7 +273,7 @@ class RayFleet:
             return None
         window = now - before[0]
         steps = [a["steps"] - b["steps"] for a, b in zip(counters, before[1], strict=True)]
-        busy = [a["busy_s"] - b["busy_s"] for a, b in zip(counters, before[1], strict=True)]
+        busy = [capacity_s(a, b) for a, b in zip(counters, before[1], strict=True)]
         if min(steps) < REBALANCE_MIN_STEPS or max(busy) < REBALANCE_MIN_BUSY * window:
             return None
         measured = [b / n for b, n in zip(busy, steps, strict=True)]
@@ -318,6 +318,19 @@ class RayFleet:
             plan = replan([], free, self.stages, self.cfg.layers, self.unit_bytes)
             changes += [(None, plan)] if plan is not None else []
         return changes
+
+
+def capacity_s(now: dict[str, Any], before: dict[str, Any]) -> float:
+    """A stage's seconds of work between two reads of its counters: its wall time inside forward, or, on a node with
+    a CPU quota, its CPU time inside forward over that quota when that is longer.  A stage under a quota that waited
+    for work computes its next step in a burst at full speed, so at a light load its wall time says the node is
+    faster than it is under a steady one (the bench's capacity time, ``bench.balance``); judged by it, a window of
+    one request at a time once moved a block onto the 0.25-CPU host, which then took 20 ms a step under load."""
+    busy = float(now["busy_s"] - before["busy_s"])
+    quota = now.get("node_cpu_quota")
+    if not quota or "forward_cpu_s" not in now or "forward_cpu_s" not in before:
+        return busy
+    return max(busy, float(now["forward_cpu_s"] - before["forward_cpu_s"]) / float(quota))
 
 
 async def _awaited(ref: Any) -> Any:

@@ -184,18 +184,49 @@ def test_the_launcher_s_measure_splits_by_the_nodes_quotas_not_their_contended_w
 
 
 class _Counting:
-    """A stage actor's ``counters`` as the fleet reads them: steps and busy seconds that grow between looks."""
+    """A stage actor's ``counters`` as the fleet reads them: steps, busy seconds and CPU seconds inside forward that
+    grow between looks, and its node's CPU quota (None: none)."""
 
-    def __init__(self) -> None:
-        self.steps, self.busy_s = 0, 0.0
+    def __init__(self, quota: float | None = None) -> None:
+        self.steps, self.busy_s, self.cpu_s, self.quota = 0, 0.0, 0.0, quota
         self.counters = SimpleNamespace(remote=self._remote)
 
-    def run(self, steps: int, seconds_per_step: float) -> None:
+    def run(self, steps: int, seconds_per_step: float, cpu_per_step: float | None = None) -> None:
         self.steps += steps
         self.busy_s += steps * seconds_per_step
+        self.cpu_s += steps * (seconds_per_step if cpu_per_step is None else cpu_per_step)
 
     async def _remote(self) -> dict[str, Any]:
-        return {"pid": 1, "steps": self.steps, "busy_s": self.busy_s}
+        return {
+            "pid": 1, "steps": self.steps, "busy_s": self.busy_s, "forward_cpu_s": self.cpu_s,
+            "node_cpu_quota": self.quota,
+        }  # fmt: skip
+
+
+def test_a_stage_under_a_cpu_quota_is_judged_by_its_capacity_time_not_its_bursts(cluster: dict[str, str]) -> None:
+    """At a light load the stage on a 0.25-CPU node computes each step in a burst at full speed, so its wall time
+    per step looks short; its CPU time over the quota says what a steady load gets.  Judged by that, units move off
+    it; by its wall time alone they would move onto it (the look of session 29 that made it the bottleneck)."""
+    nodes = [_speed("a"), _speed("b")]
+    first = fleet.split_over(nodes)
+    a_s, b_s = first.stage_s
+
+    async def judged(quota: float | None) -> PipelinePlan | None:
+        fleet_ = fleet.RayFleet(CFG, None, Limits(), frozenset(), stages=2, speeds=nodes)
+        stages = [_Counting(), _Counting(quota)]
+        old = SimpleNamespace(plan=first, index=0, stages=stages)
+        assert await fleet_.rebalance(old) is None  # opens the window
+        stages[0].run(100, a_s)
+        stages[1].run(100, 0.5 * b_s, cpu_per_step=0.4 * b_s)  # half the wall it was planned, 0.4 of it in CPU
+        return await fleet_.rebalance(old)
+
+    def on_b(plan: PipelinePlan) -> int:
+        return plan.ranges[1][1] - plan.ranges[1][0]
+
+    burst = asyncio.run(judged(None))  # no quota known: the wall time is all there is, and b looks twice as fast
+    assert burst is not None and on_b(burst) > on_b(first)
+    steady = asyncio.run(judged(0.25))  # 0.4 / 0.25 = 1.6 x the plan: b is slower than planned, units move off it
+    assert steady is not None and on_b(steady) < on_b(first) and "ip-b x1.60" in steady.why
 
 
 def test_a_re_split_never_goes_back_to_the_split_it_left(cluster: dict[str, str]) -> None:
