@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# How much of four-at-a-time's gap (issue 31's S4/S5) is the prompts' prefill: one 3-host service (quotas
+# 1.0 / 0.5 / 0.25, the model of serve_targets.py), after two 64-request warm-ups (it re-splits itself in them),
+# ROUNDS rounds of one and four at a time, with the usual prompts (16-64 tokens) and with prompts of 1-4, one line
+# per run: tok/s, TPOT p50, the step anatomy's round trip, steps in flight and compute per stage.
+# Usage: RAYCLUSTER_LAB_NAME=rc-ex RAYCLUSTER_LAB_SUBNET=10.91.0.0/24 benchmarks/serve_prefill_share.sh [ROUNDS] [OUT]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROUNDS=${1:-2}
+OUT=${2:-/tmp/serve-prefill-share}
+PYTHON=${PYTHON:-.venv/bin/python}
+mkdir -p "$OUT"
+export PYTHONPATH=$PWD
+R="$PYTHON -m raycluster_cli"
+INV=$($R lab up --hosts=3 --cpus=lab-h1=1.0 --cpus=lab-h2=0.5 --cpus=lab-h3=0.25 --json \
+  | $PYTHON -c "import json, sys; print(json.load(sys.stdin)['inventory'])")
+MODEL=$($PYTHON -c "
+from pathlib import Path
+from benchmarks.serve_targets import MODEL_SIZES
+from tests.serve_checkpoint import write_chat_llama
+print(write_chat_llama(Path('$OUT') / 'serve-llama', seed=1, **MODEL_SIZES))" 2>/dev/null | tail -1)
+timeout 1200 $R up -i "$INV" --json > "$OUT/up.json"
+timeout 1200 $R serve --model-path="$MODEL" --max-seq=256 --slots=16 --rebalance-period=10 -i "$INV" --json \
+  > "$OUT/serve.json"
+B="timeout 900 $R bench --serve --rates= -i $INV --json"
+for warm in 0 1; do $B --requests=64 --prompt-tokens=16:64 --output-tokens=32:96 > "$OUT/warm-$warm.json"; done
+for round in $(seq 0 $((ROUNDS - 1))); do
+  for kind in usual short; do
+    prompts=$([ "$kind" = usual ] && echo 16:64 || echo 1:4)
+    for c in 1 4; do
+      f="$OUT/$round-$kind-c$c.json"
+      $B --prompt-tokens="$prompts" --output-tokens=32:96 --requests=$((c == 1 ? 8 : 32)) --concurrency=$c > "$f"
+      $PYTHON - "$f" "$round $kind c$c" <<'PY'
+import json, sys
+d = json.load(open(sys.argv[1])); r = d["runs"][0]; a = list(r["anatomy"].values())[-1]
+print(sys.argv[2], round(r["output_tokens_per_s"], 1), "tok/s, TPOT p50", round(r["latency_s"]["tpot"]["p50"] * 1000, 1),
+      "ms, round trip", a["round_trip_ms"], "ms, in flight", a["in_flight"], ", compute", [s["compute_ms"] for s in a["stages"]],
+      ", blocks", [s["blocks"] for s in r["stages"]], ", load", open("/proc/loadavg").read().split()[0],
+      ", pipelines changed", d.get("pipelines_changed"), flush=True)
+PY
+    done
+  done
+done
+$R serve --stop -i "$INV" --json > /dev/null
