@@ -23,9 +23,9 @@ from typing import Any
 from raycluster_cli.config.inventory import Inventory
 from raycluster_cli.errors import OperationError
 from raycluster_cli.host.containers import container_name
-from raycluster_cli.render import serve_dashboard
 from raycluster_cli.transport import quote
 from raycluster_cli.transport.pool import Connect
+from raycluster_cli.verbs import serve_dashboard
 
 SESSION = "/tmp/ray/session_latest"
 DISCOVERY = f"{SESSION}/prom_metrics_service_discovery.json"

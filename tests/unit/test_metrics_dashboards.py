@@ -12,10 +12,9 @@ import tarfile
 from pathlib import Path
 
 from raycluster_cli.config import inventory
-from raycluster_cli.render import serve_dashboard
 from raycluster_cli.serve.metrics import METRICS
 from raycluster_cli.transport.fake import FakeTransport
-from raycluster_cli.verbs import metrics
+from raycluster_cli.verbs import metrics, serve_dashboard
 from raycluster_cli.verbs.metrics import collect_metrics
 
 from .conftest import EXAMPLE
