@@ -22,7 +22,7 @@ from typing import Any
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from raycluster_cli.bench.balance import capacity_costs
+from raycluster_cli.bench.balance import capacity_costs, capacity_time
 from raycluster_cli.bench.config import ModelConfig
 from raycluster_cli.bench.experiment import node_gpus
 from raycluster_cli.bench.pipeline import (
@@ -215,7 +215,7 @@ class RayFleet:
     async def unanswered(self, pipeline: Pipeline, timeout_s: float) -> str | None:
         """Each stage pinged at once (``ping`` answers on a thread of its own, beside the steps): the first that
         did not answer within ``timeout_s`` or failed, with its node's address; None when all answered."""
-        pings = [asyncio.ensure_future(_awaited(a.ping.remote())) for a in pipeline.stages]
+        pings = [asyncio.ensure_future(a.ping.remote()) for a in pipeline.stages]
         _, late = await asyncio.wait(pings, timeout=timeout_s)
         for ping in late:  # a frozen node's ping would wait until Ray gives the node up: not kept
             ping.cancel()
@@ -327,14 +327,9 @@ def capacity_s(now: dict[str, Any], before: dict[str, Any]) -> float:
     faster than it is under a steady one (the bench's capacity time, ``bench.balance``); judged by it, a window of
     one request at a time once moved a block onto the 0.25-CPU host, which then took 20 ms a step under load."""
     busy = float(now["busy_s"] - before["busy_s"])
-    quota = now.get("node_cpu_quota")
-    if not quota or "forward_cpu_s" not in now or "forward_cpu_s" not in before:
+    if "forward_cpu_s" not in now or "forward_cpu_s" not in before:
         return busy
-    return max(busy, float(now["forward_cpu_s"] - before["forward_cpu_s"]) / float(quota))
-
-
-async def _awaited(ref: Any) -> Any:
-    return await ref
+    return capacity_time(busy, float(now["forward_cpu_s"] - before["forward_cpu_s"]), now.get("node_cpu_quota"))
 
 
 async def _alive() -> dict[str, str]:

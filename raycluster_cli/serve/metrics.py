@@ -19,7 +19,7 @@ import logging
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -194,29 +194,28 @@ class RequestTimer:
 
 
 class StageMeter:
-    """A stage's busy seconds and steps, added to its counters every ``STAGE_FLUSH_S`` by a thread of its own
-    (a step only adds to two numbers: nothing of Ray's on a step's path)."""
+    """Adds a stage's steps and busy seconds to its counters every ``flush_s``, on a thread of its own, from the
+    running totals the stage already keeps (``totals``: steps, busy seconds): nothing is added to a step's path."""
 
-    def __init__(self, recorder: Recorder, tags: Mapping[str, str], flush_s: float = STAGE_FLUSH_S) -> None:
-        self.recorder, self.tags, self.flush_s = recorder, dict(tags), flush_s
-        self._busy, self._steps = 0.0, 0
-        self._lock = threading.Lock()
-        self._thread: threading.Thread | None = None
+    def __init__(
+        self,
+        recorder: Recorder,
+        tags: Mapping[str, str],
+        totals: Callable[[], tuple[int, float]],
+        flush_s: float = STAGE_FLUSH_S,
+    ) -> None:
+        self.recorder, self.tags, self.totals, self.flush_s = recorder, dict(tags), totals, flush_s
+        self._flushed = (0, 0.0)  # the totals already added
 
-    def step(self, busy_s: float) -> None:
-        with self._lock:
-            self._busy += busy_s
-            self._steps += 1
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._flushing, name="stage-metrics", daemon=True)
-                self._thread.start()
+    def start(self) -> None:
+        threading.Thread(target=self._flushing, name="stage-metrics", daemon=True).start()
 
     def flush(self) -> None:
-        with self._lock:
-            busy, steps, self._busy, self._steps = self._busy, self._steps, 0.0, 0
-        if steps:
-            self.recorder.record("raycluster_serve_stage_busy_seconds", busy, self.tags)
-            self.recorder.record("raycluster_serve_stage_steps", steps, self.tags)
+        steps, busy = self.totals()
+        if steps > self._flushed[0]:
+            self.recorder.record("raycluster_serve_stage_busy_seconds", busy - self._flushed[1], self.tags)
+            self.recorder.record("raycluster_serve_stage_steps", steps - self._flushed[0], self.tags)
+        self._flushed = (steps, busy)
 
     def _flushing(self) -> None:
         while True:
@@ -233,10 +232,10 @@ def image_request(recorder: Recorder, model: str, outcome: str, images: int, sec
         recorder.record("raycluster_serve_image_request_seconds", seconds, {"model": model})
 
 
-def pipeline_gauges(recorder: Recorder, model: str, pipelines: list[Any], gone: list[int]) -> None:
+def pipeline_gauges(recorder: Recorder, model: str, pipelines: list[Any], gone: list[int], live: int) -> None:
     """Each pipeline's requests running and waiting, KV slots in use and outstanding tokens; ``gone``: the
-    indexes of pipelines removed since the last call, set to 0 (a gauge keeps its last value)."""
-    live = 0
+    indexes of pipelines removed since the last call, set to 0 (a gauge keeps its last value); ``live``: the
+    pipelines taking requests."""
     for pipeline in pipelines:
         scheduler = pipeline.engine.scheduler
         tags = {"model": model, "pipeline": str(pipeline.index)}
@@ -245,7 +244,6 @@ def pipeline_gauges(recorder: Recorder, model: str, pipelines: list[Any], gone: 
         recorder.record("raycluster_serve_requests_waiting", len(scheduler.waiting), tags)
         recorder.record("raycluster_serve_kv_slots_used_ratio", (slots - len(scheduler.free_slots)) / slots, tags)
         recorder.record("raycluster_serve_outstanding_tokens", scheduler.outstanding, tags)
-        live += pipeline.state == "live" and pipeline.engine.failure is None
     for index in gone:
         tags = {"model": model, "pipeline": str(index)}
         for name in (

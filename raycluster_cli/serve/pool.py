@@ -291,7 +291,7 @@ class Pool:
             if pipeline.state != "dead" and engine.failure is None and engine.stalled_s() > self.stall_s:
                 engine.fail(TimeoutError(f"no step came back for {engine.stalled_s():.0f} s"))
             elif pipeline.state != "dead" and engine.failure is None and self._overdue(pipeline):
-                self._asking.add(pipeline.index)
+                self._asking.add(pipeline.index)  # one ask at a time per pipeline (``_ask`` ends it)
                 self._spawn(self._ask(pipeline))
             if pipeline.state == "draining" and engine.failure is not None:
                 pipeline.state = "dead"  # already superseded: its requests move, nothing replaces it
@@ -313,7 +313,7 @@ class Pool:
         if self.recorder is None:
             return
         now = {p.index for p in self.pipelines}
-        pipeline_gauges(self.recorder, self.model, list(self.pipelines), sorted(self._gauged - now))
+        pipeline_gauges(self.recorder, self.model, list(self.pipelines), sorted(self._gauged - now), len(self.live()))
         self._gauged = now
 
     def _overdue(self, pipeline: Pipeline) -> bool:
@@ -331,7 +331,6 @@ class Pool:
         link cut: no connection closes, so nothing else fails) fails the pipeline now rather than at the stall
         deadline, unless a step came back meanwhile."""
         engine, steps = pipeline.engine, pipeline.engine.steps_done
-        self._asking.add(pipeline.index)  # one ask at a time per pipeline
         try:
             why = await asyncio.wait_for(
                 self.backend.unanswered(pipeline, self.answer_timeout_s), self.answer_timeout_s + 5.0

@@ -62,24 +62,27 @@ class _StageActor:
         self.forward_cpu_s = 0.0  # CPU seconds inside forward: cpu_s less this is Ray's own work per call
         # (step number, wall start, wall end) of the last steps: where a step's time goes (serve.anatomy)
         self.recent: deque[tuple[int, float, float]] = deque(maxlen=TIMELINE_STEPS)
-        self._recent_lock = threading.Lock()  # the links thread steps while Ray's thread reads the timeline
+        self._recent_lock = threading.Lock()  # the links thread steps while other threads read the timeline, totals
         self.links: StageLoop | None = None
         # the service's stage metrics (model, pipeline, stage; serve.metrics), none for a stage of no service
-        tags = {**metric_tags, "node_ip": node_ip(self.node_id)} if metric_tags else None
-        self.meter = StageMeter(RayRecorder(), tags) if tags else None
+        if metric_tags:
+            StageMeter(RayRecorder(), {**metric_tags, "node_ip": node_ip(self.node_id)}, self._totals).start()
 
     def forward(self, x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
         began, wall, cpu = time.perf_counter(), time.time(), time.process_time()
         out = self.stage.forward(x, table)
         spent = time.perf_counter() - began
-        self.busy_s += spent
         self.forward_cpu_s += time.process_time() - cpu
         with self._recent_lock:
             self.recent.append((self.steps, wall, wall + spent))
             self.steps += 1
-        if self.meter is not None:
-            self.meter.step(spent)
+            self.busy_s += spent
         return out
+
+    def _totals(self) -> tuple[int, float]:
+        """Steps and busy seconds read together (the metrics thread's, while the links thread steps)."""
+        with self._recent_lock:
+            return self.steps, self.busy_s
 
     def timeline(self) -> list[tuple[int, float, float]]:
         """The last steps' (number, wall start, wall end): the k-th step here is the engine's k-th (it

@@ -424,9 +424,12 @@ def test_the_service_metrics_count_every_request_its_tokens_times_and_failovers(
 
 def test_a_stage_meter_adds_its_steps_and_busy_seconds_on_its_own_thread() -> None:
     recorder = MemoryRecorder()
-    meter = StageMeter(recorder, {"model": "m", "pipeline": "0", "stage": "1", "node_ip": "10.0.0.2"}, flush_s=0.05)
+    totals = [0, 0.0]  # the stage's own running counts
+    tags = {"model": "m", "pipeline": "0", "stage": "1", "node_ip": "10.0.0.2"}
+    StageMeter(recorder, tags, lambda: (int(totals[0]), float(totals[1])), flush_s=0.05).start()
     for _ in range(5):
-        meter.step(0.01)
+        totals[0] += 1
+        totals[1] += 0.01
     for _ in range(100):
         if recorder.total("raycluster_serve_stage_steps") == 5:
             break
