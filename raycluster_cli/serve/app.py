@@ -99,15 +99,27 @@ def _read_json(path: Path) -> dict[str, Any]:
 
 
 async def _whole(
-    request_id: str, model: str, first: Output, rest: AsyncIterator[Output], *, chat: bool
+    request_id: str,
+    model: str,
+    first: Output,
+    rest: AsyncIterator[Output],
+    *,
+    chat: bool,
+    echo: str = "",
+    logprobs: protocol.Logprobs | None = None,
 ) -> dict[str, Any]:
-    text, last = first.text, first
+    text, last = echo + first.text, first
+    if logprobs is not None:
+        logprobs.add(first.logprobs)
     async for out in rest:
         text, last = text + out.text, out
+        if logprobs is not None:
+            logprobs.add(out.logprobs)
+    scored = logprobs.take() if logprobs is not None else None
     choice = (
-        protocol.chat_choice(text, last.finish_reason, delta=False)
+        protocol.chat_choice(text, last.finish_reason, delta=False, logprobs=scored)
         if chat
-        else protocol.completion_choice(text, last.finish_reason)
+        else protocol.completion_choice(text, last.finish_reason, scored)
     )
     kind = "chat.completion" if chat else "text_completion"
     return protocol.envelope(
@@ -116,11 +128,22 @@ async def _whole(
 
 
 async def _stream_events(
-    request_id: str, model: str, first: Output, rest: AsyncIterator[Output], *, chat: bool, include_usage: bool
+    request_id: str,
+    model: str,
+    first: Output,
+    rest: AsyncIterator[Output],
+    *,
+    chat: bool,
+    include_usage: bool,
+    echo: str = "",
+    logprobs: protocol.Logprobs | None = None,
 ) -> AsyncIterator[str]:
-    """Server-sent events: one chunk per released piece of text, the finish reason, usage if asked, [DONE]."""
+    """Server-sent events: the echoed prompt if asked, one chunk per released piece of text (with the
+    log-probabilities of the tokens since the last chunk, if asked), the finish reason, usage if asked, [DONE]."""
     kind = "chat.completion.chunk" if chat else "text_completion"
     last, index = first, 0
+    if echo:
+        yield protocol.sse(protocol.envelope(request_id, kind, model, [protocol.completion_choice(echo, None)]))
 
     async def outputs() -> AsyncIterator[Output]:
         yield first
@@ -129,12 +152,15 @@ async def _stream_events(
 
     async for out in outputs():
         last = out
+        if logprobs is not None:
+            logprobs.add(out.logprobs)
         if not out.text and out.finish_reason is None:
             continue
+        scored = logprobs.take() if logprobs is not None else None
         if chat:
-            choice = protocol.chat_choice(out.text, out.finish_reason, delta=True, first=index == 0)
+            choice = protocol.chat_choice(out.text, out.finish_reason, delta=True, first=index == 0, logprobs=scored)
         else:
-            choice = protocol.completion_choice(out.text, out.finish_reason)
+            choice = protocol.completion_choice(out.text, out.finish_reason, scored)
         index += 1
         yield protocol.sse(protocol.envelope(request_id, kind, model, [choice]))
     if include_usage:
@@ -295,8 +321,10 @@ class OpenAIServer:
         self._authorize(request)
         body: CompletionRequest = protocol.parse(CompletionRequest, await request.body())
         self._check_model(body.model)
-        prompt = body.prompt if isinstance(body.prompt, list) else self.tokenizer.encode(body.prompt)
-        return await self._answer(body, [int(t) for t in prompt], chat=False)
+        given = body.prompt if isinstance(body.prompt, list) else self.tokenizer.encode(body.prompt)
+        prompt = [int(t) for t in given]
+        echo = "" if not body.echo else body.prompt if isinstance(body.prompt, str) else self._decode(prompt)
+        return await self._answer(body, prompt, chat=False, echo=echo)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(self, request: Request) -> Response:
@@ -311,7 +339,14 @@ class OpenAIServer:
         prompt = self.tokenizer.encode(str(text), add_special_tokens=False)
         return await self._answer(body, prompt, chat=True)
 
-    async def _answer(self, body: Any, prompt: list[int], *, chat: bool) -> Response:
+    def _decode(self, ids: list[int]) -> str:
+        return str(self.tokenizer.decode(ids, skip_special_tokens=True))
+
+    def _token_text(self, token: int) -> str:
+        """A token's own text, as a log-probability entry names it (special tokens by their names)."""
+        return str(self.tokenizer.decode([token]))
+
+    async def _answer(self, body: Any, prompt: list[int], *, chat: bool, echo: str = "") -> Response:
         """Start the generation (errors become 400/503 before any byte is sent), then answer whole or streamed."""
         room = self.settings.limits.max_seq - len(prompt)
         asked = (body.max_completion_tokens if chat else None) or body.max_tokens
@@ -322,7 +357,7 @@ class OpenAIServer:
                 f"the prompt has {len(prompt)} tokens; the context holds {self.settings.limits.max_seq}",
                 param="messages" if chat else "prompt",
             )
-        sampling = Sampling(body.temperature, body.top_p, body.seed, body.ignore_eos)
+        sampling = Sampling(body.temperature, body.top_p, body.seed, body.ignore_eos, body.asked_logprobs)
         outputs = self.pool.generate(prompt, limit, sampling, body.stops, stream=body.stream)
         try:
             first = await anext(outputs)
@@ -333,12 +368,23 @@ class OpenAIServer:
         except ValueError as exc:
             raise APIError(400, str(exc), param="max_tokens") from None
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        scored = None
+        if body.asked_logprobs is not None:
+            scored = protocol.Logprobs(self._token_text, chat=chat, offset=len(echo))
         if body.stream:
             events = _stream_events(
-                request_id, self.model_id, first, outputs, chat=chat, include_usage=body.include_usage
+                request_id,
+                self.model_id,
+                first,
+                outputs,
+                chat=chat,
+                include_usage=body.include_usage,
+                echo=echo,
+                logprobs=scored,
             )
             return StreamingResponse(events, media_type="text/event-stream")
-        return JSONResponse(await _whole(request_id, self.model_id, first, outputs, chat=chat))
+        whole = await _whole(request_id, self.model_id, first, outputs, chat=chat, echo=echo, logprobs=scored)
+        return JSONResponse(whole)
 
 
 def build_app(settings: ServeSettings, **options: Any) -> Any:

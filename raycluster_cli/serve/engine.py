@@ -22,7 +22,7 @@ import torch
 from raycluster_cli.serve.anatomy import TIMELINE_STEPS
 from raycluster_cli.serve.links import DirectLinks
 from raycluster_cli.serve.scheduler import Chunk, Limits, QueueFull, Scheduler
-from raycluster_cli.serve.text import Sampling, TextStream, sample
+from raycluster_cli.serve.text import Sampling, TextStream, TokenLogprob, sample, token_logprob
 
 __all__ = ["Engine", "EngineDown", "Output", "QueueFull", "Resume"]
 
@@ -36,12 +36,15 @@ class EngineDown(RuntimeError):
 
 @dataclass(frozen=True)
 class Output:
-    """A piece of one request's result: new text, its tokens so far, and why it ended (None: not yet)."""
+    """A piece of one request's result: new text, its tokens so far, and why it ended (None: not yet);
+    ``logprobs``: the new token's log-probabilities when the request asked for them (one per output: an output
+    follows each generated token, its text possibly held back for a while)."""
 
     text: str
     token_ids: tuple[int, ...]
     finish_reason: str | None
     prompt_tokens: int
+    logprobs: tuple[TokenLogprob, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -275,10 +278,13 @@ class Engine:
 
     def _finish_step(self, chunks: list[Chunk], logits: torch.Tensor) -> None:
         tokens: dict[str, int] = {}
+        scored: dict[str, TokenLogprob] = {}
         for row, chunk in enumerate(chunks):
             live = self.live.get(chunk.request_id)
             if chunk.samples and live is not None:
-                tokens[chunk.request_id] = sample(logits[row], live.sampling, live.generator)
+                token = tokens[chunk.request_id] = sample(logits[row], live.sampling, live.generator)
+                if live.sampling.logprobs is not None:
+                    scored[chunk.request_id] = token_logprob(logits[row], token, live.sampling.logprobs)
             elif chunk.samples:
                 tokens[chunk.request_id] = 0  # gone while in flight; the scheduler drops it
         for event in self.scheduler.complete(chunks, tokens):
@@ -291,7 +297,8 @@ class Engine:
             if stopped and reason is None:
                 reason = "stop"
                 self.scheduler.finish(event.request_id, reason)
-            live.queue.put_nowait(Output(text, tuple(live.stream.ids), reason, live.prompt_tokens))
+            logprob = (scored[event.request_id],) if event.request_id in scored else ()
+            live.queue.put_nowait(Output(text, tuple(live.stream.ids), reason, live.prompt_tokens, logprob))
 
     def fail(self, exc: BaseException) -> None:
         """Stop taking work and hand every request here ``EngineDown`` (a stage died or is wedged).  The first

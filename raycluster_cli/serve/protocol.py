@@ -3,15 +3,21 @@
 Only what this service does is accepted: one choice (``n`` = 1), text or token-id prompts, plain
 string chat content (or a list of text parts); images come back inline (``b64_json``, PNG), never as URLs.  Fields the service does not use are ignored, as
 OpenAI-compatible servers do, so existing clients that send them still work.
+
+Log-probabilities of the generated tokens are served in both shapes OpenAI has: a completion's ``logprobs: k``
+(``tokens``, ``token_logprobs``, ``top_logprobs`` with the sampled token always among them, ``text_offset``) and
+a chat completion's ``logprobs: true`` with ``top_logprobs: k`` (``content``: token, logprob, bytes and the k
+best).  The prompt's own log-probabilities (``echo`` with ``logprobs``) are not computed: refused, not faked.
 """
 
 from __future__ import annotations
 
 import json
 import time
-from typing import Any, Literal
+from collections.abc import Callable, Sequence
+from typing import Any, Literal, Protocol
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error"}
 
@@ -64,8 +70,29 @@ class _Sampled(BaseModel):
         return bool(self.stream_options and self.stream_options.include_usage)
 
 
+MAX_TOP_LOGPROBS = 20  # OpenAI's limit for chat; completions allow 5 there, vLLM allows more
+
+
 class CompletionRequest(_Sampled):
     prompt: str | list[int] | list[str]
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    echo: bool = False
+
+    @model_validator(mode="after")
+    def _no_prompt_logprobs(self) -> CompletionRequest:
+        if self.echo and self.logprobs is not None:
+            raise APIError(  # a 400 naming the field, not a validation error without one
+                400,
+                "echo with logprobs asks for the prompt's log-probabilities, which this service does not compute; "
+                "send one of them",
+                param="echo",
+            )
+        return self
+
+    @property
+    def asked_logprobs(self) -> int | None:
+        """None: no log-probabilities asked; k: the sampled token's and the k best."""
+        return self.logprobs
 
     @field_validator("prompt")
     @classmethod
@@ -94,6 +121,19 @@ class ChatMessage(BaseModel):
 class ChatRequest(_Sampled):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+
+    @model_validator(mode="after")
+    def _top_needs_logprobs(self) -> ChatRequest:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        return self
+
+    @property
+    def asked_logprobs(self) -> int | None:
+        """None: no log-probabilities asked; k: the sampled token's and the k best."""
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 class ImageGenerationRequest(BaseModel):
@@ -172,16 +212,70 @@ def envelope(request_id: str, kind: str, model: str, choices: list[dict[str, Any
     return {"id": request_id, "object": kind, "created": int(time.time()), "model": model, "choices": choices, **extra}
 
 
-def completion_choice(text: str, finish_reason: str | None) -> dict[str, Any]:
-    return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+def completion_choice(text: str, finish_reason: str | None, logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+    return {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
 
 
-def chat_choice(text: str, finish_reason: str | None, *, delta: bool, first: bool = False) -> dict[str, Any]:
+def chat_choice(
+    text: str, finish_reason: str | None, *, delta: bool, first: bool = False, logprobs: dict[str, Any] | None = None
+) -> dict[str, Any]:
     if not delta:
         message = {"role": "assistant", "content": text}
-        return {"index": 0, "message": message, "logprobs": None, "finish_reason": finish_reason}
+        return {"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
     body: dict[str, Any] = {"role": "assistant", "content": text} if first else {"content": text}
-    return {"index": 0, "delta": body, "logprobs": None, "finish_reason": finish_reason}
+    return {"index": 0, "delta": body, "logprobs": logprobs, "finish_reason": finish_reason}
+
+
+class Scored(Protocol):
+    """A generated token's log-probability and the best alternatives ((id, logprob), best first)."""
+
+    @property
+    def token(self) -> int: ...
+    @property
+    def logprob(self) -> float: ...
+    @property
+    def top(self) -> tuple[tuple[int, float], ...]: ...
+
+
+class Logprobs:
+    """One choice's token log-probabilities in OpenAI's shape, a piece at a time: ``add`` the tokens' as they
+    come, ``take`` those not yet given (a stream's chunk carries the tokens since the last chunk; a token whose
+    text is still held back goes with the next one).  ``decode`` gives a token's text; ``offset``: where the
+    first token's text starts in the choice's text (a completion's ``text_offset``)."""
+
+    def __init__(self, decode: Callable[[int], str], *, chat: bool, offset: int = 0) -> None:
+        self.decode, self.chat, self.offset = decode, chat, offset
+        self.pending: list[Scored] = []
+
+    def add(self, items: Sequence[Scored]) -> None:
+        self.pending.extend(items)
+
+    def take(self) -> dict[str, Any] | None:
+        items, self.pending = self.pending, []
+        if self.chat:
+            return {"content": [self._chat_entry(i) for i in items]}
+        tokens = [self.decode(i.token) for i in items]
+        offsets = []
+        for text in tokens:
+            offsets.append(self.offset)
+            self.offset += len(text)
+        tops = []
+        for item, text in zip(items, tokens, strict=True):
+            best = {self.decode(token): logprob for token, logprob in item.top}
+            tops.append(best | {text: item.logprob})  # the sampled token is always there (OpenAI: up to k + 1)
+        return {
+            "tokens": tokens,
+            "token_logprobs": [i.logprob for i in items],
+            "top_logprobs": tops,
+            "text_offset": offsets,
+        }
+
+    def _chat_entry(self, item: Scored) -> dict[str, Any]:
+        def one(token: int, logprob: float) -> dict[str, Any]:
+            text = self.decode(token)
+            return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+        return one(item.token, item.logprob) | {"top_logprobs": [one(t, lp) for t, lp in item.top]}
 
 
 def sse(data: dict[str, Any] | str) -> str:

@@ -29,6 +29,8 @@ class Sampling:
     top_p: float = 1.0
     seed: int | None = None
     ignore_eos: bool = False  # the sequence ends only at its token limit (a benchmark's fixed lengths)
+    # None: no log-probabilities; k: each generated token's, and the k most likely tokens' at its position
+    logprobs: int | None = None
 
     def generator(self) -> torch.Generator | None:
         """A per-request generator: a seeded request gets the same tokens whatever else is in its batch."""
@@ -53,6 +55,27 @@ def sample(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator 
         sorted_probs[before >= sampling.top_p] = 0.0  # the top token always stays
         probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
     return int(torch.multinomial(probs, 1, generator=generator))
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A generated token's log-probability and the ``top`` most likely tokens' at its position ((id, logprob),
+    most likely first), from the model's own distribution: the logits' log-softmax before temperature and top-p
+    (what vLLM returns by default), so they are the same whatever the request's sampling settings."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+def token_logprob(logits: torch.Tensor, token: int, top: int) -> TokenLogprob:
+    """``token``'s log-probability under one row's ``logits`` [vocab], and the ``top`` best alternatives."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    best: tuple[tuple[int, float], ...] = ()
+    if top > 0:
+        values, ids = logprobs.topk(min(top, logprobs.numel()))
+        best = tuple((int(i), float(v)) for i, v in zip(ids, values, strict=True))
+    return TokenLogprob(token, float(logprobs[token]), best)
 
 
 class TextStream:

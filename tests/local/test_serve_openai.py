@@ -208,6 +208,70 @@ def test_seeded_sampling_repeats_and_differs_from_greedy(service: Service) -> No
     assert {first, other} != {service.generate(service.tokenizer.encode(PROMPTS[5]))}
 
 
+def _model_logprobs(service: Service, prompt: list[int], tokens: list[int]) -> Any:
+    """transformers' own log-softmax at each generated position [len(tokens), vocab]."""
+    with torch.no_grad():
+        logits = service.model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 : -1]
+    return torch.log_softmax(logits.float(), dim=-1)
+
+
+def test_logprobs_are_the_models_own_whole_and_streamed(service: Service) -> None:
+    """A completion's ``logprobs: 2`` and a streamed chat's ``logprobs`` + ``top_logprobs: 3``, read by the
+    ``openai`` client: one entry per generated token, each the checkpoint's own log-probability (transformers'
+    forward over prompt + answer) with its best alternatives; ``echo`` puts the prompt before the text."""
+    prompt = PROMPTS[4]
+    messages = [{"role": "user", "content": "the cat sat"}]
+
+    async def run() -> tuple[Any, list[Any], Any]:
+        client = service.client()
+        whole = await client.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=NEW_TOKENS, temperature=0, logprobs=2
+        )
+        stream = await client.chat.completions.create(
+            model=MODEL,
+            messages=messages,
+            max_tokens=NEW_TOKENS,
+            temperature=0,
+            stream=True,
+            logprobs=True,
+            top_logprobs=3,
+        )
+        chunks = [c async for c in stream]
+        echoed = await client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, temperature=0, echo=True)
+        return whole, chunks, echoed
+
+    whole, chunks, echoed = asyncio.run(run())
+    ids = service.tokenizer.encode(prompt)
+    choice = whole.choices[0]
+    assert choice.text == service.generate(ids)
+    scored = choice.logprobs
+    assert len(scored.tokens) == len(scored.token_logprobs) == len(scored.top_logprobs) == NEW_TOKENS
+    tokens = [service.tokenizer.convert_tokens_to_ids(t) for t in scored.tokens]
+    expected = _model_logprobs(service, ids, tokens)
+    for position, (token, logprob, top) in enumerate(
+        zip(tokens, scored.token_logprobs, scored.top_logprobs, strict=True)
+    ):
+        assert logprob == pytest.approx(float(expected[position, token]), abs=1e-4)
+        assert token == int(expected[position].argmax())  # greedy: the sampled token is the best
+        assert len(top) == 2 and max(top.values()) == pytest.approx(logprob, abs=1e-6)
+    assert scored.text_offset == sorted(scored.text_offset) and scored.text_offset[0] == 0
+
+    entries = [e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    template = service.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    chat_ids = service.tokenizer.encode(template, add_special_tokens=False)
+    assert text == service.generate(chat_ids)
+    answer = [service.tokenizer.convert_tokens_to_ids(e.token) for e in entries]
+    assert 0 < len(entries) <= NEW_TOKENS
+    expected = _model_logprobs(service, chat_ids, answer)
+    for position, entry in enumerate(entries):
+        assert entry.logprob == pytest.approx(float(expected[position, answer[position]]), abs=1e-4)
+        assert entry.top_logprobs[0].token == entry.token and len(entry.top_logprobs) == 3
+        assert bytes(entry.bytes).decode() == entry.token
+
+    assert echoed.choices[0].text == prompt + service.generate(ids, 4)
+
+
 def test_errors_have_the_openai_shape(service: Service) -> None:
     async def run() -> None:
         with pytest.raises(openai.AuthenticationError):
@@ -217,6 +281,9 @@ def test_errors_have_the_openai_shape(service: Service) -> None:
         assert missing.value.body["code"] == "model_not_found"
         with pytest.raises(openai.BadRequestError):
             await service.client().completions.create(model=MODEL, prompt="the cat", temperature=7)
+        with pytest.raises(openai.BadRequestError) as echo:  # the prompt's logprobs are not computed: not faked
+            await service.client().completions.create(model=MODEL, prompt="the cat", echo=True, logprobs=1)
+        assert echo.value.body["param"] == "echo"
         models = await service.client().models.list()
         assert [m.id for m in models.data] == [MODEL]
 

@@ -235,3 +235,41 @@ def test_a_prompt_arriving_among_decodes_is_cut_to_the_steps_around_it(checkpoin
     # 16 beside its decodes before
     assert max(late) <= 8, late
     assert sum(late) >= 3 * 16, late  # every prompt token went, spread over the steps
+
+
+def test_logprobs_are_the_models_own_for_each_generated_token(checkpoint: Path) -> None:
+    """A request that asks for log-probabilities gets, with each token, its log-softmax under the checkpoint's
+    own logits (``transformers``' forward over prompt + tokens), and the k best there, while a request beside it
+    that did not ask gets none; sampled at a temperature, the logprobs are still the model's, not the tempered."""
+    prompt = [5, 6, 7, 8, 9]
+
+    async def run() -> tuple[list[Any], list[Any]]:
+        engine = _engine(checkpoint)
+        engine.start()
+        asked = asyncio.ensure_future(
+            _outputs(engine.generate(prompt, 6, Sampling(temperature=0.7, seed=3, logprobs=3)))
+        )
+        plain = await _outputs(engine.generate([12, 13], 4, Sampling(temperature=0)))
+        outs = await asked
+        await engine.close()
+        return outs, plain
+
+    outs, plain = asyncio.run(run())
+    assert all(o.logprobs == () for o in plain)
+    assert [len(o.logprobs) for o in outs] == [1] * len(outs)
+    tokens = list(outs[-1].token_ids)
+    assert [o.logprobs[0].token for o in outs] == tokens
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(checkpoint)).eval()
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 : -1]
+    expected = torch.log_softmax(logits.float(), dim=-1)
+    for position, out in enumerate(outs):
+        scored = out.logprobs[0]
+        assert scored.logprob == pytest.approx(float(expected[position, scored.token]), abs=1e-4)
+        best = expected[position].topk(3)
+        assert [t for t, _ in scored.top] == best.indices.tolist()
+        assert [v for _, v in scored.top] == pytest.approx(best.values.tolist(), abs=1e-4)
+
+
+async def _outputs(outputs: Any) -> list[Any]:
+    return [out async for out in outputs]
