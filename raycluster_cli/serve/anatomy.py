@@ -14,7 +14,12 @@ order, so the k-th forward of a stage is the engine's k-th step.  From those, pe
   thread has it), the wait until the engine's event loop took it up (``engine_wait``: the loop busy with the
   requests' streams, on the head's CPU), and the engine's own work on it (``engine``: sampling, detokenizing);
 - ``loop_lag``: how late the engine's event loop ran a timer (p50 and p90 over the last seconds), the same
-  loop's congestion seen from outside the steps.
+  loop's congestion seen from outside the steps;
+- per stage, ``compute_alone`` and ``compute_beside``: its compute in the steps during which no other stage of
+  the pipeline computed (under a tenth of the step) and in those during which another did (over half of it),
+  and ``beside_share``, the share of its compute time another stage computed too.  Stages on separate machines
+  do not slow each other; stages that share a machine's memory bus or cores (two stages on one host, the lab's
+  hosts on one machine) do, and the two medians show by how much.
 
 Medians over the remembered steps, in milliseconds; ``in_flight`` is the mean number of steps travelling
 while any was (Little's law: the sum of round trips over the time some step was out; idle gaps between runs
@@ -77,7 +82,13 @@ def step_anatomy(
     if not numbers or not spans:
         return None
     out = _merged([(sent[n][0], sent[n][2]) for n in numbers])  # while some step was out or being handled
-    per_stage: list[dict[str, list[float]]] = [{"compute": [], "queued": [], "link": [], "idle": []} for _ in spans]
+    per_stage: list[dict[str, list[float]]] = [
+        {"compute": [], "queued": [], "link": [], "idle": [], "compute_alone": [], "compute_beside": []} for _ in spans
+    ]
+    # each stage's neighbours' compute, merged: how much of a step ran while another stage computed
+    computing = [[span[n] for n in numbers] for span in spans]
+    others = [_merged([i for j, c in enumerate(computing) if j != index for i in c]) for index in range(len(spans))]
+    beside_s = [0.0 for _ in spans]
     return_link: list[float] = []
     engine_wait: list[float] = []
     engine_work: list[float] = []
@@ -90,6 +101,12 @@ def step_anatomy(
             free = before[1] if before is not None else ready
             figures = per_stage[index]
             figures["compute"].append(end - start)
+            shared = _within(start, end, others[index])
+            beside_s[index] += shared
+            if end > start and shared < 0.1 * (end - start):
+                figures["compute_alone"].append(end - start)
+            elif end > start and shared > 0.5 * (end - start):
+                figures["compute_beside"].append(end - start)
             figures["queued"].append(max(0.0, free - ready))
             figures["link"].append(max(0.0, start - max(ready, free)))
             if before is not None:
@@ -101,11 +118,14 @@ def step_anatomy(
         round_trips.append(sent[n][1] - sent[n][0])
     span_s = _busy_span([(sent[n][0], sent[n][1]) for n in numbers])
     stage_rows = []
-    for figures in per_stage:
+    for figures, beside in zip(per_stage, beside_s, strict=True):
         busy, idle = sum(figures["compute"]), sum(figures["idle"])
         stage_rows.append(
             {f"{name}_ms": _ms(values) for name, values in figures.items()}
-            | {"idle_share": round(idle / (idle + busy), 3) if idle + busy > 0 else None}
+            | {
+                "idle_share": round(idle / (idle + busy), 3) if idle + busy > 0 else None,
+                "beside_share": round(beside / busy, 3) if busy > 0 else None,
+            }
         )
     return {
         "steps": len(numbers),

@@ -16,11 +16,13 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from raycluster_cli.bench import llama
 from raycluster_cli.bench.config import ModelConfig
 from raycluster_cli.bench.model import Block as GPT2Block
 from raycluster_cli.bench.model import Stage
+from raycluster_cli.serve.matmuls import Matmuls, measure
 
 
 class SlotCache:
@@ -87,14 +89,15 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
 
 
-def _llama_block(block: llama.Block, x: torch.Tensor, cache: SlotCache, rows: Rows) -> torch.Tensor:
-    """``bench.llama.Block.forward`` with per-row positions (its maths, its parameters)."""
+def _llama_block(block: llama.Block, x: torch.Tensor, cache: SlotCache, rows: Rows, mm: Matmuls) -> torch.Tensor:
+    """``bench.llama.Block.forward`` with per-row positions (its maths, its parameters; its products by
+    ``mm``'s measured forms)."""
     batch, steps, _ = x.shape
     heads, kv_heads, width = block.heads, block.kv_heads, block.head_dim
     h = block.attn_norm(x)
-    q = block.q(h).view(batch, steps, heads, width).transpose(1, 2)
-    k = block.k(h).view(batch, steps, kv_heads, width).transpose(1, 2)
-    v = block.v(h).view(batch, steps, kv_heads, width).transpose(1, 2)
+    q = mm.apply(block.q, h).view(batch, steps, heads, width).transpose(1, 2)
+    k = mm.apply(block.k, h).view(batch, steps, kv_heads, width).transpose(1, 2)
+    v = mm.apply(block.v, h).view(batch, steps, kv_heads, width).transpose(1, 2)
     positions = rows.positions
     cos, sin = block.cos[positions][:, None], block.sin[positions][:, None]
     rows.write(cache, _rotate(k, cos, sin), v)
@@ -102,22 +105,24 @@ def _llama_block(block: llama.Block, x: torch.Tensor, cache: SlotCache, rows: Ro
     att = F.scaled_dot_product_attention(
         _rotate(q, cos, sin), keys, values, attn_mask=rows.mask(block.window), enable_gqa=kv_heads != heads
     )
-    x = x + block.o(att.transpose(1, 2).reshape(batch, steps, heads * width))
+    x = x + mm.apply(block.o, att.transpose(1, 2).reshape(batch, steps, heads * width))
     h = block.mlp_norm(x)
-    out: torch.Tensor = x + block.down(F.silu(block.gate(h)) * block.up(h))
+    out: torch.Tensor = x + mm.apply(block.down, F.silu(mm.apply(block.gate, h)) * mm.apply(block.up, h))
     return out
 
 
-def _gpt2_block(block: GPT2Block, x: torch.Tensor, cache: SlotCache, rows: Rows) -> torch.Tensor:
+def _gpt2_block(block: GPT2Block, x: torch.Tensor, cache: SlotCache, rows: Rows, mm: Matmuls) -> torch.Tensor:
     """``bench.model.Block.forward`` with per-row positions."""
     batch, steps, d = x.shape
     heads = block.heads
-    q, k, v = (t.view(batch, steps, heads, d // heads).transpose(1, 2) for t in block.qkv(block.ln1(x)).split(d, -1))
+    qkv = mm.apply(block.qkv, block.ln1(x))
+    q, k, v = (t.view(batch, steps, heads, d // heads).transpose(1, 2) for t in qkv.split(d, -1))
     rows.write(cache, k, v)
     keys, values = rows.read(cache)
     att = F.scaled_dot_product_attention(q, keys, values, attn_mask=rows.mask())
-    x = x + block.proj(att.transpose(1, 2).reshape(batch, steps, d))
-    out: torch.Tensor = x + block.fc2(F.gelu(block.fc1(block.ln2(x)), approximate=block.gelu_approximate))
+    x = x + mm.apply(block.proj, att.transpose(1, 2).reshape(batch, steps, d))
+    hidden = F.gelu(mm.apply(block.fc1, block.ln2(x)), approximate=block.gelu_approximate)
+    out: torch.Tensor = x + mm.apply(block.fc2, hidden)
     return out
 
 
@@ -130,7 +135,15 @@ class BatchedStage:
     are ever sampled from.
     """
 
-    def __init__(self, cfg: ModelConfig, start: int, end: int, slots: int, device: str | torch.device = "cpu") -> None:
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        start: int,
+        end: int,
+        slots: int,
+        device: str | torch.device = "cpu",
+        measure_matmuls: bool = True,
+    ) -> None:
         if slots < 1:
             raise ValueError(f"need at least one KV cache slot, got {slots}")
         self.stage = Stage(cfg, start, end, emit="logits", device=device)
@@ -138,6 +151,13 @@ class BatchedStage:
         self.slots = slots
         self.device = self.stage.device
         self.caches = [SlotCache(slots, cfg, self.device) for _ in self.stage.blocks]
+        # the decode steps' products in the forms measured cheapest on this CPU (serve.matmuls); F.linear on a GPU
+        self.block_mm, self.head_mm = Matmuls(), Matmuls()
+        if self.device.type == "cpu" and measure_matmuls:
+            linears = [m for block in self.stage.blocks for m in block.modules() if isinstance(m, nn.Linear)]
+            self.block_mm = measure(linears)
+            if self.stage.head is not None:
+                self.head_mm = measure([m for m in self.stage.head.modules() if isinstance(m, nn.Linear)])
 
     @property
     def has_head(self) -> bool:
@@ -158,15 +178,17 @@ class BatchedStage:
         x = self._embed(stage.embedding, x, rows) if stage.embedding is not None else x.to(stage.dtype)
         for block, cache in zip(stage.blocks, self.caches, strict=True):
             if isinstance(block, llama.Block):
-                x = _llama_block(block, x, cache, rows)
+                x = _llama_block(block, x, cache, rows, self.block_mm)
             elif isinstance(block, GPT2Block):
-                x = _gpt2_block(block, x, cache, rows)
+                x = _gpt2_block(block, x, cache, rows, self.block_mm)
             else:
                 raise TypeError(f"no batched forward for {type(block).__name__}")
         if stage.head is None:
             return x
         last = x[torch.arange(x.shape[0], device=x.device), rows.lengths - 1]
-        logits: torch.Tensor = stage.head(last)
+        head: Any = stage.head  # a norm (llama's ``norm``, GPT-2's ``ln_f``) then ``lm_head``
+        norm = head.norm if isinstance(head, llama.Head) else head.ln_f
+        logits: torch.Tensor = self.head_mm.apply(head.lm_head, norm(last))
         return logits
 
     def _embed(self, embedding: Any, ids: torch.Tensor, rows: Rows) -> torch.Tensor:

@@ -145,6 +145,8 @@ class _StageActor:
             "pid": os.getpid(),
             "units": list(self.units),
             "device": str(self.stage.device),
+            # the decode steps' products as measured cheapest on this node (serve.matmuls): row count -> form
+            "matmuls": {"blocks": self.stage.block_mm.describe(), "head": self.stage.head_mm.describe()},
             "load_s": self.load_s,
             "steps": self.steps,
             "busy_s": self.busy_s,

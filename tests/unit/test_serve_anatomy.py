@@ -87,3 +87,25 @@ def test_the_engine_loops_wait_is_told_apart_from_the_link_back() -> None:
     assert found["round_trip_ms"] == pytest.approx(1 + 10 + 1 + 10 + 2 + 6)
     assert found["loop_lag_ms"] == {"p50": pytest.approx(1), "p90": pytest.approx(20)}
     assert step_anatomy(engine, stages)["loop_lag_ms"] is None  # type: ignore[index]
+
+
+def test_a_stage_slowed_while_another_computes_shows_in_its_alone_and_beside_medians() -> None:
+    """Stages that share a machine: the second stage's step takes 12 ms when the first computes meanwhile and
+    8 ms when alone.  One step at a time, nothing overlaps; two in flight, the second stage's steps overlap the
+    first's next step and the figures tell the two costs apart."""
+    engine, stages = _pipeline(40, [0.010, 0.008], link=0.001, back=0.001, engine=0.0, in_flight=1)
+    alone = step_anatomy(engine, stages)
+    assert alone is not None
+    assert [s["beside_share"] for s in alone["stages"]] == [0, 0]
+    assert alone["stages"][1]["compute_alone_ms"] == pytest.approx(8) and alone["stages"][1]["compute_beside_ms"] is None
+
+    engine, stages = _pipeline(40, [0.010, 0.008], link=0.001, back=0.001, engine=0.0, in_flight=2)
+    first = {n: (a, e) for n, a, e in stages[0]}
+    slowed = []
+    for n, start, end in stages[1]:  # the stage's step stretched by half wherever stage 0 computes beside it
+        overlap = sum(max(0.0, min(e, end) - max(a, start)) for a, e in first.values())
+        slowed.append((n, start, end + (0.004 if overlap > 0.5 * (end - start) else 0.0)))
+    found = step_anatomy(engine, [stages[0], slowed])
+    assert found is not None
+    second = found["stages"][1]
+    assert second["compute_beside_ms"] == pytest.approx(12) and second["beside_share"] > 0.5
