@@ -2,7 +2,8 @@
 # How much of four-at-a-time's gap (issue 31's S4/S5) is the prompts' prefill: one 3-host service (quotas
 # 1.0 / 0.5 / 0.25, the model of serve_targets.py), after two 64-request warm-ups (it re-splits itself in them),
 # ROUNDS rounds of one and four at a time, with the usual prompts (16-64 tokens) and with prompts of 1-4, one line
-# per run: tok/s, TPOT p50, the step anatomy's round trip, steps in flight and compute per stage.
+# per run: tok/s, TPOT p50, the step anatomy's round trip, steps in flight and compute per stage (and its compute
+# in steps when no other stage computed / when another did, and the share of its compute beside another's).
 # Usage: RAYCLUSTER_LAB_NAME=rc-ex RAYCLUSTER_LAB_SUBNET=10.91.0.0/24 benchmarks/serve_prefill_share.sh [ROUNDS] [OUT]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -35,6 +36,7 @@ import json, sys
 d = json.load(open(sys.argv[1])); r = d["runs"][0]; a = list(r["anatomy"].values())[-1]
 print(sys.argv[2], round(r["output_tokens_per_s"], 1), "tok/s, TPOT p50", round(r["latency_s"]["tpot"]["p50"] * 1000, 1),
       "ms, round trip", a["round_trip_ms"], "ms, in flight", a["in_flight"], ", compute", [s["compute_ms"] for s in a["stages"]],
+      ", alone / beside", [(s.get("compute_alone_ms"), s.get("compute_beside_ms"), s.get("beside_share")) for s in a["stages"]],
       ", blocks", [s["blocks"] for s in r["stages"]], ", load", open("/proc/loadavg").read().split()[0],
       ", pipelines changed", d.get("pipelines_changed"), flush=True)
 PY
