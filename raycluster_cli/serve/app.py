@@ -98,77 +98,117 @@ def _read_json(path: Path) -> dict[str, Any]:
     return data if isinstance(data, dict) else {}
 
 
-async def _whole(
-    request_id: str,
-    model: str,
-    first: Output,
-    rest: AsyncIterator[Output],
-    *,
-    chat: bool,
-    echo: str = "",
-    logprobs: protocol.Logprobs | None = None,
+@dataclass
+class _Choice:
+    """One of a request's ``n`` generations: its first output (awaited before the answer starts), the rest, and
+    its log-probabilities' accumulator when asked."""
+
+    first: Output
+    rest: AsyncIterator[Output]
+    logprobs: protocol.Logprobs | None = None
+
+
+def _choice_body(
+    chat: bool, index: int, text: str, reason: str | None, scored: Any, *, delta: bool, first: bool = False
 ) -> dict[str, Any]:
-    text, last = echo + first.text, first
-    if logprobs is not None:
-        logprobs.add(first.logprobs)
-    async for out in rest:
-        text, last = text + out.text, out
-        if logprobs is not None:
-            logprobs.add(out.logprobs)
-    scored = logprobs.take() if logprobs is not None else None
-    choice = (
-        protocol.chat_choice(text, last.finish_reason, delta=False, logprobs=scored)
-        if chat
-        else protocol.completion_choice(text, last.finish_reason, scored)
-    )
+    if chat:
+        return protocol.chat_choice(text, reason, delta=delta, first=first, logprobs=scored, index=index)
+    return protocol.completion_choice(text, reason, scored, index=index)
+
+
+async def _whole(request_id: str, model: str, choices: list[_Choice], *, chat: bool, echo: str = "") -> dict[str, Any]:
+    """The whole answer: every choice's text (after the echoed prompt, if asked), finish reason and
+    log-probabilities; usage counts the prompt once and every choice's tokens."""
+
+    async def collect(choice: _Choice) -> tuple[str, Output]:
+        text, last = echo + choice.first.text, choice.first
+        if choice.logprobs is not None:
+            choice.logprobs.add(choice.first.logprobs)
+        async for out in choice.rest:
+            text, last = text + out.text, out
+            if choice.logprobs is not None:
+                choice.logprobs.add(out.logprobs)
+        return text, last
+
+    done = await asyncio.gather(*(collect(c) for c in choices))
+    bodies = [
+        _choice_body(chat, i, text, last.finish_reason, c.logprobs.take() if c.logprobs else None, delta=False)
+        for i, (c, (text, last)) in enumerate(zip(choices, done, strict=True))
+    ]
     kind = "chat.completion" if chat else "text_completion"
-    return protocol.envelope(
-        request_id, kind, model, [choice], usage=protocol.usage(last.prompt_tokens, len(last.token_ids))
-    )
+    generated = sum(len(last.token_ids) for _, last in done)
+    return protocol.envelope(request_id, kind, model, bodies, usage=protocol.usage(done[0][1].prompt_tokens, generated))
+
+
+async def _merged(choices: list[_Choice]) -> AsyncIterator[tuple[int, Output]]:
+    """Every choice's outputs as they come, tagged with its index (one choice: its own, in order).  A choice that
+    fails ends the whole stream with its error; leaving early stops every choice's generation."""
+    if len(choices) == 1:
+        yield 0, choices[0].first
+        async for out in choices[0].rest:
+            yield 0, out
+        return
+    queue: asyncio.Queue[tuple[int, Output | BaseException | None]] = asyncio.Queue()
+
+    async def pump(index: int, choice: _Choice) -> None:
+        try:
+            await queue.put((index, choice.first))
+            async for out in choice.rest:
+                await queue.put((index, out))
+            await queue.put((index, None))
+        except Exception as exc:  # the choice's generation failed: the stream ends with it
+            await queue.put((index, exc))
+
+    tasks = [asyncio.ensure_future(pump(i, c)) for i, c in enumerate(choices)]
+    try:
+        running = len(tasks)
+        while running:
+            index, item = await queue.get()
+            if item is None:
+                running -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()  # the client left or a choice failed: the others' generations end (their slots freed)
 
 
 async def _stream_events(
     request_id: str,
     model: str,
-    first: Output,
-    rest: AsyncIterator[Output],
+    choices: list[_Choice],
     *,
     chat: bool,
     include_usage: bool,
     echo: str = "",
-    logprobs: protocol.Logprobs | None = None,
 ) -> AsyncIterator[str]:
-    """Server-sent events: the echoed prompt if asked, one chunk per released piece of text (with the
-    log-probabilities of the tokens since the last chunk, if asked), the finish reason, usage if asked, [DONE]."""
+    """Server-sent events: each choice's echoed prompt if asked, one chunk per released piece of a choice's text
+    (with the log-probabilities of its tokens since its last chunk, if asked; ``index`` names the choice), its
+    finish reason, usage if asked (the prompt once, every choice's tokens), [DONE]."""
     kind = "chat.completion.chunk" if chat else "text_completion"
-    last, index = first, 0
+    last = [c.first for c in choices]
+    sent = [0] * len(choices)
     if echo:
-        yield protocol.sse(protocol.envelope(request_id, kind, model, [protocol.completion_choice(echo, None)]))
-
-    async def outputs() -> AsyncIterator[Output]:
-        yield first
-        async for out in rest:
-            yield out
-
-    async for out in outputs():
-        last = out
-        if logprobs is not None:
-            logprobs.add(out.logprobs)
+        for index in range(len(choices)):
+            body = protocol.completion_choice(echo, None, index=index)
+            yield protocol.sse(protocol.envelope(request_id, kind, model, [body]))
+    async for index, out in _merged(choices):
+        last[index] = out
+        scored = choices[index].logprobs
+        if scored is not None:
+            scored.add(out.logprobs)
         if not out.text and out.finish_reason is None:
             continue
-        scored = logprobs.take() if logprobs is not None else None
-        if chat:
-            choice = protocol.chat_choice(out.text, out.finish_reason, delta=True, first=index == 0, logprobs=scored)
-        else:
-            choice = protocol.completion_choice(out.text, out.finish_reason, scored)
-        index += 1
-        yield protocol.sse(protocol.envelope(request_id, kind, model, [choice]))
+        taken = scored.take() if scored is not None else None
+        body = _choice_body(chat, index, out.text, out.finish_reason, taken, delta=True, first=sent[index] == 0)
+        sent[index] += 1
+        yield protocol.sse(protocol.envelope(request_id, kind, model, [body]))
     if include_usage:
-        yield protocol.sse(
-            protocol.envelope(
-                request_id, kind, model, [], usage=protocol.usage(last.prompt_tokens, len(last.token_ids))
-            )
-        )
+        generated = sum(len(out.token_ids) for out in last)
+        usage = protocol.usage(last[0].prompt_tokens, generated)
+        yield protocol.sse(protocol.envelope(request_id, kind, model, [], usage=usage))
     yield protocol.sse("[DONE]")
 
 
@@ -357,34 +397,55 @@ class OpenAIServer:
                 f"the prompt has {len(prompt)} tokens; the context holds {self.settings.limits.max_seq}",
                 param="messages" if chat else "prompt",
             )
-        sampling = Sampling(body.temperature, body.top_p, body.seed, body.ignore_eos, body.asked_logprobs)
-        outputs = self.pool.generate(prompt, limit, sampling, body.stops, stream=body.stream)
-        try:
-            first = await anext(outputs)
-        except QueueFull as exc:
-            raise APIError(503, f"the service is full ({exc}); retry later", retry_after=RETRY_AFTER_S) from None
-        except EngineDown as exc:
-            raise APIError(503, f"the service is not ready: {exc}", retry_after=RETRY_AFTER_S) from None
-        except ValueError as exc:
-            raise APIError(400, str(exc), param="max_tokens") from None
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        scored = None
-        if body.asked_logprobs is not None:
-            scored = protocol.Logprobs(self._token_text, chat=chat, offset=len(echo))
+        outputs = [
+            self.pool.generate(prompt, limit, self._sampling(body, i), body.stops, stream=body.stream)
+            for i in range(body.n)
+        ]
+
+        async def first(outputs: AsyncIterator[Output]) -> Output:
+            return await anext(outputs)
+
+        firsts = await asyncio.gather(*(first(o) for o in outputs), return_exceptions=True)
+        failed = next((f for f in firsts if isinstance(f, BaseException)), None)
+        if failed is not None:  # one choice refused: none is answered (their slots freed now)
+            for o in outputs:
+                await o.aclose()
+            raise self._refusal(failed)
+        choices = [
+            _Choice(out, rest, self._logprobs(body, chat, echo))
+            for out, rest in zip(firsts, outputs, strict=True)
+            if isinstance(out, Output)
+        ]
         if body.stream:
             events = _stream_events(
-                request_id,
-                self.model_id,
-                first,
-                outputs,
-                chat=chat,
-                include_usage=body.include_usage,
-                echo=echo,
-                logprobs=scored,
+                request_id, self.model_id, choices, chat=chat, include_usage=body.include_usage, echo=echo
             )
             return StreamingResponse(events, media_type="text/event-stream")
-        whole = await _whole(request_id, self.model_id, first, outputs, chat=chat, echo=echo, logprobs=scored)
-        return JSONResponse(whole)
+        return JSONResponse(await _whole(request_id, self.model_id, choices, chat=chat, echo=echo))
+
+    @staticmethod
+    def _sampling(body: Any, index: int) -> Sampling:
+        """Choice ``index``'s sampling: the request's, with ``seed + index`` when seeded (choice i of a seeded
+        request is the same answer as a request of n = 1 with that seed)."""
+        seed = None if body.seed is None else body.seed + index
+        return Sampling(body.temperature, body.top_p, seed, body.ignore_eos, body.asked_logprobs)
+
+    def _logprobs(self, body: Any, chat: bool, echo: str) -> protocol.Logprobs | None:
+        if body.asked_logprobs is None:
+            return None
+        return protocol.Logprobs(self._token_text, chat=chat, offset=len(echo))
+
+    @staticmethod
+    def _refusal(exc: BaseException) -> BaseException:
+        """What a generation that did not start answers: 503 (full, not ready), 400 (too long)."""
+        if isinstance(exc, QueueFull):
+            return APIError(503, f"the service is full ({exc}); retry later", retry_after=RETRY_AFTER_S)
+        if isinstance(exc, EngineDown):
+            return APIError(503, f"the service is not ready: {exc}", retry_after=RETRY_AFTER_S)
+        if isinstance(exc, ValueError):
+            return APIError(400, str(exc), param="max_tokens")
+        return exc
 
 
 def build_app(settings: ServeSettings, **options: Any) -> Any:

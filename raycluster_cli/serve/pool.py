@@ -22,7 +22,7 @@ import contextlib
 import itertools
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
@@ -167,7 +167,7 @@ class Pool:
 
     async def generate(
         self, prompt: list[int], max_tokens: int, sampling: Sampling, stop: list[str] | None = None, *, stream: bool
-    ) -> AsyncIterator[Output]:
+    ) -> AsyncGenerator[Output, None]:
         """One request's outputs from the least loaded pipeline; when that pipeline dies mid-request the
         request moves to another: a stream continues after the tokens it already has (their KV cache
         rebuilt there, no piece sent twice); a whole answer, of which nothing was sent, is run again
@@ -196,7 +196,7 @@ class Pool:
         stop: list[str] | None,
         stream: bool,
         timer: RequestTimer,
-    ) -> AsyncIterator[Output]:
+    ) -> AsyncGenerator[Output, None]:
         tokens: tuple[int, ...] = ()
         released = 0
         for attempt in range(MAX_FAILOVERS + 1):

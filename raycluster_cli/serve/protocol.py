@@ -1,6 +1,6 @@
 """The OpenAI API's shapes: request bodies (validated), responses, stream chunks and the error document.
 
-Only what this service does is accepted: one choice (``n`` = 1), text or token-id prompts, plain
+Only what this service does is accepted: up to ``MAX_CHOICES`` choices (``n``), text or token-id prompts, plain
 string chat content (or a list of text parts); images come back inline (``b64_json``, PNG), never as URLs.  Fields the service does not use are ignored, as
 OpenAI-compatible servers do, so existing clients that send them still work.
 
@@ -41,6 +41,9 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+MAX_CHOICES = 16  # a request's n: each choice is a generation of its own (its own KV slot)
+
+
 class _Sampled(BaseModel):
     """What completions and chat completions share."""
 
@@ -54,7 +57,7 @@ class _Sampled(BaseModel):
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int = Field(default=1, ge=1, le=1)
+    n: int = Field(default=1, ge=1, le=MAX_CHOICES)  # choice i of a seeded request uses seed + i
     # An extension (vLLM's name and meaning): generate exactly max_tokens, past the model's EOS, so a
     # benchmark's output lengths are the ones it asked for.  Stop strings still end the text.
     ignore_eos: bool = False
@@ -212,18 +215,26 @@ def envelope(request_id: str, kind: str, model: str, choices: list[dict[str, Any
     return {"id": request_id, "object": kind, "created": int(time.time()), "model": model, "choices": choices, **extra}
 
 
-def completion_choice(text: str, finish_reason: str | None, logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
-    return {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+def completion_choice(
+    text: str, finish_reason: str | None, logprobs: dict[str, Any] | None = None, *, index: int = 0
+) -> dict[str, Any]:
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
 
 
 def chat_choice(
-    text: str, finish_reason: str | None, *, delta: bool, first: bool = False, logprobs: dict[str, Any] | None = None
+    text: str,
+    finish_reason: str | None,
+    *,
+    delta: bool,
+    first: bool = False,
+    logprobs: dict[str, Any] | None = None,
+    index: int = 0,
 ) -> dict[str, Any]:
     if not delta:
         message = {"role": "assistant", "content": text}
-        return {"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
+        return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
     body: dict[str, Any] = {"role": "assistant", "content": text} if first else {"content": text}
-    return {"index": 0, "delta": body, "logprobs": logprobs, "finish_reason": finish_reason}
+    return {"index": index, "delta": body, "logprobs": logprobs, "finish_reason": finish_reason}
 
 
 class Scored(Protocol):

@@ -272,6 +272,55 @@ def test_logprobs_are_the_models_own_whole_and_streamed(service: Service) -> Non
     assert echoed.choices[0].text == prompt + service.generate(ids, 4)
 
 
+def test_n_choices_are_each_their_own_generation_whole_and_streamed(service: Service) -> None:
+    """``n`` choices: seeded, choice i is the answer of a request of n = 1 with seed + i; greedy, every choice is
+    ``generate()``'s text, streamed too (chunks tagged by ``index``); usage counts the prompt once and every
+    choice's tokens; a chat of n = 2 has two assistant messages."""
+    prompt = PROMPTS[6]
+
+    async def run() -> tuple[Any, list[str], list[Any], Any]:
+        client = service.client()
+        seeded = await client.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=NEW_TOKENS, temperature=1.3, seed=40, n=3
+        )
+        singles = [
+            await client.completions.create(model=MODEL, prompt=prompt, max_tokens=NEW_TOKENS, temperature=1.3, seed=s)
+            for s in (40, 41, 42)
+        ]
+        stream = await client.completions.create(
+            model=MODEL,
+            prompt=prompt,
+            max_tokens=NEW_TOKENS,
+            temperature=0,
+            n=2,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+        chunks = [c async for c in stream]
+        chat = await client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "the cat"}], max_tokens=4, temperature=0, n=2
+        )
+        return seeded, singles, chunks, chat
+
+    seeded, singles, chunks, chat = asyncio.run(run())
+    ids = service.tokenizer.encode(prompt)
+    assert [c.index for c in seeded.choices] == [0, 1, 2]
+    single_texts = [one.choices[0].text for one in singles]
+    assert [c.text for c in seeded.choices] == single_texts and len(set(single_texts)) > 1
+    assert seeded.usage.prompt_tokens == len(ids)
+    assert seeded.usage.completion_tokens == sum(one.usage.completion_tokens for one in singles)
+    texts = ["", ""]
+    for chunk in chunks:
+        for choice in chunk.choices:
+            texts[choice.index] += choice.text
+    want = service.generate(ids)
+    assert texts == [want, want]
+    usage = chunks[-1].usage
+    assert usage.prompt_tokens == len(ids) and usage.completion_tokens == 2 * NEW_TOKENS
+    assert [c.message.role for c in chat.choices] == ["assistant", "assistant"]
+    assert chat.choices[0].message.content == chat.choices[1].message.content
+
+
 def test_errors_have_the_openai_shape(service: Service) -> None:
     async def run() -> None:
         with pytest.raises(openai.AuthenticationError):

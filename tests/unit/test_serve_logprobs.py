@@ -1,4 +1,5 @@
-"""Log-probabilities in OpenAI's two shapes, and the requests that ask for them (pure: no model, no Ray)."""
+"""Log-probabilities in OpenAI's two shapes, and the requests that ask for them or for several choices (pure: no
+model, no Ray)."""
 
 from __future__ import annotations
 
@@ -60,6 +61,7 @@ def test_a_chat_completion_gets_content_entries_with_bytes_and_top_logprobs() ->
 
 def test_what_each_request_asks_for() -> None:
     base = {"model": "m", "prompt": "a b"}
+    assert _parse(CompletionRequest, base).n == 1 and _parse(CompletionRequest, base | {"n": 16}).n == 16  # type: ignore[attr-defined]
     assert _parse(CompletionRequest, base).asked_logprobs is None  # type: ignore[attr-defined]
     assert _parse(CompletionRequest, base | {"logprobs": 0}).asked_logprobs == 0  # type: ignore[attr-defined]
     chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
@@ -74,6 +76,8 @@ def test_what_each_request_asks_for() -> None:
         (CompletionRequest, {"model": "m", "prompt": "a", "logprobs": 21}, "logprobs"),
         (CompletionRequest, {"model": "m", "prompt": "a", "logprobs": -1}, "logprobs"),
         (CompletionRequest, {"model": "m", "prompt": "a", "logprobs": 1, "echo": True}, "echo"),
+        (CompletionRequest, {"model": "m", "prompt": "a", "n": 17}, "n"),
+        (ChatRequest, {"model": "m", "messages": [{"role": "user", "content": "x"}], "n": 0}, "n"),
         (
             ChatRequest,
             {"model": "m", "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2},
