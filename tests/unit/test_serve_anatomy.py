@@ -97,7 +97,9 @@ def test_a_stage_slowed_while_another_computes_shows_in_its_alone_and_beside_med
     alone = step_anatomy(engine, stages)
     assert alone is not None
     assert [s["beside_share"] for s in alone["stages"]] == [0, 0]
-    assert alone["stages"][1]["compute_alone_ms"] == pytest.approx(8) and alone["stages"][1]["compute_beside_ms"] is None
+    assert (
+        alone["stages"][1]["compute_alone_ms"] == pytest.approx(8) and alone["stages"][1]["compute_beside_ms"] is None
+    )
 
     engine, stages = _pipeline(40, [0.010, 0.008], link=0.001, back=0.001, engine=0.0, in_flight=2)
     first = {n: (a, e) for n, a, e in stages[0]}
