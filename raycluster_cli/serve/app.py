@@ -106,6 +106,7 @@ class _Choice:
     first: Output
     rest: AsyncIterator[Output]
     logprobs: protocol.Logprobs | None = None
+    prompt: list[int] = field(default_factory=list)  # its tokens scored when the prompt's logprobs were asked
 
 
 def _choice_body(
@@ -123,6 +124,7 @@ async def _whole(request_id: str, model: str, choices: list[_Choice], *, chat: b
     async def collect(choice: _Choice) -> tuple[str, Output]:
         text, last = echo + choice.first.text, choice.first
         if choice.logprobs is not None:
+            choice.logprobs.add_prompt(choice.prompt, choice.first.prompt_logprobs)
             choice.logprobs.add(choice.first.logprobs)
         async for out in choice.rest:
             text, last = text + out.text, out
@@ -191,8 +193,12 @@ async def _stream_events(
     last = [c.first for c in choices]
     sent = [0] * len(choices)
     if echo:
-        for index in range(len(choices)):
-            body = protocol.completion_choice(echo, None, index=index)
+        for index, choice in enumerate(choices):
+            scored = choice.logprobs
+            if scored is not None:
+                scored.add_prompt(choice.prompt, choice.first.prompt_logprobs)
+            taken = scored.take() if scored is not None and choice.prompt else None
+            body = protocol.completion_choice(echo, None, taken, index=index)
             yield protocol.sse(protocol.envelope(request_id, kind, model, [body]))
     async for index, out in _merged(choices):
         last[index] = out
@@ -412,8 +418,9 @@ class OpenAIServer:
             for o in outputs:
                 await o.aclose()
             raise self._refusal(failed)
+        scored_prompt = prompt if body.asked_prompt_logprobs else []
         choices = [
-            _Choice(out, rest, self._logprobs(body, chat, echo))
+            _Choice(out, rest, self._logprobs(body, chat, echo), scored_prompt)
             for out, rest in zip(firsts, outputs, strict=True)
             if isinstance(out, Output)
         ]
@@ -429,12 +436,15 @@ class OpenAIServer:
         """Choice ``index``'s sampling: the request's, with ``seed + index`` when seeded (choice i of a seeded
         request is the same answer as a request of n = 1 with that seed)."""
         seed = None if body.seed is None else body.seed + index
-        return Sampling(body.temperature, body.top_p, seed, body.ignore_eos, body.asked_logprobs)
+        logprobs, prompt = body.asked_logprobs, body.asked_prompt_logprobs
+        return Sampling(body.temperature, body.top_p, seed, body.ignore_eos, logprobs, prompt)
 
     def _logprobs(self, body: Any, chat: bool, echo: str) -> protocol.Logprobs | None:
         if body.asked_logprobs is None:
             return None
-        return protocol.Logprobs(self._token_text, chat=chat, offset=len(echo))
+        # the echoed prompt's tokens are scored too: the offsets start at the text's start
+        offset = 0 if body.asked_prompt_logprobs else len(echo)
+        return protocol.Logprobs(self._token_text, chat=chat, offset=offset)
 
     @staticmethod
     def _refusal(exc: BaseException) -> BaseException:

@@ -132,7 +132,8 @@ class BatchedStage:
     ``forward(x, table)``: ``x`` is int64 token ids [B, T] on the first stage, hidden states [B, T, d]
     after it; ``table`` is int64 [3, B] (slot, start, length per row, rows right-padded to T).  The
     stage holding the head returns the logits of each row's last real token, [B, vocab]: only those
-    are ever sampled from.
+    are ever sampled from; a table of 4 rows whose fourth is set for some row (a prompt whose
+    log-probabilities were asked for) gets every position's, [B, T, vocab].
     """
 
     def __init__(
@@ -185,9 +186,12 @@ class BatchedStage:
                 raise TypeError(f"no batched forward for {type(block).__name__}")
         if stage.head is None:
             return x
-        last = x[torch.arange(x.shape[0], device=x.device), rows.lengths - 1]
         head: Any = stage.head  # a norm (llama's ``norm``, GPT-2's ``ln_f``) then ``lm_head``
         norm = head.norm if isinstance(head, llama.Head) else head.ln_f
+        if table.shape[0] > 3 and bool(table[3].any()):  # some row asks for every position's (a prompt's logprobs)
+            every: torch.Tensor = head.lm_head(norm(x))
+            return every
+        last = x[torch.arange(x.shape[0], device=x.device), rows.lengths - 1]
         logits: torch.Tensor = self.head_mm.apply(head.lm_head, norm(last))
         return logits
 

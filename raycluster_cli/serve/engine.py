@@ -45,6 +45,9 @@ class Output:
     finish_reason: str | None
     prompt_tokens: int
     logprobs: tuple[TokenLogprob, ...] = ()
+    # on a request's first output, when its sampling asked: each prompt token's log-probability from the second on
+    # (the first has none: nothing comes before it)
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -57,20 +60,35 @@ class Resume:
 
 @dataclass
 class _Live:
-    prompt_tokens: int
+    prompt: list[int]
     sampling: Sampling
     stream: TextStream
     generator: torch.Generator | None
     queue: asyncio.Queue[Output | BaseException] = field(default_factory=asyncio.Queue)
+    prompt_scored: list[TokenLogprob] = field(default_factory=list)  # the prompt's logprobs, as its chunks return
+    answered: bool = False  # its first output went out (the prompt's logprobs with it)
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.prompt)
+
+    def wants_every_position(self, chunk: Chunk) -> bool:
+        """Does this chunk need the logits of its every position: a chunk of the prompt (not a resumed
+        request's generated tokens) whose log-probabilities were asked for."""
+        return self.sampling.prompt_logprobs and chunk.start < len(self.prompt) - 1
 
 
-def step_inputs(chunks: Sequence[Chunk]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Token ids right-padded to the longest chunk [B, T] and the (slot, start, length) table [3, B]."""
+def step_inputs(chunks: Sequence[Chunk], every: Sequence[bool] = ()) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids right-padded to the longest chunk [B, T] and the (slot, start, length) table [3, B]; a fourth
+    row when some row needs the logits of ``every`` position (the last stage then returns [B, T, vocab])."""
     width = max(len(c.tokens) for c in chunks)
     ids = torch.zeros(len(chunks), width, dtype=torch.long)
     for row, chunk in enumerate(chunks):
         ids[row, : len(chunk.tokens)] = torch.tensor(chunk.tokens, dtype=torch.long)
-    table = torch.tensor([[c.slot, c.start, len(c.tokens)] for c in chunks], dtype=torch.long).T.contiguous()
+    columns = [[c.slot, c.start, len(c.tokens)] for c in chunks]
+    if any(every):
+        columns = [[*column, int(flag)] for column, flag in zip(columns, every, strict=True)]
+    table = torch.tensor(columns, dtype=torch.long).T.contiguous()
     return ids, table
 
 
@@ -173,7 +191,7 @@ class Engine:
         stream = TextStream(self.tokenizer, stop)
         if resume is not None:
             stream.resume(done, resume.released)
-        live = _Live(len(prompt), sampling, stream, sampling.generator())
+        live = _Live(list(prompt), sampling, stream, sampling.generator())
         self.live[request_id] = live
         self._wake.set()
         try:
@@ -255,7 +273,8 @@ class Engine:
     async def _step(self, chunks: list[Chunk], number: int) -> None:
         try:
             sent = time.time()
-            ids, table = step_inputs(chunks)
+            every = [(live := self.live.get(c.request_id)) is not None and live.wants_every_position(c) for c in chunks]
+            ids, table = step_inputs(chunks, every)
             logits: torch.Tensor
             if self.links is not None:
                 logits, arrived = await self.links.run(ids, table)
@@ -281,10 +300,17 @@ class Engine:
         scored: dict[str, TokenLogprob] = {}
         for row, chunk in enumerate(chunks):
             live = self.live.get(chunk.request_id)
+            last = logits[row] if logits.dim() == 2 else logits[row, len(chunk.tokens) - 1]
+            if live is not None and logits.dim() == 3 and live.wants_every_position(chunk):
+                top = live.sampling.logprobs or 0
+                for offset in range(len(chunk.tokens)):  # position p's logits score the prompt's token p + 1
+                    following = chunk.start + offset + 1
+                    if following < len(live.prompt):
+                        live.prompt_scored.append(token_logprob(logits[row, offset], live.prompt[following], top))
             if chunk.samples and live is not None:
-                token = tokens[chunk.request_id] = sample(logits[row], live.sampling, live.generator)
+                token = tokens[chunk.request_id] = sample(last, live.sampling, live.generator)
                 if live.sampling.logprobs is not None:
-                    scored[chunk.request_id] = token_logprob(logits[row], token, live.sampling.logprobs)
+                    scored[chunk.request_id] = token_logprob(last, token, live.sampling.logprobs)
             elif chunk.samples:
                 tokens[chunk.request_id] = 0  # gone while in flight; the scheduler drops it
         for event in self.scheduler.complete(chunks, tokens):
@@ -298,7 +324,10 @@ class Engine:
                 reason = "stop"
                 self.scheduler.finish(event.request_id, reason)
             logprob = (scored[event.request_id],) if event.request_id in scored else ()
-            live.queue.put_nowait(Output(text, tuple(live.stream.ids), reason, live.prompt_tokens, logprob))
+            prompt_scored = () if live.answered else tuple(live.prompt_scored)
+            live.answered = True
+            out = Output(text, tuple(live.stream.ids), reason, live.prompt_tokens, logprob, prompt_scored)
+            live.queue.put_nowait(out)
 
     def fail(self, exc: BaseException) -> None:
         """Stop taking work and hand every request here ``EngineDown`` (a stage died or is wedged).  The first

@@ -12,8 +12,9 @@ message per hop, no Ray call per step; Ray still places, watches and kills the s
 bound to the node's Ray address (``create_device(hostname=ip)``), never to whatever the host name resolves
 to, so on hosts with several NICs the links take the network Ray uses.
 
-A step is one message of bytes: a header (int64 ``[kind, ndim, shape padded to 3, dtype, rows, big]``), the
-``[3, rows]`` table (slot, start, length per row), then the payload (token ids, hidden states or logits).  A
+A step is one message of bytes: a header (int64 ``[kind, ndim, shape padded to 3, dtype, rows, big, height]``),
+the ``[height, rows]`` table (slot, start, length per row, and a fourth row when some row asks for the logits of
+every position), then the payload (token ids, hidden states or logits).  A
 receiver always has its next receive posted, into a buffer of the ring's ``capacity`` (agreed when it forms:
 the largest decode step of the model, ``link_capacity``), so a sender finds it waiting and sends at once: one
 message, no exchange between the two processes before the bytes move (gloo sends only into a posted receive;
@@ -44,7 +45,9 @@ from typing import Any
 
 import torch
 
-HEADER = 8  # kind, the payload's ndim, its shape padded to 3, its dtype, the table's rows, big (its body follows)
+HEADER = 9  # kind, the payload's ndim, its shape padded to 3, its dtype, the table's rows, big (its body follows),
+# the table's height
+TABLE_HEIGHT = 4  # the most rows of a step's table: slot, start, length, every position's logits
 HEADER_BYTES = HEADER * 8
 KIND_IDS, KIND_HIDDEN, KIND_LOGITS = 0, 1, 2
 DTYPES = [torch.int64, torch.float32, torch.float16, torch.bfloat16]
@@ -93,7 +96,7 @@ MIN_CAPACITY = 64 * 1024
 def link_capacity(rows: int, hidden: int, vocab: int, itemsize: int = 4) -> int:
     """The bytes a ring's receivers post for each message: a decode step of ``rows`` rows (one token each) from
     any rank, hidden states or logits, fits.  Only the touched pages of a receive buffer are ever mapped."""
-    return max(MIN_CAPACITY, HEADER_BYTES + 3 * rows * 8 + rows * max(hidden, vocab) * itemsize)
+    return max(MIN_CAPACITY, HEADER_BYTES + TABLE_HEIGHT * rows * 8 + rows * max(hidden, vocab) * itemsize)
 
 
 Sending = tuple[list[Any], list[torch.Tensor]]  # a send's works, and the tensors they read (alive until waited)
@@ -107,7 +110,8 @@ def start_send(group: Any, peer: int, kind: int, table: torch.Tensor, payload: t
     size = HEADER_BYTES + table.numel() * 8 + payload.numel() * payload.element_size()
     big = size > capacity
     shape = list(payload.shape) + [0] * (3 - payload.dim())
-    header = torch.tensor([kind, payload.dim(), *shape, DTYPES.index(payload.dtype), rows, int(big)], dtype=torch.int64)
+    fields = [kind, payload.dim(), *shape, DTYPES.index(payload.dtype), rows, int(big), table.shape[0]]
+    header = torch.tensor(fields, dtype=torch.int64)
     parts = [header.view(torch.uint8), table.view(-1).view(torch.uint8), payload.view(-1).view(torch.uint8)]
     if big:
         body = torch.cat(parts[1:])
@@ -135,14 +139,14 @@ class Receiver:
         self.asked = self.group.recv([self.buffer], self.peer, MESSAGE_TAG)
 
     def next(self) -> tuple[int, torch.Tensor, torch.Tensor]:
-        """(kind, table [3, rows], payload): ids [rows, width], hidden [rows, width, features] or logits
-        [rows, vocab]."""
+        """(kind, table [height, rows], payload): ids [rows, width], hidden [rows, width, features] or logits
+        [rows, vocab] ([rows, width, vocab] when the table asks for every position's)."""
         self.asked.wait()
         message = self.buffer
         assert message is not None, "closed"
-        kind, ndim, *sizes, code, rows, big = (int(v) for v in message[:HEADER_BYTES].view(torch.int64))
+        kind, ndim, *sizes, code, rows, big, height = (int(v) for v in message[:HEADER_BYTES].view(torch.int64))
         dtype, shape = DTYPES[code], sizes[:ndim]
-        table_bytes = 3 * rows * 8
+        table_bytes = height * rows * 8
         count = math.prod(shape)
         self._post()
         if big:
@@ -150,7 +154,7 @@ class Receiver:
             self.group.recv([body], self.peer, BODY_TAG).wait()
         else:
             body = message[HEADER_BYTES : HEADER_BYTES + table_bytes + count * dtype.itemsize]
-        table = body[:table_bytes].view(torch.int64).view(3, rows)
+        table = body[:table_bytes].view(torch.int64).view(height, rows)
         payload = body[table_bytes:].view(dtype).view(shape)
         return kind, table, payload
 

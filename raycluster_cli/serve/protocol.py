@@ -7,7 +7,8 @@ OpenAI-compatible servers do, so existing clients that send them still work.
 Log-probabilities of the generated tokens are served in both shapes OpenAI has: a completion's ``logprobs: k``
 (``tokens``, ``token_logprobs``, ``top_logprobs`` with the sampled token always among them, ``text_offset``) and
 a chat completion's ``logprobs: true`` with ``top_logprobs: k`` (``content``: token, logprob, bytes and the k
-best).  The prompt's own log-probabilities (``echo`` with ``logprobs``) are not computed: refused, not faked.
+best).  A completion's ``echo`` with ``logprobs`` also scores the prompt: its tokens come first in ``logprobs``,
+the first with ``null`` (nothing precedes it), as OpenAI's completions did and evaluation harnesses read them.
 """
 
 from __future__ import annotations
@@ -81,21 +82,15 @@ class CompletionRequest(_Sampled):
     logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     echo: bool = False
 
-    @model_validator(mode="after")
-    def _no_prompt_logprobs(self) -> CompletionRequest:
-        if self.echo and self.logprobs is not None:
-            raise APIError(  # a 400 naming the field, not a validation error without one
-                400,
-                "echo with logprobs asks for the prompt's log-probabilities, which this service does not compute; "
-                "send one of them",
-                param="echo",
-            )
-        return self
-
     @property
     def asked_logprobs(self) -> int | None:
         """None: no log-probabilities asked; k: the sampled token's and the k best."""
         return self.logprobs
+
+    @property
+    def asked_prompt_logprobs(self) -> bool:
+        """``echo`` with ``logprobs``: the prompt's tokens' too (how evaluation harnesses score a text)."""
+        return self.echo and self.logprobs is not None
 
     @field_validator("prompt")
     @classmethod
@@ -137,6 +132,11 @@ class ChatRequest(_Sampled):
     def asked_logprobs(self) -> int | None:
         """None: no log-probabilities asked; k: the sampled token's and the k best."""
         return (self.top_logprobs or 0) if self.logprobs else None
+
+    @property
+    def asked_prompt_logprobs(self) -> bool:
+        """A chat echoes nothing."""
+        return False
 
 
 class ImageGenerationRequest(BaseModel):
@@ -256,27 +256,36 @@ class Logprobs:
 
     def __init__(self, decode: Callable[[int], str], *, chat: bool, offset: int = 0) -> None:
         self.decode, self.chat, self.offset = decode, chat, offset
-        self.pending: list[Scored] = []
+        self.pending: list[Scored | int] = []  # an int: a token with no log-probability (a prompt's first)
 
     def add(self, items: Sequence[Scored]) -> None:
         self.pending.extend(items)
 
+    def add_prompt(self, prompt: Sequence[int], scored: Sequence[Scored]) -> None:
+        """The echoed prompt's tokens, before any generated one: the first without a log-probability, then
+        ``scored`` (each later prompt token's)."""
+        if prompt:
+            self.pending.extend([prompt[0], *scored])
+
     def take(self) -> dict[str, Any] | None:
         items, self.pending = self.pending, []
         if self.chat:
-            return {"content": [self._chat_entry(i) for i in items]}
-        tokens = [self.decode(i.token) for i in items]
+            return {"content": [self._chat_entry(i) for i in items if not isinstance(i, int)]}
+        tokens = [self.decode(i if isinstance(i, int) else i.token) for i in items]
         offsets = []
         for text in tokens:
             offsets.append(self.offset)
             self.offset += len(text)
-        tops = []
+        tops: list[dict[str, float] | None] = []
         for item, text in zip(items, tokens, strict=True):
+            if isinstance(item, int):
+                tops.append(None)
+                continue
             best = {self.decode(token): logprob for token, logprob in item.top}
             tops.append(best | {text: item.logprob})  # the sampled token is always there (OpenAI: up to k + 1)
         return {
             "tokens": tokens,
-            "token_logprobs": [i.logprob for i in items],
+            "token_logprobs": [None if isinstance(i, int) else i.logprob for i in items],
             "top_logprobs": tops,
             "text_offset": offsets,
         }

@@ -31,6 +31,7 @@ class Sampling:
     ignore_eos: bool = False  # the sequence ends only at its token limit (a benchmark's fixed lengths)
     # None: no log-probabilities; k: each generated token's, and the k most likely tokens' at its position
     logprobs: int | None = None
+    prompt_logprobs: bool = False  # also each prompt token's (after the first), with the same k best
 
     def generator(self) -> torch.Generator | None:
         """A per-request generator: a seeded request gets the same tokens whatever else is in its batch."""

@@ -272,6 +272,35 @@ def test_logprobs_are_the_models_own_whole_and_streamed(service: Service) -> Non
     assert echoed.choices[0].text == prompt + service.generate(ids, 4)
 
 
+def test_an_echoed_prompt_is_scored_as_evaluation_harnesses_ask(service: Service) -> None:
+    """lm-evaluation-harness's loglikelihood request: the prompt as token ids, ``echo``, ``logprobs: 1``,
+    ``max_tokens: 1``, temperature 0.  Every prompt token after the first gets transformers' own log-probability
+    (the first ``null``), then the generated one; streamed, the echo's chunk carries the prompt's."""
+    ids = service.tokenizer.encode(PROMPTS[7])  # 33 words: fed in chunks of 8
+
+    async def run() -> tuple[Any, list[Any]]:
+        client = service.client()
+        args = {"model": MODEL, "prompt": ids, "echo": True, "logprobs": 1, "max_tokens": 1, "temperature": 0}
+        whole = await client.completions.create(**args)
+        chunks = [c async for c in await client.completions.create(**args, stream=True)]
+        return whole, chunks
+
+    whole, chunks = asyncio.run(run())
+    scored = whole.choices[0].logprobs
+    assert len(scored.token_logprobs) == len(ids) + 1 and scored.token_logprobs[0] is None
+    assert scored.top_logprobs[0] is None and scored.text_offset[0] == 0
+    assert [service.tokenizer.convert_tokens_to_ids(t) for t in scored.tokens[: len(ids)]] == ids
+    expected = _model_logprobs(service, ids[:1], [*ids[1:], 0])  # position p scores token p + 1
+    for position in range(1, len(ids)):
+        assert scored.token_logprobs[position] == pytest.approx(float(expected[position - 1, ids[position]]), abs=1e-4)
+    generated = service.tokenizer.convert_tokens_to_ids(scored.tokens[-1])
+    assert scored.token_logprobs[-1] == pytest.approx(float(expected[len(ids) - 1, generated]), abs=1e-4)
+    assert whole.choices[0].text.startswith(service.tokenizer.decode(ids, skip_special_tokens=True))
+    streamed = [lp for c in chunks for choice in c.choices if (lp := choice.logprobs) is not None]
+    assert streamed[0].token_logprobs == scored.token_logprobs[: len(ids)]
+    assert sum(len(lp.tokens) for lp in streamed) == len(ids) + 1
+
+
 def test_n_choices_are_each_their_own_generation_whole_and_streamed(service: Service) -> None:
     """``n`` choices: seeded, choice i is the answer of a request of n = 1 with seed + i; greedy, every choice is
     ``generate()``'s text, streamed too (chunks tagged by ``index``); usage counts the prompt once and every
@@ -330,9 +359,11 @@ def test_errors_have_the_openai_shape(service: Service) -> None:
         assert missing.value.body["code"] == "model_not_found"
         with pytest.raises(openai.BadRequestError):
             await service.client().completions.create(model=MODEL, prompt="the cat", temperature=7)
-        with pytest.raises(openai.BadRequestError) as echo:  # the prompt's logprobs are not computed: not faked
-            await service.client().completions.create(model=MODEL, prompt="the cat", echo=True, logprobs=1)
-        assert echo.value.body["param"] == "echo"
+        with pytest.raises(openai.BadRequestError) as top:  # top_logprobs means nothing without logprobs
+            await service.client().chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": "the cat"}], top_logprobs=2
+            )
+        assert top.value.body["param"] == "top_logprobs"
         models = await service.client().models.list()
         assert [m.id for m in models.data] == [MODEL]
 

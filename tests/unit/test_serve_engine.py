@@ -273,3 +273,30 @@ def test_logprobs_are_the_models_own_for_each_generated_token(checkpoint: Path) 
 
 async def _outputs(outputs: Any) -> list[Any]:
     return [out async for out in outputs]
+
+
+def test_a_prompts_logprobs_are_the_models_own_across_its_chunks(checkpoint: Path) -> None:
+    """A prompt of 11 tokens, fed in chunks of 4 beside another request, asked with its log-probabilities: the
+    first output carries each prompt token's from the second on (the last stage returned every position's
+    logits for its chunks), equal to transformers' forward over the prompt; later outputs carry none."""
+    prompt = [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15]
+
+    async def run() -> list[Any]:
+        engine = _engine(checkpoint)
+        engine.start()
+        beside = asyncio.ensure_future(_outputs(engine.generate([20, 21], 5, Sampling(temperature=0))))
+        outs = await _outputs(engine.generate(prompt, 3, Sampling(temperature=0, logprobs=2, prompt_logprobs=True)))
+        await beside
+        await engine.close()
+        return outs
+
+    outs = asyncio.run(run())
+    scored = outs[0].prompt_logprobs
+    assert [s.token for s in scored] == prompt[1:] and all(o.prompt_logprobs == () for o in outs[1:])
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(checkpoint)).eval()
+    with torch.no_grad():
+        expected = torch.log_softmax(model(torch.tensor([prompt])).logits[0].float(), dim=-1)
+    for position, item in enumerate(scored):
+        assert item.logprob == pytest.approx(float(expected[position, prompt[position + 1]]), abs=1e-4)
+        assert [t for t, _ in item.top] == expected[position].topk(2).indices.tolist()
+    assert list(outs[-1].token_ids) == asyncio.run(_alone(checkpoint, prompt, 3))  # the answer itself unchanged

@@ -63,11 +63,11 @@ def _logits(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     return x[:, -1, :].to(torch.float16)  # [rows, vocab], in another dtype on the way back
 
 
-# the ring's message size: every step fits in one message; or 150 bytes, so steps of 3 rows (and hidden states of 2)
+# the ring's message size: every step fits in one message; or 158 bytes, so steps of 3 rows (and hidden states of 2)
 # send their header alone and their body after it, between steps that fit, in the same order
-@pytest.mark.parametrize("capacity", [MIN_CAPACITY, 150])
+@pytest.mark.parametrize("capacity", [MIN_CAPACITY, 158])
 def test_steps_go_round_the_ring_in_order_and_come_back_as_logits(capacity: int) -> None:
-    assert HEADER_BYTES + 3 * 8 * 2 + 2 * 8 * 2 < 150 < HEADER_BYTES + 3 * 8 * 3 + 3 * 8 * 2  # ids of 2 rows fit, 3 not
+    assert HEADER_BYTES + 3 * 8 * 2 + 2 * 8 * 2 < 158 < HEADER_BYTES + 3 * 8 * 3 + 3 * 8 * 2  # ids of 2 rows fit, 3 not
     engine_side, _ = _ring([_embed, _double, _logits], capacity=capacity)
 
     async def run() -> list[tuple[torch.Tensor, float]]:
@@ -94,7 +94,7 @@ def test_steps_go_round_the_ring_in_order_and_come_back_as_logits(capacity: int)
 
 def test_a_ring_s_capacity_holds_a_decode_step_of_its_most_rows() -> None:
     # 48 rows of Llama-3-8B's logits (128256 of them, float32) fit one message; a tiny model gets the floor
-    assert link_capacity(48, 4096, 128256) == HEADER_BYTES + 3 * 48 * 8 + 48 * 128256 * 4
+    assert link_capacity(48, 4096, 128256) == HEADER_BYTES + 4 * 48 * 8 + 48 * 128256 * 4
     assert link_capacity(1, 8, 16) == MIN_CAPACITY
 
 
@@ -142,3 +142,29 @@ def test_a_rank_without_the_ring_s_secret_cannot_join_it() -> None:
     for thread in threads:
         thread.join(60)
     assert set(found) == {"engine", "intruder"}  # neither formed a ring: each timed out waiting for the other
+
+
+def test_a_table_of_four_rows_travels_whole_and_every_positions_logits_come_back() -> None:
+    """A step whose table has the fourth row (some row asks for every position's logits) reaches each stage with
+    it, and the last stage's [rows, width, vocab] comes back whole; a three-row step after it is as before."""
+    heights: list[int] = []
+
+    def every(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+        heights.append(table.shape[0])
+        return x if table.shape[0] > 3 and bool(table[3].any()) else x[:, -1, :]
+
+    engine_side, _ = _ring([_embed, every])
+
+    async def run() -> list[tuple[torch.Tensor, float]]:
+        links = DirectLinks(engine_side.pop(), 3)
+        links.start()
+        ids = torch.arange(6, dtype=torch.long).view(2, 3)
+        four = torch.tensor([[0, 1], [0, 0], [3, 3], [1, 0]], dtype=torch.long)
+        return [await links.run(ids, four), await links.run(ids, four[:3].contiguous())]
+
+    (whole, _), (last, _) = asyncio.run(run())
+    want = (
+        torch.arange(6, dtype=torch.float32).view(2, 3)[..., None].expand(2, 3, 4)
+        + torch.tensor([0.0, 1.0])[:, None, None]
+    )
+    assert heights == [4, 3] and torch.equal(whole, want) and torch.equal(last, want[:, -1, :])

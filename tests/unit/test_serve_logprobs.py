@@ -59,11 +59,26 @@ def test_a_chat_completion_gets_content_entries_with_bytes_and_top_logprobs() ->
     }
 
 
+def test_an_echoed_prompt_comes_first_its_first_token_without_a_logprob() -> None:
+    scored = Logprobs(_decode, chat=False)
+    scored.add_prompt([1, 2], [TokenLogprob(2, -3.0, ((1, -0.2),))])
+    scored.add([TokenLogprob(3, -0.7, ())])
+    assert scored.take() == {
+        "tokens": ["the", " cat", " sat"],
+        "token_logprobs": [None, -3.0, -0.7],
+        "top_logprobs": [None, {"the": -0.2, " cat": -3.0}, {" sat": -0.7}],
+        "text_offset": [0, 3, 7],
+    }
+
+
 def test_what_each_request_asks_for() -> None:
     base = {"model": "m", "prompt": "a b"}
     assert _parse(CompletionRequest, base).n == 1 and _parse(CompletionRequest, base | {"n": 16}).n == 16  # type: ignore[attr-defined]
     assert _parse(CompletionRequest, base).asked_logprobs is None  # type: ignore[attr-defined]
     assert _parse(CompletionRequest, base | {"logprobs": 0}).asked_logprobs == 0  # type: ignore[attr-defined]
+    assert not _parse(CompletionRequest, base | {"echo": True}).asked_prompt_logprobs  # type: ignore[attr-defined]
+    echoed = _parse(CompletionRequest, base | {"echo": True, "logprobs": 1})
+    assert echoed.asked_prompt_logprobs and echoed.asked_logprobs == 1  # type: ignore[attr-defined]
     chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
     assert _parse(ChatRequest, chat).asked_logprobs is None  # type: ignore[attr-defined]
     assert _parse(ChatRequest, chat | {"logprobs": True}).asked_logprobs == 0  # type: ignore[attr-defined]
@@ -75,7 +90,6 @@ def test_what_each_request_asks_for() -> None:
     [
         (CompletionRequest, {"model": "m", "prompt": "a", "logprobs": 21}, "logprobs"),
         (CompletionRequest, {"model": "m", "prompt": "a", "logprobs": -1}, "logprobs"),
-        (CompletionRequest, {"model": "m", "prompt": "a", "logprobs": 1, "echo": True}, "echo"),
         (CompletionRequest, {"model": "m", "prompt": "a", "n": 17}, "n"),
         (ChatRequest, {"model": "m", "messages": [{"role": "user", "content": "x"}], "n": 0}, "n"),
         (
