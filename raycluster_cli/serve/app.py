@@ -132,7 +132,12 @@ async def _whole(request_id: str, model: str, choices: list[_Choice], *, chat: b
                 choice.logprobs.add(out.logprobs)
         return text, last
 
-    done = await asyncio.gather(*(collect(c) for c in choices))
+    tasks = [asyncio.ensure_future(collect(c)) for c in choices]
+    try:
+        done = await asyncio.gather(*tasks)
+    finally:
+        for task in tasks:  # one choice failed (or the client left): the others stop generating for nobody
+            task.cancel()
     bodies = [
         _choice_body(chat, i, text, last.finish_reason, c.logprobs.take() if c.logprobs else None, delta=False)
         for i, (c, (text, last)) in enumerate(zip(choices, done, strict=True))
