@@ -121,6 +121,34 @@ def test_chat_uses_the_checkpoints_template(served: Served) -> None:
     assert answer.choices[0].message.content == want
 
 
+def test_a_prompt_is_scored_across_the_hosts_and_n_choices_come_back(served: Served) -> None:
+    """Over the 3 hosts' direct links: an evaluation harness's loglikelihood request (token ids, ``echo``,
+    ``logprobs: 1``, ``max_tokens: 1``) gets every prompt token's log-probability equal to transformers' own (the
+    last stage sends every position's logits back for it), and a seeded request of n = 2 gets the two answers
+    requests of n = 1 with seed and seed + 1 get."""
+    ids = served.tokenizer.encode(PROMPTS[5])
+
+    async def run() -> tuple[Any, Any, list[str]]:
+        client = served.client()
+        scored = await client.completions.create(
+            model="tiny-chat", prompt=ids, echo=True, logprobs=1, max_tokens=1, temperature=0
+        )
+        args: dict[str, Any] = {"model": "tiny-chat", "prompt": PROMPTS[2], "max_tokens": 6, "temperature": 1.2}
+        two = await client.completions.create(**args, n=2, seed=5)
+        singles = [(await client.completions.create(**args, seed=s)).choices[0].text for s in (5, 6)]
+        return scored, two, singles
+
+    scored, two, singles = asyncio.run(run())
+    logprobs = scored.choices[0].logprobs
+    assert logprobs.token_logprobs[0] is None and len(logprobs.token_logprobs) == len(ids) + 1
+    with torch.no_grad():
+        expected = torch.log_softmax(served.model(torch.tensor([ids])).logits[0].float(), dim=-1)
+    for position in range(1, len(ids)):
+        want = float(expected[position - 1, ids[position]])
+        assert logprobs.token_logprobs[position] == pytest.approx(want, abs=1e-4)
+    assert [c.text for c in two.choices] == singles
+
+
 def test_a_request_without_the_clusters_token_is_refused(served: Served) -> None:
     async def wrong() -> None:
         await served.client("not-the-token").models.list()
