@@ -4,7 +4,7 @@
 # ROUNDS rounds of one and four at a time, with the usual prompts (16-64 tokens) and with prompts of 1-4, one line
 # per run: tok/s, TPOT p50, the step anatomy's round trip, steps in flight and compute per stage (and its compute
 # in steps when no other stage computed / when another did, and the share of its compute beside another's).
-# Usage: RAYCLUSTER_LAB_NAME=rc-ex RAYCLUSTER_LAB_SUBNET=10.91.0.0/24 benchmarks/serve_prefill_share.sh [ROUNDS] [OUT]
+# Usage: RAYCLUSTER_LAB_NAME=rc-ex RAYCLUSTER_LAB_SUBNET=10.91.0.0/24 [SERVE_FLAGS=...] benchmarks/serve_prefill_share.sh [ROUNDS] [OUT]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROUNDS=${1:-2}
@@ -21,7 +21,7 @@ from benchmarks.serve_targets import MODEL_SIZES
 from tests.serve_checkpoint import write_chat_llama
 print(write_chat_llama(Path('$OUT') / 'serve-llama', seed=1, **MODEL_SIZES))" 2>/dev/null | tail -1)
 timeout 1200 $R up -i "$INV" --json > "$OUT/up.json"
-timeout 1200 $R serve --model-path="$MODEL" --max-seq=256 --slots=16 --rebalance-period=10 -i "$INV" --json \
+timeout 1200 $R serve --model-path="$MODEL" --max-seq=256 --slots=16 --rebalance-period=10 ${SERVE_FLAGS:-} -i "$INV" --json \
   > "$OUT/serve.json"
 B="timeout 900 $R bench --serve --rates= -i $INV --json"
 for warm in 0 1; do $B --requests=64 --prompt-tokens=16:64 --output-tokens=32:96 > "$OUT/warm-$warm.json"; done
