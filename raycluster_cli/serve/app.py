@@ -101,12 +101,11 @@ def _read_json(path: Path) -> dict[str, Any]:
 @dataclass
 class _Choice:
     """One of a request's ``n`` generations: its first output (awaited before the answer starts), the rest, and
-    its log-probabilities' accumulator when asked."""
+    its log-probabilities' accumulator when asked (holding the echoed prompt's entries from the start)."""
 
     first: Output
     rest: AsyncIterator[Output]
     logprobs: protocol.Logprobs | None = None
-    prompt: list[int] = field(default_factory=list)  # its tokens scored when the prompt's logprobs were asked
 
 
 def _choice_body(
@@ -124,7 +123,6 @@ async def _whole(request_id: str, model: str, choices: list[_Choice], *, chat: b
     async def collect(choice: _Choice) -> tuple[str, Output]:
         text, last = echo + choice.first.text, choice.first
         if choice.logprobs is not None:
-            choice.logprobs.add_prompt(choice.prompt, choice.first.prompt_logprobs)
             choice.logprobs.add(choice.first.logprobs)
         async for out in choice.rest:
             text, last = text + out.text, out
@@ -198,11 +196,8 @@ async def _stream_events(
     last = [c.first for c in choices]
     sent = [0] * len(choices)
     if echo:
-        for index, choice in enumerate(choices):
-            scored = choice.logprobs
-            if scored is not None:
-                scored.add_prompt(choice.prompt, choice.first.prompt_logprobs)
-            taken = scored.take() if scored is not None and choice.prompt else None
+        for index, choice in enumerate(choices):  # with the prompt's log-probabilities, when asked
+            taken = choice.logprobs.take() if choice.logprobs is not None else None
             body = protocol.completion_choice(echo, None, taken, index=index)
             yield protocol.sse(protocol.envelope(request_id, kind, model, [body]))
     async for index, out in _merged(choices):
@@ -423,9 +418,8 @@ class OpenAIServer:
             for o in outputs:
                 await o.aclose()
             raise self._refusal(failed)
-        scored_prompt = prompt if body.asked_prompt_logprobs else []
         choices = [
-            _Choice(out, rest, self._logprobs(body, chat, echo), scored_prompt)
+            _Choice(out, rest, self._logprobs(body, chat, echo, prompt, out))
             for out, rest in zip(firsts, outputs, strict=True)
             if isinstance(out, Output)
         ]
@@ -444,12 +438,16 @@ class OpenAIServer:
         logprobs, prompt = body.asked_logprobs, body.asked_prompt_logprobs
         return Sampling(body.temperature, body.top_p, seed, body.ignore_eos, logprobs, prompt)
 
-    def _logprobs(self, body: Any, chat: bool, echo: str) -> protocol.Logprobs | None:
+    def _logprobs(self, body: Any, chat: bool, echo: str, prompt: list[int], first: Output) -> protocol.Logprobs | None:
+        """A choice's log-probabilities' accumulator, None when not asked; an echoed prompt's entries go in first
+        (from its first output), so the offsets start at the text's start."""
         if body.asked_logprobs is None:
             return None
-        # the echoed prompt's tokens are scored too: the offsets start at the text's start
-        offset = 0 if body.asked_prompt_logprobs else len(echo)
-        return protocol.Logprobs(self._token_text, chat=chat, offset=offset)
+        if not body.asked_prompt_logprobs:
+            return protocol.Logprobs(self._token_text, chat=chat, offset=len(echo))
+        scored = protocol.Logprobs(self._token_text, chat=chat)
+        scored.add_prompt(prompt, first.prompt_logprobs)
+        return scored
 
     @staticmethod
     def _refusal(exc: BaseException) -> BaseException:

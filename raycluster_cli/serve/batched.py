@@ -186,11 +186,11 @@ class BatchedStage:
                 raise TypeError(f"no batched forward for {type(block).__name__}")
         if stage.head is None:
             return x
+        if table.shape[0] > 3 and bool(table[3].any()):  # some row asks for every position's (a prompt's logprobs)
+            every: torch.Tensor = stage.head(x)
+            return every
         head: Any = stage.head  # a norm (llama's ``norm``, GPT-2's ``ln_f``) then ``lm_head``
         norm = head.norm if isinstance(head, llama.Head) else head.ln_f
-        if table.shape[0] > 3 and bool(table[3].any()):  # some row asks for every position's (a prompt's logprobs)
-            every: torch.Tensor = head.lm_head(norm(x))
-            return every
         last = x[torch.arange(x.shape[0], device=x.device), rows.lengths - 1]
         logits: torch.Tensor = self.head_mm.apply(head.lm_head, norm(last))
         return logits
