@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from raycluster_cli.bench import llama
+from raycluster_cli.bench.cgroup import node_capacity
 from raycluster_cli.bench.config import ModelConfig
 from raycluster_cli.bench.model import Block as GPT2Block
 from raycluster_cli.bench.model import Stage
@@ -155,10 +156,19 @@ class BatchedStage:
         # the decode steps' products in the forms measured cheapest on this CPU (serve.matmuls); F.linear on a GPU
         self.block_mm, self.head_mm = Matmuls(), Matmuls()
         if self.device.type == "cpu" and measure_matmuls:
+            spare = self._spare_bytes()
             linears = [m for block in self.stage.blocks for m in block.modules() if isinstance(m, nn.Linear)]
-            self.block_mm = measure(linears)
+            self.block_mm = measure(linears, spare_bytes=spare)
             if self.stage.head is not None:
-                self.head_mm = measure([m for m in self.stage.head.modules() if isinstance(m, nn.Linear)])
+                head = [m for m in self.stage.head.modules() if isinstance(m, nn.Linear)]
+                self.head_mm = measure(head, spare_bytes=spare - self.block_mm.packed_bytes)
+
+    def _spare_bytes(self) -> int:
+        """The room a packed copy of the matrices may take (``serve.matmuls``): half of what this node's
+        container can still take once the KV cache's pages (allocated, maybe not yet touched) are counted."""
+        room = node_capacity("", "").usable
+        kv = sum(c.k.numel() * c.k.element_size() * 2 for c in self.caches)
+        return max(0, room - kv) // 2
 
     @property
     def has_head(self) -> bool:

@@ -1,18 +1,31 @@
-"""How a stage multiplies a decode step's few rows by its weights on a CPU: the cheapest of a few forms, measured.
+"""How a stage multiplies a step's rows by its weights on a CPU: the cheapest of a few forms, measured.
 
-``F.linear(x, W)`` computes ``x @ Wᵀ``; the same rows come out of ``(W @ xᵀ)ᵀ``, and out of a product of
-more rows whose extra rows are zeros.  The BLAS behind torch picks its kernel by the operands' shapes and
-layouts, and for the few rows of a decode step, with weights streamed from memory, the forms differ a lot.
-On the lab's CPU (AMD EPYC, torch 2.13's MKL, one thread, float32, blocks of width 512 whose weights do not
-stay in the cache), per block: ``F.linear`` 1.14 / 1.70 / 1.88 / 1.60 ms for 1 / 2 / 3 / 4 rows, ``W @ xᵀ``
-1.11 / 0.74 / 1.05 / 1.54 — so a step of one row is cheapest as two rows (the second zeros) in the second
-form, 1.5× faster than ``F.linear``; in bfloat16 ``F.linear`` is the fastest at every row count.  Which form
-wins depends on the CPU, the BLAS and the dtype, so each stage measures them on its own matrices when it
-loads (the cache flushed before each timing: between two steps a stage's neighbours evict its weights) and
-keeps, for each row count up to ``MOST_ROWS``, the cheapest form and padding; larger steps (prompt chunks,
-full batches) and every step on a GPU use ``F.linear``.  A row's numbers are those of a different summation
-order (the rounding of float32), never another row's: padding rows are zeros and each output row is its own
-row's dot products.
+``F.linear(x, W)`` computes ``x @ Wᵀ``; the same rows come out of ``(W @ xᵀ)ᵀ``, out of oneDNN's inner
+product on a copy of ``W`` reordered into the layout its kernels stream ("packed"), and out of a product of
+more rows whose extra rows are zeros.  The libraries behind torch pick their kernels by the operands' shapes
+and layouts, and for the few rows of a decode step, with weights streamed from memory, the forms differ a
+lot.  On the lab's CPU (AMD EPYC with AVX-512, torch 2.13: MKL and oneDNN 3.12, one thread, a Llama block of
+width 512 whose 12.4 MB of float32 weights do not stay in the cache), per block:
+
+=========  ====  ====  ====  ====  ====  ====  ====
+rows       1     2     3     4     6     8     32
+=========  ====  ====  ====  ====  ====  ====  ====
+F.linear   1.02  1.68  2.28  1.33  1.84  1.57  3.24
+W @ xᵀ     1.08  0.75  1.06  1.28  1.81  2.04  3.79
+packed     1.08  1.13  1.05  0.96  0.98  1.19  2.44
+=========  ====  ====  ====  ====  ====  ====  ====
+
+so a step of one or two rows is cheapest as two rows in the second form (0.75 ms: the weights streamed at
+16.5 GB/s), three to eight rows and larger steps (prompt chunks, full batches) packed; in bfloat16 the
+packed form is the cheapest at every row count (0.66–0.71 ms for 1–6 rows: a step's cost hardly grows with
+its rows).  Which form wins depends on the CPU, its libraries and the dtype, so each stage measures them on
+its own matrices when it loads (the cache flushed before each timing: between two steps a stage's
+neighbours evict its weights) and keeps, for each row count up to ``MOST_ROWS``, the cheapest form and
+padding, and for larger steps the packed form where it wins at ``LARGE_ROWS``; every step on a GPU uses
+``F.linear``.  The packed copy costs the matrices' bytes again, so a stage makes it only where its node has
+that room to spare (``spare_bytes``), and drops it when no step would use it.  A row's numbers are those of
+a different summation order (the rounding of the dtype), never another row's: padding rows are zeros and
+each output row is its own row's dot products.
 """
 
 from __future__ import annotations
@@ -25,13 +38,33 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-MOST_ROWS = 8  # steps of up to this many rows are planned; larger ones are the products BLAS already does well
+LINEAR, FLIPPED, PACKED = 0, 1, 2
+FORMS = ("F.linear", "W @ xT", "packed")
+MOST_ROWS = 8  # steps of up to this many rows are planned row count by row count
+LARGE_ROWS = (16, 64)  # larger steps take the packed form where it wins at each of these
 MIN_GAIN = 0.10  # another form replaces F.linear only where measured this much cheaper (a smaller lead is noise)
-PROBE_BUDGET_S = 2.0  # a large stage measures fewer row counts (the rest keep F.linear), never waits long
+PROBE_BUDGET_S = 2.5  # a large stage measures fewer row counts (the rest keep F.linear), never waits long
 PROBE_BYTES = 96 * 2**20  # at most this much of the stage's matrices is timed: their cost per byte is the same
 REPEATS = 3
+PACK_HINT = MOST_ROWS  # the batch size oneDNN lays the packed weights out for (its kernels take any)
 
-Plan = Mapping[int, tuple[bool, int]]  # rows -> (as W @ xᵀ, rows computed: the step's, or more with zero rows)
+Plan = Mapping[int, tuple[int, int]]  # rows -> (form, rows computed: the step's, or more with zero rows)
+
+
+def packable(dtype: torch.dtype) -> bool:
+    """Whether this torch has oneDNN's packed inner product for ``dtype`` on the CPU."""
+    return (
+        dtype in (torch.float32, torch.bfloat16)
+        and torch.backends.mkldnn.is_available()
+        and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+        and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+    )
+
+
+def pack(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` copied into the layout oneDNN's inner product streams."""
+    packed: torch.Tensor = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_HINT)
+    return packed
 
 
 def _flipped(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -39,54 +72,85 @@ def _flipped(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return torch.mm(weight, x.t()).t().contiguous()
 
 
-def _product(weight: torch.Tensor, x: torch.Tensor, flipped: bool, rows: int) -> torch.Tensor:
-    """``x @ Wᵀ`` for the 2-D ``x``, computed over ``rows`` rows (x's own, then zeros) in the chosen form."""
+def _product(
+    linear: nn.Linear, x: torch.Tensor, form: int, rows: int, packed: Mapping[nn.Linear, torch.Tensor]
+) -> torch.Tensor:
+    """``linear(x)`` for the 2-D ``x``, computed over ``rows`` rows (x's own, then zeros) in the chosen form."""
     if rows > x.shape[0]:
         x = torch.cat([x, x.new_zeros(rows - x.shape[0], x.shape[1])])
-    return _flipped(weight, x) if flipped else F.linear(x, weight)
+    if form == PACKED:
+        out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(
+            x.contiguous(), packed[linear], linear.bias, "none", [], ""
+        )
+        return out
+    flat = _flipped(linear.weight, x) if form == FLIPPED else F.linear(x, linear.weight)
+    return flat if linear.bias is None else flat + linear.bias
 
 
 class Matmuls:
-    """``apply(linear, x)`` = ``linear(x)``, computed in the form the plan holds for x's row count."""
+    """``apply(linear, x)`` = ``linear(x)``, computed in the form the plan holds for x's row count
+    (``large`` for steps of more than ``most_rows`` rows)."""
 
-    def __init__(self, plan: Plan | None = None) -> None:
-        self.plan = {rows: how for rows, how in (plan or {}).items() if how != (False, rows)}
+    def __init__(
+        self,
+        plan: Plan | None = None,
+        packed: Mapping[nn.Linear, torch.Tensor] | None = None,
+        large: int = LINEAR,
+        most_rows: int = MOST_ROWS,
+    ) -> None:
+        self.plan = {rows: how for rows, how in (plan or {}).items() if how != (LINEAR, rows)}
+        self.packed = dict(packed or {})
+        self.large = large
+        self.most_rows = most_rows
+        wanted = {form for form, _ in self.plan.values()} | {large}
+        if PACKED in wanted and not self.packed:
+            raise ValueError("a plan with the packed form needs the packed weights")
 
     def apply(self, linear: nn.Linear, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]
         how = self.plan.get(rows)
+        if how is None and rows > self.most_rows and self.large != LINEAR:
+            how = (self.large, rows)
         if how is None:
             out: torch.Tensor = linear(x)
             return out
-        flat = _product(linear.weight, x.reshape(rows, x.shape[-1]), *how)[:rows]
-        if linear.bias is not None:
-            flat = flat + linear.bias
+        flat = _product(linear, x.reshape(rows, x.shape[-1]), *how, self.packed)[:rows]
         return flat.reshape(*x.shape[:-1], linear.out_features)
+
+    @property
+    def packed_bytes(self) -> int:
+        return sum(m.weight.numel() * m.weight.element_size() for m in self.packed)
 
     def describe(self) -> dict[str, str]:
         """Each planned row count and how it is computed (none: ``F.linear`` for every step)."""
-        return {
-            str(rows): f"{'W @ xT' if flipped else 'F.linear'} over {padded} rows"
-            for rows, (flipped, padded) in sorted(self.plan.items())
-        }
+        out = {str(rows): f"{FORMS[form]} over {padded} rows" for rows, (form, padded) in sorted(self.plan.items())}
+        if self.large != LINEAR:
+            out[f">{self.most_rows}"] = FORMS[self.large]
+        return out
 
 
-def plan_from_costs(costs: Mapping[int, tuple[float, float]]) -> dict[int, tuple[bool, int]]:
-    """From each measured row count's (``F.linear``, ``W @ xᵀ``) seconds: for every row count, the cheapest
-    form and number of rows to compute (its own, or more with zero rows), where that beats ``F.linear`` at its
-    own count by over ``MIN_GAIN``."""
-    plan: dict[int, tuple[bool, int]] = {}
-    for rows, (plain, _) in costs.items():
+def plan_from_costs(costs: Mapping[int, Sequence[float]]) -> dict[int, tuple[int, int]]:
+    """From each measured row count's seconds per form (``F.linear``, ``W @ xᵀ``, and packed where measured):
+    for every row count, the cheapest form and number of rows to compute (its own, or more with zero rows),
+    where that beats ``F.linear`` at its own count by over ``MIN_GAIN``."""
+    plan: dict[int, tuple[int, int]] = {}
+    for rows, own in costs.items():
         options = [
-            (seconds, (form == 1, more))
-            for more, pair in costs.items()
+            (seconds, (form, more))
+            for more, forms in costs.items()
             if more >= rows
-            for form, seconds in enumerate(pair)
+            for form, seconds in enumerate(forms)
         ]
         seconds, how = min(options)
-        if seconds < (1 - MIN_GAIN) * plain:
+        if seconds < (1 - MIN_GAIN) * own[LINEAR]:
             plan[rows] = how
     return plan
+
+
+def large_form(costs: Mapping[int, Sequence[float]]) -> int:
+    """``PACKED`` where it beat ``F.linear`` by over ``MIN_GAIN`` at every large row count measured."""
+    wins = [len(forms) > PACKED and forms[PACKED] < (1 - MIN_GAIN) * forms[LINEAR] for forms in costs.values()]
+    return PACKED if wins and all(wins) else LINEAR
 
 
 def cache_bytes() -> int:
@@ -108,10 +172,19 @@ def _timed(step: Callable[[], object]) -> float:
     return time.perf_counter() - began
 
 
-def measure(linears: Sequence[nn.Linear], *, most_rows: int = MOST_ROWS, budget_s: float = PROBE_BUDGET_S) -> Matmuls:
-    """Time ``F.linear`` and ``W @ xᵀ`` for 1..``most_rows`` rows over ``linears`` (a stage's matrices, at most
-    ``PROBE_BYTES`` of them), each ``REPEATS`` times alternately after a warm-up, the cache flushed before
-    every timing; the row counts not reached within ``budget_s`` keep ``F.linear``.  CPU only."""
+def measure(
+    linears: Sequence[nn.Linear],
+    *,
+    most_rows: int = MOST_ROWS,
+    budget_s: float = PROBE_BUDGET_S,
+    spare_bytes: int | None = None,
+) -> Matmuls:
+    """Time each form for 1..``most_rows`` rows, then ``F.linear`` and packed for ``LARGE_ROWS``, over
+    ``linears`` (a stage's matrices, at most ``PROBE_BYTES`` of them), each ``REPEATS`` times alternately
+    after a warm-up, the cache flushed before every timing; the row counts not reached within ``budget_s``
+    keep ``F.linear``.  The packed form is measured only where oneDNN has it for the dtype and a packed copy
+    of all of ``linears`` fits ``spare_bytes`` (None: no limit); the copy is kept only if the plan uses it.
+    CPU only."""
     chosen: list[nn.Linear] = []
     total = 0
     for linear in linears:
@@ -122,21 +195,46 @@ def measure(linears: Sequence[nn.Linear], *, most_rows: int = MOST_ROWS, budget_
     if not chosen:
         return Matmuls()
     dtype = chosen[0].weight.dtype
-    flush = torch.zeros(min(2 * cache_bytes(), 512 * 2**20) // 4, dtype=torch.float32)
-    costs: dict[int, tuple[float, float]] = {}
-    began = time.perf_counter()
+    every_bytes = sum(m.weight.numel() * m.weight.element_size() for m in linears)
     with torch.inference_mode():
+        packed = (
+            {m: pack(m.weight) for m in chosen}
+            if packable(dtype) and (spare_bytes is None or every_bytes <= spare_bytes)
+            else {}
+        )
+        forms = (LINEAR, FLIPPED, PACKED) if packed else (LINEAR, FLIPPED)
+        flush = torch.zeros(min(2 * cache_bytes(), 512 * 2**20) // 4, dtype=torch.float32)
+        began = time.perf_counter()
+
+        def costs_of(rows: int, forms: Sequence[int]) -> tuple[float, ...]:
+            inputs = [torch.randn(rows, m.in_features, dtype=dtype) for m in chosen]
+            pairs = list(zip(inputs, chosen, strict=True))
+
+            def run(form: int) -> float:
+                flush.add_(1.0)  # every cache line of the flush buffer touched: the weights are evicted
+                return _timed(lambda: [_product(m, x, form, rows, packed) for x, m in pairs])
+
+            for form in forms:  # warm up: first touches, the libraries' own set-up for the shape
+                run(form)
+            samples = [[run(form) for form in forms] for _ in range(REPEATS)]
+            return tuple(min(s[i] for s in samples) for i in range(len(forms)))
+
+        small: dict[int, tuple[float, ...]] = {}
         for rows in range(1, most_rows + 1):
             if time.perf_counter() - began > budget_s:
                 break
-            inputs = [torch.randn(rows, m.in_features, dtype=dtype) for m in chosen]
-
-            def run(flipped: bool, inputs: list[torch.Tensor] = inputs, rows: int = rows) -> float:
-                flush.add_(1.0)  # every cache line of the flush buffer touched: the weights are evicted
-                pairs = list(zip(inputs, chosen, strict=True))
-                return _timed(lambda: [_product(m.weight, x, flipped, rows) for x, m in pairs])
-
-            run(False), run(True)  # warm up: first touches, the BLAS's own set-up for the shape
-            samples = [(run(False), run(True)) for _ in range(REPEATS)]
-            costs[rows] = (min(s[0] for s in samples), min(s[1] for s in samples))
-    return Matmuls(plan_from_costs(costs))
+            small[rows] = costs_of(rows, forms)
+        large: dict[int, tuple[float, ...]] = {}
+        if packed:
+            for rows in LARGE_ROWS:
+                if time.perf_counter() - began > 2 * budget_s:
+                    break
+                linear_s, packed_s = costs_of(rows, (LINEAR, PACKED))
+                large[rows] = (linear_s, float("inf"), packed_s)
+        plan = plan_from_costs(small)
+        large_how = large_form(large) if len(large) == len(LARGE_ROWS) else LINEAR
+        if PACKED in {form for form, _ in plan.values()} | {large_how}:
+            packed.update({m: pack(m.weight) for m in linears if m not in packed})
+        else:
+            packed = {}
+    return Matmuls(plan, packed, large_how, most_rows)

@@ -146,7 +146,11 @@ class _StageActor:
             "units": list(self.units),
             "device": str(self.stage.device),
             # the decode steps' products as measured cheapest on this node (serve.matmuls): row count -> form
-            "matmuls": {"blocks": self.stage.block_mm.describe(), "head": self.stage.head_mm.describe()},
+            "matmuls": {
+                "blocks": self.stage.block_mm.describe(),
+                "head": self.stage.head_mm.describe(),
+                "packed_mb": round((self.stage.block_mm.packed_bytes + self.stage.head_mm.packed_bytes) / 2**20, 1),
+            },
             "load_s": self.load_s,
             "steps": self.steps,
             "busy_s": self.busy_s,

@@ -8,31 +8,62 @@ torch = pytest.importorskip("torch")
 
 from torch import nn  # noqa: E402
 
-from raycluster_cli.serve.matmuls import Matmuls, measure, plan_from_costs  # noqa: E402
+from raycluster_cli.serve.matmuls import (  # noqa: E402
+    FLIPPED,
+    LINEAR,
+    PACKED,
+    Matmuls,
+    large_form,
+    measure,
+    pack,
+    packable,
+    plan_from_costs,
+)
 
 
 def test_the_plan_takes_the_cheapest_form_and_row_count_that_clearly_beats_f_linear() -> None:
     # (F.linear, W @ xT) seconds by row count, shaped like the lab CPU's float32 figures
     costs = {1: (1.14, 1.11), 2: (1.70, 0.74), 3: (1.88, 1.05), 4: (1.60, 1.54), 5: (1.69, 1.58), 6: (1.80, 1.80)}
     plan = plan_from_costs(costs)
-    assert plan[1] == (True, 2)  # one row is cheapest as two (a zero row added) in the second form
-    assert plan[2] == (True, 2) and plan[3] == (True, 3)
+    assert plan[1] == (FLIPPED, 2)  # one row is cheapest as two (a zero row added) in the second form
+    assert plan[2] == (FLIPPED, 2) and plan[3] == (FLIPPED, 3)
     # 1.54 against 1.60 is under the 10 % a form must win by; 3 rows' 1.05 cannot carry 4 or 5 rows
     assert set(plan) == {1, 2, 3}
-    assert plan_from_costs({1: (1.0, 1.05), 2: (1.5, 1.6)}) == {}  # F.linear everywhere (bfloat16 here)
+    assert plan_from_costs({1: (1.0, 1.05), 2: (1.5, 1.6)}) == {}  # F.linear everywhere
 
 
-def test_any_form_gives_each_row_its_own_product_with_bias_and_any_leading_shape() -> None:
+def test_with_the_packed_form_measured_it_takes_the_row_counts_where_it_is_cheapest() -> None:
+    # (F.linear, W @ xT, packed), the lab CPU's float32 figures per block
+    costs = {1: (1.02, 1.08, 1.08), 2: (1.68, 0.75, 1.13), 3: (2.28, 1.06, 1.05), 4: (1.33, 1.28, 0.96)}
+    plan = plan_from_costs(costs)
+    assert plan == {1: (FLIPPED, 2), 2: (FLIPPED, 2), 3: (PACKED, 4), 4: (PACKED, 4)}
+    # larger steps: packed only where it wins at every size measured
+    assert large_form({16: (2.2, float("inf"), 1.6), 64: (5.3, float("inf"), 4.4)}) == PACKED
+    assert large_form({16: (2.2, float("inf"), 1.6), 64: (5.3, float("inf"), 5.0)}) == LINEAR
+    assert large_form({}) == LINEAR
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_any_form_gives_each_row_its_own_product_with_bias_and_any_leading_shape(dtype: torch.dtype) -> None:
     torch.manual_seed(0)
-    linear = nn.Linear(64, 48, bias=True)
-    for rows in (1, 2, 3):
-        x = torch.randn(rows, 1, 64)
-        want = linear(x)
-        for how in ((True, rows), (True, 4), (False, 4)):
-            got = Matmuls({rows: how}).apply(linear, x)
-            assert got.shape == want.shape and got.is_contiguous()
-            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-    assert Matmuls({2: (False, 2)}).plan == {}  # F.linear at its own rows is not a plan entry
+    linear = nn.Linear(64, 48, bias=True).to(dtype)
+    packed = {linear: pack(linear.weight)} if packable(dtype) else {}
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    with torch.inference_mode():
+        for rows in (1, 2, 3, 12):
+            x = torch.randn(rows, 1, 64, dtype=dtype)
+            want = linear(x)
+            hows = [(FLIPPED, rows), (FLIPPED, 4), (LINEAR, 4)] + ([(PACKED, rows), (PACKED, 5)] if packed else [])
+            for how in hows:
+                got = Matmuls({rows: how}, packed, most_rows=4).apply(linear, x)
+                assert got.shape == want.shape and got.is_contiguous() and got.dtype == dtype
+                torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+            if packed:  # a step above most_rows in the large form
+                got = Matmuls({}, packed, large=PACKED, most_rows=4).apply(linear, x)
+                torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+    assert Matmuls({2: (LINEAR, 2)}).plan == {}  # F.linear at its own rows is not a plan entry
+    with pytest.raises(ValueError, match="packed weights"):
+        Matmuls({2: (PACKED, 2)})
 
 
 def test_measure_on_real_matrices_plans_only_steps_of_few_rows_and_keeps_their_numbers() -> None:
@@ -42,6 +73,18 @@ def test_measure_on_real_matrices_plans_only_steps_of_few_rows_and_keeps_their_n
     assert set(mm.plan) <= {1, 2, 3, 4}
     for rows, (_, padded) in mm.plan.items():
         assert rows <= padded <= 4
-    x = torch.randn(3, 256)
-    torch.testing.assert_close(mm.apply(linears[0], x), linears[0](x), rtol=1e-5, atol=1e-5)
+    uses_packed = PACKED in {form for form, _ in mm.plan.values()} | {mm.large}
+    # the packed copy is kept exactly when some step uses it, and then for every matrix
+    assert set(mm.packed) == (set(linears) if uses_packed else set())
+    with torch.inference_mode():
+        for rows in (3, 9, 64):
+            x = torch.randn(rows, 256)
+            torch.testing.assert_close(mm.apply(linears[0], x), linears[0](x), rtol=1e-5, atol=1e-5)
     assert measure([], most_rows=2).plan == {}
+
+
+def test_no_room_for_a_packed_copy_means_no_packed_form() -> None:
+    linears = [nn.Linear(256, 256, bias=False)]
+    mm = measure(linears, most_rows=2, budget_s=2.0, spare_bytes=256 * 256 * 4 - 1)
+    assert mm.packed == {} and mm.large == LINEAR
+    assert all(form != PACKED for form, _ in mm.plan.values())
