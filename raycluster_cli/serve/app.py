@@ -405,7 +405,7 @@ class OpenAIServer:
             )
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         outputs = [
-            self.pool.generate(prompt, limit, self._sampling(body, i), body.stops, stream=body.stream)
+            self.pool.generate(prompt, limit, self._sampling(body, i), body.stops, stream=body.stream, choice=i)
             for i in range(body.n)
         ]
 

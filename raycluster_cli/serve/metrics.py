@@ -160,10 +160,12 @@ class RayRecorder:
 
 
 class RequestTimer:
-    """One request's figures from its arrival: first token, tokens, how it ended; recorded once, when it ends."""
+    """One request's figures from its arrival: first token, tokens, how it ended; recorded once, when it ends.
+    A request of ``n`` choices is ``n`` generations: each records its tokens and latencies, and only the first
+    (``counted``) the request and its prompt tokens, as the answer's ``usage`` counts the prompt once."""
 
-    def __init__(self, recorder: Recorder | None, model: str, prompt_tokens: int) -> None:
-        self.recorder, self.model, self.prompt_tokens = recorder, model, prompt_tokens
+    def __init__(self, recorder: Recorder | None, model: str, prompt_tokens: int, counted: bool = True) -> None:
+        self.recorder, self.model, self.prompt_tokens, self.counted = recorder, model, prompt_tokens, counted
         self.began = time.monotonic()
         self.first_at: float | None = None
         self.tokens = 0
@@ -181,8 +183,9 @@ class RequestTimer:
             return
         self.done = True
         now, tags, record = time.monotonic(), {"model": self.model}, self.recorder.record
-        record("raycluster_serve_requests", 1, {**tags, "finish_reason": finish_reason})
-        record("raycluster_serve_prompt_tokens", self.prompt_tokens, tags)
+        if self.counted:
+            record("raycluster_serve_requests", 1, {**tags, "finish_reason": finish_reason})
+            record("raycluster_serve_prompt_tokens", self.prompt_tokens, tags)
         record("raycluster_serve_generation_tokens", self.tokens, tags)
         if self.first_at is not None:
             record("raycluster_serve_time_to_first_token_seconds", self.first_at - self.began, tags)

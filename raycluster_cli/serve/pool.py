@@ -166,7 +166,14 @@ class Pool:
     # -- requests ------------------------------------------------------------------------------------
 
     async def generate(
-        self, prompt: list[int], max_tokens: int, sampling: Sampling, stop: list[str] | None = None, *, stream: bool
+        self,
+        prompt: list[int],
+        max_tokens: int,
+        sampling: Sampling,
+        stop: list[str] | None = None,
+        *,
+        stream: bool,
+        choice: int = 0,
     ) -> AsyncGenerator[Output, None]:
         """One request's outputs from the least loaded pipeline; when that pipeline dies mid-request the
         request moves to another: a stream continues after the tokens it already has (their KV cache
@@ -174,8 +181,9 @@ class Pool:
         (so a seeded one stays reproducible).  A request that finds no live pipeline while one is being
         rebuilt (the only replica lost a node) waits for it like a moved one.  Raises ``EngineDown``
         (503) only when no pipeline serves or is coming back, or none came back within
-        ``failover_wait_s``."""
-        timer = RequestTimer(self.recorder, self.model, len(prompt))
+        ``failover_wait_s``.  ``choice``: which of a request's ``n`` generations this is (its metrics count
+        the request and its prompt once, with the first)."""
+        timer = RequestTimer(self.recorder, self.model, len(prompt), counted=choice == 0)
         try:
             async for out in self._generate(prompt, max_tokens, sampling, stop, stream, timer):
                 yield out

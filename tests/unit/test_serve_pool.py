@@ -422,6 +422,37 @@ def test_the_service_metrics_count_every_request_its_tokens_times_and_failovers(
     assert recorder.observed("raycluster_serve_kv_slots_used_ratio", pipeline="2")
 
 
+def test_a_request_of_n_choices_counts_once_with_its_prompt_and_every_choice_s_tokens(checkpoint: Path) -> None:
+    """The n generations of one request (``choice`` 0..n-1): the request and its prompt tokens are counted with the
+    first choice only, as the answer's usage counts them; each choice's tokens and times are its own."""
+    backend = _Backend(checkpoint)
+    recorder = MemoryRecorder()
+    prompt = backend.tokenizer.encode(PROMPTS[0])
+
+    async def run() -> int:
+        pool = Pool(backend, watch_s=0.05, replace_period_s=3600, recorder=recorder, model="m")
+        await pool.add(PipelinePlan(("", ""), ("", ""), ((0, 3), (3, backend.cfg.num_units))))
+        pool.start()
+
+        async def choice(i: int) -> int:
+            tokens = 0
+            async for out in pool.generate(
+                prompt, NEW_TOKENS, Sampling(temperature=1.0, seed=i), stream=True, choice=i
+            ):
+                tokens = len(out.token_ids)
+            return tokens
+
+        made = await asyncio.gather(*(choice(i) for i in range(3)))
+        await pool.close()
+        return sum(made)
+
+    generated = asyncio.run(run())
+    assert recorder.total("raycluster_serve_requests") == 1
+    assert recorder.total("raycluster_serve_prompt_tokens") == len(prompt)
+    assert recorder.total("raycluster_serve_generation_tokens") == generated >= 3
+    assert len(recorder.observed("raycluster_serve_time_to_first_token_seconds")) == 3
+
+
 def test_a_stage_meter_adds_its_steps_and_busy_seconds_on_its_own_thread() -> None:
     recorder = MemoryRecorder()
     totals = [0, 0.0]  # the stage's own running counts
