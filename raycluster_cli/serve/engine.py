@@ -228,23 +228,18 @@ class Engine:
     async def _plan_steps(self) -> None:
         while True:
             self._wake.clear()
-            self._launch()
+            while self.failure is None and len(self._flight_tokens) < self._steps_wanted():
+                rows = -(-self.scheduler.active // self.max_in_flight)  # an even share per step in flight
+                chunks = self.scheduler.schedule(max_rows=rows, max_tokens=self._step_budget(rows))
+                if not chunks:
+                    break
+                if not self._flight_tokens:
+                    self._sent_at = time.monotonic()
+                self._flight_tokens[number := next(self._steps_sent)] = sum(len(c.tokens) for c in chunks)
+                task = asyncio.get_running_loop().create_task(self._step(chunks, number))
+                self._tasks.add(task)
+                task.add_done_callback(self._tasks.discard)
             await self._wake.wait()
-
-    def _launch(self) -> None:
-        """Send the steps the pipeline has room for.  Each starts as a task queued on the loop now, so it goes out
-        before anything queued after it: a step that comes back calls this before it hands its tokens on."""
-        while self.failure is None and len(self._flight_tokens) < self._steps_wanted():
-            rows = -(-self.scheduler.active // self.max_in_flight)  # an even share per step in flight
-            chunks = self.scheduler.schedule(max_rows=rows, max_tokens=self._step_budget(rows))
-            if not chunks:
-                break
-            if not self._flight_tokens:
-                self._sent_at = time.monotonic()
-            self._flight_tokens[number := next(self._steps_sent)] = sum(len(c.tokens) for c in chunks)
-            task = asyncio.get_running_loop().create_task(self._step(chunks, number))
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
 
     def _step_budget(self, rows: int) -> int:
         """Tokens the next step may carry: as many as the heaviest step in flight, and room for its decodes and a
@@ -276,7 +271,6 @@ class Engine:
         return -(-active // share)
 
     async def _step(self, chunks: list[Chunk], number: int) -> None:
-        answers: list[tuple[asyncio.Queue[Output | BaseException], Output]] = []
         try:
             sent = time.time()
             every = [(live := self.live.get(c.request_id)) is not None and live.wants_every_position(c) for c in chunks]
@@ -293,26 +287,15 @@ class Engine:
                 back = arrived = time.time()
             self.steps_done += 1
             self.last_step_at = time.monotonic()
-            answers = self._finish_step(chunks, logits)
+            self._finish_step(chunks, logits)
             self.recent.append((number, sent, arrived, back, time.time()))
         except Exception as exc:  # a stage died or failed: every request in flight gets the error
             self.fail(exc)  # (unless the engine failed already: its steps' links closing is not the cause)
         finally:
             del self._flight_tokens[number]
-        # The next step goes out first, then the tokens go to their requests: each request's turn on the loop
-        # (its text through the ingress and Serve's stream to the proxy) would otherwise hold the pipeline idle.
-        # Four requests in one step of a 3-host lab pipeline: a 20 ms round trip, then 14 ms of their turns.
-        self._launch()
-        for queue, out in answers:
-            queue.put_nowait(out)
-        self._wake.set()
+            self._wake.set()
 
-    def _finish_step(
-        self, chunks: list[Chunk], logits: torch.Tensor
-    ) -> list[tuple[asyncio.Queue[Output | BaseException], Output]]:
-        """Sample each row, advance the scheduler, and return each request's new output with its queue (handed
-        on by the caller once the next step is out)."""
-        answers: list[tuple[asyncio.Queue[Output | BaseException], Output]] = []
+    def _finish_step(self, chunks: list[Chunk], logits: torch.Tensor) -> None:
         tokens: dict[str, int] = {}
         scored: dict[str, TokenLogprob] = {}
         for row, chunk in enumerate(chunks):
@@ -344,8 +327,7 @@ class Engine:
             prompt_scored = () if live.answered else tuple(live.prompt_scored)
             live.answered = True
             out = Output(text, tuple(live.stream.ids), reason, live.prompt_tokens, logprob, prompt_scored)
-            answers.append((live.queue, out))
-        return answers
+            live.queue.put_nowait(out)
 
     def fail(self, exc: BaseException) -> None:
         """Stop taking work and hand every request here ``EngineDown`` (a stage died or is wedged).  The first

@@ -1,14 +1,12 @@
 """The engine's loop without Ray: stage handles are replaced by in-process calls of the same BatchedStage.
 
-What is checked here is the engine's own bookkeeping: a sequence that ends on a stop string gives its slot back
-before the next step (one whose client left, once the step already out is back), a request that arrives while
-others run joins them, and a step goes out before the tokens of the one before are handed on.
+What is checked here is the engine's own bookkeeping: a sequence that ends (stop string, client gone)
+gives its slot back before the next step, and a request that arrives while others run joins them.
 """
 
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -86,37 +84,13 @@ def test_stop_and_a_client_leaving_free_their_slots_at_once(checkpoint: Path) ->
             if out.finish_reason:
                 assert not engine.scheduler.running  # left the batch before any further step
         assert outs[-1].finish_reason == "stop" and "".join(o.text for o in outs) == text[: text.index(stop)]
-        steps_before = engine.steps_done
         leaving = engine.generate([7, 8, 9], 10, greedy)
         await anext(leaving)
         await leaving.aclose()  # the client went away after its first token
-        # its next step went out before the first token was handed on: the slot is free once that step is back
-        for _ in range(500):
-            if not engine.scheduler.running and not engine._flight_tokens:
-                break
-            await asyncio.sleep(0.01)
         assert not engine.scheduler.running and len(engine.scheduler.free_slots) == 2
-        assert engine.steps_done == steps_before + 2  # the first token's step and the one already out, no more
         await engine.close()
 
     asyncio.run(run())
-
-
-def test_the_next_step_goes_out_before_a_step_s_tokens_are_handed_on(checkpoint: Path) -> None:
-    """A request's turn on the loop (in the service: its text through the ingress and Serve's stream to the proxy)
-    does not hold the pipeline idle: step i + 1 is sent before step i's token reaches the request."""
-
-    async def run() -> tuple[list[float], list[float]]:
-        engine = _engine(checkpoint)
-        engine.start()
-        received = [time.time() async for _ in engine.generate([7, 8, 9], 6, Sampling(temperature=0, ignore_eos=True))]
-        sent = [at for _, at, *_ in sorted(engine.recent)]
-        await engine.close()
-        return received, sent
-
-    received, sent = asyncio.run(run())
-    assert len(sent) == len(received) == 6  # the prompt's step gave the first token, each step after one more
-    assert all(sent[i + 1] < received[i] for i in range(5)), (sent, received)
 
 
 def test_a_request_arriving_mid_generation_runs_beside_the_first(checkpoint: Path) -> None:
