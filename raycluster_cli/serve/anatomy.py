@@ -73,10 +73,14 @@ def _within(begin: float, finish: float, merged: list[tuple[float, float]]) -> f
 
 
 def step_anatomy(
-    engine: Sequence[EngineRecord], stages: Sequence[Sequence[StageRecord]], loop_lag: Sequence[float] = ()
+    engine: Sequence[EngineRecord],
+    stages: Sequence[Sequence[StageRecord]],
+    loop_lag: Sequence[float] = (),
+    since: float = 0.0,
 ) -> dict[str, Any] | None:
-    """The medians above over the steps every party still remembers; None when there are none."""
-    sent = {n: (s, b, h, a) for n, s, a, b, h in engine}
+    """The medians above over the steps every party still remembers, sent at ``since`` (the engine's wall clock)
+    or later: a benchmark's run asks for its own steps, not the run's before it; None when there are none."""
+    sent = {n: (s, b, h, a) for n, s, a, b, h in engine if s >= since}
     spans: list[Mapping[int, tuple[float, float]]] = [{n: (a, e) for n, a, e in stage} for stage in stages]
     numbers = sorted(n for n in sent if all(n in span for span in spans))
     if not numbers or not spans:

@@ -218,10 +218,12 @@ async def _stream_events(
     yield protocol.sse("[DONE]")
 
 
-async def _add_counters(rows: list[dict[str, Any]], stages: list[list[Any]], engines: list[Any]) -> None:
+async def _add_counters(
+    rows: list[dict[str, Any]], stages: list[list[Any]], engines: list[Any], since: float = 0.0
+) -> None:
     """Each pipeline's stages get their counters (steps, busy_s, cpu_s, pid) from the stage actors, and the
-    pipeline its step anatomy (``serve.anatomy``: the engine's and the stages' last steps), all asked at once;
-    a pipeline whose stages do not answer in time gets ``counters_error`` instead."""
+    pipeline its step anatomy (``serve.anatomy``: the engine's and the stages' last steps, those sent at ``since``
+    or later), all asked at once; a pipeline whose stages do not answer in time gets ``counters_error`` instead."""
 
     async def one(actors: list[Any]) -> tuple[list[dict[str, Any]], list[Any]]:
         counters = asyncio.gather(*(a.counters.remote() for a in actors))
@@ -246,7 +248,7 @@ async def _add_counters(rows: list[dict[str, Any]], stages: list[list[Any]], eng
         counters, timelines = answer
         for stage, values in zip(row.get("stages", []), counters, strict=False):
             stage.update(values)
-        row["anatomy"] = step_anatomy(list(engine.recent), timelines, list(engine.loop_lag))
+        row["anatomy"] = step_anatomy(list(engine.recent), timelines, list(engine.loop_lag), since)
 
 
 app = FastAPI(title="raycluster serve")
@@ -355,11 +357,22 @@ class OpenAIServer:
     @app.get("/raycluster/status")
     async def status(self, request: Request) -> dict[str, Any]:
         """The pipelines (split, nodes, state, load, requests served, each stage's counters), the batching
-        limits, failovers and recent events."""
+        limits, failovers and recent events; ``now``, this service's wall clock, which a later ``?since=`` gives
+        back to have each pipeline's step anatomy over the steps sent from then on (a benchmark's run)."""
         self._authorize(request)
+        try:
+            since = float(request.query_params.get("since") or 0.0)
+        except ValueError:
+            raise APIError(400, "since must be a number: a `now` this endpoint gave", param="since") from None
         pipelines = list(self.pool.pipelines)  # the rows' order, taken at the same moment
-        body = {"model": self.model_id, "limits": asdict(self.settings.limits), **self.pool.status(self.cfg.layers)}
-        await _add_counters(body["pipelines"], [list(p.stages) for p in pipelines], [p.engine for p in pipelines])
+        body = {
+            "model": self.model_id,
+            "now": time.time(),
+            "limits": asdict(self.settings.limits),
+            **self.pool.status(self.cfg.layers),
+        }
+        engines = [p.engine for p in pipelines]
+        await _add_counters(body["pipelines"], [list(p.stages) for p in pipelines], engines, since)
         return body
 
     @app.post("/v1/completions")

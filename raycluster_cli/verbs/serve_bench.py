@@ -117,8 +117,9 @@ class ServiceClient:
         self.timeout_s = timeout_s
         self.headers = {"Authorization": f"Bearer {target.token}"} if target.token else {}
 
-    async def status(self) -> dict[str, Any]:
-        url = f"{self.target.root}/raycluster/status"
+    async def status(self, since: float | None = None) -> dict[str, Any]:
+        """The service's status; with ``since`` (a ``now`` it gave) its step anatomy covers the steps from then."""
+        url = f"{self.target.root}/raycluster/status" + (f"?since={since!r}" if since is not None else "")
         async with http.request("GET", url, timeout_s=min(self.timeout_s, 60.0), headers=self.headers) as answer:
             body = await answer.json()
         if answer.status != 200 or not isinstance(body, dict):

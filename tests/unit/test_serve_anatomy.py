@@ -79,6 +79,24 @@ def test_only_steps_every_party_remembers_count() -> None:
     assert step_anatomy([], stages) is None and step_anatomy(engine, [[], []]) is None
 
 
+def test_since_keeps_only_the_steps_sent_from_then_on() -> None:
+    # a run of one-row steps (10 ms a stage), then a run of heavier ones (30 ms): a benchmark's second run asks for
+    # its own steps, which the last 512 the parties remember would mix with the first run's
+    light, light_stages = _pipeline(30, [0.010, 0.010], link=0.001, back=0.001, engine=0.0, in_flight=1)
+    heavy, heavy_stages = _pipeline(10, [0.030, 0.030], link=0.001, back=0.001, engine=0.0, in_flight=1)
+    start = light[-1][4] + 1.0  # the second run begins a second after the first's last step
+    engine = light + [(30 + n, s + start, a + start, c + start, h + start) for n, s, a, c, h in heavy]
+    stages = [
+        first + [(30 + n, a + start, e + start) for n, a, e in second]
+        for first, second in zip(light_stages, heavy_stages, strict=True)
+    ]
+    mixed, own = step_anatomy(engine, stages), step_anatomy(engine, stages, since=start)
+    assert mixed is not None and own is not None
+    assert mixed["steps"] == 40 and mixed["stages"][0]["compute_ms"] == pytest.approx(10)  # the first run's median
+    assert own["steps"] == 10 and own["stages"][0]["compute_ms"] == pytest.approx(30)
+    assert step_anatomy(engine, stages, since=engine[-1][1] + 1) is None
+
+
 def test_the_engine_loops_wait_is_told_apart_from_the_link_back() -> None:
     engine, stages = _pipeline(40, [0.010, 0.010], link=0.001, back=0.002, engine=0.001, in_flight=2, wait=0.006)
     found = step_anatomy(engine, stages, loop_lag=[0.001] * 9 + [0.020])
