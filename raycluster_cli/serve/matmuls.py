@@ -31,7 +31,7 @@ each output row is its own row's dot products.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 
 import torch
@@ -49,6 +49,11 @@ REPEATS = 3
 PACK_HINT = MOST_ROWS  # the batch size oneDNN lays the packed weights out for (its kernels take any)
 
 Plan = Mapping[int, tuple[int, int]]  # rows -> (form, rows computed: the step's, or more with zero rows)
+
+
+def weight_bytes(linears: Iterable[nn.Linear]) -> int:
+    """The bytes of ``linears``' weight matrices (what a packed copy of them takes again)."""
+    return sum(m.weight.numel() * m.weight.element_size() for m in linears)
 
 
 def packable(dtype: torch.dtype) -> bool:
@@ -119,7 +124,7 @@ class Matmuls:
 
     @property
     def packed_bytes(self) -> int:
-        return sum(m.weight.numel() * m.weight.element_size() for m in self.packed)
+        return weight_bytes(self.packed)
 
     def describe(self) -> dict[str, str]:
         """Each planned row count and how it is computed (none: ``F.linear`` for every step)."""
@@ -147,9 +152,10 @@ def plan_from_costs(costs: Mapping[int, Sequence[float]]) -> dict[int, tuple[int
     return plan
 
 
-def large_form(costs: Mapping[int, Sequence[float]]) -> int:
-    """``PACKED`` where it beat ``F.linear`` by over ``MIN_GAIN`` at every large row count measured."""
-    wins = [len(forms) > PACKED and forms[PACKED] < (1 - MIN_GAIN) * forms[LINEAR] for forms in costs.values()]
+def large_form(costs: Mapping[int, tuple[float, float]]) -> int:
+    """From each large row count's (``F.linear``, packed) seconds: ``PACKED`` where it beat ``F.linear`` by over
+    ``MIN_GAIN`` at every one measured."""
+    wins = [packed < (1 - MIN_GAIN) * plain for plain, packed in costs.values()]
     return PACKED if wins and all(wins) else LINEAR
 
 
@@ -191,15 +197,14 @@ def measure(
         if total >= PROBE_BYTES:
             break
         chosen.append(linear)
-        total += linear.weight.numel() * linear.weight.element_size()
+        total += weight_bytes([linear])
     if not chosen:
         return Matmuls()
     dtype = chosen[0].weight.dtype
-    every_bytes = sum(m.weight.numel() * m.weight.element_size() for m in linears)
     with torch.inference_mode():
         packed = (
             {m: pack(m.weight) for m in chosen}
-            if packable(dtype) and (spare_bytes is None or every_bytes <= spare_bytes)
+            if packable(dtype) and (spare_bytes is None or weight_bytes(linears) <= spare_bytes)
             else {}
         )
         forms = (LINEAR, FLIPPED, PACKED) if packed else (LINEAR, FLIPPED)
@@ -224,13 +229,13 @@ def measure(
             if time.perf_counter() - began > budget_s:
                 break
             small[rows] = costs_of(rows, forms)
-        large: dict[int, tuple[float, ...]] = {}
+        large: dict[int, tuple[float, float]] = {}
         if packed:
             for rows in LARGE_ROWS:
                 if time.perf_counter() - began > 2 * budget_s:
                     break
-                linear_s, packed_s = costs_of(rows, (LINEAR, PACKED))
-                large[rows] = (linear_s, float("inf"), packed_s)
+                plain_s, packed_s = costs_of(rows, (LINEAR, PACKED))
+                large[rows] = (plain_s, packed_s)
         plan = plan_from_costs(small)
         large_how = large_form(large) if len(large) == len(LARGE_ROWS) else LINEAR
         if PACKED in {form for form, _ in plan.values()} | {large_how}:

@@ -250,7 +250,7 @@ async def run_load(
     await asyncio.gather(*(send(i) for i in range(count)))
     wall = time.monotonic() - began
     now = before.get("now")  # the service's clock: the anatomy after the run is over this run's steps only
-    after = await client.status(since=now) if isinstance(now, (int, float)) else await client.status()
+    after = await client.status(since=now if isinstance(now, (int, float)) else None)
     results = sorted(report.current_results, key=lambda r: r.index)
     run = header | measure(results, wall, before, after)
     run["per_request"] = [r.to_dict() for r in results]
