@@ -23,6 +23,7 @@ ray = pytest.importorskip("ray")
 serve = pytest.importorskip("ray.serve")
 pytest.importorskip("transformers")
 
+from raycluster_cli.errors import OperationError  # noqa: E402
 from raycluster_cli.render.serve_bench import SVG_NS, save_serve_svg  # noqa: E402
 from raycluster_cli.serve.app import ServeSettings, build_app  # noqa: E402
 from raycluster_cli.serve.scheduler import Limits  # noqa: E402
@@ -81,6 +82,10 @@ def _status(target: ServiceTarget) -> dict[str, Any]:
     return asyncio.run(ServiceClient(target, 60).status())
 
 
+def _status_since(target: ServiceTarget, since: float) -> dict[str, Any]:
+    return asyncio.run(ServiceClient(target, 60).status(since=since))
+
+
 def test_an_idle_service_shows_no_busy_time_and_counters_move_only_with_work(target: ServiceTarget) -> None:
     before = _status(target)
     assert before["limits"]["max_seq"] == 128 and before["model"] == MODEL
@@ -90,6 +95,10 @@ def test_an_idle_service_shows_no_busy_time_and_counters_move_only_with_work(tar
     assert before["pipelines"][0]["links"] == "direct" and "links_note" not in before["pipelines"][0]
     idle = stage_times(before, _status(target), wall_s=1.0)
     assert [(s["busy_s"], s["steps"]) for s in idle["stages"]] == [(0.0, 0), (0.0, 0)]
+    # the anatomy from the service's own clock on: no step since, none to show; a since that is no number: 400
+    assert _status_since(target, before["now"] + 3600)["pipelines"][0]["anatomy"] is None
+    with pytest.raises(OperationError, match="since must be a number"):
+        _status_since(target, "soon")  # type: ignore[arg-type]
 
 
 def test_the_benchmark_measures_every_request_and_each_stages_time(target: ServiceTarget, tmp_path: Path) -> None:
