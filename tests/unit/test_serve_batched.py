@@ -78,3 +78,27 @@ def test_rejects_a_slot_out_of_range() -> None:
     stage = BatchedStage(GPT2, 0, GPT2.num_units, slots=2)
     with pytest.raises(ValueError, match="slot out of range"):
         stage.forward(torch.zeros(1, 1, dtype=torch.long), _table([(2, 0, 1)]))
+
+
+@pytest.mark.parametrize("window", [0, 3])
+@pytest.mark.parametrize("kv_heads", [4, 2])
+def test_attention_by_row_equals_the_gathered_masked_attention(window: int, kv_heads: int) -> None:
+    """The CPU's row-by-row attention on views of each slot gives the GPU's gathered, masked attention's
+    values on every real position: decode rows, prompt chunks at a start past 0, padding, windows, GQA."""
+    from raycluster_cli.serve.batched import Rows, SlotCache
+
+    cfg = ModelConfig(
+        vocab=61, d_model=32, heads=4, kv_heads=kv_heads, layers=1, max_seq=40, arch="llama", activation="silu", seed=3
+    )
+    cache = SlotCache(5, cfg, torch.device("cpu"))
+    gen = torch.Generator().manual_seed(1)
+    cache.k.copy_(torch.randn(cache.k.shape, generator=gen))
+    cache.v.copy_(torch.randn(cache.v.shape, generator=gen))
+    # slot, start, length: two decode rows (one past the window's reach), a chunk at 6, a prompt's first chunk
+    rows = Rows.from_table(_table([(3, 17, 1), (0, 2, 1), (4, 6, 5), (1, 0, 3)]), width=5)
+    q = torch.randn(4, cfg.heads, 5, cfg.dim_per_head, generator=gen)
+    gqa = kv_heads != cfg.heads
+    got, want = rows.by_row(q, cache, window, gqa), rows.gathered(q, cache, window, gqa)
+    valid = rows.valid[:, None, :, None].expand_as(want)
+    torch.testing.assert_close(got[valid], want[valid], rtol=1e-5, atol=1e-5)
+    assert not got[~valid].any()  # padding: zeros
