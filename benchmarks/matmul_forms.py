@@ -1,7 +1,7 @@
 """What a decode step's products cost on this CPU in each form `serve/matmuls.py` chooses from, and a whole stage's step.
 
 Usage:  PYTHONPATH=. python benchmarks/matmul_forms.py [--dtype float32|bfloat16] [--rows 1,2,3,4,6,8,16,32]
-            [--width 512 --ffn 1376] [--repeats 9] [--stage-blocks 4] [--out FILE]
+            [--width 512 --ffn 1376] [--repeats 9] [--stage-blocks 4] [--context 120] [--out FILE]
 
 1. The seven matrices of one Llama block (q, k, v, o: width x width; gate, up: ffn x width; down: width x ffn),
    one thread, the last-level cache flushed before every timing (a stage's neighbours evict its weights
@@ -9,7 +9,8 @@ Usage:  PYTHONPATH=. python benchmarks/matmul_forms.py [--dtype float32|bfloat16
    the packed weights, and each form's largest difference from `F.linear` relative to its largest value.
 2. A `serve` stage of the embedding and `--stage-blocks` blocks of the lab's model (`BatchedStage`, its products as
    it measured them when it loaded; and again with `F.linear` everywhere): the median ms of a decode step of each
-   row count, and the plan it chose.
+   row count, its rows' sequences `--context` tokens long (each row 7 more than the one before, in its own slot),
+   and the plan it chose.
 Prints one JSON document (also to --out).
 """
 
@@ -71,7 +72,7 @@ def forms(args: argparse.Namespace, rows: list[int], flush: torch.Tensor) -> dic
 
 def stage_steps(args: argparse.Namespace, rows: list[int], flush: torch.Tensor) -> dict[str, Any]:
     cfg = ModelConfig(
-        vocab=32000, d_model=args.width, heads=8, layers=8, max_seq=256, arch="llama", ffn=args.ffn,
+        vocab=32000, d_model=args.width, heads=8, layers=8, max_seq=args.context + 7 * max(rows) + 1, arch="llama", ffn=args.ffn,
         activation="silu", dtype=args.dtype,
     )  # fmt: skip
     out: dict[str, Any] = {}
@@ -80,7 +81,8 @@ def stage_steps(args: argparse.Namespace, rows: list[int], flush: torch.Tensor) 
         steps = {}
         for count in rows:
             ids = torch.randint(0, cfg.vocab, (count, 1))
-            table = torch.stack([torch.arange(count), torch.full((count,), 10), torch.ones(count, dtype=torch.long)])
+            starts = args.context + 7 * torch.arange(count)
+            table = torch.stack([torch.arange(count), starts, torch.ones(count, dtype=torch.long)])
             steps[str(count)] = round(
                 _median_ms(lambda ids=ids, table=table, stage=stage: stage.forward(ids, table), flush, args.repeats), 3
             )
@@ -100,6 +102,7 @@ def main() -> None:
     p.add_argument("--ffn", type=int, default=1376)
     p.add_argument("--repeats", type=int, default=9)
     p.add_argument("--stage-blocks", type=int, default=4)
+    p.add_argument("--context", type=int, default=120, help="the stage steps' rows' positions (KV cache length)")
     p.add_argument("--out", type=Path)
     args = p.parse_args()
     torch.set_num_threads(1)
