@@ -383,8 +383,8 @@ def status_view(body: dict[str, Any], title: str = "") -> Group:
 
 
 def _live_lines(live: dict[str, Any] | None) -> list[str]:
-    """The service's pipelines now (each one's state, requests served, its stages' nodes and blocks or parts)
-    and its last event."""
+    """The service's pipelines now (each one's state, requests served, its stages' nodes, blocks or parts, and
+    devices) and its last event."""
     if not live:
         return []
     lines = []
@@ -392,6 +392,7 @@ def _live_lines(live: dict[str, Any] | None) -> list[str]:
         stages = " | ".join(
             f"{st.get('node_ip') or '?'} "
             + (f"{st['blocks']} block(s)" if st.get("blocks") is not None else "+".join(st.get("parts") or []))
+            + (f" on {st['device']}" if st.get("device") else "")
             for st in pipeline.get("stages") or []
         )
         served = pipeline.get("served", pipeline.get("images"))

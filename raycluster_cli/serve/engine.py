@@ -107,6 +107,7 @@ class Engine:
         self.stages = list(stages)
         self.links = links  # direct links between the stages (serve.links); None: Ray's calls relay each step
         self.links_note: str | None = None  # why a pipeline meant to have direct links has none
+        self.stage_infos: list[dict[str, Any]] = []  # each stage's device and products' plan, as it loaded
         self.tokenizer = tokenizer
         self.scheduler = Scheduler(limits, eos_ids)
         self.max_in_flight = max_in_flight or len(self.stages)

@@ -429,9 +429,17 @@ class Pool:
                     "slots": p.engine.scheduler.limits.slots,  # KV slots: --slots for each step in flight
                     "links": p.engine.transport,  # direct links between the stages, or Ray's calls
                     **({"links_note": p.engine.links_note} if p.engine.links_note else {}),
-                    **p.plan.to_json(num_blocks),
+                    **_with_infos(p.plan.to_json(num_blocks), p.engine.stage_infos),
                 }
                 for p in self.pipelines
             ],
             "events": self.events[-20:],
         }
+
+
+def _with_infos(plan: dict[str, Any], infos: list[dict[str, Any]]) -> dict[str, Any]:
+    """The plan's stage rows with what each stage reported when it loaded: its device ("cpu", "cuda"), and on a
+    CPU the form each row count's products take (``serve.matmuls``) and the packed weights' MB."""
+    for row, info in zip(plan["stages"], infos, strict=False):
+        row.update({k: info[k] for k in ("device", "matmuls") if k in info})
+    return plan

@@ -7,6 +7,7 @@ object store; Ray runs an actor's calls in order, so steps in flight never overt
 
 from __future__ import annotations
 
+import asyncio
 import os
 import threading
 import time
@@ -206,5 +207,6 @@ def start_stages(
 
 
 async def stage_infos(actors: Sequence[Any]) -> list[dict[str, Any]]:
-    infos: list[dict[str, Any]] = [await a.info.remote() for a in actors]
+    """What each stage is, as it reports it once loaded (``info``: its device and its products' plan)."""
+    infos: list[dict[str, Any]] = await asyncio.gather(*(a.info.remote() for a in actors))
     return infos

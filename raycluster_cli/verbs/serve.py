@@ -202,7 +202,7 @@ if service_url and out.get("serve"):  # the service's own view: its pipelines no
             "replicas": body.get("replicas"), "failovers": body.get("failovers"),
             "pipelines": [
                 {k: p[k] for k in keep if k in p}
-                | {"stages": [{"node_ip": st.get("node_ip"), "blocks": st.get("blocks"), "parts": st.get("parts")}
+                | {"stages": [{k: st.get(k) for k in ("node_ip", "blocks", "parts", "device", "matmuls") if k in st}
                               for st in p.get("stages", [])]}
                 for p in body.get("pipelines", [])
             ],

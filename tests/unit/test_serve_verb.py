@@ -135,7 +135,9 @@ def test_the_status_script_reads_ray_serve_and_the_services_own_pipelines_over_h
         "replicas": 1, "failovers": 0,
         "pipelines": [
             {"index": 0, "state": "draining", "served": 40, "stages": [{"node_ip": "10.0.0.1", "blocks": 5}]},
-            {"index": 1, "state": "live", "served": 3, "stages": [{"node_ip": "10.0.0.1", "blocks": 4}],
+            {"index": 1, "state": "live", "served": 3,
+             "stages": [{"node_ip": "10.0.0.1", "blocks": 4, "device": "cpu", "matmuls": {"blocks": {}, "packed_mb": 0.0},
+                         "steps": 7}],
              "links": "ray", "links_note": "direct links did not form (TimeoutError: ): steps go through Ray's calls"},
         ],
         "events": [{"event": "rebalanced", "pipeline": 1, "detail": "replaces 0: re-split"}],
@@ -183,7 +185,12 @@ def test_the_status_script_reads_ray_serve_and_the_services_own_pipelines_over_h
     assert doc["serve"]["status"] == "RUNNING" and doc["live"]["pipelines"][1]["served"] == 3
     assert ("/raycluster/status", "Bearer secret") in seen and all(auth == "Bearer secret" for _, auth in seen)
     lines = _live_lines(doc["live"])
-    assert lines[1] == "  pipeline 1 (live, served 3, ray links): 10.0.0.1 4 block(s)" and "rebalanced" in lines[-1]
+    assert (
+        lines[1] == "  pipeline 1 (live, served 3, ray links): 10.0.0.1 4 block(s) on cpu" and "rebalanced" in lines[-1]
+    )
+    assert doc["live"]["pipelines"][1]["stages"][0] == {  # its device and products' plan kept, not its counters
+        "node_ip": "10.0.0.1", "blocks": 4, "device": "cpu", "matmuls": {"blocks": {}, "packed_mb": 0.0},
+    }  # fmt: skip
     assert lines[2].strip().startswith("direct links did not form")  # why a pipeline kept Ray's calls
     assert gone["serve"]["status"] == "RUNNING" and "live" not in gone and gone["live_error"]
 
