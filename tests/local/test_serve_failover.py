@@ -162,6 +162,50 @@ def test_a_stage_killed_under_load_fails_no_request_and_capacity_returns(service
     assert "failed" in events and "replaced" in events
 
 
+async def _choice_streams(service: Service, prompts: list[str]) -> list[list[str]]:
+    """Streamed greedy completions of n = 2 at once; once every request has a piece of both its choices, the
+    last stage of the live pipeline holding the most of them is killed."""
+    client = openai.AsyncOpenAI(base_url=service.base_url, api_key=TOKEN, max_retries=0, timeout=180)
+    started: set[int] = set()
+    all_started = asyncio.Event()
+
+    async def one(index: int, prompt: str) -> list[str]:
+        pieces: list[list[str]] = [[], []]
+        args = {"model": MODEL, "prompt": prompt, "max_tokens": NEW_TOKENS, "temperature": 0, "stream": True, "n": 2}
+        async for chunk in await client.completions.create(**args):
+            for choice in chunk.choices:
+                pieces[choice.index].append(choice.text)
+            if all(pieces):
+                started.add(index)
+                if len(started) == len(prompts):
+                    all_started.set()
+        return ["".join(p) for p in pieces]
+
+    async def kill() -> None:
+        await all_started.wait()
+        pipelines = (await asyncio.to_thread(service.status))["pipelines"]
+        busiest = max((p for p in pipelines if p["state"] == "live"), key=lambda p: p["requests"])
+        assert busiest["requests"] > 0  # the kill lands mid-answer
+        stage = ray.get_actor(f"raycluster-stage-{busiest['index']}-1", namespace=STAGE_NAMESPACE)
+        ray.kill(stage, no_restart=True)
+
+    texts, _ = await asyncio.gather(asyncio.gather(*(one(i, p) for i, p in enumerate(prompts))), kill())
+    return list(texts)
+
+
+def test_a_stage_killed_mid_answer_of_several_choices_fails_no_choice(service: Service) -> None:
+    """Requests of n = 2 streamed when a stage dies: every choice of every request is moved, none fails, and
+    each choice's text, put back together from the stream's pieces by their index, is the greedy answer."""
+    _wait(lambda: service.status()["replicas"] == 2, 60, "two pipelines")
+    before = service.status()["failovers"]
+    prompts = PROMPTS[:6]
+    answers = asyncio.run(_choice_streams(service, prompts))
+    for prompt, choices in zip(prompts, answers, strict=True):
+        want = service.generate(prompt)
+        assert choices == [want, want], prompt
+    assert service.status()["failovers"] > before  # some choices really moved
+
+
 def test_a_node_is_measured_and_placed_by_the_bench_calibration(service: Service) -> None:
     """The launcher's placement path on the one real node: a cost per unit, one whole-model replica."""
     cfg = config_from_checkpoint(service.path, max_seq=64)
