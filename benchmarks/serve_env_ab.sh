@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# Ray Serve's in-process settings A/B on the 3-host lab (quotas 1.0 / 0.5 / 0.25, the model of serve_targets.py):
+# per round, A (Ray's defaults) then B (the in-process part of Ray's RAY_SERVE_THROUGHPUT_OPTIMIZED, or ENV_B):
+# the cluster down and up with the inventory's `env`, a service, two 64-request warm-ups, then 8 requests one at a
+# time, 32 four at a time and 32 at once; one line per run: tok/s, TPOT p50, the step anatomy's round trip, the
+# stages' compute and hand-offs, the ingress loop's lag, the split and each node's CPU against its quota.
+# Usage: RAYCLUSTER_LAB_NAME=rc-ex RAYCLUSTER_LAB_SUBNET=10.91.0.0/24 [RAYCLUSTER_NODE_IMAGE=...] [ENV_B=...] \
+#        benchmarks/serve_env_ab.sh [ROUNDS] [OUT]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROUNDS=${1:-2}
+OUT=${2:-/tmp/serve-env-ab}
+PYTHON=${PYTHON:-.venv/bin/python}
+ENV_B=${ENV_B:-RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD=0 RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP=0 RAY_SERVE_REQUEST_PATH_LOG_BUFFER_SIZE=1000 RAY_SERVE_LOG_TO_STDERR=0}
+mkdir -p "$OUT"
+export PYTHONPATH=$PWD
+R="$PYTHON -m raycluster_cli"
+BASE=$($R lab up --hosts=3 --cpus=lab-h1=1.0 --cpus=lab-h2=0.5 --cpus=lab-h3=0.25 --json \
+  | $PYTHON -c "import json, sys; print(json.load(sys.stdin)['inventory'])")
+MODEL=$($PYTHON -c "
+from pathlib import Path
+from benchmarks.serve_targets import MODEL_SIZES
+from tests.serve_checkpoint import write_chat_llama
+print(write_chat_llama(Path('$OUT') / 'serve-llama', seed=1, **MODEL_SIZES))" 2>/dev/null | tail -1)
+for round in $(seq 0 $((ROUNDS - 1))); do
+  for cfg in A B; do
+    INV=$OUT/inv-$cfg.yaml
+    cp "$BASE" "$INV"
+    if [ $cfg = B ]; then
+      echo "env:" >> "$INV"
+      for pair in $ENV_B; do echo "  ${pair%%=*}: \"${pair#*=}\"" >> "$INV"; done
+    fi
+    timeout 600 $R down -i "$INV" --json > /dev/null || true
+    timeout 1200 $R up -i "$INV" --json > "$OUT/up-$round-$cfg.json"
+    timeout 1200 $R serve --model-path="$MODEL" --max-seq=256 --slots=16 --rebalance-period=10 -i "$INV" --json \
+      > "$OUT/serve-$round-$cfg.json"
+    B="timeout 900 $R bench --serve --rates= -i $INV --json"
+    for warm in 0 1; do $B --requests=64 --prompt-tokens=16:64 --output-tokens=32:96 > "$OUT/warm-$round-$cfg-$warm.json"; done
+    for c in 1 4 32; do
+      f="$OUT/$round-$cfg-c$c.json"
+      $B --prompt-tokens=16:64 --output-tokens=32:96 --requests=$((c == 1 ? 8 : 32)) --concurrency=$c > "$f"
+      $PYTHON - "$f" "$round $cfg c$c" <<'PY'
+import json, sys
+d = json.load(open(sys.argv[1])); r = d["runs"][0]; a = list(r["anatomy"].values())[-1]
+print(sys.argv[2], round(r["output_tokens_per_s"], 1), "tok/s, TPOT p50", round(r["latency_s"]["tpot"]["p50"] * 1000, 1),
+      "ms, round trip", a["round_trip_ms"], "in flight", a["in_flight"], "compute", [s["compute_ms"] for s in a["stages"]],
+      "links", [s["link_ms"] for s in a["stages"]], a["return_link_ms"], "lag", a["loop_lag_ms"],
+      "blocks", [s["blocks"] for s in r["stages"]], "node cpu/quota", [s.get("node_cpu_share") for s in r["stages"]], flush=True)
+PY
+    done
+    $R serve --stop -i "$INV" --json > /dev/null
+  done
+done
