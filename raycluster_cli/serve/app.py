@@ -36,6 +36,7 @@ from raycluster_cli.serve import protocol
 from raycluster_cli.serve.anatomy import step_anatomy
 from raycluster_cli.serve.engine import EngineDown, Output, QueueFull
 from raycluster_cli.serve.fleet import Calibration, RayFleet
+from raycluster_cli.serve.gcpause import FullCollections, freeze_heap
 from raycluster_cli.serve.metrics import RayRecorder
 from raycluster_cli.serve.placement import NodeSpeed, PipelinePlan
 from raycluster_cli.serve.pool import Pool, suspect_after_s
@@ -307,6 +308,9 @@ class OpenAIServer:
         )
         await self._start(settings.pipeline_plans(self.cfg.layers))
         self.created = int(time.time())
+        # what the process holds once set up is never collected again: a full collection walks only what came since
+        freeze_heap()
+        self.collections = FullCollections()
 
     async def _start(self, plans: list[PipelinePlan]) -> None:
         """Every planned pipeline, built at once; the ones that fail are left to the pool's re-placement
@@ -370,6 +374,7 @@ class OpenAIServer:
             "now": time.time(),
             "limits": asdict(self.settings.limits),
             **self.pool.status(self.cfg.layers),
+            "ingress_gc": self.collections.summary(),  # the ingress process's full collections: pauses in every stream
         }
         engines = [p.engine for p in pipelines]
         await _add_counters(body["pipelines"], [list(p.stages) for p in pipelines], engines, since)

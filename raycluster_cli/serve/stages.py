@@ -25,6 +25,7 @@ from raycluster_cli.bench.partition import Ranges, even_partition, manual_partit
 from raycluster_cli.bench.pipeline import WORKER_ENV, gpu_shares, node_cpu_count, node_ip, pick_device
 from raycluster_cli.serve.anatomy import TIMELINE_STEPS
 from raycluster_cli.serve.batched import BatchedStage
+from raycluster_cli.serve.gcpause import FullCollections, freeze_heap
 from raycluster_cli.serve.links import MIN_CAPACITY, StageLoop, ring_group, ring_store
 from raycluster_cli.serve.metrics import RayRecorder, StageMeter
 
@@ -65,6 +66,8 @@ class _StageActor:
         self.recent: deque[tuple[int, float, float]] = deque(maxlen=TIMELINE_STEPS)
         self._recent_lock = threading.Lock()  # the links thread steps while other threads read the timeline, totals
         self.links: StageLoop | None = None
+        freeze_heap()  # the weights' modules and Ray's objects: never walked by a full collection again
+        self.collections = FullCollections()
         # the service's stage metrics (model, pipeline, stage; serve.metrics), none for a stage of no service
         if metric_tags:
             StageMeter(RayRecorder(), {**metric_tags, "node_ip": node_ip(self.node_id)}, self._totals).start()
@@ -129,6 +132,7 @@ class _StageActor:
             "busy_s": self.busy_s,
             "cpu_s": time.process_time(),
             "forward_cpu_s": self.forward_cpu_s,
+            "gc_s": self.collections.total_s,  # seconds in full collections: a step that ran into one waited
             # the stage's container: every process on its node (Ray's, the ingress and proxy on the head) against
             # its quota, so a run shows which node's CPU was used up
             "node_cpu_s": container_cpu_usage(),

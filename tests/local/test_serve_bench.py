@@ -95,6 +95,8 @@ def test_an_idle_service_shows_no_busy_time_and_counters_move_only_with_work(tar
     assert before["pipelines"][0]["links"] == "direct" and "links_note" not in before["pipelines"][0]
     # each stage's device and the form its products take per row count, as it measured them when it loaded
     assert [s["device"] for s in stages] == ["cpu", "cpu"] and all("packed_mb" in s["matmuls"] for s in stages)
+    # the ingress froze its start-up heap and times its full collections; each stage counts its own seconds in them
+    assert before["ingress_gc"]["frozen_objects"] > 10_000 and all(s["gc_s"] >= 0 for s in stages)
     idle = stage_times(before, _status(target), wall_s=1.0)
     assert [(s["busy_s"], s["steps"]) for s in idle["stages"]] == [(0.0, 0), (0.0, 0)]
     # the anatomy from the service's own clock on: no step since, none to show; a since that is no number: 400
