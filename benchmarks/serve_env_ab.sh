@@ -15,13 +15,8 @@ ENV_B=${ENV_B:-RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD=0 RAY_SERVE_RUN_ROUTER
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD
 R="$PYTHON -m raycluster_cli"
-BASE=$($R lab up --hosts=3 --cpus=lab-h1=1.0 --cpus=lab-h2=0.5 --cpus=lab-h3=0.25 --json \
-  | $PYTHON -c "import json, sys; print(json.load(sys.stdin)['inventory'])")
-MODEL=$($PYTHON -c "
-from pathlib import Path
-from benchmarks.serve_targets import MODEL_SIZES
-from tests.serve_checkpoint import write_chat_llama
-print(write_chat_llama(Path('$OUT') / 'serve-llama', seed=1, **MODEL_SIZES))" 2>/dev/null | tail -1)
+source benchmarks/serve_lab3.sh
+BASE=$LAB_INVENTORY
 for round in $(seq 0 $((ROUNDS - 1))); do
   for cfg in A B; do
     INV=$OUT/inv-$cfg.yaml

@@ -13,13 +13,8 @@ PYTHON=${PYTHON:-.venv/bin/python}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD
 R="$PYTHON -m raycluster_cli"
-INV=$($R lab up --hosts=3 --cpus=lab-h1=1.0 --cpus=lab-h2=0.5 --cpus=lab-h3=0.25 --json \
-  | $PYTHON -c "import json, sys; print(json.load(sys.stdin)['inventory'])")
-MODEL=$($PYTHON -c "
-from pathlib import Path
-from benchmarks.serve_targets import MODEL_SIZES
-from tests.serve_checkpoint import write_chat_llama
-print(write_chat_llama(Path('$OUT') / 'serve-llama', seed=1, **MODEL_SIZES))" 2>/dev/null | tail -1)
+source benchmarks/serve_lab3.sh
+INV=$LAB_INVENTORY
 timeout 1200 $R up -i "$INV" --json > "$OUT/up.json"
 timeout 1200 $R serve --model-path="$MODEL" --max-seq=256 --slots=16 --rebalance-period=10 ${SERVE_FLAGS:-} -i "$INV" --json \
   > "$OUT/serve.json"
@@ -43,4 +38,12 @@ PY
     done
   done
 done
+# the ingress's full garbage collections over the whole service's life, and each stage's seconds in them
+$PYTHON - "$INV" "$(grep -o '"url": *"[^"]*"' "$OUT/serve.json" | head -1 | cut -d'"' -f4)" <<'PY' || true
+import asyncio, json, sys
+from raycluster_cli.config.inventory import load
+from raycluster_cli.verbs.serve_bench import ServiceClient, target_of
+body = asyncio.run(ServiceClient(target_of(load(sys.argv[1]).inventory, None, sys.argv[2]), 60).status())
+print("ingress gc", json.dumps(body.get("ingress_gc")), "stages' gc s", [[s.get("gc_s") for s in p["stages"]] for p in body["pipelines"]])
+PY
 $R serve --stop -i "$INV" --json > /dev/null
