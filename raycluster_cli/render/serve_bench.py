@@ -110,6 +110,12 @@ def _errors_and_busy_time(
         )
     for index, anatomy in sorted((shown.get("anatomy") or {}).items()):
         output.line(_anatomy_line(index if several else None, anatomy))
+    collections = shown.get("ingress_gc")
+    if collections and collections["full_collections"]:
+        output.line(
+            f"the ingress paused {collections['full_collections']} time(s) for full garbage collections, "
+            f"{collections['seconds'] * 1e3:.0f} ms in all (the largest of its recent ones {_ms_or(collections['max_ms'])})"
+        )
     for run in runs:
         changed = run.get("pipelines_changed")
         if changed:
@@ -117,6 +123,10 @@ def _errors_and_busy_time(
                 f"[yellow]{_escape(_load(run))}: pipelines changed during the run (a re-split or a failover): "
                 f"retired {changed['retired']}, new {changed['new']}; the retired ones' work is not in T_i[/yellow]"
             )
+
+
+def _ms_or(value: Any) -> str:
+    return "?" if value is None else f"{value:.1f} ms"
 
 
 def _anatomy_line(pipeline: str | None, anatomy: dict[str, Any]) -> str:

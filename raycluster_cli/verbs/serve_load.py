@@ -200,6 +200,8 @@ def stage_times(before: dict[str, Any], after: dict[str, Any], wall_s: float) ->
                 ),
                 # the share of its node's CPU quota the whole node used during the run (None: no quota, or unknown)
                 "node_cpu_share": _node_share(was, now, wall_s),
+                # seconds its process spent in full garbage collections (its steps waited); None: not counted
+                "gc_s": max(0.0, now["gc_s"] - (was.get("gc_s", 0.0) if same else 0.0)) if "gc_s" in now else None,
             }
         )
     busy = [s["busy_s"] for s in stages]
@@ -218,6 +220,21 @@ def stage_times(before: dict[str, Any], after: dict[str, Any], wall_s: float) ->
         "imbalance": imbalance(busy) if busy else None,
         "utilisation": utilisation(busy) if busy else None,
         "of_ceiling": sum(peaks) / (len(peaks) * wall_s) if peaks and wall_s > 0 else None,
+        "ingress_gc": _ingress_gc(before, after),
+    }
+
+
+def _ingress_gc(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any] | None:
+    """The ingress's full garbage collections during the run (a pause in every stream it served): how many, their
+    seconds, and the largest pause of the service's last ones (ms); None when the service does not count them."""
+    was, now = before.get("ingress_gc"), after.get("ingress_gc")
+    if not now:
+        return None
+    was = was or {}
+    return {
+        "full_collections": int(now.get("full_collections", 0)) - int(was.get("full_collections", 0)),
+        "seconds": max(0.0, float(now.get("total_s", 0.0)) - float(was.get("total_s", 0.0))),
+        "max_ms": now.get("max_ms"),
     }
 
 

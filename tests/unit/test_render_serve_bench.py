@@ -38,6 +38,10 @@ def test_text_service_shows_each_pipelines_stages_and_the_saturation_runs_balanc
     assert "busy time T_i per node (8 at once, wall 2.00s):" in text
     assert "#0 10.0.0.1 (5 blocks)" in text and "#1 10.0.0.2 (3 blocks)" in text and "1.250s, 40 steps" in text
     assert "imbalance 0.125, utilisation 0.75, the slowest stage busy 50% of the run" in text
+    assert "garbage collections" not in text  # a service that does not count them says nothing of them
+    paused = dict(saturation, ingress_gc={"full_collections": 3, "seconds": 0.045, "max_ms": 21.0})
+    text = _text({"model": "m", "url": "u", "workload": {}, "runs": [paused]})
+    assert "the ingress paused 3 time(s) for full garbage collections, 45 ms in all" in text and "21.0 ms" in text
 
 
 def test_image_service_shows_each_replicas_parts_and_calls() -> None:

@@ -120,6 +120,19 @@ def test_stage_times_diff_the_counters_and_judge_the_balance() -> None:
     )  # the step anatomy at the run's end
 
 
+def test_the_garbage_collections_of_a_run_are_the_difference_of_the_two_reads() -> None:
+    before = _status((11, 1.0, 100, 2), (12, 4.0, 100, 1))
+    after = _status((11, 3.0, 150, 2), (12, 5.0, 150, 1))
+    before["ingress_gc"] = {"full_collections": 3, "total_s": 0.02, "max_ms": 8.0}
+    after["ingress_gc"] = {"full_collections": 7, "total_s": 0.05, "max_ms": 9.5}
+    after["pipelines"][0]["stages"][0]["gc_s"] = 0.25  # stage 0 counts them from this read on; stage 1 does not
+    got = stage_times(before, after, wall_s=4.0)
+    assert got["ingress_gc"]["full_collections"] == 4 and got["ingress_gc"]["seconds"] == pytest.approx(0.03)
+    assert got["ingress_gc"]["max_ms"] == 9.5
+    assert [s["gc_s"] for s in got["stages"]] == [0.25, None]
+    assert stage_times(_status((11, 1.0, 1, 1)), _status((11, 2.0, 2, 1)), 1.0)["ingress_gc"] is None
+
+
 def test_a_rebuilt_stage_counts_from_zero_and_an_unanswered_one_is_left_out() -> None:
     before = _status((11, 1.0, 100, 2), (12, 4.0, 100, 1))
     after = _status((21, 0.5, 20, 2), (12, 5.0, 150, 1))  # stage 0's actor was replaced (a new pid)
