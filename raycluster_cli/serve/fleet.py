@@ -37,7 +37,7 @@ from raycluster_cli.serve.links import CONNECT_TIMEOUT_S, DirectLinks, link_capa
 from raycluster_cli.serve.placement import NodeSpeed, PipelinePlan, replan, resplit, snake_groups, split_over
 from raycluster_cli.serve.pool import Pipeline
 from raycluster_cli.serve.scheduler import Limits
-from raycluster_cli.serve.stages import stage_infos, start_stages
+from raycluster_cli.serve.stages import start_stages
 
 BUILD_TIMEOUT_S = 300.0  # a pipeline that does not load and generate within this is given up
 MEASURE_TIMEOUT_S = 180.0  # a calibration of new nodes (one may die while it runs) that takes longer is given up
@@ -157,7 +157,7 @@ class RayFleet:
         names = [f"raycluster-stage-{index}-{s}" for s in range(len(plan.ranges))]
         limits = self.limits.for_steps(self.max_in_flight or len(plan.ranges))  # slots for every step in flight
         gpus = await asyncio.wait_for(asyncio.to_thread(node_gpus), NODES_TIMEOUT_S)  # stages on GPU nodes ask a share
-        actors = await asyncio.wait_for(
+        actors, infos = await asyncio.wait_for(
             asyncio.to_thread(
                 start_stages,
                 self.cfg,
@@ -179,10 +179,7 @@ class RayFleet:
         links, why = await self._connect(actors, limits) if self.links == "direct" else (None, None)
         engine = Engine(actors, self.tokenizer, limits, self.eos, self.max_in_flight, links=links)
         engine.links_note = why
-        try:
-            engine.stage_infos = await asyncio.wait_for(stage_infos(actors), NODES_TIMEOUT_S)
-        except Exception:  # status then shows the stages without their devices; the probe below judges the pipeline
-            engine.stage_infos = []
+        engine.stage_infos = infos
         engine.start()
         try:
             await engine.probe()

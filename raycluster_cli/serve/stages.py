@@ -7,7 +7,6 @@ object store; Ray runs an actor's calls in order, so steps in flight never overt
 
 from __future__ import annotations
 
-import asyncio
 import os
 import threading
 import time
@@ -179,9 +178,9 @@ def start_stages(
     timeout_s: float | None = None,
     gpus: Mapping[str, float] | None = None,
     metric_tags: Sequence[dict[str, str]] | None = None,
-) -> list[Any]:
+) -> tuple[list[Any], list[dict[str, Any]]]:
     """One StageActor per range (hard-pinned to ``node_ids[i]`` when given and not ""); returns their
-    handles once their units are loaded.  On a node with GPUs (``gpus``: each node's count) a stage asks Ray
+    handles once their units are loaded, and what each reported then (``info``: its device, its products' plan).  On a node with GPUs (``gpus``: each node's count) a stage asks Ray
     for its share of them (``bench.pipeline.gpu_shares``), so Ray makes its GPU visible and the stage runs
     on ``cuda`` there, each stage of a node on its own GPU while there are enough.  ``metric_tags``: each stage's
     tags for the service's stage metrics (``serve.metrics``), none recorded without them.  ``names`` names the actors (in ``STAGE_NAMESPACE``), so an
@@ -202,15 +201,9 @@ def start_stages(
         tags = metric_tags[index] if metric_tags is not None else None
         actors.append(StageActor.options(**options).remote(cfg.to_dict(), start, end, slots, num_threads, tags))
     try:
-        ray.get([a.info.remote() for a in actors], timeout=timeout_s)
+        infos: list[dict[str, Any]] = ray.get([a.info.remote() for a in actors], timeout=timeout_s)
     except Exception:
         for actor in actors:  # none of a half-started pipeline is left holding memory
             ray.kill(actor)
         raise
-    return actors
-
-
-async def stage_infos(actors: Sequence[Any]) -> list[dict[str, Any]]:
-    """What each stage is, as it reports it once loaded (``info``: its device and its products' plan)."""
-    infos: list[dict[str, Any]] = await asyncio.gather(*(a.info.remote() for a in actors))
-    return infos
+    return actors, infos

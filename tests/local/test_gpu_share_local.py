@@ -59,7 +59,9 @@ def test_serves_stages_on_a_gpu_node_ask_ray_for_its_gpu(one_gpu_ray: str) -> No
 
     cfg = ModelConfig(vocab=97, d_model=32, heads=4, layers=3, max_seq=16, seed=1)
     assert node_gpus() == {one_gpu_ray: 1.0}
-    actors = start_stages(cfg, [(0, 2), (2, 3), (3, 5)], 2, node_ids=[one_gpu_ray] * 3, gpus=node_gpus(), timeout_s=90)
+    actors, _ = start_stages(
+        cfg, [(0, 2), (2, 3), (3, 5)], 2, node_ids=[one_gpu_ray] * 3, gpus=node_gpus(), timeout_s=90
+    )
     try:
         assert ray.available_resources().get("GPU", 0.0) == pytest.approx(0.0, abs=1e-3)  # a third each
         seen = ray.get([a.visible_gpus.remote() for a in actors], timeout=30)
