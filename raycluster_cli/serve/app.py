@@ -309,8 +309,7 @@ class OpenAIServer:
         await self._start(settings.pipeline_plans(self.cfg.layers))
         self.created = int(time.time())
         # what the process holds once set up is never collected again: a full collection walks only what came since
-        freeze_heap()
-        self.collections = FullCollections()
+        self.collections = FullCollections(freeze_heap())
 
     async def _start(self, plans: list[PipelinePlan]) -> None:
         """Every planned pipeline, built at once; the ones that fail are left to the pool's re-placement

@@ -30,7 +30,8 @@ def freeze_heap() -> int:
 class FullCollections:
     """Counts and times this process's collections of the oldest generation from its creation on."""
 
-    def __init__(self) -> None:
+    def __init__(self, frozen_objects: int = 0) -> None:
+        self.frozen_objects = frozen_objects  # what ``freeze_heap`` froze: ``gc.get_freeze_count()`` walks them all
         self.count = 0
         self.total_s = 0.0
         self.pauses: deque[float] = deque(maxlen=KEEP)
@@ -50,14 +51,15 @@ class FullCollections:
 
     def summary(self) -> dict[str, Any]:
         """Full collections so far, their seconds in all, the median and largest of the last ``KEEP`` (ms), and
-        the objects frozen at start-up."""
+        the objects frozen at start-up (as counted then: counting them again walks the whole frozen heap, ~3 ms
+        for 400 000 objects, in the status call of a serving process)."""
         pauses = list(self.pauses)
         return {
             "full_collections": self.count,
             "total_s": round(self.total_s, 4),
             "p50_ms": round(statistics.median(pauses) * 1e3, 2) if pauses else None,
             "max_ms": round(max(pauses) * 1e3, 2) if pauses else None,
-            "frozen_objects": gc.get_freeze_count(),
+            "frozen_objects": self.frozen_objects,
         }
 
     def close(self) -> None:
