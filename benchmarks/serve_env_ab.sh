@@ -4,8 +4,10 @@
 # the cluster down and up with the inventory's `env`, a service, two 64-request warm-ups, then 8 requests one at a
 # time, 32 four at a time and 32 at once; one line per run: tok/s, TPOT p50, the step anatomy's round trip, the
 # stages' compute and hand-offs, the ingress loop's lag, the split and each node's CPU against its quota.
+# SERVE_FLAGS: the services' flags (default --rebalance-period=10; --rebalance-period=0 keeps both on their first split,
+# so a change that moves the head's CPU is not also a change of split).
 # Usage: RAYCLUSTER_LAB_NAME=rc-ex RAYCLUSTER_LAB_SUBNET=10.91.0.0/24 [RAYCLUSTER_NODE_IMAGE=...] [ENV_B=...] \
-#        benchmarks/serve_env_ab.sh [ROUNDS] [OUT]
+#        [SERVE_FLAGS=...] benchmarks/serve_env_ab.sh [ROUNDS] [OUT]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROUNDS=${1:-2}
@@ -27,7 +29,7 @@ for round in $(seq 0 $((ROUNDS - 1))); do
     fi
     timeout 600 $R down -i "$INV" --json > /dev/null || true
     timeout 1200 $R up -i "$INV" --json > "$OUT/up-$round-$cfg.json"
-    timeout 1200 $R serve --model-path="$MODEL" --max-seq=256 --slots=16 --rebalance-period=10 -i "$INV" --json \
+    timeout 1200 $R serve --model-path="$MODEL" --max-seq=256 --slots=16 ${SERVE_FLAGS:---rebalance-period=10} -i "$INV" --json \
       > "$OUT/serve-$round-$cfg.json"
     B="timeout 900 $R bench --serve --rates= -i $INV --json"
     for warm in 0 1; do $B --requests=64 --prompt-tokens=16:64 --output-tokens=32:96 > "$OUT/warm-$round-$cfg-$warm.json"; done

@@ -116,6 +116,14 @@ def _errors_and_busy_time(
             f"the ingress paused {collections['full_collections']} time(s) for full garbage collections, "
             f"{collections['seconds'] * 1e3:.0f} ms in all (the largest of its recent ones {_ms_or(collections['max_ms'])})"
         )
+    front = shown.get("front_end") or {}
+    if front.get("ingress_ms_per_token") is not None:
+        proxy = front.get("proxy_ms_per_token")
+        output.line(
+            f"the front end's CPU per output token: the ingress {front['ingress_ms_per_token']:.2f} ms"
+            + (f", Serve's proxy {proxy:.2f} ms" if proxy is not None else "")
+            + " (on the head, beside its stage)"
+        )
     for run in runs:
         changed = run.get("pipelines_changed")
         if changed:

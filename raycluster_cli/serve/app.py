@@ -36,6 +36,7 @@ from raycluster_cli.serve import protocol
 from raycluster_cli.serve.anatomy import step_anatomy
 from raycluster_cli.serve.engine import EngineDown, Output, QueueFull
 from raycluster_cli.serve.fleet import Calibration, RayFleet
+from raycluster_cli.serve.frontend import FrontEndCpu
 from raycluster_cli.serve.gcpause import FullCollections, freeze_heap
 from raycluster_cli.serve.metrics import RayRecorder
 from raycluster_cli.serve.placement import NodeSpeed, PipelinePlan
@@ -310,6 +311,7 @@ class OpenAIServer:
         self.created = int(time.time())
         # what the process holds once set up is never collected again: a full collection walks only what came since
         self.collections = FullCollections(freeze_heap())
+        self.front_end = FrontEndCpu()
 
     async def _start(self, plans: list[PipelinePlan]) -> None:
         """Every planned pipeline, built at once; the ones that fail are left to the pool's re-placement
@@ -374,6 +376,7 @@ class OpenAIServer:
             "limits": asdict(self.settings.limits),
             **self.pool.status(self.cfg.layers),
             "ingress_gc": self.collections.summary(),  # the ingress process's full collections: pauses in every stream
+            "front_end": self.front_end.read(),  # CPU seconds of the ingress and of the proxy beside it
         }
         engines = [p.engine for p in pipelines]
         await _add_counters(body["pipelines"], [list(p.stages) for p in pipelines], engines, since)

@@ -28,6 +28,7 @@ from raycluster_cli.verbs.serve_load import (
     WORDS,
     RequestResult,
     RequestSpec,
+    front_end_cpu,
     make_requests,
     poisson_arrivals,
     run_load,
@@ -229,7 +230,10 @@ async def _run(
         return result
 
     def measure(results: list[Any], wall: float, before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
-        return summarize(results, wall) | stage_times(before, after, wall)
+        figures = summarize(results, wall) | stage_times(before, after, wall)
+        # the head's CPU outside the stages for each token: what a head that also holds a stage gives up
+        figures["front_end"] = front_end_cpu(before, after, int(figures.get("output_tokens") or 0))
+        return figures
 
     return await run_load(client, report, header, len(specs), send_at, concurrency, one, measure)
 

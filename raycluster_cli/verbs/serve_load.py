@@ -224,6 +224,24 @@ def stage_times(before: dict[str, Any], after: dict[str, Any], wall_s: float) ->
     }
 
 
+def front_end_cpu(before: dict[str, Any], after: dict[str, Any], output_tokens: int = 0) -> dict[str, Any] | None:
+    """The CPU seconds the ingress and the proxy beside it (``serve.frontend``) used between two status reads, and
+    per output token (ms) when ``output_tokens`` is given; a process that changed between the reads (its pid) or
+    that the service does not report is None.  None when the service reports no front end."""
+    was, now = before.get("front_end") or {}, after.get("front_end")
+    if not now:
+        return None
+    figures: dict[str, Any] = {}
+    for name in ("ingress", "proxy"):
+        used, earlier = now.get(f"{name}_cpu_s"), was.get(f"{name}_cpu_s")
+        same = was.get(f"{name}_pid") == now.get(f"{name}_pid")
+        spent = max(0.0, used - earlier) if used is not None and earlier is not None and same else None
+        figures[f"{name}_cpu_s"] = spent
+        if output_tokens:
+            figures[f"{name}_ms_per_token"] = None if spent is None else round(spent / output_tokens * 1e3, 3)
+    return figures
+
+
 def _ingress_gc(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any] | None:
     """The ingress's full garbage collections during the run (a pause in every stream it served): how many, their
     seconds, and the largest pause of the service's last ones (ms); None when the service does not count them."""

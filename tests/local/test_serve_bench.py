@@ -97,6 +97,9 @@ def test_an_idle_service_shows_no_busy_time_and_counters_move_only_with_work(tar
     assert [s["device"] for s in stages] == ["cpu", "cpu"] and all("packed_mb" in s["matmuls"] for s in stages)
     # the ingress froze its start-up heap and times its full collections; each stage counts its own seconds in them
     assert before["ingress_gc"]["frozen_objects"] > 10_000 and all(s["gc_s"] >= 0 for s in stages)
+    # the front end's CPU: the ingress's own process, and Serve's proxy found beside it (another process)
+    front = before["front_end"]
+    assert front["ingress_cpu_s"] > 0 and front["proxy_cpu_s"] > 0 and front["proxy_pid"] != front["ingress_pid"]
     idle = stage_times(before, _status(target), wall_s=1.0)
     assert [(s["busy_s"], s["steps"]) for s in idle["stages"]] == [(0.0, 0), (0.0, 0)]
     # the anatomy from the service's own clock on: no step since, none to show; a since that is no number: 400
@@ -132,6 +135,10 @@ def test_the_benchmark_measures_every_request_and_each_stages_time(target: Servi
         assert len(steps) == 2 and steps[0] == steps[1] > 0
         assert all(0 < s["busy_s"] < run["wall_s"] for s in run["stages"])
         assert 0 < run["of_ceiling"] <= 1 and run["imbalance"] >= 0
+        # every streamed token went through the ingress and the proxy: both spent CPU on the run's tokens
+        front = run["front_end"]
+        assert front["ingress_cpu_s"] > 0 and front["proxy_cpu_s"] > 0
+        assert front["ingress_ms_per_token"] == pytest.approx(front["ingress_cpu_s"] / run["output_tokens"] * 1e3, 0.01)
     saturation = body["runs"][-1]
     assert saturation["concurrency"] == REQUESTS
     # all at once keeps more sequences in each step than arrivals spread at 2/s: fewer steps per token

@@ -42,6 +42,10 @@ def test_text_service_shows_each_pipelines_stages_and_the_saturation_runs_balanc
     paused = dict(saturation, ingress_gc={"full_collections": 3, "seconds": 0.045, "max_ms": 21.0})
     text = _text({"model": "m", "url": "u", "workload": {}, "runs": [paused]})
     assert "the ingress paused 3 time(s) for full garbage collections, 45 ms in all" in text and "21.0 ms" in text
+    assert "front end" not in text  # a service that does not report it says nothing of it
+    front = {"ingress_cpu_s": 3.0, "ingress_ms_per_token": 1.5, "proxy_cpu_s": 1.5, "proxy_ms_per_token": 0.75}
+    text = _text({"model": "m", "url": "u", "workload": {}, "runs": [dict(saturation, front_end=front)]})
+    assert "the front end's CPU per output token: the ingress 1.50 ms, Serve's proxy 0.75 ms" in text
 
 
 def test_image_service_shows_each_replicas_parts_and_calls() -> None:

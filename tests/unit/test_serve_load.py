@@ -12,6 +12,7 @@ import pytest
 from raycluster_cli.verbs.serve_load import (
     WORDS,
     RequestResult,
+    front_end_cpu,
     make_requests,
     parse_range,
     parse_rates,
@@ -131,6 +132,19 @@ def test_the_garbage_collections_of_a_run_are_the_difference_of_the_two_reads() 
     assert got["ingress_gc"]["max_ms"] == 9.5
     assert [s["gc_s"] for s in got["stages"]] == [0.25, None]
     assert stage_times(_status((11, 1.0, 1, 1)), _status((11, 2.0, 2, 1)), 1.0)["ingress_gc"] is None
+
+
+def test_the_front_ends_cpu_of_a_run_is_the_difference_of_the_two_reads_per_token() -> None:
+    before = {"front_end": {"ingress_pid": 7, "ingress_cpu_s": 10.0, "proxy_pid": 8, "proxy_cpu_s": 4.0}}
+    after = {"front_end": {"ingress_pid": 7, "ingress_cpu_s": 13.0, "proxy_pid": 8, "proxy_cpu_s": 5.5}}
+    got = front_end_cpu(before, after, output_tokens=2000)
+    assert got == {"ingress_cpu_s": 3.0, "ingress_ms_per_token": 1.5, "proxy_cpu_s": 1.5, "proxy_ms_per_token": 0.75}
+    replaced = {"front_end": dict(after["front_end"], proxy_pid=9)}  # a new proxy: its seconds count from its start
+    assert front_end_cpu(before, replaced, 2000)["proxy_cpu_s"] is None
+    no_proxy = {"front_end": dict(after["front_end"], proxy_pid=None, proxy_cpu_s=None)}
+    assert front_end_cpu(before, no_proxy, 2000)["proxy_ms_per_token"] is None
+    assert front_end_cpu(before, after) == {"ingress_cpu_s": 3.0, "proxy_cpu_s": 1.5}  # no tokens: no rates
+    assert front_end_cpu({}, {}, 10) is None  # a service that does not report its front end
 
 
 def test_a_rebuilt_stage_counts_from_zero_and_an_unanswered_one_is_left_out() -> None:
