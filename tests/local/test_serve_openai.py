@@ -7,6 +7,7 @@ answer is ``transformers``' own ``generate(do_sample=False)`` on the same checkp
 from __future__ import annotations
 
 import asyncio
+import http.client
 import json
 import os
 import signal
@@ -30,6 +31,7 @@ transformers = pytest.importorskip("transformers")
 openai = pytest.importorskip("openai")
 psutil = pytest.importorskip("psutil")
 
+from raycluster_cli.host.containers import SERVE_ENV  # noqa: E402
 from raycluster_cli.serve.app import ServeSettings, build_app  # noqa: E402
 from raycluster_cli.serve.scheduler import Limits  # noqa: E402
 
@@ -106,6 +108,8 @@ def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
     port = _free_port()
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("RAY_AUTH_MODE", "disabled")
+        for name, value in SERVE_ENV.items():  # Serve as `up` sets it in the nodes' containers: proxy → ingress on gRPC
+            mp.setenv(name, value)
         ray.init(
             num_cpus=2,
             include_dashboard=False,
@@ -348,6 +352,35 @@ def test_n_choices_are_each_their_own_generation_whole_and_streamed(service: Ser
     assert usage.prompt_tokens == len(ids) and usage.completion_tokens == 2 * NEW_TOKENS
     assert [c.message.role for c in chat.choices] == ["assistant", "assistant"]
     assert chat.choices[0].message.content == chat.choices[1].message.content
+
+
+def _status(service: Service) -> dict[str, Any]:
+    return _raw(service.base_url.removesuffix("/v1") + "/raycluster/status")[1]
+
+
+def test_a_client_that_leaves_mid_stream_ends_its_generation(service: Service) -> None:
+    """The client closes its connection after a few streamed chunks: Serve's proxy tells the ingress (over gRPC, as
+    `up` sets it), the generation ends there and its slot is freed — the stages stepped far fewer times than the
+    whole answer needed."""
+    room = 128 - len(service.tokenizer.encode(PROMPTS[0])) - 1
+    before = _status(service)["pipelines"][0]["stages"][0]["steps"]
+    body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": room, "temperature": 0, "stream": True}
+    host, port = service.base_url.removeprefix("http://").removesuffix("/v1").split(":")
+    connection = http.client.HTTPConnection(host, int(port), timeout=60)
+    headers = {"Content-Type": "application/json", "Authorization": f"Bearer {TOKEN}"}
+    connection.request("POST", "/v1/completions", json.dumps(body | {"ignore_eos": True}), headers)
+    response = connection.getresponse()
+    assert response.status == 200
+    chunks = 0
+    while chunks < 3:
+        chunks += response.readline().startswith(b"data: ")
+    connection.close()  # the client leaves
+    deadline = time.monotonic() + 30
+    while _status(service)["pipelines"][0]["requests"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    status = _status(service)
+    assert status["pipelines"][0]["requests"] == 0
+    assert status["pipelines"][0]["stages"][0]["steps"] - before < room // 2
 
 
 def test_errors_have_the_openai_shape(service: Service) -> None:

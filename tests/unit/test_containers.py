@@ -55,6 +55,17 @@ def test_worker_run_command_has_host_options(example_yaml: str) -> None:
     assert container_name(inv, worker) == "raycluster-demo-worker"
 
 
+def test_serves_proxy_calls_the_ingress_over_grpc_unless_the_run_options_say_otherwise(example_yaml: str) -> None:
+    """Ray Serve's setting goes in before the inventory's run options (docker keeps the last of a name) and the
+    inventory's env file is sourced after both, so either may set it otherwise."""
+    inv = inventory.parse(example_yaml)
+    for host in inv.hosts:
+        argv = run_argv(inv, host)
+        assert argv.count("--env=RAY_SERVE_PROXY_USE_GRPC=1") == 1
+    worker = run_argv(inv, inv.hosts[2])
+    assert worker.index("--env=RAY_SERVE_PROXY_USE_GRPC=1") < worker.index("--cpus=0.5")  # its run option
+
+
 def test_no_token_when_auth_none(example_yaml: str) -> None:
     inv = inventory.parse(example_yaml + "ray: {auth: none}\n")
     assert "RAY_AUTH" not in docker_run_command(inv, inv.head_host)
