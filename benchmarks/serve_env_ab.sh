@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Ray Serve's in-process settings A/B on the 3-host lab (quotas 1.0 / 0.5 / 0.25, the model of serve_targets.py):
-# per round, A (Ray's defaults) then B (the in-process part of Ray's RAY_SERVE_THROUGHPUT_OPTIMIZED, or ENV_B):
+# per round, A (the containers as `up` makes them) then B (the in-process part of Ray's RAY_SERVE_THROUGHPUT_OPTIMIZED, or ENV_B):
 # the cluster down and up with the inventory's `env`, a service, two 64-request warm-ups, then 8 requests one at a
 # time, 32 four at a time and 32 at once; one line per run: tok/s, TPOT p50, the step anatomy's round trip, the
-# stages' compute and hand-offs, the ingress loop's lag, the split and each node's CPU against its quota.
+# stages' compute and hand-offs, the ingress loop's lag, the split, each node's CPU against its quota and the front
+# end's CPU per output token (the ingress, Serve's proxy).
 # SERVE_FLAGS: the services' flags (default --rebalance-period=10; --rebalance-period=0 keeps both on their first split,
 # so a change that moves the head's CPU is not also a change of split).
 # Usage: RAYCLUSTER_LAB_NAME=rc-ex RAYCLUSTER_LAB_SUBNET=10.91.0.0/24 [RAYCLUSTER_NODE_IMAGE=...] [ENV_B=...] \
@@ -42,7 +43,8 @@ d = json.load(open(sys.argv[1])); r = d["runs"][0]; a = list(r["anatomy"].values
 print(sys.argv[2], round(r["output_tokens_per_s"], 1), "tok/s, TPOT p50", round(r["latency_s"]["tpot"]["p50"] * 1000, 1),
       "ms, round trip", a["round_trip_ms"], "in flight", a["in_flight"], "compute", [s["compute_ms"] for s in a["stages"]],
       "links", [s["link_ms"] for s in a["stages"]], a["return_link_ms"], "lag", a["loop_lag_ms"],
-      "blocks", [s["blocks"] for s in r["stages"]], "node cpu/quota", [s.get("node_cpu_share") for s in r["stages"]], flush=True)
+      "blocks", [s["blocks"] for s in r["stages"]], "node cpu/quota", [s.get("node_cpu_share") for s in r["stages"]],
+      "front end ms/token", [(r.get("front_end") or {}).get(f"{p}_ms_per_token") for p in ("ingress", "proxy")], flush=True)
 PY
     done
     $R serve --stop -i "$INV" --json > /dev/null
