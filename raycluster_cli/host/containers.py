@@ -257,8 +257,8 @@ def _shell_word(word: str) -> str:
 # Ray Serve's settings in every node's container (the inventory's `env` and the run options may set them otherwise):
 # the HTTP proxy calls the ingress over gRPC and gets its streamed chunks back that way, instead of through Ray's
 # object references (half of Ray's RAY_SERVE_THROUGHPUT_OPTIMIZED; the other half, direct ingress, moves the
-# service off its port). On the lab 1.12-1.18x the output tokens/s at 1, 4 and 32 requests at once, the proxy's
-# and the ingress's CPU per token lower (docs/PERFORMANCE.md S25).
+# service off its port). On the lab the proxy's and the ingress's CPU per token 20-43 % lower, 1.09-1.15x the
+# output tokens/s at 1, 4 and 32 requests at once (docs/PERFORMANCE.md S25).
 SERVE_ENV = {"RAY_SERVE_PROXY_USE_GRPC": "1"}
 
 

@@ -4,7 +4,7 @@ Every output token costs the head CPU outside the pipeline's stages: the ingress
 hands it to its stream, and Serve's proxy carries each streamed chunk from the ingress to the client.  On a head
 that also holds a stage (or on a small head) that CPU is taken from the stage.  ``FrontEndCpu`` reads both
 processes' CPU seconds for the service's status, so ``bench --serve`` gives a run's front-end CPU per output
-token (on the lab's 1-CPU head: 1.3-1.5 ms in the ingress and 0.7-0.9 ms in the proxy at four streams,
+token (on the lab's 1-CPU head: 0.9-1.2 ms in the ingress and 0.5-0.7 ms in the proxy at four streams,
 docs/PERFORMANCE.md S25).
 """
 
