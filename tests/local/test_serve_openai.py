@@ -373,7 +373,9 @@ def test_a_client_that_leaves_mid_stream_ends_its_generation(service: Service) -
     assert response.status == 200
     chunks = 0
     while chunks < 3:
-        chunks += response.readline().startswith(b"data: ")
+        line = response.readline()
+        assert line, f"the stream ended after {chunks} chunk(s), before the client left"  # EOF: no endless loop
+        chunks += line.startswith(b"data: ")
     connection.close()  # the client leaves
     deadline = time.monotonic() + 30
     while _status(service)["pipelines"][0]["requests"] and time.monotonic() < deadline:
