@@ -356,8 +356,17 @@ class OpenAIServer:
     @app.get("/v1/models")
     async def models(self, request: Request) -> dict[str, Any]:
         self._authorize(request)
-        card = {"id": self.model_id, "object": "model", "created": self.created, "owned_by": "raycluster"}
-        return {"object": "list", "data": [card]}
+        return {"object": "list", "data": [protocol.model_card(self.model_id, self.created)]}
+
+    @app.get("/v1/models/{model:path}")
+    async def model(self, model: str, request: Request) -> dict[str, Any]:
+        self._authorize(request)
+        self._check_model(model)
+        return protocol.model_card(self.model_id, self.created)
+
+    @app.get("/health")
+    async def health(self) -> dict[str, Any]:
+        return protocol.health(len(self.pool.live()), RETRY_AFTER_S)
 
     @app.get("/raycluster/status")
     async def status(self, request: Request) -> dict[str, Any]:
@@ -423,9 +432,12 @@ class OpenAIServer:
                 f"the prompt has {len(prompt)} tokens; the context holds {self.settings.limits.max_seq}",
                 param="messages" if chat else "prompt",
             )
+        if body.min_tokens > limit:
+            raise APIError(400, f"min_tokens {body.min_tokens} is more than max_tokens {limit}", param="min_tokens")
+        biases = body.biases(self.cfg.vocab)
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         outputs = [
-            self.pool.generate(prompt, limit, self._sampling(body, i), body.stops, stream=body.stream, choice=i)
+            self.pool.generate(prompt, limit, self._sampling(body, i, biases), body.stops, stream=body.stream, choice=i)
             for i in range(body.n)
         ]
 
@@ -451,12 +463,26 @@ class OpenAIServer:
         return JSONResponse(await _whole(request_id, self.model_id, choices, chat=chat, echo=echo))
 
     @staticmethod
-    def _sampling(body: Any, index: int) -> Sampling:
+    def _sampling(body: Any, index: int, biases: tuple[tuple[int, float], ...] = ()) -> Sampling:
         """Choice ``index``'s sampling: the request's, with ``seed + index`` when seeded (choice i of a seeded
         request is the same answer as a request of n = 1 with that seed)."""
         seed = None if body.seed is None else body.seed + index
         logprobs, prompt = body.asked_logprobs, body.asked_prompt_logprobs
-        return Sampling(body.temperature, body.top_p, seed, body.ignore_eos, logprobs, prompt)
+        return Sampling(
+            body.temperature,
+            body.top_p,
+            seed,
+            body.ignore_eos,
+            logprobs,
+            prompt,
+            top_k=max(0, body.top_k),
+            min_p=body.min_p,
+            presence_penalty=body.presence_penalty,
+            frequency_penalty=body.frequency_penalty,
+            repetition_penalty=body.repetition_penalty,
+            logit_bias=biases,
+            min_tokens=body.min_tokens,
+        )
 
     def _logprobs(self, body: Any, chat: bool, echo: str, prompt: list[int], first: Output) -> protocol.Logprobs | None:
         """A choice's log-probabilities' accumulator, None when not asked; an echoed prompt's entries go in first

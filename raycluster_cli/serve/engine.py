@@ -22,7 +22,7 @@ import torch
 from raycluster_cli.serve.anatomy import TIMELINE_STEPS
 from raycluster_cli.serve.links import DirectLinks
 from raycluster_cli.serve.scheduler import Chunk, Limits, QueueFull, Scheduler
-from raycluster_cli.serve.text import Sampling, TextStream, TokenLogprob, sample, token_logprob
+from raycluster_cli.serve.text import Sampling, TextStream, TokenLogprob, adjust, sample, token_logprob
 
 __all__ = ["Engine", "EngineDown", "Output", "QueueFull", "Resume"]
 
@@ -106,6 +106,8 @@ class Engine:
     ) -> None:
         self.stages = list(stages)
         self.links = links  # direct links between the stages (serve.links); None: Ray's calls relay each step
+        if links is not None:
+            links.on_down = self.fail  # a ring that broke while idle fails the engine now (the pool replaces it)
         self.links_note: str | None = None  # why a pipeline meant to have direct links has none
         self.stage_infos: list[dict[str, Any]] = []  # each stage's device and products' plan, as it loaded
         self.tokenizer = tokenizer
@@ -309,7 +311,8 @@ class Engine:
                     if following < len(live.prompt):
                         live.prompt_scored.append(token_logprob(logits[row, offset], live.prompt[following], top))
             if chunk.samples and live is not None:
-                token = tokens[chunk.request_id] = sample(last, live.sampling, live.generator)
+                picked = adjust(last, live.sampling, live.prompt, live.stream.ids, self.scheduler.eos_ids)
+                token = tokens[chunk.request_id] = sample(picked, live.sampling, live.generator)
                 if live.sampling.logprobs is not None:
                     scored[chunk.request_id] = token_logprob(last, token, live.sampling.logprobs)
             elif chunk.samples:

@@ -149,8 +149,23 @@ class ImageServer:
     @image_api.get("/v1/models")
     async def models(self, request: Request) -> dict[str, Any]:
         self._authorize(request)
-        card = {"id": self.model_id, "object": "model", "created": self.created, "owned_by": "raycluster"}
-        return {"object": "list", "data": [card]}
+        return {"object": "list", "data": [protocol.model_card(self.model_id, self.created)]}
+
+    @image_api.get("/v1/models/{model:path}")
+    async def model(self, model: str, request: Request) -> dict[str, Any]:
+        self._authorize(request)
+        if model != self.model_id:
+            raise APIError(
+                404,
+                f"the model {model!r} does not exist; this service serves {self.model_id!r}",
+                param="model",
+                code="model_not_found",
+            )
+        return protocol.model_card(self.model_id, self.created)
+
+    @image_api.get("/health")
+    async def health(self) -> dict[str, Any]:
+        return protocol.health(len(self.pool.live()), RETRY_AFTER_S)
 
     @image_api.get("/raycluster/status")
     async def status(self, request: Request) -> dict[str, Any]:

@@ -221,6 +221,9 @@ class DirectLinks:
         self.group: Any = group
         self.size, self.store, self.capacity = size, store, capacity
         self.failure: BaseException | None = None
+        # called on the loop with the first failure that was not ``close()``: the engine fails at once, also while
+        # no step is in flight (a stage that died idle is replaced then, not when the next request meets it)
+        self.on_down: Callable[[BaseException], None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._waiting: collections.deque[asyncio.Future[tuple[torch.Tensor, float]]] = collections.deque()
         self._lock = threading.Lock()
@@ -286,7 +289,8 @@ class DirectLinks:
     def _fail(self, exc: BaseException) -> None:
         """Every step waiting gets ``LinksDown``; later ``run``s raise at once."""
         down = exc if isinstance(exc, LinksDown) else LinksDown(f"{type(exc).__name__}: {exc}")
-        if self.failure is None:
+        first = self.failure is None
+        if first:
             self.failure = down  # not ``exc``: its traceback holds the frames that hold the group
         self.group = None  # the engine's links close with it (once no thread is inside a call): stage 0's loop ends
         self._outbox.put(None)  # the sender ends, dropping its last sends' works (they hold the group too)
@@ -295,10 +299,14 @@ class DirectLinks:
         if self._loop is None:
             return
 
+        on_down = self.on_down if first else None
+
         def tell() -> None:
             for future in waiting:
                 if not future.done():
                     future.set_exception(down)
+            if on_down is not None:
+                on_down(down)
 
         with contextlib.suppress(RuntimeError):
             self._loop.call_soon_threadsafe(tell)
@@ -315,6 +323,7 @@ class DirectLinks:
 
     def close(self) -> None:
         """Stop sending (the receive thread ends when the stages are killed and its link closes)."""
+        self.on_down = None  # the engine closing its own links is not a failure to report
         if self._watch is not None:
             self._watch.cancel()
         self._fail(LinksDown("the pipeline was closed"))

@@ -62,6 +62,34 @@ class _Sampled(BaseModel):
     # An extension (vLLM's name and meaning): generate exactly max_tokens, past the model's EOS, so a
     # benchmark's output lengths are the ones it asked for.  Stop strings still end the text.
     ignore_eos: bool = False
+    # OpenAI's penalties and biases (text.adjust), and the extensions vLLM and llama.cpp take by these names
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    logit_bias: dict[str, float] | None = None  # token id (a string, as JSON keys are) -> -100..100
+    repetition_penalty: float = Field(default=1.0, gt=0.0, le=10.0)
+    top_k: int = Field(default=0, ge=-1)  # -1 or 0: every token (vLLM's -1 included)
+    min_p: float = Field(default=0.0, ge=0.0, le=1.0)
+    min_tokens: int = Field(default=0, ge=0)
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _biases(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        for key, bias in (value or {}).items():
+            if not key.isdigit():
+                raise ValueError(f"{key!r} is not a token id")
+            if not -100.0 <= bias <= 100.0:
+                raise ValueError(f"the bias of token {key} is {bias}: a bias is -100 to 100")
+        return value
+
+    def biases(self, vocab: int) -> tuple[tuple[int, float], ...]:
+        """``logit_bias`` as (token id, bias), each id checked against the model's vocabulary."""
+        pairs = tuple((int(key), float(bias)) for key, bias in (self.logit_bias or {}).items())
+        for token, _ in pairs:
+            if token >= vocab:
+                raise APIError(
+                    400, f"logit_bias: token {token} is not in the vocabulary (0-{vocab - 1})", param="logit_bias"
+                )
+        return pairs
 
     @property
     def stops(self) -> list[str]:
@@ -201,6 +229,20 @@ def parse(model: type[BaseModel], body: bytes) -> Any:
         first = exc.errors()[0]
         param = ".".join(str(p) for p in first["loc"]) or None
         raise APIError(400, f"{param}: {first['msg']}", param=param) from None
+
+
+def model_card(model: str, created: int) -> dict[str, Any]:
+    """One entry of ``/v1/models``, and ``/v1/models/{model}``'s answer."""
+    return {"id": model, "object": "model", "created": created, "owned_by": "raycluster"}
+
+
+def health(live: int, retry_after: int) -> dict[str, Any]:
+    """``GET /health``'s answer: 200 while ``live`` replicas can generate, 503 with ``Retry-After`` while none can
+    (a load balancer's or an orchestrator's probe; it says nothing else, so it asks for no key, as vLLM's, TGI's
+    and llama.cpp's ``/health`` do).  "Live" is a replica whose every stage answered: a failed one is out of it."""
+    if live < 1:
+        raise APIError(503, "no replica can generate now", retry_after=retry_after)
+    return {"status": "ok", "replicas": live}
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:

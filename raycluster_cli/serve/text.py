@@ -9,6 +9,7 @@ so text that could still become the start of a stop string is held back until it
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -23,7 +24,12 @@ class Decoder(Protocol):
 
 @dataclass(frozen=True)
 class Sampling:
-    """How to pick the next token: temperature 0 is greedy (argmax, as ``generate(do_sample=False)``)."""
+    """How to pick the next token: temperature 0 is greedy (argmax, as ``generate(do_sample=False)``).
+
+    Besides OpenAI's ``temperature``, ``top_p``, ``presence_penalty``, ``frequency_penalty`` and ``logit_bias``,
+    the extensions vLLM and llama.cpp's server take under the same names and meanings: ``top_k``, ``min_p``,
+    ``repetition_penalty`` and ``min_tokens``.
+    """
 
     temperature: float = 1.0
     top_p: float = 1.0
@@ -32,6 +38,25 @@ class Sampling:
     # None: no log-probabilities; k: each generated token's, and the k most likely tokens' at its position
     logprobs: int | None = None
     prompt_logprobs: bool = False  # also each prompt token's (after the first), with the same k best
+    top_k: int = 0  # sample among the k most likely tokens only; 0: all
+    min_p: float = 0.0  # drop the tokens less likely than min_p times the most likely one
+    presence_penalty: float = 0.0  # subtracted from a token's logit once it was generated
+    frequency_penalty: float = 0.0  # subtracted once for every time a token was generated
+    # a logit of a token in the prompt or the output so far divided by it (multiplied when negative)
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
+    min_tokens: int = 0  # EOS cannot end the output before this many tokens
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Does this request change the model's logits before it picks (a bias, a penalty, a minimum)?"""
+        return bool(
+            self.logit_bias
+            or self.min_tokens
+            or self.presence_penalty
+            or self.frequency_penalty
+            or self.repetition_penalty != 1.0
+        )
 
     def generator(self) -> torch.Generator | None:
         """A per-request generator: a seeded request gets the same tokens whatever else is in its batch."""
@@ -45,12 +70,50 @@ class Sampling:
         return gen
 
 
+def adjust(
+    logits: torch.Tensor, sampling: Sampling, prompt: Sequence[int], output: Sequence[int], eos: frozenset[int]
+) -> torch.Tensor:
+    """One row's logits [vocab] as the request's own processors leave them, in vLLM's order: ``logit_bias`` and
+    ``min_tokens`` (EOS impossible while the output is shorter), then the repetition penalty (over the prompt's and
+    the output's tokens, as ``transformers``' ``repetition_penalty``), then the frequency and presence penalties
+    (over the output's, OpenAI's formula: ``logit - frequency * count - presence * (count > 0)``).
+
+    ``output`` is every token generated so far, those sent before a failover included, so a resumed stream is
+    penalized as it would have been where it began.  The model's own logits are not changed (log-probabilities
+    are the model's)."""
+    if not sampling.adjusts_logits:
+        return logits
+    logits = logits.float().clone()
+    if sampling.logit_bias:
+        ids = torch.tensor([token for token, _ in sampling.logit_bias])
+        logits.index_add_(0, ids, torch.tensor([bias for _, bias in sampling.logit_bias]))
+    if len(output) < sampling.min_tokens and eos and not sampling.ignore_eos:
+        logits[torch.tensor(sorted(eos))] = float("-inf")
+    if sampling.repetition_penalty != 1.0 and (prompt or output):
+        seen = torch.tensor(sorted(set(prompt) | set(output)))
+        scores = logits[seen]
+        penalty = sampling.repetition_penalty
+        logits[seen] = torch.where(scores < 0, scores * penalty, scores / penalty)
+    if (sampling.frequency_penalty or sampling.presence_penalty) and output:
+        counts = torch.bincount(torch.tensor(list(output)), minlength=logits.numel())[: logits.numel()].float()
+        logits -= sampling.frequency_penalty * counts + sampling.presence_penalty * (counts > 0).float()
+    return logits
+
+
 def sample(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator | None) -> int:
-    """The next token from one row's logits [vocab]: argmax, or nucleus sampling at the temperature."""
+    """The next token from one row's logits [vocab]: argmax, or sampling at the temperature among the tokens
+    ``min_p``, ``top_k`` and ``top_p`` keep (vLLM's order: temperature, min-p, top-k, top-p)."""
     if sampling.temperature == 0 or generator is None:
         return int(logits.argmax())
     probs = torch.softmax(logits.float() / sampling.temperature, dim=-1)
+    if sampling.min_p > 0.0:
+        probs = torch.where(probs < sampling.min_p * probs.max(), 0.0, probs)  # the top token always stays
+    if 0 < sampling.top_k < probs.numel():
+        kth = probs.topk(sampling.top_k).values[-1]
+        probs = torch.where(probs < kth, 0.0, probs)
     if sampling.top_p < 1.0:
+        if sampling.min_p > 0.0 or sampling.top_k > 0:
+            probs = probs / probs.sum()  # top-p's mass among the tokens left
         sorted_probs, order = probs.sort(descending=True)
         before = sorted_probs.cumsum(0) - sorted_probs  # mass of the tokens ranked above each one
         sorted_probs[before >= sampling.top_p] = 0.0  # the top token always stays

@@ -155,6 +155,10 @@ def test_a_request_without_the_clusters_token_is_refused(served: Served) -> None
 
     with pytest.raises(openai.AuthenticationError):
         asyncio.run(wrong())
+    # the one route that asks no key: a load balancer's probe at the head's address, which says only this
+    with urllib.request.urlopen(served.doc["url"].removesuffix("/v1") + "/health", timeout=30) as health:
+        body = json.loads(health.read())
+    assert health.status == 200 and body["status"] == "ok" and body["replicas"] >= 1, body
 
 
 def test_bench_serve_measures_the_service_from_the_operator(served: Served, tmp_path: Path) -> None:

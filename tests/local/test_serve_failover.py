@@ -36,6 +36,7 @@ from raycluster_cli.serve.placement import plan_replicas  # noqa: E402
 from raycluster_cli.serve.scheduler import Limits  # noqa: E402
 from raycluster_cli.serve.stages import STAGE_NAMESPACE  # noqa: E402
 
+from ..openai_penalties import OpenAIPenalties  # noqa: E402
 from ..serve_checkpoint import WORDS, write_chat_llama  # noqa: E402
 
 TOKEN = "failover-token"
@@ -51,9 +52,13 @@ class Service:
     tokenizer: Any
     model: Any
 
-    def generate(self, prompt: str) -> str:
+    def generate(self, prompt: str, frequency_penalty: float = 0.0) -> str:
+        """transformers' greedy answer; with a frequency penalty, OpenAI's formula as its logits processor."""
         ids = self.tokenizer.encode(prompt)
-        out = self.model.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=NEW_TOKENS)
+        penalties = transformers.LogitsProcessorList([OpenAIPenalties(len(ids), frequency_penalty, 0.0)])
+        out = self.model.generate(
+            torch.tensor([ids]), do_sample=False, max_new_tokens=NEW_TOKENS, logits_processor=penalties
+        )
         return str(self.tokenizer.decode(out[0, len(ids) :], skip_special_tokens=True))
 
     def status(self) -> dict[str, Any]:
@@ -162,6 +167,11 @@ def test_a_stage_killed_under_load_fails_no_request_and_capacity_returns(service
     assert "failed" in events and "replaced" in events
 
 
+def _penalty(index: int) -> float:
+    """Every other request of several choices is also penalized for the tokens it repeats."""
+    return 0.8 if index % 2 else 0.0
+
+
 async def _choice_streams(service: Service, prompts: list[str]) -> list[list[str]]:
     """Streamed greedy completions of n = 2 at once; once every request has a piece of both its choices, the
     last stage of the live pipeline holding the most of them is killed."""
@@ -172,6 +182,7 @@ async def _choice_streams(service: Service, prompts: list[str]) -> list[list[str
     async def one(index: int, prompt: str) -> list[str]:
         pieces: list[list[str]] = [[], []]
         args = {"model": MODEL, "prompt": prompt, "max_tokens": NEW_TOKENS, "temperature": 0, "stream": True, "n": 2}
+        args["frequency_penalty"] = _penalty(index)
         async for chunk in await client.completions.create(**args):
             for choice in chunk.choices:
                 pieces[choice.index].append(choice.text)
@@ -195,14 +206,17 @@ async def _choice_streams(service: Service, prompts: list[str]) -> list[list[str
 
 def test_a_stage_killed_mid_answer_of_several_choices_fails_no_choice(service: Service) -> None:
     """Requests of n = 2 streamed when a stage dies: every choice of every request is moved, none fails, and
-    each choice's text, put back together from the stream's pieces by their index, is the greedy answer."""
+    each choice's text, put back together from the stream's pieces by their index, is the greedy answer — with a
+    frequency penalty, the answer penalized for every token it generated, those sent before the move included."""
     _wait(lambda: service.status()["replicas"] == 2, 60, "two pipelines")
     before = service.status()["failovers"]
     prompts = PROMPTS[:6]
     answers = asyncio.run(_choice_streams(service, prompts))
-    for prompt, choices in zip(prompts, answers, strict=True):
-        want = service.generate(prompt)
+    for index, (prompt, choices) in enumerate(zip(prompts, answers, strict=True)):
+        want = service.generate(prompt, _penalty(index))
         assert choices == [want, want], prompt
+        if _penalty(index):
+            assert want != service.generate(prompt), prompt  # the penalty changes the answer
     assert service.status()["failovers"] > before  # some choices really moved
 
 

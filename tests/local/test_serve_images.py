@@ -146,6 +146,11 @@ def test_both_replicas_made_images_and_status_shows_the_placement(service: Servi
     assert len({r["stages"][0]["node_id"] for r in rows}) == 2
     assert sum(n["calls"] for n in body["nodes"]) >= 6 + 2  # the calibration images too
     assert [m.id for m in client.models.list().data] == [MODEL]
+    assert client.models.retrieve(MODEL).id == MODEL
+    assert _raw(f"{service.base_url.removesuffix('/v1')}/health", token=None)[:2] == (
+        200,
+        {"status": "ok", "replicas": 2},
+    )
 
 
 def test_errors_have_the_openai_shape(service: Service) -> None:
@@ -217,3 +222,5 @@ def test_a_lost_replica_moves_its_images_and_none_left_answers_503(service: Serv
         f"{service.base_url}/images/generations", json.dumps({"prompt": "a cat", "seed": 1}).encode()
     )
     assert status == 503 and refused["error"]["type"] == "server_error" and headers["Retry-After"]
+    health, down, headers = _raw(f"{service.base_url.removesuffix('/v1')}/health", token=None)
+    assert health == 503 and down["error"]["type"] == "server_error" and headers["Retry-After"]

@@ -35,6 +35,7 @@ from raycluster_cli.host.containers import SERVE_ENV  # noqa: E402
 from raycluster_cli.serve.app import ServeSettings, build_app  # noqa: E402
 from raycluster_cli.serve.scheduler import Limits  # noqa: E402
 
+from ..openai_penalties import OpenAIPenalties  # noqa: E402
 from ..serve_checkpoint import WORDS, write_chat_llama  # noqa: E402
 
 TOKEN = "test-cluster-token"
@@ -210,6 +211,75 @@ def test_seeded_sampling_repeats_and_differs_from_greedy(service: Service) -> No
     first, again, other = asyncio.run(run())
     assert first == again
     assert {first, other} != {service.generate(service.tokenizer.encode(PROMPTS[5]))}
+
+
+def test_penalties_biases_and_min_tokens_equal_transformers_generate(service: Service) -> None:
+    """Greedy answers under each logit change equal transformers' ``generate`` with the same change (its own
+    ``repetition_penalty``, ``sequence_bias`` and ``min_new_tokens``; OpenAI's penalties as a processor), whole and
+    streamed, through the ``openai`` client's own parameters (and ``extra_body`` for vLLM's names); each answer
+    differs from the plain greedy one, so a change the service ignored would fail here."""
+    prompt = PROMPTS[4]
+    ids = service.tokenizer.encode(prompt)
+    eos = service.tokenizer.eos_token_id
+    plain = service.generate(ids)
+
+    def reference(**options: Any) -> tuple[str, int]:
+        out = service.model.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=NEW_TOKENS, **options)
+        new = out[0, len(ids) :].tolist()
+        return str(service.tokenizer.decode(new, skip_special_tokens=True)), len(new)
+
+    lists = transformers.LogitsProcessorList
+    cases: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
+        "repetition": ({"extra_body": {"repetition_penalty": 1.6}}, {"repetition_penalty": 1.6}),
+        "frequency": (
+            {"frequency_penalty": 1.5, "presence_penalty": 0.5},
+            {"logits_processor": lists([OpenAIPenalties(len(ids), 1.5, 0.5)])},
+        ),
+        "bias": ({"logit_bias": {str(ids[0]): 4.0}}, {"sequence_bias": {(ids[0],): 4.0}}),
+        # EOS made the likeliest token: it ends the answer at once, unless min_tokens holds it off
+        "min_tokens": (
+            {"logit_bias": {str(eos): 60.0}, "extra_body": {"min_tokens": 5}},
+            {"sequence_bias": {(eos,): 60.0}, "min_new_tokens": 5},
+        ),
+    }
+
+    async def run() -> dict[str, list[tuple[str, Any]]]:
+        client = service.client()
+        calls = {
+            name: [_complete(client, prompt, stream, **asked) for stream in (False, True)]
+            for name, (asked, _) in cases.items()
+        }
+        got = await asyncio.gather(*(c for pair in calls.values() for c in pair))
+        return {name: list(got[2 * i : 2 * i + 2]) for i, name in enumerate(cases)}
+
+    answers = asyncio.run(run())
+    for name, (_, options) in cases.items():
+        want, length = reference(**options)
+        assert want != plain, name  # the change changes the answer
+        for text, usage in answers[name]:
+            assert text == want, name
+            assert usage.completion_tokens == length, name
+    assert answers["min_tokens"][0][1].completion_tokens == 6  # five tokens, then the EOS
+
+
+def test_top_k_one_and_min_p_one_sample_the_greedy_answer(service: Service) -> None:
+    """At temperature 1.5 a seeded request samples; with top_k 1 or min_p 1 only the likeliest token is left."""
+    prompt = PROMPTS[5]
+    greedy = service.generate(service.tokenizer.encode(prompt))
+
+    async def run() -> list[str]:
+        client = service.client()
+        sampled = {"temperature": 1.5, "seed": 11}
+        calls = [
+            _complete(client, prompt, False, **sampled),
+            _complete(client, prompt, True, **sampled, extra_body={"top_k": 1}),
+            _complete(client, prompt, False, **sampled, extra_body={"min_p": 1.0}),
+        ]
+        return [text for text, _ in await asyncio.gather(*calls)]
+
+    free, top_k, min_p = asyncio.run(run())
+    assert free != greedy
+    assert top_k == min_p == greedy
 
 
 def _model_logprobs(service: Service, prompt: list[int], tokens: list[int]) -> Any:
@@ -399,6 +469,15 @@ def test_errors_have_the_openai_shape(service: Service) -> None:
                 model=MODEL, messages=[{"role": "user", "content": "the cat"}], top_logprobs=2
             )
         assert top.value.body["param"] == "top_logprobs"
+        for bad, param in (
+            ({"logit_bias": {"999999": 1.0}}, "logit_bias"),  # not in the vocabulary
+            ({"logit_bias": {"3": 101.0}}, "logit_bias"),
+            ({"presence_penalty": 2.5}, "presence_penalty"),
+            ({"extra_body": {"min_tokens": 9}}, "min_tokens"),  # more than max_tokens
+        ):
+            with pytest.raises(openai.BadRequestError) as refused:
+                await service.client().completions.create(model=MODEL, prompt="the cat", max_tokens=4, **bad)
+            assert refused.value.body["param"] == param, bad
         models = await service.client().models.list()
         assert [m.id for m in models.data] == [MODEL]
 
@@ -408,6 +487,24 @@ def test_errors_have_the_openai_shape(service: Service) -> None:
     assert set(bare["error"]) == {"message", "type", "param", "code"}
     status, bad = _raw(f"{service.base_url}/completions", b"{")
     assert status == 400 and bad["error"]["type"] == "invalid_request_error"
+
+
+def test_health_asks_no_key_and_a_model_is_retrieved_by_its_id(service: Service) -> None:
+    """``GET /health`` (a load balancer's probe: no key) says the replicas that can generate; the ``openai``
+    client's ``models.retrieve`` reads ``/v1/models/{id}`` (404 for another id, 401 without the key)."""
+    status, body = _raw(service.base_url.removesuffix("/v1") + "/health", token=None)
+    assert status == 200 and body == {"status": "ok", "replicas": 1}
+
+    async def run() -> None:
+        card = await service.client().models.retrieve(MODEL)
+        assert card.id == MODEL and card.owned_by == "raycluster"
+        with pytest.raises(openai.NotFoundError) as missing:
+            await service.client().models.retrieve("no-such-model")
+        assert missing.value.body["code"] == "model_not_found"
+        with pytest.raises(openai.AuthenticationError):
+            await service.client(key="wrong").models.retrieve(MODEL)
+
+    asyncio.run(run())
 
 
 def test_a_full_queue_answers_503_with_retry_after(service: Service) -> None:
@@ -437,6 +534,12 @@ def test_a_killed_stage_is_rebuilt_and_its_request_still_answers(service: Servic
     stages = [p for p in psutil.process_iter(["cmdline"]) if "ray::_StageActor" in " ".join(p.info["cmdline"] or [])]
     assert len(stages) == 2
     os.kill(stages[-1].pid, signal.SIGKILL)
+    health = service.base_url.removesuffix("/v1") + "/health"
+    began = time.monotonic()
+    while (down := _raw(health, token=None))[0] == 200 and time.monotonic() - began < 20:
+        time.sleep(0.05)  # the ring's link to the dead stage closes: the pipeline is out at once
+    assert down[0] == 503 and down[1]["error"]["type"] == "server_error", down
+    print(f"/health 503 {time.monotonic() - began:.2f} s after the kill")
     body = json.dumps({"model": MODEL, "prompt": PROMPTS[2], "max_tokens": 4, "temperature": 0}).encode()
     statuses: list[int] = []
     began = time.monotonic()
@@ -449,3 +552,4 @@ def test_a_killed_stage_is_rebuilt_and_its_request_still_answers(service: Servic
         time.sleep(0.2)
     assert statuses[-1] == 200
     assert answer["choices"][0]["text"] == service.generate(service.tokenizer.encode(PROMPTS[2]), 4)
+    assert _raw(health, token=None) == (200, {"status": "ok", "replicas": 1})  # back with the rebuilt pipeline

@@ -168,3 +168,62 @@ def test_a_table_of_four_rows_travels_whole_and_every_positions_logits_come_back
         + torch.tensor([0.0, 1.0])[:, None, None]
     )
     assert heights == [4, 3] and torch.equal(whole, want) and torch.equal(last, want[:, -1, :])
+
+
+class _WatchedStage:
+    """A stage as the links watch it: ``links_ended.remote()`` is pending until the stage's process dies (Ray's
+    ref then raises; here the event is set and the call raises as Ray's does)."""
+
+    def __init__(self, died: asyncio.Event) -> None:
+        self.died = died
+        self.links_ended = self
+
+    def remote(self) -> Any:
+        return self._ended()
+
+    async def _ended(self) -> str:
+        await self.died.wait()
+        raise RuntimeError("ActorDiedError: the actor died unexpectedly before finishing this task")
+
+
+def test_a_stage_that_dies_while_no_step_is_in_flight_fails_the_engine_at_once() -> None:
+    """No step runs, so no receive fails: the watch on the stages' ``links_ended`` fails the engine itself (the
+    pool then replaces the pipeline, and ``/health`` says 503 meanwhile); closing the links is not a failure."""
+    from raycluster_cli.serve.engine import Engine
+    from raycluster_cli.serve.scheduler import Limits
+
+    engine_side, _ = _ring([_embed, _double, _logits])
+
+    async def run() -> tuple[BaseException | None, float, Engine]:
+        died = asyncio.Event()
+        links = DirectLinks(engine_side.pop(), 4)
+        engine = Engine([], None, Limits(), frozenset(), links=links)
+        links.start([_WatchedStage(died)])
+        await asyncio.sleep(0.2)
+        assert engine.failure is None
+        died.set()
+        began = time.monotonic()
+        while engine.failure is None and time.monotonic() - began < 5:
+            await asyncio.sleep(0.01)
+        return engine.failure, time.monotonic() - began, engine
+
+    failure, after_s, _ = asyncio.run(run())
+    assert isinstance(failure, LinksDown) and "ActorDiedError" in str(failure), failure
+    assert after_s < 1.0
+
+
+def test_an_engine_closing_its_links_is_not_a_failure() -> None:
+    from raycluster_cli.serve.engine import Engine
+    from raycluster_cli.serve.scheduler import Limits
+
+    engine_side, _ = _ring([_embed, _double, _logits])
+
+    async def run() -> BaseException | None:
+        links = DirectLinks(engine_side.pop(), 4)
+        engine = Engine([], None, Limits(), frozenset(), links=links)
+        links.start([_WatchedStage(asyncio.Event())])
+        await engine.close()  # a drained pipeline retired
+        await asyncio.sleep(0.2)
+        return engine.failure
+
+    assert asyncio.run(run()) is None

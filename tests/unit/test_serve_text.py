@@ -10,7 +10,7 @@ torch = pytest.importorskip("torch")
 tokenizers = pytest.importorskip("tokenizers")
 transformers = pytest.importorskip("transformers")
 
-from raycluster_cli.serve.text import REPLACEMENT, Sampling, TextStream, sample  # noqa: E402
+from raycluster_cli.serve.text import REPLACEMENT, Sampling, TextStream, adjust, sample  # noqa: E402
 
 TEXT = "naïve café — 日本語のテキスト, emoji 🙂🙂 and plain words"
 
@@ -71,3 +71,57 @@ def test_greedy_and_seeded_sampling() -> None:
     nucleus = Sampling(temperature=1.0, top_p=0.3, seed=1)
     gen = nucleus.generator()
     assert {sample(logits, nucleus, gen) for _ in range(20)} == {1}  # only the top token is within top_p
+
+
+def _hf(processor: Any, prompt: list[int], output: list[int], logits: Any) -> Any:
+    """What a transformers logits processor makes of one row, given the sequence so far."""
+    return processor(torch.tensor([prompt + output]), logits.clone().unsqueeze(0))[0]
+
+
+def test_logit_changes_equal_transformers_own_processors() -> None:
+    """``repetition_penalty``, a one-token ``logit_bias`` and ``min_tokens`` give, row for row, what transformers'
+    ``RepetitionPenaltyLogitsProcessor``, ``SequenceBiasLogitsProcessor`` and ``MinNewTokensLengthLogitsProcessor``
+    give (the processors ``generate`` runs for ``repetition_penalty``, ``sequence_bias``, ``min_new_tokens``)."""
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(50, generator=gen) * 3
+    prompt, output = [4, 9, 9, 17], [17, 30, 2]
+    hf = transformers.generation.logits_process
+    penalized = adjust(logits, Sampling(temperature=0, repetition_penalty=1.7), prompt, output, frozenset({49}))
+    assert torch.equal(penalized, _hf(hf.RepetitionPenaltyLogitsProcessor(1.7), prompt, output, logits))
+    assert not torch.equal(penalized, logits)
+    biased = adjust(logits, Sampling(logit_bias=((9, 5.0), (44, -3.5))), prompt, output, frozenset({49}))
+    want = _hf(hf.SequenceBiasLogitsProcessor({(9,): 5.0, (44,): -3.5}), prompt, output, logits)
+    assert torch.allclose(biased, want)
+    for generated, blocked in (([], True), ([5, 6], True), ([5, 6, 7], False)):
+        held = adjust(logits, Sampling(min_tokens=3), prompt, generated, frozenset({49, 0}))
+        want = _hf(hf.MinNewTokensLengthLogitsProcessor(len(prompt), 3, [49, 0]), prompt, generated, logits)
+        assert torch.equal(held, want) and bool(torch.isinf(held[49])) == blocked
+    assert torch.equal(adjust(logits, Sampling(min_tokens=3, ignore_eos=True), prompt, [], frozenset({49})), logits)
+    assert adjust(logits, Sampling(), prompt, output, frozenset({49})) is logits  # nothing asked: no copy
+
+
+def test_frequency_and_presence_penalties_follow_openais_formula() -> None:
+    """logit − frequency × (times generated) − presence × (generated at all), over the output only."""
+    logits = torch.zeros(6)
+    sampling = Sampling(frequency_penalty=0.5, presence_penalty=1.25)
+    got = adjust(logits, sampling, [1, 1, 1], [2, 3, 3, 3], frozenset())
+    assert got.tolist() == [0.0, 0.0, -1.75, -2.75, 0.0, 0.0]  # the prompt's token 1 is not penalized
+    negative = adjust(logits, Sampling(presence_penalty=-2.0), [], [5], frozenset())
+    assert negative.tolist() == [0.0] * 5 + [2.0]  # a negative penalty favours what was said
+
+
+def test_top_k_and_min_p_keep_the_tokens_transformers_keeps() -> None:
+    """The tokens a draw can give: those transformers' ``TopKLogitsWarper`` / ``MinPLogitsWarper`` leave finite."""
+    logits = torch.tensor([0.1, 2.0, 1.9, -1.0, 1.0, 0.5])
+    hf = transformers.generation.logits_process
+    for sampling, warper in (
+        (Sampling(temperature=1.0, top_k=2, seed=1), hf.TopKLogitsWarper(2)),
+        (Sampling(temperature=1.0, min_p=0.3, seed=1), hf.MinPLogitsWarper(0.3)),
+    ):
+        gen = sampling.generator()
+        drawn = {sample(logits, sampling, gen) for _ in range(200)}
+        kept = _hf(warper, [0], [], logits)
+        assert drawn == {i for i in range(6) if torch.isfinite(kept[i])}, sampling
+    one = Sampling(temperature=1.0, top_k=1, seed=2)
+    gen = one.generator()
+    assert {sample(logits, one, gen) for _ in range(50)} == {1}
