@@ -5,6 +5,8 @@
 # time, 32 four at a time and 32 at once; one line per run: tok/s, TPOT p50, the step anatomy's round trip, the
 # stages' compute and hand-offs, the ingress loop's lag, the split, each node's CPU against its quota and the front
 # end's CPU per output token (the ingress, Serve's proxy).
+# QUOTAS_B: B's hosts' CPU quotas instead of A's (e.g. 0.5,0.25,0.125: the same ratios on less of the machine, so
+# the three stages computing at once no longer need more than its 2 cores), with ENV_B= to change nothing else.
 # SERVE_FLAGS: the services' flags (default --rebalance-period=10; --rebalance-period=0 keeps both on their first split,
 # so a change that moves the head's CPU is not also a change of split).
 # Usage: RAYCLUSTER_LAB_NAME=rc-ex RAYCLUSTER_LAB_SUBNET=10.91.0.0/24 [RAYCLUSTER_NODE_IMAGE=...] [ENV_B=...] \
@@ -14,7 +16,7 @@ cd "$(dirname "$0")/.."
 ROUNDS=${1:-2}
 OUT=${2:-/tmp/serve-env-ab}
 PYTHON=${PYTHON:-.venv/bin/python}
-ENV_B=${ENV_B:-RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD=0 RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP=0 RAY_SERVE_REQUEST_PATH_LOG_BUFFER_SIZE=1000 RAY_SERVE_LOG_TO_STDERR=0}
+ENV_B=${ENV_B-RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD=0 RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP=0 RAY_SERVE_REQUEST_PATH_LOG_BUFFER_SIZE=1000 RAY_SERVE_LOG_TO_STDERR=0}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD
 R="$PYTHON -m raycluster_cli"
@@ -25,8 +27,22 @@ for round in $(seq 0 $((ROUNDS - 1))); do
     INV=$OUT/inv-$cfg.yaml
     cp "$BASE" "$INV"
     if [ $cfg = B ]; then
-      echo "env:" >> "$INV"
+      if [ -n "$ENV_B" ]; then echo "env:" >> "$INV"; fi
       for pair in $ENV_B; do echo "  ${pair%%=*}: \"${pair#*=}\"" >> "$INV"; done
+      if [ -n "${QUOTAS_B:-}" ]; then
+        $PYTHON - "$INV" "$QUOTAS_B" <<'PY'
+import sys
+from pathlib import Path
+import yaml
+from raycluster_cli.lab.hosts import quota_options
+path, spec = Path(sys.argv[1]), sys.argv[2]
+data = yaml.safe_load(path.read_text())
+options = quota_options(spec, len(data["hosts"]))
+for index, host in enumerate(data["hosts"], start=1):  # the lab's hosts in order: lab-h1, lab-h2, ...
+    host.setdefault("docker", {})["run_options"] = options[f"lab-h{index}"]
+path.write_text(yaml.safe_dump(data, sort_keys=False))
+PY
+      fi
     fi
     timeout 600 $R down -i "$INV" --json > /dev/null || true
     timeout 1200 $R up -i "$INV" --json > "$OUT/up-$round-$cfg.json"
