@@ -345,13 +345,7 @@ class OpenAIServer:
             raise APIError(401, "missing or wrong API key: send Authorization: Bearer <the cluster's token>")
 
     def _check_model(self, name: str) -> None:
-        if name != self.model_id:
-            raise APIError(
-                404,
-                f"the model {name!r} does not exist; this service serves {self.model_id!r}",
-                param="model",
-                code="model_not_found",
-            )
+        protocol.check_model(name, self.model_id)
 
     @app.get("/v1/models")
     async def models(self, request: Request) -> dict[str, Any]:

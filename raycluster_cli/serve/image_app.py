@@ -154,13 +154,7 @@ class ImageServer:
     @image_api.get("/v1/models/{model:path}")
     async def model(self, model: str, request: Request) -> dict[str, Any]:
         self._authorize(request)
-        if model != self.model_id:
-            raise APIError(
-                404,
-                f"the model {model!r} does not exist; this service serves {self.model_id!r}",
-                param="model",
-                code="model_not_found",
-            )
+        protocol.check_model(model, self.model_id)
         return protocol.model_card(self.model_id, self.created)
 
     @image_api.get("/health")
@@ -185,11 +179,8 @@ class ImageServer:
     async def generations(self, request: Request) -> dict[str, Any]:
         self._authorize(request)
         body: ImageGenerationRequest = protocol.parse(ImageGenerationRequest, await request.body())
-        if body.model is not None and body.model != self.model_id:
-            raise APIError(
-                404, f"the model {body.model!r} does not exist; this service serves {self.model_id!r}",
-                param="model", code="model_not_found",
-            )  # fmt: skip
+        if body.model is not None:
+            protocol.check_model(body.model, self.model_id)
         width, height = body.dimensions(self.size, MULTIPLE, self.settings.largest)
         seed = body.seed if body.seed is not None else secrets.randbelow(2**31)
         steps = body.num_inference_steps or self.settings.steps

@@ -236,6 +236,17 @@ def model_card(model: str, created: int) -> dict[str, Any]:
     return {"id": model, "object": "model", "created": created, "owned_by": "raycluster"}
 
 
+def check_model(asked: str, served: str) -> None:
+    """404 in OpenAI's shape (``model_not_found``) when a request names a model this service does not serve."""
+    if asked != served:
+        raise APIError(
+            404,
+            f"the model {asked!r} does not exist; this service serves {served!r}",
+            param="model",
+            code="model_not_found",
+        )
+
+
 def health(live: int, retry_after: int) -> dict[str, Any]:
     """``GET /health``'s answer: 200 while ``live`` replicas can generate, 503 with ``Retry-After`` while none can
     (a load balancer's or an orchestrator's probe; it says nothing else, so it asks for no key, as vLLM's, TGI's
