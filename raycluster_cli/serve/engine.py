@@ -103,11 +103,16 @@ class Engine:
         eos_ids: frozenset[int],
         max_in_flight: int | None = None,
         links: DirectLinks | None = None,
+        watch: bool = False,
     ) -> None:
         self.stages = list(stages)
         self.links = links  # direct links between the stages (serve.links); None: Ray's calls relay each step
         if links is not None:
             links.on_down = self.fail  # a ring that broke while idle fails the engine now (the pool replaces it)
+        # Ray's calls relay the steps: hold a call open on every stage actor (``links_ended``), so one that dies
+        # while no step is pending fails the engine at once too (the links watch their stages themselves)
+        self._watch_stages = watch and links is None
+        self._watch_task: asyncio.Task[None] | None = None
         self.links_note: str | None = None  # why a pipeline meant to have direct links has none
         self.stage_infos: list[dict[str, Any]] = []  # each stage's device and products' plan, as it loaded
         self.tokenizer = tokenizer
@@ -135,6 +140,14 @@ class Engine:
         loop = asyncio.get_running_loop()
         self._loop_task = loop.create_task(self._loop())
         self._lag_task = loop.create_task(self._watch_lag())
+        if self._watch_stages:
+            self._watch_task = loop.create_task(self._watch())
+
+    async def _watch(self) -> None:
+        calls = [asyncio.ensure_future(stage.links_ended.remote()) for stage in self.stages]
+        done, _ = await asyncio.wait(calls, return_when=asyncio.FIRST_COMPLETED)
+        ended = next(iter(done))
+        self.fail(ended.exception() or RuntimeError(f"a stage's watch ended: {ended.result()}"))
 
     async def _watch_lag(self) -> None:
         """How late the loop wakes a sleeper: a busy loop (many streams, the GIL held by other threads) delays
@@ -149,7 +162,7 @@ class Engine:
         return "direct" if self.links is not None else "ray"
 
     async def close(self) -> None:
-        for task in (self._loop_task, self._lag_task):
+        for task in (self._loop_task, self._lag_task, self._watch_task):
             if task is not None:
                 task.cancel()
         if self.links is not None:

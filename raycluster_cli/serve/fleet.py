@@ -177,7 +177,7 @@ class RayFleet:
             BUILD_TIMEOUT_S + 10,
         )
         links, why = await self._connect(actors, limits) if self.links == "direct" else (None, None)
-        engine = Engine(actors, self.tokenizer, limits, self.eos, self.max_in_flight, links=links)
+        engine = Engine(actors, self.tokenizer, limits, self.eos, self.max_in_flight, links=links, watch=True)
         engine.links_note = why
         engine.stage_infos = infos
         engine.start()

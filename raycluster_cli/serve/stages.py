@@ -110,8 +110,11 @@ class _StageActor:
 
     @ray.method(concurrency_group="links")
     def links_ended(self) -> str:
-        """Block until this stage's links loop ends (a neighbour died, a forward failed); why it ended."""
+        """Block until this stage's links loop ends (a neighbour died, a forward failed); why it ended.  A stage
+        without links (Ray's calls relay its steps) never answers: the engine holds the call open, and the
+        process's end fails it at once (``Engine(watch=True)``)."""
         if self.links is None:
+            threading.Event().wait()  # never set: held until this process ends
             return "this stage has no links"
         return self.links.wait()
 

@@ -227,3 +227,27 @@ def test_an_engine_closing_its_links_is_not_a_failure() -> None:
         return engine.failure
 
     assert asyncio.run(run()) is None
+
+
+def test_a_relayed_pipeline_s_stage_that_dies_idle_fails_the_engine_too() -> None:
+    """Without links (Ray's calls relay the steps) the engine holds ``links_ended`` open on every stage, which a
+    stage without links never answers: the call fails when the stage's process ends, and so does the engine."""
+    from raycluster_cli.serve.engine import Engine
+    from raycluster_cli.serve.scheduler import Limits
+
+    async def run() -> tuple[BaseException | None, BaseException | None]:
+        died = asyncio.Event()
+        engine = Engine([_WatchedStage(asyncio.Event()), _WatchedStage(died)], None, Limits(), frozenset(), watch=True)
+        engine.start()
+        await asyncio.sleep(0.2)
+        before = engine.failure
+        died.set()
+        began = time.monotonic()
+        while engine.failure is None and time.monotonic() - began < 5:
+            await asyncio.sleep(0.01)
+        await engine.close()
+        return before, engine.failure
+
+    before, failure = asyncio.run(run())
+    assert before is None
+    assert failure is not None and "ActorDiedError" in str(failure), failure
