@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import socket
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import pytest
@@ -27,4 +28,30 @@ def one_node_ray(**options: Any) -> Iterator[str]:
         try:
             yield ray.get_runtime_context().get_node_id()
         finally:
+            ray.shutdown()
+
+
+@contextlib.contextmanager
+def local_serve(app: Any, env: Mapping[str, str] | None = None, **options: Any) -> Iterator[str]:
+    """A throwaway local Ray with Ray Serve on a free loopback port running ``app`` (``env`` set while it runs, as
+    `up` sets the nodes' containers; ``options`` go to ``ray.init`` over the defaults): yields the service's root
+    URL; everything is shut down after."""
+    import ray
+    from ray import serve
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = int(sock.getsockname()[1])
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("RAY_AUTH_MODE", "disabled")
+        for name, value in (env or {}).items():
+            mp.setenv(name, value)
+        defaults = {"num_cpus": 2, "include_dashboard": False, "log_to_driver": False, "configure_logging": False}
+        ray.init(**(defaults | {"_node_ip_address": "127.0.0.1"} | options))
+        try:
+            serve.start(http_options={"host": "127.0.0.1", "port": port})
+            serve.run(app, name="raycluster", route_prefix="/")
+            yield f"http://127.0.0.1:{port}"
+        finally:
+            serve.shutdown()
             ray.shutdown()

@@ -36,8 +36,9 @@ from raycluster_cli.verbs.serve_bench import (  # noqa: E402
 )
 from raycluster_cli.verbs.serve_load import stage_times  # noqa: E402
 
+from ..local_ray import local_serve  # noqa: E402
 from ..serve_checkpoint import write_chat_llama  # noqa: E402
-from .test_serve_openai import _free_port, _wait_ready  # noqa: E402
+from .test_serve_openai import _wait_ready  # noqa: E402
 
 TOKEN = "test-cluster-token"
 MODEL = "tiny-chat-llama"
@@ -56,26 +57,10 @@ def target(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServiceTarget]:
         num_threads=1,
         limits=Limits(slots=8, step_tokens=64, prefill_chunk=16, max_seq=128, max_waiting=64),
     )
-    port = _free_port()
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("RAY_AUTH_MODE", "disabled")
-        ray.init(
-            address="local",  # a new instance, never one another test started on this machine
-            num_cpus=2,
-            include_dashboard=False,
-            log_to_driver=False,
-            configure_logging=False,
-            _node_ip_address="127.0.0.1",
-        )
-        try:
-            serve.start(http_options={"host": "127.0.0.1", "port": port})
-            serve.run(build_app(settings, health_check_period_s=2), name="raycluster", route_prefix="/")
-            url = f"http://127.0.0.1:{port}/v1"
-            _wait_ready(url)
-            yield ServiceTarget(url, TOKEN)
-        finally:
-            serve.shutdown()
-            ray.shutdown()
+    # address="local": a new instance, never one another test started on this machine
+    with local_serve(build_app(settings, health_check_period_s=2), address="local") as root:
+        _wait_ready(f"{root}/v1")
+        yield ServiceTarget(f"{root}/v1", TOKEN)
 
 
 def _status(target: ServiceTarget) -> dict[str, Any]:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -36,6 +35,7 @@ from raycluster_cli.serve.placement import plan_replicas  # noqa: E402
 from raycluster_cli.serve.scheduler import Limits  # noqa: E402
 from raycluster_cli.serve.stages import STAGE_NAMESPACE  # noqa: E402
 
+from ..local_ray import local_serve  # noqa: E402
 from ..openai_penalties import OpenAIPenalties  # noqa: E402
 from ..serve_checkpoint import WORDS, write_chat_llama  # noqa: E402
 
@@ -69,12 +69,6 @@ class Service:
         return data
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def _wait(check: Any, deadline_s: float, what: str) -> float:
     """Poll ``check`` until it is true; the seconds it took."""
     began = time.monotonic()
@@ -101,28 +95,12 @@ def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
         num_threads=1,
         limits=Limits(slots=8, step_tokens=48, prefill_chunk=8, max_seq=128, max_waiting=16),
     )
-    port = _free_port()
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("RAY_AUTH_MODE", "disabled")
-        ray.init(
-            num_cpus=4,
-            include_dashboard=False,
-            log_to_driver=False,
-            configure_logging=False,
-            _node_ip_address="127.0.0.1",
-        )
-        try:
-            serve.start(http_options={"host": "127.0.0.1", "port": port})
-            serve.run(build_app(settings, health_check_period_s=2), name="raycluster", route_prefix="/")
-            url = f"http://127.0.0.1:{port}/v1"
-            tokenizer = transformers.AutoTokenizer.from_pretrained(str(path))
-            model = transformers.AutoModelForCausalLM.from_pretrained(str(path)).eval()
-            found = Service(url, path, tokenizer, model)
-            _wait(lambda: found.status()["replicas"] == 2, 60, "two pipelines")
-            yield found
-        finally:
-            serve.shutdown()
-            ray.shutdown()
+    with local_serve(build_app(settings, health_check_period_s=2), num_cpus=4) as root:
+        tokenizer = transformers.AutoTokenizer.from_pretrained(str(path))
+        model = transformers.AutoModelForCausalLM.from_pretrained(str(path)).eval()
+        found = Service(f"{root}/v1", path, tokenizer, model)
+        _wait(lambda: found.status()["replicas"] == 2, 60, "two pipelines")
+        yield found
 
 
 async def _streams(service: Service, killed: list[float]) -> list[str]:

@@ -11,7 +11,6 @@ import http.client
 import json
 import os
 import signal
-import socket
 import time
 import urllib.error
 import urllib.request
@@ -35,6 +34,7 @@ from raycluster_cli.host.containers import SERVE_ENV  # noqa: E402
 from raycluster_cli.serve.app import ServeSettings, build_app  # noqa: E402
 from raycluster_cli.serve.scheduler import Limits  # noqa: E402
 
+from ..local_ray import local_serve  # noqa: E402
 from ..openai_penalties import OpenAIPenalties  # noqa: E402
 from ..serve_checkpoint import WORDS, write_chat_llama  # noqa: E402
 
@@ -62,12 +62,6 @@ class Service:
         """What transformers itself answers, greedy."""
         out = self.model.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=new_tokens)
         return str(self.tokenizer.decode(out[0, len(ids) :], skip_special_tokens=True))
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def _raw(url: str, body: bytes | None = None, token: str | None = TOKEN) -> tuple[int, dict[str, Any]]:
@@ -106,29 +100,13 @@ def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
         num_threads=1,
         limits=Limits(slots=8, step_tokens=48, prefill_chunk=8, max_seq=128, max_waiting=16),
     )
-    port = _free_port()
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("RAY_AUTH_MODE", "disabled")
-        for name, value in SERVE_ENV.items():  # Serve as `up` sets it in the nodes' containers: proxy → ingress on gRPC
-            mp.setenv(name, value)
-        ray.init(
-            num_cpus=2,
-            include_dashboard=False,
-            log_to_driver=False,
-            configure_logging=False,
-            _node_ip_address="127.0.0.1",
-        )
-        try:
-            serve.start(http_options={"host": "127.0.0.1", "port": port})
-            serve.run(build_app(settings, health_check_period_s=2), name="raycluster", route_prefix="/")
-            url = f"http://127.0.0.1:{port}/v1"
-            _wait_ready(url)
-            tokenizer = transformers.AutoTokenizer.from_pretrained(str(path))
-            model = transformers.AutoModelForCausalLM.from_pretrained(str(path)).eval()
-            yield Service(url, path, tokenizer, model)
-        finally:
-            serve.shutdown()
-            ray.shutdown()
+    # Serve as `up` sets it in the nodes' containers: the proxy calls the ingress over gRPC
+    with local_serve(build_app(settings, health_check_period_s=2), SERVE_ENV) as root:
+        url = f"{root}/v1"
+        _wait_ready(url)
+        tokenizer = transformers.AutoTokenizer.from_pretrained(str(path))
+        model = transformers.AutoModelForCausalLM.from_pretrained(str(path)).eval()
+        yield Service(url, path, tokenizer, model)
 
 
 async def _complete(client: Any, prompt: str, stream: bool, **extra: Any) -> tuple[str, Any]:

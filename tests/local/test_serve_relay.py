@@ -27,8 +27,9 @@ from raycluster_cli.host.containers import SERVE_ENV  # noqa: E402
 from raycluster_cli.serve.app import ServeSettings, build_app  # noqa: E402
 from raycluster_cli.serve.scheduler import Limits  # noqa: E402
 
+from ..local_ray import local_serve  # noqa: E402
 from ..serve_checkpoint import WORDS, write_chat_llama  # noqa: E402
-from .test_serve_openai import TOKEN, _free_port, _raw, _wait_ready  # noqa: E402
+from .test_serve_openai import TOKEN, _raw, _wait_ready  # noqa: E402
 
 MODEL = "tiny-chat-llama"
 PROMPT = " ".join(WORDS[:6])
@@ -46,23 +47,11 @@ def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Any
         links="ray",
         limits=Limits(slots=4, step_tokens=32, prefill_chunk=8, max_seq=64, max_waiting=8),
     )
-    port = _free_port()
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("RAY_AUTH_MODE", "disabled")
-        for name, value in SERVE_ENV.items():
-            mp.setenv(name, value)
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, _node_ip_address="127.0.0.1")
-        try:
-            serve.start(http_options={"host": "127.0.0.1", "port": port})
-            serve.run(build_app(settings, health_check_period_s=2), name="raycluster", route_prefix="/")
-            url = f"http://127.0.0.1:{port}/v1"
-            _wait_ready(url)
-            tokenizer = transformers.AutoTokenizer.from_pretrained(str(path))
-            model = transformers.AutoModelForCausalLM.from_pretrained(str(path)).eval()
-            yield url, tokenizer, model
-        finally:
-            serve.shutdown()
-            ray.shutdown()
+    with local_serve(build_app(settings, health_check_period_s=2), SERVE_ENV) as root:
+        _wait_ready(f"{root}/v1")
+        tokenizer = transformers.AutoTokenizer.from_pretrained(str(path))
+        model = transformers.AutoModelForCausalLM.from_pretrained(str(path)).eval()
+        yield f"{root}/v1", tokenizer, model
 
 
 def _greedy(tokenizer: Any, model: Any, new_tokens: int) -> str:
