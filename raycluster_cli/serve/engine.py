@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from raycluster_cli.serve.anatomy import TIMELINE_STEPS
-from raycluster_cli.serve.links import DirectLinks
+from raycluster_cli.serve.links import DirectLinks, first_stage_ended
 from raycluster_cli.serve.scheduler import Chunk, Limits, QueueFull, Scheduler
 from raycluster_cli.serve.text import Sampling, TextStream, TokenLogprob, adjust, sample, token_logprob
 
@@ -111,7 +111,7 @@ class Engine:
             links.on_down = self.fail  # a ring that broke while idle fails the engine now (the pool replaces it)
         # Ray's calls relay the steps: hold a call open on every stage actor (``links_ended``), so one that dies
         # while no step is pending fails the engine at once too (the links watch their stages themselves)
-        self._watch_stages = watch and links is None
+        self._watch_relay = watch and links is None
         self._watch_task: asyncio.Task[None] | None = None
         self.links_note: str | None = None  # why a pipeline meant to have direct links has none
         self.stage_infos: list[dict[str, Any]] = []  # each stage's device and products' plan, as it loaded
@@ -140,14 +140,11 @@ class Engine:
         loop = asyncio.get_running_loop()
         self._loop_task = loop.create_task(self._loop())
         self._lag_task = loop.create_task(self._watch_lag())
-        if self._watch_stages:
+        if self._watch_relay:
             self._watch_task = loop.create_task(self._watch())
 
     async def _watch(self) -> None:
-        calls = [asyncio.ensure_future(stage.links_ended.remote()) for stage in self.stages]
-        done, _ = await asyncio.wait(calls, return_when=asyncio.FIRST_COMPLETED)
-        ended = next(iter(done))
-        self.fail(ended.exception() or RuntimeError(f"a stage's watch ended: {ended.result()}"))
+        self.fail(RuntimeError(f"a stage ended: {await first_stage_ended(self.stages)}"))
 
     async def _watch_lag(self) -> None:
         """How late the loop wakes a sleeper: a busy loop (many streams, the GIL held by other threads) delays

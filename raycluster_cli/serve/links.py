@@ -209,6 +209,16 @@ class StageLoop:
         return self.error or "the links loop ended"
 
 
+async def first_stage_ended(stages: Sequence[Any]) -> str:
+    """Why the first of ``stages`` ended: its ``links_ended`` answer (its links loop ended), or the error of that
+    held call (its process died).  A stage without links never answers, so for a relayed pipeline this waits for a
+    stage's death."""
+    calls = [asyncio.ensure_future(stage.links_ended.remote()) for stage in stages]
+    done, _ = await asyncio.wait(calls, return_when=asyncio.FIRST_COMPLETED)
+    ended = next(iter(done))
+    return f"{type(e).__name__}: {e}" if (e := ended.exception()) else str(ended.result())
+
+
 class LinksDown(RuntimeError):
     """The ring broke: a stage died or failed (the engine treats it as a failed step)."""
 
@@ -313,13 +323,7 @@ class DirectLinks:
 
     async def _watch_stages(self, stages: Sequence[Any]) -> None:
         """A stage whose loop ended (or whose actor died) fails the ring at once, not at the stall deadline."""
-        refs = [stage.links_ended.remote() for stage in stages]
-        try:
-            done, _ = await asyncio.wait([asyncio.ensure_future(r) for r in refs], return_when=asyncio.FIRST_COMPLETED)
-            why = [f"{type(e).__name__}: {e}" if (e := d.exception()) else str(d.result()) for d in done]
-            self._fail(LinksDown(f"a stage's links ended: {why[0]}"))
-        except asyncio.CancelledError:
-            raise
+        self._fail(LinksDown(f"a stage's links ended: {await first_stage_ended(stages)}"))
 
     def close(self) -> None:
         """Stop sending (the receive thread ends when the stages are killed and its link closes)."""
