@@ -5,9 +5,22 @@ from __future__ import annotations
 import contextlib
 import socket
 from collections.abc import Iterator, Mapping
+from pathlib import Path
 from typing import Any
 
 import pytest
+
+from raycluster_cli.apikeys import KeyEntry, render_keys
+
+
+def write_keys(path: Path, keys: Mapping[str, str], limits: Mapping[str, Mapping[str, int]] | None = None) -> str:
+    """A keys document at ``path`` for the service (``name: key``; ``limits``: a key's max_requests/max_tokens),
+    written whole (as the operator's `docker exec` does: a new file moved into place); returns its path."""
+    entries = [KeyEntry.make(name, key, **dict((limits or {}).get(name, {}))) for name, key in keys.items()]
+    temp = path.with_name(path.name + ".tmp")
+    temp.write_text(render_keys(entries))
+    temp.replace(path)
+    return str(path)
 
 
 @contextlib.contextmanager

@@ -52,6 +52,14 @@ SERVE_FLAGS: dict[str, tuple[Any, Any]] = {
     ),
     "url": (Annotated[str, _opt("the service's base URL (default: the one `serve` recorded on the head)")], ""),
     "request_timeout": (Annotated[float, _opt("seconds one request may take")], 300.0),
+    "api_key_file": (
+        Annotated[str, _opt("a file holding the service's key (default: the one `serve` made on this machine)")],
+        "",
+    ),
+    "ca_file": (
+        Annotated[str, _opt("an https service's certificate (PEM) to verify it with (default: the one `serve` used)")],
+        "",
+    ),
 }
 
 
@@ -111,12 +119,12 @@ def serve_bench_action(output: Output, values: dict[str, Any], own: dict[str, An
     from raycluster_cli.verbs.serve import service_status
 
     plan = _plan(values, own)
-    if own["url"]:  # no host is asked: the inventory only names the cluster, whose token is the key
+    if own["url"]:  # no host is asked: the inventory only names the cluster, whose service key is on this machine
         inv = inventory.load(own["inventory_path"]).inventory
-        target = serve_bench.target_of(inv, None, own["url"])
+        target = serve_bench.target_of(inv, None, own["url"], own["api_key_file"], own["ca_file"])
     else:
         with open_cluster(own["inventory_path"]) as (inv, pool):
-            target = serve_bench.target_of(inv, service_status(inv, pool))
+            target = serve_bench.target_of(inv, service_status(inv, pool), "", own["api_key_file"], own["ca_file"])
     report = serve_bench.ServeBenchReport()
     try:
         serve_bench.run_blocking(target, plan, report, output.progress(), timeout_s=own["timeout"])

@@ -3,7 +3,7 @@ node image); `serve --stop` removes it."""
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -61,6 +61,38 @@ def serve_command(
             " drains; 0: never",
         ),
     ] = 20.0,
+    api_key_file: Annotated[
+        str | None,
+        typer.Option(help="the service's default API key from this file (default: one made and kept on this machine)"),
+    ] = None,
+    tls_cert: Annotated[str | None, typer.Option(help="serve the API over HTTPS with this certificate (PEM)")] = None,
+    tls_key: Annotated[str | None, typer.Option(help="the private key (PEM) of --tls-cert")] = None,
+    tls_self_signed: Annotated[
+        bool, typer.Option("--tls-self-signed", help="serve over HTTPS with a certificate made here for the head")
+    ] = False,
+    key_max_requests: Annotated[
+        int, typer.Option(min=0, help="requests in flight per API key unless the key says (0: no bound)")
+    ] = 0,
+    key_max_tokens: Annotated[
+        int, typer.Option(min=0, help="tokens in flight (prompt + max_tokens, x n) per API key (0: no bound)")
+    ] = 0,
+    keys: Annotated[
+        str | None,
+        typer.Option(
+            "--keys",
+            help="the service's API keys instead: add NAME (a new key, its file printed, in effect at once), revoke"
+            " NAME, list",
+        ),
+    ] = None,
+    key_name: Annotated[
+        str | None, typer.Argument(metavar="[NAME]", help="the key's name for --keys add/revoke")
+    ] = None,
+    max_requests: Annotated[
+        int | None, typer.Option(min=1, help="--keys add: this key's requests in flight at most")
+    ] = None,
+    max_tokens: Annotated[
+        int | None, typer.Option(min=1, help="--keys add: this key's tokens in flight at most")
+    ] = None,
     stop: Annotated[bool, typer.Option("--stop", help="remove the service instead")] = False,
     timeout: Annotated[float, typer.Option(help="seconds the deployment may take")] = 900.0,
     inventory_path: InventoryOpt = None,
@@ -71,8 +103,9 @@ def serve_command(
     diffusers checkpoint, with model_index.json: /v1/images/generations, PNGs as b64_json).
 
     Returns once a real generation went through every stage; the service keeps running after this command
-    (a second `serve` replaces it; `serve --stop` removes it; `status` shows it). The cluster's token is the API
-    key. Exit 0: serving (or removed); 1: it did not start; 2: bad flags or inventory."""
+    (a second `serve` replaces it; `serve --stop` removes it; `status` shows it). Clients use the service's own
+    API keys (`--keys add NAME`), never the cluster's Ray token. Exit 0: serving (or removed); 1: it did not
+    start; 2: bad flags or inventory."""
 
     def action(output: Output) -> int:
         from raycluster_cli.render.operate import render_serve, render_serve_stop
@@ -82,6 +115,10 @@ def serve_command(
             with open_cluster(inventory_path) as (inv, pool):
                 removed = serve.stop(inv, pool)
             return emit(output, True, {"cluster": inv.cluster, "removed": removed}, render_serve_stop)
+        if keys is not None:
+            return _keys_action(output, keys, key_name, max_requests, max_tokens, inventory_path)
+        if key_name is not None:
+            raise UsageError(f"unexpected argument {key_name!r}", "a key's name goes with --keys add/revoke NAME")
         if not model_path:
             raise UsageError(
                 "serve needs --model-path DIR (or --stop)", "e.g. raycluster serve --model-path ./my-llama"
@@ -93,21 +130,59 @@ def serve_command(
         if links not in ("direct", "ray"):
             raise UsageError(f"--links {links!r} is not one of direct, ray", "e.g. --links ray")
         options = serve.ServeOptions(
-            model_path,
-            port,
-            stages,
-            slots,
-            max_seq,
-            model_id,
-            timeout,
-            dtype,
-            image_steps,
-            rebalance_period,
-            steps_in_flight,
-            links,
+            model_path=model_path,
+            port=port,
+            stages=stages,
+            slots=slots,
+            max_seq=max_seq,
+            model_id=model_id,
+            timeout_s=timeout,
+            dtype=dtype,
+            image_steps=image_steps,
+            rebalance_period_s=rebalance_period,
+            steps_in_flight=steps_in_flight,
+            links=links,
+            api_key_file=api_key_file,
+            tls_cert=tls_cert,
+            tls_key=tls_key,
+            tls_self_signed=tls_self_signed,
+            key_max_requests=key_max_requests,
+            key_max_tokens=key_max_tokens,
         )
         with open_cluster(inventory_path) as (inv, pool), output.live_progress() as progress:
             result = serve.serve(inv, pool, options, progress)
         return emit(output, True, {"cluster": inv.cluster, **result.to_dict()}, render_serve)
 
     execute(json_mode, debug, action)
+
+
+def _keys_action(
+    output: Output,
+    action: str,
+    name: str | None,
+    max_requests: int | None,
+    max_tokens: int | None,
+    inventory_path: Any,
+) -> int:
+    """`serve --keys add NAME | revoke NAME | list`: the service's keys, changed on the head without a restart."""
+    from raycluster_cli.render.operate import render_serve_keys
+    from raycluster_cli.verbs import serve_keys
+
+    if action not in ("add", "revoke", "list"):
+        raise UsageError(
+            f"--keys {action!r} is not one of add, revoke, list", "e.g. raycluster serve --keys add team-a"
+        )
+    if action != "list" and not name:
+        raise UsageError(f"--keys {action} needs the key's name", f"e.g. raycluster serve --keys {action} team-a")
+    if (max_requests or max_tokens) and action != "add":
+        raise UsageError(
+            "--max-requests and --max-tokens go with --keys add", "e.g. --keys add team-a --max-requests 8"
+        )
+    with open_cluster(inventory_path) as (inv, pool):
+        if action == "add":
+            change = serve_keys.add_key(inv, pool, str(name), max_requests, max_tokens)
+        elif action == "revoke":
+            change = serve_keys.revoke_key(inv, pool, str(name))
+        else:
+            change = serve_keys.list_keys(inv, pool)
+    return emit(output, True, {"cluster": inv.cluster, **change.to_dict()}, render_serve_keys)

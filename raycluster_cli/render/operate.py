@@ -153,9 +153,13 @@ def render_serve(output: Output, body: dict[str, Any]) -> None:
         )
     if not body.get("pipelines"):
         output.line(f"split: {terminal_safe(str(body['split']))}")
-    output.line("call it (the API key is the cluster's token):")
-    if body.get("auth_token_file"):
-        output.line(f'  export OPENAI_API_KEY="$(cat {body["auth_token_file"]})"')
+    output.line(
+        "call it with the service's key (never the cluster's token; raycluster serve --keys add NAME for more):"
+    )
+    if body.get("api_key_file"):
+        output.line(f'  export OPENAI_API_KEY="$(cat {body["api_key_file"]})"')
+    if body.get("tls_cert_file"):  # the clients verify the service with its certificate (curl --cacert, SSL_CERT_FILE)
+        output.line(f"  export SSL_CERT_FILE={body['tls_cert_file']} CURL_CA_BUNDLE={body['tls_cert_file']}")
     if body.get("kind") == "image":
         output.line(
             f'  python -c \'import base64, openai; open("out.png", "wb").write(base64.b64decode(openai.OpenAI('
@@ -181,6 +185,32 @@ METRICS_HINT = (
     "its metrics (tokens, TTFT, TPOT, each stage's busy share) go to Prometheus with Ray's:"
     " raycluster metrics --out DIR writes the targets and a Grafana dashboard"
 )
+
+
+def render_serve_keys(output: Output, body: dict[str, Any]) -> None:
+    """`serve --keys`: the key's file (the key itself is never printed), or the keys the head knows."""
+    name = terminal_safe(str(body.get("name", "")))
+    if body["action"] == "added":
+        output.line(f"cluster {body['cluster']}: key {name} added, in effect now; it is in {body['key_file']}")
+        output.line(f'  export OPENAI_API_KEY="$(cat {body["key_file"]})"')
+    elif body["action"] == "revoked":
+        output.line(f"cluster {body['cluster']}: key {name} revoked, refused from now on")
+    elif not body.get("keys"):
+        output.line(f"cluster {body['cluster']}: the service has no keys (raycluster serve deploys with one)")
+    else:
+        table = Table(title=f"cluster {body['cluster']}: the service's API keys")
+        for column in ("name", "created", "requests at once", "tokens at once", "key file on this machine"):
+            table.add_column(column)
+        for row in body["keys"]:
+            created = time.strftime("%Y-%m-%d %H:%M", time.localtime(row["created"])) if row["created"] else "?"
+            table.add_row(
+                _escape(terminal_safe(row["name"])),
+                created,
+                str(row["max_requests"] or "-"),
+                str(row["max_tokens"] or "-"),
+                _escape(row["key_file"] or "(made elsewhere)"),
+            )
+        output.out.print(table)
 
 
 def render_serve_stop(output: Output, body: dict[str, Any]) -> None:

@@ -16,15 +16,14 @@ bench's placement and replicas, routed by measured speed).
 
 Units are the model's embedding (0), blocks (1..L) and head (L+1); ``[a, b)`` is half-open;
 ``stage_s`` is the modelled seconds of the stage per calibration step (absent when not measured).  The application outlives this
-process, as Ray Serve applications do; ``serve.delete`` or ``serve shutdown`` removes it.  The bearer
-token is the cluster's own (``$RAY_AUTH_TOKEN_PATH``) unless ``--token-file`` names another.
+process, as Ray Serve applications do; ``serve.delete`` or ``serve shutdown`` removes it.  Callers present one of
+the service's own keys (``--keys-file``, digests only; serve/auth.py), never the cluster's Ray token.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -33,6 +32,7 @@ from typing import Any
 import ray
 from ray import serve
 
+from raycluster_cli.apikeys import parse_keys
 from raycluster_cli.bench import experiment, memory
 from raycluster_cli.bench.config import ModelConfig
 from raycluster_cli.bench.diffusion import is_diffusers_folder
@@ -102,8 +102,17 @@ def _parser() -> argparse.ArgumentParser:
         choices=("auto", "float32", "bfloat16", "float16"),
         help="weights, KV cache and activations; auto: the checkpoint's dtype when every node has a GPU, else float32",
     )
-    p.add_argument("--token-file", default=os.environ.get("RAY_AUTH_TOKEN_PATH", ""))
-    p.add_argument("--no-auth", action="store_true", help="accept requests without a token (loopback tests only)")
+    p.add_argument(
+        "--keys-file",
+        default="",
+        help="the service's keys document (digests of its API keys, raycluster_cli.apikeys), read again when it"
+        " changes; never the Ray cluster's token",
+    )
+    p.add_argument("--no-auth", action="store_true", help="accept requests without a key (loopback tests only)")
+    p.add_argument("--key-max-requests", type=int, default=0, help="requests in flight per key (0: no bound)")
+    p.add_argument("--key-max-tokens", type=int, default=0, help="tokens in flight per key (0: no bound)")
+    p.add_argument("--tls-cert", default="", help="the API's certificate (PEM), with --tls-key: HTTPS")
+    p.add_argument("--tls-key", default="", help="the API's private key (PEM)")
     p.add_argument("--record", default="", help="also write the JSON document to this file (for `raycluster status`)")
     p.add_argument(
         "--proxy-location",
@@ -114,12 +123,27 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _token(args: argparse.Namespace) -> str | None:
+def _keys_file(args: argparse.Namespace) -> str | None:
+    """The keys document's path (checked readable now, so a wrong path fails the launch, not every request)."""
     if args.no_auth:
         return None
-    if not args.token_file:
-        raise SystemExit("serve: no token: pass --token-file (or set RAY_AUTH_TOKEN_PATH), or --no-auth")
-    return Path(args.token_file).read_text().strip()
+    if not args.keys_file:
+        raise SystemExit("serve: no API keys: pass --keys-file (the service's keys document), or --no-auth")
+    try:
+        parse_keys(Path(args.keys_file).read_text())
+    except (OSError, ValueError) as exc:
+        raise SystemExit(f"serve: --keys-file {args.keys_file}: {exc}") from None
+    return str(args.keys_file)
+
+
+def http_options(args: argparse.Namespace) -> dict[str, Any]:
+    """Ray Serve's HTTP proxy: the address and port, HTTPS when given a certificate and its key."""
+    options: dict[str, Any] = {"host": args.host, "port": args.port}
+    if bool(args.tls_cert) != bool(args.tls_key):
+        raise SystemExit("serve: --tls-cert and --tls-key go together")
+    if args.tls_cert:
+        options |= {"ssl_certfile": args.tls_cert, "ssl_keyfile": args.tls_key}
+    return options
 
 
 def _on_gpus() -> bool:
@@ -187,13 +211,15 @@ def _report(url: str, settings: ServeSettings, layers: int) -> dict[str, Any]:
     }
 
 
-def _settings(args: argparse.Namespace, token: str | None) -> ServeSettings:
+def _settings(args: argparse.Namespace, keys_file: str | None) -> ServeSettings:
     """The service's settings from the flags, before any placement."""
     split = tuple(int(c) for c in args.split.split(",")) if args.split else None
     return ServeSettings(
         model_path=args.model_path,
         model_id=args.model_id,
-        token=token,
+        keys_file=keys_file,
+        key_max_requests=args.key_max_requests or None,
+        key_max_tokens=args.key_max_tokens or None,
         stages=args.stages,
         split=split,
         limits=Limits(slots=args.slots, max_seq=args.max_seq, prefill_chunk=args.prefill_chunk),
@@ -207,16 +233,17 @@ def _settings(args: argparse.Namespace, token: str | None) -> ServeSettings:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if is_diffusers_folder(args.model_path):  # the images API (serve/image_launch.py)
-        return image_launch.launch(args, _token(args), APP_NAME, INGRESS_ACTOR_OPTIONS)
-    settings = _settings(args, _token(args))
+        return image_launch.launch(args, _keys_file(args), APP_NAME, INGRESS_ACTOR_OPTIONS, http_options(args))
+    settings = _settings(args, _keys_file(args))
     layers = config_from_checkpoint(args.model_path, max_seq=args.max_seq).layers
     split_units(layers, args.stages, settings.split)  # a bad split fails here, before anything starts
     ray.init(address="auto")
     cfg = config_from_checkpoint(args.model_path, max_seq=args.max_seq, dtype=args.dtype, on_gpu=_on_gpus())
     settings = _placement(args, replace(settings, dtype=cfg.dtype), layers)
-    serve.start(proxy_location=args.proxy_location, http_options={"host": args.host, "port": args.port})
+    serve.start(proxy_location=args.proxy_location, http_options=http_options(args))
     serve.run(build_app(settings, ray_actor_options=INGRESS_ACTOR_OPTIONS), name=APP_NAME, route_prefix="/")
-    url = f"http://{ray.util.get_node_ip_address()}:{args.port}/v1"
+    scheme = "https" if args.tls_cert else "http"
+    url = f"{scheme}://{ray.util.get_node_ip_address()}:{args.port}/v1"
     document = json.dumps(_report(url, settings, layers))
     if args.record:
         Path(args.record).write_text(document + "\n")

@@ -15,10 +15,10 @@ a required query parameter).
 """
 
 import asyncio
-import hmac
 import json
 import time
 import uuid
+import weakref
 from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -31,9 +31,11 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
 from starlette.exceptions import HTTPException
 
+from raycluster_cli.apikeys import KeyEntry
 from raycluster_cli.bench.model import config_from_checkpoint
 from raycluster_cli.serve import protocol
 from raycluster_cli.serve.anatomy import step_anatomy
+from raycluster_cli.serve.auth import KeyLimits, ServiceKeys, cluster_token_path, refuse_disconnect_disabled
 from raycluster_cli.serve.engine import EngineDown, Output, QueueFull
 from raycluster_cli.serve.fleet import Calibration, RayFleet
 from raycluster_cli.serve.frontend import FrontEndCpu
@@ -59,7 +61,9 @@ class ServeSettings:
 
     model_path: str
     model_id: str = ""  # the name clients pass as ``model``; default: the checkpoint folder's name
-    token: str | None = None  # the bearer token (the Ray cluster's); None: no auth (local tests only)
+    keys_file: str | None = None  # the service's keys document (raycluster_cli.apikeys); None: no auth (tests only)
+    key_max_requests: int | None = None  # requests in flight per key when its entry sets none (None: no bound)
+    key_max_tokens: int | None = None  # tokens in flight per key when its entry sets none (None: no bound)
     stages: int = 1
     split: tuple[int, ...] | None = None  # blocks per stage; None: even
     node_ids: tuple[str, ...] | None = None  # pin stage i to node i
@@ -220,6 +224,14 @@ async def _stream_events(
     yield protocol.sse("[DONE]")
 
 
+async def _released(events: Any, release: Any) -> AsyncIterator[Any]:
+    try:
+        async for event in events:
+            yield event
+    finally:
+        release()
+
+
 async def _add_counters(
     rows: list[dict[str, Any]], stages: list[list[Any]], engines: list[Any], since: float = 0.0
 ) -> None:
@@ -253,7 +265,9 @@ async def _add_counters(
         row["anatomy"] = step_anatomy(list(engine.recent), timelines, list(engine.loop_lag), since)
 
 
-app = FastAPI(title="raycluster serve")
+# No /docs, /redoc or /openapi.json: the service's surface is OpenAI's API, and nothing answers without a key but
+# /health.
+app = FastAPI(title="raycluster serve", docs_url=None, redoc_url=None, openapi_url=None)
 
 
 @app.exception_handler(APIError)
@@ -279,6 +293,8 @@ class OpenAIServer:
     async def __init__(self, settings: ServeSettings) -> None:  # type: ignore[misc]  # Serve awaits it
         self.settings = settings
         self.model_id = settings.served_model
+        self.keys = ServiceKeys(settings.keys_file, cluster_token_path())
+        self.key_limits = KeyLimits(settings.key_max_requests, settings.key_max_tokens, RETRY_AFTER_S)
         path = Path(settings.model_path)
         self.tokenizer = transformers.AutoTokenizer.from_pretrained(str(path))
         self.cfg = config_from_checkpoint(path, max_seq=settings.limits.max_seq, dtype=settings.dtype)
@@ -336,13 +352,9 @@ class OpenAIServer:
                 except Exception as exc:
                     engine.fail(exc)
 
-    def _authorize(self, request: Request) -> None:
-        if self.settings.token is None:
-            return
-        header = request.headers.get("authorization", "")
-        scheme, _, given = header.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), self.settings.token.encode()):
-            raise APIError(401, "missing or wrong API key: send Authorization: Bearer <the cluster's token>")
+    def _authorize(self, request: Request) -> KeyEntry:
+        refuse_disconnect_disabled(request.headers)
+        return self.keys.check(request.headers.get("authorization", ""))
 
     def _check_model(self, name: str) -> None:
         protocol.check_model(name, self.model_id)
@@ -380,6 +392,7 @@ class OpenAIServer:
             **self.pool.status(self.cfg.layers),
             "ingress_gc": self.collections.summary(),  # the ingress process's full collections: pauses in every stream
             "front_end": self.front_end.read(),  # CPU seconds of the ingress and of the proxy beside it
+            "keys_in_flight": self.key_limits.in_flight(),  # each key's requests and tokens in flight now
         }
         engines = [p.engine for p in pipelines]
         await _add_counters(body["pipelines"], [list(p.stages) for p in pipelines], engines, since)
@@ -387,17 +400,17 @@ class OpenAIServer:
 
     @app.post("/v1/completions")
     async def completions(self, request: Request) -> Response:
-        self._authorize(request)
+        key = self._authorize(request)
         body: CompletionRequest = protocol.parse(CompletionRequest, await request.body())
         self._check_model(body.model)
         given = body.prompt if isinstance(body.prompt, list) else self.tokenizer.encode(body.prompt)
         prompt = [int(t) for t in given]
         echo = "" if not body.echo else body.prompt if isinstance(body.prompt, str) else self._decode(prompt)
-        return await self._answer(body, prompt, chat=False, echo=echo)
+        return await self._answer(body, prompt, chat=False, echo=echo, key=key)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(self, request: Request) -> Response:
-        self._authorize(request)
+        key = self._authorize(request)
         body: ChatRequest = protocol.parse(ChatRequest, await request.body())
         self._check_model(body.model)
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
@@ -406,7 +419,7 @@ class OpenAIServer:
         except Exception as exc:  # a template that refuses these messages (roles, order)
             raise APIError(400, f"the chat template refused the messages: {exc}", param="messages") from None
         prompt = self.tokenizer.encode(str(text), add_special_tokens=False)
-        return await self._answer(body, prompt, chat=True)
+        return await self._answer(body, prompt, chat=True, key=key)
 
     def _decode(self, ids: list[int]) -> str:
         return str(self.tokenizer.decode(ids, skip_special_tokens=True))
@@ -415,7 +428,24 @@ class OpenAIServer:
         """A token's own text, as a log-probability entry names it (special tokens by their names)."""
         return str(self.tokenizer.decode([token]))
 
-    async def _answer(self, body: Any, prompt: list[int], *, chat: bool, echo: str = "") -> Response:
+    async def _answer(self, body: Any, prompt: list[int], *, chat: bool, key: KeyEntry, echo: str = "") -> Response:
+        """Count it against its key (429 over the key's limits), then answer; its count ends with the answer."""
+        room = self.settings.limits.max_seq - len(prompt)
+        asked = (body.max_completion_tokens if chat else None) or body.max_tokens
+        release = self.key_limits.take(key, body.n * (len(prompt) + max(0, asked or room)))
+        try:
+            response = await self._generate(body, prompt, chat=chat, echo=echo)
+        except BaseException:
+            release()
+            raise
+        if isinstance(response, StreamingResponse):  # released when the stream ends, or is dropped unstarted
+            response.body_iterator = _released(response.body_iterator, release)
+            weakref.finalize(response.body_iterator, release)
+        else:
+            release()
+        return response
+
+    async def _generate(self, body: Any, prompt: list[int], *, chat: bool, echo: str = "") -> Response:
         """Start the generation (errors become 400/503 before any byte is sent), then answer whole or streamed."""
         room = self.settings.limits.max_seq - len(prompt)
         asked = (body.max_completion_tokens if chat else None) or body.max_tokens
@@ -505,10 +535,3 @@ def build_app(settings: ServeSettings, **options: Any) -> Any:
     """The application to ``serve.run``: ``options`` go to the deployment (num_replicas, ray_actor_options)."""
     deployment: Any = OpenAIServer  # a serve.Deployment once decorated; type checkers see the class
     return deployment.options(**options).bind(settings) if options else deployment.bind(settings)
-
-
-def settings_summary(settings: ServeSettings) -> dict[str, Any]:
-    """The settings as JSON-able data, without the token."""
-    data = asdict(settings)
-    data["token"] = "set" if settings.token else None
-    return data

@@ -2,7 +2,7 @@
 
 ``POST /v1/images/generations`` answers PNGs inline (``b64_json``), ``/v1/models`` lists the checkpoint, and
 ``/raycluster/status`` shows the placement, each replica's measured seconds per image, what it holds and made,
-and each actor's busy time.  Same key as the text routes (the cluster's token), same error shape, 503 with
+and each actor's busy time.  The same keys as the text routes (the service's own, serve/auth.py), same error shape, 503 with
 Retry-After when full or when no replica serves.
 
 The ingress places the replicas itself, when it is built (``bench.images.place`` on the alive nodes' `memory`),
@@ -16,11 +16,10 @@ No ``from __future__ import annotations``: FastAPI reads the route methods' anno
 
 import asyncio
 import base64
-import hmac
 import io
 import secrets
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +35,7 @@ from raycluster_cli.bench.image_pool import ImagePool, NoReplica, QueueFull, Slo
 from raycluster_cli.bench.options import BenchOptions
 from raycluster_cli.serve import app as text_app
 from raycluster_cli.serve import protocol
+from raycluster_cli.serve.auth import ServiceKeys, cluster_token_path, refuse_disconnect_disabled
 from raycluster_cli.serve.metrics import RayRecorder, image_request
 from raycluster_cli.serve.protocol import APIError, ImageGenerationRequest
 
@@ -50,7 +50,7 @@ class ImageSettings:
 
     model_path: str
     model_id: str = ""
-    token: str | None = None  # None: no auth (local tests only)
+    keys_file: str | None = None  # the service's keys document (raycluster_cli.apikeys); None: no auth (tests)
     dtype: str = "float32"
     steps: int = 20  # denoising steps when a request does not say (num_inference_steps)
     guidance: float = 7.5
@@ -89,7 +89,7 @@ def _place(settings: ImageSettings, size: int) -> tuple[list[placing.Holders], s
     return holders, why, {n.node_id: n.node_ip for n in rooms}
 
 
-image_api = FastAPI(title="raycluster serve (images)")
+image_api = FastAPI(title="raycluster serve (images)", docs_url=None, redoc_url=None, openapi_url=None)
 for _kind in (APIError, RequestValidationError, HTTPException):  # the text routes' error shape, the same handlers
     image_api.add_exception_handler(_kind, text_app.app.exception_handlers[_kind])
 
@@ -103,6 +103,7 @@ class ImageServer:
         from raycluster_cli.bench.diffusion_workers import Replica
 
         self.settings = settings
+        self.keys = ServiceKeys(settings.keys_file, cluster_token_path())
         self.model_id = settings.served_model
         self.size = settings.size or native_size(settings.model_path)
         holders, self.why, ip_of = await asyncio.to_thread(_place, settings, self.size)
@@ -140,11 +141,8 @@ class ImageServer:
         }  # fmt: skip
 
     def _authorize(self, request: Request) -> None:
-        if self.settings.token is None:
-            return
-        scheme, _, given = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), self.settings.token.encode()):
-            raise APIError(401, "missing or wrong API key: send Authorization: Bearer <the cluster's token>")
+        refuse_disconnect_disabled(request.headers)
+        self.keys.check(request.headers.get("authorization", ""))
 
     @image_api.get("/v1/models")
     async def models(self, request: Request) -> dict[str, Any]:
@@ -215,9 +213,3 @@ def build_image_app(settings: ImageSettings, **options: Any) -> Any:
     """The application to ``serve.run``: ``options`` go to the deployment (ray_actor_options, health checks)."""
     deployment: Any = ImageServer
     return deployment.options(**options).bind(settings) if options else deployment.bind(settings)
-
-
-def settings_summary(settings: ImageSettings) -> dict[str, Any]:
-    data = asdict(settings)
-    data["token"] = "set" if settings.token else None
-    return data

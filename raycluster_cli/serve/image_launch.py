@@ -41,21 +41,28 @@ def image_dtype(asked: str) -> str:
     return dtype
 
 
-def launch(args: argparse.Namespace, token: str | None, app_name: str, ingress_options: dict[str, Any]) -> int:
+def launch(
+    args: argparse.Namespace,
+    keys_file: str | None,
+    app_name: str,
+    ingress_options: dict[str, Any],
+    http_options: dict[str, Any],
+) -> int:
     from raycluster_cli.serve.image_app import ImageSettings, build_image_app
 
     if args.image_size and (args.image_size < 8 or args.image_size % 8):
         raise SystemExit(f"serve: --image-size {args.image_size} must be a multiple of 8")
     settings = ImageSettings(
-        model_path=args.model_path, model_id=args.model_id, token=token, dtype=image_dtype(args.dtype),
+        model_path=args.model_path, model_id=args.model_id, keys_file=keys_file, dtype=image_dtype(args.dtype),
         steps=args.image_steps, guidance=args.guidance_scale, size=args.image_size or None,
         max_waiting=args.max_images_waiting,
     )  # fmt: skip
     ray.init(address="auto")
-    serve.start(proxy_location=args.proxy_location, http_options={"host": args.host, "port": args.port})
+    serve.start(proxy_location=args.proxy_location, http_options=http_options)
     handle = serve.run(build_image_app(settings, ray_actor_options=ingress_options), name=app_name, route_prefix="/")
     placement = handle.describe.remote().result(timeout_s=120)
-    url = f"http://{ray.util.get_node_ip_address()}:{args.port}/v1"
+    scheme = "https" if http_options.get("ssl_certfile") else "http"
+    url = f"{scheme}://{ray.util.get_node_ip_address()}:{args.port}/v1"
     document = json.dumps(report(url, settings.served_model, placement))
     if args.record:
         Path(args.record).write_text(document + "\n")

@@ -2,8 +2,8 @@
 
 The operator install has no HTTP library beyond the standard library, and ``http.client`` blocks a thread per
 response; the serving benchmark holds dozens of streamed answers at once and times each of their events, so it
-reads them all on one event loop. One request per connection (``Connection: close``), plain ``http://`` only,
-and every wait (connect, each read) under the request's one deadline: a server that stops sending mid-stream
+reads them all on one event loop. One request per connection (``Connection: close``), ``http://`` or ``https://``
+(verified with the caller's ``ssl.SSLContext``, the system's CAs by default), and every wait (connect, each read) under the request's one deadline: a server that stops sending mid-stream
 ends the request with ``TimeoutError`` when its deadline passes, never a hang.
 """
 
@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import ssl
 import time
 from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass
@@ -31,15 +32,17 @@ class Target:
     host: str
     port: int
     path: str
+    tls: bool = False
 
 
 def parse_url(url: str) -> Target:
-    """Host, port and path of an ``http://`` URL (ValueError for anything else)."""
+    """Host, port and path of an ``http://`` or ``https://`` URL (ValueError for anything else)."""
     parts = urlsplit(url)
-    if parts.scheme != "http" or not parts.hostname:
-        raise ValueError(f"{url!r} is not an http:// URL")
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"{url!r} is not an http:// or https:// URL")
     path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
-    return Target(parts.hostname, parts.port or 80, path)
+    tls = parts.scheme == "https"
+    return Target(parts.hostname, parts.port or (443 if tls else 80), path, tls)
 
 
 class Response:
@@ -127,7 +130,13 @@ def _parse_head(raw: bytes) -> tuple[int, dict[str, str]]:
 
 @contextlib.asynccontextmanager
 async def request(
-    method: str, url: str, *, timeout_s: float, json_body: Any = None, headers: dict[str, str] | None = None
+    method: str,
+    url: str,
+    *,
+    timeout_s: float,
+    json_body: Any = None,
+    headers: dict[str, str] | None = None,
+    tls: ssl.SSLContext | None = None,
 ) -> AsyncIterator[Response]:
     """Send one request; yield its response once the status and headers are in (the body is read through it).
     ``timeout_s`` bounds the whole exchange, body included. Raises ``TimeoutError`` or ``HTTPFailure``."""
@@ -135,10 +144,13 @@ async def request(
     target = parse_url(url)
     body = b"" if json_body is None else json.dumps(json_body).encode()
     sent = dict(headers or {}) | ({"Content-Type": "application/json"} if json_body is not None else {})
+    context = (tls or ssl.create_default_context()) if target.tls else None
     try:
         reader, writer = await asyncio.wait_for(
-            asyncio.open_connection(target.host, target.port, limit=MAX_HEAD_BYTES), timeout_s
+            asyncio.open_connection(target.host, target.port, limit=MAX_HEAD_BYTES, ssl=context), timeout_s
         )
+    except ssl.SSLError as exc:
+        raise HTTPFailure(f"{target.host}:{target.port}: TLS failed: {exc}") from None
     except OSError as exc:
         raise HTTPFailure(f"could not connect to {target.host}:{target.port}: {exc}") from None
     try:

@@ -21,7 +21,6 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from raycluster_cli.config.inventory import Inventory
-from raycluster_cli.config.state import token_file
 from raycluster_cli.errors import OperationError, UsageError
 from raycluster_cli.host.containers import SOURCE_ENV, TOKEN_IN_CONTAINER, container_name
 from raycluster_cli.image.model_relay import ModelCopy, place_model
@@ -29,6 +28,8 @@ from raycluster_cli.image.models import ModelFolder
 from raycluster_cli.progress import Progress, quiet
 from raycluster_cli.transport import Transport, quote
 from raycluster_cli.transport.pool import Connect
+from raycluster_cli.verbs import serve_keys
+from raycluster_cli.verbs.serve_keys import KEYS_IN_CONTAINER
 
 APP = "raycluster"  # the Ray Serve application's name (the launcher's APP_NAME)
 RECORD = "/tmp/raycluster-serve.json"  # the launcher's document, in the head's container
@@ -48,6 +49,12 @@ class ServeOptions:
     rebalance_period_s: float = 20.0  # seconds between looks at the stages' times under load (0: never re-split)
     steps_in_flight: int = 0  # steps travelling through a pipeline at once (0: one per stage)
     links: str = "direct"  # how a step travels between stages: "direct" links or "ray" calls
+    api_key_file: str | None = None  # the operator's own key for the service (default: one made and kept here)
+    tls_cert: str | None = None  # the API over HTTPS with the operator's pair ...
+    tls_key: str | None = None
+    tls_self_signed: bool = False  # ... or with a self-signed pair made here for the head's addresses
+    key_max_requests: int = 0  # requests in flight per key whose entry sets none (0: no bound)
+    key_max_tokens: int = 0  # tokens in flight per key whose entry sets none (0: no bound)
 
 
 @dataclass
@@ -61,7 +68,8 @@ class ServeResult:
     pipelines: list[dict[str, Any]] = field(default_factory=list)  # per replica: its stages, their nodes, and why
     why: str = ""
     copies: list[ModelCopy] = field(default_factory=list)
-    auth_token_file: str | None = None
+    api_key_file: str | None = None  # this machine's file of the service's default key (never the Ray token)
+    tls_cert_file: str | None = None  # the certificate clients verify the service with (https only)
     seconds: float = 0.0
     kind: str = "text"  # "image": a diffusers checkpoint served as /v1/images/generations
 
@@ -73,8 +81,11 @@ def _head(inventory: Inventory, connect: Connect) -> tuple[Transport, str]:
     return connect(inventory.head_host), quote(container_name(inventory, inventory.head_host))
 
 
-def launcher_command(inventory: Inventory, model_path: str, options: ServeOptions) -> str:
-    """The launcher's command line in the head's container (its env sourced, as the Ray processes have it)."""
+def launcher_command(
+    inventory: Inventory, model_path: str, options: ServeOptions, tls: tuple[str, str] | None = None
+) -> str:
+    """The launcher's command line in the head's container (its env sourced, as the Ray processes have it); the
+    service's keys are the document ``put_keys`` wrote there, ``tls`` the certificate and key ``put_tls`` did."""
     args = [
         "python", "-m", "raycluster_cli.serve", f"--model-path={model_path}",
         f"--host={inventory.node_ip(inventory.head_host)}", f"--port={options.port}",
@@ -91,10 +102,13 @@ def launcher_command(inventory: Inventory, model_path: str, options: ServeOption
         args.append(f"--model-id={options.model_id}")
     if options.image_steps:
         args.append(f"--image-steps={options.image_steps}")
-    if inventory.ray.auth == "token":
-        args.append(f"--token-file={TOKEN_IN_CONTAINER}")
-    else:
-        args.append("--no-auth")
+    args.append(f"--keys-file={KEYS_IN_CONTAINER}")
+    if options.key_max_requests:
+        args.append(f"--key-max-requests={options.key_max_requests}")
+    if options.key_max_tokens:
+        args.append(f"--key-max-tokens={options.key_max_tokens}")
+    if tls is not None:
+        args += [f"--tls-cert={tls[0]}", f"--tls-key={tls[1]}"]
     return f"{SOURCE_ENV} && exec {shlex.join(args)}"
 
 
@@ -110,15 +124,18 @@ def serve(inventory: Inventory, connect: Connect, options: ServeOptions, progres
         blocks = _blocks(model) if model is not None else None
         options = dataclasses.replace(options, stages=min(len(inventory.hosts), blocks or len(inventory.hosts)))
     transport, head = _head(inventory, connect)
+    tls_files = _tls_files(inventory, options)
+    key_path = serve_keys.put_keys(inventory, connect, options.api_key_file)
+    tls = serve_keys.put_tls(inventory, connect, tls_files) if tls_files is not None else None
     progress(f"deploying the service from {inventory.head_address}'s container (returns once it generates)")
-    command = f"docker exec {head} sh -c {quote(launcher_command(inventory, path, options))}"
+    command = f"docker exec {head} sh -c {quote(launcher_command(inventory, path, options, tls))}"
     result = transport.run(command, timeout=options.timeout_s)
     document = _last_json(result.stdout)
     if not result.ok or document is None:
         tail = (result.stderr.strip().splitlines() or [f"exit {result.rc}"])[-1]
         raise OperationError(
             f"{inventory.head_address}: the service did not start: {tail}",
-            f"its full output: raycluster exec -- {shlex.join(['sh', '-c', launcher_command(inventory, path, options)])}",
+            f"its full output: raycluster exec -- {shlex.join(['sh', '-c', launcher_command(inventory, path, options, tls)])}",
         )
     return ServeResult(
         url=str(document.get("url", "")),
@@ -130,10 +147,24 @@ def serve(inventory: Inventory, connect: Connect, options: ServeOptions, progres
         why=str(document.get("why", "")),
         model_digest=model.digest if model else None,
         copies=copies,
-        auth_token_file=str(token_file(inventory)) if inventory.ray.auth == "token" else None,
+        api_key_file=str(key_path),
+        tls_cert_file=str(tls_files.cert) if tls_files is not None else None,
         seconds=round(time.monotonic() - started, 2),
         kind=str(document.get("kind", "text")),
     )
+
+
+def _tls_files(inventory: Inventory, options: ServeOptions) -> serve_keys.TlsFiles | None:
+    """The API's TLS pair (the operator's, or self-signed here), or None for plain HTTP; a pair kept from an
+    earlier HTTPS service is not reused unless asked (plain HTTP stays plain)."""
+    if options.tls_cert or options.tls_key:
+        if not (options.tls_cert and options.tls_key):
+            raise UsageError("--tls-cert and --tls-key go together", "give both, or --tls-self-signed")
+        return serve_keys.given_pair(inventory, options.tls_cert, options.tls_key)
+    if options.tls_self_signed:
+        return serve_keys.self_signed(inventory)
+    serve_keys.forget_tls(inventory)
+    return None
 
 
 def _blocks(model: ModelFolder) -> int | None:
@@ -169,7 +200,8 @@ def _last_json(text: str) -> dict[str, Any] | None:
 # What the head's container says of the service: the launcher's record and Ray Serve's own view (the dashboard's
 # REST API, with the cluster's token), one short Python without Ray's import.
 _STATUS = """
-import json, os, urllib.request
+import json, os, ssl, sys, urllib.request
+given = json.loads(sys.stdin.read() or "{}")  # the service's key and certificate, from the operator's machine
 out = {}
 try:
     out["record"] = json.load(open(%(record)r))
@@ -192,10 +224,16 @@ except Exception as exc:
 service_url = (out["record"] or {}).get("url")
 if service_url and out.get("serve"):  # the service's own view: its pipelines now, what they served, its events
     live = urllib.request.Request(service_url.removesuffix("/v1") + "/raycluster/status")
-    if os.path.exists(%(token)r):
-        live.add_header("Authorization", "Bearer " + open(%(token)r).read().strip())
+    if given.get("key"):
+        live.add_header("Authorization", "Bearer " + given["key"])
+    context = None
+    if service_url.startswith("https:"):
+        context = ssl.create_default_context()
+        if given.get("cert"):
+            context.load_verify_locations(cadata=given["cert"])
+            context.verify_flags |= ssl.VERIFY_X509_PARTIAL_CHAIN
     try:
-        with urllib.request.urlopen(live, timeout=15) as answer:
+        with urllib.request.urlopen(live, timeout=15, context=context) as answer:
             body = json.load(answer)
         keep = ("index", "state", "served", "images", "requests", "outstanding_tokens", "links", "links_note")
         out["live"] = {
@@ -223,7 +261,11 @@ def service_status(inventory: Inventory, connect: Connect) -> dict[str, Any] | N
     ray = inventory.ray
     url = f"http://{inventory.node_ip(inventory.head_host)}:{ray.dashboard_port}/api/serve/applications/"
     script = _STATUS % {"record": RECORD, "url": url, "token": TOKEN_IN_CONTAINER, "app": APP}
-    result = transport.run(f"docker exec {head} python -c {quote(script)}", timeout=30)
+    cert = serve_keys.service_cert(inventory)
+    given = {"key": serve_keys.read_key(inventory), "cert": cert.read_text() if cert is not None else None}
+    result = transport.run(
+        f"docker exec -i {head} python -c {quote(script)}", stdin=json.dumps(given).encode(), timeout=30
+    )
     document = _last_json(result.stdout)
     if document is None:
         raise OperationError(

@@ -16,13 +16,15 @@ import asyncio
 import json
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
+from raycluster_cli.apikeys import check_key
 from raycluster_cli.config.inventory import Inventory
-from raycluster_cli.config.state import token_file
 from raycluster_cli.errors import OperationError, UsageError
 from raycluster_cli.progress import Progress, quiet
 from raycluster_cli.transport import http
+from raycluster_cli.verbs import serve_keys
 from raycluster_cli.verbs.serve_images_bench import run_image_bench, summarize_images
 from raycluster_cli.verbs.serve_load import (
     WORDS,
@@ -39,10 +41,12 @@ from raycluster_cli.verbs.serve_load import (
 
 @dataclass(frozen=True)
 class ServiceTarget:
-    """Where the service answers (its base URL, ``…/v1``) and its key (None: no auth)."""
+    """Where the service answers (its base URL, ``…/v1``), its key (None: no auth) and, for https, the
+    certificate it is verified with (None: the system's CAs alone)."""
 
     url: str
     token: str | None
+    cert: Path | None = None
 
     @property
     def root(self) -> str:
@@ -91,23 +95,30 @@ class ServeBenchReport:
         }
 
 
-def target_of(inventory: Inventory, service: dict[str, Any] | None, url: str = "") -> ServiceTarget:
-    """The service's URL (``url`` when given, else the launcher's record) and the cluster's token as its key."""
+def target_of(
+    inventory: Inventory, service: dict[str, Any] | None, url: str = "", key_file: str = "", ca_file: str = ""
+) -> ServiceTarget:
+    """The service's URL (``url`` when given, else the launcher's record), the service's default key made on this
+    machine (``serve`` made it; never the cluster's Ray token), and its certificate when it speaks https."""
     record = (service or {}).get("record") or {}
     found = url or str(record.get("url") or "")
     if not found:
         raise OperationError(
             f"cluster {inventory.cluster} serves nothing", "start it: raycluster serve --model-path DIR"
         )
-    if inventory.ray.auth != "token":
-        return ServiceTarget(found, None)
-    try:
-        return ServiceTarget(found, token_file(inventory).read_text().strip())
-    except OSError as exc:
+    cert = Path(ca_file) if ca_file else serve_keys.service_cert(inventory)
+    if key_file:
+        try:
+            return ServiceTarget(found, check_key(Path(key_file).read_text(), key_file), cert)
+        except (OSError, ValueError) as exc:
+            raise UsageError(f"--api-key-file {key_file}: {exc}", "a file holding one API key") from None
+    key = serve_keys.read_key(inventory)
+    if key is None:
         raise OperationError(
-            f"cluster {inventory.cluster}'s token could not be read: {exc}",
-            "it is written by `raycluster up` on this machine; run the benchmark where `up` ran",
-        ) from None
+            f"this machine has no key for cluster {inventory.cluster}'s service ({serve_keys.key_file(inventory)})",
+            "run the benchmark where `serve` ran, or give this machine a key: raycluster serve --keys add NAME",
+        )
+    return ServiceTarget(found, key, cert)
 
 
 class ServiceClient:
@@ -117,11 +128,14 @@ class ServiceClient:
         self.target = target
         self.timeout_s = timeout_s
         self.headers = {"Authorization": f"Bearer {target.token}"} if target.token else {}
+        self.tls = serve_keys.client_context(target.cert)
 
     async def status(self, since: float | None = None) -> dict[str, Any]:
         """The service's status; with ``since`` (a ``now`` it gave) its step anatomy covers the steps from then."""
         url = f"{self.target.root}/raycluster/status" + (f"?since={since!r}" if since is not None else "")
-        async with http.request("GET", url, timeout_s=min(self.timeout_s, 60.0), headers=self.headers) as answer:
+        async with http.request(
+            "GET", url, timeout_s=min(self.timeout_s, 60.0), headers=self.headers, tls=self.tls
+        ) as answer:
             body = await answer.json()
         if answer.status != 200 or not isinstance(body, dict):
             raise OperationError(f"{url}: HTTP {answer.status}: {_message(body)}", _hint(answer.status))
@@ -131,7 +145,9 @@ class ServiceClient:
         """The service's token count of ``prompt`` (one generated token, not streamed)."""
         body = {"model": model, "prompt": prompt, "max_tokens": 1, "temperature": 0}
         url = f"{self.target.url.rstrip('/')}/completions"
-        async with http.request("POST", url, timeout_s=self.timeout_s, json_body=body, headers=self.headers) as a:
+        async with http.request(
+            "POST", url, timeout_s=self.timeout_s, json_body=body, headers=self.headers, tls=self.tls
+        ) as a:
             answer = await a.json()
         if a.status != 200:
             raise OperationError(f"{url}: HTTP {a.status}: {_message(answer)}", _hint(a.status))
@@ -141,7 +157,9 @@ class ServiceClient:
         """One image (the service's size and steps), as its HTTP status and JSON body."""
         body = {"model": model, "prompt": prompt, "n": 1, "response_format": "b64_json", "seed": seed}
         url = f"{self.target.url.rstrip('/')}/images/generations"
-        async with http.request("POST", url, timeout_s=self.timeout_s, json_body=body, headers=self.headers) as a:
+        async with http.request(
+            "POST", url, timeout_s=self.timeout_s, json_body=body, headers=self.headers, tls=self.tls
+        ) as a:
             return a.status, await _json_or_text(a)
 
     async def stream(self, model: str, spec: RequestSpec, result: RequestResult) -> None:
@@ -158,7 +176,9 @@ class ServiceClient:
         url = f"{self.target.url.rstrip('/')}/completions"
         began = time.monotonic()
         last = began
-        async with http.request("POST", url, timeout_s=self.timeout_s, json_body=body, headers=self.headers) as a:
+        async with http.request(
+            "POST", url, timeout_s=self.timeout_s, json_body=body, headers=self.headers, tls=self.tls
+        ) as a:
             if a.status != 200:
                 result.error = f"HTTP {a.status}: {_message(await _json_or_text(a))}"
                 return
@@ -201,7 +221,7 @@ def _message(body: Any) -> str:
 
 def _hint(status: int) -> str:
     if status == 401:
-        return "the service refused the cluster's token: is it this cluster's service? (raycluster status)"
+        return "the service refused this machine's key: is it this cluster's service? (raycluster serve --keys list)"
     return "raycluster status shows the service; raycluster serve --model-path DIR restarts it"
 
 

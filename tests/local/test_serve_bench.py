@@ -36,7 +36,7 @@ from raycluster_cli.verbs.serve_bench import (  # noqa: E402
 )
 from raycluster_cli.verbs.serve_load import stage_times  # noqa: E402
 
-from ..local_ray import local_serve  # noqa: E402
+from ..local_ray import local_serve, write_keys  # noqa: E402
 from ..serve_checkpoint import write_chat_llama  # noqa: E402
 from .test_serve_openai import _wait_ready  # noqa: E402
 
@@ -51,7 +51,7 @@ def target(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServiceTarget]:
     path = write_chat_llama(tmp_path_factory.mktemp("serve") / MODEL)
     settings = ServeSettings(
         model_path=str(path),
-        token=TOKEN,
+        keys_file=write_keys(tmp_path_factory.mktemp("keys") / "keys.json", {"default": TOKEN}),
         stages=2,
         split=(2, 1),
         num_threads=1,

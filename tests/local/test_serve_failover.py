@@ -35,7 +35,7 @@ from raycluster_cli.serve.placement import plan_replicas  # noqa: E402
 from raycluster_cli.serve.scheduler import Limits  # noqa: E402
 from raycluster_cli.serve.stages import STAGE_NAMESPACE  # noqa: E402
 
-from ..local_ray import local_serve  # noqa: E402
+from ..local_ray import local_serve, write_keys  # noqa: E402
 from ..openai_penalties import OpenAIPenalties  # noqa: E402
 from ..serve_checkpoint import WORDS, write_chat_llama  # noqa: E402
 
@@ -88,7 +88,7 @@ def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
     path = write_chat_llama(tmp_path_factory.mktemp("failover") / MODEL)
     settings = ServeSettings(
         model_path=str(path),
-        token=TOKEN,
+        keys_file=write_keys(tmp_path_factory.mktemp("keys") / "keys.json", {"default": TOKEN}),
         stages=2,
         split=(2, 1),
         replicas=2,

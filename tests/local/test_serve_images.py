@@ -40,6 +40,7 @@ from ray.cluster_utils import Cluster  # noqa: E402
 from raycluster_cli.serve.image_app import ImageSettings, build_image_app  # noqa: E402
 
 from ..diffusion_checkpoint import diffusers_image, write_tiny_sd  # noqa: E402
+from ..local_ray import write_keys  # noqa: E402
 
 TOKEN = "test-cluster-token"
 MODEL = "tiny-sd"
@@ -75,7 +76,8 @@ def _raw(url: str, body: bytes | None = None, token: str | None = TOKEN) -> tupl
 @pytest.fixture(scope="module")
 def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
     path = write_tiny_sd(tmp_path_factory.mktemp("serve-images") / MODEL)
-    settings = ImageSettings(model_path=str(path), token=TOKEN, steps=STEPS, num_threads=1, max_waiting=6)
+    keys = write_keys(tmp_path_factory.mktemp("keys") / "keys.json", {"default": TOKEN})
+    settings = ImageSettings(model_path=str(path), keys_file=keys, steps=STEPS, num_threads=1, max_waiting=6)
     port = _free_port()
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("RAY_AUTH_MODE", "disabled")

@@ -34,11 +34,17 @@ from raycluster_cli.host.containers import SERVE_ENV  # noqa: E402
 from raycluster_cli.serve.app import ServeSettings, build_app  # noqa: E402
 from raycluster_cli.serve.scheduler import Limits  # noqa: E402
 
-from ..local_ray import local_serve  # noqa: E402
+from ..local_ray import local_serve, write_keys  # noqa: E402
 from ..openai_penalties import OpenAIPenalties  # noqa: E402
 from ..serve_checkpoint import WORDS, write_chat_llama  # noqa: E402
 
-TOKEN = "test-cluster-token"
+TOKEN = "rcs-test-service-key-default-0123456789"
+CLUSTER_TOKEN = "0123456789abcdef" * 4  # the Ray cluster's token: never a key of the service
+SERVICE_KEYS = {
+    "default": TOKEN,
+    "small": "rcs-test-key-small-0123456789abc",
+    "gone": "rcs-test-key-revoked-0123456789",
+}
 MODEL = "tiny-chat-llama"
 NEW_TOKENS = 12
 # prompts of different lengths; the longest are fed in several prefill chunks of 8 tokens
@@ -54,6 +60,7 @@ class Service:
     path: Path
     tokenizer: Any
     model: Any
+    keys: Path  # the service's keys document, re-read by the ingress when it changes
 
     def client(self, key: str = TOKEN) -> Any:
         return openai.AsyncOpenAI(base_url=self.base_url, api_key=key, max_retries=0, timeout=180)
@@ -92,21 +99,26 @@ def _wait_ready(url: str, deadline_s: float = 60.0) -> None:
 @pytest.fixture(scope="module")
 def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
     path = write_chat_llama(tmp_path_factory.mktemp("serve") / MODEL)
+    keys = tmp_path_factory.mktemp("keys") / "keys.json"
+    write_keys(keys, SERVICE_KEYS, {"small": {"max_requests": 1}})
+    cluster_token = keys.with_name("auth-token")  # what the nodes' Ray token file is; the service never takes it
+    cluster_token.write_text(CLUSTER_TOKEN + "\n")
     settings = ServeSettings(
         model_path=str(path),
-        token=TOKEN,
+        keys_file=str(keys),
         stages=2,
         split=(2, 1),
         num_threads=1,
         limits=Limits(slots=8, step_tokens=48, prefill_chunk=8, max_seq=128, max_waiting=16),
     )
     # Serve as `up` sets it in the nodes' containers: the proxy calls the ingress over gRPC
-    with local_serve(build_app(settings, health_check_period_s=2), SERVE_ENV) as root:
+    env = SERVE_ENV | {"RAY_AUTH_TOKEN_PATH": str(cluster_token)}
+    with local_serve(build_app(settings, health_check_period_s=2), env) as root:
         url = f"{root}/v1"
         _wait_ready(url)
         tokenizer = transformers.AutoTokenizer.from_pretrained(str(path))
         model = transformers.AutoModelForCausalLM.from_pretrained(str(path)).eval()
-        yield Service(url, path, tokenizer, model)
+        yield Service(url, path, tokenizer, model, keys)
 
 
 async def _complete(client: Any, prompt: str, stream: bool, **extra: Any) -> tuple[str, Any]:
@@ -503,6 +515,81 @@ def test_a_full_queue_answers_503_with_retry_after(service: Service) -> None:
     assert all(r.body["type"] == "server_error" for r in refused)
     done = [r for r in results if not isinstance(r, BaseException)]
     assert len(done) + len(refused) == 40 and len(done) >= 24
+
+
+def test_the_service_takes_its_own_keys_and_refuses_the_cluster_token(service: Service) -> None:
+    """Every key of the keys document opens /v1; the Ray cluster's token (which opens the Jobs API) is refused by
+    name; a key revoked in the document (rewritten, as `serve --keys revoke` does) is refused at the next request,
+    without a restart; a key added the same way works at once."""
+    for key in SERVICE_KEYS.values():
+        assert _raw(f"{service.base_url}/models", token=key)[0] == 200
+    status, body = _raw(f"{service.base_url}/models", token=CLUSTER_TOKEN)
+    assert status == 401 and "Ray cluster's token" in body["error"]["message"]
+    status, body = _raw(f"{service.base_url.removesuffix('/v1')}/raycluster/status", token=CLUSTER_TOKEN)
+    assert status == 401
+    added = "rcs-test-key-added-later-0123456789"
+    kept = {k: v for k, v in SERVICE_KEYS.items() if k != "gone"}
+    write_keys(service.keys, kept | {"later": added}, {"small": {"max_requests": 1}})
+    try:
+        assert _raw(f"{service.base_url}/models", token=SERVICE_KEYS["gone"])[0] == 401
+        assert _raw(f"{service.base_url}/models", token=added)[0] == 200
+        assert _raw(f"{service.base_url}/models", token=TOKEN)[0] == 200
+    finally:
+        write_keys(service.keys, SERVICE_KEYS, {"small": {"max_requests": 1}})
+    assert _raw(f"{service.base_url}/models", token=SERVICE_KEYS["gone"])[0] == 200
+
+
+def test_a_key_over_its_requests_in_flight_gets_429_and_its_count_returns(service: Service) -> None:
+    """The key "small" may hold one request at once: a second beside a running stream gets 429 with Retry-After
+    (the default key beside it is not limited); once the stream ends (and once a client leaves mid-stream) the
+    key has its request back."""
+    small = SERVICE_KEYS["small"]
+
+    async def run() -> None:
+        client = service.client(small)
+        stream = await client.completions.create(model=MODEL, prompt="the cat", max_tokens=40, stream=True)
+        first = await anext(aiter(stream))
+        assert first.choices
+        with pytest.raises(openai.RateLimitError) as over:
+            await client.completions.create(model=MODEL, prompt="the cat", max_tokens=2)
+        assert over.value.response.headers["retry-after"] and over.value.body["code"] == "rate_limit_exceeded"
+        other = await service.client().completions.create(model=MODEL, prompt="the cat", max_tokens=2)
+        assert other.choices
+        async for _ in stream:
+            pass
+        done = await client.completions.create(model=MODEL, prompt="the cat", max_tokens=2)
+        assert done.choices
+        left = await client.completions.create(model=MODEL, prompt="the cat", max_tokens=40, stream=True)
+        await anext(aiter(left))
+        await left.close()  # the client leaves mid-stream: the key's request is released with the stream
+
+    asyncio.run(run())
+    began = time.monotonic()
+    while _status(service).get("keys_in_flight") and time.monotonic() - began < 10:
+        time.sleep(0.1)
+    assert _status(service).get("keys_in_flight") == {}
+
+
+def test_no_schema_pages_and_no_disconnect_opt_out(service: Service) -> None:
+    """No /docs, /redoc or /openapi.json (with or without a key); a request asking Ray Serve not to watch its
+    client's disconnect (x-request-disconnect-disabled) is refused before it holds a slot."""
+    root = service.base_url.removesuffix("/v1")
+    for page in ("/docs", "/redoc", "/openapi.json"):
+        assert _raw(root + page)[0] == 404, page
+    body = json.dumps({"model": MODEL, "prompt": "the cat", "max_tokens": 2}).encode()
+    request = urllib.request.Request(
+        f"{service.base_url}/completions",
+        data=body,
+        headers={
+            "Content-Type": "application/json",
+            "Authorization": f"Bearer {TOKEN}",
+            "x-request-disconnect-disabled": "?1",
+        },
+    )
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(request, timeout=30)
+    assert refused.value.code == 400
+    assert json.loads(refused.value.read())["error"]["param"] == "x-request-disconnect-disabled"
 
 
 def test_a_killed_stage_is_rebuilt_and_its_request_still_answers(service: Service) -> None:

@@ -27,7 +27,7 @@ from raycluster_cli.host.containers import SERVE_ENV  # noqa: E402
 from raycluster_cli.serve.app import ServeSettings, build_app  # noqa: E402
 from raycluster_cli.serve.scheduler import Limits  # noqa: E402
 
-from ..local_ray import local_serve  # noqa: E402
+from ..local_ray import local_serve, write_keys  # noqa: E402
 from ..serve_checkpoint import WORDS, write_chat_llama  # noqa: E402
 from .test_serve_openai import TOKEN, _raw, _wait_ready  # noqa: E402
 
@@ -40,7 +40,7 @@ def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Any
     path = write_chat_llama(tmp_path_factory.mktemp("relay") / MODEL)
     settings = ServeSettings(
         model_path=str(path),
-        token=TOKEN,
+        keys_file=write_keys(tmp_path_factory.mktemp("keys") / "keys.json", {"default": TOKEN}),
         stages=2,
         split=(2, 1),
         num_threads=1,

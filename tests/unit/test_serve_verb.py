@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 
+from raycluster_cli import apikeys
 from raycluster_cli.config import inventory
 from raycluster_cli.image import models, receive
 from raycluster_cli.render.base import _live_lines, _service_line
@@ -32,9 +33,15 @@ class Host:
 
     def __init__(self, address: str, held: set[str]) -> None:
         self.host, self.held, self.commands, self.fed = address, held, [], 0
+        self.written: dict[str, bytes] = {}
 
-    def run(self, command: str, **_: object) -> CommandResult:
+    def run(self, command: str, stdin: bytes | None = None, **_: object) -> CommandResult:
         self.commands.append(command)
+        if "cat /tmp/raycluster-serve-keys.json" in command:  # no keys document yet
+            return CommandResult(1, "", "cat: /tmp/raycluster-serve-keys.json: No such file or directory")
+        if command.startswith("docker exec -i") and "umask 077" in command:  # a file written from stdin
+            self.written[command.split("cat > ")[1].split(".tmp")[0].strip("'\"")] = stdin or b""
+            return CommandResult(0, "", "")
         if "raycluster-manifest" in command and "for m in" in command:
             return CommandResult(0, "".join(f"{d}\t1000\ttiny\n" for d in self.held), "")
         if command.startswith("for t in zstd"):  # the relay's look at the host's tools
@@ -67,13 +74,20 @@ def _model(tmp_path: Path, layers: int = 2) -> Path:
     return folder
 
 
-def test_the_launcher_runs_in_the_heads_container_with_the_clusters_token() -> None:
+def test_the_launcher_runs_in_the_heads_container_with_the_services_keys_not_the_clusters_token() -> None:
     inv = inventory.parse(INVENTORY, "inv.yaml")
     options = serve.ServeOptions("x", stages=3, dtype="bfloat16")
     words = shlex.split(serve.launcher_command(inv, "/run/raycluster/models/abc", options))
     assert words[:4] == ["set", "-a", "&&", "."] and "python" in words
-    assert "--host=192.0.2.10" in words and "--stages=3" in words and "--token-file=/run/raycluster/auth-token" in words
+    assert (
+        "--host=192.0.2.10" in words
+        and "--stages=3" in words
+        and "--keys-file=/tmp/raycluster-serve-keys.json" in words
+    )
+    assert not any("token" in w for w in words) and not any(w.startswith("--tls") for w in words)
     assert f"--record={serve.RECORD}" in words and "--no-auth" not in words and "--dtype=bfloat16" in words
+    tls = shlex.split(serve.launcher_command(inv, "/m", options, ("/t/cert.pem", "/t/key.pem")))
+    assert {"--tls-cert=/t/cert.pem", "--tls-key=/t/key.pem"} <= set(tls)
     assert not any(w.startswith("--image-steps") for w in words)
     assert "--rebalance-period=20" in words and not any(w.startswith("--steps-in-flight") for w in words)
     steps = shlex.split(serve.launcher_command(inv, "/m", serve.ServeOptions("x", image_steps=8)))
@@ -82,7 +96,10 @@ def test_the_launcher_runs_in_the_heads_container_with_the_clusters_token() -> N
     assert {"--rebalance-period=0", "--steps-in-flight=4"} <= set(shlex.split(serve.launcher_command(inv, "/m", tuned)))
 
 
-def test_serve_sends_the_model_only_where_missing_and_splits_it_over_every_node(tmp_path: Path) -> None:
+def test_serve_sends_the_model_only_where_missing_and_splits_it_over_every_node(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("RAYCLUSTER_STATE_DIR", str(tmp_path / "state"))
     inv = inventory.parse(INVENTORY, "inv.yaml")
     digest = models.read_model_folder(_model(tmp_path)).digest
     hosts = {str(h.address): Host(str(h.address), {digest} if h.role == "worker" else set()) for h in inv.hosts}
@@ -102,6 +119,12 @@ def test_serve_sends_the_model_only_where_missing_and_splits_it_over_every_node(
     assert "--model-id=tiny" in launch and f"/run/raycluster/models/{digest}" in launch
     assert result.model_path == f"/run/raycluster/models/{digest}" and result.url == "http://192.0.2.10:8000/v1"
     assert result.pipelines[0]["stages"][0]["host"] == "192.0.2.11"
+    # the service's own default key: kept here 0600, only its digest in the head's container, never the Ray token
+    key = Path(str(result.api_key_file)).read_text().strip()
+    assert key.startswith("rcs-") and Path(str(result.api_key_file)).stat().st_mode & 0o777 == 0o600
+    document = hosts["192.0.2.10"].written["/tmp/raycluster-serve-keys.json"].decode()
+    assert key not in document and apikeys.digest(key) in document and key not in launch
+    assert [e.name for e in apikeys.parse_keys(document)] == ["default"] and result.tls_cert_file is None
 
 
 def test_a_bad_port_is_a_usage_error() -> None:
@@ -173,7 +196,10 @@ def test_the_status_script_reads_ray_serve_and_the_services_own_pipelines_over_h
             "token": str(token),
             "app": "raycluster",
         }
-        done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=True)
+        given = json.dumps({"key": "service-key", "cert": None})
+        done = subprocess.run(
+            [sys.executable, "-c", script], input=given, capture_output=True, text=True, timeout=60, check=True
+        )
         document: dict[str, Any] = json.loads(done.stdout)
         return document
 
@@ -183,7 +209,9 @@ def test_the_status_script_reads_ray_serve_and_the_services_own_pipelines_over_h
     finally:
         server.shutdown()
     assert doc["serve"]["status"] == "RUNNING" and doc["live"]["pipelines"][1]["served"] == 3
-    assert ("/raycluster/status", "Bearer secret") in seen and all(auth == "Bearer secret" for _, auth in seen)
+    # the dashboard's API with the cluster's token, the service with its own key (from the operator, on stdin)
+    assert ("/raycluster/status", "Bearer service-key") in seen and ("/raycluster/status", "Bearer secret") not in seen
+    assert all(auth == "Bearer secret" for path, auth in seen if path != "/raycluster/status")
     lines = _live_lines(doc["live"])
     assert (
         lines[1] == "  pipeline 1 (live, served 3, ray links): 10.0.0.1 4 block(s) on cpu" and "rebalanced" in lines[-1]
