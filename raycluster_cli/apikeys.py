@@ -106,6 +106,7 @@ def render_keys(entries: list[KeyEntry]) -> str:
 
 
 def merged(kept: list[KeyEntry], added: list[KeyEntry]) -> list[KeyEntry]:
-    """``kept`` with ``added`` put in (an added key replaces a kept one of the same name)."""
-    names = {e.name for e in added}
-    return [e for e in kept if e.name not in names] + added
+    """``kept`` with ``added`` put in (an added key replaces a kept one of the same name, in its place)."""
+    new = {e.name: e for e in added}
+    out = [new.pop(e.name, e) for e in kept]
+    return out + list(new.values())
