@@ -20,14 +20,13 @@ import time
 import urllib.request
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import openai
 import pytest
 import torch
 import transformers
-
-from raycluster_cli.config import inventory, state
 
 from ..serve_checkpoint import WORDS, write_chat_llama
 from .conftest import IP1, IP3, Lab
@@ -139,7 +138,7 @@ def served(lab_hosts: Lab, tmp_path_factory: pytest.TempPathFactory) -> Iterator
     code, doc, err = lab_hosts.cli(*args, timeout=1200)
     assert code == 0, err[-4000:]
     assert doc["replicas"] == 3, doc
-    token = state.token_file(inventory.load(lab_hosts.inventory).inventory).read_text().strip()
+    token = Path(doc["api_key_file"]).read_text().strip()  # the service's own key (never the cluster's token)
     tokenizer = transformers.AutoTokenizer.from_pretrained(str(path))
     model = transformers.AutoModelForCausalLM.from_pretrained(str(path)).eval()
     found = Served(lab_hosts, token, doc["url"], tokenizer, model)

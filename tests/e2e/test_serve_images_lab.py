@@ -23,8 +23,6 @@ import pytest
 from PIL import Image
 from prometheus_client.parser import text_string_to_metric_families
 
-from raycluster_cli.config import inventory, state
-
 from ..diffusion_checkpoint import diffusers_image, write_tiny_sd
 from .conftest import IP1, Lab
 from .faults import wait_until
@@ -53,7 +51,7 @@ def served(lab_hosts: Lab, tmp_path_factory: pytest.TempPathFactory) -> Iterator
     (path / "NOTICE").write_text(f"raycluster image serve lab test {uuid.uuid4()}\n")  # a model no host holds yet
     code, doc, err = lab_hosts.cli("serve", f"--model-path={path}", timeout=1200)
     assert code == 0, err[-4000:]
-    token = state.token_file(inventory.load(lab_hosts.inventory).inventory).read_text().strip()
+    token = Path(doc["api_key_file"]).read_text().strip()  # the service's own key (never the cluster's token)
     try:
         yield Served(lab_hosts, doc, path, token)
     finally:

@@ -1,6 +1,6 @@
 """`serve` on the real 3-host lab: a tiny random Llama with a real tokenizer, written by the test on this machine,
 reaches every host (verified, once), is deployed from the head's container by Ray Serve, and the real `openai`
-client (not our code) gets exactly what `transformers`' own `generate()` gives, with the cluster's token as its key.
+client (not our code) gets exactly what `transformers`' own `generate()` gives, with the service's own key.
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ def served(lab_hosts: Lab, tmp_path_factory: pytest.TempPathFactory) -> Iterator
         "serve", f"--model-path={path}", "--max-seq=96", "--slots=8", "--rebalance-period=0", timeout=1200
     )
     assert code == 0, err[-4000:]
-    token = state.token_file(inventory.load(lab_hosts.inventory).inventory).read_text().strip()
+    token = Path(doc["api_key_file"]).read_text().strip()  # the service's own key, made by `serve` on this machine
     tokenizer = transformers.AutoTokenizer.from_pretrained(str(path))
     model = transformers.AutoModelForCausalLM.from_pretrained(str(path)).eval()
     try:
@@ -149,12 +149,47 @@ def test_a_prompt_is_scored_across_the_hosts_and_n_choices_come_back(served: Ser
     assert [c.text for c in two.choices] == singles
 
 
-def test_a_request_without_the_clusters_token_is_refused(served: Served) -> None:
-    async def wrong() -> None:
-        await served.client("not-the-token").models.list()
+def _dashboard(path: str, key: str, body: dict[str, Any] | None = None) -> int:
+    """The head's dashboard (Ray's REST API, the Jobs API among it) called with ``key``: the HTTP status."""
+    data = None if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(
+        f"http://{IP1}:8265{path}",
+        data=data,
+        headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json"},
+        method="GET" if body is None else "POST",
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=30) as answer:
+            return int(answer.status)
+    except urllib.error.HTTPError as exc:
+        return int(exc.code)
 
+
+def test_the_service_key_opens_the_service_only_and_the_cluster_token_opens_no_service_route(served: Served) -> None:
+    """The service's key never opens the Jobs API (which runs code on every node), and the cluster's token (which
+    does) is refused by the service; a key added with `serve --keys add` works at once and is refused at once once
+    revoked, without a restart; none of the keys is ever printed."""
+    cluster_token = state.token_file(inventory.load(served.lab.inventory).inventory).read_text().strip()
+    assert _dashboard("/api/jobs/", cluster_token) == 200  # the token opens the Jobs API ...
+    assert _dashboard("/api/jobs/", served.token) in (401, 403)  # ... the service's key does not
+    assert _dashboard("/api/jobs/", served.token, {"entrypoint": "touch /tmp/pwned"}) in (401, 403)
+
+    async def models(key: str) -> Any:
+        return await served.client(key).models.list()
+
+    for refused in ("not-the-key", cluster_token):
+        with pytest.raises(openai.AuthenticationError):
+            asyncio.run(models(refused))
+    code, added, err = served.lab.cli("serve", "--keys", "add", "team-a", "--max-requests", "2")
+    assert code == 0, err
+    key = Path(added["key_file"]).read_text().strip()
+    assert key not in json.dumps(added) + err and asyncio.run(models(key)).data[0].id == "tiny-chat"
+    code, listed, err = served.lab.cli("serve", "--keys", "list")
+    assert [(k["name"], k["max_requests"]) for k in listed["keys"]] == [("default", None), ("team-a", 2)], listed
+    code, revoked, err = served.lab.cli("serve", "--keys", "revoke", "team-a")
+    assert code == 0 and revoked["action"] == "revoked", err
     with pytest.raises(openai.AuthenticationError):
-        asyncio.run(wrong())
+        asyncio.run(models(key))
     # the one route that asks no key: a load balancer's probe at the head's address, which says only this
     with urllib.request.urlopen(served.doc["url"].removesuffix("/v1") + "/health", timeout=30) as health:
         body = json.loads(health.read())
