@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shlex
 from typing import TYPE_CHECKING, Annotated, Any, cast
 
 import typer
@@ -119,13 +120,14 @@ def up_command(
 def _next_steps(
     head: str, port: int, dashboard: str, token_file: str | None, inventory_path: str | None
 ) -> dict[str, str]:
-    """Where to go after `up`: addresses and commands (the token by its file, never its value)."""
-    auth = f"RAY_AUTH_MODE=token RAY_AUTH_TOKEN_PATH={token_file} " if token_file else ""
-    inv = f" -i {inventory_path}" if inventory_path else ""
+    """Where to go after `up`: addresses and commands (the token by its file, never its value), each path and
+    address quoted for the shell (an inventory path with a space or a `;` stays one argument)."""
+    auth = f"RAY_AUTH_MODE=token RAY_AUTH_TOKEN_PATH={shlex.quote(token_file)} " if token_file else ""
+    inv = f" -i {shlex.quote(inventory_path)}" if inventory_path else ""
     return {
         "ray_address": f"{head}:{port}",
         "dashboard_url": dashboard,
-        "submit_job": f"{auth}ray job submit --address {dashboard} --working-dir . -- python script.py",
+        "submit_job": f"{auth}ray job submit --address {shlex.quote(dashboard)} --working-dir . -- python script.py",
         "status": f"raycluster status{inv}",
         "logs": f"raycluster logs{inv}",
     }

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import sys
 import threading
 from collections.abc import Callable, Iterator
@@ -17,6 +16,7 @@ from functools import cached_property
 from typing import TYPE_CHECKING, Any, TextIO
 
 from raycluster_cli.progress import Event, HostPhase, TransferProgress
+from raycluster_cli.render.text import remote_text, terminal_safe
 from raycluster_cli.schema import SCHEMA_VERSION
 
 if TYPE_CHECKING:
@@ -85,7 +85,8 @@ class Output:
                 if event.host not in tasks:
                     if not bars.live.is_started:
                         bars.start()
-                    tasks[event.host] = bars.add_task(event.label or f"image → {event.host}", total=event.total)
+                    description = remote_text(event.label or f"image → {event.host}")  # the bar's column is markup
+                    tasks[event.host] = bars.add_task(description, total=event.total)
                 bars.update(tasks[event.host], completed=event.sent, total=event.total)
                 if event.done:
                     finished.add(event.host)
@@ -96,7 +97,7 @@ class Output:
                     tasks.clear()
                     finished.clear()
             elif bars and bars.live.is_started:
-                bars.console.print(f"[dim]·[/dim] {_escape(phase_text(event))}", markup=True)
+                bars.console.print(f"[dim]·[/dim] {remote_text(phase_text(event))}", markup=True)
             else:
                 self.bullet(phase_text(event))
 
@@ -112,7 +113,7 @@ class Output:
             self.stderr.write(f"· {terminal_safe(text)}\n")
             self.stderr.flush()
         else:
-            self.err.print(f"[dim]·[/dim] {_escape(text)}", markup=True)
+            self.err.print(f"[dim]·[/dim] {remote_text(text)}", markup=True)
 
     def _plain_stderr(self) -> bool:
         """Whether rich would draw no style on stderr (no terminal, none forced by rich's own TTY_COMPATIBLE or
@@ -126,14 +127,14 @@ class Output:
             return True
 
     def warning(self, message: str) -> None:
-        self.err.print(f"[bold yellow]warning:[/bold yellow] {_escape(message)}", markup=True)
+        self.err.print(f"[bold yellow]warning:[/bold yellow] {remote_text(message)}", markup=True)
 
     def details(self, items: list[dict[str, Any]]) -> None:
         """Per-host details of an error (cause and log tail), on stderr after the error line."""
         for item in items:
-            self.err.print(f"  [bold]{_escape(str(item.get('cause', item.get('host', ''))))}[/bold]", markup=True)
+            self.err.print(f"  [bold]{remote_text(str(item.get('cause', item.get('host', ''))))}[/bold]", markup=True)
             for line in item.get("log_tail", [])[-8:]:
-                self.err.print(f"    | {_escape(line)}", markup=True)
+                self.err.print(f"    | {remote_text(line)}", markup=True)
 
     def document(self, ok: bool, body: dict[str, Any]) -> None:
         """Write the one JSON document of a --json run (only the first call writes: one document, always)."""
@@ -145,8 +146,8 @@ class Output:
 
     def error(self, message: str, hint: str) -> None:
         """One line: what happened, then the fix."""
-        fix = f" [bold]— fix:[/bold] {_escape(hint)}" if hint else ""
-        self.err.print(f"[bold red]error:[/bold red] {_escape(message)}{fix}", markup=True, soft_wrap=True)
+        fix = f" [bold]— fix:[/bold] {remote_text(hint)}" if hint else ""
+        self.err.print(f"[bold red]error:[/bold red] {remote_text(message)}{fix}", markup=True, soft_wrap=True)
 
     def line(self, text: str) -> None:
         self.out.print(terminal_safe(text), markup=True)
@@ -186,30 +187,6 @@ def phase_text(event: str | HostPhase) -> str:
     return f"{event.host} {event.role}: {event.phase}{detail}{count}"
 
 
-# Terminal control sequences in text from hosts (log lines, error output, command output): CSI (colours,
-# cursor moves, screen clears), OSC (window titles, hyperlinks, clipboard writes), DCS/SOS/PM/APC strings,
-# other two-byte ESC sequences, the 8-bit CSI, then every other C0/C1 control but tab and newline.
-_CONTROL_SEQUENCES = re.compile(
-    r"\x1b\[[0-?]*[ -/]*[@-~]"
-    r"|\x1b\][^\x07\x1b]*(?:\x07|\x1b\\)?"
-    r"|\x1b[PX^_][^\x1b]*(?:\x1b\\)?"
-    r"|\x1b[ -/]*[0-~]"
-    r"|\x9b[0-?]*[ -/]*[@-~]"
-    r"|[\x00-\x08\x0b-\x1f\x7f-\x9f]"
-)
-
-
-def terminal_safe(text: str) -> str:
-    """`text` without terminal control sequences: what a host sends never drives the operator's terminal."""
-    return _CONTROL_SEQUENCES.sub("", text)
-
-
-def _escape(text: str) -> str:
-    from rich.markup import escape
-
-    return escape(terminal_safe(text))
-
-
 def host_error(host: str, error: str) -> str:
     """A host's error as shown after its name: without the name when the error already begins with it
     (errors raised for a host name it first; the line then reads `HOST: message`, not `HOST: HOST: message`)."""
@@ -222,7 +199,7 @@ def render_checks(output: Output, results: list[CheckResult]) -> None:
     for result in results:
         hosts.setdefault(result.host, []).append(result)
     for host, rows in hosts.items():
-        table = _table(title=f"host {host}", title_justify="left", show_lines=False, expand=False)
+        table = _table(title=f"host {remote_text(host)}", title_justify="left", show_lines=False, expand=False)
         table.add_column("status")
         table.add_column("check")
         table.add_column("finding")
@@ -231,9 +208,9 @@ def render_checks(output: Output, results: list[CheckResult]) -> None:
             style = _STATUS_STYLE[row.status]
             table.add_row(
                 f"[{style}]{row.status.value.upper()}[/{style}]",
-                row.id,
-                _escape(row.message),
-                _escape(row.hint),
+                remote_text(row.id),
+                remote_text(row.message),
+                remote_text(row.hint),
             )
         output.out.print(table)
     _render_network(output, results)
@@ -258,13 +235,13 @@ def _render_network(output: Output, results: list[CheckResult]) -> None:
     for host, data in measured.items():
         hop = path.get(host)
         table.add_row(
-            host,
+            remote_text(host),
             f"{data['rtt_ms']:.3f}" if data.get("rtt_ms", -1) >= 0 else "-",
             _rate(data["to_head_bps"]),
             _rate(data["from_head_bps"]),
-            str(mtu.get(host) or "?"),
+            remote_text(mtu.get(host) or "?"),
             hop.status.value if hop else "-",
-            str(data.get("tool", "")),
+            remote_text(data.get("tool", "")),
         )
     output.out.print(table)
 
@@ -282,38 +259,38 @@ def render_up(output: Output, body: dict[str, Any]) -> None:
         resources = node.get("resources", {})
         action = node.get("action", "")
         table.add_row(
-            node["host"],
-            node["role"],
-            node["node_ip"],
+            remote_text(node["host"]),
+            remote_text(node["role"]),
+            remote_text(node["node_ip"]),
             "[green]yes[/green]" if node["alive"] else "[red]no[/red]",
-            _escape(action),
+            remote_text(action),
             f"{resources.get('CPU', 0):g}",
             f"{resources.get('GPU', 0):g}",
-            _escape(_other_resources(resources)),
+            remote_text(_other_resources(resources)),
         )
     output.out.print(table)
     for node in body["nodes"]:
         if node.get("reason"):
-            output.line(f"{node['host']}: {node['action']}: {_escape(node['reason'])}")
+            output.line(f"{remote_text(node['host'])}: {remote_text(node['action'])}: {remote_text(node['reason'])}")
     for item in body.get("images", []):
         output.line(
-            f"image {item['method']}ed to {item['host']} ({item['reason']}): "
-            f"{item['bytes_sent'] / 1e6:.0f} MB {item['codec']} in {item['seconds']:.0f}s"
-            + (f" from {_escape(item['source'])}" if item.get("source") else "")
+            f"image {remote_text(item['method'])}ed to {remote_text(item['host'])} ({remote_text(item['reason'])}): "
+            f"{item['bytes_sent'] / 1e6:.0f} MB {remote_text(item['codec'])} in {item['seconds']:.0f}s"
+            + (f" from {remote_text(item['source'])}" if item.get("source") else "")
             + (", its archive's SHA-256 checked on arrival" if item.get("checksum") == "sha256" else "")
         )
     if all(n.get("action") == "running" for n in body["nodes"]) and not body.get("images"):
         output.line("nothing to do: every node was already running as the inventory asks")
     for warning in body.get("warnings", []):
-        output.line(f"[bold yellow]warning:[/bold yellow] {_escape(warning)}")
+        output.line(f"[bold yellow]warning:[/bold yellow] {remote_text(warning)}")
     output.line(f"cluster up in {body['seconds']:.1f}s")
     steps = body.get("next", {})
     if steps:
         output.line("next:")
-        output.line(f"  Ray address     {steps['ray_address']}")
-        output.line(f"  dashboard       {steps['dashboard_url']}")
-        output.line(f"  submit a job    {_escape(steps['submit_job'])}")
-        output.line(f"  health / logs   {_escape(steps['status'])}  ·  {_escape(steps['logs'])}")
+        output.line(f"  Ray address     {remote_text(steps['ray_address'])}")
+        output.line(f"  dashboard       {remote_text(steps['dashboard_url'])}")
+        output.line(f"  submit a job    {remote_text(steps['submit_job'])}")
+        output.line(f"  health / logs   {remote_text(steps['status'])}  ·  {remote_text(steps['logs'])}")
 
 
 def _other_resources(resources: dict[str, Any]) -> str:
@@ -325,11 +302,11 @@ def render_down(output: Output, body: dict[str, Any]) -> None:
     if not body["removed"]:
         output.line("nothing to remove: no container of this cluster on any host")
     for item in body["removed"]:
-        output.line(f"removed {item['container']} on {item['host']}")
+        output.line(f"removed {remote_text(item['container'])} on {remote_text(item['host'])}")
     for item in body.get("purged", []):
-        output.line(f"purged {_escape(item['item'])} on {item['host']}")
+        output.line(f"purged {remote_text(item['item'])} on {remote_text(item['host'])}")
     for item in body["errors"]:
-        output.line(f"[red]not removed on {item['host']}:[/red] {_escape(item['error'])}")
+        output.line(f"[red]not removed on {remote_text(item['host'])}:[/red] {remote_text(item['error'])}")
 
 
 def render_status(output: Output, body: dict[str, Any]) -> None:
@@ -338,7 +315,8 @@ def render_status(output: Output, body: dict[str, Any]) -> None:
 
 def status_view(body: dict[str, Any], title: str = "") -> Group:
     """The node table of `status` with its summary lines (also what `status --watch` redraws)."""
-    table = _table(title=title or f"cluster {body['cluster']}: {body['state']}", title_justify="left")
+    title = title or f"cluster {remote_text(body['cluster'])}: {remote_text(body['state'])}"
+    table = _table(title=title, title_justify="left")
     table.add_column("host", min_width=15)
     table.add_column("role")
     table.add_column("container", min_width=9)
@@ -350,15 +328,15 @@ def status_view(body: dict[str, Any], title: str = "") -> Group:
         resources = host.get("resources", {})
         good = {"running", "alive"}
         table.add_row(
-            host["host"],
-            host["role"],
+            remote_text(host["host"]),
+            remote_text(host["role"]),
             _mark(host["container"], host["container"] in good),
             _mark(host["ray_node"], host["ray_node"] in good),
             f"{resources.get('CPU', 0):g}",
             f"{resources.get('GPU', 0):g}",
-            _escape(_other_resources(resources)),
-            host["image_id"][7:19],
-            host["ray_version"],
+            remote_text(_other_resources(resources)),
+            remote_text(terminal_safe(str(host["image_id"]))[7:19]),
+            remote_text(host["ray_version"]),
         )
     totals = body["totals"]
     summary = ", ".join(f"{k} {v:g}" for k, v in totals["resources"].items() if k in {"CPU", "GPU"})
@@ -369,16 +347,18 @@ def status_view(body: dict[str, Any], title: str = "") -> Group:
         table,
         Text.from_markup(f"{totals['alive_nodes']}/{totals['hosts']} nodes alive; {summary or 'no resources'}"),
     ]
-    lines.extend(Text(line) for line in _model_lines(body["hosts"]))
+    lines.extend(Text(terminal_safe(line)) for line in _model_lines(body["hosts"]))
     for host in body["hosts"]:
         if host.get("error"):
             lines.append(
-                Text.from_markup(f"[red]{host['host']}:[/red] {_escape(host_error(host['host'], host['error']))}")
+                Text.from_markup(
+                    f"[red]{remote_text(host['host'])}:[/red] {remote_text(host_error(host['host'], host['error']))}"
+                )
             )
     service = _service_line(body.get("service"), body.get("service_error", ""))
     if service:
         lines.append(Text.from_markup(service))
-    lines.extend(Text(line) for line in _live_lines((body.get("service") or {}).get("live")))
+    lines.extend(Text(terminal_safe(line)) for line in _live_lines((body.get("service") or {}).get("live")))
     return Group(*lines)
 
 
@@ -420,7 +400,8 @@ def _model_lines(hosts: list[dict[str, Any]]) -> list[str]:
         model = about[digest]
         size = f", {model['size'] / 1e6:.1f} MB" if isinstance(model.get("size"), int) else ""
         lines.append(
-            f"model {model.get('name') or '?'} ({digest[:12]}{size}) on {len(on)}/{len(hosts)}: {', '.join(on)}"
+            f"model {model.get('name') or '?'} ({terminal_safe(str(digest))[:12]}{size}) on {len(on)}/{len(hosts)}: "
+            + ", ".join(on)
         )
     return lines
 
@@ -428,7 +409,7 @@ def _model_lines(hosts: list[dict[str, Any]]) -> list[str]:
 def _service_line(service: dict[str, Any] | None, error: str) -> str:
     """`serve`'s service in one line: its model, URL and replicas, and Ray Serve's status of it."""
     if error:
-        return f"[yellow]service: could not be read: {_escape(error)}[/yellow]"
+        return f"[yellow]service: could not be read: {remote_text(error)}[/yellow]"
     if not service:
         return "no service (raycluster serve --model-path DIR starts one)"
     record = service.get("record") or {}
@@ -438,38 +419,42 @@ def _service_line(service: dict[str, Any] | None, error: str) -> str:
         d.get("replicas", {}).get("RUNNING", 0)
         for d in ((service.get("serve") or {}).get("deployments") or {}).values()
     )
-    what = f"{_escape(str(record.get('model', '?')))} at {_escape(str(record.get('url', '?')))}" if record else "?"
+    what = (
+        f"{remote_text(str(record.get('model', '?')))} at {remote_text(str(record.get('url', '?')))}" if record else "?"
+    )
     what += " (images)" if record.get("kind") == "image" else ""
-    return f"service: {what}: [{colour}]{_escape(state)}[/{colour}], {replicas} running deployment replica(s)"
+    return f"service: {what}: [{colour}]{remote_text(state)}[/{colour}], {replicas} running deployment replica(s)"
 
 
-def _mark(text: str, good: bool) -> str:
-    return f"[green]{text}[/green]" if good else f"[red]{text}[/red]"
+def _mark(text: object, good: bool) -> str:
+    return f"[green]{remote_text(text)}[/green]" if good else f"[red]{remote_text(text)}[/red]"
 
 
 def render_logs(output: Output, body: dict[str, Any]) -> None:
-    table = _table(title=f"logs in {body['out']}", title_justify="left")
+    table = _table(title=f"logs in {remote_text(body['out'])}", title_justify="left")
     for column in ("host", "files", "MB", "error lines", "first error"):
         table.add_column(column)
     for host in body["hosts"]:
         first = host["error"] or (host["first_errors"][0] if host["first_errors"] else "")
         table.add_row(
-            host["host"],
+            remote_text(host["host"]),
             str(host["files"]),
             f"{host['bytes'] / 1e6:.1f}",
             _mark(str(host["error_lines"]), host["error_lines"] == 0),
-            _escape(host_error(host["host"], first)[:120]),
+            remote_text(terminal_safe(host_error(host["host"], first))[:120]),
         )
     output.out.print(table)
     for host in body["hosts"]:
         for cut in host.get("truncated", []):
-            output.line(f"{host['host']}: {cut}")
+            output.line(f"{remote_text(host['host'])}: {remote_text(cut)}")
 
 
 def render_lab(output: Output, body: dict[str, Any]) -> None:
     for host in body.get("hosts", []):
-        output.line(f"{host['hostname']}  {host['address']}  (container {host['name']})")
+        output.line(
+            f"{remote_text(host['hostname'])}  {remote_text(host['address'])}  (container {remote_text(host['name'])})"
+        )
     if body.get("inventory"):
-        output.line(f"inventory: {body['inventory']}")
+        output.line(f"inventory: {remote_text(body['inventory'])}")
     for item in body.get("removed", []):
-        output.line(f"removed {item}")
+        output.line(f"removed {remote_text(item)}")

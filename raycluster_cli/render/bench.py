@@ -14,7 +14,8 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-from raycluster_cli.render.base import Output, _escape
+from raycluster_cli.render.base import Output
+from raycluster_cli.render.text import remote_text, terminal_safe
 from raycluster_cli.verbs.bench import BenchEvent
 
 BAR_WIDTH = 30
@@ -62,7 +63,7 @@ def bench_progress(output: Output) -> Iterator[Callable[[BenchEvent], None]]:
         if live is not None:
             if not live.is_started:
                 live.start()
-            live.update(Text(f"· {text}", style="dim"))
+            live.update(Text(f"· {terminal_safe(text)}", style="dim"))
             return
         now = time.monotonic()
         due = event.phase != last_phase[0] or now - last_at[0] >= LINE_EVERY_S or event.done == event.total
@@ -96,9 +97,9 @@ def _stage_table(output: Output, stages: list[dict[str, Any]], multi: bool) -> N
         extra += "+head" if stage.get("has_head") else ""
         where = f"{stage.get('replica', 0)}.{stage['index']}" if multi else str(stage["index"])
         table.add_row(
-            _escape(_host(stage)),
-            where,
-            f"{stage['layers']}{extra}",
+            remote_text(_host(stage)),
+            remote_text(where),
+            remote_text(f"{stage['layers']}{extra}"),
             f"{stage['busy_s']:.3f}",
             _secs(stage.get("cpu_s")),
             _secs(stage.get("idle_s")),
@@ -114,17 +115,17 @@ def bar_chart(output: Output, title: str, rows: list[tuple[str, float, str]]) ->
     width = max((len(label) for label, _, _ in rows), default=0)
     for label, value, after in rows:
         bar = "█" * max(1, round(BAR_WIDTH * value / largest))
-        output.line(f"  {_escape(label):<{width}} [cyan]{bar}[/cyan] {_escape(after)}")
+        output.line(f"  {remote_text(label):<{width}} [cyan]{bar}[/cyan] {remote_text(after)}")
 
 
 def _summary(output: Output, body: dict[str, Any], stages: list[dict[str, Any]]) -> None:
     config = body.get("config", {})
-    load = f"Poisson {config.get('rate')} req/s" if config.get("mode") == "poisson" else "offline"
+    load = f"Poisson {remote_text(config.get('rate'))} req/s" if config.get("mode") == "poisson" else "offline"
     quota = body.get("imbalance_capacity") is not None and any(s.get("cpu_quota") for s in stages)
     output.line(
         f"{body['tokens_per_s']:.1f} tokens/s{_spread(body.get('tokens_per_s_spread'))}, "
         f"{body.get('requests_per_s', 0):.2f} requests/s "
-        f"({body.get('completed', '?')}/{body.get('requests', '?')} requests in {body.get('wall_s', 0):.1f}s, {load}); "
+        f"({remote_text(body.get('completed', '?'))}/{remote_text(body.get('requests', '?'))} requests in {body.get('wall_s', 0):.1f}s, {load}); "
         f"T_max − T_min = {body.get('t_max_minus_t_min_s', 0):.3f}s, imbalance {body['imbalance']:.3f}"
         + (f" (against CPU quotas {body['imbalance_capacity']:.3f})" if quota else "")
         + f", utilisation {body.get('utilisation', 0):.2f}"
@@ -147,7 +148,7 @@ def _latency(output: Output, latency: dict[str, Any]) -> None:
 
 def _gap_text(gap: dict[str, Any]) -> str:
     """Where the busiest stage idled: filling, between calls, draining (older results: outside/in its span)."""
-    stage = _escape(str(gap.get("stage")))
+    stage = remote_text(str(gap.get("stage")))
     if gap.get("idle_fill_s") is not None:
         return (
             f" (busiest stage {stage} idle: {gap['idle_fill_s']:.2f}s filling, "
@@ -168,7 +169,7 @@ def _idle_line(output: Output, body: dict[str, Any]) -> None:
         if stage.get("idle_fill_s") is None:
             continue
         text = (
-            f"{_escape(_host(stage))} {stage['idle_fill_s']:.2f}/{stage['idle_between_s']:.2f}/"
+            f"{remote_text(_host(stage))} {stage['idle_fill_s']:.2f}/{stage['idle_between_s']:.2f}/"
             f"{stage['idle_drain_s']:.2f}s"
         )
         if stage.get("quota_used") is not None:
@@ -194,7 +195,7 @@ def _references(output: Output, body: dict[str, Any]) -> None:
     if refs.get("unsharded") and not refs["unsharded"].get("skipped"):
         ref = refs["unsharded"]
         parts.append(
-            f"vs unsharded on {_escape(_host(ref))} {_ratio(ref.get('ratio'))} ({ref['tokens_per_s']:.1f} tok/s)"
+            f"vs unsharded on {remote_text(_host(ref))} {_ratio(ref.get('ratio'))} ({ref['tokens_per_s']:.1f} tok/s)"
         )
     if refs.get("ceiling"):
         text = f"of the pipeline ceiling {_ratio(refs['ceiling'].get('ratio'))}"
@@ -202,35 +203,35 @@ def _references(output: Output, body: dict[str, Any]) -> None:
     if parts:
         output.line("references (same run): " + "; ".join(parts))
     for text in skipped:
-        output.line(f"[yellow]reference skipped, {_escape(text)}[/yellow]")
+        output.line(f"[yellow]reference skipped, {remote_text(text)}[/yellow]")
     _idle_line(output, body)
     choice = body.get("split_choice") or {}
     if choice.get("used") == "even" and body.get("config", {}).get("partition") == "balanced":
-        output.line(f"[yellow]used the even split: {_escape(str(choice.get('reason')))}[/yellow]")
+        output.line(f"[yellow]used the even split: {remote_text(str(choice.get('reason')))}[/yellow]")
 
 
 def _faults(output: Output, body: dict[str, Any]) -> None:
     for lost in body.get("lost_nodes", []):
         output.line(
-            f"[bold yellow]node lost:[/bold yellow] {_escape(_host(lost))} (stage {lost.get('stage')}, "
-            f"replica {lost.get('replica')}) during {_escape(str(lost.get('phase')))}: "
-            f"{lost.get('requests_retried')} request(s) retried on another replica; {_escape(str(lost.get('error')))}"
+            f"[bold yellow]node lost:[/bold yellow] {remote_text(_host(lost))} (stage {remote_text(lost.get('stage'))}, "
+            f"replica {remote_text(lost.get('replica'))}) during {remote_text(str(lost.get('phase')))}: "
+            f"{remote_text(lost.get('requests_retried'))} request(s) retried on another replica; {remote_text(str(lost.get('error')))}"
         )
     if body.get("retried_requests"):
-        output.line(f"retried requests in the counted run: {body['retried_requests']}")
+        output.line(f"retried requests in the counted run: {remote_text(body['retried_requests'])}")
 
 
 def render_images(output: Output, body: dict[str, Any]) -> None:
     """An image benchmark: the placement and why, T_i per node, images/s, seconds per image, references."""
     placement = body.get("placement", {})
-    output.line(f"placement: {_escape(str(placement.get('why', '')))}")
+    output.line(f"placement: {remote_text(str(placement.get('why', '')))}")
     for index, replica in enumerate(placement.get("replicas", [])):
         held = " | ".join(
             f"{h.get('host') or h.get('node_ip')} ({'+'.join(h.get('parts', []))})" for h in replica.get("holders", [])
         )
         learned = (body.get("learned_s_per_image") or [])[index : index + 1]
         output.line(
-            f"  replica {index}: {_escape(held)}, {replica.get('s_per_image', 0):.3f} s per image calibrated"
+            f"  replica {index}: {remote_text(held)}, {replica.get('s_per_image', 0):.3f} s per image calibrated"
             + (f", {learned[0]:.3f} s in the counted run" if learned else "")
         )
     nodes = body.get("nodes", [])
@@ -248,17 +249,21 @@ def render_images(output: Output, body: dict[str, Any]) -> None:
     )
     latency = body.get("latency_s") or {}
     output.line(
-        f"{body.get('images_per_s', 0):.3f} images/s ({body.get('images')} images in {body.get('wall_s', 0):.1f}s, "
-        f"routing {body.get('policy')}: {body.get('per_replica')}); seconds per image p50 {_secs(latency.get('p50'))}, "
+        f"{body.get('images_per_s', 0):.3f} images/s ({remote_text(body.get('images'))} images in "
+        f"{body.get('wall_s', 0):.1f}s, routing {remote_text(body.get('policy'))}: "
+        f"{remote_text(body.get('per_replica'))}); seconds per image p50 {_secs(latency.get('p50'))}, "
         f"p90 {_secs(latency.get('p90'))}, p99 {_secs(latency.get('p99'))}; T_max − T_min = "
         f"{body.get('t_max_minus_t_min_s', 0):.3f}s, imbalance {body.get('imbalance', 0):.3f}"
     )
     for event in body.get("lost", []):
-        output.line(f"[bold yellow]replica {event.get('replica')} lost:[/bold yellow] {_escape(str(event.get('why')))}")
-    for name, ref in body.get("references", {}).items():
-        where = f" on {ref['node_ip']}" if ref.get("node_ip") else ""
         output.line(
-            f"÷ {name.replace('_', ' ')}{where}: {_ratio(ref.get('ratio'))} "
+            f"[bold yellow]replica {remote_text(event.get('replica'))} lost:[/bold yellow] "
+            f"{remote_text(str(event.get('why')))}"
+        )
+    for name, ref in body.get("references", {}).items():
+        where = f" on {remote_text(ref['node_ip'])}" if ref.get("node_ip") else ""
+        output.line(
+            f"÷ {remote_text(name.replace('_', ' '))}{where}: {_ratio(ref.get('ratio'))} "
             f"({ref.get('images_per_s', 0):.3f} images/s"
             + (f", imbalance {ref['imbalance']:.3f})" if ref.get("imbalance") is not None else ")")
         )
@@ -267,7 +272,7 @@ def render_images(output: Output, body: dict[str, Any]) -> None:
         verdict = "identical" if check.get("identical") else "[red]DIFFERENT[/red]"
         output.line(
             f"first image vs diffusers' StableDiffusionPipeline: {verdict} "
-            f"(max |difference| {check.get('max_abs_diff', 0):.2e}, tolerance {check.get('tolerance')})"
+            f"(max |difference| {check.get('max_abs_diff', 0):.2e}, tolerance {remote_text(check.get('tolerance'))})"
         )
 
 
@@ -295,19 +300,23 @@ def render_bench(output: Output, body: dict[str, Any]) -> None:
             f"#{r['index']} {r['requests']} req / {r['micro_batches']} mb" + (" (lost)" if r.get("lost") else "")
             for r in body.get("replicas", [])
         )
-        output.line(f"replica load (power of two choices): {loads}")
+        output.line(f"replica load (power of two choices): {remote_text(loads)}")
     _faults(output, body)
     render_sweep(output, body.get("sweep"))
     for finding in body.get("network", []):
         colour = "yellow" if finding["status"] != "ok" else "dim"
-        output.line(f"[{colour}]network {finding['id']} {finding['host']}: {_escape(finding['message'])}[/{colour}]")
+        output.line(
+            f"[{colour}]network {remote_text(finding['id'])} {remote_text(finding['host'])}: "
+            f"{remote_text(finding['message'])}[/{colour}]"
+        )
     _memory(output, body.get("memory"))
     check = body.get("output_check")
     if check and check.get("skipped"):
-        output.line(f"[yellow]output check skipped: {_escape(str(check['skipped']))}[/yellow]")
+        output.line(f"[yellow]output check skipped: {remote_text(str(check['skipped']))}[/yellow]")
     elif check:
         output.line(
-            f"sharded vs unsharded greedy output: {_verdict(check)} ({check.get('compared_requests')} requests)"
+            f"sharded vs unsharded greedy output: {_verdict(check)} "
+            f"({remote_text(check.get('compared_requests'))} requests)"
         )
 
 
@@ -318,9 +327,9 @@ def _verdict(check: dict[str, Any]) -> str:
         return "identical"
     if tolerance.get("within"):
         return (
-            f"[yellow]within {tolerance['dtype']} tolerance[/yellow]: every token among the reference's top "
-            f"{tolerance['top_k']}, argmax agreed at {100 * (tolerance.get('argmax_agreed') or 0):.1f} % of "
-            f"{tolerance.get('positions')} positions"
+            f"[yellow]within {remote_text(tolerance['dtype'])} tolerance[/yellow]: every token among the reference's "
+            f"top {remote_text(tolerance['top_k'])}, argmax agreed at {100 * (tolerance.get('argmax_agreed') or 0):.1f}"
+            f" % of {remote_text(tolerance.get('positions'))} positions"
         )
     return "[red]DIFFERENT[/red]"
 
@@ -332,13 +341,13 @@ def _memory(output: Output, memory: dict[str, Any] | None) -> None:
     items = []
     for stage in memory.get("stages", []):
         used, limit = stage.get("working_set_bytes"), stage.get("limit_bytes")
-        text = (
-            f"{_escape(_host(stage))} planned {_gb(stage.get('planned_bytes'))} of {_gb(stage.get('capacity_bytes'))}"
-        )
+        text = f"{remote_text(_host(stage))} planned {_gb(stage.get('planned_bytes'))} of {_gb(stage.get('capacity_bytes'))}"
         if used:
             text += f", used {_gb(used)}" + (f" of {_gb(limit)} limit" if limit else "")
         items.append(text)
-    output.line(f"memory ({memory.get('dtype')}, model {_gb(memory.get('model_bytes'))}): " + "; ".join(items))
+    output.line(
+        f"memory ({remote_text(memory.get('dtype'))}, model {_gb(memory.get('model_bytes'))}): " + "; ".join(items)
+    )
 
 
 def _gb(value: Any) -> str:
@@ -367,7 +376,7 @@ def render_sweep(output: Output, sweep: dict[str, Any] | None) -> None:
         for p in points:
             lat = p.get("latency_s", {})
             table.add_row(
-                str(p["micro_batch"]),
+                remote_text(p["micro_batch"]),
                 f"{p['tokens_per_s']:.1f}",
                 *(_secs((lat.get(k) or {}).get("p50"), 4) for k in ("ttft", "tpot", "e2e")),
             )
@@ -376,13 +385,15 @@ def render_sweep(output: Output, sweep: dict[str, Any] | None) -> None:
             (f"micro-batch {p['micro_batch']}", p["tokens_per_s"], f"{p['tokens_per_s']:.1f} tok/s") for p in points
         ]
         bar_chart(output, "tokens/s vs micro-batch:", rows)
-        output.line(f"best micro-batch: {sweep.get('best_micro_batch')}")
+        output.line(f"best micro-batch: {remote_text(sweep.get('best_micro_batch'))}")
         return
     table = Table(title="sweep: nodes", title_justify="left")
     for column in ("nodes", "tokens/s", "efficiency vs linear", "imbalance"):
         table.add_column(column, justify="right")
     for p in points:
-        table.add_row(str(p["nodes"]), f"{p['tokens_per_s']:.1f}", f"{p['efficiency']:.2f}", f"{p['imbalance']:.3f}")
+        table.add_row(
+            remote_text(p["nodes"]), f"{p['tokens_per_s']:.1f}", f"{p['efficiency']:.2f}", f"{p['imbalance']:.3f}"
+        )
     output.out.print(table)
     base = points[0]["tokens_per_s"] if points else 0.0
     rows = []

@@ -16,8 +16,9 @@ from xml.sax.saxutils import escape
 
 from rich.table import Table
 
-from raycluster_cli.render.base import Output, _escape
+from raycluster_cli.render.base import Output
 from raycluster_cli.render.bench import bar_chart
+from raycluster_cli.render.text import remote_text
 
 SVG_NS = "http://www.w3.org/2000/svg"  # SVG's XML namespace: a name, never fetched (browsers need it)
 WIDTH, PANEL_H, MARGIN = 760, 260, 60
@@ -45,9 +46,10 @@ def render_serve_bench(output: Output, body: dict[str, Any]) -> None:
         _render_images(output, body)
         return
     output.line(
-        f"service {_escape(str(body.get('model')))} at {_escape(str(body.get('url')))}: "
-        f"{work.get('requests_per_run')} requests per run, prompts {work.get('prompt_tokens')} tokens, "
-        f"outputs {work.get('output_tokens')} tokens (ignore_eos), seed {work.get('seed')}"
+        f"service {remote_text(str(body.get('model')))} at {remote_text(str(body.get('url')))}: "
+        f"{remote_text(work.get('requests_per_run'))} requests per run, prompts "
+        f"{remote_text(work.get('prompt_tokens'))} tokens, outputs {remote_text(work.get('output_tokens'))} tokens "
+        f"(ignore_eos), seed {remote_text(work.get('seed'))}"
     )
     runs = body.get("runs", [])
     counts = Table(title="throughput", title_justify="left")
@@ -59,11 +61,11 @@ def render_serve_bench(output: Output, body: dict[str, Any]) -> None:
     for column in ("TTFT", "TPOT", "ITL", "e2e"):
         latency.add_column(column, justify="right", no_wrap=True)
     for run in runs:
-        load = _load(run) + (" [yellow]*[/yellow]" if run.get("interrupted") else "")
+        load = remote_text(_load(run)) + (" [yellow]*[/yellow]" if run.get("interrupted") else "")
         counts.add_row(
             load,
-            str(run["completed"]),
-            str(run["failed"]),
+            remote_text(run["completed"]),
+            remote_text(run["failed"]),
             f"{run['requests_per_s']:.2f}",
             f"{run['output_tokens_per_s']:.1f}",
             "-" if run.get("imbalance") is None else f"{run['imbalance']:.3f}",
@@ -95,25 +97,25 @@ def _errors_and_busy_time(
     text and image services alike, `row` making a stage's bar (its label, busy seconds, detail)."""
     for run in runs:
         for error in run.get("errors", []):
-            output.line(f"[yellow]{_escape(_load(run))}: {_escape(error)}[/yellow]")
+            output.line(f"[yellow]{remote_text(_load(run))}: {remote_text(error)}[/yellow]")
     measured = [r for r in runs if r.get("stages")]
     if not measured:
         return
     shown = next((r for r in measured if r["kind"] == "saturation"), measured[-1])
     several = len({s.get("pipeline") for s in shown["stages"]}) > 1
     rows = [row(s, several) for s in shown["stages"]]
-    bar_chart(output, f"busy time T_i per node ({_load(shown)}, wall {shown['wall_s']:.2f}s):", rows)
+    bar_chart(output, f"busy time T_i per node ({remote_text(_load(shown))}, wall {shown['wall_s']:.2f}s):", rows)
     if shown.get("t_max_minus_t_min_s") is not None:
         output.line(
             f"T_max − T_min = {shown['t_max_minus_t_min_s']:.3f}s, imbalance {shown['imbalance']:.3f}, "
             f"utilisation {shown['utilisation']:.2f}{more(shown)}"
         )
     for index, anatomy in sorted((shown.get("anatomy") or {}).items()):
-        output.line(_anatomy_line(index if several else None, anatomy))
+        output.line(remote_text(_anatomy_line(index if several else None, anatomy)))
     collections = shown.get("ingress_gc")
     if collections and collections["full_collections"]:
         output.line(
-            f"the ingress paused {collections['full_collections']} time(s) for full garbage collections, "
+            f"the ingress paused {remote_text(collections['full_collections'])} time(s) for full garbage collections, "
             f"{collections['seconds'] * 1e3:.0f} ms in all (the largest of its recent ones {_ms_or(collections['max_ms'])})"
         )
     front = shown.get("front_end") or {}
@@ -128,8 +130,8 @@ def _errors_and_busy_time(
         changed = run.get("pipelines_changed")
         if changed:
             output.line(
-                f"[yellow]{_escape(_load(run))}: pipelines changed during the run (a re-split or a failover): "
-                f"retired {changed['retired']}, new {changed['new']}; the retired ones' work is not in T_i[/yellow]"
+                f"[yellow]{remote_text(_load(run))}: pipelines changed during the run (a re-split or a failover): "
+                f"retired {remote_text(changed['retired'])}, new {remote_text(changed['new'])}; the retired ones' work is not in T_i[/yellow]"
             )
 
 
@@ -168,9 +170,10 @@ def _render_images(output: Output, body: dict[str, Any]) -> None:
     """An image service's runs: images/s, seconds per image p50/p90/p99, each replica's share, each node's T_i."""
     work = body.get("workload", {})
     output.line(
-        f"image service {_escape(str(body.get('model')))} at {_escape(str(body.get('url')))}: "
-        f"{work.get('requests_per_run')} images per run, {work.get('size')} px, {work.get('steps')} steps, "
-        f"{work.get('replicas')} replica(s), seed {work.get('seed')}"
+        f"image service {remote_text(str(body.get('model')))} at {remote_text(str(body.get('url')))}: "
+        f"{remote_text(work.get('requests_per_run'))} images per run, {remote_text(work.get('size'))} px, "
+        f"{remote_text(work.get('steps'))} steps, {remote_text(work.get('replicas'))} replica(s), "
+        f"seed {remote_text(work.get('seed'))}"
     )
     runs = body.get("runs", [])
     table = Table(title="images (seconds per image: p50 / p90 / p99)", title_justify="left")
@@ -178,10 +181,10 @@ def _render_images(output: Output, body: dict[str, Any]) -> None:
     for column in ("done", "failed", "images/s", "p50 s", "p90 s", "p99 s", "per replica", "imbalance"):
         table.add_column(column, justify="right")
     for run in runs:
-        share = "/".join(str(r["images"]) for r in run.get("replicas", []))
+        share = remote_text("/".join(str(r["images"]) for r in run.get("replicas", [])))
         table.add_row(
-            _load(run) + (" [yellow]*[/yellow]" if run.get("interrupted") else ""),
-            str(run["completed"]), str(run["failed"]), f"{run['images_per_s']:.2f}", *_seconds(run), share or "-",
+            remote_text(_load(run)) + (" [yellow]*[/yellow]" if run.get("interrupted") else ""),
+            remote_text(run["completed"]), remote_text(run["failed"]), f"{run['images_per_s']:.2f}", *_seconds(run), share or "-",
             "-" if run.get("imbalance") is None else f"{run['imbalance']:.3f}",
         )  # fmt: skip
     output.out.print(table)

@@ -18,7 +18,8 @@ from rich.table import Table
 from rich.text import Text
 
 from raycluster_cli.progress import PHASES, Event, HostPhase, TransferProgress
-from raycluster_cli.render.base import Output, phase_text, terminal_safe
+from raycluster_cli.render.base import Output, phase_text
+from raycluster_cli.render.text import remote_text, terminal_safe
 
 _STYLE = {
     "checking": "dim",
@@ -88,8 +89,8 @@ class UpBoard:
             detail = row.detail
             if row.phase == "receiving" and row.total:
                 detail = f"the image {_mb(row.sent, row.total)}"
-            phase = Text(row.phase, style=_STYLE.get(row.phase, ""))
-            table.add_row(terminal_safe(host), row.role, phase, Text(terminal_safe(detail)))
+            phase = Text(terminal_safe(row.phase), style=_STYLE.get(row.phase, ""))
+            table.add_row(remote_text(host), remote_text(row.role), phase, Text(terminal_safe(detail)))
         if hidden:
             return Group(header, table, Text(f"… and {hidden} more host(s), most of them joined", style="dim"))
         return Group(header, table)

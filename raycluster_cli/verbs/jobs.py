@@ -324,4 +324,4 @@ def _poll_logs(
 def stop_hint(inventory: Inventory, submission_id: str) -> str:
     """How to stop a job that keeps running after Ctrl-C (token from the head container's own env)."""
     address = f"http://{inventory.head_address}:{inventory.ray.dashboard_port}"
-    return f"raycluster exec -- ray job stop --address {address} {shlex.quote(submission_id)}"
+    return f"raycluster exec -- ray job stop --address {shlex.quote(address)} {shlex.quote(submission_id)}"

@@ -31,6 +31,7 @@ ERROR_LINE = re.compile(r"\bERROR\b|Traceback \(most recent call last\)|\bFATAL\
 _SESSION_LOGS = "/tmp/ray/session_latest/logs"
 MIB = 1024 * 1024
 _LINE_LIMIT = 64 * 1024  # an error line is judged on its first 64 KiB (a line without newlines stays bounded)
+PRIVATE_DIR = 0o700  # the logs folders: hosts' logs are for the operator alone
 
 
 @dataclass(frozen=True)
@@ -77,8 +78,11 @@ def count_errors_in(path: Path, limit: int = 3) -> tuple[int, list[str]]:
 def collect(
     inventory: Inventory, connect: Connect, out_dir: Path, hosts: list[HostConfig], limits: Limits | None = None
 ) -> list[HostLogs]:
-    """Fetch every host's logs in parallel into out_dir/<address>/."""
-    out_dir.mkdir(parents=True, exist_ok=True)
+    """Fetch every host's logs in parallel into out_dir/<address>/.
+
+    The folders are made 0700: hosts' logs name users, addresses and paths, and the operator's machine may be
+    shared. A folder `--out` names that already exists keeps its mode; each host's folder is made private."""
+    out_dir.mkdir(mode=PRIVATE_DIR, parents=True, exist_ok=True)
     chosen = limits or Limits()
     results = []
     found = fanout(
@@ -151,7 +155,8 @@ def _collect_host(
     inventory: Inventory, transport: Transport, host: HostConfig, folder: Path, limits: Limits
 ) -> HostLogs:
     name = container_name(inventory, host)
-    folder.mkdir(parents=True, exist_ok=True)
+    folder.mkdir(mode=PRIVATE_DIR, parents=True, exist_ok=True)
+    folder.chmod(PRIVATE_DIR)  # a folder a run before this one made keeps no wider mode
     found = transport.run(f"docker inspect --format '{{{{.Id}}}}' {quote(name)}", timeout=60)
     if not found.ok:
         raise OperationError(f"{host.address}: no container log: {found.first_line()}", "is the cluster up?")

@@ -103,3 +103,86 @@ def test_nothing_listening_and_not_http() -> None:
         asyncio.run(client("http://127.0.0.1:9/"))
     with pytest.raises(ValueError, match="not an http:// URL"):
         http.parse_url("https://example.invalid/v1")
+
+
+async def _endless(writer: asyncio.StreamWriter, head: bytes, piece: bytes) -> None:
+    """Write `head`, then `piece` again and again until the client hangs up."""
+    writer.write(head)
+    try:
+        while True:
+            writer.write(piece)
+            await writer.drain()
+    except (ConnectionError, OSError):
+        pass
+
+
+def _fails(handler: Handler, max_body_bytes: int = http.MAX_BODY_BYTES) -> tuple[str, float]:
+    """Read the whole answer of `handler`'s server: the HTTPFailure's message and how long it took to come."""
+
+    async def client(url: str) -> object:
+        began = time.monotonic()
+        with pytest.raises(http.HTTPFailure) as failure:
+            async with http.request("GET", url, timeout_s=30, max_body_bytes=max_body_bytes) as answer:
+                await answer.read()
+        assert url in str(failure.value)  # the one line names what was asked
+        return str(failure.value), time.monotonic() - began
+
+    found = asyncio.run(_serve(handler, client))
+    assert isinstance(found, tuple)
+    return found
+
+
+def test_an_endless_body_ends_at_the_cap_without_filling_memory() -> None:
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await _head(reader)
+        await _endless(writer, b"HTTP/1.1 200 OK\r\n\r\n", b"x" * 65536)
+
+    message, took = _fails(handler)
+    assert f"cap of {http.MAX_BODY_BYTES} bytes" in message and took < 20
+    message, took = _fails(handler, max_body_bytes=1 << 20)
+    assert "cap of 1048576 bytes" in message and took < 5
+
+
+def test_an_endless_chunk_and_an_endless_chunk_size_line_end_at_their_caps() -> None:
+    chunked = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+
+    async def huge_chunk(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await _head(reader)
+        await _endless(writer, chunked + b"7fffffffffffffff\r\n", b"x" * 65536)
+
+    async def size_line(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await _head(reader)
+        await _endless(writer, chunked, b"f" * 65536)
+
+    async def small_chunks(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await _head(reader)
+        await _endless(writer, chunked, b"10000\r\n" + b"x" * 65536 + b"\r\n")
+
+    message, took = _fails(huge_chunk)
+    assert "passed its cap" in message and took < 5  # refused when announced, before its bytes are read
+    message, took = _fails(size_line)
+    assert f"longer than {http.MAX_CHUNK_LINE} bytes" in message and took < 5
+    message, took = _fails(small_chunks, max_body_bytes=1 << 20)
+    assert "cap of 1048576 bytes" in message and took < 5
+
+
+def test_a_length_over_the_cap_and_endless_headers_are_refused() -> None:
+    async def long(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await _head(reader)
+        await _endless(writer, b"HTTP/1.1 200 OK\r\nContent-Length: 99999999999\r\n\r\n", b"x" * 65536)
+
+    async def headers(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await _head(reader)
+        await _endless(writer, b"HTTP/1.1 200 OK\r\n", b"X-A: b\r\n" * 1000)
+
+    async def many(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await _head(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\n" + b"X-A: b\r\n" * 500 + b"\r\n")
+        writer.close()
+
+    message, took = _fails(long)
+    assert "passed its cap" in message and took < 5
+    message, took = _fails(headers)
+    assert f"no HTTP head within {http.MAX_HEAD_BYTES} bytes" in message and took < 5
+    message, _ = _fails(many)
+    assert f"more than {http.MAX_HEADERS}" in message

@@ -204,3 +204,23 @@ def test_a_cut_archive_keeps_the_files_before_the_cut(tmp_path: Path) -> None:
     archive.write_bytes(gzip.compress(raw.getvalue())[:30_000])
     files, skipped, whole = _extract(archive, tmp_path / "ray", 1_000_000)
     assert [p.name for p in files] == ["a"] and not whole and skipped == 0
+
+
+def test_the_logs_folders_are_private(host_files: tuple[Path, LocalStreaming], tmp_path: Path) -> None:
+    """Hosts' logs are for the operator: the folder and each host's folder are 0700, whatever the umask allows;
+    a host's folder left 0755 by an earlier run is made private again."""
+    fake, transport = host_files
+    (fake / "container.log").write_bytes(b"started\n")
+    _session(fake, {"raylet.out": b"ok\n"})
+    out = tmp_path / "out"
+    (out / str(HEAD.address)).mkdir(parents=True, mode=0o755)
+    out.chmod(0o755)
+    previous = os.umask(0o022)
+    try:
+        fresh = tmp_path / "fresh"
+        collect(INV, lambda h: transport, fresh, [HEAD])
+        collect(INV, lambda h: transport, out, [HEAD])
+    finally:
+        os.umask(previous)
+    assert (fresh.stat().st_mode & 0o777, (fresh / str(HEAD.address)).stat().st_mode & 0o777) == (0o700, 0o700)
+    assert (out / str(HEAD.address)).stat().st_mode & 0o777 == 0o700

@@ -7,8 +7,9 @@ import json
 
 import pytest
 
-from raycluster_cli.render.base import Output, render_logs, terminal_safe
+from raycluster_cli.render.base import Output, render_logs
 from raycluster_cli.render.operate import ExecPrinter, JobLogPrinter
+from raycluster_cli.render.text import terminal_safe
 
 HOSTILE = "boom\x1b[2J\x1b[H\x1b]0;pwned\x07\x1b]52;c;ZXZpbA==\x07\x9b31m\x1bPq#0\x1b\\\r\x08\x00 done"
 
