@@ -59,7 +59,13 @@ def local_serve(app: Any, env: Mapping[str, str] | None = None, **options: Any) 
         mp.setenv("RAY_AUTH_MODE", "disabled")
         for name, value in (env or {}).items():
             mp.setenv(name, value)
-        defaults = {"num_cpus": 2, "include_dashboard": False, "log_to_driver": False, "configure_logging": False}
+        defaults = {
+            "address": "local",  # a Ray of its own, never one another process on this machine started
+            "num_cpus": 2,
+            "include_dashboard": False,
+            "log_to_driver": False,
+            "configure_logging": False,
+        }
         ray.init(**(defaults | {"_node_ip_address": "127.0.0.1"} | options))
         try:
             serve.start(http_options={"host": "127.0.0.1", "port": port})

@@ -259,7 +259,12 @@ def _shell_word(word: str) -> str:
 # object references (half of Ray's RAY_SERVE_THROUGHPUT_OPTIMIZED; the other half, direct ingress, moves the
 # service off its port). On the lab the proxy's and the ingress's CPU per token 20-43 % lower, 1.09-1.15x the
 # output tokens/s at 1, 4 and 32 requests at once (docs/PERFORMANCE.md S25).
-SERVE_ENV = {"RAY_SERVE_PROXY_USE_GRPC": "1"}
+# And the proxy's own guard (serve/proxy_guard.py, through Ray Serve's proxy callback): request heads within a deadline,
+# connections capped, bodies capped before any key is checked, no client opting out of the disconnect watch.
+SERVE_ENV = {
+    "RAY_SERVE_PROXY_USE_GRPC": "1",
+    "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH": "raycluster_cli.serve.proxy_guard.guard",
+}
 
 
 def run_argv(inventory: Inventory, host: HostConfig) -> list[str]:
