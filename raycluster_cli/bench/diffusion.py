@@ -70,11 +70,26 @@ def vae_scale_factor(path: str | Path) -> int:
 
 
 def _scheduler_class(path: Path) -> Any:
+    """The scheduler class ``model_index.json`` names, which must be one of diffusers' schedulers (a subclass of
+    its ``SchedulerMixin``): the folder chooses a class by name, so a name for anything else in the library (a
+    pipeline, a loader, a module) is refused, in one line naming the file and field."""
     import diffusers
 
-    index = json.loads((path / "model_index.json").read_text())
-    _library, name = index["scheduler"]
-    return getattr(diffusers, name)
+    index_file = path / "model_index.json"
+    entry = json.loads(index_file.read_text()).get("scheduler")
+    library, name = entry if isinstance(entry, list) and len(entry) == 2 else (None, entry)
+    found = getattr(diffusers, name, None) if library == "diffusers" and isinstance(name, str) else None
+    if not (isinstance(found, type) and issubclass(found, diffusers.SchedulerMixin)):
+        raise ValueError(
+            f'{index_file}: "scheduler" is {json.dumps(entry)}, not a diffusers scheduler: name one such as '
+            '["diffusers", "DDIMScheduler"]'
+        )
+    return found
+
+
+def check_scheduler(path: str | Path) -> None:
+    """Refuse a folder whose ``model_index.json`` names no diffusers scheduler (``_scheduler_class``)."""
+    _scheduler_class(Path(path))
 
 
 class Components:

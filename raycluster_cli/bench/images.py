@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from raycluster_cli.bench import balance
-from raycluster_cli.bench.diffusion import PARTS, ImageRequest, part_bytes
+from raycluster_cli.bench.diffusion import PARTS, ImageRequest, check_scheduler, part_bytes
 from raycluster_cli.bench.experiment import Report
 from raycluster_cli.bench.memory import Capacity
 from raycluster_cli.bench.options import BenchOptions
@@ -241,6 +241,7 @@ def run(options: BenchOptions, progress: Report) -> dict[str, Any]:
 
     options = options.effective()
     started = time.perf_counter()
+    check_scheduler(str(options.model_path))  # before any actor loads the folder
     if not ray.is_initialized():
         ray.init(address="auto", logging_level=logging.ERROR, log_to_driver=False)
     path = str(options.model_path)

@@ -8,7 +8,10 @@ Retry-After when full or when no replica serves.
 The ingress places the replicas itself, when it is built (``bench.images.place`` on the alive nodes' `memory`),
 and times each on a real image (``bench.images.calibrate``): so the service is up only once a real image went
 through every replica, and a rebuilt ingress (Ray Serve's answer to a failed ``check_health``) re-places on the
-nodes alive then.  The stage code is the bench's (``bench.diffusion``), so the service's image is the bench's,
+nodes alive then.  A replica lost while serving is re-grown in the background the same way (placed on the alive
+nodes no live replica uses, timed on a real image).  What a request may cost is bounded (``image_limits``: steps,
+pixels, and the memory its size needs on a replica), and the router counts and times it by its work (steps ×
+pixels over the calibration image's, ``image_pool.work``).  The stage code is the bench's (``bench.diffusion``), so the service's image is the bench's,
 which equals diffusers' own pipeline's.
 
 No ``from __future__ import annotations``: FastAPI reads the route methods' annotations at runtime (serve/app.py).
@@ -19,6 +22,7 @@ import base64
 import io
 import secrets
 import time
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,13 +38,14 @@ from raycluster_cli.bench.diffusion import ImageRequest, part_bytes, vae_scale_f
 from raycluster_cli.bench.image_pool import ImagePool, NoReplica, QueueFull, Slot, lanes_of
 from raycluster_cli.bench.options import BenchOptions
 from raycluster_cli.serve import app as text_app
-from raycluster_cli.serve import protocol
+from raycluster_cli.serve import image_limits, protocol
 from raycluster_cli.serve.auth import ServiceKeys, cluster_token_path, refuse_disconnect_disabled
 from raycluster_cli.serve.metrics import RayRecorder, image_request
 from raycluster_cli.serve.protocol import APIError, ImageGenerationRequest
 
 RETRY_AFTER_S = 2
 COUNTERS_S = 10.0
+REGROW_S = 900.0  # placing, loading and timing a replica in place of a lost one
 MULTIPLE = 8  # width and height: diffusers' StableDiffusionPipeline refuses others
 
 
@@ -55,10 +60,13 @@ class ImageSettings:
     steps: int = 20  # denoising steps when a request does not say (num_inference_steps)
     guidance: float = 7.5
     size: int | None = None  # default width and height; None: the checkpoint's own (UNet sample size × VAE factor)
-    largest: int = 1024
+    max_steps: int = 150  # the most num_inference_steps a request may ask
+    max_pixels: int = 1024 * 1024  # the most width × height a request may ask
     num_threads: int | None = None
     calibration_repeats: int = 1
-    max_waiting: int = 64
+    max_waiting: float = 64  # work held (in images of the default steps and size) before requests get 503
+    deadline_floor_s: float = 60.0  # the least an image may run before its replica is pinged
+    regrow: bool = True  # a lost replica is replaced in the background
 
     @property
     def served_model(self) -> str:
@@ -83,10 +91,18 @@ def png_b64(image: Any) -> str:
     return base64.b64encode(buffer.getvalue()).decode()
 
 
-def _place(settings: ImageSettings, size: int) -> tuple[list[placing.Holders], str, dict[str, str]]:
+@dataclass(frozen=True)
+class Placed:
+    holders: list[placing.Holders]
+    why: str
+    ip_of: dict[str, str]
+    room_of: dict[str, int]  # bytes a part may take on each node
+
+
+def _place(settings: ImageSettings, size: int) -> Placed:
     rooms = placing.node_rooms()
     holders, why = placing.place(rooms, part_bytes(settings.model_path), size)
-    return holders, why, {n.node_id: n.node_ip for n in rooms}
+    return Placed(holders, why, {n.node_id: n.node_ip for n in rooms}, {n.node_id: n.capacity for n in rooms})
 
 
 image_api = FastAPI(title="raycluster serve (images)", docs_url=None, redoc_url=None, openapi_url=None)
@@ -100,32 +116,67 @@ class ImageServer:
     """One ingress: the replicas of the diffusion pipeline (bench actors on the nodes) and the routing over them."""
 
     async def __init__(self, settings: ImageSettings) -> None:  # type: ignore[misc]  # Serve awaits it
-        from raycluster_cli.bench.diffusion_workers import Replica
-
         self.settings = settings
         self.keys = ServiceKeys(settings.keys_file, cluster_token_path())
         self.model_id = settings.served_model
         self.size = settings.size or native_size(settings.model_path)
-        holders, self.why, ip_of = await asyncio.to_thread(_place, settings, self.size)
-        replicas = [Replica(settings.model_path, h, settings.num_threads, settings.dtype) for h in holders]
+        self.weights = part_bytes(settings.model_path)
+        placed = await asyncio.to_thread(_place, settings, self.size)
+        self.why = placed.why
+        slots = await asyncio.to_thread(self._timed, placed.holders, placed)
+        self.calibration = {"steps": settings.steps, "size": self.size, "guidance_scale": settings.guidance}
+        self.pool = ImagePool(
+            slots, max_waiting=settings.max_waiting, deadline=lambda s: max(settings.deadline_floor_s, 20 * s),
+            base=(settings.steps, self.size * self.size), regrow=self._regrow if settings.regrow else None,
+        )  # fmt: skip
+        self.created = int(time.time())
+        self.metrics = RayRecorder()
+
+    def _timed(self, holders: list[placing.Holders], placed: Placed) -> list[Slot]:
+        """Replicas on ``holders``, each timed on a real image (the service starts only once each generates),
+        with the memory it measured and so the largest image it holds (``image_limits.replica_limits``)."""
+        import ray
+
+        from raycluster_cli.bench.diffusion_workers import Replica
+
+        settings, name = self.settings, f"image-{uuid.uuid4().hex[:8]}"
+        replicas = [
+            Replica(settings.model_path, h, settings.num_threads, settings.dtype, f"{name}-{i}")
+            for i, h in enumerate(holders)
+        ]
         options = BenchOptions(
             model_path=settings.model_path, image_steps=settings.steps, image_size=self.size,
             guidance_scale=settings.guidance, calibration_repeats=settings.calibration_repeats,
         )  # fmt: skip
-        try:  # a real image through every replica, timed: the service starts only once each generates
-            seconds = await asyncio.to_thread(placing.calibrate, replicas, options, lambda *a, **k: None)
+        try:
+            seconds = placing.calibrate(replicas, options, lambda *a, **k: None)
+            memory = ray.get([ref for r in replicas for ref in r.memory()], timeout=COUNTERS_S * 6)
         except BaseException:
             for replica in replicas:
                 replica.kill()
             raise
-        self.calibration = {"steps": settings.steps, "size": self.size, "guidance_scale": settings.guidance}
-        slots = [
-            Slot(i, r, s, [{"node_id": n, "node_ip": ip_of.get(n, ""), "parts": parts} for n, parts in h], lanes_of(r))
-            for i, (r, h, s) in enumerate(zip(replicas, holders, seconds, strict=True))
-        ]
-        self.pool = ImagePool(slots, max_waiting=settings.max_waiting)
-        self.created = int(time.time())
-        self.metrics = RayRecorder()
+        slots, measured = [], iter(memory)
+        for i, (r, h, s) in enumerate(zip(replicas, holders, seconds, strict=True)):
+            rows = [
+                {"node_id": n, "node_ip": placed.ip_of.get(n, ""), "parts": parts, "actor": label}
+                for (n, parts), label in zip(h, r.names, strict=True)
+            ]
+            slot = Slot(i, r, s, rows, lanes_of(r))
+            mine = [next(measured) for _ in r.actors]
+            slot.limits = image_limits.replica_limits(mine, placed.room_of, h, self.weights, self.size * self.size)
+            slots.append(slot)
+        return slots
+
+    async def _regrow(self, lost: Slot) -> Slot | None:
+        """A replica in place of ``lost``: placed on the alive nodes no live replica uses, timed; None when no
+        such node holds one."""
+        busy = {row["node_id"] for slot in self.pool.live() for row in slot.holders}
+        placed = await asyncio.wait_for(asyncio.to_thread(_place, self.settings, self.size), REGROW_S)
+        free = [h for h in placed.holders if not {node for node, _ in h} & busy]
+        if not free:
+            return None
+        slots = await asyncio.wait_for(asyncio.to_thread(self._timed, free[:1], placed), REGROW_S)
+        return slots[0]
 
     async def check_health(self) -> None:
         self.metrics.record("raycluster_serve_replicas_live", len(self.pool.live()), {"model": self.model_id})
@@ -179,9 +230,13 @@ class ImageServer:
         body: ImageGenerationRequest = protocol.parse(ImageGenerationRequest, await request.body())
         if body.model is not None:
             protocol.check_model(body.model, self.model_id)
-        width, height = body.dimensions(self.size, MULTIPLE, self.settings.largest)
-        seed = body.seed if body.seed is not None else secrets.randbelow(2**31)
+        limits = self.settings
+        width, height = body.dimensions(self.size, MULTIPLE, image_limits.largest_side(limits.max_pixels, MULTIPLE))
+        image_limits.check_pixels(width, height, limits.max_pixels)
         steps = body.num_inference_steps or self.settings.steps
+        image_limits.check_steps(steps, limits.max_steps)
+        image_limits.check_memory(width, height, self.pool.live())
+        seed = body.seed if body.seed is not None else secrets.randbelow(2**31)
         guidance = self.settings.guidance if body.guidance_scale is None else body.guidance_scale
         requests = [
             ImageRequest(body.prompt, seed + i, steps, height, width, guidance, body.negative_prompt)

@@ -28,7 +28,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--image-steps", type=int, default=20, help="denoising steps when a request gives none")
     group.add_argument("--image-size", type=int, default=0, help="default width and height (0: the checkpoint's)")
     group.add_argument("--guidance-scale", type=float, default=7.5, help="when a request gives none")
-    group.add_argument("--max-images-waiting", type=int, default=64, help="images held before requests get 503")
+    group.add_argument(
+        "--max-images-waiting", type=float, default=64,
+        help="work held before requests get 503, in images of the default steps and size (an image of twice the "
+        "steps counts two)",
+    )  # fmt: skip
+    group.add_argument(
+        "--image-max-steps", type=int, default=150, help="the most num_inference_steps a request may ask (else 400)"
+    )
+    group.add_argument(
+        "--image-max-pixels", type=int, default=1024 * 1024,
+        help="the most width × height a request may ask (else 400; also bounded by the memory a replica measured)",
+    )  # fmt: skip
 
 
 def image_dtype(asked: str) -> str:
@@ -48,14 +59,24 @@ def launch(
     ingress_options: dict[str, Any],
     http_options: dict[str, Any],
 ) -> int:
-    from raycluster_cli.serve.image_app import ImageSettings, build_image_app
+    from raycluster_cli.bench.diffusion import check_scheduler
+    from raycluster_cli.serve.image_app import ImageSettings, build_image_app, native_size
+    from raycluster_cli.serve.image_limits import operator_problem
 
     if args.image_size and (args.image_size < 8 or args.image_size % 8):
         raise SystemExit(f"serve: --image-size {args.image_size} must be a multiple of 8")
+    try:
+        check_scheduler(args.model_path)
+    except ValueError as exc:
+        raise SystemExit(f"serve: {exc}") from None
+    size = args.image_size or native_size(args.model_path)
+    problem = operator_problem(args.image_steps, size, args.image_max_steps, args.image_max_pixels)
+    if problem is not None:
+        raise SystemExit(f"serve: {problem}")
     settings = ImageSettings(
         model_path=args.model_path, model_id=args.model_id, keys_file=keys_file, dtype=image_dtype(args.dtype),
         steps=args.image_steps, guidance=args.guidance_scale, size=args.image_size or None,
-        max_waiting=args.max_images_waiting,
+        max_waiting=args.max_images_waiting, max_steps=args.image_max_steps, max_pixels=args.image_max_pixels,
     )  # fmt: skip
     ray.init(address="auto")
     serve.start(proxy_location=args.proxy_location, http_options=http_options)

@@ -181,7 +181,7 @@ class ImageGenerationRequest(BaseModel):
     size: str | None = None  # "WIDTHxHEIGHT"; None or "auto": the checkpoint's own size
     response_format: str | None = None  # b64_json (the default here); url is refused
     seed: int | None = Field(default=None, ge=0, le=2**63 - 11)
-    num_inference_steps: int | None = Field(default=None, ge=1, le=500)
+    num_inference_steps: int | None = Field(default=None, ge=1, le=10_000)  # the service's bound is the operator's
     guidance_scale: float | None = Field(default=None, ge=0.0, le=100.0)
     negative_prompt: str = Field(default="", max_length=4000)
 

@@ -16,6 +16,7 @@ import json
 import os
 import signal
 import socket
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -45,6 +46,7 @@ from ..local_ray import write_keys  # noqa: E402
 TOKEN = "test-cluster-token"
 MODEL = "tiny-sd"
 STEPS = 3
+EXPENSIVE = 600  # steps: 200× the calibration image's work
 MIB = 1024 * 1024
 
 
@@ -77,7 +79,11 @@ def _raw(url: str, body: bytes | None = None, token: str | None = TOKEN) -> tupl
 def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
     path = write_tiny_sd(tmp_path_factory.mktemp("serve-images") / MODEL)
     keys = write_keys(tmp_path_factory.mktemp("keys") / "keys.json", {"default": TOKEN})
-    settings = ImageSettings(model_path=str(path), keys_file=keys, steps=STEPS, num_threads=1, max_waiting=6)
+    # the deadline's floor low, so an image of many steps would outrun one learned from a 3-step image
+    settings = ImageSettings(
+        model_path=str(path), keys_file=keys, steps=STEPS, num_threads=1, max_waiting=6, max_steps=EXPENSIVE,
+        deadline_floor_s=1.0,
+    )  # fmt: skip
     port = _free_port()
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("RAY_AUTH_MODE", "disabled")
@@ -205,21 +211,93 @@ def test_bench_serve_measures_images_per_second_and_each_nodes_busy_time(service
     assert {p.get("data-series") for p in points} == {"e2e-p50", "e2e-p99"}
 
 
-def test_a_lost_replica_moves_its_images_and_none_left_answers_503(service: Service) -> None:
-    """Runs last: kills one replica's process (its images go to the other, still equal to diffusers'), then the
-    other (503 with Retry-After)."""
-    workers = [
-        p for p in psutil.process_iter(["cmdline"]) if "ray::_DiffusionWorker" in " ".join(p.info["cmdline"] or [])
-    ]
-    assert len(workers) == 2
-    os.kill(workers[0].pid, signal.SIGKILL)
+def _status(service: Service) -> dict[str, Any]:
+    status, body, _ = _raw(f"{service.base_url.removesuffix('/v1')}/raycluster/status")
+    assert status == 200, body
+    return body
+
+
+def _settled(service: Service, replicas: int, timeout_s: float = 240.0) -> dict[str, Any]:
+    """The status once no replica is being re-grown and ``replicas`` serve."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        body = _status(service)
+        if body["regrowing"] == 0 and body["replicas"] == replicas:
+            return body
+        assert time.monotonic() < deadline, body
+        time.sleep(0.5)
+
+
+def test_an_expensive_request_within_the_bounds_does_not_kill_a_replica(service: Service) -> None:
+    """200× the calibration image's work (600 steps) runs far past the deadline a 3-step image taught (20× its
+    seconds, at least 1 s here): its deadline scales with its work, and a replica past it answers a ping, so
+    nothing is lost and both replicas serve afterwards.  One step more than the bound is a 400 naming the field."""
+    before = _status(service)
+    assert before["replicas"] == 2
+    learned = max(max(1.0, 20 * r["s_per_image"]) for r in before["pipelines"])
+    began = time.monotonic()
+    answer = service.client().images.generate(
+        model=MODEL, prompt="a red house", size="16x16", extra_body={"seed": 2, "num_inference_steps": EXPENSIVE}
+    )
+    took = time.monotonic() - began
+    assert len(answer.data) == 1 and _decoded(answer.data[0].b64_json).shape == (16, 16, 3)
+    assert took > learned, f"{took:.1f} s: the test needs an image past the unscaled deadline {learned:.1f} s"
+    after = _status(service)
+    assert after["replicas"] == 2 and not [e for e in after["events"] if e["event"] == "lost"], after["events"]
+    served = [r["served"] for r in after["pipelines"]]
+    service.client().images.generate(model=MODEL, prompt="a red tree", n=4, extra_body={"seed": 3})
+    again = _status(service)
+    assert all(r["served"] > s for r, s in zip(again["pipelines"], served, strict=True)), again["pipelines"]
+    with pytest.raises(openai.BadRequestError) as refused:
+        service.client().images.generate(model=MODEL, prompt="a cat", extra_body={"num_inference_steps": EXPENSIVE + 1})
+    assert refused.value.body["param"] == "num_inference_steps"
+    with pytest.raises(openai.BadRequestError) as big:
+        service.client().images.generate(model=MODEL, prompt="a cat", size="4096x4096")  # type: ignore[arg-type]
+    assert big.value.body["param"] == "size"
+
+
+def test_a_replica_killed_with_ray_kill_is_regrown(service: Service) -> None:
+    """One replica's actor killed for real (``ray.kill``, the faster one, so an image goes there): its image
+    moves to the other, and a new replica is
+    placed and timed in the background, so two serve again, each making images equal to diffusers'."""
+    rows = _status(service)["pipelines"]
+    live = [r for r in rows if r["state"] == "live"]
+    assert len(live) == 2 and all(r["stages"][0]["actor"] for r in live)
+    fastest = min(live, key=lambda r: r["s_per_image"])  # the first image goes there
+    ray.kill(ray.get_actor(fastest["stages"][0]["actor"], namespace="raycluster-images"))
     answer = service.client().images.generate(model=MODEL, prompt="a small green tree", n=2, extra_body={"seed": 5})
     for i, item in enumerate(answer.data):
         assert int(np.abs(_decoded(item.b64_json) - _reference(service.path, "a small green tree", 5 + i)).max()) <= 1
-    _, body, _ = _raw(f"{service.base_url.removesuffix('/v1')}/raycluster/status")
-    assert body["replicas"] == 1 and [r["state"] for r in body["pipelines"]].count("lost") == 1
-    assert body["events"][-1]["event"] == "lost"
-    os.kill(workers[1].pid, signal.SIGKILL)
+    body = _settled(service, 2)
+    events = [e["event"] for e in body["events"]]
+    assert events.count("lost") == 1 and events[-1] == "re-grown", body["events"]
+    new = body["pipelines"][-1]
+    assert new["state"] == "live" and new["index"] == len(rows) and new["calibrated_s_per_image"] > 0
+    answer = service.client().images.generate(model=MODEL, prompt="a blue cat", n=4, extra_body={"seed": 9})
+    for i, item in enumerate(answer.data):
+        assert int(np.abs(_decoded(item.b64_json) - _reference(service.path, "a blue cat", 9 + i)).max()) <= 1
+    assert _status(service)["pipelines"][-1]["served"] >= 1
+
+
+def test_a_lost_replica_moves_its_images_and_none_left_answers_503(service: Service) -> None:
+    """Runs last: kills the faster replica's process (its images go to the other, still equal to diffusers'), then every
+    worker at once (503 with Retry-After while they are re-grown)."""
+    body = _settled(service, 2)
+    live = [r for r in body["pipelines"] if r["state"] == "live"]
+    fastest = min(live, key=lambda r: r["s_per_image"])  # the first image goes there
+    pid = ray.get(ray.get_actor(fastest["stages"][0]["actor"], namespace="raycluster-images").ping.remote(), timeout=30)
+    lost_before = [r["state"] for r in body["pipelines"]].count("lost")
+    os.kill(pid, signal.SIGKILL)
+    answer = service.client().images.generate(model=MODEL, prompt="a small green tree", n=2, extra_body={"seed": 5})
+    for i, item in enumerate(answer.data):
+        assert int(np.abs(_decoded(item.b64_json) - _reference(service.path, "a small green tree", 5 + i)).max()) <= 1
+    body = _status(service)
+    assert [r["state"] for r in body["pipelines"]].count("lost") == lost_before + 1
+    assert "lost" in [e["event"] for e in body["events"][-2:]]
+    body = _settled(service, 2)
+    for worker in psutil.process_iter(["cmdline", "status"]):
+        if "ray::_DiffusionWorker" in " ".join(worker.info["cmdline"] or []):
+            os.kill(worker.pid, signal.SIGKILL)
     status, refused, headers = _raw(
         f"{service.base_url}/images/generations", json.dumps({"prompt": "a cat", "seed": 1}).encode()
     )

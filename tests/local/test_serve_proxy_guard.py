@@ -69,10 +69,8 @@ def root() -> Iterator[tuple[str, int]]:
 def _exchange(address: tuple[str, int], raw: bytes, timeout: float = 20.0) -> tuple[int, bytes]:
     """Send ``raw`` on a new connection; the answer's status and body (0 when the server closed without one)."""
     with socket.create_connection(address, timeout=timeout) as sock:
-        try:
+        with contextlib.suppress(OSError):  # the server may answer (and close) before it read a refused body
             sock.sendall(raw)
-        except OSError:
-            pass  # the server may answer (and close) before it read all of a refused body
         data = b""
         with contextlib.suppress(OSError):
             while chunk := sock.recv(65536):
