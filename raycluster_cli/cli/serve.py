@@ -37,6 +37,14 @@ def serve_command(
         int | None,
         typer.Option(min=1, max=500, help="a diffusers checkpoint: denoising steps when a request gives none (20)"),
     ] = None,
+    image_max_steps: Annotated[
+        int | None,
+        typer.Option(min=1, help="a diffusers checkpoint: the most denoising steps a request may ask (150)"),
+    ] = None,
+    image_max_pixels: Annotated[
+        int | None,
+        typer.Option(min=64, help="a diffusers checkpoint: the most width x height a request may ask (1024 x 1024)"),
+    ] = None,
     steps_in_flight: Annotated[
         int,
         typer.Option(
@@ -139,6 +147,8 @@ def serve_command(
             timeout_s=timeout,
             dtype=dtype,
             image_steps=image_steps,
+            image_max_steps=image_max_steps,
+            image_max_pixels=image_max_pixels,
             rebalance_period_s=rebalance_period,
             steps_in_flight=steps_in_flight,
             links=links,

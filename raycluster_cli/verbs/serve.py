@@ -46,6 +46,8 @@ class ServeOptions:
     timeout_s: float = 900.0
     dtype: str = "auto"
     image_steps: int | None = None  # a diffusers checkpoint: denoising steps when a request gives none
+    image_max_steps: int | None = None  # the most denoising steps a request may ask (the launcher's default: 150)
+    image_max_pixels: int | None = None  # the most width x height a request may ask (default: 1024 x 1024)
     rebalance_period_s: float = 20.0  # seconds between looks at the stages' times under load (0: never re-split)
     steps_in_flight: int = 0  # steps travelling through a pipeline at once (0: one per stage)
     links: str = "direct"  # how a step travels between stages: "direct" links or "ray" calls
@@ -102,6 +104,10 @@ def launcher_command(
         args.append(f"--model-id={options.model_id}")
     if options.image_steps:
         args.append(f"--image-steps={options.image_steps}")
+    if options.image_max_steps:
+        args.append(f"--image-max-steps={options.image_max_steps}")
+    if options.image_max_pixels:
+        args.append(f"--image-max-pixels={options.image_max_pixels}")
     args.append(f"--keys-file={KEYS_IN_CONTAINER}")
     if options.key_max_requests:
         args.append(f"--key-max-requests={options.key_max_requests}")

@@ -92,6 +92,10 @@ def test_the_launcher_runs_in_the_heads_container_with_the_services_keys_not_the
     assert "--rebalance-period=20" in words and not any(w.startswith("--steps-in-flight") for w in words)
     steps = shlex.split(serve.launcher_command(inv, "/m", serve.ServeOptions("x", image_steps=8)))
     assert "--image-steps=8" in steps
+    bounded = serve.ServeOptions("x", image_max_steps=300, image_max_pixels=2048 * 2048)
+    assert {"--image-max-steps=300", f"--image-max-pixels={2048 * 2048}"} <= set(
+        shlex.split(serve.launcher_command(inv, "/m", bounded))
+    )
     tuned = serve.ServeOptions("x", rebalance_period_s=0, steps_in_flight=4)
     assert {"--rebalance-period=0", "--steps-in-flight=4"} <= set(shlex.split(serve.launcher_command(inv, "/m", tuned)))
 
