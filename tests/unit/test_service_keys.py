@@ -153,3 +153,18 @@ def test_an_operators_own_key_file_becomes_the_default_key(cluster: tuple[Any, H
     mine.write_text("short")
     with pytest.raises(UsageError, match="not an API key"):
         serve_keys.ensure_default_key(inv, str(mine))
+
+
+def test_the_services_settings_hold_no_secret(tmp_path: Path) -> None:
+    """The settings travel to Ray (pickled, shown in Serve's dashboard and logs): they name the keys document, whose
+    entries are digests, and hold no key or token of their own."""
+    from dataclasses import fields
+
+    from raycluster_cli.serve.app import ServeSettings
+    from raycluster_cli.serve.image_app import ImageSettings
+
+    key = apikeys.new_key()
+    path = tmp_path / "keys.json"
+    path.write_text(apikeys.render_keys([apikeys.KeyEntry.make("default", key)]))
+    for settings in (ServeSettings("/m", keys_file=str(path)), ImageSettings("/m", keys_file=str(path))):
+        assert key not in repr(settings) and not {"token", "key", "api_key"} & {f.name for f in fields(settings)}
