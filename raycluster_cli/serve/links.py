@@ -10,7 +10,8 @@ TCP, as vLLM's pipeline-parallel ranks send hidden states with ``torch.distribut
 to stage 0, each stage sends its output to the next, and the last sends the logits back to the engine.  One
 message per hop, no Ray call per step; Ray still places, watches and kills the stage actors.  Every link is
 bound to the node's Ray address (``create_device(hostname=ip)``), never to whatever the host name resolves
-to, so on hosts with several NICs the links take the network Ray uses.
+to, so on hosts with several NICs the links take the network Ray uses.  The ring forms over Ray's calls, with no
+store on the network, and every link proves the ring's secret before a step is read from it (``serve.rendezvous``).
 
 A step is one message of bytes: a header (int64 ``[kind, ndim, shape padded to 3, dtype, rows, big, height]``),
 the ``[height, rows]`` table (slot, start, length per row, and a fourth row when some row asks for the logits of
