@@ -19,7 +19,8 @@ import ray
 import torch
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from raycluster_cli.serve.links import DirectLinks, StageLoop, ring_group, ring_store
+from raycluster_cli.serve.links import MIN_CAPACITY, DirectLinks, StageLoop
+from raycluster_cli.serve.rendezvous import Joining, form_ring
 
 
 @ray.remote(num_cpus=0, concurrency_groups={"links": 2})
@@ -31,9 +32,17 @@ class NoOpStage:
         return x
 
     @ray.method(concurrency_group="links")
-    def start_links(self, host: str, port: int, rank: int, size: int) -> None:
-        ip = ray.util.get_node_ip_address()
-        self.loop = StageLoop(ring_group(ring_store(host, port, size), rank, size, ip), rank, size, self.forward)
+    def offer_links(self, rank: int, size: int) -> dict:
+        self.joining = Joining(rank, size, ray.util.get_node_ip_address())
+        return self.joining.offer()
+
+    @ray.method(concurrency_group="links")
+    def join_links(self, records: dict, secret: bytes, capacity: int) -> None:
+        self.group = self.joining.join(records, secret)
+
+    @ray.method(concurrency_group="links")
+    def run_links(self) -> None:
+        self.loop = StageLoop(self.group, self.joining.rank, self.joining.size, self.forward)
         self.loop.start()
 
     def cpu(self) -> float:
@@ -85,11 +94,8 @@ async def main(steps: int, rounds: int) -> dict:
     ]
     ip = ray.util.get_node_ip_address()
     size = len(linked) + 1
-    store = ring_store(ip, 0, size)
-    joined = [a.start_links.remote(ip, store.port, i + 1, size) for i, a in enumerate(linked)]
-    group = await asyncio.to_thread(ring_group, store, 0, size, ip)
-    await asyncio.gather(*joined)
-    links = DirectLinks(group, size, store)
+    group = await form_ring(linked, ip, MIN_CAPACITY)
+    links = DirectLinks(group, size)
     links.start()
     x = torch.zeros(1, 1, 2048)  # 8 KiB
     table = torch.tensor([[0], [0], [1]])

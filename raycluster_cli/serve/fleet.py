@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import secrets
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -33,9 +32,10 @@ from raycluster_cli.bench.pipeline import (
     unit_cost_row,
 )
 from raycluster_cli.serve.engine import Engine
-from raycluster_cli.serve.links import CONNECT_TIMEOUT_S, DirectLinks, link_capacity, ring_group, ring_store
+from raycluster_cli.serve.links import DirectLinks, link_capacity
 from raycluster_cli.serve.placement import NodeSpeed, PipelinePlan, replan, resplit, snake_groups, split_over
 from raycluster_cli.serve.pool import Pipeline
+from raycluster_cli.serve.rendezvous import form_ring
 from raycluster_cli.serve.scheduler import Limits
 from raycluster_cli.serve.stages import start_stages
 
@@ -191,22 +191,17 @@ class RayFleet:
 
     async def _connect(self, actors: Sequence[Any], limits: Limits) -> tuple[DirectLinks | None, str | None]:
         """The ring of direct links over ``actors`` (the engine is rank 0, on its node's Ray address), or None
-        when it does not form within ``CONNECT_TIMEOUT_S`` (a firewall between nodes that lets only Ray's ports
+        when it does not form within ``serve.links.CONNECT_TIMEOUT_S`` (a firewall between nodes that lets only Ray's ports
         through): the pipeline then keeps Ray's calls, and the note (status shows it) says why."""
         ip = ray.util.get_node_ip_address()
         size = len(actors) + 1
         # every rank's receive buffer holds a decode step of the most rows a step carries (hidden states or logits)
         capacity = link_capacity(min(limits.slots, limits.step_tokens), self.cfg.d_model, self.cfg.vocab)
         try:
-            store = ring_store(ip, 0, size)
-            secret = secrets.token_hex(16)  # only this pipeline's stages get it (over Ray's calls): they alone join
-            asked = (a.start_links.remote(ip, store.port, i + 1, size, secret, capacity) for i, a in enumerate(actors))
-            joined = asyncio.gather(*asked)
-            mine = asyncio.to_thread(ring_group, store, 0, size, ip, secret)
-            group, _ = await asyncio.wait_for(asyncio.gather(mine, joined), CONNECT_TIMEOUT_S + 10)
+            group = await form_ring(actors, ip, capacity)
         except Exception as exc:
             return None, f"direct links did not form ({type(exc).__name__}: {exc}): steps go through Ray's calls"
-        links = DirectLinks(group, size, store, capacity)
+        links = DirectLinks(group, size, capacity)
         links.start(actors)
         return links, None
 

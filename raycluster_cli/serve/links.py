@@ -10,7 +10,8 @@ TCP, as vLLM's pipeline-parallel ranks send hidden states with ``torch.distribut
 to stage 0, each stage sends its output to the next, and the last sends the logits back to the engine.  One
 message per hop, no Ray call per step; Ray still places, watches and kills the stage actors.  Every link is
 bound to the node's Ray address (``create_device(hostname=ip)``), never to whatever the host name resolves
-to, so on hosts with several NICs the links take the network Ray uses.
+to, so on hosts with several NICs the links take the network Ray uses.  The ring forms over Ray's calls, with no
+store on the network, and every link proves the ring's secret before a step is read from it (``serve.rendezvous``).
 
 A step is one message of bytes: a header (int64 ``[kind, ndim, shape padded to 3, dtype, rows, big, height]``),
 the ``[height, rows]`` table (slot, start, length per row, and a fourth row when some row asks for the logits of
@@ -56,37 +57,17 @@ IDLE_FOREVER = datetime.timedelta(days=365)
 CONNECT_TIMEOUT_S = 30.0  # the ring forms within this, or the pipeline keeps Ray's calls
 
 
-def ring_group(
-    store: Any, rank: int, size: int, my_ip: str, secret: str = "", timeout_s: float = CONNECT_TIMEOUT_S
-) -> Any:
+def ring_group(store: Any, rank: int, size: int, my_ip: str) -> Any:
     """This process's member of one pipeline's ring: a gloo process group of ``size`` ranks meeting at
-    ``store`` (the engine's, rank 0), its links bound to ``my_ip``.  Its own object, not the process's default
-    group: the engine's process holds one per pipeline.  ``secret`` prefixes every rendezvous key: the engine
-    makes it and hands it to its stages over Ray's token-checked calls, so a host that reaches the store's port
-    but lacks it can neither read the ring's addresses nor join it (the store lists no keys)."""
+    ``store``, its links bound to ``my_ip``.  Its own object, not the process's default group: the engine's process
+    holds one per pipeline.  ``store`` is this process's own (``serve.rendezvous``: the ranks' address records travel
+    over Ray's calls), never one that listens on the network."""
     import torch.distributed as dist
 
-    if secret:
-        store = dist.PrefixStore(f"raycluster-ring/{secret}/", store)
-    # every rank present (with the secret) within ``timeout_s``, or none builds its links: a ring that cannot form
-    # fails here, not in gloo's own rendezvous, which waits as long as a link may idle
-    store.set(f"present/{rank}", "1")
-    store.wait([f"present/{r}" for r in range(size)], datetime.timedelta(seconds=timeout_s))
     options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # the devices are set here only
     options._devices = [dist.ProcessGroupGloo.create_device(hostname=my_ip)]
     options._timeout = IDLE_FOREVER
     return dist.ProcessGroupGloo(store, rank, size, options)
-
-
-def ring_store(host: str, port: int, size: int, timeout_s: float = CONNECT_TIMEOUT_S) -> Any:
-    """The ring's rendezvous: hosted by the engine (``port`` 0: a free one, on its node's Ray address), joined
-    by the stages at ``host:port``."""
-    import torch.distributed as dist
-
-    timeout = datetime.timedelta(seconds=timeout_s)
-    if port == 0:
-        return dist.TCPStore(host, 0, size, True, timeout=timeout, wait_for_workers=False)
-    return dist.TCPStore(host, port, size, False, timeout=timeout)
 
 
 MESSAGE_TAG, BODY_TAG = 0, 1  # steps travel in order on the first tag; a big step's body on the second
@@ -227,9 +208,9 @@ class DirectLinks:
     """The engine's side of the ring: ``run(ids, table)`` sends a step to stage 0 and awaits its logits from the
     last stage; steps in flight come back in order.  ``watch(stages)`` fails it when a stage's loop ends."""
 
-    def __init__(self, group: Any, size: int, store: Any = None, capacity: int = MIN_CAPACITY) -> None:
+    def __init__(self, group: Any, size: int, capacity: int = MIN_CAPACITY) -> None:
         self.group: Any = group
-        self.size, self.store, self.capacity = size, store, capacity
+        self.size, self.capacity = size, capacity
         self.failure: BaseException | None = None
         # called on the loop with the first failure that was not ``close()``: the engine fails at once, also while
         # no step is in flight (a stage that died idle is replaced then, not when the next request meets it)

@@ -25,8 +25,9 @@ from raycluster_cli.bench.pipeline import WORKER_ENV, gpu_shares, node_cpu_count
 from raycluster_cli.serve.anatomy import TIMELINE_STEPS
 from raycluster_cli.serve.batched import BatchedStage
 from raycluster_cli.serve.gcpause import FullCollections, freeze_heap
-from raycluster_cli.serve.links import MIN_CAPACITY, StageLoop, ring_group, ring_store
+from raycluster_cli.serve.links import MIN_CAPACITY, StageLoop
 from raycluster_cli.serve.metrics import RayRecorder, StageMeter
+from raycluster_cli.serve.rendezvous import Joining
 
 
 def split_units(layers: int, stages: int, split: Sequence[int] | str | None = None) -> Ranges:
@@ -65,6 +66,8 @@ class _StageActor:
         self.recent: deque[tuple[int, float, float]] = deque(maxlen=TIMELINE_STEPS)
         self._recent_lock = threading.Lock()  # the links thread steps while other threads read the timeline, totals
         self.links: StageLoop | None = None
+        self.joining: Joining | None = None  # the ring in formation (serve.rendezvous), then its proven group
+        self.ring: tuple[Any, int, int, int] | None = None
         freeze_heap()  # the weights' modules and Ray's objects: never walked by a full collection again
         self.collections = FullCollections()
         # the service's stage metrics (model, pipeline, stage; serve.metrics), none for a stage of no service
@@ -95,18 +98,32 @@ class _StageActor:
             return list(self.recent)
 
     @ray.method(concurrency_group="links")
-    def start_links(
-        self, host: str, port: int, rank: int, size: int, secret: str = "", capacity: int = MIN_CAPACITY
-    ) -> str:
-        """Join the pipeline's ring of direct links (``serve.links``; rank 0 is the engine at ``host:port``) and
-        serve steps from it on a thread; returns once the ring has formed (``secret``: the ring's, from the
-        engine; ``capacity``: the ring's message size, ``serve.links.link_capacity``).  The address this stage's
-        links bind to: its node's Ray address."""
-        ip = node_ip(self.node_id)
-        group = ring_group(ring_store(host, port, size), rank, size, ip, secret)
+    def offer_links(self, rank: int, size: int) -> dict[str, bytes]:
+        """Start joining the pipeline's ring of direct links as ``rank`` of ``size`` (``serve.rendezvous``; rank 0
+        is the engine), its links bound to this node's Ray address: this rank's address records, for the engine to
+        hand to every rank."""
+        self.joining = Joining(rank, size, node_ip(self.node_id))
+        return self.joining.offer()
+
+    @ray.method(concurrency_group="links")
+    def join_links(self, records: dict[str, bytes], secret: bytes, capacity: int = MIN_CAPACITY) -> str:
+        """Connect to every rank at ``records`` and prove the ring's ``secret`` on every link (``capacity``: the
+        ring's message size, ``serve.links.link_capacity``); no step is read until ``run_links``.  The address
+        this stage's links are bound to."""
+        joining, self.joining = self.joining, None
+        if joining is None:
+            raise RuntimeError("join_links before offer_links")
+        self.ring = (joining.join(records, secret), joining.rank, joining.size, capacity)
+        return node_ip(self.node_id)
+
+    @ray.method(concurrency_group="links")
+    def run_links(self) -> None:
+        """Serve steps from the ring on a thread (every rank proved its links)."""
+        if self.ring is None:
+            raise RuntimeError("run_links before join_links")
+        (group, rank, size, capacity), self.ring = self.ring, None
         self.links = StageLoop(group, rank, size, self.forward, capacity)
         self.links.start()
-        return ip
 
     @ray.method(concurrency_group="links")
     def links_ended(self) -> str:
@@ -164,8 +181,8 @@ class _StageActor:
         }
 
 
-# forward, counters and timeline run on the actor's one default thread (in order, as the relay needs); joining
-# the ring and waiting for its end each get a thread of their own, and so does the liveness ping
+# forward, counters and timeline run on the actor's one default thread (in order, as the relay needs); forming
+# the ring (one call at a time) and waiting for its end each get a thread of their own, and so does the liveness ping
 StageActor = ray.remote(num_cpus=0, concurrency_groups={"links": 2, "health": 1})(_StageActor)  # type: ignore[call-overload]
 STAGE_NAMESPACE = "raycluster-serve"
 

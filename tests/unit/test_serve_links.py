@@ -19,9 +19,8 @@ from raycluster_cli.serve.links import (
     LinksDown,
     StageLoop,
     link_capacity,
-    ring_group,
-    ring_store,
 )
+from raycluster_cli.serve.rendezvous import Joining, merged
 
 pytest.importorskip("torch.distributed")
 
@@ -29,16 +28,17 @@ Forward = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def _ring(
-    forwards: list[Forward], secret: str = "s3cret", capacity: int = MIN_CAPACITY
+    forwards: list[Forward], secret: bytes = b"s3cret", capacity: int = MIN_CAPACITY
 ) -> tuple[list[Any], list[StageLoop]]:
-    """[the engine's group (rank 0)] and a started loop per stage (ranks 1..n), all joined on loopback."""
+    """[the engine's group (rank 0)] and a started loop per stage (ranks 1..n), all joined on loopback, their
+    address records handed round in process as the engine hands them over Ray (serve.rendezvous)."""
     size = len(forwards) + 1
-    store = ring_store("127.0.0.1", 0, size)
+    joining = [Joining(rank, size, "127.0.0.1") for rank in range(size)]
+    records = merged([j.offer() for j in joining])
     groups: dict[int, Any] = {}
 
     def join(rank: int) -> None:
-        mine = store if rank == 0 else ring_store("127.0.0.1", store.port, size)
-        groups[rank] = ring_group(mine, rank, size, "127.0.0.1", secret)
+        groups[rank] = joining[rank].join(records, secret)
 
     threads = [threading.Thread(target=join, args=(rank,)) for rank in range(size)]
     for thread in threads:
@@ -118,30 +118,6 @@ def test_a_stage_that_fails_ends_the_ring_and_the_engine_hears_of_it() -> None:
     assert "closed" in str(error).lower() or "peer" in str(error).lower()
     assert "ValueError: slot out of range" in loops[1].wait()
     assert all(loop.wait() for loop in loops)  # every stage's loop ended: nothing is left waiting
-
-
-def test_a_rank_without_the_ring_s_secret_cannot_join_it() -> None:
-    """The store's port is open to anyone on the network; the rendezvous keys are under the engine's secret, so a
-    process that connects without it waits for keys that never come, and the engine's ring never forms with it."""
-    store = ring_store("127.0.0.1", 0, 2, timeout_s=3)
-    found: dict[str, BaseException] = {}
-
-    def join(name: str, rank: int, secret: str) -> None:
-        mine = store if rank == 0 else ring_store("127.0.0.1", store.port, 2, timeout_s=3)
-        try:
-            ring_group(mine, rank, 2, "127.0.0.1", secret, timeout_s=3)
-        except BaseException as exc:
-            found[name] = exc
-
-    threads = [
-        threading.Thread(target=join, args=("engine", 0, "the-engine-s")),
-        threading.Thread(target=join, args=("intruder", 1, "a-guess")),
-    ]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(60)
-    assert set(found) == {"engine", "intruder"}  # neither formed a ring: each timed out waiting for the other
 
 
 def test_a_table_of_four_rows_travels_whole_and_every_positions_logits_come_back() -> None:
