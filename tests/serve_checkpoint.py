@@ -60,3 +60,18 @@ def write_chat_llama(path: Path, *, seed: int = 0, **sizes: int) -> Path:
     write_llama(path, seed=seed, **(settings | sizes))
     tokenizer.save_pretrained(str(path))
     return path
+
+
+def poison_embedding(path: Path, token: int) -> Path:
+    """Set the embedding row of ``token`` to NaN in the checkpoint at ``path`` (a real checkpoint whose weights
+    turn one token's logits into NaN, as an overflowing half-precision model's do)."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    weights = path / "model.safetensors"
+    tensors = load_file(str(weights))
+    name = next(n for n in tensors if n.endswith("embed_tokens.weight"))
+    tensors[name][token] = float("nan")
+    save_file(tensors, str(weights), metadata={"format": "pt"})
+    assert torch.isnan(load_file(str(weights))[name][token]).all()
+    return path

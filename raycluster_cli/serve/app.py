@@ -36,8 +36,9 @@ from raycluster_cli.bench.model import config_from_checkpoint
 from raycluster_cli.serve import protocol
 from raycluster_cli.serve.anatomy import step_anatomy
 from raycluster_cli.serve.auth import KeyLimits, ServiceKeys, cluster_token_path, refuse_disconnect_disabled
-from raycluster_cli.serve.engine import EngineDown, Output, QueueFull
+from raycluster_cli.serve.engine import BadInput, EngineDown, Output, QueueFull, RequestFailed
 from raycluster_cli.serve.fleet import Calibration, RayFleet
+from raycluster_cli.serve.frontdoor import RequestLimits, Tokenizing, check_counts, check_scored, check_text, read_body
 from raycluster_cli.serve.frontend import FrontEndCpu
 from raycluster_cli.serve.gcpause import FullCollections, freeze_heap
 from raycluster_cli.serve.metrics import RayRecorder
@@ -46,7 +47,7 @@ from raycluster_cli.serve.pool import Pool, suspect_after_s
 from raycluster_cli.serve.protocol import APIError, ChatRequest, CompletionRequest
 from raycluster_cli.serve.scheduler import Limits
 from raycluster_cli.serve.stages import split_units
-from raycluster_cli.serve.text import Sampling, eos_ids
+from raycluster_cli.serve.text import Sampling, eos_ids, out_of_vocab
 
 RETRY_AFTER_S = 2
 IDLE_PROBE_S = 30.0  # check_health probes with a generation when no step ran for this long
@@ -81,6 +82,7 @@ class ServeSettings:
     stage_fixed_bytes: int = 0  # what a stage needs besides its units (a step's tensors, a tensor being read)
     failover_wait_s: float = 90.0  # how long a moved request waits for a pipeline to come back
     dtype: str = "float32"  # weights, KV cache and activations (resolved: never "auto")
+    request_limits: RequestLimits = field(default_factory=RequestLimits)  # one request's bounds (serve.frontdoor)
 
     @property
     def served_model(self) -> str:
@@ -186,6 +188,20 @@ async def _merged(choices: list[_Choice]) -> AsyncIterator[tuple[int, Output]]:
             task.cancel()  # the client left or a choice failed: the others' generations end (their slots freed)
 
 
+async def _failing_as_event(
+    outputs: AsyncIterator[tuple[int, Output]],
+) -> AsyncIterator[tuple[int, Output | dict[str, Any]]]:
+    """The outputs, then, if the request failed after its answer began (its own row, or no pipeline left to
+    move it to), one error in OpenAI's shape (``{"error": {...}}``, what the ``openai`` client raises from a
+    stream) instead of a connection cut without a word."""
+    try:
+        async for item in outputs:
+            yield item
+    except (RequestFailed, EngineDown) as exc:
+        status = 500 if isinstance(exc, RequestFailed) else 503
+        yield 0, APIError(status, f"this request failed: {exc}").body()
+
+
 async def _stream_events(
     request_id: str,
     model: str,
@@ -206,7 +222,11 @@ async def _stream_events(
             taken = choice.logprobs.take() if choice.logprobs is not None else None
             body = protocol.completion_choice(echo, None, taken, index=index)
             yield protocol.sse(protocol.envelope(request_id, kind, model, [body]))
-    async for index, out in _merged(choices):
+    async for index, out in _failing_as_event(_merged(choices)):
+        if isinstance(out, dict):  # the stream's error: the client's library raises it
+            yield protocol.sse(out)
+            yield protocol.sse("[DONE]")
+            return
         last[index] = out
         scored = choices[index].logprobs
         if scored is not None:
@@ -297,6 +317,7 @@ class OpenAIServer:
         self.key_limits = KeyLimits(settings.key_max_requests, settings.key_max_tokens, RETRY_AFTER_S)
         path = Path(settings.model_path)
         self.tokenizer = transformers.AutoTokenizer.from_pretrained(str(path))
+        self.tokenizing = Tokenizing(self.tokenizer, settings.request_limits)
         self.cfg = config_from_checkpoint(path, max_seq=settings.limits.max_seq, dtype=settings.dtype)
         eos = eos_ids(self.tokenizer, _read_json(path / "generation_config.json"))
         fleet = RayFleet(
@@ -398,27 +419,50 @@ class OpenAIServer:
         await _add_counters(body["pipelines"], [list(p.stages) for p in pipelines], engines, since)
         return body
 
+    async def _parse(self, request: Request, model: type[Any]) -> Any:
+        """The body within its size, parsed, for this model, with its counts within the request limits."""
+        limits = self.settings.request_limits
+        body = protocol.parse(model, await read_body(request, limits.body_bytes))
+        self._check_model(body.model)
+        check_counts(body, limits)
+        return body
+
+    def _check_ids(self, prompt: list[int], param: str, *, given: bool) -> None:
+        """Every token a row of the model's embedding: a client's ids, and the tokenizer's (its vocabulary may
+        be larger than the checkpoint's embedding); 400 naming the field, before the request reaches a step."""
+        bad = out_of_vocab(prompt, self.cfg.vocab)
+        if bad is None:
+            return
+        last = self.cfg.vocab - 1
+        why = (
+            f"token {bad} is not in the vocabulary (0-{last})"
+            if given
+            else (f"the tokenizer gave token {bad}, which the model's embedding (0-{last}) does not have")
+        )
+        raise APIError(400, f"{param}: {why}", param=param)
+
     @app.post("/v1/completions")
     async def completions(self, request: Request) -> Response:
         key = self._authorize(request)
-        body: CompletionRequest = protocol.parse(CompletionRequest, await request.body())
-        self._check_model(body.model)
-        given = body.prompt if isinstance(body.prompt, list) else self.tokenizer.encode(body.prompt)
-        prompt = [int(t) for t in given]
+        body: CompletionRequest = await self._parse(request, CompletionRequest)
+        if isinstance(body.prompt, str):
+            check_text(len(body.prompt), self.cfg.max_seq, self.settings.request_limits, "prompt")
+            prompt = await self.tokenizing.encode(body.prompt)
+        else:
+            prompt = [int(t) for t in body.prompt]
+        self._check_ids(prompt, "prompt", given=isinstance(body.prompt, list))
         echo = "" if not body.echo else body.prompt if isinstance(body.prompt, str) else self._decode(prompt)
         return await self._answer(body, prompt, chat=False, echo=echo, key=key)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(self, request: Request) -> Response:
         key = self._authorize(request)
-        body: ChatRequest = protocol.parse(ChatRequest, await request.body())
-        self._check_model(body.model)
+        body: ChatRequest = await self._parse(request, ChatRequest)
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        try:
-            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        except Exception as exc:  # a template that refuses these messages (roles, order)
-            raise APIError(400, f"the chat template refused the messages: {exc}", param="messages") from None
-        prompt = self.tokenizer.encode(str(text), add_special_tokens=False)
+        chars = sum(len(m["content"]) for m in messages)
+        check_text(chars, self.cfg.max_seq, self.settings.request_limits, "messages")
+        prompt = await self.tokenizing.chat(messages)
+        self._check_ids(prompt, "messages", given=False)
         return await self._answer(body, prompt, chat=True, key=key)
 
     def _decode(self, ids: list[int]) -> str:
@@ -458,6 +502,7 @@ class OpenAIServer:
             )
         if body.min_tokens > limit:
             raise APIError(400, f"min_tokens {body.min_tokens} is more than max_tokens {limit}", param="min_tokens")
+        check_scored(body, len(prompt), self.settings.request_limits)
         biases = body.biases(self.cfg.vocab)
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         outputs = [
@@ -484,7 +529,10 @@ class OpenAIServer:
                 request_id, self.model_id, choices, chat=chat, include_usage=body.include_usage, echo=echo
             )
             return StreamingResponse(events, media_type="text/event-stream")
-        return JSONResponse(await _whole(request_id, self.model_id, choices, chat=chat, echo=echo))
+        try:
+            return JSONResponse(await _whole(request_id, self.model_id, choices, chat=chat, echo=echo))
+        except (RequestFailed, EngineDown) as exc:  # after its first token: nothing was sent yet
+            raise self._refusal(exc) from None
 
     @staticmethod
     def _sampling(body: Any, index: int, biases: tuple[tuple[int, float], ...] = ()) -> Sampling:
@@ -526,6 +574,10 @@ class OpenAIServer:
             return APIError(503, f"the service is full ({exc}); retry later", retry_after=RETRY_AFTER_S)
         if isinstance(exc, EngineDown):
             return APIError(503, f"the service is not ready: {exc}", retry_after=RETRY_AFTER_S)
+        if isinstance(exc, RequestFailed):
+            return APIError(500, f"this request failed: {exc}")
+        if isinstance(exc, BadInput):
+            return APIError(400, f"{exc.param}: {exc}", param=exc.param)
         if isinstance(exc, ValueError):
             return APIError(400, str(exc), param="max_tokens")
         return exc

@@ -22,9 +22,18 @@ import torch
 from raycluster_cli.serve.anatomy import TIMELINE_STEPS
 from raycluster_cli.serve.links import DirectLinks, first_stage_ended
 from raycluster_cli.serve.scheduler import Chunk, Limits, QueueFull, Scheduler
-from raycluster_cli.serve.text import Sampling, TextStream, TokenLogprob, adjust, sample, token_logprob
+from raycluster_cli.serve.text import (
+    Sampling,
+    TextStream,
+    TokenLogprob,
+    adjust,
+    bad_logits,
+    out_of_vocab,
+    sample,
+    token_logprob,
+)
 
-__all__ = ["Engine", "EngineDown", "Output", "QueueFull", "Resume"]
+__all__ = ["BadInput", "Engine", "EngineDown", "Output", "QueueFull", "RequestFailed", "Resume"]
 
 LAG_PERIOD_S = 0.05  # the loop-lag sampler's period: 20 wake-ups a second
 LAG_SAMPLES = 200  # the last 10 s of them
@@ -32,6 +41,20 @@ LAG_SAMPLES = 200  # the last 10 s of them
 
 class EngineDown(RuntimeError):
     """A stage failed: the engine answers no more requests (the service says 503)."""
+
+
+class BadInput(ValueError):
+    """A request the engine cannot run as given (a token outside the vocabulary, a seed the generator refuses):
+    refused before it is admitted (400 naming ``param``), so it never enters a step."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class RequestFailed(RuntimeError):
+    """One request failed on its own (its row's logits are not numbers): only it ends, with this error (500);
+    the pipeline and the other rows go on, and it is not moved to another pipeline (it would fail there too)."""
 
 
 @dataclass(frozen=True)
@@ -67,6 +90,7 @@ class _Live:
     queue: asyncio.Queue[Output | BaseException] = field(default_factory=asyncio.Queue)
     prompt_scored: list[TokenLogprob] = field(default_factory=list)  # the prompt's logprobs, as its chunks return
     answered: bool = False  # its first output went out (the prompt's logprobs with it)
+    failed: bool = False  # its own row failed (``RequestFailed`` handed over): later steps skip it
 
     @property
     def prompt_tokens(self) -> int:
@@ -104,8 +128,10 @@ class Engine:
         max_in_flight: int | None = None,
         links: DirectLinks | None = None,
         watch: bool = False,
+        vocab: int | None = None,
     ) -> None:
         self.stages = list(stages)
+        self.vocab = vocab  # the embedding's rows: a request's tokens are checked against it before admission
         self.links = links  # direct links between the stages (serve.links); None: Ray's calls relay each step
         if links is not None:
             links.on_down = self.fail  # a ring that broke while idle fails the engine now (the pool replaces it)
@@ -185,7 +211,8 @@ class Engine:
         queue_limit: bool = True,
     ) -> AsyncGenerator[Output, None]:
         """Stream one request's outputs; the last has a ``finish_reason``.  Raises ``QueueFull``,
-        ``ValueError`` (too long), ``EngineDown``; leaving early (client gone) frees its slot.
+        ``ValueError`` (too long; ``BadInput``: a token or seed it cannot take), ``EngineDown``, and
+        ``RequestFailed`` once admitted (its own row failed); leaving early (client gone) frees its slot.
 
         ``resume`` continues a request another engine began (failover): its tokens are prefilled
         after the prompt (the KV cache rebuilt), and only what follows them is generated and sent.
@@ -194,6 +221,10 @@ class Engine:
             raise EngineDown(f"a stage failed: {self.failure}")
         request_id = f"r{next(self._ids)}"
         done = list(resume.tokens) if resume is not None else []
+        live = self._set_up(prompt, done, sampling, stop)
+        if resume is not None:
+            live.stream.resume(done, resume.released)
+        # admitted last: a request refused while being set up holds no slot and no place in the queue
         self.scheduler.add(
             request_id,
             prompt + done,
@@ -201,10 +232,6 @@ class Engine:
             queue_limit=queue_limit and not probe,
             ignore_eos=sampling.ignore_eos,
         )
-        stream = TextStream(self.tokenizer, stop)
-        if resume is not None:
-            stream.resume(done, resume.released)
-        live = _Live(list(prompt), sampling, stream, sampling.generator())
         self.live[request_id] = live
         self._wake.set()
         try:
@@ -219,6 +246,17 @@ class Engine:
             self.live.pop(request_id, None)
             self.scheduler.finish(request_id, "abort")
             self._wake.set()
+
+    def _set_up(self, prompt: list[int], done: list[int], sampling: Sampling, stop: list[str] | None) -> _Live:
+        """Everything a request needs before it is admitted; what cannot be set up is a ``BadInput``.  Its tokens
+        are the only input of its own a stage reads: checked here, none can fail a step (and so the pipeline)."""
+        if self.vocab is not None and (bad := out_of_vocab(prompt + done, self.vocab)) is not None:
+            raise BadInput(f"token {bad} is not in the vocabulary (0-{self.vocab - 1})", "prompt")
+        try:
+            generator = sampling.generator()
+        except (ValueError, RuntimeError) as exc:
+            raise BadInput(f"seed {sampling.seed} is refused by the generator: {exc}", "seed") from None
+        return _Live(list(prompt), sampling, TextStream(self.tokenizer, stop), generator)
 
     def stalled_s(self) -> float:
         """Seconds steps have been in flight without one coming back (0 when none is in flight): a wedged
@@ -313,20 +351,17 @@ class Engine:
         scored: dict[str, TokenLogprob] = {}
         for row, chunk in enumerate(chunks):
             live = self.live.get(chunk.request_id)
-            last = logits[row] if logits.dim() == 2 else logits[row, len(chunk.tokens) - 1]
-            if live is not None and logits.dim() == 3 and live.wants_every_position(chunk):
-                top = live.sampling.logprobs or 0
-                for offset in range(len(chunk.tokens)):  # position p's logits score the prompt's token p + 1
-                    following = chunk.start + offset + 1
-                    if following < len(live.prompt):
-                        live.prompt_scored.append(token_logprob(logits[row, offset], live.prompt[following], top))
-            if chunk.samples and live is not None:
-                picked = adjust(last, live.sampling, live.prompt, live.stream.ids, self.scheduler.eos_ids)
-                token = tokens[chunk.request_id] = sample(picked, live.sampling, live.generator)
-                if live.sampling.logprobs is not None:
-                    scored[chunk.request_id] = token_logprob(last, token, live.sampling.logprobs)
-            elif chunk.samples:
-                tokens[chunk.request_id] = 0  # gone while in flight; the scheduler drops it
+            if live is None or live.failed:
+                if chunk.samples:
+                    tokens[chunk.request_id] = 0  # gone while in flight; the scheduler drops it
+                continue
+            try:
+                self._read_row(chunk, live, logits[row], tokens, scored)
+            except Exception as exc:  # this row's logits or its own settings: only its request fails
+                live.failed = True
+                tokens[chunk.request_id] = 0
+                self.scheduler.finish(chunk.request_id, "error")
+                live.queue.put_nowait(exc if isinstance(exc, RequestFailed) else RequestFailed(f"{exc}"))
         for event in self.scheduler.complete(chunks, tokens):
             live = self.live.get(event.request_id)
             if live is None or event.token is None:
@@ -342,6 +377,36 @@ class Engine:
             live.answered = True
             out = Output(text, tuple(live.stream.ids), reason, live.prompt_tokens, logprob, prompt_scored)
             live.queue.put_nowait(out)
+
+    def _read_row(
+        self,
+        chunk: Chunk,
+        live: _Live,
+        logits: torch.Tensor,
+        tokens: dict[str, int],
+        scored: dict[str, TokenLogprob],
+    ) -> None:
+        """One row of a step that came back: ``logits`` [vocab] (its last position's) or [T, vocab] (every
+        position's); its prompt's log-probabilities when asked, and its next token when it samples."""
+        used = logits if logits.dim() == 1 else logits[: len(chunk.tokens)]
+        why = bad_logits(used)
+        if why is not None:
+            raise RequestFailed(
+                f"the model's logits for this request hold {why} at position {chunk.start + len(chunk.tokens) - 1}:"
+                " its weights or its input overflow; no token can be sampled"
+            )
+        last = logits if logits.dim() == 1 else logits[len(chunk.tokens) - 1]
+        if logits.dim() == 2 and live.wants_every_position(chunk):
+            top = live.sampling.logprobs or 0
+            for offset in range(len(chunk.tokens)):  # position p's logits score the prompt's token p + 1
+                following = chunk.start + offset + 1
+                if following < len(live.prompt):
+                    live.prompt_scored.append(token_logprob(logits[offset], live.prompt[following], top))
+        if chunk.samples:
+            picked = adjust(last, live.sampling, live.prompt, live.stream.ids, self.scheduler.eos_ids)
+            token = tokens[chunk.request_id] = sample(picked, live.sampling, live.generator)
+            if live.sampling.logprobs is not None:
+                scored[chunk.request_id] = token_logprob(last, token, live.sampling.logprobs)
 
     def fail(self, exc: BaseException) -> None:
         """Stop taking work and hand every request here ``EngineDown`` (a stage died or is wedged).  The first

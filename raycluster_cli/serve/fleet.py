@@ -177,7 +177,9 @@ class RayFleet:
             BUILD_TIMEOUT_S + 10,
         )
         links, why = await self._connect(actors, limits) if self.links == "direct" else (None, None)
-        engine = Engine(actors, self.tokenizer, limits, self.eos, self.max_in_flight, links=links, watch=True)
+        engine = Engine(
+            actors, self.tokenizer, limits, self.eos, self.max_in_flight, links=links, watch=True, vocab=self.cfg.vocab
+        )
         engine.links_note = why
         engine.stage_infos = infos
         engine.start()

@@ -26,7 +26,7 @@ from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
-from raycluster_cli.serve.engine import Engine, EngineDown, Output, QueueFull, Resume
+from raycluster_cli.serve.engine import Engine, EngineDown, Output, QueueFull, RequestFailed, Resume
 from raycluster_cli.serve.metrics import Recorder, RequestTimer, pipeline_gauges
 from raycluster_cli.serve.placement import PipelinePlan
 from raycluster_cli.serve.text import Sampling
@@ -190,7 +190,7 @@ class Pool:
         except (QueueFull, ValueError):  # 503 full, 400 too long: refused before it started
             timer.end("refused")
             raise
-        except EngineDown:
+        except (EngineDown, RequestFailed):  # RequestFailed: its own input, never moved to another pipeline
             timer.end("error")
             raise
         finally:

@@ -54,7 +54,7 @@ class _Sampled(BaseModel):
     max_tokens: int | None = Field(default=None, ge=1)
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=-(2**63), le=2**63 - 1)  # a 64-bit integer (vLLM's bounds)
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -75,7 +75,7 @@ class _Sampled(BaseModel):
     @classmethod
     def _biases(cls, value: dict[str, float] | None) -> dict[str, float] | None:
         for key, bias in (value or {}).items():
-            if not key.isdigit():
+            if not (key.isascii() and key.isdigit()):  # "²" is a digit to str.isdigit, not to int()
                 raise ValueError(f"{key!r} is not a token id")
             if not -100.0 <= bias <= 100.0:
                 raise ValueError(f"the bias of token {key} is {bias}: a bias is -100 to 100")

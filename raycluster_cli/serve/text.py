@@ -121,6 +121,22 @@ def sample(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator 
     return int(torch.multinomial(probs, 1, generator=generator))
 
 
+def out_of_vocab(ids: Sequence[int], vocab: int) -> int | None:
+    """The first id that is not a row of the model's embedding (0..vocab - 1), None when every one is."""
+    return next((t for t in ids if not 0 <= t < vocab), None)
+
+
+def bad_logits(logits: torch.Tensor) -> str | None:
+    """Why a row's logits cannot be sampled from (a NaN or +inf: softmax and multinomial fail, argmax picks
+    garbage), None when they can.  One reduction first (a sum is finite iff every value is); -inf alone is a
+    token made impossible, not an error."""
+    if bool(torch.isfinite(logits.float().sum())):
+        return None
+    if bool(torch.isnan(logits).any()):
+        return "NaN"
+    return "+inf" if bool(torch.isposinf(logits).any()) else None
+
+
 @dataclass(frozen=True)
 class TokenLogprob:
     """A generated token's log-probability and the ``top`` most likely tokens' at its position ((id, logprob),

@@ -21,7 +21,7 @@ def test_logit_bias_becomes_checked_token_ids() -> None:
     with pytest.raises(APIError) as outside:
         body.biases(vocab=7)
     assert outside.value.status == 400 and outside.value.param == "logit_bias"
-    for bad in ({"cat": 1.0}, {"-1": 1.0}, {"3": 100.5}):
+    for bad in ({"cat": 1.0}, {"-1": 1.0}, {"3": 100.5}, {"\u00b2": 1.0}, {"\u0663": 1.0}):  # "²", Arabic 3
         with pytest.raises(APIError) as refused:
             _parse(ChatRequest, {"model": "m", "messages": [{"role": "user", "content": "x"}], "logit_bias": bad})
         assert refused.value.param == "logit_bias", bad
@@ -30,7 +30,7 @@ def test_logit_bias_becomes_checked_token_ids() -> None:
 @pytest.mark.parametrize(
     ("field", "value"),
     [("presence_penalty", -2.1), ("frequency_penalty", 2.1), ("repetition_penalty", 0), ("top_k", -2),
-     ("min_p", 1.5), ("min_tokens", -1)],
+     ("min_p", 1.5), ("min_tokens", -1), ("seed", 2**63), ("seed", -(2**63) - 1)],
 )  # fmt: skip
 def test_out_of_range_sampling_fields_are_a_400_naming_the_field(field: str, value: float) -> None:
     with pytest.raises(APIError) as refused:
