@@ -65,6 +65,8 @@ class ServeSettings:
     keys_file: str | None = None  # the service's keys document (raycluster_cli.apikeys); None: no auth (tests only)
     key_max_requests: int | None = None  # requests in flight per key when its entry sets none (None: no bound)
     key_max_tokens: int | None = None  # tokens in flight per key when its entry sets none (None: no bound)
+    max_ongoing: int = 256  # requests the ingress holds at once (Ray Serve's max_ongoing_requests)
+    max_queued: int = 256  # requests Ray Serve queues for the ingress beyond those; past them 503 with Retry-After
     stages: int = 1
     split: tuple[int, ...] | None = None  # blocks per stage; None: even
     node_ids: tuple[str, ...] | None = None  # pin stage i to node i
@@ -584,6 +586,9 @@ class OpenAIServer:
 
 
 def build_app(settings: ServeSettings, **options: Any) -> Any:
-    """The application to ``serve.run``: ``options`` go to the deployment (num_replicas, ray_actor_options)."""
+    """The application to ``serve.run``: ``options`` go to the deployment (num_replicas, ray_actor_options). The
+    requests the ingress holds and those Ray Serve queues for it are bounded by the settings: past both, Serve's
+    proxy answers 503 with Retry-After instead of queueing without end."""
     deployment: Any = OpenAIServer  # a serve.Deployment once decorated; type checkers see the class
-    return deployment.options(**options).bind(settings) if options else deployment.bind(settings)
+    bounds = {"max_ongoing_requests": settings.max_ongoing, "max_queued_requests": settings.max_queued}
+    return deployment.options(**(bounds | options)).bind(settings)

@@ -13,7 +13,8 @@ honours ``x-request-disconnect-disabled``, which lets a client's generation outl
 - caps the server's connections and tasks (uvicorn's ``limit_concurrency``: past it, new requests get 503);
 - answers 413 to a body longer than ``MAX_BODY_BYTES`` (by its Content-Length at once, else as it arrives), before
   the ingress, which checks keys, ever sees it;
-- drops ``x-request-disconnect-disabled`` from every request.
+- drops ``x-request-disconnect-disabled`` from every request;
+- answers 404 to ``/-/routes`` (Ray Serve's list of the applications it routes to, open to anyone otherwise).
 
 Each bound is an environment variable of the node's container (the inventory's ``env`` may change it).
 """
@@ -56,8 +57,8 @@ def max_body_bytes() -> int:
 
 
 class BodyCap:
-    """ASGI middleware: the disconnect opt-out header dropped; a body over ``limit`` bytes answered 413 (the app
-    behind sees its client leave)."""
+    """ASGI middleware: the disconnect opt-out header dropped; Serve's route list hidden; a body over ``limit`` bytes
+    answered 413 (the app behind sees its client leave)."""
 
     def __init__(self, app: Callable[[Scope, Receive, Send], Awaitable[None]], limit: int) -> None:
         self.app, self.limit = app, limit
@@ -65,6 +66,9 @@ class BodyCap:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope.get("type") != "http":
             await self.app(scope, receive, send)
+            return
+        if scope.get("path") == "/-/routes":
+            await _answer(send, 404, "not_found", "no such route")
             return
         scope["headers"] = [(k, v) for k, v in scope.get("headers", []) if k.lower() != DISCONNECT_DISABLED]
         length = next((v for k, v in scope["headers"] if k.lower() == b"content-length"), None)
@@ -93,23 +97,20 @@ class BodyCap:
         await self.app(scope, capped, unless_refused)
 
     async def _refuse(self, send: Send) -> None:
-        body = json.dumps(
-            {
-                "error": {
-                    "message": f"the request's body is over {self.limit} bytes",
-                    "type": "invalid_request_error",
-                    "param": None,
-                    "code": "request_too_large",
-                }
-            }
-        ).encode()
-        headers = [
-            (b"content-type", b"application/json"),
-            (b"content-length", str(len(body)).encode()),
-            (b"connection", b"close"),
-        ]
-        await send({"type": "http.response.start", "status": 413, "headers": headers})
-        await send({"type": "http.response.body", "body": body})
+        await _answer(send, 413, "request_too_large", f"the request's body is over {self.limit} bytes")
+
+
+async def _answer(send: Send, status: int, code: str, message: str) -> None:
+    """An error in OpenAI's shape, the connection closed after it."""
+    error = {"message": message, "type": "invalid_request_error", "param": None, "code": code}
+    body = json.dumps({"error": error}).encode()
+    headers = [
+        (b"content-type", b"application/json"),
+        (b"content-length", str(len(body)).encode()),
+        (b"connection", b"close"),
+    ]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
 
 
 def _arm(protocol: Any) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 import io
+import json
 import urllib.request
 import uuid
 from collections import defaultdict
@@ -83,6 +84,29 @@ def test_every_host_gets_a_replica_and_the_images_equal_diffusers(served: Served
         served.client("not-the-token").images.generate(model="tiny-sd", prompt="a cat")
     with pytest.raises(openai.BadRequestError):
         served.client().images.generate(model="tiny-sd", prompt="a cat", response_format="url")
+
+
+def test_an_image_of_many_steps_kills_no_replica(served: Served) -> None:
+    """An image at the most steps a request may ask (150, ~40x the calibration's 4) runs far past a deadline learned
+    from the calibration's image: its replica answers the ping, so it is busy, not lost; every replica still serves
+    after. One step more is a 400 naming the field, before any replica is asked."""
+    answer = served.client().images.generate(
+        model="tiny-sd", prompt="a long walk", n=1, response_format="b64_json",
+        extra_body={"seed": 5, "num_inference_steps": 150},
+    )  # fmt: skip
+    assert len(answer.data) == 1
+    with pytest.raises(openai.BadRequestError) as refused:
+        served.client().images.generate(
+            model="tiny-sd", prompt="a cat", response_format="b64_json", extra_body={"num_inference_steps": 151}
+        )
+    assert refused.value.body["param"] == "num_inference_steps"
+    request = urllib.request.Request(
+        served.doc["url"].removesuffix("/v1") + "/raycluster/status",
+        headers={"Authorization": f"Bearer {served.token}"},
+    )
+    with urllib.request.urlopen(request, timeout=60) as reply:
+        status = json.loads(reply.read())
+    assert status["replicas"] == 3 and not [e for e in status["events"] if e.get("event") == "lost"], status["events"]
 
 
 def test_bench_serve_measures_images_on_every_host(served: Served) -> None:

@@ -196,6 +196,28 @@ def test_the_service_key_opens_the_service_only_and_the_cluster_token_opens_no_s
     assert health.status == 200 and body["status"] == "ok" and body["replicas"] >= 1, body
 
 
+def test_a_bad_prompt_fails_alone_and_takes_no_pipeline_down(served: Served) -> None:
+    """Token ids outside the vocabulary beside a normal request on the 3 hosts' pipeline: 400 naming `prompt`, the
+    normal request's exact greedy text, and no failover, no rebuild (before, the stage's embedding lookup failed the
+    pipeline and the request was failed over to every pipeline in turn)."""
+    before = _status(served)
+
+    async def both() -> tuple[Any, BaseException]:
+        client = served.client()
+        good = client.completions.create(model="tiny-chat", prompt=PROMPTS[0], max_tokens=NEW_TOKENS, temperature=0)
+        bad = client.completions.create(model="tiny-chat", prompt=[999999999], max_tokens=NEW_TOKENS, temperature=0)
+        answer, error = await asyncio.gather(good, bad, return_exceptions=True)
+        assert isinstance(error, BaseException), error
+        return answer, error
+
+    answer, error = asyncio.run(both())
+    assert isinstance(error, openai.BadRequestError) and error.body["param"] == "prompt"
+    assert answer.choices[0].text == served.generate(served.tokenizer.encode(PROMPTS[0]))
+    after = _status(served)
+    assert after["failovers"] == before["failovers"] and after["rebuilding"] == 0, after["events"]
+    assert [p["index"] for p in after["pipelines"]] == [p["index"] for p in before["pipelines"]]
+
+
 def test_bench_serve_measures_the_service_from_the_operator(served: Served, tmp_path: Path) -> None:
     """`bench --serve` against the 3-host service: every request answered with the asked length, each stage's
     T_i measured on its own host, and the SVG of latency against load."""

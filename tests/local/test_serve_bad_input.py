@@ -56,6 +56,8 @@ def root(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]
         num_threads=1,
         limits=Limits(slots=4, step_tokens=48, prefill_chunk=8, max_seq=MAX_SEQ, max_waiting=16),
         request_limits=LIMITS,
+        max_ongoing=6,  # the ingress holds 6 requests and Ray Serve queues 4 more: a flood past both gets 503s
+        max_queued=4,
     )
     with local_serve(build_app(settings, health_check_period_s=2), SERVE_ENV) as url:
         deadline = time.monotonic() + 90
@@ -187,4 +189,29 @@ def test_a_body_over_its_limit_is_a_413_by_its_declared_length(root: tuple[str, 
     big = json.dumps({"model": MODEL, "prompt": [7] * (LIMITS.body_bytes // 3)}).encode()
     status, body = _raw(f"{url}/v1/completions", big)
     assert status == 413 and body["error"]["param"] == "body" and str(LIMITS.body_bytes) in body["error"]["message"]
+    _unharmed(url)
+
+
+def test_a_flood_past_the_ingress_and_its_queue_gets_503_with_retry_after(root: tuple[str, Path]) -> None:
+    """40 requests at once against an ingress that holds 6 and a queue of 4: the rest are refused at once with 503
+    and Retry-After (Ray Serve's bounded queue, not a queue that grows), the others are answered whole, and the
+    service is unharmed after."""
+    url, _ = root
+
+    async def flood() -> list[Any]:
+        client = _client(url)
+        calls = [
+            client.completions.create(
+                model=MODEL, prompt=GOOD, max_tokens=40, temperature=0, extra_body={"ignore_eos": True}
+            )
+            for _ in range(40)
+        ]
+        return list(await asyncio.gather(*calls, return_exceptions=True))
+
+    results = asyncio.run(flood())
+    refused = [r for r in results if isinstance(r, openai.APIStatusError) and r.status_code == 503]
+    done = [r for r in results if not isinstance(r, BaseException)]
+    assert refused and all(r.response.headers.get("retry-after") for r in refused), results
+    assert len(done) + len(refused) == 40 and len(done) >= 6, results
+    assert all(r.usage.completion_tokens == 40 for r in done)
     _unharmed(url)

@@ -127,9 +127,10 @@ def test_a_body_over_the_cap_is_refused_before_the_application_reads_it(root: tu
     assert _exchange(root, raw)[0] == 413
 
 
-def test_a_client_cannot_opt_out_of_the_disconnect_watch(root: tuple[str, int]) -> None:
+def test_a_client_cannot_opt_out_of_the_disconnect_watch_nor_list_the_routes(root: tuple[str, int]) -> None:
     status, body = _exchange(root, _post(b"{}", "x-request-disconnect-disabled: ?1\r\n"))
     assert status == 200 and json.loads(body) == {"bytes": 2, "opt_out": None}
+    assert _exchange(root, b"GET /-/routes HTTP/1.1\r\nHost: x\r\n\r\n")[0] == 404  # Serve answers 200 unguarded
 
 
 def test_connections_past_the_cap_are_refused_until_the_held_ones_end(root: tuple[str, int]) -> None:
