@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import subprocess
 import time
 import urllib.request
 import uuid
@@ -28,7 +29,7 @@ from raycluster_cli.render.serve_bench import SVG_NS
 from raycluster_cli.serve.metrics import METRICS
 
 from ..serve_checkpoint import WORDS, write_chat_llama
-from .conftest import IP1, Lab
+from .conftest import DOCKER, IP1, Lab
 
 pytestmark = [pytest.mark.lab, pytest.mark.slow]
 
@@ -194,6 +195,55 @@ def test_the_service_key_opens_the_service_only_and_the_cluster_token_opens_no_s
     with urllib.request.urlopen(served.doc["url"].removesuffix("/v1") + "/health", timeout=30) as health:
         body = json.loads(health.read())
     assert health.status == 200 and body["status"] == "ok" and body["replicas"] >= 1, body
+
+
+# A stranger's process on the cluster network: every listening TCP port of every lab host is tried as torch's
+# rendezvous store (connect, write a forged rank-1 address record, list the keys), all at once, 3 s each.
+_STRANGER = """
+import json, sys, threading
+from datetime import timedelta
+import torch.distributed as dist
+targets, answered = json.loads(sys.argv[1]), []
+def one(ip, port):
+    try:
+        store = dist.TCPStore(ip, port, is_master=False, timeout=timedelta(seconds=3), wait_for_workers=False)
+        store.set("0/1", b"forged")
+        answered.append([ip, port, len(store.list_keys())])
+    except Exception:
+        pass
+threads = [threading.Thread(target=one, args=(ip, port), daemon=True) for ip, port in targets]
+[t.start() for t in threads]
+[t.join(20) for t in threads]
+print(json.dumps(answered))
+"""
+
+
+def _listening(served: Served, hostname: str) -> set[int]:
+    """The TCP ports listening on a lab host (its network namespace, which its Ray container shares)."""
+    table = served.lab.sh(hostname, "cat /proc/net/tcp /proc/net/tcp6")
+    return {int(f[1].rsplit(":", 1)[1], 16) for f in (line.split() for line in table.splitlines()[1:]) if f[3] == "0A"}
+
+
+def test_no_store_answers_a_stranger_on_the_cluster_network(served: Served) -> None:
+    """While the 3 hosts' ring of direct links lives (the status says `direct`), a container of a stranger on the
+    lab's network tries every port every host listens on as the links' rendezvous store: none answers (the ring
+    formed over Ray's calls; before, a TCPStore on the head answered anyone for the ring's life), and the service
+    answers exactly after his tries."""
+    assert all(p["links"] == "direct" for p in _status(served)["pipelines"] if p["state"] == "live")
+    targets = [[h.address, port] for h in served.lab.info.hosts for port in sorted(_listening(served, h.hostname))]
+    assert len(targets) > 10, targets
+    image = inventory.load(served.lab.inventory).inventory.image  # the node image: torch, as a stranger may have
+    done = subprocess.run(
+        [DOCKER, "run", "--rm", f"--network={served.lab.info.network}", image, "/opt/ray/bin/python", "-c",
+         _STRANGER, json.dumps(targets)],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == [], "a rendezvous store answered a stranger"
+    answer = asyncio.run(
+        served.client().completions.create(model="tiny-chat", prompt=PROMPTS[1], max_tokens=NEW_TOKENS, temperature=0)
+    )
+    assert answer.choices[0].text == served.generate(served.tokenizer.encode(PROMPTS[1]))
 
 
 def test_a_bad_prompt_fails_alone_and_takes_no_pipeline_down(served: Served) -> None:
