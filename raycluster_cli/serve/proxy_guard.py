@@ -14,6 +14,7 @@ honours ``x-request-disconnect-disabled``, which lets a client's generation outl
 - answers 413 to a body longer than ``MAX_BODY_BYTES`` (by its Content-Length at once, else as it arrives), before
   the ingress, which checks keys, ever sees it;
 - drops ``x-request-disconnect-disabled`` from every request;
+- puts ``Retry-After`` on a 503 that has none (Serve's own, when the queue for the ingress is full);
 - answers 404 to ``/-/routes`` (Ray Serve's list of the applications it routes to, open to anyone otherwise).
 
 Each bound is an environment variable of the node's container (the inventory's ``env`` may change it).
@@ -34,6 +35,7 @@ Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 
 DISCONNECT_DISABLED = b"x-request-disconnect-disabled"
+RETRY_AFTER_S = b"2"  # on a 503 that gives none (Ray Serve's answer when the ingress's queue is full)
 
 
 def _env_number(name: str, default: float) -> float:
@@ -58,7 +60,7 @@ def max_body_bytes() -> int:
 
 class BodyCap:
     """ASGI middleware: the disconnect opt-out header dropped; Serve's route list hidden; a body over ``limit`` bytes
-    answered 413 (the app behind sees its client leave)."""
+    answered 413 (the app behind sees its client leave); a 503 told when to retry."""
 
     def __init__(self, app: Callable[[Scope, Receive, Send], Awaitable[None]], limit: int) -> None:
         self.app, self.limit = app, limit
@@ -91,8 +93,13 @@ class BodyCap:
             return message
 
         async def unless_refused(message: Message) -> None:
-            if not refused:
-                await send(message)
+            if refused:
+                return
+            if message.get("type") == "http.response.start" and message.get("status") == 503:
+                headers = list(message.get("headers", []))
+                if not any(k.lower() == b"retry-after" for k, _ in headers):  # Serve's full queue says none
+                    message = {**message, "headers": [*headers, (b"retry-after", RETRY_AFTER_S)]}
+            await send(message)
 
         await self.app(scope, capped, unless_refused)
 
