@@ -50,7 +50,7 @@ def served(lab_hosts: Lab, tmp_path_factory: pytest.TempPathFactory) -> Iterator
     assert code == 0, err
     path = write_tiny_sd(tmp_path_factory.mktemp("serve-images") / "tiny-sd")
     (path / "NOTICE").write_text(f"raycluster image serve lab test {uuid.uuid4()}\n")  # a model no host holds yet
-    code, doc, err = lab_hosts.cli("serve", f"--model-path={path}", timeout=1200)
+    code, doc, err = lab_hosts.cli("serve", f"--model-path={path}", "--image-max-steps=500", timeout=1200)
     assert code == 0, err[-4000:]
     token = Path(doc["api_key_file"]).read_text().strip()  # the service's own key (never the cluster's token)
     try:
@@ -87,17 +87,18 @@ def test_every_host_gets_a_replica_and_the_images_equal_diffusers(served: Served
 
 
 def test_an_image_of_many_steps_kills_no_replica(served: Served) -> None:
-    """An image at the most steps a request may ask (150, ~40x the calibration's 4) runs far past a deadline learned
-    from the calibration's image: its replica answers the ping, so it is busy, not lost; every replica still serves
-    after. One step more is a 400 naming the field, before any replica is asked."""
+    """An image of 500 steps (the operator raised the bound from 150 with --image-max-steps; 125x the calibration's
+    4) runs far past a deadline learned from the calibration's image: its replica answers the ping, so it is busy,
+    not lost; every replica still serves after. One step more is a 400 naming the field, before any replica is
+    asked."""
     answer = served.client().images.generate(
         model="tiny-sd", prompt="a long walk", n=1, response_format="b64_json",
-        extra_body={"seed": 5, "num_inference_steps": 150},
+        extra_body={"seed": 5, "num_inference_steps": 500},
     )  # fmt: skip
     assert len(answer.data) == 1
     with pytest.raises(openai.BadRequestError) as refused:
         served.client().images.generate(
-            model="tiny-sd", prompt="a cat", response_format="b64_json", extra_body={"num_inference_steps": 151}
+            model="tiny-sd", prompt="a cat", response_format="b64_json", extra_body={"num_inference_steps": 501}
         )
     assert refused.value.body["param"] == "num_inference_steps"
     request = urllib.request.Request(
