@@ -101,8 +101,9 @@ def test_nothing_listening_and_not_http() -> None:
 
     with pytest.raises(http.HTTPFailure, match="could not connect"):
         asyncio.run(client("http://127.0.0.1:9/"))
-    with pytest.raises(ValueError, match="not an http:// URL"):
-        http.parse_url("https://example.invalid/v1")
+    with pytest.raises(ValueError, match="not an http:// or https:// URL"):
+        http.parse_url("ftp://example.invalid/v1")
+    assert http.parse_url("https://example.invalid/v1") == http.Target("example.invalid", 443, "/v1", True)
 
 
 async def _endless(writer: asyncio.StreamWriter, head: bytes, piece: bytes) -> None:

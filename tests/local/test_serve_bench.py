@@ -38,9 +38,8 @@ from raycluster_cli.verbs.serve_load import stage_times  # noqa: E402
 
 from ..local_ray import local_serve, write_keys  # noqa: E402
 from ..serve_checkpoint import write_chat_llama  # noqa: E402
-from .test_serve_openai import _wait_ready  # noqa: E402
+from .test_serve_openai import TOKEN, _wait_ready  # noqa: E402
 
-TOKEN = "test-cluster-token"
 MODEL = "tiny-chat-llama"
 RATES = (2.0, 6.0)
 REQUESTS = 8
@@ -163,11 +162,13 @@ def _cli(inventory: Path, state: Path, *args: str) -> subprocess.Popen[str]:
 
 
 def _inventory(tmp_path: Path) -> tuple[Path, Path]:
-    """An inventory naming cluster `t` (no host is contacted with --url) and its token where `up` keeps it."""
+    """An inventory naming cluster `t` (no host is contacted with --url) and the service's key where `serve` keeps
+    it (the cluster's token beside it is not what the service takes)."""
     inventory = tmp_path / "inventory.yaml"
     inventory.write_text("cluster: t\nimage: raycluster/node:0.1.0\nhosts:\n  - {address: 127.0.0.1, role: head}\n")
-    (tmp_path / "state" / "t").mkdir(parents=True)
-    (tmp_path / "state" / "t" / "auth-token").write_text(TOKEN + "\n")
+    (tmp_path / "state" / "t" / "service-keys").mkdir(parents=True)
+    (tmp_path / "state" / "t" / "auth-token").write_text("0123456789abcdef" * 4 + "\n")
+    (tmp_path / "state" / "t" / "service-keys" / "default").write_text(TOKEN + "\n")
     return inventory, tmp_path / "state"
 
 
@@ -182,7 +183,10 @@ def test_the_cli_gives_one_document_and_ctrl_c_keeps_what_was_measured(target: S
     assert doc["ok"] is True and [r["kind"] for r in doc["runs"]] == ["poisson", "saturation"]
     assert json.loads(saved.read_text())["runs"] == doc["runs"]
     assert TOKEN not in out + err  # the key is never printed
-    human = _cli(inventory, state, *args, "--seed=3")
+    (state / "t" / "service-keys" / "default").unlink()  # another key file, named on the command line
+    key_file = tmp_path / "my-key"
+    key_file.write_text(TOKEN + "\n")
+    human = _cli(inventory, state, *args, "--seed=3", f"--api-key-file={key_file}")
     out, err = human.communicate(timeout=300)
     assert human.returncode == 0, err[-2000:]
     assert "Poisson 4/s" in out and "4 at once" in out and "busy time T_i per node" in out
@@ -193,6 +197,7 @@ def test_the_cli_gives_one_document_and_ctrl_c_keeps_what_was_measured(target: S
         inventory,
         state,
         f"--url={target.url}",
+        f"--api-key-file={key_file}",
         "--rates=",
         "--requests=200",
         "--output-tokens=60",
