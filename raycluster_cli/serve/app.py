@@ -556,6 +556,9 @@ class OpenAIServer:
             repetition_penalty=body.repetition_penalty,
             logit_bias=biases,
             min_tokens=body.min_tokens,
+            skip_special_tokens=body.skip_special_tokens,
+            spaces_between_special_tokens=body.spaces_between_special_tokens,
+            include_stop_str_in_output=body.include_stop_str_in_output,
         )
 
     def _logprobs(self, body: Any, chat: bool, echo: str, prompt: list[int], first: Output) -> protocol.Logprobs | None:

@@ -70,6 +70,10 @@ class _Sampled(BaseModel):
     top_k: int = Field(default=0, ge=-1)  # -1 or 0: every token (vLLM's -1 included)
     min_p: float = Field(default=0.0, ge=0.0, le=1.0)
     min_tokens: int = Field(default=0, ge=0)
+    # how tokens become text, as vLLM's clients send them (text.TextStream)
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
 
     @field_validator("logit_bias")
     @classmethod
