@@ -9,9 +9,9 @@ import pytest
 pytest.importorskip("tokenizers")
 pytest.importorskip("transformers")
 
-from raycluster_cli.serve.text import REPLACEMENT, TextStream  # noqa: E402
+from raycluster_cli.serve.text import REPLACEMENT, TextStream
 
-from ..text_tokenizers import byte_level, sentencepiece_like  # noqa: E402
+from ..text_tokenizers import byte_level, sentencepiece_like
 
 PROMPT = "The capital of France is"
 OUTPUT = " Paris, a city 🙂 with naïve people"
