@@ -206,7 +206,8 @@ class TextStream:
     def _decode(self, ids: list[int]) -> str:
         if self.skip_special or not self.spaces_between_special or not self.special.intersection(ids):
             return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special)
-        parts, run = [], []  # runs of ordinary tokens decoded together, each special token on its own
+        parts: list[str] = []
+        run: list[int] = []  # runs of ordinary tokens decoded together, each special token on its own
         for token in ids:
             if token in self.special:
                 parts += [self.tokenizer.decode(run, skip_special_tokens=False)] if run else []

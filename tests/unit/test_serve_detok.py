@@ -75,3 +75,25 @@ def test_the_stop_string_is_in_the_text_only_when_asked(include: bool, want: str
         if stopped:
             break
     assert stopped and "".join(pieces) == want
+
+
+def test_logprob_entries_name_each_token_by_its_own_bytes_without_collisions(tokenizer: Any) -> None:
+    from raycluster_cli.serve.protocol import Logprobs
+    from raycluster_cli.serve.text import TokenLogprob
+    from raycluster_cli.serve.tokenbytes import token_bytes
+
+    _, output = _split(tokenizer)
+    scored = Logprobs(token_bytes(tokenizer), chat=True)
+    emoji = tokenizer.encode(" 🙂", add_special_tokens=False)
+    scored.add([TokenLogprob(t, -1.0, tuple((e, -2.0) for e in emoji)) for t in output])
+    entries = scored.take()["content"]  # type: ignore[index]
+    assert b"".join(bytes(e["bytes"]) for e in entries).decode() == OUTPUT  # every byte, " Paris" with its space
+    assert entries[0]["token"].startswith(" Pa")  # its leading space kept
+    names = {e["token"] for e in entries[0]["top_logprobs"]}
+    assert len(names) == len(set(emoji)) >= 4 and REPLACEMENT not in "".join(names)  # 🙂's byte tokens, distinct
+    completion = Logprobs(token_bytes(tokenizer), chat=False)
+    completion.add([TokenLogprob(t, -1.0) for t in output])
+    taken = completion.take()
+    assert taken is not None and len(set(taken["tokens"])) == len(set(output))
+    starts = [OUTPUT[:o].encode() for o in taken["text_offset"]]
+    assert all(OUTPUT.encode().startswith(s) for s in starts) and taken["text_offset"][0] == 0
