@@ -63,7 +63,9 @@ def config_from_dir(path: str | Path, max_seq: int, seed: int = 0) -> ModelConfi
         raise ValueError(f"{config_file}: activation_function {raw.get('activation_function')!r} is not supported")
     positions = int(raw.get("n_positions", raw.get("n_ctx", 1024)))
     if max_seq > positions:
-        raise ValueError(f"prompt + new tokens ({max_seq}) exceed the model's {positions} positions")
+        raise ValueError(
+            f"prompt + new tokens ({max_seq}) exceed the model's {positions} positions: pass --max-seq {positions}"
+        )
     try:
         return ModelConfig(
             vocab=int(raw["vocab_size"]),

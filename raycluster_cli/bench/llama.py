@@ -122,7 +122,9 @@ def config_from_dir(path: str | Path, max_seq: int, seed: int = 0) -> ModelConfi
         raise ValueError(f"{config_file}: hidden_act {raw.get('hidden_act')!r} is not supported (silu)")
     positions = int(raw.get("max_position_embeddings", 2048))
     if max_seq > positions:
-        raise ValueError(f"prompt + new tokens ({max_seq}) exceed the model's {positions} positions")
+        raise ValueError(
+            f"prompt + new tokens ({max_seq}) exceed the model's {positions} positions: pass --max-seq {positions}"
+        )
     try:
         heads = int(raw["num_attention_heads"])
         theta, scaling = _rope(raw, config_file)

@@ -24,7 +24,9 @@ def serve_command(
     port: Annotated[int, typer.Option(help="the service's port on the head's address")] = 8000,
     stages: Annotated[int | None, typer.Option(min=1, help="stages per pipeline (default: one per node)")] = None,
     slots: Annotated[int, typer.Option(min=1, help="sequences per step (a pipeline keeps one step per stage)")] = 16,
-    max_seq: Annotated[int, typer.Option(min=2, help="prompt + generated tokens per sequence")] = 512,
+    max_seq: Annotated[
+        int, typer.Option(min=0, help="prompt + generated tokens per sequence (0: the checkpoint's own, at most 4096)")
+    ] = 0,
     model_id: Annotated[str, typer.Option(help="the model name clients pass (default: the folder's name)")] = "",
     dtype: Annotated[
         str,

@@ -94,7 +94,12 @@ def _parser() -> argparse.ArgumentParser:
         default=16,
         help="sequences in one step (a pipeline of S stages keeps S steps in flight: S x slots KV slots)",
     )
-    p.add_argument("--max-seq", type=int, default=512, help="prompt + generated tokens per sequence")
+    p.add_argument(
+        "--max-seq",
+        type=int,
+        default=0,
+        help=f"prompt + generated tokens per sequence (0: the checkpoint's own limit, at most {MAX_SEQ_DEFAULT})",
+    )
     p.add_argument("--prefill-chunk", type=int, default=64)
     p.add_argument(
         "--dtype",
@@ -121,6 +126,27 @@ def _parser() -> argparse.ArgumentParser:
     )
     image_launch.add_arguments(p)
     return p
+
+
+MAX_SEQ_DEFAULT = 4096
+
+
+def default_max_seq(model_path: str) -> int:
+    """The checkpoint's own positions (``max_position_embeddings``, GPT-2's ``n_positions``), at most
+    ``MAX_SEQ_DEFAULT``: every KV slot is reserved at ``max_seq`` tokens, and checkpoints declare 32k-128k
+    positions (Llama-3.2: 131 072), which would reserve tens of GiB for 16 slots; 4096 holds the prompts of a
+    chat or a benchmark (up to 2048 tokens and their answer).  A longer context is ``--max-seq``'s to ask."""
+    raw = _read_config(Path(model_path) / "config.json")
+    found = raw.get("max_position_embeddings", raw.get("n_positions", raw.get("n_ctx")))
+    return min(int(found), MAX_SEQ_DEFAULT) if isinstance(found, int) and found > 1 else MAX_SEQ_DEFAULT
+
+
+def _read_config(path: Path) -> dict[str, Any]:
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}  # the checkpoint's loader names what is wrong with it
+    return raw if isinstance(raw, dict) else {}
 
 
 def _keys_file(args: argparse.Namespace) -> str | None:
@@ -234,6 +260,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if is_diffusers_folder(args.model_path):  # the images API (serve/image_launch.py)
         return image_launch.launch(args, _keys_file(args), APP_NAME, INGRESS_ACTOR_OPTIONS, http_options(args))
+    args.max_seq = args.max_seq or default_max_seq(args.model_path)
     settings = _settings(args, _keys_file(args))
     layers = config_from_checkpoint(args.model_path, max_seq=args.max_seq).layers
     split_units(layers, args.stages, settings.split)  # a bad split fails here, before anything starts

@@ -48,6 +48,7 @@ from raycluster_cli.serve.protocol import APIError, ChatRequest, CompletionReque
 from raycluster_cli.serve.scheduler import Limits
 from raycluster_cli.serve.stages import split_units
 from raycluster_cli.serve.text import Sampling, eos_ids, out_of_vocab
+from raycluster_cli.serve.tokenbytes import token_bytes
 
 RETRY_AFTER_S = 2
 IDLE_PROBE_S = 30.0  # check_health probes with a generation when no step ran for this long
@@ -319,6 +320,7 @@ class OpenAIServer:
         self.key_limits = KeyLimits(settings.key_max_requests, settings.key_max_tokens, RETRY_AFTER_S)
         path = Path(settings.model_path)
         self.tokenizer = transformers.AutoTokenizer.from_pretrained(str(path))
+        self._token_bytes = token_bytes(self.tokenizer)  # a token's own bytes, for log-probability entries
         self.tokenizing = Tokenizing(self.tokenizer, settings.request_limits)
         self.cfg = config_from_checkpoint(path, max_seq=settings.limits.max_seq, dtype=settings.dtype)
         eos = eos_ids(self.tokenizer, _read_json(path / "generation_config.json"))
@@ -470,10 +472,6 @@ class OpenAIServer:
     def _decode(self, ids: list[int]) -> str:
         return str(self.tokenizer.decode(ids, skip_special_tokens=True))
 
-    def _token_text(self, token: int) -> str:
-        """A token's own text, as a log-probability entry names it (special tokens by their names)."""
-        return str(self.tokenizer.decode([token]))
-
     async def _answer(self, body: Any, prompt: list[int], *, chat: bool, key: KeyEntry, echo: str = "") -> Response:
         """Count it against its key (429 over the key's limits), then answer; its count ends with the answer."""
         room = self.settings.limits.max_seq - len(prompt)
@@ -556,6 +554,9 @@ class OpenAIServer:
             repetition_penalty=body.repetition_penalty,
             logit_bias=biases,
             min_tokens=body.min_tokens,
+            skip_special_tokens=body.skip_special_tokens,
+            spaces_between_special_tokens=body.spaces_between_special_tokens,
+            include_stop_str_in_output=body.include_stop_str_in_output,
         )
 
     def _logprobs(self, body: Any, chat: bool, echo: str, prompt: list[int], first: Output) -> protocol.Logprobs | None:
@@ -564,8 +565,8 @@ class OpenAIServer:
         if body.asked_logprobs is None:
             return None
         if not body.asked_prompt_logprobs:
-            return protocol.Logprobs(self._token_text, chat=chat, offset=len(echo))
-        scored = protocol.Logprobs(self._token_text, chat=chat)
+            return protocol.Logprobs(self._token_bytes, chat=chat, offset=len(echo))
+        scored = protocol.Logprobs(self._token_bytes, chat=chat)
         scored.add_prompt(prompt, first.prompt_logprobs)
         return scored
 

@@ -256,7 +256,15 @@ class Engine:
             generator = sampling.generator()
         except (ValueError, RuntimeError) as exc:
             raise BadInput(f"seed {sampling.seed} is refused by the generator: {exc}", "seed") from None
-        return _Live(list(prompt), sampling, TextStream(self.tokenizer, stop), generator)
+        stream = TextStream(
+            self.tokenizer,
+            stop,
+            prompt=prompt,
+            skip_special=sampling.skip_special_tokens,
+            spaces_between_special=sampling.spaces_between_special_tokens,
+            include_stop_str=sampling.include_stop_str_in_output,
+        )
+        return _Live(list(prompt), sampling, stream, generator)
 
     def stalled_s(self) -> float:
         """Seconds steps have been in flight without one coming back (0 when none is in flight): a wedged
@@ -366,12 +374,14 @@ class Engine:
             live = self.live.get(event.request_id)
             if live is None or event.token is None:
                 continue
-            live.stream.push(event.token)
             reason = event.finish_reason
+            eos = reason == "stop"  # the scheduler ends a sequence with "stop" at its EOS only
+            live.stream.push(event.token, text=not eos or live.sampling.include_stop_str_in_output)
             text, stopped = live.stream.take(final=reason is not None)
-            if stopped and reason is None:
+            if stopped and reason != "stop":  # a stop string in the last allowed token's text is still a stop
+                if reason is None:
+                    self.scheduler.finish(event.request_id, "stop")
                 reason = "stop"
-                self.scheduler.finish(event.request_id, reason)
             logprob = (scored[event.request_id],) if event.request_id in scored else ()
             prompt_scored = () if live.answered else tuple(live.prompt_scored)
             live.answered = True

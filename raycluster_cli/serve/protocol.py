@@ -13,12 +13,15 @@ the first with ``null`` (nothing precedes it), as OpenAI's completions did and e
 
 from __future__ import annotations
 
+import codecs
 import json
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from raycluster_cli.serve.tokenbytes import token_string
 
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error"}
 
@@ -70,6 +73,10 @@ class _Sampled(BaseModel):
     top_k: int = Field(default=0, ge=-1)  # -1 or 0: every token (vLLM's -1 included)
     min_p: float = Field(default=0.0, ge=0.0, le=1.0)
     min_tokens: int = Field(default=0, ge=0)
+    # how tokens become text, as vLLM's clients send them (text.TextStream)
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
 
     @field_validator("logit_bias")
     @classmethod
@@ -304,12 +311,15 @@ class Scored(Protocol):
 class Logprobs:
     """One choice's token log-probabilities in OpenAI's shape, a piece at a time: ``add`` the tokens' as they
     come, ``take`` those not yet given (a stream's chunk carries the tokens since the last chunk; a token whose
-    text is still held back goes with the next one).  ``decode`` gives a token's text; ``offset``: where the
-    first token's text starts in the choice's text (a completion's ``text_offset``)."""
+    text is still held back goes with the next one).  ``token_bytes`` gives a token's own bytes
+    (``tokenbytes``), named by ``token_string``: distinct for distinct tokens, so ``top_logprobs`` keys never
+    collide; ``offset``: where the first token's text starts in the choice's text (a completion's
+    ``text_offset``, counted in characters: a token that ends inside a character is at that character)."""
 
-    def __init__(self, decode: Callable[[int], str], *, chat: bool, offset: int = 0) -> None:
-        self.decode, self.chat, self.offset = decode, chat, offset
+    def __init__(self, token_bytes: Callable[[int], bytes], *, chat: bool, offset: int = 0) -> None:
+        self.token_bytes, self.chat, self.offset = token_bytes, chat, offset
         self.pending: list[Scored | int] = []  # an int: a token with no log-probability (a prompt's first)
+        self._chars = codecs.getincrementaldecoder("utf-8")(errors="replace")
 
     def add(self, items: Sequence[Scored]) -> None:
         self.pending.extend(items)
@@ -320,21 +330,25 @@ class Logprobs:
         if prompt:
             self.pending.extend([prompt[0], *scored])
 
+    def _name(self, token: int) -> str:
+        return token_string(self.token_bytes(token))
+
     def take(self) -> dict[str, Any] | None:
         items, self.pending = self.pending, []
         if self.chat:
             return {"content": [self._chat_entry(i) for i in items if not isinstance(i, int)]}
-        tokens = [self.decode(i if isinstance(i, int) else i.token) for i in items]
+        ids = [i if isinstance(i, int) else i.token for i in items]
         offsets = []
-        for text in tokens:
+        for token in ids:
             offsets.append(self.offset)
-            self.offset += len(text)
+            self.offset += len(self._chars.decode(self.token_bytes(token)))
+        tokens = [self._name(token) for token in ids]
         tops: list[dict[str, float] | None] = []
         for item, text in zip(items, tokens, strict=True):
             if isinstance(item, int):
                 tops.append(None)
                 continue
-            best = {self.decode(token): logprob for token, logprob in item.top}
+            best = {self._name(token): logprob for token, logprob in item.top}
             tops.append(best | {text: item.logprob})  # the sampled token is always there (OpenAI: up to k + 1)
         return {
             "tokens": tokens,
@@ -345,8 +359,8 @@ class Logprobs:
 
     def _chat_entry(self, item: Scored) -> dict[str, Any]:
         def one(token: int, logprob: float) -> dict[str, Any]:
-            text = self.decode(token)
-            return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+            data = self.token_bytes(token)
+            return {"token": token_string(data), "logprob": logprob, "bytes": list(data)}
 
         return one(item.token, item.logprob) | {"top_logprobs": [one(t, lp) for t, lp in item.top]}
 

@@ -46,6 +46,10 @@ class Sampling:
     repetition_penalty: float = 1.0
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
     min_tokens: int = 0  # EOS cannot end the output before this many tokens
+    # how the tokens become text (vLLM's names and defaults; TextStream)
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: bool = False  # the stop string (or the EOS's text) ends the text
 
     @property
     def adjusts_logits(self) -> bool:
@@ -158,34 +162,74 @@ def token_logprob(logits: torch.Tensor, token: int, top: int) -> TokenLogprob:
     return TokenLogprob(token, float(logprobs[token]), best)
 
 
+PROMPT_CONTEXT = 5  # prompt tokens the stream decodes its first tokens after (vLLM's initial window)
+
+
 class TextStream:
     """The text of one sequence's generated tokens, released in safe pieces.
 
     ``push(token)`` adds a token; ``take(final)`` returns the text not yet released and whether a stop
-    string ended the sequence (the stop string itself and what follows are never released).
+    string ended the sequence (the stop string itself and what follows are never released, unless
+    ``include_stop_str``).  The window starts with the prompt's last tokens: a SentencePiece decoder drops
+    the leading space of a sequence's first token, so "▁Paris" decoded alone is "Paris" while after the
+    prompt it is " Paris" (the text equals ``decode(prompt + output)`` minus ``decode(prompt)``).
+
+    ``skip_special`` drops special tokens from the text (vLLM's ``skip_special_tokens``); when they are
+    kept, ``spaces_between_special`` puts a space between a special token and the text beside it, as
+    ``transformers``' ``spaces_between_special_tokens`` does, whichever tokenizer backs the model.
     """
 
-    def __init__(self, tokenizer: Decoder, stop: list[str] | None = None) -> None:
+    def __init__(
+        self,
+        tokenizer: Decoder,
+        stop: list[str] | None = None,
+        *,
+        prompt: Sequence[int] = (),
+        skip_special: bool = True,
+        spaces_between_special: bool = True,
+        include_stop_str: bool = False,
+    ) -> None:
         self.tokenizer = tokenizer
         self.stop = [s for s in stop or [] if s]
         self.hold = max((len(s) for s in self.stop), default=1) - 1
-        self.ids: list[int] = []
+        self.skip_special, self.spaces_between_special = skip_special, spaces_between_special
+        self.include_stop_str = include_stop_str
+        self.special = frozenset(getattr(tokenizer, "all_special_ids", ()) or ())
+        self.ids: list[int] = []  # the generated tokens
+        self.window = list(prompt[-PROMPT_CONTEXT:])  # the prompt's tail, then the generated tokens
         self.prefix_offset = 0  # window start: decoded again each time for context
-        self.read_offset = 0  # tokens whose text is already in self.text
+        self.read_offset = len(self.window)  # tokens whose text is already in self.text
         self.text = ""
         self.released = 0  # characters of self.text given out
         self.stopped = False
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
+        if self.skip_special or not self.spaces_between_special or not self.special.intersection(ids):
+            return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special)
+        parts: list[str] = []
+        run: list[int] = []  # runs of ordinary tokens decoded together, each special token on its own
+        for token in ids:
+            if token in self.special:
+                parts += [self.tokenizer.decode(run, skip_special_tokens=False)] if run else []
+                parts.append(self.tokenizer.decode([token], skip_special_tokens=False))
+                run = []
+            else:
+                run.append(token)
+        parts += [self.tokenizer.decode(run, skip_special_tokens=False)] if run else []
+        return " ".join(parts)
 
-    def push(self, token: int) -> None:
+    def push(self, token: int, *, text: bool = True) -> None:
+        """Add a generated token; ``text`` off: it counts as generated but adds no text (an EOS that ends
+        the sequence, as vLLM leaves out unless the request includes its stop in the output)."""
         self.ids.append(token)
-        prefix = self._decode(self.ids[self.prefix_offset : self.read_offset])
-        full = self._decode(self.ids[self.prefix_offset :])
+        if not text:
+            return
+        self.window.append(token)
+        prefix = self._decode(self.window[self.prefix_offset : self.read_offset])
+        full = self._decode(self.window[self.prefix_offset :])
         if len(full) > len(prefix) and not full.endswith(REPLACEMENT):
             self.text += full[len(prefix) :]
-            self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+            self.prefix_offset, self.read_offset = self.read_offset, len(self.window)
 
     def resume(self, tokens: list[int], released: int) -> None:
         """Continue a stream begun elsewhere: its ``tokens`` are pushed again (same text, same window)
@@ -201,17 +245,18 @@ class TextStream:
             return "", True
         at = self._first_stop()
         if at is not None:
-            self.text = self.text[:at]
+            self.text = self.text[: at[0] + (len(at[1]) if self.include_stop_str else 0)]
             self.stopped = True
         end = len(self.text) if final or self.stopped else max(self.released, len(self.text) - self.hold)
         piece = self.text[self.released : end]
         self.released = end
         return piece, self.stopped
 
-    def _first_stop(self) -> int | None:
+    def _first_stop(self) -> tuple[int, str] | None:
+        """Where the earliest stop string begins, and which one."""
         begin = max(0, self.released - self.hold)
-        hits = [i for i in (self.text.find(s, begin) for s in self.stop) if i >= 0]
-        return min(hits) if hits else None
+        hits = [(i, s) for s in self.stop if (i := self.text.find(s, begin)) >= 0]
+        return min(hits, key=lambda hit: hit[0]) if hits else None
 
 
 def eos_ids(tokenizer: Any, generation_config: dict[str, Any]) -> frozenset[int]:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import shlex
 import time
 from dataclasses import asdict, dataclass, field
@@ -33,6 +34,7 @@ from raycluster_cli.verbs.serve_keys import KEYS_IN_CONTAINER
 
 APP = "raycluster"  # the Ray Serve application's name (the launcher's APP_NAME)
 RECORD = "/tmp/raycluster-serve.json"  # the launcher's document, in the head's container
+_FLAG = re.compile(r"pass (--[a-z][a-z-]*(?: \S+)?)")  # a launcher error that names its fix
 
 
 @dataclass(frozen=True)
@@ -41,7 +43,7 @@ class ServeOptions:
     port: int = 8000
     stages: int | None = None  # stages per pipeline (default: one per node, as many as the model has blocks)
     slots: int = 16
-    max_seq: int = 512
+    max_seq: int = 0  # 0: the checkpoint's own positions, at most 4096 (serve/__main__.default_max_seq)
     model_id: str = ""
     timeout_s: float = 900.0
     dtype: str = "auto"
@@ -139,9 +141,12 @@ def serve(inventory: Inventory, connect: Connect, options: ServeOptions, progres
     document = _last_json(result.stdout)
     if not result.ok or document is None:
         tail = (result.stderr.strip().splitlines() or [f"exit {result.rc}"])[-1]
+        flag = _FLAG.search(tail)  # the launcher's own fix ("pass --max-seq 256"): the hint is that flag
         raise OperationError(
             f"{inventory.head_address}: the service did not start: {tail}",
-            f"its full output: raycluster exec -- {shlex.join(['sh', '-c', launcher_command(inventory, path, options, tls)])}",
+            f"run raycluster serve again with {flag.group(1)}"
+            if flag
+            else f"its full output: raycluster exec -- {shlex.join(['sh', '-c', launcher_command(inventory, path, options, tls)])}",
         )
     return ServeResult(
         url=str(document.get("url", "")),

@@ -29,6 +29,7 @@ import torch
 import transformers
 
 from ..serve_checkpoint import WORDS, write_chat_llama
+from ..text_tokenizers import in_context
 from .conftest import IP1, IP3, Lab
 from .faults import freeze, power_off, power_on, thaw, wait_until
 
@@ -62,7 +63,7 @@ class Served:
         if prompt not in self.wanted:
             ids = self.tokenizer.encode(prompt)
             out = self.model.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=NEW_TOKENS)
-            self.wanted[prompt] = str(self.tokenizer.decode(out[0, len(ids) :], skip_special_tokens=True))
+            self.wanted[prompt] = in_context(self.tokenizer, ids, out[0, len(ids) :].tolist())
         return self.wanted[prompt]
 
     def status(self) -> dict[str, Any]:

@@ -29,6 +29,7 @@ from raycluster_cli.render.serve_bench import SVG_NS
 from raycluster_cli.serve.metrics import METRICS
 
 from ..serve_checkpoint import WORDS, write_chat_llama
+from ..text_tokenizers import in_context
 from .conftest import DOCKER, IP1, Lab
 
 pytestmark = [pytest.mark.lab, pytest.mark.slow]
@@ -51,7 +52,7 @@ class Served:
 
     def generate(self, ids: list[int]) -> str:
         out = self.model.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=NEW_TOKENS)
-        return str(self.tokenizer.decode(out[0, len(ids) :], skip_special_tokens=True))
+        return in_context(self.tokenizer, ids, out[0, len(ids) :].tolist())  # as it reads after the prompt
 
 
 @pytest.fixture(scope="module")

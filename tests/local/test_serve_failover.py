@@ -38,6 +38,7 @@ from raycluster_cli.serve.stages import STAGE_NAMESPACE  # noqa: E402
 from ..local_ray import local_serve, write_keys  # noqa: E402
 from ..openai_penalties import OpenAIPenalties  # noqa: E402
 from ..serve_checkpoint import WORDS, write_chat_llama  # noqa: E402
+from ..text_tokenizers import in_context  # noqa: E402
 
 TOKEN = "failover-token"
 MODEL = "tiny-chat-llama"
@@ -59,7 +60,7 @@ class Service:
         out = self.model.generate(
             torch.tensor([ids]), do_sample=False, max_new_tokens=NEW_TOKENS, logits_processor=penalties
         )
-        return str(self.tokenizer.decode(out[0, len(ids) :], skip_special_tokens=True))
+        return in_context(self.tokenizer, ids, out[0, len(ids) :].tolist())
 
     def status(self) -> dict[str, Any]:
         url = self.base_url.removesuffix("/v1") + "/raycluster/status"

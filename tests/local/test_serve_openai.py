@@ -37,6 +37,7 @@ from raycluster_cli.serve.scheduler import Limits  # noqa: E402
 from ..local_ray import local_serve, write_keys  # noqa: E402
 from ..openai_penalties import OpenAIPenalties  # noqa: E402
 from ..serve_checkpoint import WORDS, write_chat_llama  # noqa: E402
+from ..text_tokenizers import in_context  # noqa: E402
 
 TOKEN = "rcs-test-service-key-default-0123456789"
 CLUSTER_TOKEN = "0123456789abcdef" * 4  # the Ray cluster's token: never a key of the service
@@ -68,7 +69,7 @@ class Service:
     def generate(self, ids: list[int], new_tokens: int = NEW_TOKENS) -> str:
         """What transformers itself answers, greedy."""
         out = self.model.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=new_tokens)
-        return str(self.tokenizer.decode(out[0, len(ids) :], skip_special_tokens=True))
+        return in_context(self.tokenizer, ids, out[0, len(ids) :].tolist())
 
 
 def _raw(url: str, body: bytes | None = None, token: str | None = TOKEN) -> tuple[int, dict[str, Any]]:
@@ -216,7 +217,7 @@ def test_penalties_biases_and_min_tokens_equal_transformers_generate(service: Se
     def reference(**options: Any) -> tuple[str, int]:
         out = service.model.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=NEW_TOKENS, **options)
         new = out[0, len(ids) :].tolist()
-        return str(service.tokenizer.decode(new, skip_special_tokens=True)), len(new)
+        return in_context(service.tokenizer, ids, new), len(new)
 
     lists = transformers.LogitsProcessorList
     cases: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {

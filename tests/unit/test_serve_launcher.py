@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -50,3 +51,21 @@ def test_the_service_re_splits_itself_unless_told_not_or_given_a_split() -> None
     assert period("--stages", "2", "--split", "2,1") == 0.0  # the operator's split is kept as given
     steps = _settings(_parser().parse_args(["--model-path", "/m", "--steps-in-flight", "4"]), None).max_in_flight
     assert steps == 4 and _settings(_parser().parse_args(["--model-path", "/m"]), None).max_in_flight is None
+
+
+def test_max_seq_defaults_to_the_checkpoints_positions_capped_and_a_longer_one_names_the_flag(tmp_path: Path) -> None:
+    from raycluster_cli.bench.model import config_from_checkpoint
+    from raycluster_cli.serve.__main__ import default_max_seq
+
+    from ..serve_checkpoint import write_chat_llama
+
+    small = write_chat_llama(tmp_path / "small")  # 256 positions
+    assert _parser().parse_args(["--model-path", "/m"]).max_seq == 0
+    assert default_max_seq(str(small)) == 256
+    assert config_from_checkpoint(small, max_seq=default_max_seq(str(small))).max_seq == 256  # serves by default
+    with pytest.raises(ValueError, match="exceed the model's 256 positions: pass --max-seq 256"):
+        config_from_checkpoint(small, max_seq=512)
+    for name, raw in {"llama3": {"max_position_embeddings": 131072}, "gpt2": {"n_positions": 1024}}.items():
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps(raw))
+    assert default_max_seq(str(tmp_path / "llama3")) == 4096 and default_max_seq(str(tmp_path / "gpt2")) == 1024

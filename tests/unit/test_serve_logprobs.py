@@ -14,8 +14,8 @@ from raycluster_cli.serve.text import TokenLogprob
 NAMES = {1: "the", 2: " cat", 3: " sat", 4: "</s>"}
 
 
-def _decode(token: int) -> str:
-    return NAMES[token]
+def _decode(token: int) -> bytes:
+    return NAMES[token].encode()
 
 
 def _parse(model: type, body: dict) -> object:

@@ -31,6 +31,7 @@ from raycluster_cli.serve.scheduler import Limits, Scheduler  # noqa: E402
 from raycluster_cli.serve.text import Sampling, TextStream, eos_ids  # noqa: E402
 
 from ..serve_checkpoint import WORDS, write_chat_llama  # noqa: E402
+from ..text_tokenizers import in_context  # noqa: E402
 
 NEW_TOKENS = 14
 PROMPTS = [" ".join(WORDS[(5 * i + j) % len(WORDS)] for j in range(n)) for i, n in enumerate((2, 7, 4, 11, 3, 9))]
@@ -158,7 +159,7 @@ def reference(checkpoint: Path) -> dict[str, tuple[str, list[int]]]:
         ids = tokenizer.encode(prompt)
         out = model.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=NEW_TOKENS)
         new = out[0, len(ids) :]
-        answers[prompt] = (tokenizer.decode(new, skip_special_tokens=True), new.tolist())
+        answers[prompt] = (in_context(tokenizer, ids, new.tolist()), new.tolist())
     return answers
 
 

@@ -12,6 +12,7 @@ import pytest
 
 from raycluster_cli import apikeys
 from raycluster_cli.config import inventory
+from raycluster_cli.errors import OperationError
 from raycluster_cli.image import models, receive
 from raycluster_cli.render.base import _live_lines, _service_line
 from raycluster_cli.transport.base import CommandResult
@@ -250,3 +251,20 @@ def test_an_image_service_shows_each_replicas_parts_and_speed_and_how_to_ask_for
         "serve": {"status": "RUNNING"},
     }
     assert "tiny-sd at http://h:8000/v1 (images)" in _service_line(record, "")
+
+
+def test_a_launcher_error_that_names_its_flag_is_the_hint(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    class Refusing(Host):
+        def run(self, command: str, stdin: bytes | None = None, **kw: object) -> CommandResult:
+            if f"--record={serve.RECORD}" in command:
+                why = "ValueError: prompt + new tokens (512) exceed the model's 256 positions: pass --max-seq 256"
+                return CommandResult(1, "", f"Traceback ...\n{why}\n")
+            return super().run(command, stdin, **kw)
+
+    monkeypatch.setenv("RAYCLUSTER_STATE_DIR", str(tmp_path / "state"))
+    inv = inventory.parse(INVENTORY, "inv.yaml")
+    digest = models.read_model_folder(_model(tmp_path)).digest
+    hosts = {str(h.address): Refusing(str(h.address), {digest}) for h in inv.hosts}
+    with pytest.raises(OperationError) as failed:
+        serve.serve(inv, lambda h: hosts[str(h.address)], serve.ServeOptions(str(tmp_path / "tiny")))  # type: ignore[arg-type,return-value]
+    assert "256 positions" in str(failed.value) and failed.value.hint == "run raycluster serve again with --max-seq 256"
