@@ -9,6 +9,8 @@ from typing import Any
 import torch
 import transformers
 
+from raycluster_cli.lab.checkpoint import randomize
+
 # grouped-query attention (4 query heads share 2 K/V heads), own LM head, plain RoPE
 GQA = {"num_attention_heads": 4, "num_key_value_heads": 2, "tie_word_embeddings": False}
 # tied head, biases, head_dim that is not hidden/heads, Llama 3.1's rope scaling, one K/V head
@@ -64,13 +66,7 @@ def write_llama(
     torch.manual_seed(seed)
     config_class, _ = FAMILIES[family]
     model = model_class(family)(getattr(transformers, config_class)(**settings)).eval()
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith("norm.weight"):
-                param.copy_(1 + 0.1 * torch.randn(param.shape, generator=gen))
-            else:
-                param.copy_((0.5 if "embed" in name else 0.15) * torch.randn(param.shape, generator=gen))
+    randomize(model, seed)
     if dtype is not None:
         model = model.to(dtype)
     model.save_pretrained(str(path), **({"max_shard_size": shard} if shard else {}))
