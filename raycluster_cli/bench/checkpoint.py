@@ -4,9 +4,9 @@
 The tokenizer is a ``tokenizers`` WordLevel model over a fixed word list (split on whitespace, joined with spaces
 when decoded) wrapped in ``transformers.PreTrainedTokenizerFast``; the model is a random ``LlamaForCausalLM``.
 Both are saved with ``save_pretrained`` into one folder, as a real checkpoint is. torch, transformers and
-tokenizers are imported inside the functions: the CLI never loads them for the lab's other work.
+tokenizers are imported inside the functions: nothing loads them until a checkpoint is written.
 
-``python -m raycluster_cli.lab.checkpoint DIR`` writes one (the demo's step).
+``python -m raycluster_cli.bench.checkpoint DIR`` writes one (the demo's step).
 """
 
 from __future__ import annotations
@@ -101,7 +101,7 @@ def write_chat_llama(path: Path, *, seed: int = 0, **sizes: Any) -> Path:
 
 def main(argv: list[str]) -> int:
     if len(argv) != 1:
-        print("usage: python -m raycluster_cli.lab.checkpoint DIR", file=sys.stderr)
+        print("usage: python -m raycluster_cli.bench.checkpoint DIR", file=sys.stderr)
         return 2
     import transformers
 
