@@ -176,7 +176,8 @@ def check_fits(need: Demand, capacities: Sequence[Capacity], stages: int) -> Non
         )
         raise ModelTooLarge(
             f"the model does not fit the nodes' memory: it needs {need.describe()}; usable per node:"
-            f" {describe_capacities(capacities)} ({why}); use --dtype bfloat16, more nodes or larger memory limits"
+            f" {describe_capacities(capacities)} ({why}); use --dtype bfloat16, a shorter --max-seq or (serve) fewer --slots"
+            " (every slot's KV cache is reserved at the full context), more nodes or larger memory limits"
         )
 
 
