@@ -28,6 +28,7 @@ from raycluster_cli.serve.scheduler import Limits  # noqa: E402
 
 from ..local_ray import local_serve, write_keys  # noqa: E402
 from ..serve_checkpoint import write_chat_llama  # noqa: E402
+from ..text_tokenizers import in_context  # noqa: E402
 from ..unit.test_demo_serve import ROOT, SCRIPT, _script_module  # noqa: E402
 from .test_serve_openai import TOKEN, _wait_ready  # noqa: E402
 
@@ -88,7 +89,7 @@ def test_the_demo_chat_prints_the_models_own_answer(served: tuple[str, Path], tm
     )
     ids = tokenizer.encode(text, add_special_tokens=False)
     out = model.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=script.NEW_TOKENS)
-    want = tokenizer.decode(out[0, len(ids) :], skip_special_tokens=True)
+    want = in_context(tokenizer, ids, out[0, len(ids) :].tolist())  # as it reads after the prompt
     assert f"   {MODEL} (random weights: random words): {want}\n" in done.stdout, done.stdout
 
 

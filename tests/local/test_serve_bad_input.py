@@ -35,6 +35,7 @@ from raycluster_cli.serve.scheduler import Limits  # noqa: E402
 
 from ..local_ray import local_serve  # noqa: E402
 from ..serve_checkpoint import SPECIALS, WORDS, poison_embedding, write_chat_llama  # noqa: E402
+from ..text_tokenizers import in_context  # noqa: E402
 
 MODEL = "tiny-bad-input"
 NEW_TOKENS = 10
@@ -83,7 +84,7 @@ def _greedy(path: Path, prompt: str) -> str:
     model = transformers.AutoModelForCausalLM.from_pretrained(str(path)).eval()
     ids = tokenizer.encode(prompt)
     out = model.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=NEW_TOKENS)
-    return str(tokenizer.decode(out[0, len(ids) :], skip_special_tokens=True))
+    return in_context(tokenizer, ids, out[0, len(ids) :].tolist())  # as it reads after the prompt
 
 
 def _client(url: str) -> Any:

@@ -29,6 +29,7 @@ from raycluster_cli.serve.scheduler import Limits  # noqa: E402
 
 from ..local_ray import local_serve, write_keys  # noqa: E402
 from ..serve_checkpoint import WORDS, write_chat_llama  # noqa: E402
+from ..text_tokenizers import in_context  # noqa: E402
 from .test_serve_openai import TOKEN, _raw, _wait_ready  # noqa: E402
 
 MODEL = "tiny-chat-llama"
@@ -57,7 +58,7 @@ def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Any
 def _greedy(tokenizer: Any, model: Any, new_tokens: int) -> str:
     ids = tokenizer.encode(PROMPT)
     out = model.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=new_tokens)
-    return str(tokenizer.decode(out[0, len(ids) :], skip_special_tokens=True))
+    return in_context(tokenizer, ids, out[0, len(ids) :].tolist())  # as it reads after the prompt
 
 
 def test_a_relayed_stage_that_dies_idle_is_out_at_once_and_rebuilt(service: tuple[str, Any, Any]) -> None:
