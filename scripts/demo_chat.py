@@ -74,7 +74,7 @@ def main(argv: list[str]) -> int:
         print(f"demo: the chat request to {doc['url']} failed: {reason}", file=sys.stderr)
         return 1
     print(f"   user: {PROMPT}")
-    print(f"   {doc['model']} (random weights: random words): {text}")
+    print(f"   {doc['model']} (random weights: random words): {text.strip()}")
     tokens = f"{usage.completion_tokens} token(s)" if usage is not None else "answered"
     print(f"   {tokens} in {seconds:.1f} s")
     return 0
