@@ -45,10 +45,12 @@ def one_node_ray(**options: Any) -> Iterator[str]:
 
 
 @contextlib.contextmanager
-def local_serve(app: Any, env: Mapping[str, str] | None = None, **options: Any) -> Iterator[str]:
+def local_serve(
+    app: Any, env: Mapping[str, str] | None = None, http: Mapping[str, Any] | None = None, **options: Any
+) -> Iterator[str]:
     """A throwaway local Ray with Ray Serve on a free loopback port running ``app`` (``env`` set while it runs, as
-    `up` sets the nodes' containers; ``options`` go to ``ray.init`` over the defaults): yields the service's root
-    URL; everything is shut down after."""
+    `up` sets the nodes' containers; ``http`` more of Serve's HTTP options, a TLS pair say; ``options`` go to
+    ``ray.init`` over the defaults): yields the service's root URL; everything is shut down after."""
     import ray
     from ray import serve
 
@@ -68,9 +70,10 @@ def local_serve(app: Any, env: Mapping[str, str] | None = None, **options: Any) 
         }
         ray.init(**(defaults | {"_node_ip_address": "127.0.0.1"} | options))
         try:
-            serve.start(http_options={"host": "127.0.0.1", "port": port})
+            serve.start(http_options={"host": "127.0.0.1", "port": port} | dict(http or {}))
             serve.run(app, name="raycluster", route_prefix="/")
-            yield f"http://127.0.0.1:{port}"
+            scheme = "https" if (http or {}).get("ssl_certfile") else "http"
+            yield f"{scheme}://127.0.0.1:{port}"
         finally:
             serve.shutdown()
             ray.shutdown()

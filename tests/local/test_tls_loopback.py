@@ -7,6 +7,7 @@ import asyncio
 import os
 import ssl
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -75,3 +76,92 @@ def test_a_self_signed_pair_for_the_head_is_what_our_clients_verify_the_service_
     assert given.cert.read_bytes() == files.cert.read_bytes()
     with pytest.raises(UsageError, match="--tls-cert"):
         serve_keys.given_pair(inv, str(files.cert), str(files.cert))
+
+
+def test_ray_serves_proxy_serves_https_with_the_pair_and_our_client_verifies_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The launcher's HTTP options for `--tls-cert/--tls-key` (a pair made for the head, here 127.0.0.1) given to Ray
+    Serve's own proxy: it serves HTTPS, our client reaches it verifying the certificate, refuses it without, and a
+    plain http:// request gets no answer from the TLS port."""
+    import argparse
+
+    pytest.importorskip("ray.serve")
+    from raycluster_cli.serve.__main__ import http_options
+
+    from ..local_ray import local_serve
+    from .test_serve_proxy_guard import _app
+
+    monkeypatch.setenv("RAYCLUSTER_STATE_DIR", str(tmp_path / "state"))
+    files = serve_keys.self_signed(inventory.parse(INVENTORY, "inv.yaml"))
+    given = argparse.Namespace(host="127.0.0.1", port=0, tls_cert=str(files.cert), tls_key=str(files.key))
+    tls = {k: v for k, v in http_options(given).items() if k.startswith("ssl_")}
+    assert tls == {"ssl_certfile": str(files.cert), "ssl_keyfile": str(files.key)}
+
+    async def ping(url: str, context: ssl.SSLContext | None) -> Any:
+        async with http.request("GET", f"{url}/ping", timeout_s=10, tls=context) as answer:
+            return answer.status, await answer.json()
+
+    with local_serve(_app(), http=tls) as root:
+        assert root.startswith("https://")
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                assert asyncio.run(ping(root, serve_keys.client_context(files.cert))) == (200, {"ok": "yes"})
+                break
+            except (http.HTTPFailure, OSError, TimeoutError):
+                assert time.monotonic() < deadline, "the HTTPS service did not answer"
+        with pytest.raises(http.HTTPFailure, match="TLS failed"):
+            asyncio.run(ping(root, None))
+        live = _status_script(tmp_path, f"{root}/v1", files.cert.read_text())
+        assert live.get("live", {}).get("events") == [{"key": "Bearer the-service-key"}], live
+        unverified = _status_script(tmp_path, f"{root}/v1", None)  # no certificate: refused, not trusted blindly
+        assert "live" not in unverified and "CERTIFICATE_VERIFY_FAILED" in unverified["live_error"], unverified
+        with pytest.raises((http.HTTPFailure, TimeoutError)):
+            asyncio.run(ping(root.replace("https://", "http://"), None))
+
+
+def _status_script(tmp_path: Path, service_url: str, cert: str | None) -> dict[str, Any]:
+    """The script `status` runs in the head's container (verbs/serve._STATUS) with the service's key and certificate
+    on stdin, against Ray's dashboard (a loopback stand-in saying the application runs) and the HTTPS service."""
+    import http.server
+    import json
+    import subprocess
+    import sys
+
+    from raycluster_cli.verbs import serve as serve_verb
+
+    class Dashboard(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            data = json.dumps({"applications": {"raycluster": {"status": "RUNNING"}}}).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Dashboard)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    record = tmp_path / "record.json"
+    record.write_text(json.dumps({"model": "m", "url": service_url}))
+    script = serve_verb._STATUS % {
+        "record": str(record),
+        "url": f"http://127.0.0.1:{server.server_address[1]}/api/serve/applications/",
+        "token": str(tmp_path / "no-token"),
+        "app": "raycluster",
+    }
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", script],
+            input=json.dumps({"key": "the-service-key", "cert": cert}),
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=True,
+        )
+    finally:
+        server.shutdown()
+    document: dict[str, Any] = json.loads(done.stdout)
+    return document
