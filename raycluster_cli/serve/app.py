@@ -35,7 +35,7 @@ from raycluster_cli.apikeys import KeyEntry
 from raycluster_cli.bench.model import config_from_checkpoint
 from raycluster_cli.serve import protocol
 from raycluster_cli.serve.anatomy import step_anatomy
-from raycluster_cli.serve.auth import KeyLimits, ServiceKeys, cluster_token_path, refuse_disconnect_disabled
+from raycluster_cli.serve.auth import KeyLimits, ServiceKeys, cluster_token_path
 from raycluster_cli.serve.engine import BadInput, EngineDown, Output, QueueFull, RequestFailed
 from raycluster_cli.serve.fleet import Calibration, RayFleet
 from raycluster_cli.serve.frontdoor import RequestLimits, Tokenizing, check_counts, check_scored, check_text, read_body
@@ -378,8 +378,7 @@ class OpenAIServer:
                     engine.fail(exc)
 
     def _authorize(self, request: Request) -> KeyEntry:
-        refuse_disconnect_disabled(request.headers)
-        return self.keys.check(request.headers.get("authorization", ""))
+        return self.keys.authorize(request.headers)
 
     def _check_model(self, name: str) -> None:
         protocol.check_model(name, self.model_id)

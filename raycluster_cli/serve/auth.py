@@ -16,6 +16,7 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from raycluster_cli.apikeys import KeyEntry, parse_keys
 from raycluster_cli.serve.protocol import APIError
@@ -67,6 +68,11 @@ class ServiceKeys:
         if self.path is not None:
             self._reload()
         return [e.name for e in self._entries]
+
+    def authorize(self, headers: Any) -> KeyEntry:
+        """What both ingresses ask of a request's headers: no disconnect opt-out, and a key of the service."""
+        refuse_disconnect_disabled(headers)
+        return self.check(headers.get("authorization", ""))
 
     def check(self, authorization: str) -> KeyEntry:
         """The key an ``Authorization`` header carries, or 401 saying what to send."""
@@ -146,7 +152,7 @@ def cluster_token_path() -> str | None:
     return os.environ.get("RAY_AUTH_TOKEN_PATH") or None
 
 
-def refuse_disconnect_disabled(headers: dict[str, str] | object) -> None:
+def refuse_disconnect_disabled(headers: Any) -> None:
     getter = getattr(headers, "get", None)
     if getter is not None and getter(DISCONNECT_DISABLED_HEADER) is not None:
         raise APIError(

@@ -39,7 +39,7 @@ from raycluster_cli.bench.image_pool import ImagePool, NoReplica, QueueFull, Slo
 from raycluster_cli.bench.options import BenchOptions
 from raycluster_cli.serve import app as text_app
 from raycluster_cli.serve import image_limits, protocol
-from raycluster_cli.serve.auth import ServiceKeys, cluster_token_path, refuse_disconnect_disabled
+from raycluster_cli.serve.auth import ServiceKeys, cluster_token_path
 from raycluster_cli.serve.metrics import RayRecorder, image_request
 from raycluster_cli.serve.protocol import APIError, ImageGenerationRequest
 
@@ -192,8 +192,7 @@ class ImageServer:
         }  # fmt: skip
 
     def _authorize(self, request: Request) -> None:
-        refuse_disconnect_disabled(request.headers)
-        self.keys.check(request.headers.get("authorization", ""))
+        self.keys.authorize(request.headers)
 
     @image_api.get("/v1/models")
     async def models(self, request: Request) -> dict[str, Any]:
