@@ -552,7 +552,9 @@ def test_a_key_over_its_requests_in_flight_gets_429_and_its_count_returns(servic
 
     async def run() -> None:
         client = service.client(small)
-        stream = await client.completions.create(model=MODEL, prompt="the cat", max_tokens=40, stream=True)
+        # a long stream (the whole context, past EOS), so it still runs while the second request arrives
+        long = {"max_tokens": 110, "stream": True, "extra_body": {"ignore_eos": True}}
+        stream = await client.completions.create(model=MODEL, prompt="the cat", **long)
         first = await anext(aiter(stream))
         assert first.choices
         with pytest.raises(openai.RateLimitError) as over:
@@ -564,7 +566,7 @@ def test_a_key_over_its_requests_in_flight_gets_429_and_its_count_returns(servic
             pass
         done = await client.completions.create(model=MODEL, prompt="the cat", max_tokens=2)
         assert done.choices
-        left = await client.completions.create(model=MODEL, prompt="the cat", max_tokens=40, stream=True)
+        left = await client.completions.create(model=MODEL, prompt="the cat", **long)
         await anext(aiter(left))
         await left.close()  # the client leaves mid-stream: the key's request is released with the stream
 
