@@ -23,8 +23,8 @@ from typing import Any
 
 import torch
 
-from raycluster_cli.bench.config import ModelConfig
-from raycluster_cli.serve.batched import Rows, SlotCache
+from raycluster_cli.models.batched import Rows, SlotCache
+from raycluster_cli.models.config import ModelConfig
 
 
 def _median_us(step: Callable[[], object], repeats: int) -> float:

@@ -42,7 +42,7 @@ class Hop:
         return t.user + t.system
 
     def quota(self) -> float | None:
-        from raycluster_cli.bench.cgroup import container_cpu_quota  # the node image has the package
+        from raycluster_cli.node.cgroup import container_cpu_quota  # the node image has the package
 
         return container_cpu_quota()
 

@@ -18,8 +18,8 @@ import time
 from pathlib import Path
 
 from raycluster_cli.config import inventory
-from raycluster_cli.image import deliver as images
-from raycluster_cli.image import relay
+from raycluster_cli.delivery import deliver as images
+from raycluster_cli.delivery import relay
 from raycluster_cli.progress import TransferProgress
 from raycluster_cli.transport.pool import SSHPool
 

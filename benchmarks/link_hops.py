@@ -1,4 +1,4 @@
-"""A decode step's hops through three no-op stages, one per node, over `serve`'s direct links (serve.links: a gloo
+"""A decode step's hops through three no-op stages, one per node, over `serve`'s direct links (node.links: a gloo
 ring, the driver as the engine) and over Ray's calls (the relay the engine used before), alternated in rounds.
 
 Run on the cluster as a job (its driver is on the head, as `serve`'s ingress is):
@@ -19,8 +19,8 @@ import ray
 import torch
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from raycluster_cli.serve.links import MIN_CAPACITY, DirectLinks, StageLoop
-from raycluster_cli.serve.rendezvous import Joining, form_ring
+from raycluster_cli.node.links import MIN_CAPACITY, DirectLinks, StageLoop
+from raycluster_cli.node.rendezvous import Joining, form_ring
 
 
 @ray.remote(num_cpus=0, concurrency_groups={"links": 2})
@@ -50,7 +50,7 @@ class NoOpStage:
         return t.user + t.system
 
     def quota(self) -> float | None:
-        from raycluster_cli.bench.cgroup import container_cpu_quota
+        from raycluster_cli.node.cgroup import container_cpu_quota
 
         return container_cpu_quota()
 

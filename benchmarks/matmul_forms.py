@@ -27,9 +27,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from raycluster_cli.bench.config import ModelConfig
-from raycluster_cli.serve.batched import BatchedStage
-from raycluster_cli.serve.matmuls import FLIPPED, FORMS, LINEAR, PACKED, _product, cache_bytes, pack, packable
+from raycluster_cli.models.batched import BatchedStage
+from raycluster_cli.models.config import ModelConfig
+from raycluster_cli.models.matmuls import FLIPPED, FORMS, LINEAR, PACKED, _product, cache_bytes, pack, packable
 
 
 def _median_ms(step: Callable[[], object], flush: torch.Tensor, repeats: int) -> float:

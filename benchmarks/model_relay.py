@@ -25,9 +25,9 @@ import uuid
 from pathlib import Path
 
 from raycluster_cli.config import inventory
+from raycluster_cli.delivery import model_relay, relay
+from raycluster_cli.delivery.models import read_model_folder
 from raycluster_cli.host.folders import models_dir
-from raycluster_cli.image import model_relay, relay
-from raycluster_cli.image.models import read_model_folder
 from raycluster_cli.transport import quote
 from raycluster_cli.transport.pool import SSHPool
 

@@ -31,10 +31,10 @@ from typing import Any, TypeVar
 import yaml
 
 from raycluster_cli.config import inventory
+from raycluster_cli.delivery import deliver as images
+from raycluster_cli.delivery import model_relay
+from raycluster_cli.delivery.models import read_model_folder
 from raycluster_cli.host.folders import make_dir_command, models_dir
-from raycluster_cli.image import deliver as images
-from raycluster_cli.image import model_relay
-from raycluster_cli.image.models import read_model_folder
 from raycluster_cli.lab import hosts as lab
 from raycluster_cli.lab.engines import build_small_image
 from raycluster_cli.transport import quote

@@ -1,8 +1,11 @@
 """raycluster: a Ray cluster in Docker on your own machines, checked first and proven balanced.
 
-The folders are the layers, top to bottom: cli → render → verbs → image, checks → host → transport → config; the
-modules at this root (errors, progress, cancel, schema, versions) import none of them. bench/ runs in the node
-image. docs/ARCHITECTURE.md draws it.
+Two sides, each a stack of folders whose arrows only point down (docs/ARCHITECTURE.md draws both):
+- the operator side, on the user's machine: cli → render → verbs → delivery, checks → host → transport → config;
+- the node side, in the node image: bench/ and serve/ (never importing each other) → diffusion/ → node/ →
+  placement/ → models/. placement/ is pure Python, so the operator imports it too.
+The modules at this root (errors, progress, cancel, schema, versions, apikeys) import none of them. Below: stand-ins
+that keep two slow imports out of every verb's start.
 """
 
 import importlib

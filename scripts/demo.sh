@@ -28,8 +28,8 @@ echo "   (the short demo run; the full benchmark: $BIN/raycluster bench -i $inv 
 rc bench -i "$inv" $DEMO_BENCH --save-result "${DEMO_RESULT:-/tmp/raycluster-demo-bench.json}"
 
 model="$work/tiny-chat"
-echo "== a tiny chat checkpoint written here: $BIN/python -m raycluster_cli.bench.checkpoint $model"
-"$BIN/python" -m raycluster_cli.bench.checkpoint "$model"
+echo "== a tiny chat checkpoint written here: $BIN/python -m raycluster_cli.models.tiny_chat $model"
+"$BIN/python" -m raycluster_cli.models.tiny_chat "$model"
 echo "== raycluster serve -i $inv --model-path $model $DEMO_SERVE --json"
 # shellcheck disable=SC2086  # DEMO_SERVE is a list of flags
 "$BIN/raycluster" serve -i "$inv" --model-path "$model" $DEMO_SERVE --json >"$work/serve.json"

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-# words of the demo checkpoint's vocabulary (raycluster_cli/bench/checkpoint.py): no unknown token in the prompt
+# words of the demo checkpoint's vocabulary (raycluster_cli/models/tiny_chat.py): no unknown token in the prompt
 PROMPT = "hello please write a story of the sun and the moon"
 NEW_TOKENS = 16
 DEADLINE_S = 60.0  # the request's whole deadline: a tiny model on three hosts answers in about a second

@@ -10,8 +10,8 @@ from typing import Any
 
 import torch
 
-from raycluster_cli.bench.gpt2 import CONFIG_FILE, WEIGHTS_FILE
-from raycluster_cli.bench.tensorfile import _DTYPES, TensorFileError
+from raycluster_cli.models.gpt2 import CONFIG_FILE, WEIGHTS_FILE
+from raycluster_cli.models.tensorfile import _DTYPES, TensorFileError
 
 NAMES = {dtype: name for name, dtype in _DTYPES.items()}
 

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 import transformers
 
-from raycluster_cli.bench.checkpoint import randomize
+from raycluster_cli.models.tiny_chat import randomize
 
 # grouped-query attention (4 query heads share 2 K/V heads), own LM head, plain RoPE
 GQA = {"num_attention_heads": 4, "num_key_value_heads": 2, "tie_word_embeddings": False}

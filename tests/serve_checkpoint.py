@@ -1,11 +1,11 @@
 """The tiny random Llama with a real tokenizer and chat template that the serve tests write offline: the one
-`make demo` serves (raycluster_cli/bench/checkpoint.py), and a checkpoint poisoned into NaN logits."""
+`make demo` serves (raycluster_cli/models/tiny_chat.py), and a checkpoint poisoned into NaN logits."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from raycluster_cli.bench.checkpoint import CHAT_TEMPLATE, SPECIALS, WORDS, write_chat_llama
+from raycluster_cli.models.tiny_chat import CHAT_TEMPLATE, SPECIALS, WORDS, write_chat_llama
 
 __all__ = ["CHAT_TEMPLATE", "SPECIALS", "WORDS", "poison_embedding", "write_chat_llama"]
 

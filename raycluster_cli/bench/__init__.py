@@ -1,7 +1,5 @@
-"""The benchmark's node side: sharded-model (pipeline-parallel) inference that runs inside the node image.
+"""The benchmark (``bench``) on the cluster: its options, the driver, the counted run and its references.
 
-May import only the root modules (errors, schema); the operator side of `bench` is verbs/bench.py.
-
-``metrics`` and ``partition`` are pure Python so the operator CLI can import them without torch;
-``model``, ``pipeline`` and ``driver`` need torch (and Ray) and are imported only where they run.
+Runs inside the node image (the operator side imports only ``options``); builds on models/, placement/, node/ and
+diffusion/, and never imports serve/.
 """

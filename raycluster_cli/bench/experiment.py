@@ -12,7 +12,6 @@ model unsharded on the fastest node) and any sweep.
 from __future__ import annotations
 
 import dataclasses
-import ipaddress
 import logging
 import math
 from collections.abc import Callable
@@ -28,44 +27,10 @@ MAX_AUTO_LAYERS = 512
 MIN_AUTO_LAYERS = 12
 
 
-def _ip_key(ip: str) -> tuple[int, Any]:
-    try:
-        return (0, ipaddress.ip_address(ip))
-    except ValueError:
-        return (1, ip)
-
-
-def alive_nodes() -> list[dict[str, Any]]:
-    """Alive Ray nodes as ``{"node_id", "node_ip", "gpus"}``, sorted by IP (then id)."""
-    import ray
-
-    nodes = [
-        {
-            "node_id": str(n["NodeID"]),
-            "node_ip": str(n.get("NodeManagerAddress", "")),
-            "gpus": float(n.get("Resources", {}).get("GPU", 0.0)),
-        }
-        for n in ray.nodes()
-        if n.get("Alive")
-    ]
-    nodes.sort(key=lambda n: (_ip_key(str(n["node_ip"])), str(n["node_id"])))
-    return nodes
-
-
-def gpu_counts(nodes: list[dict[str, Any]]) -> dict[str, float]:
-    """The GPUs of each node of ``alive_nodes()`` that has at least one whole GPU (the others left out)."""
-    return {str(n["node_id"]): float(n["gpus"]) for n in nodes if n["gpus"] >= 1}
-
-
-def node_gpus() -> dict[str, float]:
-    """GPUs each alive Ray node offers (nodes without a whole GPU left out)."""
-    return gpu_counts(alive_nodes())
-
-
 def model_config(options: BenchOptions, layers: int, on_gpu: bool = False, dtype: str | None = None) -> Any:
     """The run's model: ``dtype`` (a resolved one) wins over ``--dtype``, whose ``auto`` resolves with
     ``on_gpu`` (every stage node has a GPU) to the checkpoint's dtype, else to float32."""
-    from raycluster_cli.bench.model import ModelConfig, config_from_checkpoint, resolve_dtype
+    from raycluster_cli.models.decoder import ModelConfig, config_from_checkpoint, resolve_dtype
 
     max_seq = options.max_seq or options.prompt_len + options.max_new_tokens
     wanted = dtype or options.dtype
@@ -101,7 +66,7 @@ def bench_params(options: BenchOptions, requests: int) -> Any:
 
 def choose_ranges(spec: str, cost_rows: list[list[float]], num_blocks: int, transfer_s: float) -> list[tuple[int, int]]:
     """The split of one replica: even, manual:…, or balanced on its nodes' measured unit costs."""
-    from raycluster_cli.bench import partition
+    from raycluster_cli.placement import partition
 
     stages = len(cost_rows)
     if spec == "even":

@@ -11,9 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
-from raycluster_cli.bench import memory, partition
-from raycluster_cli.bench.config import ModelConfig
 from raycluster_cli.bench.options import BenchOptions
+from raycluster_cli.models.config import ModelConfig
+from raycluster_cli.placement import memory, partition
 
 
 def measure_rooms(node_ips: dict[str, str], timeout_s: float = 60.0) -> list[dict[str, Any]]:
@@ -26,7 +26,7 @@ def measure_rooms(node_ips: dict[str, str], timeout_s: float = 60.0) -> list[dic
 
     @ray.remote(num_cpus=0)
     def room(node_id: str, node_ip: str) -> dict[str, Any]:
-        from raycluster_cli.bench.cgroup import node_capacity
+        from raycluster_cli.node.cgroup import node_capacity
 
         return node_capacity(node_id, node_ip).to_dict()
 

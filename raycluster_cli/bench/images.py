@@ -17,117 +17,28 @@ same requests routed equally and on the fastest node alone as references, and th
 from __future__ import annotations
 
 import logging
-import statistics
 import time
-from dataclasses import dataclass
 from typing import Any
 
-from raycluster_cli.bench import balance
-from raycluster_cli.bench.diffusion import PARTS, ImageRequest, check_scheduler, part_bytes
 from raycluster_cli.bench.experiment import Report
-from raycluster_cli.bench.memory import Capacity
 from raycluster_cli.bench.options import BenchOptions
+from raycluster_cli.diffusion.parts import ImageRequest, check_scheduler, part_bytes
+from raycluster_cli.diffusion.placing import (
+    MIB,
+    WEIGHT_HEADROOM,
+    CutNeeded,
+    Holders,
+    NodeRoom,
+    calibrate,
+    node_rooms,
+    place,
+)
+from raycluster_cli.placement import balance
 from raycluster_cli.schema import SCHEMA_VERSION
 
 log = logging.getLogger("raycluster.bench")
 
-MIB = 1024 * 1024
-WEIGHT_HEADROOM = 1.2  # loading copies and allocator slack over the weights themselves
-WORKER_BYTES = 400 * MIB  # a part worker's own process, Python with torch and diffusers (360 MiB measured)
-ACTIVATION_BYTES_512 = 768 * MIB  # a float32 generation's activations at 512 × 512 with guidance, scaled by area
 PROMPTS = ["a red house on the hill", "a small green tree", "a blue cat", "the dog on the hill", "a red tree"]
-
-
-class CutNeeded(ValueError):
-    """No node holds the UNet: ``unet_place`` cuts it by blocks."""
-
-    def __init__(self, needs: dict[str, int], rooms: str) -> None:
-        super().__init__(
-            f"the unet needs {needs['unet'] // MIB} MiB and no node has it (nodes: {rooms}); only `bench` cuts "
-            "the UNet by blocks: add memory or nodes"
-        )
-        self.needs = needs
-
-
-@dataclass(frozen=True)
-class NodeRoom:
-    node_id: str
-    node_ip: str
-    capacity: int  # bytes a part may take on that node: the least of Ray's `memory` and the container's room
-    cpus: float | None = None  # its CPU quota (else Ray's CPU count): the UNet goes to the most CPU it fits
-    source: str = "ray"  # where the room came from: "ray" (its `memory` resource), else the container's cgroup
-    limit: int | None = None  # the container's memory limit
-    container: int | None = None  # what the container alone can still give a part (Ray's `memory` aside)
-
-    def describe(self) -> str:
-        limit = f", limit {self.limit // MIB} MiB" if self.limit else ""
-        cpus = f", {self.cpus:g} CPU" if self.cpus else ""
-        return f"{self.node_ip} {self.capacity // MIB} MiB ({self.source}{limit}{cpus})"
-
-
-Holders = list[tuple[str, list[str]]]  # (node id, parts) of one replica
-
-
-def activation_bytes(size: int) -> int:
-    return int(ACTIVATION_BYTES_512 * (size / 512) ** 2)
-
-
-def place(nodes: list[NodeRoom], weights: dict[str, int], size: int) -> tuple[list[Holders], str]:
-    """Replicas of the whole pipeline where it fits, else one replica of three stages; why, in words."""
-    act = activation_bytes(size)
-    need = {part: int(weights[part] * WEIGHT_HEADROOM) + (act if part == "unet" else act // 4) for part in PARTS}
-    whole = int(sum(weights.values()) * WEIGHT_HEADROOM) + act
-    fits = [n for n in nodes if n.capacity >= whole]
-    if fits:
-        why = (
-            f"{len(fits)} of {len(nodes)} node(s) hold the whole pipeline ({whole // MIB} MiB with activations): "
-            "a replica on each, requests in proportion to their measured speed"
-        )
-        return [[(n.node_id, list(PARTS))] for n in fits], why
-    rooms = "; ".join(n.describe() for n in nodes)
-    if not any(n.capacity >= need["unet"] for n in nodes):
-        raise CutNeeded(need | {"act": act}, rooms)
-    free = sorted(nodes, key=lambda n: (-(n.cpus or 0.0), -n.capacity))
-    holders: Holders = []
-    for part in ("unet", "text", "vae"):  # the largest part first, onto the fastest node left that holds it
-        node = next((n for n in free if n.capacity >= need[part]), None)
-        if node is None:
-            raise ValueError(
-                f"the {part} needs {need[part] // MIB} MiB and no node left has it (nodes: {rooms}); the whole "
-                f"pipeline needs {whole // MIB} MiB: add memory or nodes"
-            )
-        free.remove(node)
-        holders.append((node.node_id, [part]))
-    where = ", ".join(f"{part} on {next(n.node_ip for n in nodes if n.node_id == h)}" for h, (part,) in holders)
-    why = (
-        f"no node holds the whole pipeline ({whole // MIB} MiB; nodes: {rooms}): its parts as stages, "
-        f"text encoder | UNet | VAE decoder, the largest first onto the node with the most CPU it fits ({where})"
-    )
-    order = {part: i for i, part in enumerate(PARTS)}
-    return [sorted(holders, key=lambda h: order[h[1][0]])], why
-
-
-def node_rooms(timeout_s: float = 120.0) -> list[NodeRoom]:
-    """The alive Ray nodes and the memory each offers a part (what ``place`` weighs): Ray's `memory` resource,
-    or less where the node's container has less room left for a part's worker (``WORKER_BYTES`` and the part)."""
-    import ray
-
-    from raycluster_cli.bench.pipeline import measure_rooms
-
-    alive = [n for n in ray.nodes() if n.get("Alive")]
-    found = measure_rooms([str(n["NodeID"]) for n in alive], timeout_s, device="cpu")  # the parts run on CPUs
-    return sorted((room_of(n, c) for n, c in zip(alive, found, strict=True)), key=lambda n: (n.node_ip, n.node_id))
-
-
-def room_of(node: dict[str, Any], container: Capacity) -> NodeRoom:
-    """One node's room from its ``ray.nodes()`` entry and what its container said (``cgroup.node_capacity``)."""
-    resources = node.get("Resources", {})
-    logical = int(resources.get("memory", 0))
-    physical = max(0, container.usable - WORKER_BYTES)
-    source = "ray" if logical <= physical else container.source
-    cpus = container.cpu_quota or float(resources.get("CPU", 0.0)) or None
-    ip = str(node.get("NodeManagerAddress", ""))
-    return NodeRoom(str(node["NodeID"]), ip, min(logical, physical), cpus, source, container.limit, physical)
 
 
 def request_for(options: BenchOptions, index: int) -> ImageRequest:
@@ -162,7 +73,7 @@ def measure(
 
     import ray
 
-    from raycluster_cli.bench.image_pool import ImagePool, NoReplica, Slot, lanes_of
+    from raycluster_cli.diffusion.router import ImagePool, NoReplica, Slot, lanes_of
 
     slots = [Slot(i, r, s, [], lanes_of(r)) for i, (r, s) in enumerate(zip(replicas, seconds, strict=True))]
     latencies: list[float] = []
@@ -212,32 +123,11 @@ def measure(
     }
 
 
-def calibrate(replicas: list[Any], options: BenchOptions, progress: Report) -> list[float]:
-    """Seconds per image on each replica: one warm-up image, then the median of ``calibration_repeats``, all
-    replicas at once (as they run in the counted run), each timed from its submission to its image."""
-    import ray
-
-    progress("calibration: one image per replica")
-    probe = request_for(options, 0)
-    limit = _deadline_s(options, None)
-    ray.get([r.submit(probe) for r in replicas], timeout=limit)
-    times: list[list[float]] = [[] for _ in replicas]
-    for _ in range(options.calibration_repeats):
-        began = time.perf_counter()
-        refs = {r.submit(probe): index for index, r in enumerate(replicas)}
-        while refs:
-            done, _ = ray.wait(list(refs), num_returns=1, timeout=limit)
-            if not done:
-                raise TimeoutError(f"no calibration image within {limit:.0f} s: a node stopped")
-            times[refs.pop(done[0])].append(time.perf_counter() - began)
-    return [statistics.median(t) for t in times]
-
-
 def run(options: BenchOptions, progress: Report) -> dict[str, Any]:
     """One image benchmark: placement, calibration, the counted run, references; the JSON-ready document."""
     import ray
 
-    from raycluster_cli.bench.diffusion_workers import Replica
+    from raycluster_cli.diffusion.workers import Replica
 
     options = options.effective()
     started = time.perf_counter()
@@ -255,8 +145,8 @@ def run(options: BenchOptions, progress: Report) -> dict[str, Any]:
         progress(f"placing {len(holders)} replica(s)")
         replicas: list[Any] = [Replica(path, h, options.threads) for h in holders]
     except CutNeeded as exc:
-        from raycluster_cli.bench import unet_place
-        from raycluster_cli.bench.unet_workers import CutReplica
+        from raycluster_cli.diffusion import unet_place
+        from raycluster_cli.diffusion.unet_workers import CutReplica
 
         progress("no node holds the UNet: timing its blocks on every node")
         plan, cut, why = unet_place.place_cut(
@@ -266,7 +156,9 @@ def run(options: BenchOptions, progress: Report) -> dict[str, Any]:
         holders = [replicas[0].holders]
     try:
         infos: list[dict[str, Any]] = ray.get([a.info.remote() for r in replicas for a in r.actors], timeout=600)
-        seconds = calibrate(replicas, options, progress)
+        seconds = calibrate(
+            replicas, request_for(options, 0), options.calibration_repeats, _deadline_s(options, None), progress
+        )
         total = options.requests or max(2 * len(replicas), 8)
         policy = "weighted" if options.partition == "balanced" else "equal"
         main = measure(replicas, seconds, options, total, policy, progress, "counted run", options.check_output)
@@ -395,7 +287,7 @@ def _check(path: str, options: BenchOptions, image: Any, where: dict[str, str] |
     the whole pipeline."""
     import numpy as np
 
-    from raycluster_cli.bench.diffusion_workers import reference_image
+    from raycluster_cli.diffusion.workers import reference_image
 
     if isinstance(where, str):
         return {"identical": None, "skipped": where, "tolerance": CHECK_TOLERANCE}

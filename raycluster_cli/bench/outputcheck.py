@@ -23,10 +23,10 @@ from typing import Any
 
 import torch
 
-from raycluster_cli.bench import memory
-from raycluster_cli.bench.model import ModelConfig, Stage, full_model_stage, greedy_generate
 from raycluster_cli.bench.results import BenchParams, RunResult
 from raycluster_cli.bench.workload import make_prompts
+from raycluster_cli.models.decoder import ModelConfig, Stage, full_model_stage, greedy_generate
+from raycluster_cli.placement import memory
 
 
 def _rows_to_check(result: RunResult, num_requests: int) -> list[list[int]]:

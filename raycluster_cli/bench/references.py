@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from raycluster_cli.bench import experiment, memory, scheduling
+from raycluster_cli.bench import experiment, scheduling
+from raycluster_cli.placement import memory
 
 Ranges = list[list[tuple[int, int]]]
 

@@ -8,10 +8,10 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from raycluster_cli.bench import balance
-from raycluster_cli.bench.config import ModelConfig
 from raycluster_cli.bench.options import HOPS
-from raycluster_cli.bench.partition import blocks_held
+from raycluster_cli.models.config import ModelConfig
+from raycluster_cli.placement import balance
+from raycluster_cli.placement.partition import blocks_held
 
 # Throughput is also measured in this many equal windows of the run; the first and the last hold
 # the pipeline filling and draining, the ones between are the steady state whose spread is reported.

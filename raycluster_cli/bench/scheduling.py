@@ -5,7 +5,6 @@ No torch, no Ray: everything here is unit-tested with plain numbers.
 
 from __future__ import annotations
 
-import math
 import random
 from collections.abc import Sequence
 from typing import Any
@@ -131,60 +130,6 @@ def ceiling_gap(wall_s: float, stage: dict[str, Any]) -> dict[str, Any]:
         if stage.get(key) is not None:
             gap[key] = stage[key]
     return gap
-
-
-def torch_threads(advertised_cpus: float, usable_cores: int, quota_cpus: float | None = None) -> int:
-    """Threads for a stage: the node's CPUs, rounded up, never more than the usable cores.
-
-    ``quota_cpus`` (the container's CFS quota, ``cpu_quota``) wins over what Ray advertises: Ray
-    truncates a fractional quota (``--cpus=0.25`` or ``0.6`` advertise 0 CPUs), and a quota below
-    one core is one thread, not every core of the machine (two threads burn the quota twice as fast
-    and then both stall for the rest of the scheduler period).  Nothing known: the usable cores.
-    """
-    usable = max(1, usable_cores)
-    cpus = quota_cpus if quota_cpus is not None and quota_cpus > 0 else advertised_cpus
-    if cpus <= 0:
-        return usable
-    return max(1, min(math.ceil(cpus - 1e-9), usable))
-
-
-def cpu_quota(
-    cpu_max: str | None = None, cfs_quota_us: str | None = None, cfs_period_us: str | None = None
-) -> float | None:
-    """CPUs a cgroup's CFS quota allows (``0.25`` for ``--cpus=0.25``), or None when unlimited/unknown.
-
-    ``cpu_max`` is the text of cgroup v2 ``cpu.max`` (``"25000 100000"`` or ``"max 100000"``); the
-    v1 files ``cpu.cfs_quota_us`` / ``cpu.cfs_period_us`` are used when it is not given.
-    """
-    try:
-        if cpu_max is not None:
-            quota, period = cpu_max.split()[:2]
-            if quota == "max":
-                return None
-            value = float(quota) / float(period)
-        elif cfs_quota_us is not None and cfs_period_us is not None:
-            value = float(cfs_quota_us) / float(cfs_period_us)
-        else:
-            return None
-    except (ValueError, ZeroDivisionError):
-        return None
-    return value if value > 0 else None
-
-
-def cgroup_cpu_usage_s(cpu_stat: str | None = None, cpuacct_usage: str | None = None) -> float | None:
-    """CPU seconds a cgroup has used: ``usage_usec`` of cgroup v2 ``cpu.stat``, else v1 ``cpuacct.usage`` (ns)."""
-    try:
-        if cpu_stat is not None:
-            for line in cpu_stat.splitlines():
-                key, _, value = line.partition(" ")
-                if key == "usage_usec":
-                    return float(value) / 1e6
-            return None
-        if cpuacct_usage is not None:
-            return float(cpuacct_usage) / 1e9
-    except ValueError:
-        return None
-    return None
 
 
 def in_flight_limit(

@@ -17,9 +17,12 @@ from typing import Any
 import ray
 import torch
 
-from raycluster_cli.bench import experiment, fitting, memory, pilots, pipeline, scheduling, workload
-from raycluster_cli.bench.model import prefill_chunks
+from raycluster_cli.bench import experiment, fitting, pilots, scheduling, workload
 from raycluster_cli.bench.options import BenchOptions
+from raycluster_cli.models.decoder import prefill_chunks
+from raycluster_cli.node import stage_worker as pipeline
+from raycluster_cli.node.nodes import alive_nodes, gpu_counts
+from raycluster_cli.placement import memory
 from raycluster_cli.schema import SCHEMA_VERSION
 
 log = logging.getLogger("raycluster.bench")
@@ -61,12 +64,12 @@ class Session:
         experiment.model_config(options, options.layers or 4)  # a bad checkpoint fails before Ray is touched
         if not ray.is_initialized():  # tests may hand over a Ray they started themselves
             ray.init(address="auto", logging_level=logging.ERROR, log_to_driver=False)
-        nodes = experiment.alive_nodes()
+        nodes = alive_nodes()
         manual = options.manual_counts
         num_stages = options.stages or (len(manual) if manual else None) or len(nodes)
         provisional = options.layers or (sum(manual) if manual else max(4, num_stages))
         plan = scheduling.plan_replicas(len(nodes), num_stages, options.replicas, options.allow_shared_nodes)
-        gpus = experiment.gpu_counts(nodes)
+        gpus = gpu_counts(nodes)
         gpu_nodes = set(gpus)
         node_ids = [nodes[i]["node_id"] for replica in plan for i in replica]
         cfg = experiment.model_config(options, provisional, on_gpu=set(node_ids) <= gpu_nodes)
@@ -114,7 +117,7 @@ class Session:
             why = "as asked" if o.dtype != "auto" else "the checkpoint's dtype on GPU nodes"
             self.dtype_choice = {"requested": o.dtype, "dtype": self.cfg.dtype, "why": why}
             return
-        from raycluster_cli.bench import precision
+        from raycluster_cli.models import precision
 
         self.progress("measuring a block in float32 and bfloat16 on every node (--dtype auto)")
         probes = precision.probe(list(self.first_on_node().values()), o)
@@ -375,8 +378,8 @@ def run(options: BenchOptions, progress: experiment.Report) -> dict[str, Any]:
         doc["split_choice"] = choice
         if options.check_output:
             progress("checking output against the unsharded model")
-            from raycluster_cli.bench.cgroup import node_capacity
             from raycluster_cli.bench.outputcheck import check_output
+            from raycluster_cli.node.cgroup import node_capacity
 
             room = node_capacity("driver", "driver").usable
             doc["output_check"] = check_output(session.cfg, params, result, options.check_requests, room)

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from raycluster_cli.bench import experiment, memory, pipeline
+from raycluster_cli.bench import experiment
 from raycluster_cli.bench.scheduling import scaling_efficiency
+from raycluster_cli.node import stage_worker as pipeline
+from raycluster_cli.placement import memory
 
 
 def sweep_nodes(session: Any, ranges: list[list[tuple[int, int]]]) -> dict[str, Any]:

@@ -28,8 +28,6 @@ import psutil
 import ray
 import torch
 
-from raycluster_cli.bench import pipeline
-from raycluster_cli.bench.model import ModelConfig, prefill_chunks
 from raycluster_cli.bench.results import (
     BenchParams,
     LostStage,
@@ -40,6 +38,8 @@ from raycluster_cli.bench.results import (
     window_rates,
 )
 from raycluster_cli.bench.scheduling import arrival_times, in_flight_limit, power_of_two_choice
+from raycluster_cli.models.decoder import ModelConfig, prefill_chunks
+from raycluster_cli.node import stage_worker as pipeline
 
 __all__ = ["BenchParams", "RunResult", "StageLost", "make_prompts", "run_workload", "setup_replicas"]
 

@@ -1,1 +1,5 @@
-"""Node side: the OpenAI-compatible service that runs inside the node image (imports ray, torch, transformers, fastapi; may import bench's node-side modules)."""
+"""The service (``serve``): the OpenAI-compatible ingresses, the pool of pipelines, the engine and its stages.
+
+Runs inside the node image (the operator side imports only ``metrics``' names); builds on models/, placement/,
+node/ and diffusion/, and never imports bench/.
+"""

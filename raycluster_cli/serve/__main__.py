@@ -2,7 +2,7 @@
 
 Run inside a node's container (or as a Ray job): it connects to the running cluster, finds the alive
 nodes, measures each one's cost per block with the bench's calibration, places floor(N/S) replicas
-of S stages (``serve.placement``: each replica's blocks split min-max over its nodes' speeds), starts
+of S stages (``placement.pipelines``: each replica's blocks split min-max over its nodes' speeds), starts
 Ray Serve's HTTP proxy on ``--host:--port``, deploys the model and returns once a real generation
 went through every stage of every replica, printing one JSON line:
 
@@ -33,17 +33,19 @@ import ray
 from ray import serve
 
 from raycluster_cli.apikeys import parse_keys
-from raycluster_cli.bench import experiment, memory
-from raycluster_cli.bench.config import ModelConfig
-from raycluster_cli.bench.diffusion import is_diffusers_folder
-from raycluster_cli.bench.model import config_from_checkpoint
-from raycluster_cli.bench.partition import DoesNotFit
-from raycluster_cli.bench.pipeline import measure_rooms
+from raycluster_cli.diffusion.parts import is_diffusers_folder
+from raycluster_cli.models.config import ModelConfig
+from raycluster_cli.models.decoder import config_from_checkpoint
+from raycluster_cli.node import nodes
+from raycluster_cli.node.nodes import measure_rooms
+from raycluster_cli.placement import memory
+from raycluster_cli.placement.partition import DoesNotFit
+from raycluster_cli.placement.pipelines import NodeSpeed, plan_replicas
 from raycluster_cli.serve import image_launch
-from raycluster_cli.serve.app import ServeSettings, build_app
+from raycluster_cli.serve.app import build_app
 from raycluster_cli.serve.fleet import Calibration, alive_nodes, measure
-from raycluster_cli.serve.placement import NodeSpeed, plan_replicas
 from raycluster_cli.serve.scheduler import Limits
+from raycluster_cli.serve.settings import ServeSettings
 from raycluster_cli.serve.stages import split_units
 
 APP_NAME = "raycluster"
@@ -174,7 +176,7 @@ def http_options(args: argparse.Namespace) -> dict[str, Any]:
 
 def _on_gpus() -> bool:
     """Every alive node offers Ray a GPU (what ``--dtype auto`` keeps the checkpoint's dtype for)."""
-    alive = experiment.alive_nodes()
+    alive = nodes.alive_nodes()
     return bool(alive) and all(n["gpus"] >= 1 for n in alive)
 
 

@@ -20,7 +20,7 @@ import time
 import uuid
 import weakref
 from collections.abc import AsyncIterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -32,21 +32,20 @@ from ray import serve
 from starlette.exceptions import HTTPException
 
 from raycluster_cli.apikeys import KeyEntry
-from raycluster_cli.bench.model import config_from_checkpoint
+from raycluster_cli.models.decoder import config_from_checkpoint
+from raycluster_cli.node.gcpause import FullCollections, freeze_heap
+from raycluster_cli.placement.pipelines import PipelinePlan
 from raycluster_cli.serve import protocol
 from raycluster_cli.serve.anatomy import step_anatomy
 from raycluster_cli.serve.auth import KeyLimits, ServiceKeys, cluster_token_path
 from raycluster_cli.serve.engine import BadInput, EngineDown, Output, QueueFull, RequestFailed
-from raycluster_cli.serve.fleet import Calibration, RayFleet
-from raycluster_cli.serve.frontdoor import RequestLimits, Tokenizing, check_counts, check_scored, check_text, read_body
+from raycluster_cli.serve.fleet import RayFleet
+from raycluster_cli.serve.frontdoor import Tokenizing, check_counts, check_scored, check_text, read_body
 from raycluster_cli.serve.frontend import FrontEndCpu
-from raycluster_cli.serve.gcpause import FullCollections, freeze_heap
 from raycluster_cli.serve.metrics import RayRecorder
-from raycluster_cli.serve.placement import NodeSpeed, PipelinePlan
 from raycluster_cli.serve.pool import Pool, suspect_after_s
 from raycluster_cli.serve.protocol import APIError, ChatRequest, CompletionRequest
-from raycluster_cli.serve.scheduler import Limits
-from raycluster_cli.serve.stages import split_units
+from raycluster_cli.serve.settings import ServeSettings
 from raycluster_cli.serve.text import Sampling, eos_ids, out_of_vocab
 from raycluster_cli.serve.tokenbytes import token_bytes
 
@@ -55,50 +54,6 @@ IDLE_PROBE_S = 30.0  # check_health probes with a generation when no step ran fo
 STALL_S = 30.0  # a step in flight this long without any step coming back: a stage is wedged
 REBUILD_GRACE_S = 120.0  # no pipeline for this long while rebuilding: Serve replaces the ingress
 COUNTERS_S = 10.0  # how long the status route waits for the stages' counters (behind their queued steps)
-
-
-@dataclass(frozen=True)
-class ServeSettings:
-    """What one deployment serves and how: the checkpoint, its split over stages, the batching limits."""
-
-    model_path: str
-    model_id: str = ""  # the name clients pass as ``model``; default: the checkpoint folder's name
-    keys_file: str | None = None  # the service's keys document (raycluster_cli.apikeys); None: no auth (tests only)
-    key_max_requests: int | None = None  # requests in flight per key when its entry sets none (None: no bound)
-    key_max_tokens: int | None = None  # tokens in flight per key when its entry sets none (None: no bound)
-    max_ongoing: int = 256  # requests the ingress holds at once (Ray Serve's max_ongoing_requests)
-    max_queued: int = 256  # requests Ray Serve queues for the ingress beyond those; past them 503 with Retry-After
-    stages: int = 1
-    split: tuple[int, ...] | None = None  # blocks per stage; None: even
-    node_ids: tuple[str, ...] | None = None  # pin stage i to node i
-    num_threads: int | None = None
-    limits: Limits = field(default_factory=Limits)
-    max_in_flight: int | None = None  # steps travelling through the pipeline at once; None: one per stage
-    links: str = "direct"  # how a step travels between stages: "direct" links (serve.links) or "ray" calls
-    replicas: int = 1  # pipelines when ``plans`` is not given (each of ``split``, on ``node_ids``)
-    plans: tuple[PipelinePlan, ...] = ()  # the placement (the launcher's, from measured node speeds)
-    speeds: tuple[NodeSpeed, ...] = ()  # the nodes' measured unit costs, for re-plans without re-measuring
-    calibration: Calibration | None = None  # how a node that joins later is measured
-    replace_period_s: float = 30.0  # how often alive nodes no pipeline uses are looked for
-    rebalance_period_s: float = 20.0  # how often the stages' times under load are judged for a re-split (0: never)
-    unit_bytes: tuple[int, ...] = ()  # each unit's bytes (weights + KV slots): re-splits stay within memory
-    stage_fixed_bytes: int = 0  # what a stage needs besides its units (a step's tensors, a tensor being read)
-    failover_wait_s: float = 90.0  # how long a moved request waits for a pipeline to come back
-    dtype: str = "float32"  # weights, KV cache and activations (resolved: never "auto")
-    request_limits: RequestLimits = field(default_factory=RequestLimits)  # one request's bounds (serve.frontdoor)
-
-    @property
-    def served_model(self) -> str:
-        return self.model_id or Path(self.model_path).name
-
-    def pipeline_plans(self, layers: int) -> list[PipelinePlan]:
-        """The placement: ``plans`` as given, else ``replicas`` copies of ``split`` on ``node_ids``."""
-        if self.plans:
-            return list(self.plans)
-        ranges = tuple(split_units(layers, self.stages, self.split))
-        nodes = self.node_ids or ("",) * len(ranges)
-        why = "the split given" if self.split else "blocks split evenly (no measurements)"
-        return [PipelinePlan(nodes, ("",) * len(ranges), ranges, why=why) for _ in range(self.replicas)]
 
 
 def _read_json(path: Path) -> dict[str, Any]:

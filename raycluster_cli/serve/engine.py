@@ -19,8 +19,8 @@ from typing import Any
 
 import torch
 
+from raycluster_cli.node.links import DirectLinks, first_stage_ended
 from raycluster_cli.serve.anatomy import TIMELINE_STEPS
-from raycluster_cli.serve.links import DirectLinks, first_stage_ended
 from raycluster_cli.serve.scheduler import Chunk, Limits, QueueFull, Scheduler
 from raycluster_cli.serve.text import (
     Sampling,
@@ -132,7 +132,7 @@ class Engine:
     ) -> None:
         self.stages = list(stages)
         self.vocab = vocab  # the embedding's rows: a request's tokens are checked against it before admission
-        self.links = links  # direct links between the stages (serve.links); None: Ray's calls relay each step
+        self.links = links  # direct links between the stages (node.links); None: Ray's calls relay each step
         if links is not None:
             links.on_down = self.fail  # a ring that broke while idle fails the engine now (the pool replaces it)
         # Ray's calls relay the steps: hold a call open on every stage actor (``links_ended``), so one that dies

@@ -1,6 +1,6 @@
 """The pool's backend on Ray: which nodes are alive, what each one costs per unit, and pipelines on them.
 
-A node's speed is measured with the bench's own calibration (``bench.pipeline``: a ``StageWorker``
+A node's speed is measured with the bench's own calibration (``node.stage_worker``: a ``StageWorker``
 pinned to the node times embedding, block and head; ``balance.capacity_costs`` weighs the CPU time
 against the node's quota, ``unit_cost_row`` turns that into a cost per unit), all nodes at once.  The launcher measures every alive node before the
 first placement and hands the costs to the ingress (``ServeSettings.speeds``), which measures only
@@ -21,21 +21,15 @@ from typing import Any
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from raycluster_cli.bench.balance import capacity_costs, capacity_time
-from raycluster_cli.bench.config import ModelConfig
-from raycluster_cli.bench.experiment import node_gpus
-from raycluster_cli.bench.pipeline import (
-    calibrate_workers,
-    measure_rooms,
-    start_workers,
-    stop_workers,
-    unit_cost_row,
-)
+from raycluster_cli.models.config import ModelConfig
+from raycluster_cli.node.links import DirectLinks, link_capacity
+from raycluster_cli.node.nodes import measure_rooms, node_gpus
+from raycluster_cli.node.rendezvous import form_ring
+from raycluster_cli.node.stage_worker import calibrate_workers, start_workers, stop_workers, unit_cost_row
+from raycluster_cli.placement.balance import capacity_costs, capacity_time
+from raycluster_cli.placement.pipelines import NodeSpeed, PipelinePlan, replan, resplit, snake_groups, split_over
 from raycluster_cli.serve.engine import Engine
-from raycluster_cli.serve.links import DirectLinks, link_capacity
-from raycluster_cli.serve.placement import NodeSpeed, PipelinePlan, replan, resplit, snake_groups, split_over
 from raycluster_cli.serve.pool import Pipeline
-from raycluster_cli.serve.rendezvous import form_ring
 from raycluster_cli.serve.scheduler import Limits
 from raycluster_cli.serve.stages import start_stages
 
@@ -141,7 +135,7 @@ class RayFleet:
     ) -> None:
         self.cfg, self.tokenizer, self.limits, self.eos = cfg, tokenizer, limits, eos
         self.model = model  # the served model's id: its stages' metrics are tagged with it ("": no metrics)
-        self.links = links  # "direct": a ring of links between the stages (serve.links); "ray": Ray's calls
+        self.links = links  # "direct": a ring of links between the stages (node.links); "ray": Ray's calls
         self.unit_bytes = list(unit_bytes) if unit_bytes else None  # each unit's bytes (weights + KV slots)
         self.stage_fixed_bytes = stage_fixed_bytes  # what every stage needs besides its units (a step's tensors)
         self._counted: dict[int, tuple[float, list[dict[str, Any]]]] = {}  # pipeline -> (when, its stages' counters)
@@ -193,7 +187,7 @@ class RayFleet:
 
     async def _connect(self, actors: Sequence[Any], limits: Limits) -> tuple[DirectLinks | None, str | None]:
         """The ring of direct links over ``actors`` (the engine is rank 0, on its node's Ray address), or None
-        when it does not form within ``serve.links.CONNECT_TIMEOUT_S`` (a firewall between nodes that lets only Ray's ports
+        when it does not form within ``node.links.CONNECT_TIMEOUT_S`` (a firewall between nodes that lets only Ray's ports
         through): the pipeline then keeps Ray's calls, and the note (status shows it) says why."""
         ip = ray.util.get_node_ip_address()
         size = len(actors) + 1
@@ -322,7 +316,7 @@ def capacity_s(now: dict[str, Any], before: dict[str, Any]) -> float:
     """A stage's seconds of work between two reads of its counters: its wall time inside forward, or, on a node with
     a CPU quota, its CPU time inside forward over that quota when that is longer.  A stage under a quota that waited
     for work computes its next step in a burst at full speed, so at a light load its wall time says the node is
-    faster than it is under a steady one (the bench's capacity time, ``bench.balance``); judged by it, a window of
+    faster than it is under a steady one (the bench's capacity time, ``placement.balance``); judged by it, a window of
     one request at a time once moved a block onto the 0.25-CPU host, which then took 20 ms a step under load."""
     busy = float(now["busy_s"] - before["busy_s"])
     if "forward_cpu_s" not in now or "forward_cpu_s" not in before:

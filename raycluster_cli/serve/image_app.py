@@ -5,13 +5,13 @@
 and each actor's busy time.  The same keys as the text routes (the service's own, serve/auth.py), same error shape, 503 with
 Retry-After when full or when no replica serves.
 
-The ingress places the replicas itself, when it is built (``bench.images.place`` on the alive nodes' `memory`),
-and times each on a real image (``bench.images.calibrate``): so the service is up only once a real image went
+The ingress places the replicas itself, when it is built (``diffusion.placing.place`` on the alive nodes' `memory`),
+and times each on a real image (``diffusion.placing.calibrate``): so the service is up only once a real image went
 through every replica, and a rebuilt ingress (Ray Serve's answer to a failed ``check_health``) re-places on the
 nodes alive then.  A replica lost while serving is re-grown in the background the same way (placed on the alive
 nodes no live replica uses, timed on a real image).  What a request may cost is bounded (``image_limits``: steps,
 pixels, and the memory its size needs on a replica), and the router counts and times it by its work (steps ×
-pixels over the calibration image's, ``image_pool.work``).  The stage code is the bench's (``bench.diffusion``), so the service's image is the bench's,
+pixels over the calibration image's, ``image_pool.work``).  The stage code is the bench's (``diffusion.parts``), so the service's image is the bench's,
 which equals diffusers' own pipeline's.
 
 No ``from __future__ import annotations``: FastAPI reads the route methods' annotations at runtime (serve/app.py).
@@ -33,10 +33,9 @@ from ray import serve
 from ray.exceptions import RayTaskError
 from starlette.exceptions import HTTPException
 
-from raycluster_cli.bench import images as placing
-from raycluster_cli.bench.diffusion import ImageRequest, part_bytes, vae_scale_factor
-from raycluster_cli.bench.image_pool import ImagePool, NoReplica, QueueFull, Slot, lanes_of
-from raycluster_cli.bench.options import BenchOptions
+from raycluster_cli.diffusion import placing
+from raycluster_cli.diffusion.parts import ImageRequest, part_bytes, vae_scale_factor
+from raycluster_cli.diffusion.router import ImagePool, NoReplica, QueueFull, Slot, lanes_of
 from raycluster_cli.serve import app as text_app
 from raycluster_cli.serve import image_limits, protocol
 from raycluster_cli.serve.auth import ServiceKeys, cluster_token_path
@@ -45,6 +44,8 @@ from raycluster_cli.serve.protocol import APIError, ImageGenerationRequest
 
 RETRY_AFTER_S = 2
 COUNTERS_S = 10.0
+CALIBRATION_PROMPT = "a red house on the hill"
+CALIBRATION_S_PER_STEP = 7.5  # a calibration image may take this long per denoising step (600 s at least)
 REGROW_S = 900.0  # placing, loading and timing a replica in place of a lost one
 MULTIPLE = 8  # width and height: diffusers' StableDiffusionPipeline refuses others
 
@@ -137,19 +138,20 @@ class ImageServer:
         with the memory it measured and so the largest image it holds (``image_limits.replica_limits``)."""
         import ray
 
-        from raycluster_cli.bench.diffusion_workers import Replica
+        from raycluster_cli.diffusion.workers import Replica
 
         settings, name = self.settings, f"image-{uuid.uuid4().hex[:8]}"
         replicas = [
             Replica(settings.model_path, h, settings.num_threads, settings.dtype, f"{name}-{i}")
             for i, h in enumerate(holders)
         ]
-        options = BenchOptions(
-            model_path=settings.model_path, image_steps=settings.steps, image_size=self.size,
-            guidance_scale=settings.guidance, calibration_repeats=settings.calibration_repeats,
+        probe = ImageRequest(
+            CALIBRATION_PROMPT, seed=0, steps=settings.steps, height=self.size, width=self.size,
+            guidance=settings.guidance,
         )  # fmt: skip
         try:
-            seconds = placing.calibrate(replicas, options, lambda *a, **k: None)
+            limit = max(600.0, CALIBRATION_S_PER_STEP * max(1, settings.steps))
+            seconds = placing.calibrate(replicas, probe, settings.calibration_repeats, limit, lambda *a, **k: None)
             memory = ray.get([ref for r in replicas for ref in r.memory()], timeout=COUNTERS_S * 6)
         except BaseException:
             for replica in replicas:

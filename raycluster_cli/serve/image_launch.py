@@ -59,7 +59,7 @@ def launch(
     ingress_options: dict[str, Any],
     http_options: dict[str, Any],
 ) -> int:
-    from raycluster_cli.bench.diffusion import check_scheduler
+    from raycluster_cli.diffusion.parts import check_scheduler
     from raycluster_cli.serve.image_app import ImageSettings, build_image_app, native_size
     from raycluster_cli.serve.image_limits import operator_problem
 

@@ -7,7 +7,7 @@ its weights: each worker measures what its calibration image took beyond the loa
 (``diffusion_workers.memory``), which scales with the image's pixels (the UNet's and VAE's activations; attention
 runs through PyTorch's memory-efficient kernel, linear in the pixels), so a replica holds images of up to
 ``room / (bytes per pixel × MEMORY_MARGIN)`` pixels.  The per-pixel figure includes the calibration's fixed
-overhead, so it errs towards refusing.  Where the peak could not be measured, ``images.activation_bytes`` (the
+overhead, so it errs towards refusing.  Where the peak could not be measured, ``placing.activation_bytes`` (the
 placement's model of the activations) stands in.
 """
 
@@ -17,7 +17,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from raycluster_cli.bench import images as placing
+from raycluster_cli.diffusion import placing
 from raycluster_cli.serve.protocol import APIError
 
 MIB = 1024 * 1024

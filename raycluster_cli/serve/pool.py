@@ -26,9 +26,9 @@ from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
+from raycluster_cli.placement.pipelines import PipelinePlan
 from raycluster_cli.serve.engine import Engine, EngineDown, Output, QueueFull, RequestFailed, Resume
 from raycluster_cli.serve.metrics import Recorder, RequestTimer, pipeline_gauges
-from raycluster_cli.serve.placement import PipelinePlan
 from raycluster_cli.serve.text import Sampling
 
 log = logging.getLogger("raycluster.serve")
@@ -439,7 +439,7 @@ class Pool:
 
 def _with_infos(plan: dict[str, Any], infos: list[dict[str, Any]]) -> dict[str, Any]:
     """The plan's stage rows with what each stage reported when it loaded: its device ("cpu", "cuda"), and on a
-    CPU the form each row count's products take (``serve.matmuls``) and the packed weights' MB."""
+    CPU the form each row count's products take (``models.matmuls``) and the packed weights' MB."""
     for row, info in zip(plan["stages"], infos, strict=False):
         row.update({k: info[k] for k in ("device", "matmuls") if k in info})
     return plan

@@ -18,16 +18,16 @@ import ray
 import torch
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from raycluster_cli.bench.cgroup import container_cpu_quota, container_cpu_usage
-from raycluster_cli.bench.config import ModelConfig
-from raycluster_cli.bench.partition import Ranges, even_partition, manual_partition
-from raycluster_cli.bench.pipeline import WORKER_ENV, gpu_shares, node_cpu_count, node_ip, pick_device
+from raycluster_cli.models.batched import BatchedStage
+from raycluster_cli.models.config import ModelConfig
+from raycluster_cli.node.cgroup import container_cpu_quota, container_cpu_usage, node_capacity
+from raycluster_cli.node.gcpause import FullCollections, freeze_heap
+from raycluster_cli.node.links import MIN_CAPACITY, StageLoop
+from raycluster_cli.node.nodes import WORKER_ENV, gpu_shares, node_cpu_count, node_ip, pick_device
+from raycluster_cli.node.rendezvous import Joining
+from raycluster_cli.placement.partition import Ranges, even_partition, manual_partition
 from raycluster_cli.serve.anatomy import TIMELINE_STEPS
-from raycluster_cli.serve.batched import BatchedStage
-from raycluster_cli.serve.gcpause import FullCollections, freeze_heap
-from raycluster_cli.serve.links import MIN_CAPACITY, StageLoop
 from raycluster_cli.serve.metrics import RayRecorder, StageMeter
-from raycluster_cli.serve.rendezvous import Joining
 
 
 def split_units(layers: int, stages: int, split: Sequence[int] | str | None = None) -> Ranges:
@@ -56,7 +56,10 @@ class _StageActor:
         self.node_id: str = ray.get_runtime_context().get_node_id()
         torch.set_num_threads(num_threads or node_cpu_count(self.node_id))
         began = time.perf_counter()
-        self.stage = BatchedStage(ModelConfig.from_dict(cfg), start, end, slots, device=pick_device())
+        self.stage = BatchedStage(
+            ModelConfig.from_dict(cfg), start, end, slots, device=pick_device(),
+            room_bytes=lambda: node_capacity("", "").usable,
+        )  # fmt: skip
         self.load_s = time.perf_counter() - began
         self.units = (start, end)
         self.steps = 0
@@ -66,7 +69,7 @@ class _StageActor:
         self.recent: deque[tuple[int, float, float]] = deque(maxlen=TIMELINE_STEPS)
         self._recent_lock = threading.Lock()  # the links thread steps while other threads read the timeline, totals
         self.links: StageLoop | None = None
-        self.joining: Joining | None = None  # the ring in formation (serve.rendezvous), then its proven group
+        self.joining: Joining | None = None  # the ring in formation (node.rendezvous), then its proven group
         self.ring: tuple[Any, int, int, int] | None = None
         freeze_heap()  # the weights' modules and Ray's objects: never walked by a full collection again
         self.collections = FullCollections()
@@ -99,7 +102,7 @@ class _StageActor:
 
     @ray.method(concurrency_group="links")
     def offer_links(self, rank: int, size: int) -> dict[str, bytes]:
-        """Start joining the pipeline's ring of direct links as ``rank`` of ``size`` (``serve.rendezvous``; rank 0
+        """Start joining the pipeline's ring of direct links as ``rank`` of ``size`` (``node.rendezvous``; rank 0
         is the engine), its links bound to this node's Ray address: this rank's address records, for the engine to
         hand to every rank."""
         self.joining = Joining(rank, size, node_ip(self.node_id))
@@ -108,7 +111,7 @@ class _StageActor:
     @ray.method(concurrency_group="links")
     def join_links(self, records: dict[str, bytes], secret: bytes, capacity: int = MIN_CAPACITY) -> str:
         """Connect to every rank at ``records`` and prove the ring's ``secret`` on every link (``capacity``: the
-        ring's message size, ``serve.links.link_capacity``); no step is read until ``run_links``.  The address
+        ring's message size, ``node.links.link_capacity``); no step is read until ``run_links``.  The address
         this stage's links are bound to."""
         joining, self.joining = self.joining, None
         if joining is None:
@@ -169,7 +172,7 @@ class _StageActor:
             "pid": os.getpid(),
             "units": list(self.units),
             "device": str(self.stage.device),
-            # the decode steps' products as measured cheapest on this node (serve.matmuls): row count -> form
+            # the decode steps' products as measured cheapest on this node (models.matmuls): row count -> form
             "matmuls": {
                 "blocks": self.stage.block_mm.describe(),
                 "head": self.stage.head_mm.describe(),
@@ -201,7 +204,7 @@ def start_stages(
 ) -> tuple[list[Any], list[dict[str, Any]]]:
     """One StageActor per range (hard-pinned to ``node_ids[i]`` when given and not ""); returns their
     handles once their units are loaded, and what each reported then (``info``: its device, its products' plan).  On a node with GPUs (``gpus``: each node's count) a stage asks Ray
-    for its share of them (``bench.pipeline.gpu_shares``), so Ray makes its GPU visible and the stage runs
+    for its share of them (``node.stage_worker.gpu_shares``), so Ray makes its GPU visible and the stage runs
     on ``cuda`` there, each stage of a node on its own GPU while there are enough.  ``metric_tags``: each stage's
     tags for the service's stage metrics (``serve.metrics``), none recorded without them.  ``names`` names the actors (in ``STAGE_NAMESPACE``), so an
     operator or a test can find a pipeline's stages.  ``timeout_s``: the stages not up by then (a node

@@ -20,9 +20,9 @@ from typing import Any
 from raycluster_cli import cancel
 from raycluster_cli.bench.options import BenchOptions
 from raycluster_cli.config.inventory import Inventory
+from raycluster_cli.delivery.model_relay import place_model
 from raycluster_cli.errors import OperationError, RayclusterError
 from raycluster_cli.host.containers import container_name, inspect_name_command, parse_ps
-from raycluster_cli.image.model_relay import place_model
 from raycluster_cli.progress import Progress, quiet
 from raycluster_cli.transport import Transport, quote
 from raycluster_cli.transport.pool import Connect

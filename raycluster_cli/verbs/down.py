@@ -10,10 +10,10 @@ from dataclasses import dataclass, field
 
 from raycluster_cli.config.inventory import HostConfig, Inventory
 from raycluster_cli.config.state import purge_local
+from raycluster_cli.delivery.receive import purge_command
 from raycluster_cli.errors import OperationError, RayclusterError
 from raycluster_cli.host.containers import host_state_dir, list_cluster_containers
 from raycluster_cli.host.folders import archive_dir, fix_hint, refusal, remove_dir_command
-from raycluster_cli.image.receive import purge_command
 from raycluster_cli.progress import Progress, quiet
 from raycluster_cli.transport import quote
 from raycluster_cli.transport.fanout import error_message, fanout

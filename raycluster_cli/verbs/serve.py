@@ -22,10 +22,10 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from raycluster_cli.config.inventory import Inventory
+from raycluster_cli.delivery.model_relay import ModelCopy, place_model
+from raycluster_cli.delivery.models import ModelFolder
 from raycluster_cli.errors import OperationError, UsageError
 from raycluster_cli.host.containers import SOURCE_ENV, TOKEN_IN_CONTAINER, container_name
-from raycluster_cli.image.model_relay import ModelCopy, place_model
-from raycluster_cli.image.models import ModelFolder
 from raycluster_cli.progress import Progress, quiet
 from raycluster_cli.transport import Transport, quote
 from raycluster_cli.transport.pool import Connect

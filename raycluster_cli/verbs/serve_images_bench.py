@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from raycluster_cli.bench.balance import imbalance, latency_summary, spread, utilisation
+from raycluster_cli.placement.balance import imbalance, latency_summary, spread, utilisation
 from raycluster_cli.verbs.serve_load import WORDS, poisson_arrivals, run_load
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"

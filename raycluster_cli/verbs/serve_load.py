@@ -18,7 +18,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from raycluster_cli.bench.balance import imbalance, latency_summary, spread, utilisation
+from raycluster_cli.placement.balance import imbalance, latency_summary, spread, utilisation
 
 # Plain English words: text every tokenizer takes (a byte-level one splits rarer words into more tokens; the
 # benchmark measures the service's tokens per word first and sizes prompts from that).

@@ -7,11 +7,11 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from raycluster_cli.config.inventory import HostConfig, Inventory
+from raycluster_cli.delivery.models import held_command, parse_models
 from raycluster_cli.errors import RayclusterError
 from raycluster_cli.host.containers import LABEL_CLUSTER, LABEL_ROLE, container_name
 from raycluster_cli.host.engine import image_id
 from raycluster_cli.host.node import probe
-from raycluster_cli.image.models import held_command, parse_models
 from raycluster_cli.transport import PART_SEPARATOR, prefetch, quote
 from raycluster_cli.transport.fanout import error_message, fanout
 from raycluster_cli.transport.pool import Connect

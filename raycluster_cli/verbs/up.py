@@ -13,7 +13,7 @@ from typing import Any
 
 from raycluster_cli.checks import CheckResult
 from raycluster_cli.config.inventory import Inventory
-from raycluster_cli.image.deliver import ImageTransfer
+from raycluster_cli.delivery.deliver import ImageTransfer
 from raycluster_cli.progress import Progress, quiet
 from raycluster_cli.transport.pool import Connect
 from raycluster_cli.verbs.up_hosts import NodesMissing, PreflightFailed

@@ -28,6 +28,7 @@ from raycluster_cli.checks.catalog import ALL_CHECKS, IMAGE_ID, IMAGE_RUNTIME, I
 from raycluster_cli.checks.cross import demote_fixed_image_checks, image_ids_found
 from raycluster_cli.config.inventory import Inventory
 from raycluster_cli.config.state import ensure_token, state_dir
+from raycluster_cli.delivery.deliver import ImageTransfer, distribute, local_image_id, plan_transfers
 from raycluster_cli.errors import OperationError, RayclusterError
 from raycluster_cli.host.containers import container_name, env_file_content, env_path_on_host, token_path_on_host
 from raycluster_cli.host.diagnose import EVIDENCE, diagnose
@@ -46,7 +47,6 @@ from raycluster_cli.host.node import (
     token_digest,
     wait_started,
 )
-from raycluster_cli.image.deliver import ImageTransfer, distribute, local_image_id, plan_transfers
 from raycluster_cli.progress import HostPhase, Phase, Progress
 from raycluster_cli.transport.fanout import error_message, fanout
 from raycluster_cli.transport.pool import Connect

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from raycluster_cli.config import inventory
-from raycluster_cli.image import deliver as images
+from raycluster_cli.delivery import deliver as images
 from raycluster_cli.lab import hosts as lab
 from raycluster_cli.lab.engines import build_small_image
 from raycluster_cli.progress import Event

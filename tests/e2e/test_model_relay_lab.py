@@ -19,8 +19,8 @@ from typing import Any
 import pytest
 
 from raycluster_cli.config import inventory
+from raycluster_cli.delivery import model_relay, models
 from raycluster_cli.host.folders import ARCHIVE_DIR
-from raycluster_cli.image import model_relay, models
 from raycluster_cli.lab import hosts as lab
 from raycluster_cli.transport.pool import SSHPool
 

@@ -15,8 +15,8 @@ from typing import Any
 import pytest
 
 from raycluster_cli.config.inventory import load
-from raycluster_cli.image.deliver import distribute, local_image_id
-from raycluster_cli.image.schedule import ImageTransfer
+from raycluster_cli.delivery.deliver import distribute, local_image_id
+from raycluster_cli.delivery.schedule import ImageTransfer
 from raycluster_cli.lab import hosts as lab
 from raycluster_cli.transport.pool import SSHPool
 

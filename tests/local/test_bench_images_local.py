@@ -21,9 +21,10 @@ pytest.importorskip("diffusers")
 import ray._private.services as services  # noqa: E402
 from ray.cluster_utils import Cluster  # noqa: E402
 
-from raycluster_cli.bench import images, session  # noqa: E402
-from raycluster_cli.bench.diffusion import part_bytes  # noqa: E402
+from raycluster_cli.bench import session  # noqa: E402
 from raycluster_cli.bench.options import BenchOptions  # noqa: E402
+from raycluster_cli.diffusion import placing  # noqa: E402
+from raycluster_cli.diffusion.parts import part_bytes  # noqa: E402
 from raycluster_cli.render.base import Output  # noqa: E402
 from raycluster_cli.render.bench import render_bench  # noqa: E402
 
@@ -116,9 +117,9 @@ def test_every_node_that_holds_the_pipeline_gets_a_replica_and_requests_follow_s
 def small(checkpoint: Path) -> Iterator[Cluster]:
     weights = part_bytes(checkpoint)
     # each node holds any one part with its activations, none the whole pipeline
-    act = images.activation_bytes(16)
-    one = int(max(weights.values()) * images.WEIGHT_HEADROOM) + act + 1024
-    assert one < int(sum(weights.values()) * images.WEIGHT_HEADROOM) + act
+    act = placing.activation_bytes(16)
+    one = int(max(weights.values()) * placing.WEIGHT_HEADROOM) + act + 1024
+    assert one < int(sum(weights.values()) * placing.WEIGHT_HEADROOM) + act
     yield from _cluster([one] * 3)
 
 
@@ -134,6 +135,6 @@ def test_nodes_too_small_for_the_pipeline_hold_its_parts_as_stages(small: Cluste
 
 
 def test_a_pipeline_no_node_set_can_hold_is_refused_with_the_numbers(checkpoint: Path) -> None:
-    rooms = [images.NodeRoom(f"n{i}", f"10.0.0.{i}", 1 * MIB) for i in range(3)]
+    rooms = [placing.NodeRoom(f"n{i}", f"10.0.0.{i}", 1 * MIB) for i in range(3)]
     with pytest.raises(ValueError, match=r"the unet needs \d+ MiB and no node has it \(nodes: 10.0.0.0 1 MiB"):
-        images.place(rooms, part_bytes(checkpoint), 512)
+        placing.place(rooms, part_bytes(checkpoint), 512)

@@ -17,11 +17,13 @@ pytestmark = [pytest.mark.slow]
 ray = pytest.importorskip("ray")
 torch = pytest.importorskip("torch")
 
-from raycluster_cli.bench import experiment, outputcheck, pipeline, session  # noqa: E402
+from raycluster_cli.bench import experiment, outputcheck, session  # noqa: E402
 from raycluster_cli.bench import workload as runtime  # noqa: E402
-from raycluster_cli.bench.model import ModelConfig  # noqa: E402
 from raycluster_cli.bench.options import BenchOptions  # noqa: E402
-from raycluster_cli.bench.partition import even_partition  # noqa: E402
+from raycluster_cli.models.decoder import ModelConfig  # noqa: E402
+from raycluster_cli.node import nodes  # noqa: E402
+from raycluster_cli.node import stage_worker as pipeline  # noqa: E402
+from raycluster_cli.placement.partition import even_partition  # noqa: E402
 
 from ..bench_checkpoints import write_random_gpt2  # noqa: E402
 from ..bench_report_checks import (  # noqa: E402
@@ -74,7 +76,7 @@ def test_run_workload_completes_and_matches_unsharded_model(local_ray: None) -> 
     workers = pipeline.start_workers(cfg, [node_id] * 3, num_threads=1, allow_shared_nodes=True)
     try:
         cal = pipeline.calibrate_workers(workers[:1], 3, 8, 4, repeats=3)[0]
-        assert all(cal[f"{kind}_s"] > 0 for kind in pipeline.UNIT_TYPES) and cal["repeats"] == 3
+        assert all(cal[f"{kind}_s"] > 0 for kind in nodes.UNIT_TYPES) and cal["repeats"] == 3
         assert len(pipeline.unit_cost_row(cal, cfg.layers)) == cfg.num_units
         ranges = [even_partition(cfg.layers, 3)]
         runtime.setup_replicas([workers], ranges)

@@ -19,8 +19,12 @@ ray = pytest.importorskip("ray")
 pytest.importorskip("diffusers")
 from ray.cluster_utils import Cluster  # noqa: E402
 
-from raycluster_cli.bench import images, unet_cut  # noqa: E402
-from raycluster_cli.bench.diffusion import ImageRequest, part_bytes  # noqa: E402
+from raycluster_cli.bench import images  # noqa: E402
+from raycluster_cli.diffusion import (  # noqa: E402
+    placing,
+    unet_cut,
+)
+from raycluster_cli.diffusion.parts import ImageRequest, part_bytes  # noqa: E402
 from raycluster_cli.render.base import Output  # noqa: E402
 from raycluster_cli.render.bench import render_bench  # noqa: E402
 
@@ -38,7 +42,7 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def small(checkpoint: Path) -> Iterator[Cluster]:
     weights = part_bytes(checkpoint)
-    assert int(weights["unet"] * images.WEIGHT_HEADROOM) + images.activation_bytes(16) > ROOM  # no node holds it
+    assert int(weights["unet"] * placing.WEIGHT_HEADROOM) + placing.activation_bytes(16) > ROOM  # no node holds it
     yield from _cluster([ROOM] * 3)
 
 
@@ -67,7 +71,7 @@ def test_a_unet_no_node_holds_is_cut_by_blocks_and_gives_diffusers_image(small: 
 
 
 def test_a_replica_cut_at_every_block_boundary_gives_diffusers_image(small: Cluster, checkpoint: Path) -> None:
-    from raycluster_cli.bench.unet_workers import CutReplica
+    from raycluster_cli.diffusion.unet_workers import CutReplica
 
     names = unet_cut.unit_names(unet_cut.load_config(checkpoint))
     bounds = [0, 2, 3, 4, 5, len(names)]  # in+down_blocks.0 | down_blocks.1 | mid_block | up_blocks.0 | up+out

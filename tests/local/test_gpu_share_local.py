@@ -15,8 +15,9 @@ pytestmark = [pytest.mark.slow]
 ray = pytest.importorskip("ray")
 pytest.importorskip("torch")
 
-from raycluster_cli.bench import pipeline  # noqa: E402
-from raycluster_cli.bench.model import ModelConfig  # noqa: E402
+from raycluster_cli.models.decoder import ModelConfig  # noqa: E402
+from raycluster_cli.node import nodes  # noqa: E402
+from raycluster_cli.node import stage_worker as pipeline  # noqa: E402
 
 from ..local_ray import one_node_ray  # noqa: E402
 
@@ -54,7 +55,7 @@ def test_serves_stages_on_a_gpu_node_ask_ray_for_its_gpu(one_gpu_ray: str) -> No
     """The service's stages (serve/stages.py) on a node with a GPU ask Ray for their share of it, as the bench's do:
     Ray then makes that GPU visible to them (CUDA_VISIBLE_DEVICES) and accounts for it.  Before, they asked for
     none, so on a GPU node each used the first GPU unaccounted, whatever else Ray had placed on it."""
-    from raycluster_cli.bench.experiment import node_gpus
+    from raycluster_cli.node.nodes import node_gpus
     from raycluster_cli.serve.stages import start_stages
 
     cfg = ModelConfig(vocab=97, d_model=32, heads=4, layers=3, max_seq=16, seed=1)
@@ -72,7 +73,7 @@ def test_serves_stages_on_a_gpu_node_ask_ray_for_its_gpu(one_gpu_ray: str) -> No
 
 
 def test_gpu_shares_give_whole_gpus_while_there_are_enough_and_packable_parts_after() -> None:
-    shares = pipeline.gpu_shares
+    shares = nodes.gpu_shares
     assert shares(["a", "a", "b"], {}) == [0.0, 0.0, 0.0]  # no GPU anywhere: the CPU
     assert shares(["a", "a"], {"a": 2.0}) == [1.0, 1.0]  # one GPU each
     assert shares(["a", "a", "a"], {"a": 2.0}) == [0.5, 0.5, 0.5]  # 2 on one GPU, 1 on the other (2/3 would not pack)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from raycluster_cli.image import peer_copy
+from raycluster_cli.delivery import peer_copy
 
 HELLO_S = getattr(peer_copy, "HELLO_S", 5.0)
 

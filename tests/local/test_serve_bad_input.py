@@ -29,9 +29,10 @@ transformers = pytest.importorskip("transformers")
 openai = pytest.importorskip("openai")
 
 from raycluster_cli.host.containers import SERVE_ENV  # noqa: E402
-from raycluster_cli.serve.app import ServeSettings, build_app  # noqa: E402
+from raycluster_cli.serve.app import build_app  # noqa: E402
 from raycluster_cli.serve.frontdoor import RequestLimits  # noqa: E402
 from raycluster_cli.serve.scheduler import Limits  # noqa: E402
+from raycluster_cli.serve.settings import ServeSettings  # noqa: E402
 
 from ..local_ray import local_serve  # noqa: E402
 from ..serve_checkpoint import SPECIALS, WORDS, poison_embedding, write_chat_llama  # noqa: E402

@@ -25,8 +25,9 @@ pytest.importorskip("transformers")
 
 from raycluster_cli.errors import OperationError  # noqa: E402
 from raycluster_cli.render.serve_bench import SVG_NS, save_serve_svg  # noqa: E402
-from raycluster_cli.serve.app import ServeSettings, build_app  # noqa: E402
+from raycluster_cli.serve.app import build_app  # noqa: E402
 from raycluster_cli.serve.scheduler import Limits  # noqa: E402
+from raycluster_cli.serve.settings import ServeSettings  # noqa: E402
 from raycluster_cli.verbs.serve_bench import (  # noqa: E402
     LoadPlan,
     ServeBenchReport,

@@ -28,11 +28,12 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 openai = pytest.importorskip("openai")
 
-from raycluster_cli.bench.model import config_from_checkpoint  # noqa: E402
-from raycluster_cli.serve.app import ServeSettings, build_app  # noqa: E402
+from raycluster_cli.models.decoder import config_from_checkpoint  # noqa: E402
+from raycluster_cli.placement.pipelines import plan_replicas  # noqa: E402
+from raycluster_cli.serve.app import build_app  # noqa: E402
 from raycluster_cli.serve.fleet import Calibration, alive_nodes, measure  # noqa: E402
-from raycluster_cli.serve.placement import plan_replicas  # noqa: E402
 from raycluster_cli.serve.scheduler import Limits  # noqa: E402
+from raycluster_cli.serve.settings import ServeSettings  # noqa: E402
 from raycluster_cli.serve.stages import STAGE_NAMESPACE  # noqa: E402
 
 from ..local_ray import local_serve, write_keys  # noqa: E402

@@ -18,7 +18,7 @@ ray = pytest.importorskip("ray")
 torch = pytest.importorskip("torch")
 psutil = pytest.importorskip("psutil")
 
-from raycluster_cli.bench.config import ModelConfig  # noqa: E402
+from raycluster_cli.models.config import ModelConfig  # noqa: E402
 from raycluster_cli.serve.fleet import RayFleet  # noqa: E402
 from raycluster_cli.serve.scheduler import Limits  # noqa: E402
 from raycluster_cli.serve.stages import start_stages  # noqa: E402

@@ -14,7 +14,7 @@ ray = pytest.importorskip("ray")
 pytest.importorskip("transformers")
 
 from raycluster_cli.serve.__main__ import _parser, _placement  # noqa: E402
-from raycluster_cli.serve.app import ServeSettings  # noqa: E402
+from raycluster_cli.serve.settings import ServeSettings  # noqa: E402
 
 from ..llama_checkpoint import GQA, write_llama  # noqa: E402
 from ..local_ray import one_node_ray  # noqa: E402

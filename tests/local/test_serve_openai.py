@@ -31,8 +31,9 @@ openai = pytest.importorskip("openai")
 psutil = pytest.importorskip("psutil")
 
 from raycluster_cli.host.containers import SERVE_ENV  # noqa: E402
-from raycluster_cli.serve.app import ServeSettings, build_app  # noqa: E402
+from raycluster_cli.serve.app import build_app  # noqa: E402
 from raycluster_cli.serve.scheduler import Limits  # noqa: E402
+from raycluster_cli.serve.settings import ServeSettings  # noqa: E402
 
 from ..local_ray import local_serve, write_keys  # noqa: E402
 from ..openai_penalties import OpenAIPenalties  # noqa: E402

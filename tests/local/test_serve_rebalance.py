@@ -24,10 +24,10 @@ ray = pytest.importorskip("ray")
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from raycluster_cli.bench.model import config_from_checkpoint  # noqa: E402
+from raycluster_cli.models.decoder import config_from_checkpoint  # noqa: E402
+from raycluster_cli.placement.pipelines import NodeSpeed, split_over  # noqa: E402
 from raycluster_cli.serve import fleet as fleet_module  # noqa: E402
 from raycluster_cli.serve.fleet import RayFleet  # noqa: E402
-from raycluster_cli.serve.placement import NodeSpeed, split_over  # noqa: E402
 from raycluster_cli.serve.pool import Pipeline  # noqa: E402
 from raycluster_cli.serve.scheduler import Limits  # noqa: E402
 from raycluster_cli.serve.text import Sampling, eos_ids  # noqa: E402

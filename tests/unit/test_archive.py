@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from raycluster_cli.image import deliver as images
-from raycluster_cli.image.archive import PipelineError, Step, save_compressed
+from raycluster_cli.delivery import deliver as images
+from raycluster_cli.delivery.archive import PipelineError, Step, save_compressed
 
 GZIP = Step(["gzip", "-1", "-c"], "gzip")
 
@@ -87,7 +87,7 @@ def test_an_interrupt_stops_both_and_removes_the_partial_file(tmp_path: Path) ->
 _FULL_DISK = """
 import json, sys
 from pathlib import Path
-from raycluster_cli.image.archive import PipelineError, Step, save_compressed
+from raycluster_cli.delivery.archive import PipelineError, Step, save_compressed
 mount = Path(sys.argv[1])
 source = Step(["sh", "-c", "head -c 50000000 /dev/urandom"], "docker save")
 try:

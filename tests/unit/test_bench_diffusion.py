@@ -9,13 +9,7 @@ import pytest
 
 pytest.importorskip("diffusers")
 
-from raycluster_cli.bench.diffusion import (
-    Components,
-    ImageRequest,
-    is_diffusers_folder,
-    part_bytes,
-    reference_step,
-)
+from raycluster_cli.diffusion.parts import Components, ImageRequest, is_diffusers_folder, part_bytes, reference_step
 
 from ..diffusion_checkpoint import diffusers_image, write_tiny_sd
 

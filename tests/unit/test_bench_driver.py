@@ -7,8 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from raycluster_cli.bench import driver, experiment
+from raycluster_cli.bench import driver
 from raycluster_cli.bench.options import BenchOptions
+from raycluster_cli.node import nodes
 from raycluster_cli.schema import SCHEMA_VERSION
 
 
@@ -88,7 +89,7 @@ def test_missing_checkpoint_is_a_json_error(capfd: pytest.CaptureFixture[str]) -
 
 def test_ip_sort_is_numeric() -> None:
     ips = ["10.0.0.10", "10.0.0.9", "192.168.1.1", "10.0.0.100"]
-    assert sorted(ips, key=experiment._ip_key) == ["10.0.0.9", "10.0.0.10", "10.0.0.100", "192.168.1.1"]
+    assert sorted(ips, key=nodes._ip_key) == ["10.0.0.9", "10.0.0.10", "10.0.0.100", "192.168.1.1"]
 
 
 def test_progress_file_appends_json_lines(tmp_path: Path) -> None:

@@ -13,12 +13,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from raycluster_cli.bench import precision
-from raycluster_cli.bench.config import resolve_dtype
-from raycluster_cli.bench.model import ModelConfig, Stage, config_from_checkpoint, full_model_stage, greedy_generate
 from raycluster_cli.bench.options import BenchOptions, ValidationError
-from raycluster_cli.bench.tensorfile import checkpoint_dtype
-from raycluster_cli.serve.batched import BatchedStage
+from raycluster_cli.models import precision
+from raycluster_cli.models.batched import BatchedStage
+from raycluster_cli.models.config import resolve_dtype
+from raycluster_cli.models.decoder import ModelConfig, Stage, config_from_checkpoint, full_model_stage, greedy_generate
+from raycluster_cli.models.tensorfile import checkpoint_dtype
 from tests.llama_checkpoint import GQA, model_class, write_llama
 
 NEW = 8

@@ -14,9 +14,9 @@ from typing import Any
 import pytest
 import torch
 
-from raycluster_cli.bench.model import Stage, config_from_checkpoint, full_model_stage, greedy_generate
-from raycluster_cli.bench.partition import even_partition
-from raycluster_cli.serve.batched import BatchedStage
+from raycluster_cli.models.batched import BatchedStage
+from raycluster_cli.models.decoder import Stage, config_from_checkpoint, full_model_stage, greedy_generate
+from raycluster_cli.placement.partition import even_partition
 from tests.llama_checkpoint import GQA, model_class, write_llama
 
 # name -> (family, settings); windows shorter than the 20-token sequences below are applied, not dropped

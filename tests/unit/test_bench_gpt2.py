@@ -11,10 +11,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from raycluster_cli.bench import gpt2
-from raycluster_cli.bench.model import Stage, full_model_stage, greedy_generate
-from raycluster_cli.bench.partition import even_partition, manual_partition
-from raycluster_cli.bench.tensorfile import TensorFileError, load_tensors, read_header
+from raycluster_cli.models import gpt2
+from raycluster_cli.models.decoder import Stage, full_model_stage, greedy_generate
+from raycluster_cli.models.tensorfile import TensorFileError, load_tensors, read_header
+from raycluster_cli.placement.partition import even_partition, manual_partition
 
 from ..bench_checkpoints import save_tensors, write_random_gpt2
 

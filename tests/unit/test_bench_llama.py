@@ -14,8 +14,8 @@ import pytest
 import torch
 import transformers
 
-from raycluster_cli.bench import tensorfile
-from raycluster_cli.bench.model import (
+from raycluster_cli.models import tensorfile
+from raycluster_cli.models.decoder import (
     ModelConfig,
     Stage,
     checkpoint_architecture,
@@ -23,7 +23,7 @@ from raycluster_cli.bench.model import (
     full_model_stage,
     greedy_generate,
 )
-from raycluster_cli.bench.partition import even_partition
+from raycluster_cli.placement.partition import even_partition
 from tests.llama_checkpoint import GQA, VARIANT, write_llama
 
 

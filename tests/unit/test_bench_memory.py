@@ -10,13 +10,14 @@ from typing import Any
 import pytest
 import torch
 
-from raycluster_cli.bench import memory, outputcheck
+from raycluster_cli.bench import outputcheck
 from raycluster_cli.bench.fitting import MemoryPlan
-from raycluster_cli.bench.model import ModelConfig, Stage, config_from_checkpoint, greedy_generate
 from raycluster_cli.bench.options import BenchOptions
-from raycluster_cli.bench.partition import DoesNotFit, balanced_partition, stage_costs
 from raycluster_cli.bench.results import BenchParams
 from raycluster_cli.bench.workload import make_prompts
+from raycluster_cli.models.decoder import ModelConfig, Stage, config_from_checkpoint, greedy_generate
+from raycluster_cli.placement import memory
+from raycluster_cli.placement.partition import DoesNotFit, balanced_partition, stage_costs
 from tests.llama_checkpoint import GQA, VARIANT, write_llama
 
 GPT2 = ModelConfig(vocab=61, d_model=32, heads=4, layers=3, max_seq=24, seed=3)
@@ -128,7 +129,7 @@ def test_output_check_goes_unit_by_unit_when_the_model_does_not_fit(configs: lis
 
 
 def test_node_capacity_reads_this_machine() -> None:
-    from raycluster_cli.bench.cgroup import container_memory, node_capacity
+    from raycluster_cli.node.cgroup import container_memory, node_capacity
 
     cap = node_capacity("n", "127.0.0.1")
     assert cap.source in ("cgroup v2", "cgroup v1", "host") and cap.usable >= 0
@@ -138,7 +139,7 @@ def test_node_capacity_reads_this_machine() -> None:
 
 
 def test_oom_kills_are_read_from_either_cgroup_version() -> None:
-    from raycluster_cli.bench.cgroup import oom_kills
+    from raycluster_cli.node.cgroup import oom_kills
 
     v2 = "low 0\nhigh 0\nmax 12\noom 3\noom_kill 2\noom_group_kill 0\n"
     v1 = "oom_kill_disable 0\nunder_oom 0\noom_kill 5\n"

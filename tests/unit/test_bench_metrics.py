@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from raycluster_cli.bench import balance
-from raycluster_cli.bench.balance import imbalance, latency_summary, percentile, spread, utilisation
+from raycluster_cli.placement import balance
+from raycluster_cli.placement.balance import imbalance, latency_summary, percentile, spread, utilisation
 
 
 def test_imbalance_and_utilisation() -> None:
@@ -108,8 +108,8 @@ def test_quota_used() -> None:
 
 
 def test_stage_report_carries_the_idle_breakdown_and_the_quota_used() -> None:
-    from raycluster_cli.bench.config import ModelConfig
     from raycluster_cli.bench.results import stage_report
+    from raycluster_cli.models.config import ModelConfig
 
     cfg = ModelConfig(layers=4)
     info = {"node_ip": "192.0.2.3", "node_id": "n3", "num_threads": 1, "cpu_quota": 0.25}

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from raycluster_cli.bench.model import (
+from raycluster_cli.models.decoder import (
     ModelConfig,
     Stage,
     full_model_stage,
@@ -13,7 +13,7 @@ from raycluster_cli.bench.model import (
     prefill_chunks,
     unit_seed,
 )
-from raycluster_cli.bench.partition import even_partition, manual_partition
+from raycluster_cli.placement.partition import even_partition, manual_partition
 
 CFG = ModelConfig(vocab=97, d_model=32, heads=4, layers=6, max_seq=24, seed=3)
 PARTITIONS = [

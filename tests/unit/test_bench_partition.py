@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from raycluster_cli.bench.partition import (
+from raycluster_cli.placement.partition import (
     balanced_partition,
     blocks_held,
     boundary_costs,

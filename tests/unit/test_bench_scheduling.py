@@ -13,15 +13,13 @@ from raycluster_cli.bench.scheduling import (
     batch_sizes,
     ceiling_gap,
     ceiling_tokens_per_s,
-    cgroup_cpu_usage_s,
-    cpu_quota,
     in_flight_limit,
     plan_replicas,
     power_of_two_choice,
     predicted_busy,
     scaling_efficiency,
-    torch_threads,
 )
+from raycluster_cli.node.cgroup import cgroup_cpu_usage_s, cpu_quota, torch_threads
 
 
 def test_offline_arrivals_are_all_at_zero() -> None:

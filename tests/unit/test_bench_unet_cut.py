@@ -11,9 +11,9 @@ import torch
 
 pytest.importorskip("diffusers")
 
-from raycluster_cli.bench import images, unet_cut
-from raycluster_cli.bench.diffusion import part_bytes
-from raycluster_cli.bench.unet_place import NodeCosts, search
+from raycluster_cli.diffusion import placing, unet_cut
+from raycluster_cli.diffusion.parts import part_bytes
+from raycluster_cli.diffusion.unet_place import NodeCosts, search
 
 from ..diffusion_checkpoint import write_tiny_sd
 
@@ -77,11 +77,11 @@ def test_a_stage_holds_only_its_own_weights_and_the_carry_is_what_meta_shapes_sa
 
 def test_a_unet_that_fits_no_node_asks_for_the_cut(checkpoint: Path) -> None:
     weights = part_bytes(checkpoint)
-    act = images.activation_bytes(16)
-    room = int(weights["unet"] * images.WEIGHT_HEADROOM) + act - 1
-    nodes = [images.NodeRoom(f"n{i}", f"10.0.0.{i}", room) for i in range(3)]
-    with pytest.raises(images.CutNeeded) as caught:
-        images.place(nodes, weights, 16)
+    act = placing.activation_bytes(16)
+    room = int(weights["unet"] * placing.WEIGHT_HEADROOM) + act - 1
+    nodes = [placing.NodeRoom(f"n{i}", f"10.0.0.{i}", room) for i in range(3)]
+    with pytest.raises(placing.CutNeeded) as caught:
+        placing.place(nodes, weights, 16)
     assert caught.value.needs["act"] == act and caught.value.needs["unet"] > room
 
 

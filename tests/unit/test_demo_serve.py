@@ -1,4 +1,4 @@
-"""`make demo`'s serving steps on this machine: the tiny chat checkpoint `python -m raycluster_cli.bench.checkpoint`
+"""`make demo`'s serving steps on this machine: the tiny chat checkpoint `python -m raycluster_cli.models.tiny_chat`
 writes is one `transformers` loads and chats with, and scripts/demo_chat.py fails the demo (exit 1, one line) when
 the service does not answer, or refuses (exit 2) a document that is not `serve --json`'s."""
 
@@ -43,7 +43,7 @@ def _run(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_the_demo_checkpoint_is_a_chat_model_transformers_loads(tmp_path: Path) -> None:
-    done = _run("-m", "raycluster_cli.bench.checkpoint", str(tmp_path / "tiny-chat"))
+    done = _run("-m", "raycluster_cli.models.tiny_chat", str(tmp_path / "tiny-chat"))
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith(f"   {tmp_path / 'tiny-chat'}: a random Llama (3 blocks") and not done.stderr
     tokenizer = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "tiny-chat"))

@@ -14,11 +14,11 @@ import pytest
 from raycluster_cli.checks import CheckResult, Status
 from raycluster_cli.checks.cross import demote_fixed_image_checks, image_ids_found
 from raycluster_cli.config import inventory
+from raycluster_cli.delivery.deliver import ImageTransfer, plan_transfers
 from raycluster_cli.errors import InventoryError, OperationError, TransportError
 from raycluster_cli.host.containers import LABEL_CLUSTER, LABEL_CONFIG, LABEL_ROLE, Container, config_hash, run_argv
 from raycluster_cli.host.diagnose import Evidence, diagnose, evidence_command, parse_evidence
 from raycluster_cli.host.node import decide, node_env
-from raycluster_cli.image.deliver import ImageTransfer, plan_transfers
 from raycluster_cli.transport import CommandResult
 from raycluster_cli.transport.fake import FakeTransport
 from raycluster_cli.verbs.logs import count_errors
@@ -338,7 +338,7 @@ def test_diagnosis_exited_because_the_gcs_was_unreachable() -> None:
 
 
 def test_stream_sends_the_cached_archive_and_verifies_the_image_id(tmp_path: Path) -> None:
-    from raycluster_cli.image.deliver import distribute
+    from raycluster_cli.delivery.deliver import distribute
     from raycluster_cli.progress import TransferProgress
 
     inv = _inv()
@@ -359,7 +359,7 @@ def test_stream_sends_the_cached_archive_and_verifies_the_image_id(tmp_path: Pat
 
 
 def test_stream_fails_when_the_loaded_image_has_another_id(tmp_path: Path) -> None:
-    from raycluster_cli.image.deliver import distribute
+    from raycluster_cli.delivery.deliver import distribute
 
     (tmp_path / "aaaaaaaaaaaa.tar.gz").write_bytes(b"x")
     fake = FakeTransport(
@@ -371,7 +371,7 @@ def test_stream_fails_when_the_loaded_image_has_another_id(tmp_path: Path) -> No
 
 
 def test_pull_runs_docker_pull_and_names_the_host_that_failed() -> None:
-    from raycluster_cli.image.deliver import distribute
+    from raycluster_cli.delivery.deliver import distribute
 
     inv = _inv("image_source: pull\n")
     good = FakeTransport(HOSTS[1], {"docker pull": "sha256:x"})

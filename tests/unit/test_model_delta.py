@@ -12,8 +12,8 @@ import tarfile
 from pathlib import Path
 
 from raycluster_cli.config import inventory
-from raycluster_cli.image import model_delta, models, receive
-from raycluster_cli.image.model_delta import Holdings
+from raycluster_cli.delivery import model_delta, models, receive
+from raycluster_cli.delivery.model_delta import Holdings
 
 from .test_models import INVENTORY  # one head host whose state folder is under tmp_path
 

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from raycluster_cli.config import inventory
+from raycluster_cli.delivery import models, receive
 from raycluster_cli.errors import UsageError
-from raycluster_cli.image import models, receive
 
 INVENTORY = """
 cluster: demo

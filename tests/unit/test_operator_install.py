@@ -13,8 +13,9 @@ from .conftest import refusing_inventory
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "raycluster_cli"
-# Run inside the node image only (the head's probe, the benchmark's stages and driver, the service).
-IN_THE_IMAGE = ("host/probe.py", "bench/", "serve/")
+# Run inside the node image only (the head's probe, the benchmark, the service and the node-side rooms under them:
+# the model families, the Ray-node runtime, image generation). placement/ is pure: the operator imports it.
+IN_THE_IMAGE = ("host/probe.py", "bench/", "serve/", "models/", "node/", "diffusion/")
 # Import name -> distribution name where they differ.
 DISTRIBUTIONS = {"yaml": "pyyaml"}
 
@@ -87,7 +88,7 @@ for verb in (["doctor"], ["up", "--timeout", "5"], ["down"], ["status"], ["--hel
 package = pathlib.Path(raycluster_cli.__file__).parent
 for path in sorted(package.rglob("*.py")):
     rel = path.relative_to(package).as_posix()
-    if not rel.startswith(("host/probe.py", "bench/", "serve/")) and rel != "cli/__main__.py":
+    if not rel.startswith(("host/probe.py", "bench/", "serve/", "models/", "node/", "diffusion/")) and rel != "cli/__main__.py":
         importlib.import_module("raycluster_cli." + rel[:-3].replace("/", ".").removesuffix(".__init__"))
 print(json.dumps({"codes": codes, "asked": asked, "loaded": sorted(m for m in sys.modules if m.split(".")[0] == "ray")}))
 """

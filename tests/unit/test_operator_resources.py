@@ -8,8 +8,8 @@ from pathlib import Path
 import psutil
 import pytest
 
+from raycluster_cli.delivery import deliver as images
 from raycluster_cli.errors import OperationError
-from raycluster_cli.image import deliver as images
 from raycluster_cli.lab import hosts as lab
 
 GIB = 2**30

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from raycluster_cli.image import peer_copy, receive
+from raycluster_cli.delivery import peer_copy, receive
 
 FAKE_DOCKER = """#!/bin/sh
 case "$1" in

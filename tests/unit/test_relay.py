@@ -12,9 +12,9 @@ import pytest
 
 from raycluster_cli import cancel
 from raycluster_cli.config.inventory import parse
-from raycluster_cli.image import relay
-from raycluster_cli.image.deliver import image_job
-from raycluster_cli.image.schedule import Delivery
+from raycluster_cli.delivery import relay
+from raycluster_cli.delivery.deliver import image_job
+from raycluster_cli.delivery.schedule import Delivery
 from raycluster_cli.transport import CommandResult
 from raycluster_cli.transport.fake import FakeTransport
 

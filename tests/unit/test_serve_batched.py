@@ -9,8 +9,8 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from raycluster_cli.bench.model import ModelConfig, Stage, config_from_checkpoint  # noqa: E402
-from raycluster_cli.serve.batched import BatchedStage  # noqa: E402
+from raycluster_cli.models.batched import BatchedStage  # noqa: E402
+from raycluster_cli.models.decoder import ModelConfig, Stage, config_from_checkpoint  # noqa: E402
 
 from ..llama_checkpoint import GQA, write_llama  # noqa: E402
 
@@ -85,7 +85,7 @@ def test_rejects_a_slot_out_of_range() -> None:
 def test_attention_by_row_equals_the_gathered_masked_attention(window: int, kv_heads: int) -> None:
     """The CPU's row-by-row attention on views of each slot gives the GPU's gathered, masked attention's
     values on every real position: decode rows, prompt chunks at a start past 0, padding, windows, GQA."""
-    from raycluster_cli.serve.batched import Rows, SlotCache
+    from raycluster_cli.models.batched import Rows, SlotCache
 
     cfg = ModelConfig(
         vocab=61, d_model=32, heads=4, kv_heads=kv_heads, layers=1, max_seq=40, arch="llama", activation="silu", seed=3

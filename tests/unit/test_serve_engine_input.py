@@ -12,8 +12,8 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from raycluster_cli.bench.model import config_from_checkpoint  # noqa: E402
-from raycluster_cli.serve.batched import BatchedStage  # noqa: E402
+from raycluster_cli.models.batched import BatchedStage  # noqa: E402
+from raycluster_cli.models.decoder import config_from_checkpoint  # noqa: E402
 from raycluster_cli.serve.engine import BadInput, Engine, RequestFailed  # noqa: E402
 from raycluster_cli.serve.scheduler import Limits  # noqa: E402
 from raycluster_cli.serve.text import Sampling, bad_logits  # noqa: E402

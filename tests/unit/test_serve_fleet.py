@@ -16,10 +16,10 @@ import pytest
 pytest.importorskip("ray")
 pytest.importorskip("torch")
 
-from raycluster_cli.bench.config import ModelConfig
-from raycluster_cli.bench.partition import blocks_held
+from raycluster_cli.models.config import ModelConfig
+from raycluster_cli.placement.partition import blocks_held
+from raycluster_cli.placement.pipelines import NodeSpeed, PipelinePlan, plan_replicas
 from raycluster_cli.serve import fleet
-from raycluster_cli.serve.placement import NodeSpeed, PipelinePlan, plan_replicas
 from raycluster_cli.serve.scheduler import Limits
 
 CFG = ModelConfig(layers=6)
@@ -72,7 +72,7 @@ def test_survivors_that_cannot_hold_the_model_are_not_rebuilt_into_a_pipeline(cl
     (the pool notes the replacement failed) rather than built to be killed for memory; with room, a takes all."""
     from dataclasses import replace
 
-    from raycluster_cli.bench.partition import DoesNotFit
+    from raycluster_cli.placement.partition import DoesNotFit
 
     cluster.update({n: f"ip-{n}" for n in "acd"})
     unit_bytes = [10] * CFG.num_units
@@ -94,7 +94,7 @@ def test_a_node_measured_later_gets_its_room_and_the_re_split_keeps_within_it(
     gives e only what fits its room (25 bytes, less a stage's fixed 5: two units of 10), not the most blocks."""
     from dataclasses import replace
 
-    from raycluster_cli.bench.memory import Capacity
+    from raycluster_cli.placement.memory import Capacity
 
     cluster.update({n: f"ip-{n}" for n in "acde"})  # b died; e joined
     rooms = {"e": 25}

@@ -7,7 +7,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from raycluster_cli.serve.gcpause import FullCollections, freeze_heap
+from raycluster_cli.node.gcpause import FullCollections, freeze_heap
 
 
 @pytest.fixture

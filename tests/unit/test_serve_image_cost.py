@@ -16,8 +16,8 @@ import pytest
 
 pytest.importorskip("ray")
 
-from raycluster_cli.bench.diffusion import ImageRequest, check_scheduler
-from raycluster_cli.bench.image_pool import ImagePool, NoReplica, QueueFull, Slot, work
+from raycluster_cli.diffusion.parts import ImageRequest, check_scheduler
+from raycluster_cli.diffusion.router import ImagePool, NoReplica, QueueFull, Slot, work
 from raycluster_cli.serve import image_limits
 from raycluster_cli.serve.protocol import APIError
 

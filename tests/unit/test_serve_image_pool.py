@@ -14,8 +14,8 @@ import pytest
 pytest.importorskip("ray")
 from ray.exceptions import RayActorError
 
-from raycluster_cli.bench.diffusion import ImageRequest
-from raycluster_cli.bench.image_pool import ImagePool, NoReplica, QueueFull, Slot
+from raycluster_cli.diffusion.parts import ImageRequest
+from raycluster_cli.diffusion.router import ImagePool, NoReplica, QueueFull, Slot
 from raycluster_cli.serve.protocol import APIError, ImageGenerationRequest, parse
 
 

@@ -10,9 +10,9 @@ import pytest
 pytest.importorskip("ray")
 pytest.importorskip("torch")
 
+from raycluster_cli.placement.pipelines import NodeSpeed, plan_replicas
 from raycluster_cli.serve.__main__ import _parser, _report, _settings
-from raycluster_cli.serve.app import ServeSettings
-from raycluster_cli.serve.placement import NodeSpeed, plan_replicas
+from raycluster_cli.serve.settings import ServeSettings
 
 
 def test_old_flags_still_parse_and_new_ones_default_to_measured_placement() -> None:
@@ -54,7 +54,7 @@ def test_the_service_re_splits_itself_unless_told_not_or_given_a_split() -> None
 
 
 def test_max_seq_defaults_to_the_checkpoints_positions_capped_and_a_longer_one_names_the_flag(tmp_path: Path) -> None:
-    from raycluster_cli.bench.model import config_from_checkpoint
+    from raycluster_cli.models.decoder import config_from_checkpoint
     from raycluster_cli.serve.__main__ import default_max_seq
 
     from ..serve_checkpoint import write_chat_llama

@@ -1,4 +1,4 @@
-"""Direct links (serve.links) over real gloo process groups on loopback: the engine and its stages as ranks of one
+"""Direct links (node.links) over real gloo process groups on loopback: the engine and its stages as ranks of one
 ring in this process (each rank its own group object, as the engine's process holds one per pipeline)."""
 
 from __future__ import annotations
@@ -12,15 +12,8 @@ from typing import Any
 import pytest
 import torch
 
-from raycluster_cli.serve.links import (
-    HEADER_BYTES,
-    MIN_CAPACITY,
-    DirectLinks,
-    LinksDown,
-    StageLoop,
-    link_capacity,
-)
-from raycluster_cli.serve.rendezvous import Joining, merged
+from raycluster_cli.node.links import HEADER_BYTES, MIN_CAPACITY, DirectLinks, LinksDown, StageLoop, link_capacity
+from raycluster_cli.node.rendezvous import Joining, merged
 
 pytest.importorskip("torch.distributed")
 
@@ -31,7 +24,7 @@ def _ring(
     forwards: list[Forward], secret: bytes = b"s3cret", capacity: int = MIN_CAPACITY
 ) -> tuple[list[Any], list[StageLoop]]:
     """[the engine's group (rank 0)] and a started loop per stage (ranks 1..n), all joined on loopback, their
-    address records handed round in process as the engine hands them over Ray (serve.rendezvous)."""
+    address records handed round in process as the engine hands them over Ray (node.rendezvous)."""
     size = len(forwards) + 1
     joining = [Joining(rank, size, "127.0.0.1") for rank in range(size)]
     records = merged([j.offer() for j in joining])

@@ -8,7 +8,7 @@ torch = pytest.importorskip("torch")
 
 from torch import nn  # noqa: E402
 
-from raycluster_cli.serve.matmuls import (  # noqa: E402
+from raycluster_cli.models.matmuls import (  # noqa: E402
     FLIPPED,
     LINEAR,
     PACKED,

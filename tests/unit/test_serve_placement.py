@@ -6,8 +6,8 @@ from dataclasses import replace
 
 import pytest
 
-from raycluster_cli.bench.partition import stage_costs
-from raycluster_cli.serve.placement import NodeSpeed, plan_replicas, replan, resplit, snake_groups, split_over
+from raycluster_cli.placement.partition import stage_costs
+from raycluster_cli.placement.pipelines import NodeSpeed, plan_replicas, replan, resplit, snake_groups, split_over
 
 BLOCKS = 8
 
@@ -61,7 +61,7 @@ def test_snake_groups_deal_fast_and_slow_evenly() -> None:
 
 def test_memory_caps_each_stage_however_fast_its_node() -> None:
     """The fast node would take most blocks by speed; it holds only two, so the split gives it two."""
-    from raycluster_cli.bench.partition import DoesNotFit
+    from raycluster_cli.placement.partition import DoesNotFit
 
     fast = NodeSpeed("a", "10.0.0.1", (0.1, *([1.0] * 6), 0.1), capacity=230)
     slow = NodeSpeed("b", "10.0.0.2", (1.0, *([10.0] * 6), 1.0), capacity=10_000)

@@ -20,12 +20,12 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from raycluster_cli.bench.model import config_from_checkpoint  # noqa: E402
+from raycluster_cli.models.batched import BatchedStage  # noqa: E402
+from raycluster_cli.models.decoder import config_from_checkpoint  # noqa: E402
+from raycluster_cli.placement.pipelines import PipelinePlan  # noqa: E402
 from raycluster_cli.serve import pool as pool_module  # noqa: E402
-from raycluster_cli.serve.batched import BatchedStage  # noqa: E402
 from raycluster_cli.serve.engine import Engine  # noqa: E402
 from raycluster_cli.serve.metrics import MemoryRecorder, StageMeter, image_request  # noqa: E402
-from raycluster_cli.serve.placement import PipelinePlan  # noqa: E402
 from raycluster_cli.serve.pool import Pipeline, Pool, least_loaded, pipeline_load  # noqa: E402
 from raycluster_cli.serve.scheduler import Limits, Scheduler  # noqa: E402
 from raycluster_cli.serve.text import Sampling, TextStream, eos_ids  # noqa: E402

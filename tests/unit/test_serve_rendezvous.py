@@ -1,4 +1,4 @@
-"""The direct links' rendezvous (serve.rendezvous) over real gloo groups on loopback: each rank's store is its own
+"""The direct links' rendezvous (node.rendezvous) over real gloo groups on loopback: each rank's store is its own
 process's, the address records are handed round as the engine hands them over Ray, and every link proves the ring's
 secret before a step is read.  A stranger finds no store to read or write, and a rank without the secret is refused
 by every peer."""
@@ -15,8 +15,8 @@ import psutil
 import pytest
 import torch
 
-from raycluster_cli.serve.links import DirectLinks, StageLoop
-from raycluster_cli.serve.rendezvous import Joining, LinksRefused, merged
+from raycluster_cli.node.links import DirectLinks, StageLoop
+from raycluster_cli.node.rendezvous import Joining, LinksRefused, merged
 
 dist = pytest.importorskip("torch.distributed")
 

@@ -12,8 +12,8 @@ import pytest
 
 from raycluster_cli import apikeys
 from raycluster_cli.config import inventory
+from raycluster_cli.delivery import models, receive
 from raycluster_cli.errors import OperationError
-from raycluster_cli.image import models, receive
 from raycluster_cli.render.base import _live_lines, _service_line
 from raycluster_cli.transport.base import CommandResult
 from raycluster_cli.verbs import serve

@@ -160,8 +160,8 @@ def test_the_services_settings_hold_no_secret(tmp_path: Path) -> None:
     entries are digests, and hold no key or token of their own."""
     from dataclasses import fields
 
-    from raycluster_cli.serve.app import ServeSettings
     from raycluster_cli.serve.image_app import ImageSettings
+    from raycluster_cli.serve.settings import ServeSettings
 
     key = apikeys.new_key()
     path = tmp_path / "keys.json"

@@ -14,13 +14,13 @@ from typing import Any, BinaryIO
 import pytest
 
 from raycluster_cli.config.inventory import Inventory, parse
+from raycluster_cli.delivery import peer_copy as peers
+from raycluster_cli.delivery import receive
+from raycluster_cli.delivery import schedule as spread
+from raycluster_cli.delivery.deliver import choose_codec, decompressor, distribute, image_job
+from raycluster_cli.delivery.relay import TOOLS_COMMAND
+from raycluster_cli.delivery.schedule import ImageTransfer
 from raycluster_cli.errors import OperationError
-from raycluster_cli.image import peer_copy as peers
-from raycluster_cli.image import receive
-from raycluster_cli.image import schedule as spread
-from raycluster_cli.image.deliver import choose_codec, decompressor, distribute, image_job
-from raycluster_cli.image.relay import TOOLS_COMMAND
-from raycluster_cli.image.schedule import ImageTransfer
 from raycluster_cli.progress import TransferProgress
 from raycluster_cli.transport import CommandResult
 from raycluster_cli.transport.fake import FakeTransport

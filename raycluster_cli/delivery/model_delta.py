@@ -19,8 +19,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from raycluster_cli.config.inventory import HostConfig, Inventory
+from raycluster_cli.delivery.models import MANIFEST, ModelFile, ModelFolder, held_command, parse_held, tar_chunks
 from raycluster_cli.host.folders import models_dir
-from raycluster_cli.image.models import MANIFEST, ModelFile, ModelFolder, held_command, parse_held, tar_chunks
 from raycluster_cli.transport import shell_path
 
 _HEX = frozenset("0123456789abcdef")

@@ -29,12 +29,12 @@ import ray
 import torch
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from raycluster_cli.bench import balance
-from raycluster_cli.bench.cgroup import container_cpu_quota
-from raycluster_cli.bench.diffusion import Components, ImageRequest, _scheduler_class, vae_scale_factor
-from raycluster_cli.bench.diffusion_workers import DiffusionWorker
-from raycluster_cli.bench.pipeline import node_cpu_count, node_ip
-from raycluster_cli.bench.unet_cut import UNetStage, unit_names
+from raycluster_cli.diffusion.parts import Components, ImageRequest, _scheduler_class, vae_scale_factor
+from raycluster_cli.diffusion.unet_cut import UNetStage, unit_names
+from raycluster_cli.diffusion.workers import DiffusionWorker
+from raycluster_cli.node.cgroup import container_cpu_quota
+from raycluster_cli.node.nodes import node_cpu_count, node_ip
+from raycluster_cli.placement import balance
 
 Stage = tuple[str, int, int]  # (node id, first unit, end unit)
 

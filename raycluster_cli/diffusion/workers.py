@@ -24,9 +24,9 @@ import ray
 import torch
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from raycluster_cli.bench.cgroup import container_memory
-from raycluster_cli.bench.diffusion import PARTS, Components, ImageRequest, reference_step
-from raycluster_cli.bench.pipeline import node_cpu_count, node_ip, peak_rss
+from raycluster_cli.diffusion.parts import PARTS, Components, ImageRequest, reference_step
+from raycluster_cli.node.cgroup import container_memory
+from raycluster_cli.node.nodes import node_cpu_count, node_ip, peak_rss
 
 
 class _DiffusionWorker:

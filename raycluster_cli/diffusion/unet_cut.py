@@ -84,7 +84,7 @@ def weight_file(path: str | Path) -> Path:
 
 def unit_bytes(path: str | Path, bytes_per_value: int = 4) -> dict[str, int]:
     """Each unit's weights in memory, from the safetensors header (nothing read but the header)."""
-    from raycluster_cli.bench.tensorfile import read_header
+    from raycluster_cli.models.tensorfile import read_header
 
     names = unit_names(load_config(path))
     sizes = dict.fromkeys(names, 0)

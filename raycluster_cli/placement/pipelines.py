@@ -1,7 +1,7 @@
 """Where the pipelines run: nodes grouped into replicas, each replica's blocks split by measured speed.
 
 Pure Python (no Ray, no torch), so the choices are tested on their own.  Each node comes with its
-measured cost of every unit (``bench.pipeline.unit_cost_row`` of its calibration).  With N nodes and
+measured cost of every unit (``node.stage_worker.unit_cost_row`` of its calibration).  With N nodes and
 S stages per pipeline there are floor(N/S) replicas (``--replicas`` may ask for fewer); the nodes
 are ranked fastest first and dealt to the replicas in snake order (0, 1, .., R-1, R-1, .., 0, ..), so
 every replica gets a like mix of fast and slow nodes and the replicas' throughputs match: a router
@@ -14,7 +14,7 @@ processes or a neighbour) is re-split from those measurements (``resplit``) when
 markedly faster.
 
 Memory is a hard limit: given each unit's bytes (weights at the dtype + the KV cache slots of a block,
-``bench.memory.demand``) and each node's ``capacity``, a split never puts more on a node than it holds,
+``placement.memory.demand``) and each node's ``capacity``, a split never puts more on a node than it holds,
 however fast the node; a replica that cannot fit is refused with the numbers.
 """
 
@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from raycluster_cli.bench.partition import DoesNotFit, balanced_partition, blocks_held, stage_costs
+from raycluster_cli.placement.partition import DoesNotFit, balanced_partition, blocks_held, stage_costs
 
 REBALANCE_GAIN = 0.15  # a re-split is worth building a new pipeline when its slowest stage is this much faster
 

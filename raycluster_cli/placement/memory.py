@@ -19,8 +19,8 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from raycluster_cli.bench.config import ModelConfig
-from raycluster_cli.bench.partition import DoesNotFit
+from raycluster_cli.models.config import ModelConfig
+from raycluster_cli.placement.partition import DoesNotFit
 
 MIB = 1 << 20
 GB = 1e9

@@ -12,10 +12,10 @@ from collections.abc import Callable, Iterable
 
 from raycluster_cli import cancel
 from raycluster_cli.config.inventory import HostConfig, Inventory
+from raycluster_cli.delivery.receive import HASH_TOOLS, cleanup_command
+from raycluster_cli.delivery.schedule import Delivery, Job, Receiver, Spread
 from raycluster_cli.errors import OperationError
 from raycluster_cli.host.folders import archive_dir as archive_dir_on_host
-from raycluster_cli.image.receive import HASH_TOOLS, cleanup_command
-from raycluster_cli.image.schedule import Delivery, Job, Receiver, Spread
 from raycluster_cli.progress import Progress
 from raycluster_cli.transport import Transport
 from raycluster_cli.transport.fanout import Outcome, fanout

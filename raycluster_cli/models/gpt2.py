@@ -17,8 +17,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from raycluster_cli.bench.config import ModelConfig
-from raycluster_cli.bench.tensorfile import TensorFileError, load_tensors, read_header
+from raycluster_cli.models.config import ModelConfig
+from raycluster_cli.models.tensorfile import TensorFileError, load_tensors, read_header
 
 WEIGHTS_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"

@@ -1,4 +1,4 @@
-"""How a pipeline's ring of direct links (``serve.links``) forms without any store on the network.
+"""How a pipeline's ring of direct links (``node.links``) forms without any store on the network.
 
 gloo's rendezvous needs a store the ranks share: each rank writes its address record (its listener's address) and
 reads everyone else's.  A ``TCPStore`` would listen for anyone who reaches the port: it lists its keys to a
@@ -29,9 +29,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from raycluster_cli.serve.links import CONNECT_TIMEOUT_S, ring_group
+from raycluster_cli.node.links import CONNECT_TIMEOUT_S, ring_group
 
-AUTH_TAG = 2  # the tag of each link's proof (steps travel on serve.links' MESSAGE_TAG and BODY_TAG)
+AUTH_TAG = 2  # the tag of each link's proof (steps travel on node.links' MESSAGE_TAG and BODY_TAG)
 PROOF_BYTES = 32  # an HMAC-SHA256
 
 

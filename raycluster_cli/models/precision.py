@@ -12,7 +12,7 @@ import statistics
 from dataclasses import replace
 from typing import Any
 
-from raycluster_cli.bench.model import ModelConfig, Stage, seconds_per_pass
+from raycluster_cli.models.decoder import ModelConfig, Stage, seconds_per_pass
 
 PROBED = ("float32", "bfloat16")
 

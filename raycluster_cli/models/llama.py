@@ -27,8 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from raycluster_cli.bench.config import ModelConfig
-from raycluster_cli.bench.tensorfile import TensorFileError, checkpoint_tensors, load_checkpoint_tensors
+from raycluster_cli.models.config import ModelConfig
+from raycluster_cli.models.tensorfile import TensorFileError, checkpoint_tensors, load_checkpoint_tensors
 
 CONFIG_FILE = "config.json"
 # block parameter -> Llama tensor suffix (biases only exist with attention_bias / mlp_bias)

@@ -26,9 +26,9 @@ from dataclasses import dataclass, replace
 from typing import Any, BinaryIO
 
 from raycluster_cli import cancel
+from raycluster_cli.delivery import peer_copy
+from raycluster_cli.delivery.receive import CORRUPT, SENDER_UNPROVEN, receive_command, receive_script
 from raycluster_cli.errors import OperationError
-from raycluster_cli.image import peer_copy
-from raycluster_cli.image.receive import CORRUPT, SENDER_UNPROVEN, receive_command, receive_script
 from raycluster_cli.progress import Progress, TransferProgress
 from raycluster_cli.transport import CommandResult, Transport
 from raycluster_cli.transport.fanout import Outcome

@@ -25,9 +25,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from raycluster_cli.bench import gpt2, llama
-from raycluster_cli.bench.config import ACTIVATIONS, ModelConfig, resolve_dtype
-from raycluster_cli.bench.tensorfile import checkpoint_dtype
+from raycluster_cli.models import gpt2, llama
+from raycluster_cli.models.config import ACTIVATIONS, ModelConfig, resolve_dtype
+from raycluster_cli.models.tensorfile import checkpoint_dtype
 
 __all__ = [
     "ACTIVATIONS",

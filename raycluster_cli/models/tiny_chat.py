@@ -6,7 +6,7 @@ when decoded) wrapped in ``transformers.PreTrainedTokenizerFast``; the model is 
 Both are saved with ``save_pretrained`` into one folder, as a real checkpoint is. torch, transformers and
 tokenizers are imported inside the functions: nothing loads them until a checkpoint is written.
 
-``python -m raycluster_cli.bench.checkpoint DIR`` writes one (the demo's step).
+``python -m raycluster_cli.models.tiny_chat DIR`` writes one (the demo's step).
 """
 
 from __future__ import annotations
@@ -101,7 +101,7 @@ def write_chat_llama(path: Path, *, seed: int = 0, **sizes: Any) -> Path:
 
 def main(argv: list[str]) -> int:
     if len(argv) != 1:
-        print("usage: python -m raycluster_cli.bench.checkpoint DIR", file=sys.stderr)
+        print("usage: python -m raycluster_cli.models.tiny_chat DIR", file=sys.stderr)
         return 2
     import transformers
 

@@ -14,12 +14,11 @@ no-op ``hop`` to measure what a stage boundary costs without any compute.
 
 from __future__ import annotations
 
-import math
 import os
 import statistics
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 import psutil
@@ -27,68 +26,22 @@ import ray
 import torch
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from raycluster_cli.bench.cgroup import container_cpu_quota, container_cpu_usage, container_memory, node_capacity
-from raycluster_cli.bench.memory import Capacity
-from raycluster_cli.bench.model import ModelConfig, Stage, seconds_per_pass
-from raycluster_cli.bench.scheduling import torch_threads
-
-# Idle OpenMP threads sleep instead of spinning: several stages may share a machine's cores (a lab on
-# one host, other tenants), and spinning threads of one stage then steal the CPU of the next.
-WORKER_ENV = {"OMP_WAIT_POLICY": "PASSIVE"}
-UNIT_TYPES = ("embedding", "block", "head")
-
-
-def _node_entry(node_id: str) -> dict[str, Any]:
-    for node in ray.nodes():
-        if node.get("NodeID") == node_id:
-            return dict(node)
-    return {}
-
-
-def node_ip(node_id: str) -> str:
-    """The IP the node registered with (what the driver sorts by), else this process's own guess.
-
-    ``ray.util.get_node_ip_address()`` inside a worker may pick the default-route interface
-    rather than the ``--node-ip-address`` the node was started with, so the node table wins.
-    """
-    return str(_node_entry(node_id).get("NodeManagerAddress") or ray.util.get_node_ip_address())
-
-
-def peak_rss() -> int:
-    """This process's peak resident set (Linux reports ru_maxrss in KiB)."""
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
-def node_cpu_count(node_id: str) -> int:
-    """Torch threads for ``node_id``: the container's CPU quota (else the CPUs Ray advertises), rounded
-    up, capped by the usable cores."""
-    advertised = float(_node_entry(node_id).get("Resources", {}).get("CPU", 0.0))
-    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return torch_threads(advertised, usable, container_cpu_quota())
-
-
-@ray.remote(num_cpus=0)
-def _node_room(node_id: str, device: str | None) -> dict[str, Any]:
-    """This node's room, measured in a process that has torch loaded as a stage or part worker will."""
-    return node_capacity(node_id, node_ip(node_id), device or pick_device()).to_dict()
-
-
-def measure_rooms(node_ids: Sequence[str], timeout_s: float, device: str | None = None) -> list[Capacity]:
-    """Each node's room (``cgroup.node_capacity`` on the node: its container's limit less what is in use, or its
-    GPU's free memory where a stage would run on ``cuda``; ``device`` "cpu" for workers that stay on the CPU), all
-    at once."""
-    calls = [
-        _node_room.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=n, soft=False)).remote(n, device)
-        for n in node_ids
-    ]
-    return [Capacity.from_dict(c) for c in ray.get(calls, timeout=timeout_s)]
-
-
-def pick_device() -> str:
-    """``cuda`` when this process sees a GPU (the driver asks Ray for one on GPU nodes), else ``cpu``."""
-    return "cuda" if torch.cuda.is_available() else "cpu"
+from raycluster_cli.models.decoder import ModelConfig, Stage, seconds_per_pass
+from raycluster_cli.node.cgroup import (
+    container_cpu_quota,
+    container_cpu_usage,
+    container_memory,
+    node_capacity,
+)
+from raycluster_cli.node.nodes import (
+    UNIT_TYPES,
+    WORKER_ENV,
+    gpu_shares,
+    node_cpu_count,
+    node_ip,
+    peak_rss,
+    pick_device,
+)
 
 
 class _StageWorker:
@@ -206,7 +159,7 @@ class _StageWorker:
 
     def probe_dtypes(self, batch: int, prompt_len: int, decode_steps: int, min_sample_s: float) -> dict[str, Any]:
         """One block's seconds per micro-batch in float32 and in bfloat16 on this node (``precision``)."""
-        from raycluster_cli.bench import precision
+        from raycluster_cli.models import precision
 
         timed = {
             f"{dtype}_s": precision.block_seconds(
@@ -293,21 +246,6 @@ def unit_cost_row(calibration: dict[str, Any], num_blocks: int) -> list[float]:
         *([float(calibration["block_s"])] * num_blocks),
         float(calibration["head_s"]),
     ]
-
-
-def gpu_shares(node_ids: Sequence[str], gpus: Mapping[str, float]) -> list[float]:
-    """The part of a GPU each of these stages asks Ray for: nothing on a node without GPUs; a whole GPU each while
-    a node has one per stage; else the stages on that node split its GPUs evenly in parts Ray can pack (1/2 each for
-    3 stages on 2 GPUs: two on one, one on the other; asking 2/3 each, the third would never be placed)."""
-    shares = []
-    for node_id in node_ids:
-        have = int(gpus.get(node_id, 0.0))
-        if have < 1:
-            shares.append(0.0)
-            continue
-        stacked = sum(1 for n in node_ids if n == node_id)
-        shares.append(1.0 / math.ceil(stacked / have))
-    return shares
 
 
 def start_workers(

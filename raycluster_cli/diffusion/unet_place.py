@@ -1,7 +1,7 @@
 """Where a UNet cut by blocks goes: measured seconds per unit on each node, memory as a hard limit, the skip
 activations charged at every cut.
 
-``images.place`` hands over when no node holds the UNet.  Each node then times the text encoder, the VAE decoder
+``placing.place`` hands over when no node holds the UNet.  Each node then times the text encoder, the VAE decoder
 and every UNet unit it can hold (``unet_workers.UNetProbe``, one unit in memory at a time), and ``search`` tries
 every contiguous cut of the units into stages on distinct nodes, with the text encoder and the VAE decoder on any
 node, keeping the plan whose busiest node has the least work per image (then the most even one), as the text split
@@ -19,8 +19,9 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Any
 
-from raycluster_cli.bench import balance, unet_cut
-from raycluster_cli.bench.diffusion import ImageRequest, vae_scale_factor
+from raycluster_cli.diffusion import unet_cut
+from raycluster_cli.diffusion.parts import ImageRequest, vae_scale_factor
+from raycluster_cli.placement import balance
 
 MIB = 1024 * 1024
 
@@ -160,7 +161,7 @@ def place_cut(
     """Probe every node, search the cut; the plan, what it was chosen from, and why in words."""
     import ray
 
-    from raycluster_cli.bench.unet_workers import UNetProbe, _pinned
+    from raycluster_cli.diffusion.unet_workers import UNetProbe, _pinned
 
     unet_cut.check_supported(unet_cut.load_config(path))
     sizes = unet_cut.unit_bytes(path)

@@ -11,7 +11,7 @@ to stage 0, each stage sends its output to the next, and the last sends the logi
 message per hop, no Ray call per step; Ray still places, watches and kills the stage actors.  Every link is
 bound to the node's Ray address (``create_device(hostname=ip)``), never to whatever the host name resolves
 to, so on hosts with several NICs the links take the network Ray uses.  The ring forms over Ray's calls, with no
-store on the network, and every link proves the ring's secret before a step is read from it (``serve.rendezvous``).
+store on the network, and every link proves the ring's secret before a step is read from it (``node.rendezvous``).
 
 A step is one message of bytes: a header (int64 ``[kind, ndim, shape padded to 3, dtype, rows, big, height]``),
 the ``[height, rows]`` table (slot, start, length per row, and a fourth row when some row asks for the logits of
@@ -60,7 +60,7 @@ CONNECT_TIMEOUT_S = 30.0  # the ring forms within this, or the pipeline keeps Ra
 def ring_group(store: Any, rank: int, size: int, my_ip: str) -> Any:
     """This process's member of one pipeline's ring: a gloo process group of ``size`` ranks meeting at
     ``store``, its links bound to ``my_ip``.  Its own object, not the process's default group: the engine's process
-    holds one per pipeline.  ``store`` is this process's own (``serve.rendezvous``: the ranks' address records travel
+    holds one per pipeline.  ``store`` is this process's own (``node.rendezvous``: the ranks' address records travel
     over Ray's calls), never one that listens on the network."""
     import torch.distributed as dist
 

@@ -47,7 +47,7 @@ def is_diffusers_folder(path: str | Path) -> bool:
 def part_bytes(path: str | Path, bytes_per_value: int = 4) -> dict[str, int]:
     """Each step's weights in memory at ``bytes_per_value`` (float32: 4), counted from the safetensors headers
     (no weight is read); a part stored only as ``.bin`` is counted by its file size."""
-    from raycluster_cli.bench.tensorfile import read_header
+    from raycluster_cli.models.tensorfile import read_header
 
     root = Path(path)
     sizes: dict[str, int] = {}

@@ -17,11 +17,11 @@ from functools import partial
 from pathlib import Path
 
 from raycluster_cli.config.inventory import Inventory
+from raycluster_cli.delivery.model_delta import Shipment, holdings_command, parse_holdings, plan_shipments
+from raycluster_cli.delivery.models import RECEIVED, ModelFolder, open_tar, read_model_folder, use_command
+from raycluster_cli.delivery.relay import relay
+from raycluster_cli.delivery.schedule import Delivery, Job, Receiver
 from raycluster_cli.errors import OperationError
-from raycluster_cli.image.model_delta import Shipment, holdings_command, parse_holdings, plan_shipments
-from raycluster_cli.image.models import RECEIVED, ModelFolder, open_tar, read_model_folder, use_command
-from raycluster_cli.image.relay import relay
-from raycluster_cli.image.schedule import Delivery, Job, Receiver
 from raycluster_cli.progress import Progress, quiet
 from raycluster_cli.transport import CommandResult
 from raycluster_cli.transport.fanout import GroupResult, fanout

@@ -1,7 +1,7 @@
 """Images to replicas of unequal speed, bound late: each image goes to a replica only when that replica can start it.
 
 Used by `bench`'s counted runs on a diffusers checkpoint and by the image service (serve/image_app.py), so the
-benchmark measures the router the service runs.  The replicas are ``bench.diffusion_workers.Replica`` (a whole
+benchmark measures the router the service runs.  The replicas are ``diffusion.workers.Replica`` (a whole
 pipeline on one node, or its parts as stages) or ``unet_workers.CutReplica``; each has ``depth`` lanes (one for a
 whole pipeline, as its actor makes one image at a time; a staged one keeps every stage busy).
 
@@ -45,7 +45,7 @@ from typing import Any, Protocol
 
 from ray.exceptions import ObjectLostError, RayActorError
 
-from raycluster_cli.bench.diffusion import ImageRequest
+from raycluster_cli.diffusion.parts import ImageRequest
 
 LOST = (RayActorError, ObjectLostError, TimeoutError)  # the replica is gone (or frozen): move the image
 PING_S = 10.0  # a replica whose image is overdue has this long to answer a ping before it counts as lost

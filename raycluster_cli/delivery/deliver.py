@@ -21,11 +21,11 @@ from pathlib import Path
 import psutil
 
 from raycluster_cli.config.inventory import Inventory
+from raycluster_cli.delivery.archive import Step, save_compressed
+from raycluster_cli.delivery.relay import relay
+from raycluster_cli.delivery.schedule import ImageTransfer, Job, Receiver
 from raycluster_cli.errors import OperationError
 from raycluster_cli.host.engine import image_id as image_id_of
-from raycluster_cli.image.archive import Step, save_compressed
-from raycluster_cli.image.relay import relay
-from raycluster_cli.image.schedule import ImageTransfer, Job, Receiver
 from raycluster_cli.progress import Progress, TransferProgress, quiet
 from raycluster_cli.transport import CommandResult, Transport, quote
 from raycluster_cli.transport.fanout import GroupResult, Outcome, fanout

@@ -27,8 +27,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from raycluster_cli.host.folders import ARCHIVE_DIR
-from raycluster_cli.image.receive import (
+from raycluster_cli.delivery.receive import (
     CONNECT_S,
     DEADLINE_S,
     PUBLISHED,
@@ -38,6 +37,7 @@ from raycluster_cli.image.receive import (
     size_command,
     stop_command,
 )
+from raycluster_cli.host.folders import ARCHIVE_DIR
 from raycluster_cli.transport import Transport, quote
 
 __all__ = ["CONNECT_S", "DEADLINE_S", "PUBLISHED", "receive_command", "receive_script"]

@@ -11,20 +11,21 @@ bench's behaviour is untouched.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
 
+import psutil
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from raycluster_cli.bench import llama
-from raycluster_cli.bench.cgroup import node_capacity
-from raycluster_cli.bench.config import ModelConfig
-from raycluster_cli.bench.model import Block as GPT2Block
-from raycluster_cli.bench.model import Stage
-from raycluster_cli.serve.matmuls import Matmuls, measure
+from raycluster_cli.models import llama
+from raycluster_cli.models.config import ModelConfig
+from raycluster_cli.models.decoder import Block as GPT2Block
+from raycluster_cli.models.decoder import Stage
+from raycluster_cli.models.matmuls import Matmuls, measure
 
 
 class SlotCache:
@@ -130,7 +131,7 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 
 def _llama_block(block: llama.Block, x: torch.Tensor, cache: SlotCache, rows: Rows, mm: Matmuls) -> torch.Tensor:
-    """``bench.llama.Block.forward`` with per-row positions (its maths, its parameters; its products by
+    """``models.llama.Block.forward`` with per-row positions (its maths, its parameters; its products by
     ``mm``'s measured forms)."""
     batch, steps, _ = x.shape
     heads, kv_heads, width = block.heads, block.kv_heads, block.head_dim
@@ -149,7 +150,7 @@ def _llama_block(block: llama.Block, x: torch.Tensor, cache: SlotCache, rows: Ro
 
 
 def _gpt2_block(block: GPT2Block, x: torch.Tensor, cache: SlotCache, rows: Rows, mm: Matmuls) -> torch.Tensor:
-    """``bench.model.Block.forward`` with per-row positions."""
+    """``models.decoder.Block.forward`` with per-row positions."""
     batch, steps, d = x.shape
     heads = block.heads
     qkv = mm.apply(block.qkv, block.ln1(x))
@@ -180,6 +181,7 @@ class BatchedStage:
         slots: int,
         device: str | torch.device = "cpu",
         measure_matmuls: bool = True,
+        room_bytes: Callable[[], int] | None = None,
     ) -> None:
         if slots < 1:
             raise ValueError(f"need at least one KV cache slot, got {slots}")
@@ -188,7 +190,8 @@ class BatchedStage:
         self.slots = slots
         self.device = self.stage.device
         self.caches = [SlotCache(slots, cfg, self.device) for _ in self.stage.blocks]
-        # the decode steps' products in the forms measured cheapest on this CPU (serve.matmuls); F.linear on a GPU
+        self._room = room_bytes or (lambda: int(psutil.virtual_memory().available))
+        # the decode steps' products in the forms measured cheapest on this CPU (models.matmuls); F.linear on a GPU
         self.block_mm, self.head_mm = Matmuls(), Matmuls()
         if self.device.type == "cpu" and measure_matmuls:
             spare = self._spare_bytes()
@@ -199,9 +202,10 @@ class BatchedStage:
                 self.head_mm = measure(head, spare_bytes=spare - self.block_mm.packed_bytes)
 
     def _spare_bytes(self) -> int:
-        """The room a packed copy of the matrices may take (``serve.matmuls``): half of what this node's
-        container can still take once the KV cache's pages (allocated, maybe not yet touched) are counted."""
-        room = node_capacity("", "").usable
+        """The room a packed copy of the matrices may take (``models.matmuls``): half of what this node's
+        container can still take (``room_bytes``: the node runtime passes its cgroup's room; else what the OS
+        says is available) once the KV cache's pages (allocated, maybe not yet touched) are counted."""
+        room = self._room()
         kv = sum(c.k.numel() * c.k.element_size() * 2 for c in self.caches)
         return max(0, room - kv) // 2
 
