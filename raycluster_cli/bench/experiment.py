@@ -102,7 +102,7 @@ def requests_for(duration_s: float, tokens_per_s: float, options: BenchOptions, 
 def with_predictions(
     stages: list[dict[str, Any]], costs: dict[str, list[float]], replicas: list[dict[str, Any]]
 ) -> list[dict[str, Any]]:
-    from raycluster_cli.bench.scheduling import predicted_busy
+    from raycluster_cli.bench.planning import predicted_busy
 
     batches = {r["index"]: r["micro_batches"] for r in replicas}
     for stage in stages:
@@ -129,7 +129,7 @@ def reference(main: Any, ref: Any, extra: dict[str, Any]) -> dict[str, Any]:
 
 
 def sweep_batch(run_size: Callable[[int], Any], requests: int, largest: int | None) -> dict[str, Any]:
-    from raycluster_cli.bench.scheduling import batch_sizes
+    from raycluster_cli.bench.planning import batch_sizes
 
     points = []
     for size in batch_sizes(requests, largest):

@@ -221,7 +221,7 @@ def run(options: BenchOptions, progress: Report) -> dict[str, Any]:
 
 
 def ceiling(main: dict[str, Any], replicas: list[Any]) -> dict[str, Any]:
-    """The pipeline ceiling (as ``scheduling.ceiling_tokens_per_s`` for text): each replica's images over its
+    """The pipeline ceiling (as ``planning.ceiling_tokens_per_s`` for text): each replica's images over its
     busiest node's busy time (the parts on one node share its CPU, so a node's parts add up), summed; the run's
     images/s over it.  1.0: the slowest node computed all the time and every hand-over was hidden."""
     per_actor = iter(main["nodes"])  # the replicas that stayed live, in order

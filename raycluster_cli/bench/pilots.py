@@ -27,7 +27,7 @@ def pilot_factors(calibrated: dict[str, list[float]], pilot: Any) -> dict[str, f
     (``metrics.capacity_time``: busy time, or CPU time / CPU quota when larger), so a stage that
     waits for work and computes in unthrottled bursts under its quota is not mistaken for a fast node.
     """
-    from raycluster_cli.bench.scheduling import predicted_busy
+    from raycluster_cli.bench.planning import predicted_busy
 
     per_node: dict[str, list[float]] = {}
     batches = {r.index: r.micro_batches for r in pilot.replicas}

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from raycluster_cli.bench import experiment, scheduling
+from raycluster_cli.bench import experiment, planning
 from raycluster_cli.placement import memory
 
 Ranges = list[list[tuple[int, int]]]
@@ -15,14 +15,14 @@ def references(session: Any, result: Any, ranges: Ranges, choice: dict[str, Any]
     """The ceiling, the other split (or why it was skipped) and the unsharded model (or why it was skipped)."""
     alive = [result.replicas[i] for i in range(len(result.replicas)) if not result.replicas[i].lost]
     busiest = [r.busiest_s for r in alive]
-    ceiling = scheduling.ceiling_tokens_per_s([r.tokens for r in alive], busiest)
+    ceiling = planning.ceiling_tokens_per_s([r.tokens for r in alive], busiest)
     stages = [s for s in result.stage_dicts()]
     bottleneck = max(stages, key=lambda s: s["busy_s"]) if stages else {"busy_s": 0.0}
     refs: dict[str, Any] = {
         "ceiling": {
             "tokens_per_s": ceiling,
             "ratio": result.tokens_per_s / ceiling if ceiling else None,
-            "gap": scheduling.ceiling_gap(result.wall_s, bottleneck),
+            "gap": planning.ceiling_gap(result.wall_s, bottleneck),
         }
     }
     if not session.options.references:

@@ -25,7 +25,7 @@ class BenchParams:
     max_new_tokens: int = 16
     micro_batch: int = 4
     seed: int = 0
-    in_flight: int | None = None  # micro-batches in flight per replica; default scheduling.in_flight_limit
+    in_flight: int | None = None  # micro-batches in flight per replica; default planning.in_flight_limit
     rate: float | None = None  # requests/s (Poisson); None: offline, all requests at once
     warmup: bool = True
     prefill_chunk: int = 0  # prompt tokens per prefill step; 0: the whole prompt in one step

@@ -17,7 +17,7 @@ from typing import Any
 import ray
 import torch
 
-from raycluster_cli.bench import experiment, fitting, pilots, scheduling, workload
+from raycluster_cli.bench import experiment, fitting, pilots, planning, workload
 from raycluster_cli.bench.options import BenchOptions
 from raycluster_cli.models.decoder import prefill_chunks
 from raycluster_cli.node import stage_worker as pipeline
@@ -29,9 +29,9 @@ log = logging.getLogger("raycluster.bench")
 Ranges = list[list[tuple[int, int]]]
 # The counted run has at least this many times a pilot's least requests: 2 x (stages + 1) micro-batches per
 # replica, all in flight from the start (offline, fewer than 4 x stages are admitted at once:
-# scheduling.in_flight_limit), so the stages idle only in the first and last step's fill and drain (session 4:
+# planning.in_flight_limit), so the stages idle only in the first and last step's fill and drain (measured:
 # a run sized to 4 micro-batches on 3 stages idled its busiest stage 3.4 s of 17.6 s). It was 4 until the
-# default model grew 3x deeper (session 10): a run lasts its calls times a call's compute, and the deeper
+# default model grew 3x deeper: a run lasts its calls times a call's compute, and the deeper
 # model is what makes Ray's per-call overhead small (see size_model).
 COUNTED_FLOOR = 2
 
@@ -68,7 +68,7 @@ class Session:
         manual = options.manual_counts
         num_stages = options.stages or (len(manual) if manual else None) or len(nodes)
         provisional = options.layers or (sum(manual) if manual else max(4, num_stages))
-        plan = scheduling.plan_replicas(len(nodes), num_stages, options.replicas, options.allow_shared_nodes)
+        plan = planning.replica_nodes(len(nodes), num_stages, options.replicas, options.allow_shared_nodes)
         gpus = gpu_counts(nodes)
         gpu_nodes = set(gpus)
         node_ids = [nodes[i]["node_id"] for replica in plan for i in replica]
@@ -164,7 +164,7 @@ class Session:
 
         Ray's own handling of each call on a stage's node (taking the micro-batch in, sending the result out:
         about 3 ms of CPU per call at full speed) is outside the stage's clock T_i and costs a slow node a
-        larger share of its time. Measured on hosts at 1.0/0.25/0.25 CPU (session 10, one run each): with the
+        larger share of its time. Measured on hosts at 1.0/0.25/0.25 CPU (one run each): with the
         slowest node holding 14 blocks it was 12% of that node's CPU and the wall-clock imbalance 0.24; with 44
         blocks, 4% and 0.02 (--min-blocks-per-node, 48 by default).
         """

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from raycluster_cli.bench import experiment
-from raycluster_cli.bench.scheduling import scaling_efficiency
+from raycluster_cli.bench.planning import scaling_efficiency
 from raycluster_cli.node import stage_worker as pipeline
 from raycluster_cli.placement import memory
 

@@ -28,6 +28,7 @@ import psutil
 import ray
 import torch
 
+from raycluster_cli.bench.planning import arrival_times, in_flight_limit, power_of_two_choice
 from raycluster_cli.bench.results import (
     BenchParams,
     LostStage,
@@ -37,7 +38,6 @@ from raycluster_cli.bench.results import (
     stage_report,
     window_rates,
 )
-from raycluster_cli.bench.scheduling import arrival_times, in_flight_limit, power_of_two_choice
 from raycluster_cli.models.decoder import ModelConfig, prefill_chunks
 from raycluster_cli.node import stage_worker as pipeline
 

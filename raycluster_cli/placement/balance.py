@@ -47,7 +47,7 @@ def capacity_time(busy_s: float, cpu_s: float, quota_cpus: float | None, others_
     passes: Ray's per-call work in that process (receiving the step, sending its output on) is paid
     from the same quota.  On a 0.25-CPU node it was 0.64 of 4.8 CPU-s (about 2 ms per call), worth
     2.8 s of the quota's wall time; left out, the split gave those nodes 13 % too much work and
-    they, not the busiest stage by wall clock, set the pace (session 7, docs/PERFORMANCE.md).
+    they, not the busiest stage by wall clock, set the pace (docs/PERFORMANCE.md).
     """
     if quota_cpus is None or quota_cpus <= 0:
         return float(busy_s)
@@ -63,7 +63,7 @@ def capacity_costs(calibration: Mapping[str, Any]) -> dict[str, Any]:
     is timed at once, and on shared cores (a lab on one machine, other tenants) a node then gets less
     than its quota, so its wall clock shows the contention of the moment, not the node.  On the
     1.0 / 0.5 / 0.25-CPU lab under load the wall clock saw 1 : 1.1 : 1.3 and serve's split put as many
-    blocks on the 0.25-CPU node as on the 0.5 (session 22); serving, the stages then ran 1 : 2 : 4, the
+    blocks on the 0.25-CPU node as on the 0.5; serving, the stages then ran 1 : 2 : 4, the
     quotas.  Without a quota or CPU reading, or on a GPU (whose work is not this process's CPU time),
     the wall-clock seconds stand.  The wall-clock figures stay under ``<type>_wall_s``.
     """

@@ -306,7 +306,7 @@ class Engine:
 
         Steps of unequal cost hold each other up in a pipeline: the steps behind a costly one wait at every stage
         and the stages before it idle.  Under a steady load a new prompt's whole chunk in one step of decodes made
-        it cost its stages several times the others (session 28: the head stage's mean step 39-41 ms against a
+        it cost its stages several times the others (measured on the lab: the head stage's mean step 39-41 ms against a
         median of 21-23, 0.55 of the pipeline's ceiling); cut to the steps around it, its chunks travel in
         consecutive steps (they need not wait for each other, ``serve.scheduler``), so the prompt is not
         delayed by round trips.  When every step in flight is heavy (a burst of prompts) the next may be too."""
@@ -322,7 +322,7 @@ class Engine:
         lab a stage of 5 blocks took 10.3 ms of CPU for 1 row, 14.6 ms for 4.2), and a third step only
         queues at the busiest stage.  Capped so, a sequence that comes back alone (or a new one) waits for
         the next step to return and goes with its rows, instead of travelling on in a step of its own for
-        the rest of its life (session 22: 1.33 rows per step at 4 sequences)."""
+        the rest of its life (measured: 1.33 rows per step at 4 sequences)."""
         active = self.scheduler.active
         if active == 0:
             return self.max_in_flight

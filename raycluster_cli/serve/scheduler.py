@@ -86,8 +86,8 @@ class Limits:
 
         A pipeline of S stages keeps S steps travelling (one on each stage), and the running sequences are
         shared among them: with ``slots`` in all, each step carries only slots / S rows, and a stage's step
-        costs nearly as much for few rows as for many (its weights are read once per step).  Session 23:
-        4.3 rows per step on 3 stages against 12 on one node, so the pipeline spent 1.5-1.9x the CPU per
+        costs nearly as much for few rows as for many (its weights are read once per step).  Measured on
+        the lab: 4.3 rows per step on 3 stages against 12 on one node, so the pipeline spent 1.5-1.9x the CPU per
         token.  vLLM's pipeline parallelism does the same: one scheduler of ``max_num_seqs`` per step in
         flight (its "virtual engines").  Each stage keeps the KV cache of its own blocks only (S x slots slots
         over an even 1/S of the blocks weigh what ``slots`` of the whole model do); the launcher's memory

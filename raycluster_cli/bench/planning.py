@@ -1,4 +1,5 @@
-"""Pure-Python pieces of the runtime: arrivals, routing, placement and the derived metrics.
+"""The benchmark's plan in plain numbers: arrivals, routing, which nodes make a replica, micro-batch sizes and
+the ceilings a run is read against.
 
 No torch, no Ray: everything here is unit-tested with plain numbers.
 """
@@ -45,7 +46,7 @@ def power_of_two_choice(candidates: Sequence[int], loads: Sequence[float], rng: 
     return first if loads[first] <= loads[second] else second
 
 
-def plan_replicas(num_nodes: int, stages: int, replicas: int | None, allow_shared: bool) -> list[list[int]]:
+def replica_nodes(num_nodes: int, stages: int, replicas: int | None, allow_shared: bool) -> list[list[int]]:
     """Node indices of each replica's stages: replica r, stage s on node r*stages + s.
 
     By default as many replicas as fit with one stage per node (``num_nodes // stages``); asking for
@@ -146,7 +147,7 @@ def in_flight_limit(
     micro-batches into equal waves of at most 4 x stages: a replica runs ``limit`` micro-batches side
     by side, each replaced by the next as it completes, so the last wave runs with only what is left
     in flight.  With a plain cap of 12 on 3 stages, 16 micro-batches ran as 12 and then a tail of 4,
-    during which the busiest stage waited for the quota-limited ones (session 7: 2.6 s of its 5.1 s
+    during which the busiest stage waited for the quota-limited ones (measured: 2.6 s of its 5.1 s
     idle fell in the last fifth of the run); as 8 + 8 every wave keeps 8 in flight.  Fewer than 4 x
     stages are all admitted at once.  Under Poisson arrivals the default stays 2 x stages (latency:
     a deeper queue only adds waiting).

@@ -8,15 +8,15 @@ from collections import Counter
 
 import pytest
 
-from raycluster_cli.bench.scheduling import (
+from raycluster_cli.bench.planning import (
     arrival_times,
     batch_sizes,
     ceiling_gap,
     ceiling_tokens_per_s,
     in_flight_limit,
-    plan_replicas,
     power_of_two_choice,
     predicted_busy,
+    replica_nodes,
     scaling_efficiency,
 )
 from raycluster_cli.node.cgroup import cgroup_cpu_usage_s, cpu_quota, torch_threads
@@ -55,18 +55,18 @@ def test_routing_keeps_replicas_balanced() -> None:
     assert max(loads) - min(loads) <= 2
 
 
-def test_plan_replicas() -> None:
-    assert plan_replicas(3, 3, None, False) == [[0, 1, 2]]
-    assert plan_replicas(3, 1, None, False) == [[0], [1], [2]]
-    assert plan_replicas(5, 2, None, False) == [[0, 1], [2, 3]]
-    assert plan_replicas(1, 1, 3, True) == [[0], [0], [0]]
-    assert plan_replicas(2, 3, None, True) == [[0, 1, 0]]
+def test_replica_nodes() -> None:
+    assert replica_nodes(3, 3, None, False) == [[0, 1, 2]]
+    assert replica_nodes(3, 1, None, False) == [[0], [1], [2]]
+    assert replica_nodes(5, 2, None, False) == [[0, 1], [2, 3]]
+    assert replica_nodes(1, 1, 3, True) == [[0], [0], [0]]
+    assert replica_nodes(2, 3, None, True) == [[0, 1, 0]]
     with pytest.raises(ValueError, match="allow-shared-nodes"):
-        plan_replicas(2, 3, None, False)
+        replica_nodes(2, 3, None, False)
     with pytest.raises(ValueError, match="allow-shared-nodes"):
-        plan_replicas(3, 1, 4, False)
+        replica_nodes(3, 1, 4, False)
     with pytest.raises(ValueError, match="no alive"):
-        plan_replicas(0, 1, None, False)
+        replica_nodes(0, 1, None, False)
 
 
 def test_sweep_helpers_and_ceiling() -> None:
