@@ -201,7 +201,7 @@ def test_the_service_key_opens_the_service_only_and_the_cluster_token_opens_no_s
 # A stranger's process on the cluster network: every listening TCP port of every lab host is tried as torch's
 # rendezvous store (connect, write a forged rank-1 address record, list the keys), all at once, 3 s each.
 _STRANGER = """
-import json, sys, threading
+import json, os, sys, threading, time
 from datetime import timedelta
 import torch.distributed as dist
 targets, answered = json.loads(sys.argv[1]), []
@@ -214,8 +214,10 @@ def one(ip, port):
         pass
 threads = [threading.Thread(target=one, args=(ip, port), daemon=True) for ip, port in targets]
 [t.start() for t in threads]
-[t.join(20) for t in threads]
-print(json.dumps(answered))
+end = time.monotonic() + 20  # one deadline for all: a port that never answers holds its thread, not the scan
+[t.join(max(0.0, end - time.monotonic())) for t in threads]
+print(json.dumps(answered), flush=True)
+os._exit(0)  # the threads still connecting are abandoned, not waited for
 """
 
 
