@@ -197,8 +197,8 @@ def read_options(argv: list[str]) -> LaunchOptions:
         raise SystemExit(f"serve: --options {given}: {exc.strerror or exc}") from None
     except ValidationError as exc:
         message, flag = problem(exc)
-        fix = f"give {flag} a value its description allows" if flag else "see serve/options.py"
-        raise SystemExit(f"serve: {message} ({fix})") from None
+        where = f"what {flag} takes" if flag else "the options"
+        raise SystemExit(f"serve: {message} (serve/options.py's LaunchOptions says {where})") from None
 
 
 def main(argv: list[str] | None = None) -> int:

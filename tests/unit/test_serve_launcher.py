@@ -17,6 +17,7 @@ from raycluster_cli.serve.__main__ import _report, _settings, http_options, read
 from raycluster_cli.serve.options import LaunchOptions
 from raycluster_cli.serve.settings import ServeSettings
 from raycluster_cli.verbs import serve
+from raycluster_cli.verbs.serve_keys import KEYS_IN_CONTAINER
 
 from .test_serve_verb import INVENTORY, _flags
 
@@ -52,7 +53,8 @@ def test_cli_flags_reach_the_launchers_settings_through_one_json_document(tmp_pa
     plain = read_options(
         ["--options", serve.launch_options(inv, "/m", serve_options(_flags("--model-path", "x"))).model_dump_json()]
     )
-    assert plain == LaunchOptions(model_path="/m", host="192.0.2.10", keys_file=plain.keys_file, record=serve.RECORD)
+    defaults = LaunchOptions(model_path="/m", host="192.0.2.10", keys_file=KEYS_IN_CONTAINER, record=serve.RECORD)
+    assert plain == defaults
 
 
 def test_a_bad_launcher_option_is_one_line_naming_its_flag(tmp_path: Path) -> None:
@@ -62,8 +64,8 @@ def test_a_bad_launcher_option_is_one_line_naming_its_flag(tmp_path: Path) -> No
         return str(stopped.value.code)
 
     assert refused('{"model_path": "/m", "dtype": "fp8"}') == (
-        "serve: --dtype 'fp8' is not one of auto, float32, bfloat16, float16 (give --dtype a value its description"
-        " allows)"
+        "serve: --dtype 'fp8' is not one of auto, float32, bfloat16, float16 (serve/options.py's LaunchOptions says"
+        " what --dtype takes)"
     )
     assert refused('{"model_path": "/m", "split": "2,x"}').startswith("serve: --split '2,x': blocks per stage")
     assert refused('{"model_path": "/m", "slots": 0}').startswith("serve: --slots 0: Input should be greater")
