@@ -1,10 +1,11 @@
 """``python -m raycluster_cli.serve``: deploy the service on the Ray cluster this node belongs to.
 
-Run inside a node's container (or as a Ray job): it connects to the running cluster, finds the alive
-nodes, measures each one's cost per block with the bench's calibration, places floor(N/S) replicas
-of S stages (``placement.pipelines``: each replica's blocks split min-max over its nodes' speeds), starts
-Ray Serve's HTTP proxy on ``--host:--port``, deploys the model and returns once a real generation
-went through every stage of every replica, printing one JSON line:
+Run inside a node's container (or as a Ray job) with ``--options @FILE`` (or ``--options JSON``): the JSON of
+serve/options.py's ``LaunchOptions``, the model `raycluster serve`'s flags are made of, so no flag is written twice.
+It connects to the running cluster, finds the alive nodes, measures each one's cost per block with the bench's
+calibration, places floor(N/S) replicas of S stages (``placement.pipelines``: each replica's blocks split min-max
+over its nodes' speeds), starts Ray Serve's HTTP proxy on ``host:port``, deploys the model and returns once a real
+generation went through every stage of every replica, printing one JSON line:
 
     {"url": "http://IP:PORT/v1", "model": ID, "replicas": R, "split": [[a, b], ...] (replica 0's unit ranges),
      "pipelines": [{"stages": [{"units": [a, b], "blocks": k, "node_ip": IP, "node_id": ID, "stage_s": s}, ...],
@@ -17,7 +18,7 @@ bench's placement and replicas, routed by measured speed).
 Units are the model's embedding (0), blocks (1..L) and head (L+1); ``[a, b)`` is half-open;
 ``stage_s`` is the modelled seconds of the stage per calibration step (absent when not measured).  The application outlives this
 process, as Ray Serve applications do; ``serve.delete`` or ``serve shutdown`` removes it.  Callers present one of
-the service's own keys (``--keys-file``, digests only; serve/auth.py), never the cluster's Ray token.
+the service's own keys (``keys_file``, digests only; serve/auth.py), never the cluster's Ray token.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ from raycluster_cli.placement.pipelines import NodeSpeed, plan_replicas
 from raycluster_cli.serve import image_launch
 from raycluster_cli.serve.app import build_app
 from raycluster_cli.serve.fleet import Calibration, alive_nodes, measure
+from raycluster_cli.serve.options import MAX_SEQ_DEFAULT, LaunchOptions, ValidationError, problem
 from raycluster_cli.serve.scheduler import Limits
 from raycluster_cli.serve.settings import ServeSettings
 from raycluster_cli.serve.stages import split_units
@@ -54,83 +56,6 @@ APP_NAME = "raycluster"
 # nodes otherwise, and
 # an ingress on the node that died would fail every request it held.
 INGRESS_ACTOR_OPTIONS = {"num_cpus": 0, "resources": {"node:__internal_head__": 0.001}}
-
-
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m raycluster_cli.serve", description=__doc__.splitlines()[0])
-    p.add_argument("--model-path", required=True, help="a Hugging Face checkpoint folder on every node")
-    p.add_argument("--model-id", default="", help="the name clients pass as model (default: the folder's name)")
-    p.add_argument("--host", default="0.0.0.0")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--stages", type=int, default=1, help="stages per pipeline (replica)")
-    p.add_argument("--split", default="", help="blocks per stage, e.g. 4,3,3 (default: balanced by measured speed)")
-    p.add_argument("--replicas", type=int, default=0, help="pipelines (default 0: as many as nodes allow, N // stages)")
-    p.add_argument("--no-measure", action="store_true", help="skip the calibration: even split (or --split)")
-    p.add_argument("--calibrate-repeats", type=int, default=3, help="timed rounds per node (median kept)")
-    p.add_argument("--calibrate-sample-s", type=float, default=0.1, help="least seconds per timed sample")
-    p.add_argument("--replace-period", type=float, default=30.0, help="seconds between looks for nodes to take in")
-    p.add_argument(
-        "--steps-in-flight",
-        type=int,
-        default=0,
-        help="steps travelling through a pipeline at once (default 0: one per stage); more keep every stage fed"
-        " while a step is back at the ingress being sampled, at slots x steps KV slots per stage",
-    )
-    p.add_argument(
-        "--links",
-        choices=["direct", "ray"],
-        default="direct",
-        help="how a step travels between stages: direct links (torch.distributed over TCP between the stages'"
-        " nodes; Ray's calls where they do not form) or Ray's calls only",
-    )
-    p.add_argument(
-        "--rebalance-period",
-        type=float,
-        default=20.0,
-        help="seconds between looks at the stages' times under load, re-splitting a pipeline they show unbalanced"
-        " (0: never)",
-    )
-    p.add_argument(
-        "--slots",
-        type=int,
-        default=16,
-        help="sequences in one step (a pipeline of S stages keeps S steps in flight: S x slots KV slots)",
-    )
-    p.add_argument(
-        "--max-seq",
-        type=int,
-        default=0,
-        help=f"prompt + generated tokens per sequence (0: the checkpoint's own limit, at most {MAX_SEQ_DEFAULT})",
-    )
-    p.add_argument("--prefill-chunk", type=int, default=64)
-    p.add_argument(
-        "--dtype",
-        default="auto",
-        choices=("auto", "float32", "bfloat16", "float16"),
-        help="weights, KV cache and activations; auto: the checkpoint's dtype when every node has a GPU, else float32",
-    )
-    p.add_argument(
-        "--keys-file",
-        default="",
-        help="the service's keys document (digests of its API keys, raycluster_cli.apikeys), read again when it"
-        " changes; never the Ray cluster's token",
-    )
-    p.add_argument("--no-auth", action="store_true", help="accept requests without a key (loopback tests only)")
-    p.add_argument("--key-max-requests", type=int, default=0, help="requests in flight per key (0: no bound)")
-    p.add_argument("--key-max-tokens", type=int, default=0, help="tokens in flight per key (0: no bound)")
-    p.add_argument("--tls-cert", default="", help="the API's certificate (PEM), with --tls-key: HTTPS")
-    p.add_argument("--tls-key", default="", help="the API's private key (PEM)")
-    p.add_argument("--record", default="", help="also write the JSON document to this file (for `raycluster status`)")
-    p.add_argument(
-        "--proxy-location",
-        default="HeadOnly",
-        help="Ray Serve's HTTP proxies: HeadOnly (one, on --host) or EveryNode (then --host must be 0.0.0.0)",
-    )
-    image_launch.add_arguments(p)
-    return p
-
-
-MAX_SEQ_DEFAULT = 4096
 
 
 def default_max_seq(model_path: str) -> int:
@@ -151,27 +76,27 @@ def _read_config(path: Path) -> dict[str, Any]:
     return raw if isinstance(raw, dict) else {}
 
 
-def _keys_file(args: argparse.Namespace) -> str | None:
+def _keys_file(options: LaunchOptions) -> str | None:
     """The keys document's path (checked readable now, so a wrong path fails the launch, not every request)."""
-    if args.no_auth:
+    if options.no_auth:
         return None
-    if not args.keys_file:
+    if not options.keys_file:
         raise SystemExit("serve: no API keys: pass --keys-file (the service's keys document), or --no-auth")
     try:
-        parse_keys(Path(args.keys_file).read_text())
+        parse_keys(Path(options.keys_file).read_text())
     except (OSError, ValueError) as exc:
-        raise SystemExit(f"serve: --keys-file {args.keys_file}: {exc}") from None
-    return str(args.keys_file)
+        raise SystemExit(f"serve: --keys-file {options.keys_file}: {exc}") from None
+    return str(options.keys_file)
 
 
-def http_options(args: argparse.Namespace) -> dict[str, Any]:
+def http_options(options: LaunchOptions) -> dict[str, Any]:
     """Ray Serve's HTTP proxy: the address and port, HTTPS when given a certificate and its key."""
-    options: dict[str, Any] = {"host": args.host, "port": args.port}
-    if bool(args.tls_cert) != bool(args.tls_key):
+    http: dict[str, Any] = {"host": options.host, "port": options.port}
+    if bool(options.tls_cert) != bool(options.tls_key):
         raise SystemExit("serve: --tls-cert and --tls-key go together")
-    if args.tls_cert:
-        options |= {"ssl_certfile": args.tls_cert, "ssl_keyfile": args.tls_key}
-    return options
+    if options.tls_cert:
+        http |= {"ssl_certfile": options.tls_cert, "ssl_keyfile": options.tls_key}
+    return http
 
 
 def _on_gpus() -> bool:
@@ -180,38 +105,40 @@ def _on_gpus() -> bool:
     return bool(alive) and all(n["gpus"] >= 1 for n in alive)
 
 
-def _rooms(cfg: ModelConfig, args: argparse.Namespace, node_ids: list[str]) -> tuple[dict[str, int], memory.Demand]:
+def _rooms(cfg: ModelConfig, options: LaunchOptions, node_ids: list[str]) -> tuple[dict[str, int], memory.Demand]:
     """Each node's bytes for a stage's units (after a step's room), and the model's demand; refuses, with the
     numbers, a model no split over ``--stages`` nodes can hold."""
     capacities = measure_rooms(node_ids, timeout_s=120)
     # each stage holds --slots KV slots for each step in flight (Limits.for_steps): --steps-in-flight, else --stages
-    need = memory.demand(cfg, rows=args.slots * (args.steps_in_flight or args.stages), tokens=args.prefill_chunk)
-    memory.check_fits(need, capacities, args.stages)
+    need = memory.demand(
+        cfg, rows=options.slots * (options.steps_in_flight or options.stages), tokens=options.prefill_chunk
+    )
+    memory.check_fits(need, capacities, options.stages)
     return {c.node_id: max(0, c.usable - need.fixed) for c in capacities}, need
 
 
-def _placement(args: argparse.Namespace, settings: ServeSettings, layers: int) -> ServeSettings:
+def _placement(options: LaunchOptions, settings: ServeSettings, layers: int) -> ServeSettings:
     """The settings with the replicas placed on the alive nodes, by their measured speeds unless told not."""
-    cfg = config_from_checkpoint(args.model_path, max_seq=args.max_seq, dtype=settings.dtype)
+    cfg = config_from_checkpoint(options.model_path, max_seq=options.max_seq, dtype=settings.dtype)
     nodes = alive_nodes()
     try:
-        rooms, need = _rooms(cfg, args, list(nodes))  # before any weights are built anywhere
+        rooms, need = _rooms(cfg, options, list(nodes))  # before any weights are built anywhere
     except DoesNotFit as exc:
         raise SystemExit(f"serve: {exc}") from None
-    if args.no_measure:
+    if options.no_measure:
         speeds = [NodeSpeed(node_id, ip, ()) for node_id, ip in nodes.items()]
     else:
         calibration = Calibration(
-            batch=min(args.slots, 8),
-            repeats=args.calibrate_repeats,
-            min_sample_s=args.calibrate_sample_s,
-            prefill_chunk=args.prefill_chunk,
+            batch=min(options.slots, 8),
+            repeats=options.calibrate_repeats,
+            min_sample_s=options.calibrate_sample_s,
+            prefill_chunk=options.prefill_chunk,
         )
         speeds = measure(cfg, nodes, calibration)
     speeds = [replace(s, capacity=rooms.get(s.node_id)) for s in speeds]
-    given = split_units(layers, args.stages, settings.split) if settings.split or args.no_measure else None
+    given = split_units(layers, options.stages, settings.split) if settings.split or options.no_measure else None
     try:
-        plans = plan_replicas(speeds, args.stages, args.replicas, given, unit_bytes=list(need.units))
+        plans = plan_replicas(speeds, options.stages, options.replicas, given, unit_bytes=list(need.units))
     except DoesNotFit as exc:
         raise SystemExit(f"serve: {exc}") from None
     measured = tuple(s for s in speeds if s.unit_costs)
@@ -239,43 +166,59 @@ def _report(url: str, settings: ServeSettings, layers: int) -> dict[str, Any]:
     }
 
 
-def _settings(args: argparse.Namespace, keys_file: str | None) -> ServeSettings:
-    """The service's settings from the flags, before any placement."""
-    split = tuple(int(c) for c in args.split.split(",")) if args.split else None
+def _settings(options: LaunchOptions, keys_file: str | None) -> ServeSettings:
+    """The deployment's runtime settings from the launcher's options, before any placement."""
+    split = options.split_counts
     return ServeSettings(
-        model_path=args.model_path,
-        model_id=args.model_id,
+        model_path=options.model_path,
+        model_id=options.model_id,
         keys_file=keys_file,
-        key_max_requests=args.key_max_requests or None,
-        key_max_tokens=args.key_max_tokens or None,
-        stages=args.stages,
+        key_max_requests=options.key_max_requests or None,
+        key_max_tokens=options.key_max_tokens or None,
+        stages=options.stages,
         split=split,
-        limits=Limits(slots=args.slots, max_seq=args.max_seq, prefill_chunk=args.prefill_chunk),
-        replace_period_s=args.replace_period,
-        rebalance_period_s=0.0 if split else args.rebalance_period,  # a split the operator gave is kept
-        max_in_flight=args.steps_in_flight or None,
-        links=args.links,
+        limits=Limits(slots=options.slots, max_seq=options.max_seq, prefill_chunk=options.prefill_chunk),
+        replace_period_s=options.replace_period,
+        rebalance_period_s=0.0 if split else options.rebalance_period,  # a split the operator gave is kept
+        max_in_flight=options.steps_in_flight or None,
+        links=options.links,
     )
 
 
+def read_options(argv: list[str]) -> LaunchOptions:
+    """The launcher's options: ``--options @FILE`` (the file `raycluster serve` writes in the head's container)
+    or ``--options JSON``, LaunchOptions' fields; a bad one is one line naming its flag."""
+    parser = argparse.ArgumentParser(prog="python -m raycluster_cli.serve", description=__doc__.splitlines()[0])
+    parser.add_argument("--options", required=True, help="@FILE or JSON: serve/options.py's LaunchOptions")
+    given = parser.parse_args(argv).options
+    try:
+        return LaunchOptions.model_validate_json(Path(given[1:]).read_text() if given.startswith("@") else given)
+    except OSError as exc:
+        raise SystemExit(f"serve: --options {given}: {exc.strerror or exc}") from None
+    except ValidationError as exc:
+        message, flag = problem(exc)
+        where = f"what {flag} takes" if flag else "the options"
+        raise SystemExit(f"serve: {message} (serve/options.py's LaunchOptions says {where})") from None
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
-    if is_diffusers_folder(args.model_path):  # the images API (serve/image_launch.py)
-        return image_launch.launch(args, _keys_file(args), APP_NAME, INGRESS_ACTOR_OPTIONS, http_options(args))
-    args.max_seq = args.max_seq or default_max_seq(args.model_path)
-    settings = _settings(args, _keys_file(args))
-    layers = config_from_checkpoint(args.model_path, max_seq=args.max_seq).layers
-    split_units(layers, args.stages, settings.split)  # a bad split fails here, before anything starts
+    options = read_options(sys.argv[1:] if argv is None else argv)
+    if is_diffusers_folder(options.model_path):  # the images API (serve/image_launch.py)
+        return image_launch.launch(options, _keys_file(options), APP_NAME, INGRESS_ACTOR_OPTIONS, http_options(options))
+    options = options.model_copy(update={"max_seq": options.max_seq or default_max_seq(options.model_path)})
+    settings = _settings(options, _keys_file(options))
+    layers = config_from_checkpoint(options.model_path, max_seq=options.max_seq).layers
+    split_units(layers, options.stages, settings.split)  # a bad split fails here, before anything starts
     ray.init(address="auto")
-    cfg = config_from_checkpoint(args.model_path, max_seq=args.max_seq, dtype=args.dtype, on_gpu=_on_gpus())
-    settings = _placement(args, replace(settings, dtype=cfg.dtype), layers)
-    serve.start(proxy_location=args.proxy_location, http_options=http_options(args))
+    cfg = config_from_checkpoint(options.model_path, max_seq=options.max_seq, dtype=options.dtype, on_gpu=_on_gpus())
+    settings = _placement(options, replace(settings, dtype=cfg.dtype), layers)
+    serve.start(proxy_location=options.proxy_location, http_options=http_options(options))
     serve.run(build_app(settings, ray_actor_options=INGRESS_ACTOR_OPTIONS), name=APP_NAME, route_prefix="/")
-    scheme = "https" if args.tls_cert else "http"
-    url = f"{scheme}://{ray.util.get_node_ip_address()}:{args.port}/v1"
+    scheme = "https" if options.tls_cert else "http"
+    url = f"{scheme}://{ray.util.get_node_ip_address()}:{options.port}/v1"
     document = json.dumps(_report(url, settings, layers))
-    if args.record:
-        Path(args.record).write_text(document + "\n")
+    if options.record:
+        Path(options.record).write_text(document + "\n")
     print(document)
     return 0
 

@@ -5,7 +5,8 @@ The service itself is node side (raycluster_cli/serve/: Ray Serve, the stages, t
 model where every node can read it (image/model_relay.py: a folder on this machine is relayed into each host's
 model cache, mounted read-only into the Ray containers; a path that is not on this machine is taken as one on the
 nodes), then
-runs the launcher (`python -m raycluster_cli.serve`) in the head's container: it deploys the Ray Serve application
+runs the launcher (`python -m raycluster_cli.serve`) in the head's container with its options (serve/options.py's
+LaunchOptions, the same model the CLI's flags are) as a JSON file there: it deploys the Ray Serve application
 and returns once a real generation went through every stage. The application outlives the launcher and this
 process (Ray Serve keeps it), so closing the operator's laptop does not stop it; `serve --stop` removes it. The
 launcher's document is kept in the head's container, for `status`. Never prints.
@@ -13,7 +14,6 @@ launcher's document is kept in the head's container, for `status`. Never prints.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import re
 import shlex
@@ -27,6 +27,7 @@ from raycluster_cli.delivery.models import ModelFolder
 from raycluster_cli.errors import OperationError, UsageError
 from raycluster_cli.host.containers import SOURCE_ENV, TOKEN_IN_CONTAINER, container_name
 from raycluster_cli.progress import Progress, quiet
+from raycluster_cli.serve.options import LaunchOptions, ServeOptions
 from raycluster_cli.transport import Transport, quote
 from raycluster_cli.transport.pool import Connect
 from raycluster_cli.verbs import serve_keys
@@ -34,31 +35,8 @@ from raycluster_cli.verbs.serve_keys import KEYS_IN_CONTAINER
 
 APP = "raycluster"  # the Ray Serve application's name (the launcher's APP_NAME)
 RECORD = "/tmp/raycluster-serve.json"  # the launcher's document, in the head's container
+LAUNCH_OPTIONS = "/tmp/raycluster-serve-options.json"  # the launcher's options (LaunchOptions), in the head's container
 _FLAG = re.compile(r"pass (--[a-z][a-z-]*(?: \S+)?)")  # a launcher error that names its fix
-
-
-@dataclass(frozen=True)
-class ServeOptions:
-    model_path: str
-    port: int = 8000
-    stages: int | None = None  # stages per pipeline (default: one per node, as many as the model has blocks)
-    slots: int = 16
-    max_seq: int = 0  # 0: the checkpoint's own positions, at most 4096 (serve/__main__.default_max_seq)
-    model_id: str = ""
-    timeout_s: float = 900.0
-    dtype: str = "auto"
-    image_steps: int | None = None  # a diffusers checkpoint: denoising steps when a request gives none
-    image_max_steps: int | None = None  # the most denoising steps a request may ask (the launcher's default: 150)
-    image_max_pixels: int | None = None  # the most width x height a request may ask (default: 1024 x 1024)
-    rebalance_period_s: float = 20.0  # seconds between looks at the stages' times under load (0: never re-split)
-    steps_in_flight: int = 0  # steps travelling through a pipeline at once (0: one per stage)
-    links: str = "direct"  # how a step travels between stages: "direct" links or "ray" calls
-    api_key_file: str | None = None  # the operator's own key for the service (default: one made and kept here)
-    tls_cert: str | None = None  # the API over HTTPS with the operator's pair ...
-    tls_key: str | None = None
-    tls_self_signed: bool = False  # ... or with a self-signed pair made here for the head's addresses
-    key_max_requests: int = 0  # requests in flight per key whose entry sets none (0: no bound)
-    key_max_tokens: int = 0  # tokens in flight per key whose entry sets none (0: no bound)
 
 
 @dataclass
@@ -85,59 +63,50 @@ def _head(inventory: Inventory, connect: Connect) -> tuple[Transport, str]:
     return connect(inventory.head_host), quote(container_name(inventory, inventory.head_host))
 
 
-def launcher_command(
+def launch_options(
     inventory: Inventory, model_path: str, options: ServeOptions, tls: tuple[str, str] | None = None
-) -> str:
-    """The launcher's command line in the head's container (its env sourced, as the Ray processes have it); the
-    service's keys are the document ``put_keys`` wrote there, ``tls`` the certificate and key ``put_tls`` did."""
-    args = [
-        "python", "-m", "raycluster_cli.serve", f"--model-path={model_path}",
-        f"--host={inventory.node_ip(inventory.head_host)}", f"--port={options.port}",
-        f"--slots={options.slots}", f"--max-seq={options.max_seq}", f"--record={RECORD}",
-        f"--dtype={options.dtype}", f"--rebalance-period={options.rebalance_period_s:g}",
-    ]  # fmt: skip
-    if options.stages:
-        args.append(f"--stages={options.stages}")
-    if options.steps_in_flight:
-        args.append(f"--steps-in-flight={options.steps_in_flight}")
-    if options.links != "direct":
-        args.append(f"--links={options.links}")
-    if options.model_id:
-        args.append(f"--model-id={options.model_id}")
-    if options.image_steps:
-        args.append(f"--image-steps={options.image_steps}")
-    if options.image_max_steps:
-        args.append(f"--image-max-steps={options.image_max_steps}")
-    if options.image_max_pixels:
-        args.append(f"--image-max-pixels={options.image_max_pixels}")
-    args.append(f"--keys-file={KEYS_IN_CONTAINER}")
-    if options.key_max_requests:
-        args.append(f"--key-max-requests={options.key_max_requests}")
-    if options.key_max_tokens:
-        args.append(f"--key-max-tokens={options.key_max_tokens}")
-    if tls is not None:
-        args += [f"--tls-cert={tls[0]}", f"--tls-key={tls[1]}"]
-    return f"{SOURCE_ENV} && exec {shlex.join(args)}"
+) -> LaunchOptions:
+    """What the launcher reads: the operator's options (less this machine's own: its key file, its deadline) with
+    the model where the nodes read it, the head's address, the keys document ``put_keys`` wrote in the head's
+    container and the TLS pair ``put_tls`` did; never a key."""
+    return LaunchOptions.model_validate(
+        {
+            **options.model_dump(exclude_none=True),  # unset (stages): the launcher's default
+            "model_path": model_path,
+            "host": inventory.node_ip(inventory.head_host),
+            "keys_file": KEYS_IN_CONTAINER,
+            "record": RECORD,
+            "tls_cert": tls[0] if tls else None,
+            "tls_key": tls[1] if tls else None,
+        }
+    )
+
+
+def launcher_command() -> str:
+    """The launcher's command line in the head's container (its env sourced, as the Ray processes have it), its
+    options the file ``serve`` wrote there (LAUNCH_OPTIONS)."""
+    return f"{SOURCE_ENV} && exec python -m raycluster_cli.serve --options @{LAUNCH_OPTIONS}"
 
 
 def serve(inventory: Inventory, connect: Connect, options: ServeOptions, progress: Progress = quiet) -> ServeResult:
     """Put the model on the hosts, deploy the service (replacing one already there), return once it generates."""
     started = time.monotonic()
-    if options.port < 1 or options.port > 65535:
-        raise UsageError(f"--port {options.port} is not a TCP port", "e.g. --port 8000")
+    if not options.model_path:
+        raise UsageError("serve needs --model-path DIR (or --stop)", "e.g. raycluster serve --model-path ./my-llama")
     path, model, copies = place_model(inventory, connect, options.model_path, progress)
     if model is not None and not options.model_id:  # the nodes read it under its digest: name it as its folder
-        options = dataclasses.replace(options, model_id=model.root.name)
+        options = options.model_copy(update={"model_id": model.root.name})
     if options.stages is None:  # the balanced pipeline across every node (no more stages than the model has blocks)
         blocks = _blocks(model) if model is not None else None
-        options = dataclasses.replace(options, stages=min(len(inventory.hosts), blocks or len(inventory.hosts)))
+        options = options.model_copy(update={"stages": min(len(inventory.hosts), blocks or len(inventory.hosts))})
     transport, head = _head(inventory, connect)
     tls_files = _tls_files(inventory, options)
     key_path = serve_keys.put_keys(inventory, connect, options.api_key_file)
     tls = serve_keys.put_tls(inventory, connect, tls_files) if tls_files is not None else None
     progress(f"deploying the service from {inventory.head_address}'s container (returns once it generates)")
-    command = f"docker exec {head} sh -c {quote(launcher_command(inventory, path, options, tls))}"
-    result = transport.run(command, timeout=options.timeout_s)
+    launch = launch_options(inventory, path, options, tls)
+    serve_keys.put_in_head(transport, head, LAUNCH_OPTIONS, launch.model_dump_json().encode())
+    result = transport.run(f"docker exec {head} sh -c {quote(launcher_command())}", timeout=options.timeout)
     document = _last_json(result.stdout)
     if not result.ok or document is None:
         tail = (result.stderr.strip().splitlines() or [f"exit {result.rc}"])[-1]
@@ -146,7 +115,7 @@ def serve(inventory: Inventory, connect: Connect, options: ServeOptions, progres
             f"{inventory.head_address}: the service did not start: {tail}",
             f"run raycluster serve again with {flag.group(1)}"
             if flag
-            else f"its full output: raycluster exec -- {shlex.join(['sh', '-c', launcher_command(inventory, path, options, tls)])}",
+            else f"its full output: raycluster exec -- {shlex.join(['sh', '-c', launcher_command()])}",
         )
     return ServeResult(
         url=str(document.get("url", "")),

@@ -78,7 +78,8 @@ def _head(inventory: Inventory, connect: Connect) -> tuple[Transport, str]:
     return connect(inventory.head_host), quote(container_name(inventory, inventory.head_host))
 
 
-def _put_in_head(transport: Transport, head: str, path: str, data: bytes) -> None:
+def put_in_head(transport: Transport, head: str, path: str, data: bytes) -> None:
+    """``data`` as a file only root reads in the head's container (written whole, then renamed into place)."""
     folder = os.path.dirname(path)
     script = f"umask 077 && mkdir -p {quote(folder)} && cat > {quote(path + '.tmp')} && mv -f {quote(path + '.tmp')} {quote(path)}"
     result = transport.run(f"docker exec -i {head} sh -c {quote(script)}", stdin=data, timeout=30)
@@ -106,7 +107,7 @@ def head_keys(inventory: Inventory, connect: Connect) -> list[KeyEntry]:
 
 def _write_head_keys(inventory: Inventory, connect: Connect, entries: list[KeyEntry]) -> None:
     transport, head = _head(inventory, connect)
-    _put_in_head(transport, head, KEYS_IN_CONTAINER, render_keys(entries).encode())
+    put_in_head(transport, head, KEYS_IN_CONTAINER, render_keys(entries).encode())
 
 
 def ensure_default_key(inventory: Inventory, api_key_file: str | None = None) -> tuple[str, Path]:
@@ -273,8 +274,8 @@ def put_tls(inventory: Inventory, connect: Connect, files: TlsFiles) -> tuple[st
     """The pair into the head's container; the paths the launcher gives Ray Serve's proxy."""
     transport, head = _head(inventory, connect)
     cert, key = f"{TLS_IN_CONTAINER}/cert.pem", f"{TLS_IN_CONTAINER}/key.pem"
-    _put_in_head(transport, head, key, files.key.read_bytes())
-    _put_in_head(transport, head, cert, files.cert.read_bytes())
+    put_in_head(transport, head, key, files.key.read_bytes())
+    put_in_head(transport, head, cert, files.cert.read_bytes())
     return cert, key
 
 

@@ -13,7 +13,8 @@ pytestmark = [pytest.mark.slow]
 ray = pytest.importorskip("ray")
 pytest.importorskip("transformers")
 
-from raycluster_cli.serve.__main__ import _parser, _placement  # noqa: E402
+from raycluster_cli.serve.__main__ import _placement  # noqa: E402
+from raycluster_cli.serve.options import LaunchOptions  # noqa: E402
 from raycluster_cli.serve.settings import ServeSettings  # noqa: E402
 
 from ..llama_checkpoint import GQA, write_llama  # noqa: E402
@@ -28,13 +29,13 @@ def local_ray() -> Iterator[None]:
 
 def test_placement_measures_memory_and_refuses_what_cannot_fit(local_ray: None, tmp_path: Path) -> None:
     path = write_llama(tmp_path / "tiny", **GQA)
-    common = ["--model-path", str(path), "--no-auth", "--max-seq", "64", "--calibrate-repeats", "1"]
-    args = _parser().parse_args([*common, "--slots", "2", "--calibrate-sample-s", "0.01"])
+    common = {"model_path": str(path), "no_auth": True, "max_seq": 64, "calibrate_repeats": 1}
+    args = LaunchOptions.model_validate({**common, "slots": 2, "calibrate_sample_s": 0.01})
     placed = _placement(args, ServeSettings(model_path=str(path), dtype="float32"), layers=3)
     [plan] = placed.plans
     assert plan.ranges[0][0] == 0 and plan.ranges[-1][1] == 5
     assert "within each node's memory" in plan.why
     # a KV cache of a billion slots fits no node: refused before any stage is built, with the numbers
-    args = _parser().parse_args([*common, "--slots", str(10**9), "--no-measure"])
+    args = LaunchOptions.model_validate({**common, "slots": 10**9, "no_measure": True})
     with pytest.raises(SystemExit, match=r"serve: the model does not fit the nodes' memory: it needs .* GB"):
         _placement(args, ServeSettings(model_path=str(path), dtype="float32"), layers=3)

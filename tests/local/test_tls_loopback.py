@@ -84,17 +84,16 @@ def test_ray_serves_proxy_serves_https_with_the_pair_and_our_client_verifies_it(
     """The launcher's HTTP options for `--tls-cert/--tls-key` (a pair made for the head, here 127.0.0.1) given to Ray
     Serve's own proxy: it serves HTTPS, our client reaches it verifying the certificate, refuses it without, and a
     plain http:// request gets no answer from the TLS port."""
-    import argparse
-
     pytest.importorskip("ray.serve")
     from raycluster_cli.serve.__main__ import http_options
+    from raycluster_cli.serve.options import LaunchOptions
 
     from ..local_ray import local_serve
     from .test_serve_proxy_guard import _app
 
     monkeypatch.setenv("RAYCLUSTER_STATE_DIR", str(tmp_path / "state"))
     files = serve_keys.self_signed(inventory.parse(INVENTORY, "inv.yaml"))
-    given = argparse.Namespace(host="127.0.0.1", port=0, tls_cert=str(files.cert), tls_key=str(files.key))
+    given = LaunchOptions(model_path="/m", host="127.0.0.1", tls_cert=str(files.cert), tls_key=str(files.key))
     tls = {k: v for k, v in http_options(given).items() if k.startswith("ssl_")}
     assert tls == {"ssl_certfile": str(files.cert), "ssl_keyfile": str(files.key)}
 

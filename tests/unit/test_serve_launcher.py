@@ -1,4 +1,5 @@
-"""The launcher's flags and its one JSON line (what the operator-side ``raycluster serve`` reads)."""
+"""The launcher's options (JSON of serve/options.py's LaunchOptions, from `raycluster serve`'s flags) and its one
+JSON line (what the operator-side ``raycluster serve`` reads)."""
 
 from __future__ import annotations
 
@@ -10,21 +11,71 @@ import pytest
 pytest.importorskip("ray")
 pytest.importorskip("torch")
 
+from raycluster_cli.config import inventory
 from raycluster_cli.placement.pipelines import NodeSpeed, plan_replicas
-from raycluster_cli.serve.__main__ import _parser, _report, _settings
+from raycluster_cli.serve.__main__ import _report, _settings, http_options, read_options
+from raycluster_cli.serve.options import LaunchOptions
 from raycluster_cli.serve.settings import ServeSettings
+from raycluster_cli.verbs import serve
+from raycluster_cli.verbs.serve_keys import KEYS_IN_CONTAINER
+
+from .test_serve_verb import INVENTORY, _flags
 
 
-def test_old_flags_still_parse_and_new_ones_default_to_measured_placement() -> None:
-    args = _parser().parse_args(["--model-path", "/m", "--stages", "2", "--split", "2,1", "--no-auth"])
-    assert (args.stages, args.split, args.replicas, args.no_measure) == (2, "2,1", 0, False)
-    args = _parser().parse_args(["--model-path", "/m", "--replicas", "1", "--no-measure", "--replace-period", "5"])
-    assert (args.replicas, args.no_measure, args.replace_period) == (1, True, 5.0)
-    assert (
-        args.dtype == "auto" and _parser().parse_args(["--model-path", "/m", "--dtype", "bfloat16"]).dtype == "bfloat16"
+def test_cli_flags_reach_the_launchers_settings_through_one_json_document(tmp_path: Path) -> None:
+    """`raycluster serve`'s flags -> ServeOptions -> the JSON the operator writes in the head's container -> the
+    launcher's LaunchOptions -> the deployment's ServeSettings: every value the operator gave arrives as given."""
+    from raycluster_cli.cli.serve import serve_options
+
+    argv = [
+        "--model-path", "./tiny", "--port", "8443", "--stages", "2", "--slots", "4", "--max-seq", "96",
+        "--model-id", "chat", "--dtype", "bfloat16", "--steps-in-flight", "3", "--links", "ray",
+        "--rebalance-period", "7.5", "--key-max-requests", "5", "--key-max-tokens", "900", "--image-steps", "8",
+    ]  # fmt: skip
+    options = serve_options(_flags(*argv))
+    inv = inventory.parse(INVENTORY, "inv.yaml")
+    document = serve.launch_options(inv, "/run/raycluster/models/abc", options, ("/t/c.pem", "/t/k.pem"))
+    (tmp_path / "options.json").write_text(document.model_dump_json())
+    for given in (f"@{tmp_path / 'options.json'}", document.model_dump_json()):
+        launch = read_options(["--options", given])
+        assert launch == document
+    settings = _settings(launch, "/tmp/raycluster-serve-keys.json")
+    assert (settings.model_path, settings.model_id, settings.stages) == ("/run/raycluster/models/abc", "chat", 2)
+    assert (settings.limits.slots, settings.limits.max_seq, settings.limits.prefill_chunk) == (4, 96, 64)
+    assert (settings.max_in_flight, settings.links, settings.rebalance_period_s) == (3, "ray", 7.5)
+    assert (settings.key_max_requests, settings.key_max_tokens) == (5, 900)
+    assert settings.keys_file == "/tmp/raycluster-serve-keys.json" and settings.replace_period_s == 30.0
+    assert (launch.dtype, launch.image_steps, launch.host) == ("bfloat16", 8, "192.0.2.10")
+    assert http_options(launch) == {
+        "host": "192.0.2.10", "port": 8443, "ssl_certfile": "/t/c.pem", "ssl_keyfile": "/t/k.pem"
+    }  # fmt: skip
+    # the defaults the CLI leaves are the launcher's: the same fields, one default each
+    plain = read_options(
+        ["--options", serve.launch_options(inv, "/m", serve_options(_flags("--model-path", "x"))).model_dump_json()]
     )
-    with pytest.raises(SystemExit):
-        _parser().parse_args(["--model-path", "/m", "--dtype", "fp8"])
+    defaults = LaunchOptions(model_path="/m", host="192.0.2.10", keys_file=KEYS_IN_CONTAINER, record=serve.RECORD)
+    assert plain == defaults
+
+
+def test_a_bad_launcher_option_is_one_line_naming_its_flag(tmp_path: Path) -> None:
+    def refused(text: str) -> str:
+        with pytest.raises(SystemExit) as stopped:
+            read_options(["--options", text])
+        return str(stopped.value.code)
+
+    assert refused('{"model_path": "/m", "dtype": "fp8"}') == (
+        "serve: --dtype 'fp8' is not one of auto, float32, bfloat16, float16 (serve/options.py's LaunchOptions says"
+        " what --dtype takes)"
+    )
+    assert refused('{"model_path": "/m", "split": "2,x"}').startswith("serve: --split '2,x': blocks per stage")
+    assert refused('{"model_path": "/m", "slots": 0}').startswith("serve: --slots 0: Input should be greater")
+    assert refused('{"model_path": "/m", "new_knob": 1}').startswith("serve: --new-knob is not an option of this")
+    assert refused("{}").startswith("serve: --model-path is missing")
+    assert (
+        refused(f"@{tmp_path / 'none.json'}")
+        == f"serve: --options @{tmp_path / 'none.json'}: No such file or directory"
+    )
+    assert "\n" not in refused("{not json")
 
 
 def test_the_json_line_names_url_model_replicas_and_each_replica_s_split() -> None:
@@ -44,13 +95,15 @@ def test_the_json_line_names_url_model_replicas_and_each_replica_s_split() -> No
 
 
 def test_the_service_re_splits_itself_unless_told_not_or_given_a_split() -> None:
-    def period(*flags: str) -> float:
-        return _settings(_parser().parse_args(["--model-path", "/m", "--no-auth", *flags]), None).rebalance_period_s
+    def period(**given: object) -> float:
+        return _settings(
+            LaunchOptions.model_validate({"model_path": "/m", "no_auth": True, **given}), None
+        ).rebalance_period_s
 
-    assert period() == 20.0 and period("--rebalance-period", "5") == 5.0 and period("--rebalance-period", "0") == 0
-    assert period("--stages", "2", "--split", "2,1") == 0.0  # the operator's split is kept as given
-    steps = _settings(_parser().parse_args(["--model-path", "/m", "--steps-in-flight", "4"]), None).max_in_flight
-    assert steps == 4 and _settings(_parser().parse_args(["--model-path", "/m"]), None).max_in_flight is None
+    assert period() == 20.0 and period(rebalance_period=5) == 5.0 and period(rebalance_period=0) == 0
+    assert period(stages=2, split="2,1") == 0.0  # the operator's split is kept as given
+    steps = _settings(LaunchOptions(model_path="/m", steps_in_flight=4), None).max_in_flight
+    assert steps == 4 and _settings(LaunchOptions(model_path="/m"), None).max_in_flight is None
 
 
 def test_max_seq_defaults_to_the_checkpoints_positions_capped_and_a_longer_one_names_the_flag(tmp_path: Path) -> None:
@@ -60,7 +113,7 @@ def test_max_seq_defaults_to_the_checkpoints_positions_capped_and_a_longer_one_n
     from ..serve_checkpoint import write_chat_llama
 
     small = write_chat_llama(tmp_path / "small")  # 256 positions
-    assert _parser().parse_args(["--model-path", "/m"]).max_seq == 0
+    assert LaunchOptions(model_path="/m").max_seq == 0
     assert default_max_seq(str(small)) == 256
     assert config_from_checkpoint(small, max_seq=default_max_seq(str(small))).max_seq == 256  # serves by default
     with pytest.raises(ValueError, match="exceed the model's 256 positions: pass --max-seq 256"):

@@ -14,7 +14,9 @@ from raycluster_cli import apikeys
 from raycluster_cli.config import inventory
 from raycluster_cli.delivery import models, receive
 from raycluster_cli.errors import OperationError
+from raycluster_cli.host.containers import TOKEN_IN_CONTAINER
 from raycluster_cli.render.base import _live_lines, _service_line
+from raycluster_cli.serve.options import ServeOptions
 from raycluster_cli.transport.base import CommandResult
 from raycluster_cli.verbs import serve
 
@@ -75,30 +77,65 @@ def _model(tmp_path: Path, layers: int = 2) -> Path:
     return folder
 
 
+def _flags(*argv: str) -> dict[str, Any]:
+    """`raycluster serve`'s flags as its real command parses them (Typer/click), ServeOptions' fields only."""
+    import typer
+
+    from raycluster_cli.cli.app import app
+    from raycluster_cli.serve.options import ServeOptions
+
+    params = typer.main.get_command(app).commands["serve"].make_context("serve", list(argv)).params  # type: ignore[attr-defined]
+    return {k: v for k, v in params.items() if k in ServeOptions.model_fields}
+
+
 def test_the_launcher_runs_in_the_heads_container_with_the_services_keys_not_the_clusters_token() -> None:
+    from raycluster_cli.cli.serve import serve_options
+
     inv = inventory.parse(INVENTORY, "inv.yaml")
-    options = serve.ServeOptions("x", stages=3, dtype="bfloat16")
-    words = shlex.split(serve.launcher_command(inv, "/run/raycluster/models/abc", options))
-    assert words[:4] == ["set", "-a", "&&", "."] and "python" in words
+    words = shlex.split(serve.launcher_command())
+    assert words[:4] == ["set", "-a", "&&", "."]
+    assert words[-5:] == ["python", "-m", "raycluster_cli.serve", "--options", f"@{serve.LAUNCH_OPTIONS}"]
+    options = serve_options(_flags("--model-path", "x", "--stages", "3", "--dtype", "bfloat16", "--api-key-file", "/k"))
+    launch = serve.launch_options(inv, "/run/raycluster/models/abc", options)
+    sent = json.loads(launch.model_dump_json())
     assert (
-        "--host=192.0.2.10" in words
-        and "--stages=3" in words
-        and "--keys-file=/tmp/raycluster-serve-keys.json" in words
+        sent["host"] == "192.0.2.10" and sent["stages"] == 3 and sent["keys_file"] == "/tmp/raycluster-serve-keys.json"
     )
-    assert not any("token" in w for w in words) and not any(w.startswith("--tls") for w in words)
-    assert f"--record={serve.RECORD}" in words and "--no-auth" not in words and "--dtype=bfloat16" in words
-    tls = shlex.split(serve.launcher_command(inv, "/m", options, ("/t/cert.pem", "/t/key.pem")))
-    assert {"--tls-cert=/t/cert.pem", "--tls-key=/t/key.pem"} <= set(tls)
-    assert not any(w.startswith("--image-steps") for w in words)
-    assert "--rebalance-period=20" in words and not any(w.startswith("--steps-in-flight") for w in words)
-    steps = shlex.split(serve.launcher_command(inv, "/m", serve.ServeOptions("x", image_steps=8)))
-    assert "--image-steps=8" in steps
-    bounded = serve.ServeOptions("x", image_max_steps=300, image_max_pixels=2048 * 2048)
-    assert {"--image-max-steps=300", f"--image-max-pixels={2048 * 2048}"} <= set(
-        shlex.split(serve.launcher_command(inv, "/m", bounded))
+    assert sent["model_path"] == "/run/raycluster/models/abc" and sent["record"] == serve.RECORD
+    assert sent["dtype"] == "bfloat16" and sent["no_auth"] is False and sent["tls_cert"] is None
+    # this machine's own (its key file, its TLS choice, its deadline) stay here; no token, no key
+    assert not {"api_key_file", "tls_self_signed", "timeout"} & set(sent)
+    assert TOKEN_IN_CONTAINER not in json.dumps(sent) and "/k" not in json.dumps(sent)
+    tls = serve.launch_options(inv, "/m", options, ("/t/cert.pem", "/t/key.pem"))
+    assert (tls.tls_cert, tls.tls_key) == ("/t/cert.pem", "/t/key.pem")
+    assert sent["image_steps"] == 20 and sent["rebalance_period"] == 20.0 and sent["steps_in_flight"] == 0
+    tuned = serve_options(
+        _flags("--model-path", "x", "--rebalance-period", "0", "--steps-in-flight", "4", "--image-max-steps", "300")
     )
-    tuned = serve.ServeOptions("x", rebalance_period_s=0, steps_in_flight=4)
-    assert {"--rebalance-period=0", "--steps-in-flight=4"} <= set(shlex.split(serve.launcher_command(inv, "/m", tuned)))
+    assert (tuned.rebalance_period, tuned.steps_in_flight, tuned.image_max_steps) == (0, 4, 300)
+
+
+def test_a_bad_flag_is_one_line_naming_it_and_the_fix() -> None:
+    """Bounds and choices live in ServeOptions: the CLI refuses before touching the inventory, one line each."""
+    from typer.testing import CliRunner
+
+    from raycluster_cli.cli.app import app
+
+    for argv, said in [
+        (["--port", "0"], "--port 0: Input should be greater than or equal to 1"),
+        (["--slots", "0"], "--slots 0: Input should be greater than or equal to 1"),
+        (["--dtype", "fp8"], "--dtype 'fp8' is not one of auto, float32, bfloat16, float16"),
+        (["--links", "udp"], "--links 'udp' is not one of direct, ray"),
+        (["--image-steps", "501"], "--image-steps 501: Input should be less than or equal to 500"),
+    ]:
+        done = CliRunner().invoke(app, ["serve", "--model-path", "/m", *argv, "-i", "/nowhere.yaml"])
+        flag = argv[0]
+        assert done.exit_code == 2, done.output
+        assert done.output.splitlines() == [
+            f"error: {said} — fix: see `raycluster serve --help` for what {flag} takes"
+        ]  # fmt: skip
+    missing = CliRunner().invoke(app, ["serve", "-i", "/nowhere.yaml"])
+    assert missing.exit_code == 2 and "serve needs --model-path DIR" in missing.output
 
 
 def test_serve_sends_the_model_only_where_missing_and_splits_it_over_every_node(
@@ -108,7 +145,7 @@ def test_serve_sends_the_model_only_where_missing_and_splits_it_over_every_node(
     inv = inventory.parse(INVENTORY, "inv.yaml")
     digest = models.read_model_folder(_model(tmp_path)).digest
     hosts = {str(h.address): Host(str(h.address), {digest} if h.role == "worker" else set()) for h in inv.hosts}
-    result = serve.serve(inv, lambda h: hosts[str(h.address)], serve.ServeOptions(str(tmp_path / "tiny")))  # type: ignore[arg-type,return-value]
+    result = serve.serve(inv, lambda h: hosts[str(h.address)], ServeOptions(model_path=str(tmp_path / "tiny")))  # type: ignore[arg-type,return-value]
     assert {c.host: c.action for c in result.copies} == {
         "192.0.2.10": "sent",
         "192.0.2.11": "held",
@@ -120,8 +157,10 @@ def test_serve_sends_the_model_only_where_missing_and_splits_it_over_every_node(
     received = next(c for c in hosts["192.0.2.10"].commands if "/srv/rc/demo/models" in c and "tar -x" in c)
     assert model.tar_sha256 in received  # the tar is verified whole before it is unpacked
     launch = hosts["192.0.2.10"].commands[-1]
-    assert "--stages=2" in launch  # three nodes, but the model has two blocks
-    assert "--model-id=tiny" in launch and f"/run/raycluster/models/{digest}" in launch
+    assert "-m raycluster_cli.serve --options @/tmp/raycluster-serve-options.json" in launch
+    sent = json.loads(hosts["192.0.2.10"].written[serve.LAUNCH_OPTIONS])  # the launcher's options, a file there
+    assert sent["stages"] == 2  # three nodes, but the model has two blocks
+    assert sent["model_id"] == "tiny" and sent["model_path"] == f"/run/raycluster/models/{digest}"
     assert result.model_path == f"/run/raycluster/models/{digest}" and result.url == "http://192.0.2.10:8000/v1"
     assert result.pipelines[0]["stages"][0]["host"] == "192.0.2.11"
     # the service's own default key: kept here 0600, only its digest in the head's container, never the Ray token
@@ -129,13 +168,8 @@ def test_serve_sends_the_model_only_where_missing_and_splits_it_over_every_node(
     assert key.startswith("rcs-") and Path(str(result.api_key_file)).stat().st_mode & 0o777 == 0o600
     document = hosts["192.0.2.10"].written["/tmp/raycluster-serve-keys.json"].decode()
     assert key not in document and apikeys.digest(key) in document and key not in launch
+    assert key not in json.dumps(sent) and sent["keys_file"] == "/tmp/raycluster-serve-keys.json"
     assert [e.name for e in apikeys.parse_keys(document)] == ["default"] and result.tls_cert_file is None
-
-
-def test_a_bad_port_is_a_usage_error() -> None:
-    inv = inventory.parse(INVENTORY, "inv.yaml")
-    with pytest.raises(Exception, match="--port 0"):
-        serve.serve(inv, lambda h: None, serve.ServeOptions("/nowhere", port=0))  # type: ignore[arg-type,return-value]
 
 
 def test_the_status_line_says_what_is_served_and_ray_serves_state() -> None:
@@ -256,7 +290,7 @@ def test_an_image_service_shows_each_replicas_parts_and_speed_and_how_to_ask_for
 def test_a_launcher_error_that_names_its_flag_is_the_hint(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     class Refusing(Host):
         def run(self, command: str, stdin: bytes | None = None, **kw: object) -> CommandResult:
-            if f"--record={serve.RECORD}" in command:
+            if "-m raycluster_cli.serve" in command:
                 why = "ValueError: prompt + new tokens (512) exceed the model's 256 positions: pass --max-seq 256"
                 return CommandResult(1, "", f"Traceback ...\n{why}\n")
             return super().run(command, stdin, **kw)
@@ -266,5 +300,5 @@ def test_a_launcher_error_that_names_its_flag_is_the_hint(tmp_path: Path, monkey
     digest = models.read_model_folder(_model(tmp_path)).digest
     hosts = {str(h.address): Refusing(str(h.address), {digest}) for h in inv.hosts}
     with pytest.raises(OperationError) as failed:
-        serve.serve(inv, lambda h: hosts[str(h.address)], serve.ServeOptions(str(tmp_path / "tiny")))  # type: ignore[arg-type,return-value]
+        serve.serve(inv, lambda h: hosts[str(h.address)], ServeOptions(model_path=str(tmp_path / "tiny")))  # type: ignore[arg-type,return-value]
     assert "256 positions" in str(failed.value) and failed.value.hint == "run raycluster serve again with --max-seq 256"
