@@ -1,43 +1,20 @@
-"""Tiny checkpoints the bench tests write themselves (no download): a safetensors writer and a random GPT-2."""
+"""Tiny checkpoints the bench tests write themselves (no download): safetensors files and a random GPT-2."""
 
 from __future__ import annotations
 
 import json
-import struct
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
 
 import torch
+from safetensors.torch import save_file
 
 from raycluster_cli.models.gpt2 import CONFIG_FILE, WEIGHTS_FILE
-from raycluster_cli.models.tensorfile import _DTYPES, TensorFileError
-
-NAMES = {dtype: name for name, dtype in _DTYPES.items()}
 
 
 def save_tensors(path: str | Path, tensors: Mapping[str, torch.Tensor], metadata: dict[str, str] | None = None) -> None:
     """Write ``tensors`` as a safetensors file (used by tests to make a tiny model)."""
-    header: dict[str, Any] = {}
-    blobs: list[bytes] = []
-    offset = 0
-    for name, tensor in tensors.items():
-        t = tensor.detach().contiguous().cpu()
-        if t.dtype not in NAMES:
-            raise TensorFileError(f"cannot store tensor {name!r} of dtype {t.dtype}")
-        blob = t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
-        header[name] = {"dtype": NAMES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + len(blob)]}
-        blobs.append(blob)
-        offset += len(blob)
-    if metadata:
-        header["__metadata__"] = dict(metadata)
-    encoded = json.dumps(header, separators=(",", ":")).encode()
-    encoded += b" " * (-len(encoded) % 8)  # the format pads the header to 8-byte alignment
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(encoded)))
-        f.write(encoded)
-        for blob in blobs:
-            f.write(blob)
+    save_file({name: t.detach().contiguous().cpu() for name, t in tensors.items()}, str(path), metadata=metadata)
 
 
 def write_random_gpt2(

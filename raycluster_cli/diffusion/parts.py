@@ -56,7 +56,7 @@ def part_bytes(path: str | Path, bytes_per_value: int = 4) -> dict[str, int]:
         for folder in folders:
             for f in sorted((root / folder).glob("*")):
                 if f.suffix == ".safetensors":
-                    header, _ = read_header(f)
+                    header = read_header(f)
                     total += sum(math.prod(t["shape"]) * bytes_per_value for t in header.values())
                 elif f.suffix == ".bin":
                     total += f.stat().st_size

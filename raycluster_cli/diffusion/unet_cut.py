@@ -88,7 +88,7 @@ def unit_bytes(path: str | Path, bytes_per_value: int = 4) -> dict[str, int]:
 
     names = unit_names(load_config(path))
     sizes = dict.fromkeys(names, 0)
-    header, _ = read_header(weight_file(path))
+    header = read_header(weight_file(path))
     for key, tensor in header.items():
         unit = _unit_of(key)
         if unit not in sizes:

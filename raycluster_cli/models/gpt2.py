@@ -107,7 +107,7 @@ def load_units(cfg: ModelConfig, modules: Mapping[int, nn.Module]) -> None:
     """Fill each unit's module from ``cfg.model_path``, one tensor at a time, reading only its units' tensors
     (so loading holds at most one raw tensor beside the weights)."""
     weights = Path(cfg.model_path) / WEIGHTS_FILE
-    header, _ = read_header(weights)
+    header = read_header(weights)
     names = set(header)
     for unit, module in modules.items():
         plan = unit_tensors(cfg, unit, names)

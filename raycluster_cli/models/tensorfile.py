@@ -1,85 +1,56 @@
-"""A minimal reader/writer for the safetensors format, so a stage can read just its own tensors.
+"""Checkpoint files through the ``safetensors`` package, so a stage reads just its own tensors.
 
-The format (as the ``safetensors`` project specifies it): an 8-byte little-endian header length N, a
-JSON header of N bytes ``{name: {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__"?}``,
-then the raw little-endian tensor bytes (offsets are relative to the end of the header).  Reading
-one tensor is a seek and a read; nothing else in the file is touched.
+``safe_open`` maps the file and parses its header; a tensor is copied out only when it is asked for,
+so a stage that loads a few tensors of a large checkpoint touches only their pages.  What is here on
+top of ``safetensors``: one error type naming the file, and sharded checkpoints (the index file that
+maps tensor names to shards, which ``safetensors`` itself does not read).
 """
 
 from __future__ import annotations
 
 import json
 import math
-import struct
-import sys
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
-
-_DTYPES: dict[str, torch.dtype] = {
-    "F64": torch.float64,
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "I16": torch.int16,
-    "I8": torch.int8,
-    "U8": torch.uint8,
-    "BOOL": torch.bool,
-}
-_MAX_HEADER = 100 * 1024 * 1024
+from safetensors import SafetensorError, safe_open
 
 
 class TensorFileError(ValueError):
     """The file is not a valid safetensors file, or lacks a tensor that was asked for."""
 
 
-def read_header(path: str | Path) -> tuple[dict[str, dict[str, Any]], int]:
-    """The tensor table (without ``__metadata__``) and the byte offset where tensor data begins."""
-    with open(path, "rb") as f:
-        raw = f.read(8)
-        if len(raw) != 8:
-            raise TensorFileError(f"{path}: too short for a safetensors file")
-        (length,) = struct.unpack("<Q", raw)
-        if length > _MAX_HEADER:
-            raise TensorFileError(f"{path}: header of {length} bytes is implausibly large")
-        try:
-            header = json.loads(f.read(length))
-        except ValueError as exc:
-            raise TensorFileError(f"{path}: header is not JSON ({exc})") from None
-    if not isinstance(header, dict):
-        raise TensorFileError(f"{path}: header is not a JSON object")
-    header.pop("__metadata__", None)
-    return header, 8 + length
+def _open(path: str | Path) -> Any:
+    try:
+        return safe_open(str(path), framework="pt")
+    except SafetensorError as exc:
+        raise TensorFileError(f"{path}: not a valid safetensors file ({exc})") from None
+
+
+def read_header(path: str | Path) -> dict[str, dict[str, Any]]:
+    """Each tensor's ``{"dtype": "F32", "shape": [...]}`` (safetensors' dtype names), from the header only."""
+    with _open(path) as f:
+        table: dict[str, dict[str, Any]] = {}
+        for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+            view = f.get_slice(name)
+            table[name] = {"dtype": view.get_dtype(), "shape": list(view.get_shape())}
+        return table
 
 
 def load_tensors(path: str | Path, names: Iterable[str]) -> dict[str, torch.Tensor]:
-    """Read only the named tensors from ``path`` (each one seek + read)."""
-    if sys.byteorder != "little":  # pragma: no cover - every platform Ray runs on is little-endian
-        raise TensorFileError("safetensors data is little-endian; this machine is not")
-    header, data_start = read_header(path)
+    """Read only the named tensors from ``path``; the rest of the file is never read into memory."""
     out: dict[str, torch.Tensor] = {}
-    with open(path, "rb") as f:
+    with _open(path) as f:
+        present = set(f.keys())
         for name in names:
-            entry = header.get(name)
-            if entry is None:
+            if name not in present:
                 raise TensorFileError(f"{path}: no tensor named {name!r}")
-            dtype = _DTYPES.get(str(entry.get("dtype")))
-            if dtype is None:
-                raise TensorFileError(f"{path}: tensor {name!r} has unsupported dtype {entry.get('dtype')!r}")
-            begin, end = (int(v) for v in entry["data_offsets"])
-            shape = [int(d) for d in entry["shape"]]
-            if end - begin != math.prod(shape) * torch.empty((), dtype=dtype).element_size():
-                raise TensorFileError(f"{path}: tensor {name!r} size does not match its shape {shape}")
-            f.seek(data_start + begin)
-            data = bytearray(f.read(end - begin))
-            if len(data) != end - begin:
-                raise TensorFileError(f"{path}: file ends inside tensor {name!r}")
-            tensor = torch.frombuffer(data, dtype=dtype) if data else torch.empty(0, dtype=dtype)
-            out[name] = tensor.reshape(shape)
+            try:
+                out[name] = f.get_tensor(name)
+            except SafetensorError as exc:  # e.g. a dtype this torch cannot hold
+                raise TensorFileError(f"{path}: cannot read tensor {name!r} ({exc})") from None
     return out
 
 
@@ -101,7 +72,7 @@ def checkpoint_tensors(directory: str | Path) -> dict[str, Path]:
     single = folder / WEIGHTS_FILE
     if not single.is_file():
         raise TensorFileError(f"{folder}: neither {WEIGHTS_FILE} nor {INDEX_FILE} found")
-    return dict.fromkeys(read_header(single)[0], single)
+    return dict.fromkeys(read_header(single), single)
 
 
 def load_checkpoint_tensors(files: Mapping[str, Path], names: Iterable[str]) -> dict[str, torch.Tensor]:
@@ -117,7 +88,7 @@ def load_checkpoint_tensors(files: Mapping[str, Path], names: Iterable[str]) -> 
     return out
 
 
-_DTYPE_NAMES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "F64": "float64"}
+_FLOAT_NAMES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "F64": "float64"}
 
 
 def checkpoint_dtype(directory: str | Path) -> str:
@@ -125,9 +96,9 @@ def checkpoint_dtype(directory: str | Path) -> str:
     headers only."""
     totals: dict[str, int] = {}
     for path in sorted(set(checkpoint_tensors(directory).values())):
-        for entry in read_header(path)[0].values():
-            name = _DTYPE_NAMES.get(str(entry.get("dtype")))
+        for entry in read_header(path).values():
+            name = _FLOAT_NAMES.get(entry["dtype"])
             if name is not None:
-                begin, end = (int(v) for v in entry["data_offsets"])
-                totals[name] = totals.get(name, 0) + end - begin
+                size = math.prod(entry["shape"]) * getattr(torch, name).itemsize
+                totals[name] = totals.get(name, 0) + size
     return max(totals, key=lambda name: totals[name]) if totals else "float32"

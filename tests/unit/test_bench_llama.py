@@ -118,7 +118,7 @@ def test_same_logits_and_tokens_as_transformers(which: str, request: pytest.Fixt
 
 def test_bf16_checkpoint_loads_as_float32(tmp_path: Path) -> None:
     path = write_llama(tmp_path, seed=4, dtype=torch.bfloat16, **GQA)
-    header, _ = tensorfile.read_header(path / "model.safetensors")
+    header = tensorfile.read_header(path / "model.safetensors")
     assert {entry["dtype"] for entry in header.values()} == {"BF16"}
     cfg = config_from_checkpoint(path, max_seq=20)
     prompts = _prompts(cfg)
