@@ -1,4 +1,4 @@
-"""What a decode step's attention costs a CPU stage in each of `serve/batched.py`'s two forms, one block.
+"""What a decode step's attention costs a CPU stage in each of `models/batched.py`'s two forms, one block.
 
 Usage:  PYTHONPATH=. python benchmarks/attention_forms.py [--dtype float32|bfloat16] [--rows 1,2,4,8,16]
             [--context 120] [--heads 8] [--head-dim 64] [--repeats 200] [--out FILE]

@@ -1,4 +1,4 @@
-"""What a decode step's products cost on this CPU in each form `serve/matmuls.py` chooses from, and a whole stage's step.
+"""What a decode step's products cost on this CPU in each form `models/matmuls.py` chooses from, and a whole stage's step.
 
 Usage:  PYTHONPATH=. python benchmarks/matmul_forms.py [--dtype float32|bfloat16] [--rows 1,2,3,4,6,8,16,32]
             [--width 512 --ffn 1376] [--repeats 9] [--stage-blocks 4] [--context 120] [--out FILE]

@@ -6,7 +6,7 @@ wall times. Each round writes a fresh model (random padding), so no host holds i
 
 With SHARDS > 1 the weights are that many files, and each round then also changes one shard ("changed_shard") and
 then config.json ("changed_config") and relays each new version to hosts that hold the one before: only the
-changed file travels (image/model_delta.py), reported as copies of the new model's tar and of the changed file.
+changed file travels (delivery/model_delta.py), reported as copies of the new model's tar and of the changed file.
 
 The cluster must be up (the models go into its host folders). Usage:
   PYTHONPATH=. python benchmarks/model_relay.py INVENTORY BRIDGE_TX_BYTES_FILE SIZE_MB ROUNDS [SHARDS]

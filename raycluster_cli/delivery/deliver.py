@@ -2,9 +2,9 @@
 
 Streaming is how air-gapped fleets get images: `docker save` here, compressed once with all cores into a
 cached archive (zstd -T0 when this machine and every receiving host have it, else pigz or gzip), sent over
-one seed host's SSH connection; from there the hosts that have it serve the hosts that lack it (image/relay.py,
+one seed host's SSH connection; from there the hosts that have it serve the hosts that lack it (delivery/relay.py,
 schedule.py, peer_copy.py), so this machine uploads about one copy whatever the fleet's size. Each host loads
-the archive only once its SHA-256 is this machine's (image/receive.py), and the loaded ID must be this
+the archive only once its SHA-256 is this machine's (delivery/receive.py), and the loaded ID must be this
 machine's image ID.
 """
 
@@ -115,7 +115,7 @@ def _spread(
     archive_dir: Path,
     progress: Progress,
 ) -> list[tuple[ImageTransfer, Outcome[ImageTransfer]]]:
-    """Stream: compress once (the codec every receiving host can read), then relay it (image/relay.py)."""
+    """Stream: compress once (the codec every receiving host can read), then relay it (delivery/relay.py)."""
 
     def make_job(tools: list[frozenset[str]]) -> Job:
         here = {tool for tool in ("zstd", "pigz") if shutil.which(tool)}

@@ -1,6 +1,6 @@
 """What each host lacks of a model, file by file: a changed file copies only what changed.
 
-Every model a host holds keeps its manifest (each file's SHA-256 and path, image/models.py), so the host's cache
+Every model a host holds keeps its manifest (each file's SHA-256 and path, delivery/models.py), so the host's cache
 is also a store of file contents: `holdings_command` lists, in one command, the models a host holds and the
 SHA-256 of every file in them. A host that holds the model is sent nothing; any other is sent a tar of only the
 files whose content it holds in no model (with the whole manifest), and its unpack (models.use_command) adds

@@ -1,11 +1,11 @@
 """A model folder on this machine onto every host that lacks it, through the relay `up` uses for the node image:
 one upload from the operator, then host to host, each copy verified whole before it is unpacked into the
-host's cache (image/models.py, image/relay.py). `serve --model-path DIR` and `bench --model-path DIR` call it;
+host's cache (delivery/models.py, delivery/relay.py). `serve --model-path DIR` and `bench --model-path DIR` call it;
 a path that is not on this machine is taken as one every node already has, as before.
 
 A host that holds the model (its digest in its cache) is sent nothing. A changed folder is a new digest, but
 only what changed travels: each host says which file contents its cache holds, and is sent a tar of only the
-files it lacks (image/model_delta.py), verified whole like any relay copy; its unpack adds the rest from the
+files it lacks (delivery/model_delta.py), verified whole like any relay copy; its unpack adds the rest from the
 models it holds (hard links, the old model untouched) and checks every file of the new folder against the
 manifest before the folder is named by its digest. Hosts that lack the same files are one relay.
 """

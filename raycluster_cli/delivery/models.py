@@ -8,7 +8,7 @@ container at MODELS_IN_CONTAINER: bench and serve read `/run/raycluster/models/<
 
 What travels is one uncompressed tar of the files with the manifest last, written the same way every time
 (fixed headers, no times or owners), so its size and SHA-256 are known from the one pass that hashes the files
-and the relay (image/relay.py) carries it like the image archive: one upload, then host to host, each host's
+and the relay (delivery/relay.py) carries it like the image archive: one upload, then host to host, each host's
 copy verified whole (the tar's SHA-256) before it is unpacked. The unpack (`use_command`) goes into a private
 folder beside the cache, checks every file against the manifest again (a file that differs, is missing or is
 extra stops it), makes the files read-only and only then renames the folder to its digest, so a model folder

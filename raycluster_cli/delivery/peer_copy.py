@@ -7,14 +7,14 @@ else the node image's own python3 in `docker run --network host`) bound to its c
 random port; the receiver (bash's /dev/tcp, no python needed) connects and presents the copy's one-time `ask`
 secret; the listener answers with its `answer` secret, then sends the content. Both secrets reach both ends on
 stdin, never on a command line; the listener reads every connection side by side, serves the first one that
-presents `ask` and closes; a receiver that does not hear `answer` takes nothing (image/receive.py). Every copy
+presents `ask` and closes; a receiver that does not hear `answer` takes nothing (delivery/receive.py). Every copy
 has a deadline, a stall timeout on both ends and a short connect window, so a host that cannot reach another
 fails fast and is served by the operator instead.
 
-A copy is done as soon as the receiver's file is whole and its SHA-256 is the operator's (image/receive.py):
+A copy is done as soon as the receiver's file is whole and its SHA-256 is the operator's (delivery/receive.py):
 only then is it published under its serving name and used. Its sender is then free, and a receiver whose
 listener runs on the host's python3 (or a model's receiver, whose hosts have the node image) serves others
-from then on, while it uses its copy (image/schedule.py).
+from then on, while it uses its copy (delivery/schedule.py).
 """
 
 from __future__ import annotations

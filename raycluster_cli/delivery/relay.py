@@ -1,8 +1,8 @@
 """One relay run, whatever travels (the node image for `up`, a model for `serve` and `bench`): learn each
 receiving host's tools in one command, refuse by name a host that could not verify what it receives, let the
-job be made for the hosts found (the image's codec depends on them), spread it (image/schedule.py), and
+job be made for the hosts found (the image's codec depends on them), spread it (delivery/schedule.py), and
 remove the hosts' staged copies after — also after Ctrl-C (each removal exempt from the cancellation, and
-the hosts' own EXIT traps remove partial files when their session ends: image/receive.py).
+the hosts' own EXIT traps remove partial files when their session ends: delivery/receive.py).
 """
 
 from __future__ import annotations

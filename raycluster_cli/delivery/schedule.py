@@ -5,7 +5,7 @@ or its bytes did not match the operator's SHA-256) is served by the operator (as
 the source); a sender whose listener failed, or whose copy arrived corrupt, serves no one else.
 
 A copy is done for the scheduler as soon as the receiver's file is whole and its SHA-256 is the operator's
-(image/receive.py publishes it then, before it is used), not when the receiver's use of it (`docker load`, a
+(delivery/receive.py publishes it then, before it is used), not when the receiver's use of it (`docker load`, a
 model's unpack) ends: its sender is free to serve the next host, and a receiver whose listener runs on the
 host's own python3 (or in the node image the host already has: models) serves others from then on, while
 it uses its copy. A round then takes the copy's time, and the uses run side by side. A host without python3

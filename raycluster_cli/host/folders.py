@@ -63,7 +63,7 @@ def cluster_dir(inventory: Inventory, host: HostConfig) -> str:
 
 
 def models_dir(inventory: Inventory, host: HostConfig) -> str:
-    """The host's model cache (image/models.py), inside the cluster's private folder: `up` mounts it read-only
+    """The host's model cache (delivery/models.py), inside the cluster's private folder: `up` mounts it read-only
     into the Ray container; `down --purge` removes it with the folder."""
     return f"{cluster_dir(inventory, host)}/models"
 

@@ -151,7 +151,7 @@ def place_bench_model(
     inventory: Inventory, connect: Connect, options: BenchOptions, progress: Progress = quiet
 ) -> tuple[BenchOptions, list[dict[str, Any]]]:
     """`--model-path` naming a folder on this machine: relayed into every host's model cache where it is missing
-    (image/model_relay.py), and the driver reads it there; any other path is passed on as one the nodes have."""
+    (delivery/model_relay.py), and the driver reads it there; any other path is passed on as one the nodes have."""
     if not options.model_path:
         return options, []
     path, _, copies = place_model(inventory, connect, options.model_path, progress)

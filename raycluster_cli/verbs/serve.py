@@ -2,7 +2,7 @@
 it is doing now, and its end.
 
 The service itself is node side (raycluster_cli/serve/: Ray Serve, the stages, the OpenAI routes). `serve` puts the
-model where every node can read it (image/model_relay.py: a folder on this machine is relayed into each host's
+model where every node can read it (delivery/model_relay.py: a folder on this machine is relayed into each host's
 model cache, mounted read-only into the Ray containers; a path that is not on this machine is taken as one on the
 nodes), then
 runs the launcher (`python -m raycluster_cli.serve`) in the head's container with its options (serve/options.py's

@@ -1,5 +1,5 @@
 """`raycluster status`: per host the container, the Ray node, its resources, image and Ray version, and the models
-in its cache (image/models.py)."""
+in its cache (delivery/models.py)."""
 
 from __future__ import annotations
 
