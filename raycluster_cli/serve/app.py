@@ -1,17 +1,18 @@
-"""The Ray Serve application: a FastAPI ingress deployment that speaks the OpenAI API over the pipelines.
+"""The text service's HTTP shell: the Ray Serve ingress deployment whose routes speak the OpenAI API over an
+engine (serve/seam.py; today's is the pool of pipelines, ``serve.pool``: why one ingress owns them all and routes
+itself).
 
-Ray Serve owns the HTTP proxy, the ingress's lifecycle and its health checks; this module only maps
-routes onto the pool of pipelines (``serve.pool``: why one ingress owns them all and routes itself).
-The ingress is constructed only once a real generation went through every stage of its pipelines
-(``Engine.probe``), and ``check_health`` repeats that probe on idle pipelines, so "healthy" always
-means "generates" (vLLM #53157: a /v1/models that answers while generation is dead).  A pipeline
-that dies is replaced by the pool itself; Serve replaces the whole ingress only when no pipeline
-came back within ``REBUILD_GRACE_S``.
+The routes parse and check a request (the front door's limits, serve/frontdoor.py; the key, serve/ingress.py),
+hand it to the engine, and leave the answer's shape to serve/answers.py and the status's counters to
+serve/status.py.  The ingress is constructed only once a real generation went through every stage of its pipelines
+(``Engine.probe``), and ``check_health`` repeats that probe on idle pipelines, so "healthy" always means
+"generates" (vLLM #53157: a /v1/models that answers while generation is dead).  A pipeline that dies is replaced by
+the pool itself; Serve replaces the whole ingress only when no pipeline came back within ``REBUILD_GRACE_S``.
 
-Everything the deployment class calls is defined above it: ``@serve.deployment`` serializes the
-class (and the module globals it names) when it is applied.  No ``from __future__ import annotations`` here: FastAPI reads the route methods' annotations at
-runtime, and Serve's ingress wrapper leaves them unresolvable as strings (``Request`` would become
-a required query parameter).
+Everything the deployment class calls is defined above it or imported: ``@serve.deployment`` serializes the class
+(and the module globals it names) when it is applied.  No ``from __future__ import annotations`` here: FastAPI
+reads the route methods' annotations at runtime, and Serve's ingress wrapper leaves them unresolvable as strings
+(``Request`` would become a required query parameter).
 """
 
 import asyncio
@@ -20,40 +21,39 @@ import time
 import uuid
 import weakref
 from collections.abc import AsyncIterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import transformers
-from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
+from fastapi import Depends, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
-from starlette.exceptions import HTTPException
 
 from raycluster_cli.apikeys import KeyEntry
 from raycluster_cli.models.decoder import config_from_checkpoint
 from raycluster_cli.node.gcpause import FullCollections, freeze_heap
 from raycluster_cli.placement.pipelines import PipelinePlan
-from raycluster_cli.serve import protocol
-from raycluster_cli.serve.anatomy import step_anatomy
+from raycluster_cli.serve import answers, protocol
+from raycluster_cli.serve.answers import RETRY_AFTER_S, Choice
 from raycluster_cli.serve.auth import KeyLimits, ServiceKeys, cluster_token_path
-from raycluster_cli.serve.engine import BadInput, EngineDown, Output, QueueFull, RequestFailed
+from raycluster_cli.serve.engine import EngineDown, Output, RequestFailed
 from raycluster_cli.serve.fleet import RayFleet
 from raycluster_cli.serve.frontdoor import Tokenizing, check_counts, check_scored, check_text, read_body
 from raycluster_cli.serve.frontend import FrontEndCpu
+from raycluster_cli.serve.ingress import KEYED, openai_api, service_key
 from raycluster_cli.serve.metrics import RayRecorder
-from raycluster_cli.serve.pool import Pool, suspect_after_s
+from raycluster_cli.serve.pool import Pool
 from raycluster_cli.serve.protocol import APIError, ChatRequest, CompletionRequest
+from raycluster_cli.serve.seam import TextEngine
 from raycluster_cli.serve.settings import ServeSettings
-from raycluster_cli.serve.text import Sampling, eos_ids, out_of_vocab
+from raycluster_cli.serve.status import add_counters, since_of
+from raycluster_cli.serve.text import eos_ids, out_of_vocab
 from raycluster_cli.serve.tokenbytes import token_bytes
 
-RETRY_AFTER_S = 2
 IDLE_PROBE_S = 30.0  # check_health probes with a generation when no step ran for this long
 STALL_S = 30.0  # a step in flight this long without any step coming back: a stage is wedged
 REBUILD_GRACE_S = 120.0  # no pipeline for this long while rebuilding: Serve replaces the ingress
-COUNTERS_S = 10.0  # how long the status route waits for the stages' counters (behind their queued steps)
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -64,203 +64,7 @@ def _read_json(path: Path) -> dict[str, Any]:
     return data if isinstance(data, dict) else {}
 
 
-@dataclass
-class _Choice:
-    """One of a request's ``n`` generations: its first output (awaited before the answer starts), the rest, and
-    its log-probabilities' accumulator when asked (holding the echoed prompt's entries from the start)."""
-
-    first: Output
-    rest: AsyncIterator[Output]
-    logprobs: protocol.Logprobs | None = None
-
-
-def _choice_body(
-    chat: bool, index: int, text: str, reason: str | None, scored: Any, *, delta: bool, first: bool = False
-) -> dict[str, Any]:
-    if chat:
-        return protocol.chat_choice(text, reason, delta=delta, first=first, logprobs=scored, index=index)
-    return protocol.completion_choice(text, reason, scored, index=index)
-
-
-async def _whole(request_id: str, model: str, choices: list[_Choice], *, chat: bool, echo: str = "") -> dict[str, Any]:
-    """The whole answer: every choice's text (after the echoed prompt, if asked), finish reason and
-    log-probabilities; usage counts the prompt once and every choice's tokens."""
-
-    async def collect(choice: _Choice) -> tuple[str, Output]:
-        text, last = echo + choice.first.text, choice.first
-        if choice.logprobs is not None:
-            choice.logprobs.add(choice.first.logprobs)
-        async for out in choice.rest:
-            text, last = text + out.text, out
-            if choice.logprobs is not None:
-                choice.logprobs.add(out.logprobs)
-        return text, last
-
-    tasks = [asyncio.ensure_future(collect(c)) for c in choices]
-    try:
-        done = await asyncio.gather(*tasks)
-    finally:
-        for task in tasks:  # one choice failed (or the client left): the others stop generating for nobody
-            task.cancel()
-    bodies = [
-        _choice_body(chat, i, text, last.finish_reason, c.logprobs.take() if c.logprobs else None, delta=False)
-        for i, (c, (text, last)) in enumerate(zip(choices, done, strict=True))
-    ]
-    kind = "chat.completion" if chat else "text_completion"
-    generated = sum(len(last.token_ids) for _, last in done)
-    return protocol.envelope(request_id, kind, model, bodies, usage=protocol.usage(done[0][1].prompt_tokens, generated))
-
-
-async def _merged(choices: list[_Choice]) -> AsyncIterator[tuple[int, Output]]:
-    """Every choice's outputs as they come, tagged with its index (one choice: its own, in order).  A choice that
-    fails ends the whole stream with its error; leaving early stops every choice's generation."""
-    if len(choices) == 1:
-        yield 0, choices[0].first
-        async for out in choices[0].rest:
-            yield 0, out
-        return
-    queue: asyncio.Queue[tuple[int, Output | BaseException | None]] = asyncio.Queue()
-
-    async def pump(index: int, choice: _Choice) -> None:
-        try:
-            await queue.put((index, choice.first))
-            async for out in choice.rest:
-                await queue.put((index, out))
-            await queue.put((index, None))
-        except Exception as exc:  # the choice's generation failed: the stream ends with it
-            await queue.put((index, exc))
-
-    tasks = [asyncio.ensure_future(pump(i, c)) for i, c in enumerate(choices)]
-    try:
-        running = len(tasks)
-        while running:
-            index, item = await queue.get()
-            if item is None:
-                running -= 1
-            elif isinstance(item, BaseException):
-                raise item
-            else:
-                yield index, item
-    finally:
-        for task in tasks:
-            task.cancel()  # the client left or a choice failed: the others' generations end (their slots freed)
-
-
-async def _failing_as_event(
-    outputs: AsyncIterator[tuple[int, Output]],
-) -> AsyncIterator[tuple[int, Output | dict[str, Any]]]:
-    """The outputs, then, if the request failed after its answer began (its own row, or no pipeline left to
-    move it to), one error in OpenAI's shape (``{"error": {...}}``, what the ``openai`` client raises from a
-    stream) instead of a connection cut without a word."""
-    try:
-        async for item in outputs:
-            yield item
-    except (RequestFailed, EngineDown) as exc:
-        status = 500 if isinstance(exc, RequestFailed) else 503
-        yield 0, APIError(status, f"this request failed: {exc}").body()
-
-
-async def _stream_events(
-    request_id: str,
-    model: str,
-    choices: list[_Choice],
-    *,
-    chat: bool,
-    include_usage: bool,
-    echo: str = "",
-) -> AsyncIterator[str]:
-    """Server-sent events: each choice's echoed prompt if asked, one chunk per released piece of a choice's text
-    (with the log-probabilities of its tokens since its last chunk, if asked; ``index`` names the choice), its
-    finish reason, usage if asked (the prompt once, every choice's tokens), [DONE]."""
-    kind = "chat.completion.chunk" if chat else "text_completion"
-    last = [c.first for c in choices]
-    sent = [0] * len(choices)
-    if echo:
-        for index, choice in enumerate(choices):  # with the prompt's log-probabilities, when asked
-            taken = choice.logprobs.take() if choice.logprobs is not None else None
-            body = protocol.completion_choice(echo, None, taken, index=index)
-            yield protocol.sse(protocol.envelope(request_id, kind, model, [body]))
-    async for index, out in _failing_as_event(_merged(choices)):
-        if isinstance(out, dict):  # the stream's error: the client's library raises it
-            yield protocol.sse(out)
-            yield protocol.sse("[DONE]")
-            return
-        last[index] = out
-        scored = choices[index].logprobs
-        if scored is not None:
-            scored.add(out.logprobs)
-        if not out.text and out.finish_reason is None:
-            continue
-        taken = scored.take() if scored is not None else None
-        body = _choice_body(chat, index, out.text, out.finish_reason, taken, delta=True, first=sent[index] == 0)
-        sent[index] += 1
-        yield protocol.sse(protocol.envelope(request_id, kind, model, [body]))
-    if include_usage:
-        generated = sum(len(out.token_ids) for out in last)
-        usage = protocol.usage(last[0].prompt_tokens, generated)
-        yield protocol.sse(protocol.envelope(request_id, kind, model, [], usage=usage))
-    yield protocol.sse("[DONE]")
-
-
-async def _released(events: Any, release: Any) -> AsyncIterator[Any]:
-    try:
-        async for event in events:
-            yield event
-    finally:
-        release()
-
-
-async def _add_counters(
-    rows: list[dict[str, Any]], stages: list[list[Any]], engines: list[Any], since: float = 0.0
-) -> None:
-    """Each pipeline's stages get their counters (steps, busy_s, cpu_s, pid) from the stage actors, and the
-    pipeline its step anatomy (``serve.anatomy``: the engine's and the stages' last steps, those sent at ``since``
-    or later), all asked at once; a pipeline whose stages do not answer in time gets ``counters_error`` instead."""
-
-    async def one(actors: list[Any]) -> tuple[list[dict[str, Any]], list[Any]]:
-        counters = asyncio.gather(*(a.counters.remote() for a in actors))
-        timelines = asyncio.gather(*(a.timeline.remote() for a in actors))
-        both = await asyncio.wait_for(asyncio.gather(counters, timelines), COUNTERS_S)
-        return list(both[0]), list(both[1])
-
-    async def unless_overdue(actors: list[Any], engine: Any) -> tuple[list[dict[str, Any]], list[Any]]:
-        # a pipeline whose steps are overdue (a frozen host answers nothing) is not waited for: status stays quick
-        if engine.failure is not None or engine.stalled_s() > suspect_after_s(engine):
-            raise TimeoutError(f"not asked: no step came back for {engine.stalled_s():.0f} s")
-        return await one(actors)
-
-    found = await asyncio.gather(
-        *(unless_overdue(actors, engine) for actors, engine in zip(stages, engines, strict=True)),
-        return_exceptions=True,
-    )
-    for row, engine, answer in zip(rows, engines, found, strict=True):
-        if isinstance(answer, BaseException):
-            row["counters_error"] = f"{type(answer).__name__}: {answer}"
-            continue
-        counters, timelines = answer
-        for stage, values in zip(row.get("stages", []), counters, strict=False):
-            stage.update(values)
-        row["anatomy"] = step_anatomy(list(engine.recent), timelines, list(engine.loop_lag), since)
-
-
-# No /docs, /redoc or /openapi.json: the service's surface is OpenAI's API, and nothing answers without a key but
-# /health.
-app = FastAPI(title="raycluster serve", docs_url=None, redoc_url=None, openapi_url=None)
-
-
-@app.exception_handler(APIError)
-async def _api_error(_: Request, exc: APIError) -> JSONResponse:
-    return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
-
-
-@app.exception_handler(RequestValidationError)
-async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
-    return JSONResponse(APIError(400, str(exc.errors()[:1])).body(), status_code=400)
-
-
-@app.exception_handler(HTTPException)
-async def _http_error(_: Request, exc: HTTPException) -> JSONResponse:
-    return JSONResponse(APIError(exc.status_code, str(exc.detail)).body(), status_code=exc.status_code)
+app = openai_api("raycluster serve")
 
 
 @serve.deployment(max_ongoing_requests=256, ray_actor_options={"num_cpus": 0}, health_check_timeout_s=60)
@@ -303,6 +107,7 @@ class OpenAIServer:
             recorder=RayRecorder(),
             model=self.model_id,
         )
+        self.engine: TextEngine = self.pool  # what the routes generate with (serve/seam.py: how a backend plugs in)
         await self._start(settings.pipeline_plans(self.cfg.layers))
         self.created = int(time.time())
         # what the process holds once set up is never collected again: a full collection walks only what came since
@@ -332,20 +137,15 @@ class OpenAIServer:
                 except Exception as exc:
                     engine.fail(exc)
 
-    def _authorize(self, request: Request) -> KeyEntry:
-        return self.keys.authorize(request.headers)
-
     def _check_model(self, name: str) -> None:
         protocol.check_model(name, self.model_id)
 
-    @app.get("/v1/models")
-    async def models(self, request: Request) -> dict[str, Any]:
-        self._authorize(request)
+    @app.get("/v1/models", dependencies=KEYED)
+    async def models(self) -> dict[str, Any]:
         return {"object": "list", "data": [protocol.model_card(self.model_id, self.created)]}
 
-    @app.get("/v1/models/{model:path}")
-    async def model(self, model: str, request: Request) -> dict[str, Any]:
-        self._authorize(request)
+    @app.get("/v1/models/{model:path}", dependencies=KEYED)
+    async def model(self, model: str) -> dict[str, Any]:
         self._check_model(model)
         return protocol.model_card(self.model_id, self.created)
 
@@ -353,16 +153,12 @@ class OpenAIServer:
     async def health(self) -> dict[str, Any]:
         return protocol.health(len(self.pool.live()), RETRY_AFTER_S)
 
-    @app.get("/raycluster/status")
+    @app.get("/raycluster/status", dependencies=KEYED)
     async def status(self, request: Request) -> dict[str, Any]:
         """The pipelines (split, nodes, state, load, requests served, each stage's counters), the batching
         limits, failovers and recent events; ``now``, this service's wall clock, which a later ``?since=`` gives
         back to have each pipeline's step anatomy over the steps sent from then on (a benchmark's run)."""
-        self._authorize(request)
-        try:
-            since = float(request.query_params.get("since") or 0.0)
-        except ValueError:
-            raise APIError(400, "since must be a number: a `now` this endpoint gave", param="since") from None
+        since = since_of(request.query_params.get("since"))
         pipelines = list(self.pool.pipelines)  # the rows' order, taken at the same moment
         body = {
             "model": self.model_id,
@@ -373,8 +169,7 @@ class OpenAIServer:
             "front_end": self.front_end.read(),  # CPU seconds of the ingress and of the proxy beside it
             "keys_in_flight": self.key_limits.in_flight(),  # each key's requests and tokens in flight now
         }
-        engines = [p.engine for p in pipelines]
-        await _add_counters(body["pipelines"], [list(p.stages) for p in pipelines], engines, since)
+        await add_counters(body["pipelines"], pipelines, since)
         return body
 
     async def _parse(self, request: Request, model: type[Any]) -> Any:
@@ -399,9 +194,8 @@ class OpenAIServer:
         )
         raise APIError(400, f"{param}: {why}", param=param)
 
-    @app.post("/v1/completions")
-    async def completions(self, request: Request) -> Response:
-        key = self._authorize(request)
+    @app.post("/v1/completions", dependencies=KEYED)
+    async def completions(self, request: Request, key: KeyEntry = Depends(service_key)) -> Response:
         body: CompletionRequest = await self._parse(request, CompletionRequest)
         if isinstance(body.prompt, str):
             check_text(len(body.prompt), self.cfg.max_seq, self.settings.request_limits, "prompt")
@@ -412,9 +206,8 @@ class OpenAIServer:
         echo = "" if not body.echo else body.prompt if isinstance(body.prompt, str) else self._decode(prompt)
         return await self._answer(body, prompt, chat=False, echo=echo, key=key)
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(self, request: Request) -> Response:
-        key = self._authorize(request)
+    @app.post("/v1/chat/completions", dependencies=KEYED)
+    async def chat_completions(self, request: Request, key: KeyEntry = Depends(service_key)) -> Response:
         body: ChatRequest = await self._parse(request, ChatRequest)
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
         chars = sum(len(m["content"]) for m in messages)
@@ -437,7 +230,7 @@ class OpenAIServer:
             release()
             raise
         if isinstance(response, StreamingResponse):  # released when the stream ends, or is dropped unstarted
-            response.body_iterator = _released(response.body_iterator, release)
+            response.body_iterator = answers.released(response.body_iterator, release)
             weakref.finalize(response.body_iterator, release)
         else:
             release()
@@ -460,7 +253,9 @@ class OpenAIServer:
         biases = body.biases(self.cfg.vocab)
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         outputs = [
-            self.pool.generate(prompt, limit, self._sampling(body, i, biases), body.stops, stream=body.stream, choice=i)
+            self.engine.generate(
+                prompt, limit, answers.sampling(body, i, biases), body.stops, stream=body.stream, choice=i
+            )
             for i in range(body.n)
         ]
 
@@ -472,72 +267,21 @@ class OpenAIServer:
         if failed is not None:  # one choice refused: none is answered (their slots freed now)
             for o in outputs:
                 await o.aclose()
-            raise self._refusal(failed)
+            raise answers.refusal(failed)
         choices = [
-            _Choice(out, rest, self._logprobs(body, chat, echo, prompt, out))
+            Choice(out, rest, answers.choice_logprobs(self._token_bytes, body, chat, echo, prompt, out))
             for out, rest in zip(firsts, outputs, strict=True)
             if isinstance(out, Output)
         ]
         if body.stream:
-            events = _stream_events(
+            events = answers.stream_events(
                 request_id, self.model_id, choices, chat=chat, include_usage=body.include_usage, echo=echo
             )
             return StreamingResponse(events, media_type="text/event-stream")
         try:
-            return JSONResponse(await _whole(request_id, self.model_id, choices, chat=chat, echo=echo))
+            return JSONResponse(await answers.whole(request_id, self.model_id, choices, chat=chat, echo=echo))
         except (RequestFailed, EngineDown) as exc:  # after its first token: nothing was sent yet
-            raise self._refusal(exc) from None
-
-    @staticmethod
-    def _sampling(body: Any, index: int, biases: tuple[tuple[int, float], ...] = ()) -> Sampling:
-        """Choice ``index``'s sampling: the request's, with ``seed + index`` when seeded (choice i of a seeded
-        request is the same answer as a request of n = 1 with that seed)."""
-        seed = None if body.seed is None else body.seed + index
-        logprobs, prompt = body.asked_logprobs, body.asked_prompt_logprobs
-        return Sampling(
-            body.temperature,
-            body.top_p,
-            seed,
-            body.ignore_eos,
-            logprobs,
-            prompt,
-            top_k=max(0, body.top_k),
-            min_p=body.min_p,
-            presence_penalty=body.presence_penalty,
-            frequency_penalty=body.frequency_penalty,
-            repetition_penalty=body.repetition_penalty,
-            logit_bias=biases,
-            min_tokens=body.min_tokens,
-            skip_special_tokens=body.skip_special_tokens,
-            spaces_between_special_tokens=body.spaces_between_special_tokens,
-            include_stop_str_in_output=body.include_stop_str_in_output,
-        )
-
-    def _logprobs(self, body: Any, chat: bool, echo: str, prompt: list[int], first: Output) -> protocol.Logprobs | None:
-        """A choice's log-probabilities' accumulator, None when not asked; an echoed prompt's entries go in first
-        (from its first output), so the offsets start at the text's start."""
-        if body.asked_logprobs is None:
-            return None
-        if not body.asked_prompt_logprobs:
-            return protocol.Logprobs(self._token_bytes, chat=chat, offset=len(echo))
-        scored = protocol.Logprobs(self._token_bytes, chat=chat)
-        scored.add_prompt(prompt, first.prompt_logprobs)
-        return scored
-
-    @staticmethod
-    def _refusal(exc: BaseException) -> BaseException:
-        """What a generation that did not start answers: 503 (full, not ready), 400 (too long)."""
-        if isinstance(exc, QueueFull):
-            return APIError(503, f"the service is full ({exc}); retry later", retry_after=RETRY_AFTER_S)
-        if isinstance(exc, EngineDown):
-            return APIError(503, f"the service is not ready: {exc}", retry_after=RETRY_AFTER_S)
-        if isinstance(exc, RequestFailed):
-            return APIError(500, f"this request failed: {exc}")
-        if isinstance(exc, BadInput):
-            return APIError(400, f"{exc.param}: {exc}", param=exc.param)
-        if isinstance(exc, ValueError):
-            return APIError(400, str(exc), param="max_tokens")
-        return exc
+            raise answers.refusal(exc) from None
 
 
 def build_app(settings: ServeSettings, **options: Any) -> Any:

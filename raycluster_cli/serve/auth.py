@@ -1,4 +1,5 @@
-"""Who may call the service, and how much each caller may hold at once: one check both ingresses share.
+"""Who may call the service, and how much each caller may hold at once: the check both ingresses share (through
+serve/ingress.py's dependency).
 
 The keys are the service's own (``raycluster_cli.apikeys``): the ingress reads the head's keys document (digests
 only) and reads it again whenever its size, inode or modification time change, so ``serve --keys revoke NAME``
@@ -69,18 +70,18 @@ class ServiceKeys:
             self._reload()
         return [e.name for e in self._entries]
 
-    def authorize(self, headers: Any) -> KeyEntry:
-        """What both ingresses ask of a request's headers: no disconnect opt-out, and a key of the service."""
-        refuse_disconnect_disabled(headers)
-        return self.check(headers.get("authorization", ""))
-
     def check(self, authorization: str) -> KeyEntry:
         """The key an ``Authorization`` header carries, or 401 saying what to send."""
+        scheme, _, given = authorization.partition(" ")
+        return self.check_bearer(given if scheme.lower() == "bearer" else None)
+
+    def check_bearer(self, given: str | None) -> KeyEntry:
+        """The key of a bearer credential (None: no bearer credential sent), or 401 saying what to send; the Ray
+        cluster's token is refused by name."""
         if self.path is None:
             return OPEN
         self._reload()
-        scheme, _, given = authorization.partition(" ")
-        if scheme.lower() == "bearer" and given.strip():
+        if given is not None and given.strip():
             sha = _sha(given.strip().encode())
             found = next((e for e in self._entries if hmac.compare_digest(e.sha256, sha)), None)
             if found is not None:

@@ -15,6 +15,7 @@ pixels over the calibration image's, ``image_pool.work``).  The stage code is th
 which equals diffusers' own pipeline's.
 
 No ``from __future__ import annotations``: FastAPI reads the route methods' annotations at runtime (serve/app.py).
+The key check and the error shape are the text service's own, from serve/ingress.py.
 """
 
 import asyncio
@@ -27,18 +28,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
+from fastapi import Request
 from ray import serve
 from ray.exceptions import RayTaskError
-from starlette.exceptions import HTTPException
 
 from raycluster_cli.diffusion import placing
 from raycluster_cli.diffusion.parts import ImageRequest, part_bytes, vae_scale_factor
 from raycluster_cli.diffusion.router import ImagePool, NoReplica, QueueFull, Slot, lanes_of
-from raycluster_cli.serve import app as text_app
 from raycluster_cli.serve import image_limits, protocol
 from raycluster_cli.serve.auth import ServiceKeys, cluster_token_path
+from raycluster_cli.serve.ingress import KEYED, openai_api
 from raycluster_cli.serve.metrics import RayRecorder, image_request
 from raycluster_cli.serve.protocol import APIError, ImageGenerationRequest
 
@@ -106,9 +105,7 @@ def _place(settings: ImageSettings, size: int) -> Placed:
     return Placed(holders, why, {n.node_id: n.node_ip for n in rooms}, {n.node_id: n.capacity for n in rooms})
 
 
-image_api = FastAPI(title="raycluster serve (images)", docs_url=None, redoc_url=None, openapi_url=None)
-for _kind in (APIError, RequestValidationError, HTTPException):  # the text routes' error shape, the same handlers
-    image_api.add_exception_handler(_kind, text_app.app.exception_handlers[_kind])
+image_api = openai_api("raycluster serve (images)")  # the text routes' error shape and key check (serve/ingress.py)
 
 
 @serve.deployment(max_ongoing_requests=256, ray_actor_options={"num_cpus": 0}, health_check_timeout_s=60)
@@ -193,17 +190,12 @@ class ImageServer:
             "pipelines": [s.to_json() | {"why": self.why} for s in self.pool.slots],
         }  # fmt: skip
 
-    def _authorize(self, request: Request) -> None:
-        self.keys.authorize(request.headers)
-
-    @image_api.get("/v1/models")
-    async def models(self, request: Request) -> dict[str, Any]:
-        self._authorize(request)
+    @image_api.get("/v1/models", dependencies=KEYED)
+    async def models(self) -> dict[str, Any]:
         return {"object": "list", "data": [protocol.model_card(self.model_id, self.created)]}
 
-    @image_api.get("/v1/models/{model:path}")
-    async def model(self, model: str, request: Request) -> dict[str, Any]:
-        self._authorize(request)
+    @image_api.get("/v1/models/{model:path}", dependencies=KEYED)
+    async def model(self, model: str) -> dict[str, Any]:
         protocol.check_model(model, self.model_id)
         return protocol.model_card(self.model_id, self.created)
 
@@ -211,9 +203,8 @@ class ImageServer:
     async def health(self) -> dict[str, Any]:
         return protocol.health(len(self.pool.live()), RETRY_AFTER_S)
 
-    @image_api.get("/raycluster/status")
-    async def status(self, request: Request) -> dict[str, Any]:
-        self._authorize(request)
+    @image_api.get("/raycluster/status", dependencies=KEYED)
+    async def status(self) -> dict[str, Any]:
         body = {"model": self.model_id, "kind": "image", "why": self.why, **self.pool.status()}
         body["calibration"] = self.calibration
         actors = [a for s in self.pool.slots if s.state == "live" for a in s.replica.actors]
@@ -225,9 +216,8 @@ class ImageServer:
             body["counters_error"] = f"{type(exc).__name__}: {exc}"
         return body
 
-    @image_api.post("/v1/images/generations")
+    @image_api.post("/v1/images/generations", dependencies=KEYED)
     async def generations(self, request: Request) -> dict[str, Any]:
-        self._authorize(request)
         body: ImageGenerationRequest = protocol.parse(ImageGenerationRequest, await request.body())
         if body.model is not None:
             protocol.check_model(body.model, self.model_id)
