@@ -11,13 +11,9 @@ from raycluster_cli import __version__
 from raycluster_cli.config.inventory import Inventory
 from raycluster_cli.config.state import cluster_lock, state_dir
 from raycluster_cli.errors import ExitCode, UsageError
-from raycluster_cli.render.base import (
-    Output,
-    render_checks,
-    render_down,
-    render_status,
-    render_up,
-)
+from raycluster_cli.render.base import Output
+from raycluster_cli.render.checks import render_checks
+from raycluster_cli.render.lifecycle import render_down, render_status, render_up
 
 if TYPE_CHECKING:
     from raycluster_cli.checks.network import Tool

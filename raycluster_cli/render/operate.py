@@ -12,7 +12,8 @@ from typing import Any
 from rich.live import Live
 from rich.table import Table
 
-from raycluster_cli.render.base import Output, host_error, status_view
+from raycluster_cli.render.base import Output, host_error
+from raycluster_cli.render.lifecycle import status_view
 from raycluster_cli.render.text import remote_text, terminal_safe
 from raycluster_cli.transport.stream import Stream
 

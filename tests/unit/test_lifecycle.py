@@ -274,7 +274,7 @@ def test_parse_host_status() -> None:
 
 
 def test_status_lists_the_models_each_host_holds() -> None:
-    from raycluster_cli.render.base import _model_lines
+    from raycluster_cli.render.lifecycle import _model_lines
 
     inv = _inv()
     digest = "0123456789abcdef" * 2

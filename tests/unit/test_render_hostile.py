@@ -13,7 +13,7 @@ from rich.console import Console
 
 from raycluster_cli.checks.base import CheckResult, Status
 from raycluster_cli.progress import HostPhase
-from raycluster_cli.render import base, bench, operate, serve_bench, up
+from raycluster_cli.render import base, bench, checks, lifecycle, operate, serve_bench, up
 from raycluster_cli.verbs.bench import BenchEvent
 
 # A screen clear, an OSC 52 clipboard write (its payload must go too), a title, a bell, a carriage return, the
@@ -84,7 +84,7 @@ def _checks(output: base.Output, body: dict[str, Any]) -> None:
     data = {"to_head_bps": 1e9, "from_head_bps": 1e6, "rtt_ms": 0.1, "tool": body["tool"]}
     results = [CheckResult("network", body["host"], Status.OK, body["m"], body["m"], data),
                CheckResult("mtu", body["host"], Status.FAIL, body["m"], body["m"], {"mtu": body["m"]})]
-    base.render_checks(output, results)
+    checks.render_checks(output, results)
 
 
 def _up_board(output: base.Output, body: dict[str, Any]) -> None:
@@ -103,16 +103,16 @@ def _bench_events(output: base.Output, body: dict[str, Any]) -> None:
 
 
 RENDERERS: dict[str, tuple[Render, dict[str, Any]]] = {
-    "status": (base.render_status, STATUS),
+    "status": (lifecycle.render_status, STATUS),
     "status --watch": (_status_watch, STATUS),
-    "up": (base.render_up, {"nodes": [{"host": "h", "role": "head", "node_ip": "n", "alive": True, "action": "a",
+    "up": (lifecycle.render_up, {"nodes": [{"host": "h", "role": "head", "node_ip": "n", "alive": True, "action": "a",
                                        "reason": "r", "resources": {"CPU": 1}}],
                             "images": [{"method": "stream", "host": "h", "reason": "r", "bytes_sent": 1, "codec": "c",
                                         "seconds": 1.0, "source": "s"}], "warnings": ["w"], "seconds": 1.0,
                             "next": {"ray_address": "a", "dashboard_url": "d", "submit_job": "s", "status": "s",
                                      "logs": "l"}}),
     "up board": (_up_board, {"host": "h", "role": "worker", "detail": "d"}),
-    "down": (base.render_down, {"removed": [{"container": "c", "host": "h"}], "purged": [{"item": "i", "host": "h"}],
+    "down": (lifecycle.render_down, {"removed": [{"container": "c", "host": "h"}], "purged": [{"item": "i", "host": "h"}],
                                 "errors": [{"host": "h", "error": "e"}]}),
     "logs": (base.render_logs, {"out": "o", "hosts": [{"host": "h", "files": 1, "bytes": 1, "error_lines": 1,
                                                        "error": "", "first_errors": ["e"], "truncated": ["t"]}]}),
@@ -189,5 +189,5 @@ def test_on_a_terminal_only_rich_writes_escapes(name: str) -> None:
 def test_a_resource_name_from_a_host_is_shown_as_text() -> None:
     body = _hostile(STATUS)
     body["hosts"][0]["resources"] = {"CPU": 1, HOSTILE: 2}
-    text = _draw(base.render_status, body, terminal=False)
+    text = _draw(lifecycle.render_status, body, terminal=False)
     assert SHOWN + "\\=2" in text and "\x1b" not in text

@@ -3,7 +3,8 @@
 import io
 
 from raycluster_cli.checks import CheckResult, Status
-from raycluster_cli.render.base import Output, render_checks
+from raycluster_cli.render.base import Output
+from raycluster_cli.render.checks import render_checks
 
 
 def rendered(results: list[CheckResult]) -> str:

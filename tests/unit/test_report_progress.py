@@ -29,7 +29,8 @@ def _render(fn: object, body: dict[str, object]) -> str:
 
 
 def test_render_up_status_logs_down() -> None:
-    from raycluster_cli.render.base import render_down, render_logs, render_status, render_up
+    from raycluster_cli.render.base import render_logs
+    from raycluster_cli.render.lifecycle import render_down, render_status, render_up
 
     node = {"host": "192.0.2.12", "role": "worker", "node_ip": "192.0.2.12", "alive": True}
     up = {
@@ -108,7 +109,7 @@ def test_render_up_status_logs_down() -> None:
 
 
 def test_a_hosts_error_that_names_its_host_is_shown_after_the_name_once() -> None:
-    from raycluster_cli.render.base import render_status
+    from raycluster_cli.render.lifecycle import render_status
     from raycluster_cli.render.operate import render_exec
 
     def status_of(error: str) -> dict[str, object]:

@@ -15,7 +15,7 @@ from raycluster_cli.config import inventory
 from raycluster_cli.delivery import models, receive
 from raycluster_cli.errors import OperationError
 from raycluster_cli.host.containers import TOKEN_IN_CONTAINER
-from raycluster_cli.render.base import _live_lines, _service_line
+from raycluster_cli.render.lifecycle import _live_lines, _service_line
 from raycluster_cli.serve.options import ServeOptions
 from raycluster_cli.transport.base import CommandResult
 from raycluster_cli.verbs import serve
