@@ -127,8 +127,6 @@ def run(options: BenchOptions, progress: Report) -> dict[str, Any]:
     """One image benchmark: placement, calibration, the counted run, references; the JSON-ready document."""
     import ray
 
-    from raycluster_cli.diffusion.workers import Replica
-
     options = options.effective()
     started = time.perf_counter()
     check_scheduler(str(options.model_path))  # before any actor loads the folder
@@ -138,22 +136,8 @@ def run(options: BenchOptions, progress: Report) -> dict[str, Any]:
     weights = part_bytes(path)
     rooms = node_rooms()
     ip_of = {n.node_id: n.node_ip for n in rooms}
-    cut: dict[str, Any] | None = None
     output_check: dict[str, Any] | None = None
-    try:
-        holders, why = place(rooms, weights, options.image_size)
-        progress(f"placing {len(holders)} replica(s)")
-        replicas: list[Any] = [Replica(path, h, options.threads) for h in holders]
-    except CutNeeded as exc:
-        from raycluster_cli.diffusion import unet_place
-        from raycluster_cli.diffusion.unet_workers import CutReplica
-
-        progress("no node holds the UNet: timing its blocks on every node")
-        plan, cut, why = unet_place.place_cut(
-            path, rooms, request_for(options, 0), exc.needs, WEIGHT_HEADROOM, options.threads
-        )
-        replicas = [CutReplica(path, plan.text, plan.stages, plan.vae, options.threads)]
-        holders = [replicas[0].holders]
+    replicas, holders, why, cut = _start_replicas(options, path, rooms, weights, progress)
     try:
         infos: list[dict[str, Any]] = ray.get([a.info.remote() for r in replicas for a in r.actors], timeout=600)
         seconds = calibrate(
@@ -163,16 +147,7 @@ def run(options: BenchOptions, progress: Report) -> dict[str, Any]:
         policy = "weighted" if options.partition == "balanced" else "equal"
         main = measure(replicas, seconds, options, total, policy, progress, "counted run", options.check_output)
         first_image = main.pop("first_image")
-        references: dict[str, Any] = {"ceiling": ceiling(main, replicas)}
-        if options.references and len(replicas) > 1:
-            other = "equal" if policy == "weighted" else "weighted"
-            ref = measure(replicas, seconds, options, total, other, progress, f"reference: {other} routing")
-            references[other] = _reference(main, ref)
-            fastest = min(range(len(replicas)), key=lambda i: seconds[i])
-            one = measure(
-                [replicas[fastest]], [seconds[fastest]], options, total, "equal", progress, "reference: one node"
-            )
-            references["one_node"] = _reference(main, one) | {"node_ip": ip_of[holders[fastest][0][0]]}
+        references = _references(main, replicas, seconds, holders, ip_of, options, total, policy, progress)
     finally:
         for replica in replicas:
             replica.kill()
@@ -181,26 +156,7 @@ def run(options: BenchOptions, progress: Report) -> dict[str, Any]:
     doc: dict[str, Any] = {
         "kind": "image",
         **main,
-        "placement": {
-            "why": why,
-            "replicas": [
-                {"holders": [{"node_ip": ip_of[n], "parts": parts} for n, parts in h], "s_per_image": s}
-                for h, s in zip(holders, seconds, strict=True)
-            ],
-            "weights_mib": {part: round(b / MIB, 2) for part, b in weights.items()},
-            **({"unet_cut": cut} if cut is not None else {}),
-            "node_memory_mib": {n.node_ip: n.capacity // MIB for n in rooms},
-            "node_rooms": [
-                {
-                    "node_ip": n.node_ip,
-                    "room_mib": n.capacity // MIB,
-                    "source": n.source,
-                    "limit_mib": n.limit // MIB if n.limit else None,
-                    "cpus": n.cpus,
-                }
-                for n in rooms
-            ],
-        },
+        "placement": _placement_doc(why, holders, seconds, weights, cut, rooms),
         "workers": infos,
         "references": references,
         "config": {
@@ -218,6 +174,82 @@ def run(options: BenchOptions, progress: Report) -> dict[str, Any]:
     if output_check is not None:
         doc["output_check"] = output_check
     return {"schema_version": SCHEMA_VERSION, "ok": True, **doc}
+
+
+def _start_replicas(
+    options: BenchOptions, path: str, rooms: list[NodeRoom], weights: dict[str, int], progress: Report
+) -> tuple[list[Any], list[Holders], str, dict[str, Any] | None]:
+    """The replicas started where ``place`` put them; where no node holds the UNet, one replica cut by blocks."""
+    from raycluster_cli.diffusion.workers import Replica
+
+    try:
+        holders, why = place(rooms, weights, options.image_size)
+        progress(f"placing {len(holders)} replica(s)")
+        return [Replica(path, h, options.threads) for h in holders], holders, why, None
+    except CutNeeded as exc:
+        from raycluster_cli.diffusion import unet_place
+        from raycluster_cli.diffusion.unet_workers import CutReplica
+
+        progress("no node holds the UNet: timing its blocks on every node")
+        plan, cut, why = unet_place.place_cut(
+            path, rooms, request_for(options, 0), exc.needs, WEIGHT_HEADROOM, options.threads
+        )
+        replica = CutReplica(path, plan.text, plan.stages, plan.vae, options.threads)
+        return [replica], [replica.holders], why, cut
+
+
+def _references(
+    main: dict[str, Any],
+    replicas: list[Any],
+    seconds: list[float],
+    holders: list[Holders],
+    ip_of: dict[str, str],
+    options: BenchOptions,
+    total: int,
+    policy: str,
+    progress: Report,
+) -> dict[str, Any]:
+    """The same run's references: the ceiling, the other routing, and the fastest replica alone."""
+    references: dict[str, Any] = {"ceiling": ceiling(main, replicas)}
+    if options.references and len(replicas) > 1:
+        other = "equal" if policy == "weighted" else "weighted"
+        ref = measure(replicas, seconds, options, total, other, progress, f"reference: {other} routing")
+        references[other] = _reference(main, ref)
+        fastest = min(range(len(replicas)), key=lambda i: seconds[i])
+        one = measure([replicas[fastest]], [seconds[fastest]], options, total, "equal", progress, "reference: one node")
+        references["one_node"] = _reference(main, one) | {"node_ip": ip_of[holders[fastest][0][0]]}
+    return references
+
+
+def _placement_doc(
+    why: str,
+    holders: list[Holders],
+    seconds: list[float],
+    weights: dict[str, int],
+    cut: dict[str, Any] | None,
+    rooms: list[NodeRoom],
+) -> dict[str, Any]:
+    ip_of = {n.node_id: n.node_ip for n in rooms}
+    return {
+        "why": why,
+        "replicas": [
+            {"holders": [{"node_ip": ip_of[n], "parts": parts} for n, parts in h], "s_per_image": s}
+            for h, s in zip(holders, seconds, strict=True)
+        ],
+        "weights_mib": {part: round(b / MIB, 2) for part, b in weights.items()},
+        **({"unet_cut": cut} if cut is not None else {}),
+        "node_memory_mib": {n.node_ip: n.capacity // MIB for n in rooms},
+        "node_rooms": [
+            {
+                "node_ip": n.node_ip,
+                "room_mib": n.capacity // MIB,
+                "source": n.source,
+                "limit_mib": n.limit // MIB if n.limit else None,
+                "cpus": n.cpus,
+            }
+            for n in rooms
+        ],
+    }
 
 
 def ceiling(main: dict[str, Any], replicas: list[Any]) -> dict[str, Any]:
