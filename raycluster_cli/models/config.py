@@ -6,7 +6,8 @@ import json
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
-ARCHITECTURES = ("gpt2", "llama")
+from raycluster_cli.models.registry import ARCHITECTURES
+
 DTYPES = ("float32", "bfloat16", "float16")  # what weights, KV cache and activations are held and computed in
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 ACTIVATIONS = ("gelu", "gelu_new")

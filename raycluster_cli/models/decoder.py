@@ -6,27 +6,29 @@ drawn from a generator seeded only by ``(seed, unit)``, so a stage that builds u
 another machine gets bit-for-bit the same weights as the whole model built in one place.  Nothing
 is downloaded; every node builds its own share.
 
-With ``model_path`` set the same units are filled from a checkpoint in Hugging Face format instead
-(``gpt2.py``, ``llama.py``): each stage reads only the tensors of its own units.  ``cfg.arch`` picks
-the units' architecture: GPT-2's (learned positions, pre-LN blocks, fused QKV, tanh GELU, tied LM
-head; also the random model's) or Llama's (``llama.py``); both run through the same ``Stage``.
+With ``model_path`` set the same units are filled from a checkpoint in Hugging Face format instead: each
+stage reads only the tensors of its own units.  ``cfg.arch`` picks the units' family (``registry``: GPT-2's
+in ``gpt2.py``, also the random model's, or Llama's in ``llama.py``); every family runs through the same
+``Stage``.  A unit has one forward, over rows at their own positions in their own KV slots (``rows``): the
+bench's micro-batch is the uniform case of the service's mixed steps (``batched.BatchedStage``), so both run
+the same maths.
 """
 
 from __future__ import annotations
 
 import hashlib
 import time
-from collections.abc import Callable, Mapping
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Literal, NamedTuple
+from typing import Any, Literal
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from raycluster_cli.models import gpt2, llama
+from raycluster_cli.models import registry
 from raycluster_cli.models.config import ACTIVATIONS, ModelConfig, resolve_dtype
+from raycluster_cli.models.matmuls import Matmuls
+from raycluster_cli.models.rows import Rows, SlotCache, UniformRows
 from raycluster_cli.models.tensorfile import checkpoint_dtype
 
 __all__ = [
@@ -58,7 +60,7 @@ def _init_unit(module: nn.Module, seed: int, unit: int) -> None:
     """Overwrite every parameter of ``module`` from the (seed, unit) generator, in definition order."""
     gen = torch.Generator(device="cpu").manual_seed(unit_seed(seed, unit))
     for name, param in module.named_parameters():
-        if isinstance(module, _Embedding) or name.startswith(("tok", "pos")):
+        if name.startswith(("tok", "pos")):  # the embedding's tables
             param.normal_(0.0, _EMBED_STD, generator=gen)
         elif param.dim() >= 2:
             param.normal_(0.0, _LINEAR_STD, generator=gen)
@@ -68,113 +70,9 @@ def _init_unit(module: nn.Module, seed: int, unit: int) -> None:
             param.normal_(0.0, _LINEAR_STD, generator=gen)
 
 
-class _Embedding(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
-        super().__init__()
-        self.tok = nn.Embedding(cfg.vocab, cfg.d_model)
-        self.pos = nn.Embedding(cfg.max_seq, cfg.d_model)
-
-    def forward(self, ids: torch.Tensor, start: int) -> torch.Tensor:
-        positions = torch.arange(start, start + ids.shape[1], dtype=torch.long, device=ids.device)
-        out: torch.Tensor = self.tok(ids) + self.pos(positions)[None, :, :]
-        return out
-
-
-class _LayerCache:
-    """Preallocated K/V for one block and one micro-batch: [B, kv_heads, max_seq, head_dim], in the model's dtype."""
-
-    def __init__(self, batch: int, cfg: ModelConfig, device: torch.device) -> None:
-        shape = (batch, cfg.num_kv_heads, cfg.max_seq, cfg.dim_per_head)
-        self.k = torch.zeros(shape, device=device, dtype=torch_dtype(cfg))
-        self.v = torch.zeros(shape, device=device, dtype=torch_dtype(cfg))
-
-
-class Block(nn.Module):
-    """Pre-norm transformer block: causal self-attention (with KV cache) + GELU MLP."""
-
-    def __init__(self, cfg: ModelConfig, layer: int = 0) -> None:
-        super().__init__()
-        d = cfg.d_model
-        self.heads = cfg.heads
-        self.gelu_approximate = "tanh" if cfg.activation == "gelu_new" else "none"
-        self.ln1 = nn.LayerNorm(d, eps=cfg.ln_eps)
-        self.qkv = nn.Linear(d, 3 * d)
-        self.proj = nn.Linear(d, d)
-        self.ln2 = nn.LayerNorm(d, eps=cfg.ln_eps)
-        self.fc1 = nn.Linear(d, 4 * d)
-        self.fc2 = nn.Linear(4 * d, d)
-
-    def forward(self, x: torch.Tensor, cache: _LayerCache, start: int) -> torch.Tensor:
-        batch, steps, d = x.shape
-        head_dim = d // self.heads
-        q, k, v = self.qkv(self.ln1(x)).split(d, dim=-1)
-        q = q.view(batch, steps, self.heads, head_dim).transpose(1, 2)
-        k = k.view(batch, steps, self.heads, head_dim).transpose(1, 2)
-        v = v.view(batch, steps, self.heads, head_dim).transpose(1, 2)
-        end = start + steps
-        cache.k[:, :, start:end] = k
-        cache.v[:, :, start:end] = v
-        keys, values = cache.k[:, :, :end], cache.v[:, :, :end]
-        mask = None
-        if steps > 1:  # query i sits at absolute position start+i and may see keys 0..start+i
-            mask = torch.arange(end, device=x.device)[None, :] <= torch.arange(start, end, device=x.device)[:, None]
-        att = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
-        x = x + self.proj(att.transpose(1, 2).reshape(batch, steps, d))
-        out: torch.Tensor = x + self.fc2(F.gelu(self.fc1(self.ln2(x)), approximate=self.gelu_approximate))
-        return out
-
-
-class _Head(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
-        super().__init__()
-        self.ln_f = nn.LayerNorm(cfg.d_model, eps=cfg.ln_eps)
-        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out: torch.Tensor = self.lm_head(self.ln_f(x))
-        return out
-
-
-class Architecture(NamedTuple):
-    """How one architecture builds its units and fills them from a checkpoint."""
-
-    embedding: Callable[[ModelConfig], nn.Module]
-    block: Callable[[ModelConfig, int], nn.Module]  # (config, block index from 0)
-    head: Callable[[ModelConfig], nn.Module]
-    load_units: Callable[[ModelConfig, Mapping[int, nn.Module]], None]
-
-
-ARCHITECTURES = {
-    "gpt2": Architecture(_Embedding, Block, _Head, gpt2.load_units),
-    "llama": Architecture(llama.Embedding, llama.Block, llama.Head, llama.load_units),
-}
-# config.json's model_type, else an entry of its "architectures", -> our architecture
-_MODEL_TYPES = {"gpt2": "gpt2", "llama": "llama", "qwen2": "llama", "mistral": "llama"}
-_MODEL_CLASSES = {
-    "GPT2LMHeadModel": "gpt2",
-    "GPT2Model": "gpt2",
-    "LlamaForCausalLM": "llama",
-    "Qwen2ForCausalLM": "llama",
-    "MistralForCausalLM": "llama",
-}
-
-
 def checkpoint_architecture(path: str | Path) -> str:
-    """The architecture of the Hugging Face checkpoint in ``path``, from its config.json (model_type, else
-    architectures; a config naming neither is GPT-2, as older GPT-2 exports are)."""
-    raw = llama.read_config(Path(path))
-    model_type, classes = raw.get("model_type"), raw.get("architectures") or []
-    if model_type in _MODEL_TYPES:
-        return _MODEL_TYPES[str(model_type)]
-    for name in classes:
-        if name in _MODEL_CLASSES:
-            return _MODEL_CLASSES[str(name)]
-    if model_type is None and not classes:
-        return "gpt2"
-    raise ValueError(
-        f"{Path(path) / llama.CONFIG_FILE}: model_type {model_type!r} (architectures {classes}) is not supported;"
-        " --model-path takes GPT-2 (gpt2), Llama (llama), Qwen2 (qwen2) or Mistral (mistral) checkpoints"
-    )
+    """The family (``ModelConfig.arch``) of the Hugging Face checkpoint in ``path`` (``registry``)."""
+    return registry.checkpoint_family(path)
 
 
 def config_from_checkpoint(
@@ -182,8 +80,7 @@ def config_from_checkpoint(
 ) -> ModelConfig:
     """The ModelConfig of the checkpoint in ``path``, whichever architecture its config.json names, computed in
     ``dtype`` (``auto``: the checkpoint's own dtype when ``on_gpu``, else float32; ``resolve_dtype``)."""
-    loader = llama if checkpoint_architecture(path) == "llama" else gpt2
-    cfg = loader.config_from_dir(path, max_seq, seed)
+    cfg = registry.code(checkpoint_architecture(path)).config_from_dir(path, max_seq, seed)
     stored = checkpoint_dtype(path) if dtype == "auto" else dtype
     return replace(cfg, dtype=resolve_dtype(dtype, stored, on_gpu))
 
@@ -221,17 +118,17 @@ class Stage(nn.Module):
         self.embedding: nn.Module | None = None
         self.head: nn.Module | None = None
         self.blocks = nn.ModuleList()
-        arch = ARCHITECTURES[cfg.arch]
+        family = registry.code(cfg.arch)
         self.dtype = torch_dtype(cfg)
         modules: dict[int, nn.Module] = {}
         for unit in range(start, end):
             module: nn.Module
             if unit == 0:
-                module = arch.embedding(cfg)
+                module = family.Embedding(cfg)
             elif unit == cfg.head_unit:
-                module = arch.head(cfg)
+                module = family.Head(cfg)
             else:
-                module = arch.block(cfg, unit - 1)
+                module = family.Block(cfg, unit - 1)
             module.to(self.dtype)  # unit by unit: at most one unit is ever held in float32 on the way
             if unit == 0:
                 self.embedding = module
@@ -241,7 +138,7 @@ class Stage(nn.Module):
                 self.blocks.append(module)
             modules[unit] = module
         if cfg.model_path:
-            arch.load_units(cfg, modules)
+            family.load_units(cfg, modules)
         else:
             for unit, module in modules.items():
                 _init_unit(module, cfg.seed, unit)
@@ -249,7 +146,8 @@ class Stage(nn.Module):
         self.to(self.device)
         self.eval()
         self.requires_grad_(False)
-        self._caches: dict[Any, tuple[int, list[_LayerCache]]] = {}
+        self._caches: dict[Any, tuple[int, list[SlotCache]]] = {}
+        self.mm = Matmuls()  # every product as F.linear (a BatchedStage measures its own forms)
 
     @property
     def has_embedding(self) -> bool:
@@ -275,28 +173,39 @@ class Stage(nn.Module):
         steps = x.shape[1]
         if start + steps > self.cfg.max_seq:
             raise ValueError(f"sequence of {start + steps} tokens exceeds max_seq={self.cfg.max_seq}")
-        if self.embedding is not None:
-            if x.dtype != torch.long or x.dim() != 2:
-                raise ValueError(f"first stage expects int64 token ids [B, T], got {x.dtype} {tuple(x.shape)}")
-            x = self.embedding(x, start)
-        elif x.dim() != 3 or x.shape[-1] != self.cfg.d_model:
-            raise ValueError(f"stage expects hidden states [B, T, {self.cfg.d_model}], got {tuple(x.shape)}")
-        else:
-            x = x.to(self.dtype)
+        rows = UniformRows.of(x.shape[0], start, steps, self.device)  # row b in slot b of this micro-batch's cache
+        x = self.enter(x, rows)
         if self.blocks:
             caches = self._cache_for(cache_id, x.shape[0], start)
-            for block, cache in zip(self.blocks, caches, strict=True):
-                x = block(x, cache, start)
+            x = self.run_blocks(x, caches, rows, self.mm)
             self._caches[cache_id] = (start + steps, caches)
         if self.head is None:
             return x
         if self.emit == "logits":
-            return self.head(x)
-        return self.head(x[:, -1:, :])[:, 0, :].argmax(dim=-1)
+            return self.head(x, self.mm)
+        return self.head(x[:, -1:, :], self.mm)[:, 0, :].argmax(dim=-1)
 
-    def _cache_for(self, cache_id: Any, batch: int, start: int) -> list[_LayerCache]:
+    def enter(self, x: torch.Tensor, rows: Rows) -> torch.Tensor:
+        """What the first block takes: token ids [B, T] embedded (at the rows' positions) on the stage holding
+        the embedding, hidden states [B, T, d] cast to the stage's dtype on the others."""
+        if self.embedding is not None:
+            if x.dtype != torch.long or x.dim() != 2:
+                raise ValueError(f"first stage expects int64 token ids [B, T], got {x.dtype} {tuple(x.shape)}")
+            out: torch.Tensor = self.embedding(x, rows)
+            return out
+        if x.dim() != 3 or x.shape[-1] != self.cfg.d_model:
+            raise ValueError(f"stage expects hidden states [B, T, {self.cfg.d_model}], got {tuple(x.shape)}")
+        return x.to(self.dtype)
+
+    def run_blocks(self, x: torch.Tensor, caches: list[SlotCache], rows: Rows, mm: Matmuls) -> torch.Tensor:
+        """Every block of the stage on ``x``, each with its own cache."""
+        for block, cache in zip(self.blocks, caches, strict=True):
+            x = block(x, cache, rows, mm)
+        return x
+
+    def _cache_for(self, cache_id: Any, batch: int, start: int) -> list[SlotCache]:
         if start == 0:
-            return [_LayerCache(batch, self.cfg, self.device) for _ in self.blocks]
+            return [SlotCache(batch, self.cfg, self.device) for _ in self.blocks]
         if cache_id not in self._caches:
             raise KeyError(f"no KV cache for micro-batch {cache_id!r}: decode before prefill?")
         length, caches = self._caches[cache_id]

@@ -1,6 +1,10 @@
-"""GPT-2 weights in Hugging Face format (``config.json`` + ``model.safetensors``), unit by unit.
+"""The GPT-2 family: its units (also the random model's) and its weights in Hugging Face format, unit by unit.
 
-The benchmark's decoder has GPT-2's architecture, so a checkpoint maps onto its units directly:
+Learned positions, pre-LN blocks, fused QKV, GELU (GPT-2's tanh approximation or exact), tied LM head.  Each
+unit has one forward, over rows at their own positions in their own KV slots (``models.rows``); the bench's
+micro-batch and the service's mixed steps both run it.
+
+A checkpoint (``config.json`` + ``model.safetensors``) maps onto the units directly:
 unit 0 reads ``wte``/``wpe``, unit i reads ``h.{i-1}.*``, the head unit reads ``ln_f`` and the LM
 head (``lm_head.weight`` when present, else the tied ``wte.weight``).  GPT-2's ``Conv1D`` layers
 store weights as [in, out]; ``nn.Linear`` wants [out, in], so those are transposed on load.  A
@@ -15,13 +19,17 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
+from raycluster_cli.models import registry
 from raycluster_cli.models.config import ModelConfig
+from raycluster_cli.models.matmuls import Matmuls
+from raycluster_cli.models.rows import Rows, SlotCache
 from raycluster_cli.models.tensorfile import TensorFileError, load_tensors, read_header
 
 WEIGHTS_FILE = "model.safetensors"
-CONFIG_FILE = "config.json"
+CONFIG_FILE = registry.CONFIG_FILE
 _ACTIVATIONS = {"gelu_new": "gelu_new", "gelu_pytorch_tanh": "gelu_new", "gelu_fast": "gelu_new", "gelu": "gelu"}
 # block parameter -> (GPT-2 tensor suffix, transposed?)
 _BLOCK_MAP = {
@@ -54,8 +62,8 @@ def config_from_dir(path: str | Path, max_seq: int, seed: int = 0) -> ModelConfi
     except ValueError as exc:
         raise ValueError(f"{config_file}: not JSON ({exc})") from None
     model_type = raw.get("model_type", "gpt2")
-    if model_type != "gpt2":
-        raise ValueError(f"{config_file}: model_type {model_type!r} is not gpt2")
+    if model_type not in registry.model_types("gpt2"):
+        raise ValueError(f"{config_file}: model_type {model_type!r} is not {' or '.join(registry.model_types('gpt2'))}")
     if raw.get("scale_attn_by_inverse_layer_idx") or raw.get("reorder_and_upcast_attn"):
         raise ValueError(f"{config_file}: scale_attn_by_inverse_layer_idx / reorder_and_upcast_attn are not supported")
     activation = _ACTIVATIONS.get(str(raw.get("activation_function", "gelu_new")))
@@ -80,6 +88,56 @@ def config_from_dir(path: str | Path, max_seq: int, seed: int = 0) -> ModelConfi
         )
     except KeyError as exc:
         raise ValueError(f"{config_file}: missing {exc.args[0]}") from None
+
+
+class Embedding(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(cfg.vocab, cfg.d_model)
+        self.pos = nn.Embedding(cfg.max_seq, cfg.d_model)
+
+    def forward(self, ids: torch.Tensor, rows: Rows) -> torch.Tensor:
+        out: torch.Tensor = self.tok(ids) + self.pos(rows.positions)
+        return out
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: causal self-attention (with KV cache) + GELU MLP."""
+
+    def __init__(self, cfg: ModelConfig, layer: int = 0) -> None:
+        super().__init__()
+        d = cfg.d_model
+        self.heads = cfg.heads
+        self.gelu_approximate = "tanh" if cfg.activation == "gelu_new" else "none"
+        self.ln1 = nn.LayerNorm(d, eps=cfg.ln_eps)
+        self.qkv = nn.Linear(d, 3 * d)
+        self.proj = nn.Linear(d, d)
+        self.ln2 = nn.LayerNorm(d, eps=cfg.ln_eps)
+        self.fc1 = nn.Linear(d, 4 * d)
+        self.fc2 = nn.Linear(4 * d, d)
+
+    def forward(self, x: torch.Tensor, cache: SlotCache, rows: Rows, mm: Matmuls) -> torch.Tensor:
+        """``x`` [B, T, d] of rows at their own positions (``rows``); products in ``mm``'s measured forms."""
+        batch, steps, d = x.shape
+        qkv = mm.apply(self.qkv, self.ln1(x))
+        q, k, v = (t.view(batch, steps, self.heads, d // self.heads).transpose(1, 2) for t in qkv.split(d, -1))
+        rows.write(cache, k, v)
+        att = rows.attend(q, cache)
+        x = x + mm.apply(self.proj, att.transpose(1, 2).reshape(batch, steps, d))
+        hidden = F.gelu(mm.apply(self.fc1, self.ln2(x)), approximate=self.gelu_approximate)
+        out: torch.Tensor = x + mm.apply(self.fc2, hidden)
+        return out
+
+
+class Head(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.ln_f = nn.LayerNorm(cfg.d_model, eps=cfg.ln_eps)
+        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab, bias=False)
+
+    def forward(self, x: torch.Tensor, mm: Matmuls) -> torch.Tensor:
+        out: torch.Tensor = mm.apply(self.lm_head, self.ln_f(x))
+        return out
 
 
 def _prefix(names: set[str]) -> str:

@@ -6,13 +6,15 @@ that turns ``use_sliding_window`` on) lets a query see only the last ``sliding_w
 at least as long as the run's ``max_seq`` cannot hide any key, so it is dropped from the config (the
 same tokens, as the tests check); a shorter one is applied to the attention mask, as transformers does.
 
-The units line up with GPT-2's (``model.py``): unit 0 is the token embedding (no position table:
+The units line up with GPT-2's (``gpt2.py``): unit 0 is the token embedding (no position table:
 positions enter every block as rotations of the queries and keys, RoPE), units 1..L are the blocks
 (RMSNorm → grouped-query attention → RMSNorm → SwiGLU MLP, no biases unless the config asks), and
 unit L+1 is the final RMSNorm + LM head (its own ``lm_head.weight``, or the token embedding when
 ``tie_word_embeddings``).  A stage reads only its own units' tensors, also from a checkpoint saved in
 shards (``model.safetensors.index.json``).  The maths follows ``transformers``' modeling_llama so a
-loaded checkpoint produces the same tokens (the unit tests compare the two).
+loaded checkpoint produces the same tokens (the unit tests compare the two).  Each unit has one forward, over
+rows at their own positions in their own KV slots (``models.rows``): the bench's micro-batch and the service's
+mixed steps both run it.
 """
 
 from __future__ import annotations
@@ -27,10 +29,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from raycluster_cli.models import registry
 from raycluster_cli.models.config import ModelConfig
+from raycluster_cli.models.matmuls import Matmuls
+from raycluster_cli.models.registry import CONFIG_FILE, read_config
+from raycluster_cli.models.rows import Rows, SlotCache
 from raycluster_cli.models.tensorfile import TensorFileError, checkpoint_tensors, load_checkpoint_tensors
 
-CONFIG_FILE = "config.json"
 # block parameter -> Llama tensor suffix (biases only exist with attention_bias / mlp_bias)
 _BLOCK_MAP = {
     "attn_norm.weight": "input_layernorm.weight",
@@ -52,20 +57,6 @@ _BLOCK_MAP = {
 }
 
 
-def read_config(directory: Path) -> dict[str, Any]:
-    """The checkpoint's ``config.json`` as a dict (errors name the file)."""
-    config_file = directory / CONFIG_FILE
-    if not config_file.is_file():
-        raise ValueError(f"--model-path {directory}: {CONFIG_FILE} not found (a Hugging Face checkpoint directory)")
-    try:
-        raw = json.loads(config_file.read_text())
-    except ValueError as exc:
-        raise ValueError(f"{config_file}: not JSON ({exc})") from None
-    if not isinstance(raw, dict):
-        raise ValueError(f"{config_file}: not a JSON object")
-    return raw
-
-
 def _rope(raw: dict[str, Any], config_file: Path) -> tuple[float, str]:
     """(rope_theta, rope scaling as canonical JSON or "") from the new (``rope_parameters``) or old
     (``rope_theta`` + ``rope_scaling``) spelling of the config."""
@@ -85,7 +76,7 @@ def _rope(raw: dict[str, Any], config_file: Path) -> tuple[float, str]:
     raise ValueError(f"{config_file}: rope scaling {kind!r} is not supported (default, linear, llama3)")
 
 
-FAMILIES = ("llama", "qwen2", "mistral")
+FAMILIES = registry.model_types("llama")  # the model types that run on these units
 
 
 def _sliding_window(raw: dict[str, Any], family: str, max_seq: int, config_file: Path) -> tuple[int, int]:
@@ -112,9 +103,8 @@ def config_from_dir(path: str | Path, max_seq: int, seed: int = 0) -> ModelConfi
     directory = Path(path)
     raw = read_config(directory)
     config_file = directory / CONFIG_FILE
-    classes = {"Qwen2ForCausalLM": "qwen2", "MistralForCausalLM": "mistral"}
-    named = [classes[c] for c in raw.get("architectures") or [] if c in classes]
-    family = str(raw.get("model_type") or (named[0] if named else "llama"))
+    known = registry.model_type_of({"architectures": raw.get("architectures")})
+    family = str(raw.get("model_type") or (known.model_type if known else "llama"))
     if family not in FAMILIES:
         raise ValueError(f"{config_file}: model_type {family!r} is not one of {', '.join(FAMILIES)}")
     checkpoint_tensors(directory)  # fails early, naming the directory, when there are no weights
@@ -206,18 +196,10 @@ class Embedding(nn.Module):
         super().__init__()
         self.tok = nn.Embedding(cfg.vocab, cfg.d_model)
 
-    def forward(self, ids: torch.Tensor, start: int) -> torch.Tensor:
+    def forward(self, ids: torch.Tensor, rows: Rows) -> torch.Tensor:
+        """No positions here: they enter every block as rotations (RoPE)."""
         out: torch.Tensor = self.tok(ids)
         return out
-
-
-def causal_mask(queries: torch.Tensor, end: int, window: int, device: torch.device) -> torch.Tensor:
-    """[..., T, end]: the query at absolute position p sees keys p - window < k <= p (every k <= p with no window)."""
-    keys = torch.arange(end, device=device)
-    mask = keys <= queries[..., None]
-    if window:
-        mask &= keys > queries[..., None] - window
-    return mask
 
 
 class Block(nn.Module):
@@ -245,29 +227,21 @@ class Block(nn.Module):
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
 
-    def forward(self, x: torch.Tensor, cache: Any, start: int) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache: SlotCache, rows: Rows, mm: Matmuls) -> torch.Tensor:
+        """``x`` [B, T, d] of rows at their own positions (``rows``); products in ``mm``'s measured forms."""
         batch, steps, _ = x.shape
-        end = start + steps
+        heads, kv_heads, width = self.heads, self.kv_heads, self.head_dim
         h = self.attn_norm(x)
-        q = self.q(h).view(batch, steps, self.heads, self.head_dim).transpose(1, 2)
-        k = self.k(h).view(batch, steps, self.kv_heads, self.head_dim).transpose(1, 2)
-        v = self.v(h).view(batch, steps, self.kv_heads, self.head_dim).transpose(1, 2)
-        cos, sin = self.cos[start:end], self.sin[start:end]
-        cache.k[:, :, start:end] = _rotate(k, cos, sin)
-        cache.v[:, :, start:end] = v
-        mask = None
-        if steps > 1 or (self.window and end > self.window):  # query i sits at absolute position start+i
-            mask = causal_mask(torch.arange(start, end, device=x.device), end, self.window, x.device)
-        att = F.scaled_dot_product_attention(
-            _rotate(q, cos, sin),
-            cache.k[:, :, :end],
-            cache.v[:, :, :end],
-            attn_mask=mask,
-            enable_gqa=self.kv_heads != self.heads,
-        )
-        x = x + self.o(att.transpose(1, 2).reshape(batch, steps, self.heads * self.head_dim))
+        q = mm.apply(self.q, h).view(batch, steps, heads, width).transpose(1, 2)
+        k = mm.apply(self.k, h).view(batch, steps, kv_heads, width).transpose(1, 2)
+        v = mm.apply(self.v, h).view(batch, steps, kv_heads, width).transpose(1, 2)
+        positions = rows.positions
+        cos, sin = self.cos[positions][:, None], self.sin[positions][:, None]
+        rows.write(cache, _rotate(k, cos, sin), v)
+        att = rows.attend(_rotate(q, cos, sin), cache, self.window, gqa=kv_heads != heads)
+        x = x + mm.apply(self.o, att.transpose(1, 2).reshape(batch, steps, heads * width))
         h = self.mlp_norm(x)
-        out: torch.Tensor = x + self.down(F.silu(self.gate(h)) * self.up(h))
+        out: torch.Tensor = x + mm.apply(self.down, F.silu(mm.apply(self.gate, h)) * mm.apply(self.up, h))
         return out
 
 
@@ -277,8 +251,8 @@ class Head(nn.Module):
         self.norm = RMSNorm(cfg.d_model, cfg.ln_eps)
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out: torch.Tensor = self.lm_head(self.norm(x))
+    def forward(self, x: torch.Tensor, mm: Matmuls) -> torch.Tensor:
+        out: torch.Tensor = mm.apply(self.lm_head, self.norm(x))
         return out
 
 

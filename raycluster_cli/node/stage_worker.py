@@ -8,8 +8,8 @@ itself with its output, returning that call's ObjectRef, which the driver follow
 activations go stage to stage, but every returned reference is a nested one whose borrowing Ray
 tracks with extra messages, and on the lab that cost more than the relay it saves (0.87x the
 tokens/s of driver hops, docs/PERFORMANCE.md).  The no-op ``hop`` measures both ways in every run.  Each worker times its
-own compute (busy time), measures its node's speed per unit type (``calibrate``) and offers a
-no-op ``hop`` to measure what a stage boundary costs without any compute.
+own compute (busy time), measures its node's speed per unit type (``calibrate``, on the forward the service
+runs) and offers a no-op ``hop`` to measure what a stage boundary costs without any compute.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ import ray
 import torch
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from raycluster_cli.models.batched import BatchedStage
 from raycluster_cli.models.decoder import ModelConfig, Stage, seconds_per_pass
 from raycluster_cli.node.cgroup import (
     container_cpu_quota,
@@ -42,6 +43,26 @@ from raycluster_cli.node.nodes import (
     peak_rss,
     pick_device,
 )
+
+
+class _Served:
+    """Units [start, end) as the service runs them (``BatchedStage``: one KV slot per row, the product forms
+    measured on this node), called as ``seconds_per_pass`` calls a bench ``Stage``: every row at ``start``, row b
+    in slot b.  What ``calibrate`` times, so the placement of a service, the bench and the service's re-split
+    start from the same numbers."""
+
+    def __init__(self, cfg: ModelConfig, start: int, end: int, batch: int, device: str) -> None:
+        room = (lambda: node_capacity("", "").usable) if device == "cpu" else None
+        self.stage = BatchedStage(cfg, start, end, slots=batch, device=device, room_bytes=room)
+
+    def __call__(self, x: torch.Tensor, key: Any, start: int) -> torch.Tensor:
+        batch, steps = x.shape[0], x.shape[1]
+        table = torch.tensor([list(range(batch)), [start] * batch, [steps] * batch], dtype=torch.long)
+        return self.stage.forward(x, table)
+
+    def release(self, key: Any) -> bool:
+        """Nothing to free: the slots are overwritten by the next pass."""
+        return True
 
 
 class _StageWorker:
@@ -193,7 +214,8 @@ class _StageWorker:
         prefill_chunk: int = 0,
         max_blocks: int = 4,
     ) -> dict[str, Any]:
-        """Seconds one micro-batch (prefill + decode steps) spends in each unit type on this node.
+        """Seconds one micro-batch (prefill + decode steps) spends in each unit type on this node, in the
+        forward the service runs (``_Served``).
 
         Embedding, block and head are timed in turn, ``repeats`` rounds after a warm-up round, and
         the median of each is kept (robust to a neighbour stealing the CPU for one round).  A block
@@ -209,9 +231,9 @@ class _StageWorker:
         hidden = torch.randn(batch, prompt_len, cfg.d_model, generator=gen)
         run = max(1, min(4, max_blocks, cfg.layers))  # fewer where memory is short
         subjects = {
-            "embedding": (Stage(cfg, 0, 1, device=self.device), ids, 1),
-            "block": (Stage(cfg, 1, 1 + run, device=self.device), hidden, run),
-            "head": (Stage(cfg, cfg.head_unit, cfg.num_units, device=self.device), hidden, 1),
+            "embedding": (_Served(cfg, 0, 1, batch, self.device), ids, 1),
+            "block": (_Served(cfg, 1, 1 + run, batch, self.device), hidden, run),
+            "head": (_Served(cfg, cfg.head_unit, cfg.num_units, batch, self.device), hidden, 1),
         }
         samples: dict[str, list[float]] = {kind: [] for kind in subjects}
         cpu: dict[str, list[float]] = {kind: [] for kind in subjects}
