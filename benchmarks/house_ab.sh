@@ -3,7 +3,8 @@
 # alternated on the 3-host lab (CPU quotas 1.0 / 0.5 / 0.25). Per round and tree: the cluster down and up with that
 # tree's image, the default `bench` (tokens/s of the balanced split; the even split and one node beside it), then
 # `serve` (tiny-chat shape of serve_targets.py) and `bench --serve` at 1, 4 and 32 at once; one line per figure.
-# Usage: TREE_A=/path IMAGE_A=tag TREE_B=/path IMAGE_B=tag benchmarks/house_ab.sh [ROUNDS] [OUT]
+# BENCH_FLAGS: the bench's flags (e.g. --layers=240, so both trees run the same model whatever their calibration).
+# Usage: TREE_A=/path IMAGE_A=tag TREE_B=/path IMAGE_B=tag [BENCH_FLAGS=...] benchmarks/house_ab.sh [ROUNDS] [OUT]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROUNDS=${1:-1}
@@ -21,7 +22,7 @@ for round in $(seq 0 $((ROUNDS - 1))); do
     run() { (cd "$tree" && PYTHONPATH=$tree timeout "$1" $PYTHON -m raycluster_cli "${@:2}"); }
     run 600 down -i "$INV" --json > /dev/null || true
     run 1200 up -i "$INV" --json > "$OUT/up-$round-$cfg.json"
-    run 1800 bench -i "$INV" --json > "$OUT/bench-$round-$cfg.json" || true
+    run 1800 bench -i "$INV" --json ${BENCH_FLAGS:-} > "$OUT/bench-$round-$cfg.json" || true
     $PYTHON - "$OUT/bench-$round-$cfg.json" "$round $cfg bench" <<'PY'
 import json, sys
 d = json.load(open(sys.argv[1]))
