@@ -54,7 +54,7 @@ LEARN = 0.2  # the weight of each served image's time in a replica's seconds per
 RECHECK_S = (0.005, 0.5)  # bounds of the wait before looking again while a lane idles beside waiting images
 
 
-class QueueFull(Exception):
+class ImagesWaitingFull(Exception):
     """More images waiting than the service takes: a 503 with Retry-After."""
 
 
@@ -180,7 +180,7 @@ class ImagePool:
         refused up front when it would take the work held past ``max_waiting``."""
         held, asked = self.held, sum(work(r, self.base) for r in requests)
         if held + asked > self.max_waiting and held > 0:
-            raise QueueFull(
+            raise ImagesWaitingFull(
                 f"{held:.1f} image(s) of work in progress and {asked:.1f} asked, at most {self.max_waiting:g} held"
             )
         if not self.live():

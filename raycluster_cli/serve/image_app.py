@@ -34,7 +34,7 @@ from ray.exceptions import RayTaskError
 
 from raycluster_cli.diffusion import placing
 from raycluster_cli.diffusion.parts import ImageRequest, part_bytes, vae_scale_factor
-from raycluster_cli.diffusion.router import ImagePool, NoReplica, QueueFull, Slot, lanes_of
+from raycluster_cli.diffusion.router import ImagePool, ImagesWaitingFull, NoReplica, Slot, lanes_of
 from raycluster_cli.serve import image_limits, protocol
 from raycluster_cli.serve.auth import ServiceKeys, cluster_token_path
 from raycluster_cli.serve.ingress import KEYED, openai_api
@@ -237,7 +237,7 @@ class ImageServer:
         try:
             made = await self.pool.images(requests)
             outcome = "ok"
-        except QueueFull as exc:
+        except ImagesWaitingFull as exc:
             outcome = "refused"
             raise APIError(503, f"the service is full ({exc}); retry later", retry_after=RETRY_AFTER_S) from None
         except NoReplica as exc:

@@ -17,7 +17,7 @@ import pytest
 pytest.importorskip("ray")
 
 from raycluster_cli.diffusion.parts import ImageRequest, check_scheduler
-from raycluster_cli.diffusion.router import ImagePool, NoReplica, QueueFull, Slot, work
+from raycluster_cli.diffusion.router import ImagePool, ImagesWaitingFull, NoReplica, Slot, work
 from raycluster_cli.serve import image_limits
 from raycluster_cli.serve.protocol import APIError
 
@@ -108,7 +108,7 @@ def test_admission_counts_work_not_requests() -> None:
         big = asyncio.ensure_future(pool.images([ImageRequest("a", seed=0, steps=80)]))
         await asyncio.sleep(0.01)
         assert pool.held == pytest.approx(4.0)
-        with pytest.raises(QueueFull, match=r"4\.0 image"):
+        with pytest.raises(ImagesWaitingFull, match=r"4\.0 image"):
             await pool.images([ImageRequest("b", seed=1)])
         assert await big == [0]
         assert await pool.images([ImageRequest("b", seed=1)]) == [1]

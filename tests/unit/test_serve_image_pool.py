@@ -15,7 +15,7 @@ pytest.importorskip("ray")
 from ray.exceptions import RayActorError
 
 from raycluster_cli.diffusion.parts import ImageRequest
-from raycluster_cli.diffusion.router import ImagePool, NoReplica, QueueFull, Slot
+from raycluster_cli.diffusion.router import ImagePool, ImagesWaitingFull, NoReplica, Slot
 from raycluster_cli.serve.protocol import APIError, ImageGenerationRequest, parse
 
 
@@ -172,7 +172,7 @@ def test_more_than_max_waiting_images_is_refused_while_busy() -> None:
     async def run() -> None:
         first = asyncio.ensure_future(pool.images(_requests(2)))
         await asyncio.sleep(0.05)
-        with pytest.raises(QueueFull):
+        with pytest.raises(ImagesWaitingFull):
             await pool.images(_requests(2))
         await first
 
