@@ -70,7 +70,8 @@ app = openai_api("raycluster serve")
 @serve.deployment(max_ongoing_requests=256, ray_actor_options={"num_cpus": 0}, health_check_timeout_s=60)
 @serve.ingress(app)
 class OpenAIServer:
-    """One replica: the tokenizer, the stage actors of one pipeline and the engine batching over them."""
+    """The text ingress: the tokenizer, the pool of pipelines (each its stage actors and the engine batching over
+    them) it routes every request to, the keys, the front door and the status."""
 
     async def __init__(self, settings: ServeSettings) -> None:  # type: ignore[misc]  # Serve awaits it
         self.settings = settings
