@@ -35,7 +35,7 @@ def test_anything_else_gets_the_real_module() -> None:
         "import importlib.metadata as m\n"
         "names = [d.metadata['Name'] for d in m.distributions()]\n"
         "print(json.dumps({'real': type(sys.modules['importlib.metadata']).__name__,"
-        " 'pydantic': 'pydantic' in [n.lower() for n in names], 'missing': raycluster_cli._installed_version('no-such-dist'),"
+        " 'pydantic': 'pydantic' in [n.lower() for n in names], 'missing': raycluster_cli.startup._installed_version('no-such-dist'),"
         " 'ours': [e.value for e in entry_points(group='console_scripts') if e.name == 'raycluster']}))"
     )
     assert seen == {
