@@ -72,6 +72,15 @@ def _within(begin: float, finish: float, merged: list[tuple[float, float]]) -> f
     return total
 
 
+def _stage_row(figures: Mapping[str, list[float]], beside: float) -> dict[str, Any]:
+    """One stage's medians, and the shares of its time idle between steps and computing beside another stage."""
+    busy, idle = sum(figures["compute"]), sum(figures["idle"])
+    return {f"{name}_ms": _ms(values) for name, values in figures.items()} | {
+        "idle_share": round(idle / (idle + busy), 3) if idle + busy > 0 else None,
+        "beside_share": round(beside / busy, 3) if busy > 0 else None,
+    }
+
+
 def step_anatomy(
     engine: Sequence[EngineRecord],
     stages: Sequence[Sequence[StageRecord]],
@@ -121,16 +130,7 @@ def step_anatomy(
         engine_work.append(sent[n][2] - sent[n][1])
         round_trips.append(sent[n][1] - sent[n][0])
     span_s = _busy_span([(sent[n][0], sent[n][1]) for n in numbers])
-    stage_rows = []
-    for figures, beside in zip(per_stage, beside_s, strict=True):
-        busy, idle = sum(figures["compute"]), sum(figures["idle"])
-        stage_rows.append(
-            {f"{name}_ms": _ms(values) for name, values in figures.items()}
-            | {
-                "idle_share": round(idle / (idle + busy), 3) if idle + busy > 0 else None,
-                "beside_share": round(beside / busy, 3) if busy > 0 else None,
-            }
-        )
+    stage_rows = [_stage_row(figures, beside) for figures, beside in zip(per_stage, beside_s, strict=True)]
     return {
         "steps": len(numbers),
         "round_trip_ms": _ms(round_trips),
