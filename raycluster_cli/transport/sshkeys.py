@@ -197,30 +197,7 @@ def connect_error(ssh: Login, exc: Exception) -> TransportError:
             host, f"cannot connect to port {port}: {exc.strerror or exc}", "check the address and the route to it"
         )
     if isinstance(exc, paramiko.SSHException):
-        text = str(exc)
-        if "known_hosts" in text:
-            return HostKeyError(
-                host,
-                f"SSH host key is not in {ssh.known_hosts_file} (ssh.known_hosts: strict)",
-                f"verify and record it: ssh-keyscan -p {port} {host} >> {ssh.known_hosts_file}, "
-                "or set ssh.known_hosts: accept-new",
-            )
-        if "No authentication methods available" in text:
-            return AuthError(
-                host,
-                "no SSH key to log in with (no ssh.key, no agent keys, no ~/.ssh/id_* file)",
-                "set ssh.key in the inventory, or start ssh-agent and ssh-add your key",
-            )
-        if any(sign in text for sign in _HANDSHAKE_STALLED):
-            error = _transient(
-                host,
-                f"no SSH banner or handshake within {ssh.connect_timeout:.0f}s (host frozen or overloaded, or "
-                "sshd's MaxStartups dropping new connections)",
-                "check that the host answers (console, load); raise ssh.connect_timeout_s for slow hosts",
-            )
-            error.silent = True
-            return error
-        return TransportError(host, f"SSH failed: {text or type(exc).__name__}", "check sshd on the host")
+        return _ssh_protocol_error(ssh, exc)
     if isinstance(exc, TimeoutError):
         error = TransportError(
             host,
@@ -238,6 +215,35 @@ def connect_error(ssh: Login, exc: Exception) -> TransportError:
     if isinstance(exc, OSError):
         return TransportError(host, f"cannot connect: {exc.strerror or exc}", "check the address and the route to it")
     return TransportError(host, f"SSH login failed: {type(exc).__name__}: {exc}", "re-run with --debug")
+
+
+def _ssh_protocol_error(ssh: Login, exc: paramiko.SSHException) -> TransportError:
+    """An SSH-level failure while connecting: the host key unknown, no key to log in with, a stalled handshake."""
+    host, port = ssh.host, ssh.port
+    text = str(exc)
+    if "known_hosts" in text:
+        return HostKeyError(
+            host,
+            f"SSH host key is not in {ssh.known_hosts_file} (ssh.known_hosts: strict)",
+            f"verify and record it: ssh-keyscan -p {port} {host} >> {ssh.known_hosts_file}, "
+            "or set ssh.known_hosts: accept-new",
+        )
+    if "No authentication methods available" in text:
+        return AuthError(
+            host,
+            "no SSH key to log in with (no ssh.key, no agent keys, no ~/.ssh/id_* file)",
+            "set ssh.key in the inventory, or start ssh-agent and ssh-add your key",
+        )
+    if any(sign in text for sign in _HANDSHAKE_STALLED):
+        error = _transient(
+            host,
+            f"no SSH banner or handshake within {ssh.connect_timeout:.0f}s (host frozen or overloaded, or "
+            "sshd's MaxStartups dropping new connections)",
+            "check that the host answers (console, load); raise ssh.connect_timeout_s for slow hosts",
+        )
+        error.silent = True
+        return error
+    return TransportError(host, f"SSH failed: {text or type(exc).__name__}", "check sshd on the host")
 
 
 def _auth_failed(ssh: Login) -> AuthError:
