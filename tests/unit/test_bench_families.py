@@ -1,7 +1,8 @@
-"""Qwen2 and Mistral checkpoints: token for token what transformers' own Qwen2/Mistral models compute.
+"""Qwen2, Mistral and Phi-3 checkpoints: token for token what transformers' own models of each compute.
 
-Both are Llama's blocks with other settings: Qwen2 has q/k/v biases and no output bias (tied or untied
-head), Mistral a sliding window.  The checkpoints are tiny random models written by ``transformers``'
+All are Llama's blocks with other settings: Qwen2 has q/k/v biases and no output bias (tied or untied
+head), Mistral a sliding window, Phi-3 fused q/k/v and gate/up tensors (split at load), a sliding window
+and RoPE on only part of each head.  The checkpoints are tiny random models written by ``transformers``'
 ``save_pretrained``; the comparison runs unsharded, split into stages, and through serve's batched stage.
 """
 
@@ -30,6 +31,13 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
     "mistral": ("mistral", GQA | {"sliding_window": None}),
     "mistral-window": ("mistral", GQA | {"sliding_window": 4}),
     "mistral-long-window": ("mistral", GQA | {"sliding_window": 4096}),
+    "phi3": ("phi3", GQA | {"sliding_window": None}),
+    # fused q/k/v and gate/up split at load, half of each head rotated, a window that hides keys, tied head
+    "phi3-partial-window": (
+        "phi3",
+        {"num_attention_heads": 4, "num_key_value_heads": 1, "tie_word_embeddings": True}
+        | {"partial_rotary_factor": 0.5, "sliding_window": 5},
+    ),
 }
 PROMPT, NEW = 8, 12
 
@@ -64,9 +72,10 @@ def test_config_reads_the_family(checkpoint: tuple[str, Path]) -> None:
     cfg = config_from_checkpoint(path, max_seq=PROMPT + NEW)
     assert (cfg.arch, cfg.family, cfg.qkv_bias, cfg.attention_bias) == ("llama", family, family == "qwen2", False)
     assert cfg.tied_head == bool(raw.get("tie_word_embeddings"))
-    window = raw.get("sliding_window") if family == "mistral" or raw.get("use_sliding_window") else None
+    window = raw.get("sliding_window") if family in ("mistral", "phi3") or raw.get("use_sliding_window") else None
     assert cfg.sliding_window == (window if window and window < PROMPT + NEW else 0)
     assert cfg.window_from_layer == (1 if cfg.sliding_window and family == "qwen2" else 0)
+    assert cfg.rotary_width == (cfg.dim_per_head // 2 if "partial" in path.name else cfg.dim_per_head)
 
 
 def test_same_tokens_as_transformers(checkpoint: tuple[str, Path]) -> None:
