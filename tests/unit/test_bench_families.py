@@ -121,10 +121,23 @@ def test_unknown_family_and_odd_layer_types_are_refused(tmp_path: Path) -> None:
     raw = json.loads((path / "config.json").read_text())
     (tmp_path / "model.safetensors").symlink_to(path / "model.safetensors")
     (tmp_path / "config.json").write_text(json.dumps(raw | {"model_type": "gemma", "architectures": []}))
-    with pytest.raises(ValueError, match=r"'gemma'.*not supported"):
+    with pytest.raises(ValueError, match=r"'gemma'.*not supported.*Mistral \(mistral\) or Phi-3 \(phi3\)"):
         config_from_checkpoint(tmp_path, max_seq=8)
     odd = ["sliding_attention", "full_attention", "sliding_attention"]
     change = {"use_sliding_window": True, "sliding_window": 2, "layer_types": odd}
     (tmp_path / "config.json").write_text(json.dumps(raw | change))
     with pytest.raises(ValueError, match="layer_types"):
         config_from_checkpoint(tmp_path, max_seq=8)
+
+
+def test_phi3_long_context_rope_is_refused_naming_rope_scaling(tmp_path: Path) -> None:
+    """Phi-3's longrope (also spelled su or yarn in older configs) switches tables with the sequence length:
+    refused with one line, not run with the wrong rotations."""
+    path = write_llama(tmp_path / "phi3", family="phi3", **GQA)
+    raw = json.loads((path / "config.json").read_text())
+    half = raw["hidden_size"] // raw["num_attention_heads"] // 2
+    for kind in ("longrope", "su"):
+        scaling = {"type": kind, "short_factor": [1.0] * half, "long_factor": [2.0] * half}
+        (path / "config.json").write_text(json.dumps(raw | {"rope_parameters": None, "rope_scaling": scaling}))
+        with pytest.raises(ValueError, match=rf"config.json: rope_scaling '{kind}' .*not supported.*no rope_scaling"):
+            config_from_checkpoint(path, max_seq=8)
