@@ -141,3 +141,13 @@ def test_phi3_long_context_rope_is_refused_naming_rope_scaling(tmp_path: Path) -
         (path / "config.json").write_text(json.dumps(raw | {"rope_parameters": None, "rope_scaling": scaling}))
         with pytest.raises(ValueError, match=rf"config.json: rope_scaling '{kind}' .*not supported.*no rope_scaling"):
             config_from_checkpoint(path, max_seq=8)
+
+
+def test_bf16_phi3_checkpoint_loads_as_float32(tmp_path: Path) -> None:
+    """The fused tensors of a bfloat16 checkpoint are split and widened as transformers widens them."""
+    path = write_llama(tmp_path, seed=7, family="phi3", dtype=torch.bfloat16, partial_rotary_factor=0.5, **GQA)
+    cfg = config_from_checkpoint(path, max_seq=PROMPT + NEW)
+    prompts = _prompts(cfg.vocab)
+    _, tokens = _theirs("phi3", path, prompts)
+    stages = [Stage(cfg, a, b) for a, b in even_partition(cfg.layers, 2)]
+    assert torch.equal(greedy_generate(stages, prompts, NEW), tokens)
