@@ -1,4 +1,4 @@
-"""Tiny random Llama, Qwen2 and Mistral checkpoints written by ``transformers`` itself (real tensor names, real
+"""Tiny random Llama, Qwen2, Mistral and Phi-3 checkpoints written by ``transformers`` itself (real tensor names, real
 config.json)."""
 
 from __future__ import annotations
@@ -37,7 +37,10 @@ FAMILIES = {
     "llama": ("LlamaConfig", "LlamaForCausalLM"),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
     "mistral": ("MistralConfig", "MistralForCausalLM"),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM"),
 }
+# settings a family's config needs at this size (Phi-3's default pad token 32000 is outside a 96-token vocabulary)
+FAMILY_SETTINGS: dict[str, dict[str, Any]] = {"phi3": {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}}
 
 
 def model_class(family: str) -> Any:
@@ -55,14 +58,18 @@ def write_llama(
 ) -> Path:
     """A random model of ``family`` (Llama's block shape) saved by transformers; weights drawn wide enough that
     greedy tokens vary."""
-    settings = {
-        "vocab_size": 96,
-        "hidden_size": 48,
-        "intermediate_size": 80,
-        "num_hidden_layers": 3,
-        "max_position_embeddings": 64,
-        "rms_norm_eps": 1e-5,
-    } | extra
+    settings = (
+        {
+            "vocab_size": 96,
+            "hidden_size": 48,
+            "intermediate_size": 80,
+            "num_hidden_layers": 3,
+            "max_position_embeddings": 64,
+            "rms_norm_eps": 1e-5,
+        }
+        | FAMILY_SETTINGS.get(family, {})
+        | extra
+    )
     torch.manual_seed(seed)
     config_class, _ = FAMILIES[family]
     model = model_class(family)(getattr(transformers, config_class)(**settings)).eval()

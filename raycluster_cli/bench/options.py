@@ -18,6 +18,8 @@ from pydantic import (
     model_validator,
 )
 
+from raycluster_cli.models import registry
+
 __all__ = ["QUICK", "BenchOptions", "ValidationError", "flag_of"]
 
 MODES = ("offline", "poisson")
@@ -45,7 +47,7 @@ class BenchOptions(BaseModel):
 
     model_path: str | None = Field(
         None,
-        description="GPT-2, Llama, Qwen2 or Mistral checkpoint dir (Hugging Face config.json + safetensors), or a"
+        description=f"{registry.supported()} checkpoint dir (Hugging Face config.json + safetensors), or a"
         " diffusers (Stable Diffusion) folder with model_index.json; same path on every node",
     )
     dtype: str = Field(

@@ -20,7 +20,8 @@ class ModelConfig:
 
     ``arch`` picks the block: ``gpt2`` (learned positions, LayerNorm, GELU MLP) or ``llama`` (rotary
     positions, RMSNorm, SwiGLU MLP, grouped-query attention; also Qwen2's and Mistral's, which differ
-    only in biases and the sliding window); the fields after ``model_path`` are Llama's and keep their
+    only in biases and the sliding window, and Phi-3's, whose fused projections are split at load and which
+    may rotate only part of each head); the fields after ``model_path`` are Llama's and keep their
     defaults for GPT-2.
     """
 
@@ -45,14 +46,15 @@ class ModelConfig:
     qkv_bias: bool = False  # q/k/v projections have biases, the output projection none (Qwen2)
     sliding_window: int = 0  # a query sees only the last this many keys (Mistral, Qwen2); 0: all of them
     window_from_layer: int = 0  # the window applies to blocks from this index on (Qwen2's max_window_layers)
-    family: str = ""  # the checkpoint's model_type (llama, qwen2, mistral) when it differs from arch
+    family: str = ""  # the checkpoint's model_type (llama, qwen2, mistral, phi3) when it differs from arch
+    rotary_dim: int = 0  # leading dims of each head that RoPE rotates (Phi-3's partial_rotary_factor); 0: all
     dtype: str = "float32"  # weights, KV cache and activations (one of DTYPES; "auto" is resolved before)
 
     def __post_init__(self) -> None:
         for name in ("vocab", "d_model", "heads", "layers", "max_seq"):
             if getattr(self, name) < 1:
                 raise ValueError(f"ModelConfig.{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("kv_heads", "head_dim", "ffn", "sliding_window", "window_from_layer"):
+        for name in ("kv_heads", "head_dim", "ffn", "sliding_window", "window_from_layer", "rotary_dim"):
             if getattr(self, name) < 0:
                 raise ValueError(f"ModelConfig.{name} must be >= 0, got {getattr(self, name)}")
         if self.dtype not in DTYPES:
@@ -70,6 +72,8 @@ class ModelConfig:
             raise ValueError("kv_heads, head_dim and ffn are Llama settings; a gpt2 model keeps their defaults")
         if self.arch == "gpt2" and (self.qkv_bias or self.sliding_window):
             raise ValueError("qkv_bias and sliding_window are Llama-family settings; a gpt2 model keeps their defaults")
+        if self.rotary_dim % 2 or self.rotary_dim > self.dim_per_head:
+            raise ValueError(f"rotary_dim must be even and <= head_dim ({self.dim_per_head}), got {self.rotary_dim}")
         if self.rope_type not in _LLAMA_ROPE:
             raise ValueError(f"rope scaling type must be one of {_LLAMA_ROPE}, got {self.rope_type!r}")
 
@@ -89,6 +93,11 @@ class ModelConfig:
     @property
     def dim_per_head(self) -> int:
         return self.head_dim or self.d_model // self.heads
+
+    @property
+    def rotary_width(self) -> int:
+        """The leading dims of each head that RoPE rotates (the rest pass through unrotated)."""
+        return self.rotary_dim or self.dim_per_head
 
     @property
     def mlp_width(self) -> int:

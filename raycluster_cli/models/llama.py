@@ -5,6 +5,10 @@ settings: Qwen2's q/k/v projections have biases and its output projection none; 
 that turns ``use_sliding_window`` on) lets a query see only the last ``sliding_window`` keys.  A window
 at least as long as the run's ``max_seq`` cannot hide any key, so it is dropped from the config (the
 same tokens, as the tests check); a shorter one is applied to the attention mask, as transformers does.
+Phi-3 (``Phi3ForCausalLM``) is Mistral's blocks with q/k/v stored as one ``qkv_proj`` and gate/up as one
+``gate_up_proj``: the loader splits them into the block's own projections (so there is one forward), and a
+``partial_rotary_factor`` below 1 rotates only each head's leading dims.  Its long-context RoPE
+(``longrope``) is refused, naming config.json's rope_scaling.
 
 The units line up with GPT-2's (``gpt2.py``): unit 0 is the token embedding (no position table:
 positions enter every block as rotations of the queries and keys, RoPE), units 1..L are the blocks
@@ -55,6 +59,8 @@ _BLOCK_MAP = {
     "down.weight": "mlp.down_proj.weight",
     "down.bias": "mlp.down_proj.bias",
 }
+# Phi-3: a fused tensor (suffix) -> our projections stored in it, in its row order
+_FUSED = {"self_attn.qkv_proj": ("q", "k", "v"), "mlp.gate_up_proj": ("gate", "up")}
 
 
 def _rope(raw: dict[str, Any], config_file: Path) -> tuple[float, str]:
@@ -63,6 +69,11 @@ def _rope(raw: dict[str, Any], config_file: Path) -> tuple[float, str]:
     params = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
     theta = float(params.pop("rope_theta", raw.get("rope_theta", 10000.0)))
     kind = str(params.get("rope_type", params.get("type", "default")))
+    if kind in ("longrope", "su", "yarn"):
+        raise ValueError(
+            f"{config_file}: rope_scaling {kind!r} (long-context RoPE) is not supported;"
+            " use a checkpoint whose config.json has no rope_scaling (such as Phi-3-mini-4k-instruct)"
+        )
     if kind == "default":
         return theta, ""
     if kind == "linear":
@@ -97,8 +108,22 @@ def _sliding_window(raw: dict[str, Any], family: str, max_seq: int, config_file:
     return int(window), min(first, layers)
 
 
+def _rotary_dim(raw: dict[str, Any], family: str, head_dim: int, config_file: Path) -> int:
+    """The leading dims of each head RoPE rotates: Phi-3's ``partial_rotary_factor`` (0: the whole head)."""
+    if family != "phi3":
+        return 0
+    params = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+    factor = float(params.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0)))
+    dim = int(head_dim * factor)
+    if dim % 2 or not 0 < dim <= head_dim:
+        raise ValueError(
+            f"{config_file}: partial_rotary_factor {factor} gives {dim} rotary dims of {head_dim}: need an even count"
+        )
+    return 0 if dim == head_dim else dim
+
+
 def config_from_dir(path: str | Path, max_seq: int, seed: int = 0) -> ModelConfig:
-    """The ModelConfig of the Llama, Qwen2 or Mistral checkpoint in ``path`` (KV cache and rotary tables sized
+    """The ModelConfig of the Llama, Qwen2, Mistral or Phi-3 checkpoint in ``path`` (KV cache and rotary tables sized
     to ``max_seq``)."""
     directory = Path(path)
     raw = read_config(directory)
@@ -117,6 +142,7 @@ def config_from_dir(path: str | Path, max_seq: int, seed: int = 0) -> ModelConfi
         )
     try:
         heads = int(raw["num_attention_heads"])
+        head_dim = int(raw.get("head_dim") or int(raw["hidden_size"]) // heads)
         theta, scaling = _rope(raw, config_file)
         window, window_from = _sliding_window(raw, family, max_seq, config_file)
         return ModelConfig(
@@ -131,7 +157,7 @@ def config_from_dir(path: str | Path, max_seq: int, seed: int = 0) -> ModelConfi
             model_path=str(directory),
             arch="llama",
             kv_heads=int(raw.get("num_key_value_heads") or heads),
-            head_dim=int(raw.get("head_dim") or int(raw["hidden_size"]) // heads),
+            head_dim=head_dim,
             ffn=int(raw["intermediate_size"]),
             rope_theta=theta,
             rope_scaling=scaling,
@@ -142,6 +168,7 @@ def config_from_dir(path: str | Path, max_seq: int, seed: int = 0) -> ModelConfi
             sliding_window=window,
             window_from_layer=window_from,
             family="" if family == "llama" else family,
+            rotary_dim=_rotary_dim(raw, family, head_dim, config_file),
         )
     except KeyError as exc:
         raise ValueError(f"{config_file}: missing {exc.args[0]}") from None
@@ -149,7 +176,7 @@ def config_from_dir(path: str | Path, max_seq: int, seed: int = 0) -> ModelConfi
 
 def inverse_frequencies(cfg: ModelConfig) -> torch.Tensor:
     """RoPE's per-pair rotation speeds, with the checkpoint's scaling (as ``transformers`` computes them)."""
-    dim = cfg.dim_per_head
+    dim = cfg.rotary_width
     inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     params = cfg.rope_params
     if cfg.rope_type == "linear":
@@ -167,14 +194,18 @@ def inverse_frequencies(cfg: ModelConfig) -> torch.Tensor:
 
 
 def rotary_tables(cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin for every position < max_seq: [max_seq, head_dim] each."""
+    """cos and sin for every position < max_seq: [max_seq, rotary_width] each."""
     freqs = torch.arange(cfg.max_seq, dtype=torch.float32)[:, None] * inverse_frequencies(cfg)[None, :]
     angles = torch.cat((freqs, freqs), dim=-1)
     return angles.cos(), angles.sin()
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
+    """RoPE on the leading ``cos.shape[-1]`` dims of each head; the others pass through (partial rotary)."""
+    width = cos.shape[-1]
+    if width < x.shape[-1]:
+        return torch.cat((_rotate(x[..., :width], cos, sin), x[..., width:]), dim=-1)
+    half = width // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin
 
@@ -256,26 +287,43 @@ class Head(nn.Module):
         return out
 
 
-def unit_tensors(cfg: ModelConfig, unit: int, names: set[str]) -> dict[str, str]:
-    """For one unit: our parameter name -> tensor name in the checkpoint."""
-    pre = "model." if "model.embed_tokens.weight" in names else ""
+def _fused_rows(cfg: ModelConfig, prefix: str) -> dict[str, tuple[str, slice]]:
+    """Phi-3's fused projections: q, k and v are consecutive row ranges of ``qkv_proj``, gate and up the two
+    halves of ``gate_up_proj`` (the order transformers' Phi3 splits them in)."""
+    kv = cfg.num_kv_heads * cfg.dim_per_head
+    sizes = {"q": cfg.heads * cfg.dim_per_head, "k": kv, "v": kv, "gate": cfg.mlp_width, "up": cfg.mlp_width}
+    plan = {}
+    for fused, parts in _FUSED.items():
+        start = 0
+        for part in parts:
+            plan[f"{part}.weight"] = (f"{prefix}{fused}.weight", slice(start, start + sizes[part]))
+            start += sizes[part]
+    return plan
+
+
+def unit_tensors(cfg: ModelConfig, unit: int, names: set[str]) -> dict[str, tuple[str, slice]]:
+    """For one unit: our parameter name -> (tensor name in the checkpoint, the rows of it that are ours)."""
+    pre, whole = ("model." if "model.embed_tokens.weight" in names else ""), slice(None)
     if unit == 0:
-        return {"tok.weight": f"{pre}embed_tokens.weight"}
+        return {"tok.weight": (f"{pre}embed_tokens.weight", whole)}
     if unit == cfg.head_unit:
         head = f"{pre}embed_tokens.weight" if cfg.tied_head else "lm_head.weight"
-        return {"norm.weight": f"{pre}norm.weight", "lm_head.weight": head}
+        return {"norm.weight": (f"{pre}norm.weight", whole), "lm_head.weight": (head, whole)}
     biases = {"q", "k", "v", "o"} if cfg.attention_bias else {"q", "k", "v"} if cfg.qkv_bias else set()
     biases |= {"gate", "up", "down"} if cfg.mlp_bias else set()
-    return {
-        ours: f"{pre}layers.{unit - 1}.{theirs}"
+    prefix = f"{pre}layers.{unit - 1}."
+    plan = {
+        ours: (prefix + theirs, whole)
         for ours, theirs in _BLOCK_MAP.items()
         if ours.endswith("weight") or ours.split(".")[0] in biases
     }
+    return plan | _fused_rows(cfg, prefix) if cfg.family == "phi3" else plan
 
 
 @torch.no_grad()
 def load_units(cfg: ModelConfig, modules: Mapping[int, nn.Module]) -> None:
-    """Fill each unit's module from ``cfg.model_path``, one tensor at a time, reading only that unit's tensors."""
+    """Fill each unit's module from ``cfg.model_path``, one checkpoint tensor at a time (a fused one once for
+    all its parts), reading only that unit's tensors."""
     files = checkpoint_tensors(cfg.model_path)
     names = set(files)
     for unit, module in modules.items():
@@ -285,10 +333,16 @@ def load_units(cfg: ModelConfig, modules: Mapping[int, nn.Module]) -> None:
             raise TensorFileError(
                 f"unit {unit}: parameters {sorted(params)} do not match the {cfg.family or 'llama'} layout"
             )
-        for ours, src in plan.items():  # one tensor in memory at a time beside the weights
+        parts: dict[str, list[str]] = {}
+        for ours, (src, _) in plan.items():
+            parts.setdefault(src, []).append(ours)
+        for src, ours_list in parts.items():  # one checkpoint tensor in memory at a time beside the weights
             value = load_checkpoint_tensors(files, [src])[src]
-            if tuple(value.shape) != tuple(params[ours].shape):
+            first = params[ours_list[0]]
+            wanted = (sum(params[ours].shape[0] for ours in ours_list), *first.shape[1:])
+            if tuple(value.shape) != wanted:
                 raise TensorFileError(
-                    f"{cfg.model_path}: {src} has shape {tuple(value.shape)}, unit {unit} needs {tuple(params[ours].shape)}"
+                    f"{cfg.model_path}: {src} has shape {tuple(value.shape)}, unit {unit} needs {wanted}"
                 )
-            params[ours].copy_(value)
+            for ours in ours_list:
+                params[ours].copy_(value[plan[ours][1]])

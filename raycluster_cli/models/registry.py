@@ -3,7 +3,7 @@
 A *family* is one set of unit classes with one forward each (``ModelConfig.arch``: its config reading, its
 embedding, block and head, its weight loading, all in one module).  A *model type* is what a checkpoint's
 ``config.json`` names (``model_type``, else an entry of ``architectures``); several model types may run on
-one family (Qwen2 and Mistral are Llama blocks with other settings).  Every list of known names (the
+one family (Qwen2, Mistral and Phi-3 are Llama blocks with other settings).  Every list of known names (the
 config's accepted ``arch``, the loaders' accepted model types, the error for an unknown one) is read from
 here, so adding a family is one entry below plus its module.
 
@@ -46,6 +46,7 @@ MODEL_TYPES = (
     ModelType("llama", "Llama", ("LlamaForCausalLM",), "llama"),
     ModelType("qwen2", "Qwen2", ("Qwen2ForCausalLM",), "llama"),
     ModelType("mistral", "Mistral", ("MistralForCausalLM",), "llama"),
+    ModelType("phi3", "Phi-3", ("Phi3ForCausalLM",), "llama"),
 )
 ARCHITECTURES = tuple(FAMILIES)
 _BY_TYPE = {m.model_type: m for m in MODEL_TYPES}
@@ -77,7 +78,7 @@ def model_types(family: str) -> tuple[str, ...]:
 
 
 def supported() -> str:
-    """The known model types, for messages: ``GPT-2 (gpt2), Llama (llama) ... or Mistral (mistral)``."""
+    """The known model types, for messages: ``GPT-2 (gpt2), Llama (llama) ... or Phi-3 (phi3)``."""
     names = [f"{m.label} ({m.model_type})" for m in MODEL_TYPES]
     return f"{', '.join(names[:-1])} or {names[-1]}" if len(names) > 1 else names[0]
 

@@ -56,7 +56,7 @@ def block_values(cfg: ModelConfig) -> int:
     attention = _linear(d, heads * width, qkv_bias) + 2 * _linear(d, kv * width, qkv_bias)
     attention += _linear(heads * width, d, cfg.attention_bias)
     mlp = 2 * _linear(d, cfg.mlp_width, cfg.mlp_bias) + _linear(cfg.mlp_width, d, cfg.mlp_bias)
-    rotary = 2 * cfg.max_seq * width  # cos and sin tables
+    rotary = 2 * cfg.max_seq * cfg.rotary_width  # cos and sin tables
     return 2 * d + attention + mlp + rotary
 
 

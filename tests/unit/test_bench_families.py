@@ -1,7 +1,8 @@
-"""Qwen2 and Mistral checkpoints: token for token what transformers' own Qwen2/Mistral models compute.
+"""Qwen2, Mistral and Phi-3 checkpoints: token for token what transformers' own models of each compute.
 
-Both are Llama's blocks with other settings: Qwen2 has q/k/v biases and no output bias (tied or untied
-head), Mistral a sliding window.  The checkpoints are tiny random models written by ``transformers``'
+All are Llama's blocks with other settings: Qwen2 has q/k/v biases and no output bias (tied or untied
+head), Mistral a sliding window, Phi-3 fused q/k/v and gate/up tensors (split at load), a sliding window
+and RoPE on only part of each head.  The checkpoints are tiny random models written by ``transformers``'
 ``save_pretrained``; the comparison runs unsharded, split into stages, and through serve's batched stage.
 """
 
@@ -30,6 +31,13 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
     "mistral": ("mistral", GQA | {"sliding_window": None}),
     "mistral-window": ("mistral", GQA | {"sliding_window": 4}),
     "mistral-long-window": ("mistral", GQA | {"sliding_window": 4096}),
+    "phi3": ("phi3", GQA | {"sliding_window": None}),
+    # fused q/k/v and gate/up split at load, half of each head rotated, a window that hides keys, tied head
+    "phi3-partial-window": (
+        "phi3",
+        {"num_attention_heads": 4, "num_key_value_heads": 1, "tie_word_embeddings": True}
+        | {"partial_rotary_factor": 0.5, "sliding_window": 5},
+    ),
 }
 PROMPT, NEW = 8, 12
 
@@ -64,9 +72,10 @@ def test_config_reads_the_family(checkpoint: tuple[str, Path]) -> None:
     cfg = config_from_checkpoint(path, max_seq=PROMPT + NEW)
     assert (cfg.arch, cfg.family, cfg.qkv_bias, cfg.attention_bias) == ("llama", family, family == "qwen2", False)
     assert cfg.tied_head == bool(raw.get("tie_word_embeddings"))
-    window = raw.get("sliding_window") if family == "mistral" or raw.get("use_sliding_window") else None
+    window = raw.get("sliding_window") if family in ("mistral", "phi3") or raw.get("use_sliding_window") else None
     assert cfg.sliding_window == (window if window and window < PROMPT + NEW else 0)
     assert cfg.window_from_layer == (1 if cfg.sliding_window and family == "qwen2" else 0)
+    assert cfg.rotary_width == (cfg.dim_per_head // 2 if "partial" in path.name else cfg.dim_per_head)
 
 
 def test_same_tokens_as_transformers(checkpoint: tuple[str, Path]) -> None:
@@ -112,10 +121,33 @@ def test_unknown_family_and_odd_layer_types_are_refused(tmp_path: Path) -> None:
     raw = json.loads((path / "config.json").read_text())
     (tmp_path / "model.safetensors").symlink_to(path / "model.safetensors")
     (tmp_path / "config.json").write_text(json.dumps(raw | {"model_type": "gemma", "architectures": []}))
-    with pytest.raises(ValueError, match=r"'gemma'.*not supported"):
+    with pytest.raises(ValueError, match=r"'gemma'.*not supported.*Mistral \(mistral\) or Phi-3 \(phi3\)"):
         config_from_checkpoint(tmp_path, max_seq=8)
     odd = ["sliding_attention", "full_attention", "sliding_attention"]
     change = {"use_sliding_window": True, "sliding_window": 2, "layer_types": odd}
     (tmp_path / "config.json").write_text(json.dumps(raw | change))
     with pytest.raises(ValueError, match="layer_types"):
         config_from_checkpoint(tmp_path, max_seq=8)
+
+
+def test_phi3_long_context_rope_is_refused_naming_rope_scaling(tmp_path: Path) -> None:
+    """Phi-3's longrope (also spelled su or yarn in older configs) switches tables with the sequence length:
+    refused with one line, not run with the wrong rotations."""
+    path = write_llama(tmp_path / "phi3", family="phi3", **GQA)
+    raw = json.loads((path / "config.json").read_text())
+    half = raw["hidden_size"] // raw["num_attention_heads"] // 2
+    for kind in ("longrope", "su"):
+        scaling = {"type": kind, "short_factor": [1.0] * half, "long_factor": [2.0] * half}
+        (path / "config.json").write_text(json.dumps(raw | {"rope_parameters": None, "rope_scaling": scaling}))
+        with pytest.raises(ValueError, match=rf"config.json: rope_scaling '{kind}' .*not supported.*no rope_scaling"):
+            config_from_checkpoint(path, max_seq=8)
+
+
+def test_bf16_phi3_checkpoint_loads_as_float32(tmp_path: Path) -> None:
+    """The fused tensors of a bfloat16 checkpoint are split and widened as transformers widens them."""
+    path = write_llama(tmp_path, seed=7, family="phi3", dtype=torch.bfloat16, partial_rotary_factor=0.5, **GQA)
+    cfg = config_from_checkpoint(path, max_seq=PROMPT + NEW)
+    prompts = _prompts(cfg.vocab)
+    _, tokens = _theirs("phi3", path, prompts)
+    stages = [Stage(cfg, a, b) for a, b in even_partition(cfg.layers, 2)]
+    assert torch.equal(greedy_generate(stages, prompts, NEW), tokens)

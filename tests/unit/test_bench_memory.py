@@ -29,7 +29,8 @@ def configs(tmp_path_factory: pytest.TempPathFactory) -> list[ModelConfig]:
     llama = config_from_checkpoint(write_llama(root / "gqa", **GQA), max_seq=24)
     variant = config_from_checkpoint(write_llama(root / "variant", **VARIANT), max_seq=24)
     qwen2 = config_from_checkpoint(write_llama(root / "qwen2", family="qwen2", **GQA), max_seq=24)
-    return [GPT2, llama, variant, qwen2]
+    phi3 = write_llama(root / "phi3", family="phi3", partial_rotary_factor=0.5, **GQA)  # half-width rotary tables
+    return [GPT2, llama, variant, qwen2, config_from_checkpoint(phi3, max_seq=24)]
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
