@@ -17,10 +17,12 @@ the same maths.
 from __future__ import annotations
 
 import hashlib
+import importlib
 import time
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, Protocol, cast
 
 import torch
 from torch import nn
@@ -80,7 +82,7 @@ def config_from_checkpoint(
 ) -> ModelConfig:
     """The ModelConfig of the checkpoint in ``path``, whichever architecture its config.json names, computed in
     ``dtype`` (``auto``: the checkpoint's own dtype when ``on_gpu``, else float32; ``resolve_dtype``)."""
-    cfg = registry.code(checkpoint_architecture(path)).config_from_dir(path, max_seq, seed)
+    cfg = code(checkpoint_architecture(path)).config_from_dir(path, max_seq, seed)
     stored = checkpoint_dtype(path) if dtype == "auto" else dtype
     return replace(cfg, dtype=resolve_dtype(dtype, stored, on_gpu))
 
@@ -118,7 +120,7 @@ class Stage(nn.Module):
         self.embedding: nn.Module | None = None
         self.head: nn.Module | None = None
         self.blocks = nn.ModuleList()
-        family = registry.code(cfg.arch)
+        family = code(cfg.arch)
         self.dtype = torch_dtype(cfg)
         modules: dict[int, nn.Module] = {}
         for unit in range(start, end):
@@ -305,3 +307,22 @@ def seconds_per_pass(
     cpu = time.process_time() - cpu_began
     stage.release(key)
     return elapsed / passes, cpu / passes
+
+
+class FamilyCode(Protocol):
+    """What a family's module provides (``models.gpt2``, ``models.llama``)."""
+
+    Embedding: Callable[[ModelConfig], nn.Module]  # forward(ids [B, T], rows) -> hidden [B, T, d]
+    Block: Callable[[ModelConfig, int], nn.Module]  # (config, block index from 0); forward(x, cache, rows, mm)
+    Head: Callable[[ModelConfig], nn.Module]  # forward(x, mm) -> logits
+
+    def config_from_dir(self, path: str | Path, max_seq: int, seed: int = 0) -> ModelConfig: ...
+
+    def load_units(self, cfg: ModelConfig, modules: Mapping[int, nn.Module]) -> None: ...
+
+
+def code(arch: str) -> FamilyCode:
+    """The module of family ``arch`` (imported now: it needs torch)."""
+    if arch not in registry.FAMILIES:
+        raise ValueError(f"arch must be one of {registry.ARCHITECTURES}, got {arch!r}")
+    return cast(FamilyCode, importlib.import_module(registry.FAMILIES[arch]))

@@ -8,21 +8,15 @@ config's accepted ``arch``, the loaders' accepted model types, the error for an 
 here, so adding a family is one entry below plus its module.
 
 Pure Python (no torch): ``models.config`` and ``placement`` import it; a family's module is imported only
-when its units are built (``code``).
+when its units are built (``models.decoder.code``).
 """
 
 from __future__ import annotations
 
-import importlib
 import json
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, cast
-
-if TYPE_CHECKING:
-    from torch import nn
-
-    from raycluster_cli.models.config import ModelConfig
+from typing import Any, NamedTuple
 
 CONFIG_FILE = "config.json"
 
@@ -51,25 +45,6 @@ MODEL_TYPES = (
 ARCHITECTURES = tuple(FAMILIES)
 _BY_TYPE = {m.model_type: m for m in MODEL_TYPES}
 _BY_CLASS = {name: m for m in MODEL_TYPES for name in m.classes}
-
-
-class FamilyCode(Protocol):
-    """What a family's module provides (``models.gpt2``, ``models.llama``)."""
-
-    Embedding: Callable[[ModelConfig], nn.Module]  # forward(ids [B, T], rows) -> hidden [B, T, d]
-    Block: Callable[[ModelConfig, int], nn.Module]  # (config, block index from 0); forward(x, cache, rows, mm)
-    Head: Callable[[ModelConfig], nn.Module]  # forward(x, mm) -> logits
-
-    def config_from_dir(self, path: str | Path, max_seq: int, seed: int = 0) -> ModelConfig: ...
-
-    def load_units(self, cfg: ModelConfig, modules: Mapping[int, nn.Module]) -> None: ...
-
-
-def code(arch: str) -> FamilyCode:
-    """The module of family ``arch`` (imported now: it needs torch)."""
-    if arch not in FAMILIES:
-        raise ValueError(f"arch must be one of {ARCHITECTURES}, got {arch!r}")
-    return cast(FamilyCode, importlib.import_module(FAMILIES[arch]))
 
 
 def model_types(family: str) -> tuple[str, ...]:
