@@ -4,6 +4,7 @@
 # tree's image, the default `bench` (tokens/s of the balanced split; the even split and one node beside it), then
 # `serve` (tiny-chat shape of serve_targets.py) and `bench --serve` at 1, 4 and 32 at once; one line per figure.
 # BENCH_FLAGS: the bench's flags (e.g. --layers=240, so both trees run the same model whatever their calibration).
+# ORDER: the order within a round (default "A B"; "B A" to see whether the second one pays for going second).
 # Usage: TREE_A=/path IMAGE_A=tag TREE_B=/path IMAGE_B=tag [BENCH_FLAGS=...] benchmarks/house_ab.sh [ROUNDS] [OUT]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -14,7 +15,7 @@ mkdir -p "$OUT"
 R="$PYTHON -m raycluster_cli"
 source benchmarks/serve_lab3.sh
 for round in $(seq 0 $((ROUNDS - 1))); do
-  for cfg in A B; do
+  for cfg in ${ORDER:-A B}; do
     tree_var=TREE_$cfg image_var=IMAGE_$cfg
     tree=${!tree_var} image=${!image_var}
     INV=$OUT/inv-$cfg.yaml
@@ -33,6 +34,7 @@ print(sys.argv[2], "tok/s", round(m.get("tokens_per_s", 0), 1), "imbalance", m.g
 PY
     run 1200 serve --model-path="$MODEL" --max-seq=256 --slots=16 --rebalance-period=0 -i "$INV" --json > "$OUT/serve-$round-$cfg.json"
     run 900 bench --serve --rates= -i "$INV" --json --requests=32 --prompt-tokens=16:64 --output-tokens=32:96 > "$OUT/warm-$round-$cfg.json"
+    run 300 status -i "$INV" --json > "$OUT/status-$round-$cfg.json" || true  # each stage's product forms (matmuls)
     for c in 1 4 32; do
       f="$OUT/$round-$cfg-c$c.json"
       run 900 bench --serve --rates= -i "$INV" --json --prompt-tokens=16:64 --output-tokens=32:96 \
