@@ -112,7 +112,11 @@ def test_a_request_head_that_never_ends_is_closed_after_its_deadline(root: tuple
                 sock.sendall(b"X-Slow: 1\r\n")
             except OSError:
                 break
-        assert sock.recv(1024) == b""  # closed by the server, with no answer
+        try:
+            answer = sock.recv(1024)
+        except ConnectionResetError:  # closed while the last trickled header was unread: the kernel resets
+            answer = b""
+        assert answer == b""  # closed by the server, with no answer
     assert time.monotonic() - began < HEAD_S + 5
     assert _exchange(root, b"GET /ping HTTP/1.1\r\nHost: x\r\n\r\n")[0] == 200  # whole heads are served
 
