@@ -30,6 +30,7 @@ from raycluster_cli.diffusion.placing import (
     Holders,
     NodeRoom,
     calibrate,
+    image_deadline_s,
     node_rooms,
     place,
 )
@@ -49,10 +50,8 @@ def request_for(options: BenchOptions, index: int) -> ImageRequest:
 
 
 def _deadline_s(options: BenchOptions, seconds: float | None) -> float:
-    """How long one image may take before its replica counts as lost: 20× its calibrated time, at least the
-    step timeout per denoising step."""
-    least = options.step_timeout_s * max(1, options.image_steps) / 4
-    return max(least, 20 * seconds) if seconds else max(least, 600.0)
+    """``placing.image_deadline_s`` under the bench's own step timeout."""
+    return image_deadline_s(options.image_steps, seconds, options.step_timeout_s)
 
 
 def measure(

@@ -118,6 +118,16 @@ def room_of(node: dict[str, Any], container: Capacity) -> NodeRoom:
     return NodeRoom(str(node["NodeID"]), ip, min(logical, physical), cpus, source, container.limit, physical)
 
 
+STEP_TIMEOUT_S = 30.0  # a denoising step's share of an image's deadline is a quarter of this (bench's --step-timeout-s)
+
+
+def image_deadline_s(steps: int, seconds: float | None = None, step_timeout_s: float = STEP_TIMEOUT_S) -> float:
+    """How long one image may take before its replica counts as lost: 20× its calibrated ``seconds``, at least a
+    quarter of the step timeout per denoising step; before any calibration, at least 600 s."""
+    least = step_timeout_s * max(1, steps) / 4
+    return max(least, 20 * seconds) if seconds else max(least, 600.0)
+
+
 def calibrate(replicas: list[Any], probe: ImageRequest, repeats: int, limit: float, progress: Report) -> list[float]:
     """Seconds per image on each replica: one warm-up ``probe``, then the median of ``repeats``, all replicas at
     once (as they run in the counted run), each timed from its submission to its image, within ``limit`` s."""

@@ -44,7 +44,6 @@ from raycluster_cli.serve.protocol import APIError, ImageGenerationRequest
 RETRY_AFTER_S = 2
 COUNTERS_S = 10.0
 CALIBRATION_PROMPT = "a red house on the hill"
-CALIBRATION_S_PER_STEP = 7.5  # a calibration image may take this long per denoising step (600 s at least)
 REGROW_S = 900.0  # placing, loading and timing a replica in place of a lost one
 MULTIPLE = 8  # width and height: diffusers' StableDiffusionPipeline refuses others
 
@@ -147,7 +146,7 @@ class ImageServer:
             guidance=settings.guidance,
         )  # fmt: skip
         try:
-            limit = max(600.0, CALIBRATION_S_PER_STEP * max(1, settings.steps))
+            limit = placing.image_deadline_s(settings.steps)
             seconds = placing.calibrate(replicas, probe, settings.calibration_repeats, limit, lambda *a, **k: None)
             memory = ray.get([ref for r in replicas for ref in r.memory()], timeout=COUNTERS_S * 6)
         except BaseException:
