@@ -22,6 +22,22 @@ from raycluster_cli.models.rows import Rows, SlotCache
 __all__ = ["BatchedStage", "Rows", "SlotCache"]
 
 
+def linears(stage: Stage) -> tuple[list[nn.Linear], list[nn.Linear]]:
+    """The stage's blocks' matrices and its head's (none without a head)."""
+    blocks = [m for block in stage.blocks for m in block.modules() if isinstance(m, nn.Linear)]
+    head = [m for m in stage.head.modules() if isinstance(m, nn.Linear)] if stage.head is not None else []
+    return blocks, head
+
+
+def measure_forms(stage: Stage, spare_bytes: int) -> tuple[Matmuls, Matmuls]:
+    """The blocks' and the head's products in the forms measured cheapest on this CPU (``models.matmuls``),
+    their packed copies within ``spare_bytes``."""
+    blocks, head = linears(stage)
+    block_mm = measure(blocks, spare_bytes=spare_bytes)
+    head_mm = measure(head, spare_bytes=spare_bytes - block_mm.packed_bytes) if head else Matmuls()
+    return block_mm, head_mm
+
+
 class BatchedStage:
     """Units [start, end) of the model (built and loaded by the bench's ``Stage``) with ``slots`` KV slots.
 
@@ -53,12 +69,7 @@ class BatchedStage:
         # the decode steps' products in the forms measured cheapest on this CPU (models.matmuls); F.linear on a GPU
         self.block_mm, self.head_mm = Matmuls(), Matmuls()
         if self.device.type == "cpu" and measure_matmuls:
-            spare = self._spare_bytes()
-            linears = [m for block in self.stage.blocks for m in block.modules() if isinstance(m, nn.Linear)]
-            self.block_mm = measure(linears, spare_bytes=spare)
-            if self.stage.head is not None:
-                head = [m for m in self.stage.head.modules() if isinstance(m, nn.Linear)]
-                self.head_mm = measure(head, spare_bytes=spare - self.block_mm.packed_bytes)
+            self.block_mm, self.head_mm = measure_forms(self.stage, self._spare_bytes())
 
     def _spare_bytes(self) -> int:
         """The room a packed copy of the matrices may take (``models.matmuls``): half of what this node's

@@ -149,7 +149,10 @@ class Stage(nn.Module):
         self.eval()
         self.requires_grad_(False)
         self._caches: dict[Any, tuple[int, list[SlotCache]]] = {}
-        self.mm = Matmuls()  # every product as F.linear (a BatchedStage measures its own forms)
+        # the blocks' and the head's products: F.linear unless the node's measured forms are set (models.matmuls;
+        # a BatchedStage measures its own, the bench's worker gives its counted runs the ones it calibrated with)
+        self.mm = Matmuls()
+        self.head_mm = Matmuls()
 
     @property
     def has_embedding(self) -> bool:
@@ -184,8 +187,8 @@ class Stage(nn.Module):
         if self.head is None:
             return x
         if self.emit == "logits":
-            return self.head(x, self.mm)
-        return self.head(x[:, -1:, :], self.mm)[:, 0, :].argmax(dim=-1)
+            return self.head(x, self.head_mm)
+        return self.head(x[:, -1:, :], self.head_mm)[:, 0, :].argmax(dim=-1)
 
     def enter(self, x: torch.Tensor, rows: Rows) -> torch.Tensor:
         """What the first block takes: token ids [B, T] embedded (at the rows' positions) on the stage holding

@@ -123,6 +123,18 @@ class Matmuls:
         return flat.reshape(*x.shape[:-1], linear.out_features)
 
     @property
+    def uses_packed(self) -> bool:
+        return PACKED in {form for form, _ in self.plan.values()} | {self.large}
+
+    def over(self, linears: Sequence[nn.Linear]) -> Matmuls:
+        """The same plan for other matrices of the same shapes and dtype (another stage of the model it was
+        measured on): what was measured is the node's and the shapes', not these weights'.  Packed copies of
+        ``linears`` are made where the plan packs."""
+        with torch.inference_mode():
+            packed = {m: pack(m.weight) for m in linears} if self.uses_packed else {}
+        return Matmuls(self.plan, packed, self.large, self.most_rows)
+
+    @property
     def packed_bytes(self) -> int:
         return weight_bytes(self.packed)
 

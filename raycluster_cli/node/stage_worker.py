@@ -26,8 +26,9 @@ import ray
 import torch
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from raycluster_cli.models.batched import BatchedStage
+from raycluster_cli.models.batched import BatchedStage, linears, measure_forms
 from raycluster_cli.models.decoder import ModelConfig, Stage, seconds_per_pass
+from raycluster_cli.models.matmuls import Matmuls, weight_bytes
 from raycluster_cli.node.cgroup import (
     container_cpu_quota,
     container_cpu_usage,
@@ -43,6 +44,11 @@ from raycluster_cli.node.nodes import (
     peak_rss,
     pick_device,
 )
+
+
+def _shapes(cfg: ModelConfig) -> tuple[Any, ...]:
+    """What a product form's measurement depends on in a model's config: everything but its depth."""
+    return tuple(sorted((key, repr(value)) for key, value in cfg.to_dict().items() if key != "layers"))
 
 
 class _Served:
@@ -89,6 +95,8 @@ class _StageWorker:
         self.device = pick_device()
         self.stage: Stage | None = None
         self.next: Any = None  # the next stage's handle (direct hops); None on the last stage
+        # the product forms the last calibration measured: (the model's shapes, blocks', head's)
+        self.forms: tuple[tuple[Any, ...], Matmuls, Matmuls] | None = None
         self.process = psutil.Process()
         self.reset_stats()
 
@@ -107,8 +115,34 @@ class _StageWorker:
         self.stage = None  # free the previous stage first
         began = time.perf_counter()
         self.stage = Stage(self.cfg, start, end, emit="tokens", device=self.device)
+        if self.stage.device.type == "cpu":
+            self._set_forms(self.stage)
         self.reset_stats()
-        return {"units": [start, end], "layers": self.stage.num_blocks, "load_s": time.perf_counter() - began}
+        return {
+            "units": [start, end],
+            "layers": self.stage.num_blocks,
+            "load_s": time.perf_counter() - began,
+            "matmuls": {"blocks": self.stage.mm.describe(), "head": self.stage.head_mm.describe()},
+        }
+
+    def _set_forms(self, stage: Stage) -> None:
+        """The counted run multiplies as the service does and as ``calibrate`` timed: in the forms measured on
+        this node (``models.matmuls``), the calibration's plan when it measured this model's shapes (measuring
+        again costs seconds per run), packed copies only where the node has room for them."""
+        spare = node_capacity("", "").usable // 2
+        blocks, head = linears(stage)
+        measured = self.forms if self.forms is not None and self.forms[0] == _shapes(self.cfg) else None
+        if measured is None:
+            stage.mm, stage.head_mm = measure_forms(stage, spare)
+            return
+        _, block_mm, head_mm = measured
+        needs = (weight_bytes(blocks) if block_mm.uses_packed else 0) + (
+            weight_bytes(head) if head_mm.uses_packed else 0
+        )
+        if needs > spare:
+            stage.mm, stage.head_mm = measure_forms(stage, spare)
+        else:
+            stage.mm, stage.head_mm = block_mm.over(blocks), head_mm.over(head)
 
     def link(self, next_stage: Any) -> bool:
         """The stage this one sends its output to when called with ``onward`` (None: the last stage)."""
@@ -244,6 +278,9 @@ class _StageWorker:
                 if round_:
                     samples[kind].append(wall / units)
                     cpu[kind].append(cpu_s / units)
+        if self.device == "cpu":  # the forms the counted runs then multiply in (``setup``)
+            block, head = subjects["block"][0].stage, subjects["head"][0].stage
+            self.forms = (_shapes(cfg), block.block_mm, head.head_mm)
         medians = {kind: statistics.median(values) for kind, values in samples.items()}
         spread = {kind: (max(v) - min(v)) / medians[kind] if medians[kind] else 0.0 for kind, v in samples.items()}
         return {

@@ -88,3 +88,18 @@ def test_no_room_for_a_packed_copy_means_no_packed_form() -> None:
     mm = measure(linears, most_rows=2, budget_s=2.0, spare_bytes=256 * 256 * 4 - 1)
     assert mm.packed == {} and mm.large == LINEAR
     assert all(form != PACKED for form, _ in mm.plan.values())
+
+
+def test_a_plan_carried_over_to_other_matrices_of_the_same_shapes_packs_them_and_keeps_their_numbers() -> None:
+    torch.manual_seed(2)
+    measured_on = [nn.Linear(64, 96, bias=False)]
+    others = [nn.Linear(64, 96, bias=True)]
+    plan = {1: (FLIPPED, 2), 3: (PACKED, 4)} if packable(torch.float32) else {1: (FLIPPED, 2)}
+    packed = {m: pack(m.weight) for m in measured_on} if packable(torch.float32) else {}
+    mm = Matmuls(plan, packed, most_rows=4).over(others)
+    assert mm.plan == plan and set(mm.packed) == (set(others) if packed else set())
+    assert Matmuls({1: (FLIPPED, 2)}).over(others).packed == {}  # no packed form planned: no copy made
+    with torch.inference_mode():
+        for rows in (1, 3):
+            x = torch.randn(rows, 64)
+            torch.testing.assert_close(mm.apply(others[0], x), others[0](x), rtol=1e-5, atol=1e-5)
