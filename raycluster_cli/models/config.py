@@ -131,11 +131,15 @@ class ModelConfig:
         return cls(**values)
 
 
-def resolve_dtype(requested: str, stored: str, on_gpu: bool) -> str:
+def resolve_dtype(requested: str, stored: str, on_gpu: bool, cpu_bf16: bool = False) -> str:
     """The dtype a run computes in: ``requested``, or for ``auto`` the checkpoint's own (``stored``) when every
-    stage runs on a GPU and float32 otherwise (on CPUs float32 is the safe and usually the fast choice)."""
+    stage runs on a GPU; on CPUs a checkpoint stored in bfloat16 or float16 runs in bfloat16 where every CPU
+    multiplies it natively (``cpu_bf16``: AVX512-BF16, AMX; vLLM's CPU build also runs float16 checkpoints in
+    bfloat16), and everything else in float32 (without those instructions bfloat16 is emulated, and slower)."""
     if requested != "auto":
         if requested not in DTYPES:
             raise ValueError(f"--dtype {requested!r} is not one of auto, {', '.join(DTYPES)}")
         return requested
-    return stored if on_gpu and stored in DTYPES else "float32"
+    if on_gpu:
+        return stored if stored in DTYPES else "float32"
+    return "bfloat16" if cpu_bf16 and stored in ("bfloat16", "float16") else "float32"

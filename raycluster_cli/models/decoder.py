@@ -78,13 +78,18 @@ def checkpoint_architecture(path: str | Path) -> str:
 
 
 def config_from_checkpoint(
-    path: str | Path, max_seq: int, seed: int = 0, dtype: str = "float32", on_gpu: bool = False
+    path: str | Path,
+    max_seq: int,
+    seed: int = 0,
+    dtype: str = "float32",
+    on_gpu: bool = False,
+    cpu_bf16: bool = False,
 ) -> ModelConfig:
     """The ModelConfig of the checkpoint in ``path``, whichever architecture its config.json names, computed in
-    ``dtype`` (``auto``: the checkpoint's own dtype when ``on_gpu``, else float32; ``resolve_dtype``)."""
+    ``dtype`` (``auto``: from the checkpoint's own dtype and the devices, ``resolve_dtype``)."""
     cfg = code(checkpoint_architecture(path)).config_from_dir(path, max_seq, seed)
     stored = checkpoint_dtype(path) if dtype == "auto" else dtype
-    return replace(cfg, dtype=resolve_dtype(dtype, stored, on_gpu))
+    return replace(cfg, dtype=resolve_dtype(dtype, stored, on_gpu, cpu_bf16))
 
 
 def torch_dtype(cfg: ModelConfig) -> torch.dtype:

@@ -54,6 +54,36 @@ def node_cpu_count(node_id: str) -> int:
     return torch_threads(advertised, usable, container_cpu_quota())
 
 
+BF16_FLAGS = ("avx512_bf16", "amx_bf16")  # x86 instructions that multiply bfloat16 natively
+
+
+def native_bf16(cpuinfo: str | None = None) -> bool:
+    """Whether this CPU multiplies bfloat16 natively (``/proc/cpuinfo``'s flags, or ``cpuinfo``'s text): where it
+    does not, torch emulates bfloat16 products in float32 and a bfloat16 model runs slower than a float32 one."""
+    if cpuinfo is None:
+        try:
+            with open("/proc/cpuinfo", encoding="utf-8") as handle:
+                cpuinfo = handle.read()
+        except OSError:
+            return False
+    flags = next((line.split(":", 1)[1].split() for line in cpuinfo.splitlines() if line.startswith("flags")), [])
+    return any(flag in flags for flag in BF16_FLAGS)
+
+
+@ray.remote(num_cpus=0)
+def _node_bf16() -> bool:
+    return native_bf16()
+
+
+def all_native_bf16(node_ids: Sequence[str], timeout_s: float) -> bool:
+    """Whether the CPU of every node in ``node_ids`` multiplies bfloat16 natively (one task on each)."""
+    calls = [
+        _node_bf16.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=n, soft=False)).remote()
+        for n in node_ids
+    ]
+    return bool(calls) and all(ray.get(calls, timeout=timeout_s))
+
+
 @ray.remote(num_cpus=0)
 def _node_room(node_id: str, device: str | None) -> dict[str, Any]:
     """This node's room, measured in a process that has torch loaded as a stage or part worker will."""

@@ -210,7 +210,11 @@ def main(argv: list[str] | None = None) -> int:
     layers = config_from_checkpoint(options.model_path, max_seq=options.max_seq).layers
     split_units(layers, options.stages, settings.split)  # a bad split fails here, before anything starts
     ray.init(address="auto")
-    cfg = config_from_checkpoint(options.model_path, max_seq=options.max_seq, dtype=options.dtype, on_gpu=_on_gpus())
+    on_gpu = _on_gpus()
+    cpu_bf16 = options.dtype == "auto" and not on_gpu and nodes.all_native_bf16(list(alive_nodes()), timeout_s=60)
+    cfg = config_from_checkpoint(
+        options.model_path, max_seq=options.max_seq, dtype=options.dtype, on_gpu=on_gpu, cpu_bf16=cpu_bf16
+    )
     settings = _placement(options, replace(settings, dtype=cfg.dtype), layers)
     serve.start(proxy_location=options.proxy_location, http_options=http_options(options))
     serve.run(build_app(settings, ray_actor_options=INGRESS_ACTOR_OPTIONS), name=APP_NAME, route_prefix="/")

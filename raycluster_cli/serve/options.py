@@ -47,7 +47,8 @@ class ServeOptions(BaseModel):
     dtype: str = Field(
         "auto",
         description="weights, KV cache and activations in auto | float32 | bfloat16 | float16; auto: the checkpoint's"
-        " dtype when every node has a GPU, else float32",
+        " dtype when every node has a GPU; on CPUs bfloat16 for a bfloat16 or float16 checkpoint where every node's CPU"
+        " has bfloat16 instructions (AVX512-BF16, AMX), else float32",
     )
     image_steps: int = Field(
         20, ge=1, le=500, description="a diffusers checkpoint: denoising steps when a request gives none"

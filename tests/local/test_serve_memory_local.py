@@ -39,3 +39,12 @@ def test_placement_measures_memory_and_refuses_what_cannot_fit(local_ray: None, 
     args = LaunchOptions.model_validate({**common, "slots": 10**9, "no_measure": True})
     with pytest.raises(SystemExit, match=r"serve: the model does not fit the nodes' memory: it needs .* GB"):
         _placement(args, ServeSettings(model_path=str(path), dtype="float32"), layers=3)
+
+
+def test_every_nodes_bfloat16_instructions_are_read_on_the_node(local_ray: None) -> None:
+    from raycluster_cli.node.nodes import all_native_bf16, native_bf16
+
+    node_ids = [n["NodeID"] for n in ray.nodes() if n["Alive"]]
+    # the one node is this machine: its answer, read in a task placed on it, is this process's reading
+    assert all_native_bf16(node_ids, timeout_s=60) is native_bf16()
+    assert all_native_bf16([], timeout_s=1) is False  # no node: nothing to run bfloat16 on

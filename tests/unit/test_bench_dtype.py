@@ -68,11 +68,18 @@ def test_bytes_follow_the_dtype(checkpoint: tuple[str, Path]) -> None:
     assert batched.caches[0].k.dtype == torch.bfloat16
 
 
-def test_auto_keeps_the_checkpoints_dtype_on_gpus_only(checkpoint: tuple[str, Path]) -> None:
+def test_auto_keeps_the_checkpoints_dtype_on_gpus_and_on_cpus_with_bfloat16_instructions(
+    checkpoint: tuple[str, Path],
+) -> None:
     _, path = checkpoint
     assert checkpoint_dtype(path) == "bfloat16"
     assert config_from_checkpoint(path, 16, dtype="auto", on_gpu=True).dtype == "bfloat16"
     assert config_from_checkpoint(path, 16, dtype="auto", on_gpu=False).dtype == "float32"
+    assert config_from_checkpoint(path, 16, dtype="auto", on_gpu=False, cpu_bf16=True).dtype == "bfloat16"
+    # a float16 checkpoint runs in bfloat16 on such CPUs (as vLLM's CPU build does); a float32 one stays float32
+    assert resolve_dtype("auto", "float16", on_gpu=False, cpu_bf16=True) == "bfloat16"
+    assert resolve_dtype("auto", "float32", on_gpu=False, cpu_bf16=True) == "float32"
+    assert resolve_dtype("float32", "bfloat16", on_gpu=False, cpu_bf16=True) == "float32"  # asked: kept
     assert config_from_checkpoint(path, 16, dtype="float16").dtype == "float16"
     assert resolve_dtype("auto", "float64", on_gpu=True) == "float32"
     with pytest.raises(ValueError, match="--dtype 'int8'"):
@@ -109,3 +116,13 @@ def test_dtype_option_is_checked() -> None:
     assert BenchOptions().dtype == "auto" and BenchOptions(dtype="bfloat16").dtype == "bfloat16"
     with pytest.raises(ValidationError, match="'fp8' is not one of auto, float32, bfloat16, float16"):
         BenchOptions(dtype="fp8")
+
+
+def test_native_bfloat16_is_read_from_the_cpus_flags() -> None:
+    from raycluster_cli.node.nodes import native_bf16
+
+    zen4 = "processor\t: 0\nflags\t\t: fpu sse avx2 avx512f avx512_bf16 avx512_vnni\nbugs\t\t: sysret_ss_attrs\n"
+    sapphire = "flags\t\t: avx512f amx_bf16 amx_tile amx_int8\n"
+    skylake = "flags\t\t: fpu avx2 avx512f avx512bw avx512_vnni\nbugs\t\t: avx512_bf16_is_not_a_flag_here\n"
+    assert native_bf16(zen4) and native_bf16(sapphire)
+    assert not native_bf16(skylake) and not native_bf16("")
