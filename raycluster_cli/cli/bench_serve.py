@@ -50,6 +50,8 @@ SERVE_FLAGS: dict[str, tuple[Any, Any]] = {
         Annotated[str, _opt("tokens generated per request (max_tokens, EOS ignored), N or LOW:HIGH")],
         "",
     ),
+    "temperature": (Annotated[float, _opt("sampling temperature of every request (0: greedy)")], 0.0),
+    "top_p": (Annotated[float, _opt("nucleus sampling: the top-p of every request (1: off)")], 1.0),
     "url": (Annotated[str, _opt("the service's base URL (default: the one `serve` recorded on the head)")], ""),
     "request_timeout": (Annotated[float, _opt("seconds one request may take")], 300.0),
     "api_key_file": (
@@ -87,6 +89,10 @@ def _plan(values: dict[str, Any], own: dict[str, Any]) -> Any:
         raise UsageError(str(exc), "see `raycluster bench --help`") from None
     if own["concurrency"] < 0:
         raise UsageError(f"--concurrency {own['concurrency']} must be >= 0", "0 sends every request at once")
+    if own["temperature"] < 0:
+        raise UsageError(f"--temperature {own['temperature']:g} must be >= 0", "0 is greedy, e.g. 0.8 samples")
+    if not 0 < own["top_p"] <= 1:
+        raise UsageError(f"--top-p {own['top_p']:g} must be in (0, 1]", "e.g. --top-p 0.95; 1 turns it off")
     if not rates and not own["saturation"]:
         raise UsageError("--rates '' and --no-saturation leave nothing to run", "give --rates or drop --no-saturation")
     requests = values["requests"] or DEFAULT_REQUESTS
@@ -99,6 +105,8 @@ def _plan(values: dict[str, Any], own: dict[str, Any]) -> Any:
         output,
         values["seed"],
         own["request_timeout"],
+        own["temperature"],
+        own["top_p"],
     )
 
 

@@ -40,6 +40,13 @@ def _pair(run: dict[str, Any], key: str) -> str:
     return f"{_ms(values.get('p50'))} / {_ms(values.get('p99'))}"
 
 
+def _sampling(sampling: Any) -> str:
+    """``greedy``, or the sampling every request asked for (``temperature 0.8, top_p 0.95``)."""
+    if not isinstance(sampling, dict) or not sampling.get("temperature"):
+        return "greedy"
+    return ", ".join(f"{remote_text(k)} {remote_text(v)}" for k, v in sampling.items())
+
+
 def render_serve_bench(output: Output, body: dict[str, Any]) -> None:
     work = body.get("workload", {})
     if work.get("kind") == "image":
@@ -49,7 +56,7 @@ def render_serve_bench(output: Output, body: dict[str, Any]) -> None:
         f"service {remote_text(str(body.get('model')))} at {remote_text(str(body.get('url')))}: "
         f"{remote_text(work.get('requests_per_run'))} requests per run, prompts "
         f"{remote_text(work.get('prompt_tokens'))} tokens, outputs {remote_text(work.get('output_tokens'))} tokens "
-        f"(ignore_eos), seed {remote_text(work.get('seed'))}"
+        f"(ignore_eos), seed {remote_text(work.get('seed'))}, {_sampling(work.get('sampling'))}"
     )
     runs = body.get("runs", [])
     counts = Table(title="throughput", title_justify="left")

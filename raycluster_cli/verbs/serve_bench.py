@@ -4,8 +4,11 @@ Requests go to the service's OpenAI API as a client would send them (`/v1/comple
 token as the key), from one event loop (transport/http.py): a run at each Poisson rate, then a saturation run
 (every request at once, or at most ``concurrency`` in flight). Output lengths are fixed by ``max_tokens`` with
 ``ignore_eos`` (the service's extension, as vLLM's), prompts are plain words sized from the service's own count
-of tokens per word. Before and after each run the service's `/raycluster/status` gives every stage's counters
-(steps, seconds inside forward, CPU seconds), so each run reports T_i per node. Statistics: verbs/serve_load.py.
+of tokens per word; greedy unless ``temperature`` (and ``top_p``) are given. Before and after each run the
+service's `/raycluster/status` gives every stage's counters (steps, seconds inside forward, CPU seconds), so each
+run reports T_i per node. Any other OpenAI-compatible service (vLLM, to compare engines on one load) has no such
+page (404): its model and context then come from `/v1/models`, and its runs have no stage figures.
+Statistics: verbs/serve_load.py.
 The report fills in as runs end: a caller that is interrupted still holds what was measured. An image service
 (its status says ``kind: image``) gets the same runs of images instead (verbs/serve_images_bench.py). Never prints.
 """
@@ -63,6 +66,8 @@ class LoadPlan:
     output_tokens: tuple[int, int] | None = None
     seed: int = 0
     request_timeout_s: float = 300.0
+    temperature: float = 0.0  # 0: greedy
+    top_p: float = 1.0
 
 
 @dataclass
@@ -124,22 +129,42 @@ def target_of(
 class ServiceClient:
     """The calls the benchmark makes, each under its own deadline."""
 
-    def __init__(self, target: ServiceTarget, timeout_s: float) -> None:
+    def __init__(self, target: ServiceTarget, timeout_s: float, sampling: dict[str, float] | None = None) -> None:
         self.target = target
         self.timeout_s = timeout_s
+        self.sampling = sampling or {"temperature": 0.0}
+        self.counters = True  # False: the service has no /raycluster/status (another OpenAI-compatible service)
         self.headers = {"Authorization": f"Bearer {target.token}"} if target.token else {}
         self.tls = serve_keys.client_context(target.cert)
 
     async def status(self, since: float | None = None) -> dict[str, Any]:
-        """The service's status; with ``since`` (a ``now`` it gave) its step anatomy covers the steps from then."""
+        """The service's status; with ``since`` (a ``now`` it gave) its step anatomy covers the steps from then.
+        ``{}`` from a service without the page (404: not raycluster's), and from then on without asking again."""
+        if not self.counters:
+            return {}
         url = f"{self.target.root}/raycluster/status" + (f"?since={since!r}" if since is not None else "")
         async with http.request(
             "GET", url, timeout_s=min(self.timeout_s, 60.0), headers=self.headers, tls=self.tls
         ) as answer:
-            body = await answer.json()
+            body = await _json_or_text(answer)
+        if answer.status == 404:
+            self.counters = False
+            return {}
         if answer.status != 200 or not isinstance(body, dict):
             raise OperationError(f"{url}: HTTP {answer.status}: {_message(body)}", _hint(answer.status))
         return body
+
+    async def model_card(self) -> tuple[str, int]:
+        """The first model `/v1/models` lists and its context (vLLM's ``max_model_len``; 0 when not given)."""
+        url = f"{self.target.url.rstrip('/')}/models"
+        async with http.request(
+            "GET", url, timeout_s=min(self.timeout_s, 60.0), headers=self.headers, tls=self.tls
+        ) as a:
+            body = await _json_or_text(a)
+        if a.status != 200 or not isinstance(body, dict) or not body.get("data"):
+            raise OperationError(f"{url}: HTTP {a.status}: {_message(body)}", _hint(a.status))
+        card = body["data"][0]
+        return str(card["id"]), int(card.get("max_model_len") or 0)
 
     async def prompt_tokens(self, model: str, prompt: str) -> int:
         """The service's token count of ``prompt`` (one generated token, not streamed)."""
@@ -168,7 +193,7 @@ class ServiceClient:
             "model": model,
             "prompt": spec.prompt,
             "max_tokens": spec.max_tokens,
-            "temperature": 0,
+            **self.sampling,
             "ignore_eos": True,
             "stream": True,
             "stream_options": {"include_usage": True},
@@ -266,12 +291,15 @@ async def run_serve_bench(
     target: ServiceTarget, plan: LoadPlan, report: ServeBenchReport, progress: Progress = quiet
 ) -> ServeBenchReport:
     """Every run of ``plan`` against the service; ``report`` fills in as they end."""
-    client = ServiceClient(target, plan.request_timeout_s)
+    sampling = {"temperature": plan.temperature} | ({"top_p": plan.top_p} if plan.top_p < 1 else {})
+    client = ServiceClient(target, plan.request_timeout_s, sampling)
     status = await client.status()
     report.url, report.model = target.url, str(status.get("model", ""))
     if status.get("kind") == "image":  # an image service: images/s and seconds per image (serve_images_bench)
         return await run_image_bench(client, plan, report, status, progress)
     report.max_seq = int((status.get("limits") or {}).get("max_seq", 0))
+    if not client.counters:  # another OpenAI-compatible service: its model card says what status would
+        report.model, report.max_seq = await client.model_card()
     prompt, output = _lengths(plan.prompt_tokens, report.max_seq), _lengths(plan.output_tokens, report.max_seq)
     if report.max_seq and prompt[1] + output[1] > report.max_seq:
         raise UsageError(
@@ -289,6 +317,8 @@ async def run_serve_bench(
         "tokens_per_word": per_word,
         "seed": plan.seed,
         "ignore_eos": True,
+        "sampling": sampling,
+        "stage_counters": client.counters,
     }
     for number, rate in enumerate(plan.rates):
         specs = make_requests(plan.requests, plan.seed + number, prompt, output, per_word)

@@ -151,6 +151,19 @@ def test_the_benchmark_measures_every_request_and_each_stages_time(target: Servi
     assert len(squares) == 4
 
 
+def test_sampled_runs_send_temperature_and_top_p_to_the_service(target: ServiceTarget) -> None:
+    plan = LoadPlan((), 4, True, 0, (8, 8), (6, 6), seed=2, request_timeout_s=120, temperature=0.8, top_p=0.95)
+    body = run_blocking(target, plan, ServeBenchReport(), timeout_s=300).to_dict()
+    assert body["workload"]["sampling"] == {"temperature": 0.8, "top_p": 0.95}
+    assert body["workload"]["stage_counters"] is True  # raycluster's own service: its status page answered
+    (run,) = body["runs"]
+    assert (run["completed"], run["failed"], run["output_tokens"]) == (4, 0, 24), run["errors"]
+    # the fields reach the service: a temperature it refuses fails every request with its 400 naming the field
+    refused = LoadPlan((), 2, True, 0, (8, 8), (6, 6), request_timeout_s=60, temperature=3.0)
+    (run,) = run_blocking(target, refused, ServeBenchReport(), timeout_s=120).to_dict()["runs"]
+    assert run["failed"] == 2 and all("HTTP 400" in e and "temperature" in e for e in run["errors"]), run["errors"]
+
+
 def _cli(inventory: Path, state: Path, *args: str) -> subprocess.Popen[str]:
     env = os.environ | {"RAYCLUSTER_STATE_DIR": str(state), "PYTHONPATH": str(Path(__file__).parents[2])}
     return subprocess.Popen(

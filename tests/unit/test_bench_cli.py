@@ -26,6 +26,10 @@ from raycluster_cli.lab import hosts as lab
         (["--serve", "--rates", "0"], "--rates: '0' must be > 0"),
         (["--serve", "--output-tokens", "9:3"], "--output-tokens '9:3': needs 1 <= LOW <= HIGH"),
         (["--serve", "--rates", "", "--no-saturation"], "leave nothing to run"),
+        (["--temperature", "0.8"], "--temperature needs --serve"),
+        (["--serve", "--temperature", "-1"], "--temperature -1 must be >= 0"),
+        (["--serve", "--top-p", "0"], "--top-p 0 must be in (0, 1]"),
+        (["--serve", "--top-p", "1.5"], "--top-p 1.5 must be in (0, 1]"),
     ],
 )
 def test_bad_bench_flags_are_usage_errors(args: list[str], match: str) -> None:

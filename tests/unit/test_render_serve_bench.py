@@ -55,3 +55,10 @@ def test_image_service_shows_each_replicas_parts_and_calls() -> None:
     assert "10.0.0.3 (unet+vae)" in text and "3.000s, 12 calls" in text
     assert "imbalance 0.125, utilisation 0.75\n" in text and "slowest stage" not in text
     assert "the images it finished" in text
+
+
+def test_header_says_how_the_requests_sampled() -> None:
+    sampled = {"sampling": {"temperature": 0.8, "top_p": 0.95}}
+    assert "seed 0, temperature 0.8, top_p 0.95" in _text({"workload": {"seed": 0} | sampled, "runs": []})
+    assert "seed 0, greedy" in _text({"workload": {"seed": 0, "sampling": {"temperature": 0.0}}, "runs": []})
+    assert "seed 0, greedy" in _text({"workload": {"seed": 0}, "runs": []})  # a document from before the field
