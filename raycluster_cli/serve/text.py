@@ -196,12 +196,21 @@ class TextStream:
         self.include_stop_str = include_stop_str
         self.special = frozenset(getattr(tokenizer, "all_special_ids", ()) or ())
         self.ids: list[int] = []  # the generated tokens
-        self.window = list(prompt[-PROMPT_CONTEXT:])  # the prompt's tail, then the generated tokens
+        self.window = self._context(prompt)  # the prompt's tail, then the generated tokens
         self.prefix_offset = 0  # window start: decoded again each time for context
         self.read_offset = len(self.window)  # tokens whose text is already in self.text
         self.text = ""
         self.released = 0  # characters of self.text given out
         self.stopped = False
+
+    def _context(self, prompt: Sequence[int]) -> list[int]:
+        """The prompt's last tokens, from the first that begins a character: a window that starts inside one
+        decodes its stray bytes as U+FFFD, and a byte-fallback decoder then turns the whole run of byte tokens
+        the output goes on with into U+FFFD too (a prompt ending in 🙂 at the cut, then another 🙂: "����")."""
+        tail = list(prompt[-PROMPT_CONTEXT:])
+        while tail and self._decode(tail).startswith(REPLACEMENT):
+            tail.pop(0)
+        return tail
 
     def _decode(self, ids: list[int]) -> str:
         if self.skip_special or not self.spaces_between_special or not self.special.intersection(ids):
