@@ -97,13 +97,3 @@ def test_logprob_entries_name_each_token_by_its_own_bytes_without_collisions(tok
     assert taken is not None and len(set(taken["tokens"])) == len(set(output))
     starts = [OUTPUT[:o].encode() for o in taken["text_offset"]]
     assert all(OUTPUT.encode().startswith(s) for s in starts) and taken["text_offset"][0] == 0
-
-
-def test_a_prompt_cut_inside_a_character_does_not_turn_the_output_into_replacement_characters() -> None:
-    """The prompt's last five tokens begin inside the first 🙂 (byte-fallback tokens <0xF0> <0x9F> <0x99> <0x82>): a
-    window from there decodes every byte token after it, the output's 🙂 too, as U+FFFD."""
-    tokenizer = sentencepiece_like()
-    prompt = tokenizer.encode("The city 🙂🙂", add_special_tokens=False)
-    whole = tokenizer.encode("The city 🙂🙂🙂 with", add_special_tokens=False)
-    assert whole[: len(prompt)] == prompt and tokenizer.convert_ids_to_tokens(prompt[-5]) == "<0x82>"
-    assert "".join(_pieces(TextStream(tokenizer, prompt=prompt), whole[len(prompt) :])) == "🙂 with"
