@@ -4,7 +4,10 @@ Detokenizing one token at a time is wrong for byte-level tokenizers: a character
 can be split across tokens, and decoding the first alone gives U+FFFD.  As vLLM and TGI do, the
 stream decodes a short window of recent tokens twice (with and without the newest) and emits the
 difference only once it does not end in a replacement character.  Stop strings may straddle tokens,
-so text that could still become the start of a stop string is held back until it cannot.
+so text that could still become the start of a stop string is held back until it cannot.  Where the
+tokenizer is a ``tokenizers`` one whose ``decode`` adds nothing of its own, the same window is kept by the
+library's own ``DecodeStream`` (in Rust, as vLLM's fast detokenizer): the same text for a fraction of the
+CPU on the loop that drives every pipeline.
 """
 
 from __future__ import annotations
@@ -165,6 +168,40 @@ def token_logprob(logits: torch.Tensor, token: int, top: int) -> TokenLogprob:
 PROMPT_CONTEXT = 5  # prompt tokens the stream decodes its first tokens after (vLLM's initial window)
 
 
+def _cleans_up(tokenizer: Any) -> bool:
+    """Does ``tokenizer.decode`` run ``clean_up_tokenization`` on the Rust decoder's text (which a
+    ``DecodeStream`` does not)?  As ``transformers`` decides: asked for, and not a BPE model it exempts."""
+    if not getattr(tokenizer, "clean_up_tokenization_spaces", False):
+        return False
+    forced = getattr(tokenizer, "clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output", None)
+    return forced is None or bool(forced) or type(tokenizer.backend_tokenizer.model).__name__ != "BPE"
+
+
+def rust_stream(tokenizer: Any, context: Sequence[int], skip_special: bool, spaces_between_special: bool) -> Any:
+    """A ``tokenizers`` ``DecodeStream`` primed with ``context`` that gives, piece for piece, the text the window
+    method gives through ``tokenizer.decode``; None where it cannot: not a fast tokenizer, a tokenizer class
+    that decodes its own way, ``transformers``' clean-up, special tokens kept with spaces around them (the
+    Rust decoder joins them without), a context that ends inside a character, or a ``tokenizers`` too old."""
+    try:
+        import transformers
+        from tokenizers.decoders import DecodeStream
+    except ImportError:
+        return None
+    fast, base = transformers.PreTrainedTokenizerFast, transformers.PreTrainedTokenizerBase
+    kind = type(tokenizer)
+    if not isinstance(tokenizer, fast) or kind._decode is not fast._decode or kind.decode is not base.decode:
+        return None
+    if (not skip_special and spaces_between_special) or _cleans_up(tokenizer):
+        return None
+    core = tokenizer.backend_tokenizer
+    if core.decode(list(context), skip_special_tokens=skip_special).endswith(REPLACEMENT):
+        return None  # a context cut inside a character: DecodeStream would count its bytes as new text
+    try:
+        return DecodeStream(ids=list(context), skip_special_tokens=skip_special)
+    except TypeError:  # a tokenizers older than 0.22 cannot be primed
+        return None
+
+
 class TextStream:
     """The text of one sequence's generated tokens, released in safe pieces.
 
@@ -177,6 +214,9 @@ class TextStream:
     ``skip_special`` drops special tokens from the text (vLLM's ``skip_special_tokens``); when they are
     kept, ``spaces_between_special`` puts a space between a special token and the text beside it, as
     ``transformers``' ``spaces_between_special_tokens`` does, whichever tokenizer backs the model.
+
+    ``rust`` off: the window is always decoded through ``tokenizer.decode``, never by a ``DecodeStream``
+    (the reference the tests and ``benchmarks/detok_cost.py`` hold the Rust stream to).
     """
 
     def __init__(
@@ -188,6 +228,7 @@ class TextStream:
         skip_special: bool = True,
         spaces_between_special: bool = True,
         include_stop_str: bool = False,
+        rust: bool = True,
     ) -> None:
         self.tokenizer = tokenizer
         self.stop = [s for s in stop or [] if s]
@@ -196,12 +237,23 @@ class TextStream:
         self.include_stop_str = include_stop_str
         self.special = frozenset(getattr(tokenizer, "all_special_ids", ()) or ())
         self.ids: list[int] = []  # the generated tokens
-        self.window = list(prompt[-PROMPT_CONTEXT:])  # the prompt's tail, then the generated tokens
+        self.window = self._context(prompt)  # the prompt's tail, then the generated tokens
         self.prefix_offset = 0  # window start: decoded again each time for context
         self.read_offset = len(self.window)  # tokens whose text is already in self.text
         self.text = ""
         self.released = 0  # characters of self.text given out
         self.stopped = False
+        self.rust = rust_stream(tokenizer, self.window, skip_special, spaces_between_special) if rust else None
+        self.core = getattr(tokenizer, "backend_tokenizer", None)  # the Rust tokenizer a DecodeStream steps with
+
+    def _context(self, prompt: Sequence[int]) -> list[int]:
+        """The prompt's last tokens, from the first that begins a character: a window that starts inside one
+        decodes its stray bytes as U+FFFD, and a byte-fallback decoder then turns the whole run of byte tokens
+        the output goes on with into U+FFFD too (a prompt ending in 🙂 at the cut, then another 🙂: "����")."""
+        tail = list(prompt[-PROMPT_CONTEXT:])
+        while tail and self._decode(tail).startswith(REPLACEMENT):
+            tail.pop(0)
+        return tail
 
     def _decode(self, ids: list[int]) -> str:
         if self.skip_special or not self.spaces_between_special or not self.special.intersection(ids):
@@ -225,11 +277,26 @@ class TextStream:
         if not text:
             return
         self.window.append(token)
+        piece = self._rust_step(self.rust, token) if self.rust is not None else self._window_step()
+        if piece is not None:
+            self.text += piece
+            self.prefix_offset, self.read_offset = self.read_offset, len(self.window)
+
+    def _window_step(self) -> str | None:
+        """The text the newest token completes: two decodes of the window, with and without it."""
         prefix = self._decode(self.window[self.prefix_offset : self.read_offset])
         full = self._decode(self.window[self.prefix_offset :])
-        if len(full) > len(prefix) and not full.endswith(REPLACEMENT):
-            self.text += full[len(prefix) :]
-            self.prefix_offset, self.read_offset = self.read_offset, len(self.window)
+        return full[len(prefix) :] if len(full) > len(prefix) and not full.endswith(REPLACEMENT) else None
+
+    def _rust_step(self, rust: Any, token: int) -> str | None:
+        """The same, kept by the ``DecodeStream``; where it refuses a sequence (its prefix decodes differently
+        once a token follows), the window method takes over from the same offsets for the rest of the stream."""
+        try:
+            piece: str | None = rust.step(self.core, token)
+        except Exception:  # tokenizers raises a plain Exception ("Invalid prefix encountered")
+            self.rust = None
+            return self._window_step()
+        return piece
 
     def resume(self, tokens: list[int], released: int) -> None:
         """Continue a stream begun elsewhere: its ``tokens`` are pushed again (same text, same window)
