@@ -8,7 +8,7 @@ only the logits that are sampled from.
 
 from __future__ import annotations
 
-from collections import deque
+import threading
 from collections.abc import Callable, Iterable
 
 import psutil
@@ -72,10 +72,10 @@ class BatchedStage:
         self.device = self.stage.device
         self.kv_tokens = kv_tokens or slots * cfg.max_seq
         self.caches = [GrowingCache(slots, cfg, self.device, kv_block) for _ in self.stage.blocks]
-        # each slot's sequences begun here (rows at position 0), and the releases the engine sent: (slot, its count
-        # then), applied before the next step so one never empties a slot a newer sequence has begun in
+        # each slot's sequences begun here (rows at position 0): a release names the count it was sent at, so one
+        # that arrives after a newer sequence began in the slot leaves that one's K/V alone
         self.begun = [0] * slots
-        self._releases: deque[tuple[int, int]] = deque()
+        self._lock = threading.Lock()  # a release (the actor's thread) never lands inside a step (the links' thread)
         self._room = room_bytes or (lambda: int(psutil.virtual_memory().available))
         # the decode steps' products in the forms measured cheapest on this CPU (models.matmuls); F.linear on a GPU
         self.block_mm, self.head_mm = Matmuls(), Matmuls()
@@ -101,19 +101,16 @@ class BatchedStage:
         return self.caches[0].held_tokens if self.caches else 0
 
     def release(self, ended: Iterable[tuple[int, int]]) -> None:
-        """Sequences that ended: (slot, how many sequences had begun in it then).  Their memory goes back before
-        the next step, unless a newer sequence has begun in the slot since (it is then that one's)."""
-        self._releases.extend(ended)
-
-    def _apply_releases(self) -> None:
-        while self._releases:
-            slot, begun = self._releases.popleft()
-            if 0 <= slot < self.slots and self.begun[slot] == begun:
-                for cache in self.caches:
-                    cache.release(slot)
+        """Sequences that ended or were preempted: (slot, how many sequences had begun in it then).  Their memory
+        goes back now, unless a newer sequence has begun in the slot since (the K/V is then that one's)."""
+        with self._lock:
+            for slot, begun in ended:
+                if 0 <= slot < self.slots and self.begun[slot] == begun:
+                    for cache in self.caches:
+                        cache.release(slot)
 
     def forward(self, x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
-        with torch.inference_mode():
+        with torch.inference_mode(), self._lock:
             out = self._compute(x.to(self.device), table.to(self.device))
         return out if self.device.type == "cpu" else out.cpu()
 
@@ -123,7 +120,6 @@ class BatchedStage:
             raise ValueError(f"slot out of range 0..{self.slots - 1}: {rows.slots.tolist()}")
         if rows.keys_len > self.cfg.max_seq:
             raise ValueError(f"sequence of {rows.keys_len} tokens exceeds max_seq={self.cfg.max_seq}")
-        self._apply_releases()
         for slot, start, _ in rows.listed:
             self.begun[slot] += start == 0
         stage = self.stage

@@ -254,6 +254,15 @@ class Scheduler:
         self.waiting.appendleft(seq)
         self.preemptions += 1
 
+    def kv_status(self) -> dict[str, int]:
+        """What the service's status shows of the KV cache: its budget and the positions held, in tokens, and
+        the sequences preempted so far."""
+        return {
+            "kv_tokens": self.limits.kv_budget,
+            "kv_used_tokens": self.kv_used_tokens,
+            "preemptions": self.preemptions,
+        }
+
     def _admit(self) -> None:
         """First come, first served: the queue's head joins when a slot and its prompt's blocks are free."""
         while self.waiting and self.free_slots:
