@@ -1,17 +1,20 @@
 """Sequences at once and tokens/s at one KV budget: slots reserved at full context against K/V by tokens.
 
-Usage:  PYTHONPATH=. python benchmarks/kv_by_tokens.py [--budget-slots 8] [--max-seq 4096] [--requests 64]
-            [--layers 4] [--vocab 32000] [--answer 24] [--seed 0] [--out FILE]
+Usage:  PYTHONPATH=. python benchmarks/kv_by_tokens.py [--budget-slots 8] [--max-seq 4096] [--requests 32]
+            [--layers 2] [--vocab 32000] [--answer 24] [--seed 0] [--admission-requests 512]
+            [--out FILE]
 
 One CPU stage of a Qwen2.5-0.5B-wide decoder (d_model 896, 14 heads, 2 KV heads, MLP 4864; ``--layers``
-blocks and a ``--vocab`` head so it runs in about a minute; seeded random weights), driven by the service's
+blocks and a ``--vocab`` head so it runs in minutes on two cores; seeded random weights; products as F.linear), driven by the service's
 scheduler (``serve.scheduler``) and greedy picks, steps of up to 256 tokens, chunks of 64.  A KV budget of
 ``--budget-slots`` x ``--max-seq`` tokens; ``--requests`` requests of 300 ± 200 tokens (prompt + answer, uniform),
 each answering ``--answer`` tokens, all queued at once.  "before": the budget as slots at full context (that many
 sequences at once, as ``SlotCache`` reserved them); "after": the same budget in tokens, blocks of 64,
 ``--slots`` at its default (``serve.options.default_slots``).  For each: the most sequences running at once, the
-most KV positions the stage held, preemptions, wall seconds and tokens/s (prompt + generated).  Prints one JSON
-document (also to --out).
+most KV positions the stage held, preemptions, the positions the steps computed (rows right-padded to the
+longest) against the real ones, wall seconds and tokens/s (prompt + generated).  Then the scheduler alone (no
+model) over ``--admission-requests`` requests: the most sequences at once when the budget, not the request
+count, is the limit.  Prints one JSON document (also to --out).
 """
 
 from __future__ import annotations
@@ -42,13 +45,15 @@ def _run(stage: BatchedStage, limits: Limits, prompts: list[list[int]], answer: 
     s = Scheduler(limits)
     for i, prompt in enumerate(prompts):
         s.add(f"r{i}", prompt, answer, queue_limit=False, ignore_eos=True)
-    most = held = steps = 0
+    tokens = sum(len(p) for p in prompts) + answer * len(prompts)
+    most = held = steps = padded = 0
     began = time.perf_counter()
     while s.has_work:
         chunks = s.schedule()
         stage.release(s.take_released())
         most = max(most, len(s.running))
         ids, table = step_inputs(chunks)
+        padded += ids.numel()
         logits = stage.forward(ids, table)
         held = max(held, stage.held_tokens)
         picks = logits.argmax(-1).tolist()
@@ -56,7 +61,6 @@ def _run(stage: BatchedStage, limits: Limits, prompts: list[list[int]], answer: 
         steps += 1
     stage.release(s.take_released())
     wall = time.perf_counter() - began
-    tokens = sum(len(p) for p in prompts) + answer * len(prompts)
     return {
         "slots": limits.slots,
         "kv_budget_tokens": limits.kv_budget,
@@ -64,21 +68,38 @@ def _run(stage: BatchedStage, limits: Limits, prompts: list[list[int]], answer: 
         "most_kv_positions_held": held,
         "preemptions": s.preemptions,
         "steps": steps,
+        "positions_computed_padded": padded,
+        "positions_real": tokens,
         "wall_s": round(wall, 2),
         "tokens_per_s": round(tokens / wall, 1),
         "held_after": stage.held_tokens,
     }
 
 
+def _admitted(limits: Limits, prompts: list[list[int]], answer: int) -> dict[str, int]:
+    """The scheduler alone (every step's tokens come back at once, token 0): the most sequences running at once
+    and the preemptions, for more requests than the model run takes time for."""
+    s = Scheduler(limits)
+    for i, prompt in enumerate(prompts):
+        s.add(f"r{i}", prompt, answer, queue_limit=False, ignore_eos=True)
+    most = 0
+    while s.has_work:
+        chunks = s.schedule()
+        most = max(most, len(s.running))
+        s.complete(chunks, {c.request_id: 0 for c in chunks if c.samples})
+    return {"most_running_at_once": most, "preemptions": s.preemptions}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--budget-slots", type=int, default=8)
     p.add_argument("--max-seq", type=int, default=4096)
-    p.add_argument("--requests", type=int, default=64)
-    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--requests", type=int, default=32)
+    p.add_argument("--layers", type=int, default=2)
     p.add_argument("--vocab", type=int, default=32000)
     p.add_argument("--answer", type=int, default=24)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--admission-requests", type=int, default=512)
     p.add_argument("--out", type=Path)
     args = p.parse_args()
     cfg = ModelConfig(
@@ -100,12 +121,18 @@ def main() -> None:
         "threads": torch.get_num_threads(),
     }
     for name, limits in runs.items():
-        stage = BatchedStage(cfg, 0, cfg.num_units, limits.slots, kv_tokens=limits.kv_budget, kv_block=64)
+        stage = BatchedStage(
+            cfg, 0, cfg.num_units, limits.slots, kv_tokens=limits.kv_budget, kv_block=64, measure_matmuls=False
+        )
         report[name] = _run(stage, limits, prompts, args.answer)
         print(name, report[name], flush=True)
     report["running_at_once_after_over_before"] = round(
         report["after"]["most_running_at_once"] / report["before"]["most_running_at_once"], 2
     )
+    many = _requests(args.admission_requests, args.answer, args.seed + 1, args.vocab)
+    report["scheduler_alone"] = {"requests": len(many)} | {
+        name: _admitted(limits, many, args.answer) for name, limits in runs.items()
+    }
     text = json.dumps(report, indent=2)
     print(text)
     if args.out:
