@@ -122,13 +122,38 @@ class BatchedStage:
             raise ValueError(f"sequence of {rows.keys_len} tokens exceeds max_seq={self.cfg.max_seq}")
         for slot, start, _ in rows.listed:
             self.begun[slot] += start == 0
+        every = table.shape[0] > 3 and bool(table[3].any())  # some row asks for every position's (prompt logprobs)
+        decode = rows.lengths == 1
+        waste = int(decode.sum()) * (rows.width - 1)  # positions the decode rows are padded by
+        if self.device.type != "cpu" or every or waste < rows.width or bool(decode.all()):
+            return self._run(x, rows, every)
+        return self._split(x, table, decode)
+
+    def _split(self, x: torch.Tensor, table: torch.Tensor, decode: torch.Tensor) -> torch.Tensor:
+        """The decode rows (one token each) as one forward, the prompt chunks as another, their outputs put back in
+        the step's row order and padding.  Right-padded to a chunk's width, each decode row would cost the stage
+        that many positions of every product: with many sequences at once (the KV budget shared by tokens) a step
+        of 32 decodes and a 64-token chunk computes 2 112 positions for 96 real ones, while a second pass over the
+        weights costs what a few rows do on a CPU.  Only when the padding saved is at least a chunk's width."""
+        ones, chunks = decode.nonzero()[:, 0], (~decode).nonzero()[:, 0]
+        short = self._run(x[ones, :1], Rows.from_table(table[:, ones], 1), False)
+        wide = self._run(x[chunks], Rows.from_table(table[:, chunks], x.shape[1]), False)
+        out = wide.new_zeros((x.shape[0], *wide.shape[1:]))
+        out[chunks] = wide
+        if self.stage.head is None:
+            out[ones, :1] = short
+        else:
+            out[ones] = short
+        return out
+
+    def _run(self, x: torch.Tensor, rows: Rows, every: bool) -> torch.Tensor:
         stage = self.stage
         x = stage.run_blocks(stage.enter(x, rows), self.caches, rows, self.block_mm)
         if stage.head is None:
             return x
-        if table.shape[0] > 3 and bool(table[3].any()):  # some row asks for every position's (a prompt's logprobs)
-            every: torch.Tensor = stage.head(x, stage.mm)
-            return every
+        if every:
+            logits_every: torch.Tensor = stage.head(x, stage.mm)
+            return logits_every
         last = x[torch.arange(x.shape[0], device=x.device), rows.lengths - 1]
         logits: torch.Tensor = stage.head(last, self.head_mm)
         return logits

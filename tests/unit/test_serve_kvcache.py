@@ -126,3 +126,31 @@ def test_preemption_by_recompute_leaves_greedy_answers_as_alone_and_sends_each_t
         alone = asyncio.run(_alone(checkpoint, prompt, 24))
         assert answer == alone
     assert all(s.held_tokens == 0 for s in stages_held)  # every slot's K/V given back
+
+
+def test_a_step_of_decodes_and_a_chunk_runs_them_apart_with_each_rows_own_logits() -> None:
+    """Three decode rows beside an 8-token chunk (21 positions of padding saved): the step's logits, through a
+    pipeline of two stages (hidden states between them, padding and all), are each row's logits run alone."""
+    gen = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(0, CFG.vocab, (1, n), generator=gen) for n in (5, 9, 3)]
+    chunk = torch.randint(0, CFG.vocab, (1, 8), generator=gen)
+    nexts = torch.randint(0, CFG.vocab, (3, 1), generator=gen)
+
+    def pipeline() -> list[BatchedStage]:
+        return [BatchedStage(CFG, a, b, 4, measure_matmuls=False) for a, b in ((0, 2), (2, CFG.num_units))]
+
+    def run(stages: list[BatchedStage], x: Any, table: Any) -> Any:
+        for stage in stages:
+            x = stage.forward(x, table)
+        return x
+
+    together, alone = pipeline(), pipeline()
+    for slot, prompt in enumerate(prompts):
+        for stages in (together, alone):
+            run(stages, prompt, _table([(slot, 0, prompt.shape[1])]))
+    ids = torch.zeros(4, 8, dtype=torch.long)
+    ids[:3, :1], ids[3] = nexts, chunk[0]
+    got = run(together, ids, _table([(0, 5, 1), (1, 9, 1), (2, 3, 1), (3, 0, 8)]))
+    want = [run(alone, nexts[i : i + 1], _table([(i, p.shape[1], 1)])) for i, p in enumerate(prompts)]
+    want.append(run(alone, chunk, _table([(3, 0, 8)])))
+    torch.testing.assert_close(got, torch.cat(want), rtol=1e-4, atol=1e-4)
