@@ -8,7 +8,8 @@ only the logits that are sampled from.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterable
 
 import psutil
 import torch
@@ -16,6 +17,7 @@ from torch import nn
 
 from raycluster_cli.models.config import ModelConfig
 from raycluster_cli.models.decoder import Stage
+from raycluster_cli.models.kvcache import KV_BLOCK, GrowingCache
 from raycluster_cli.models.matmuls import Matmuls, measure
 from raycluster_cli.models.rows import Rows, SlotCache
 
@@ -39,7 +41,9 @@ def measure_forms(stage: Stage, spare_bytes: int) -> tuple[Matmuls, Matmuls]:
 
 
 class BatchedStage:
-    """Units [start, end) of the model (built and loaded by the bench's ``Stage``) with ``slots`` KV slots.
+    """Units [start, end) of the model (built and loaded by the bench's ``Stage``) with ``slots`` KV slots, each
+    slot's K/V grown by blocks as its sequence grows (``models.kvcache``) within ``kv_tokens`` positions in all
+    (the scheduler admits by them; 0: ``slots`` x ``max_seq``, every slot full).
 
     ``forward(x, table)``: ``x`` is int64 token ids [B, T] on the first stage, hidden states [B, T, d]
     after it; ``table`` is int64 [3, B] (slot, start, length per row, rows right-padded to T).  The
@@ -57,6 +61,8 @@ class BatchedStage:
         device: str | torch.device = "cpu",
         measure_matmuls: bool = True,
         room_bytes: Callable[[], int] | None = None,
+        kv_tokens: int = 0,
+        kv_block: int = KV_BLOCK,
     ) -> None:
         if slots < 1:
             raise ValueError(f"need at least one KV cache slot, got {slots}")
@@ -64,7 +70,12 @@ class BatchedStage:
         self.cfg = cfg
         self.slots = slots
         self.device = self.stage.device
-        self.caches = [SlotCache(slots, cfg, self.device) for _ in self.stage.blocks]
+        self.kv_tokens = kv_tokens or slots * cfg.max_seq
+        self.caches = [GrowingCache(slots, cfg, self.device, kv_block) for _ in self.stage.blocks]
+        # each slot's sequences begun here (rows at position 0): a release names the count it was sent at, so one
+        # that arrives after a newer sequence began in the slot leaves that one's K/V alone
+        self.begun = [0] * slots
+        self._lock = threading.Lock()  # a release (the actor's thread) never lands inside a step (the links' thread)
         self._room = room_bytes or (lambda: int(psutil.virtual_memory().available))
         # the decode steps' products in the forms measured cheapest on this CPU (models.matmuls); F.linear on a GPU
         self.block_mm, self.head_mm = Matmuls(), Matmuls()
@@ -74,17 +85,32 @@ class BatchedStage:
     def _spare_bytes(self) -> int:
         """The room a packed copy of the matrices may take (``models.matmuls``): half of what this node's
         container can still take (``room_bytes``: the node runtime passes its cgroup's room; else what the OS
-        says is available) once the KV cache's pages (allocated, maybe not yet touched) are counted."""
+        says is available) once the KV cache's budget (``kv_tokens``, allocated as sequences grow) is counted."""
         room = self._room()
-        kv = sum(c.k.numel() * c.k.element_size() * 2 for c in self.caches)
+        cfg = self.cfg
+        kv = 2 * self.kv_tokens * cfg.num_kv_heads * cfg.dim_per_head * cfg.dtype_bytes * len(self.caches)
         return max(0, room - kv) // 2
 
     @property
     def has_head(self) -> bool:
         return self.stage.has_head
 
+    @property
+    def held_tokens(self) -> int:
+        """KV positions allocated now, over every slot (the same in every block)."""
+        return self.caches[0].held_tokens if self.caches else 0
+
+    def release(self, ended: Iterable[tuple[int, int]]) -> None:
+        """Sequences that ended or were preempted: (slot, how many sequences had begun in it then).  Their memory
+        goes back now, unless a newer sequence has begun in the slot since (the K/V is then that one's)."""
+        with self._lock:
+            for slot, begun in ended:
+                if 0 <= slot < self.slots and self.begun[slot] == begun:
+                    for cache in self.caches:
+                        cache.release(slot)
+
     def forward(self, x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
-        with torch.inference_mode():
+        with torch.inference_mode(), self._lock:
             out = self._compute(x.to(self.device), table.to(self.device))
         return out if self.device.type == "cpu" else out.cpu()
 
@@ -94,13 +120,40 @@ class BatchedStage:
             raise ValueError(f"slot out of range 0..{self.slots - 1}: {rows.slots.tolist()}")
         if rows.keys_len > self.cfg.max_seq:
             raise ValueError(f"sequence of {rows.keys_len} tokens exceeds max_seq={self.cfg.max_seq}")
+        for slot, start, _ in rows.listed:
+            self.begun[slot] += start == 0
+        every = table.shape[0] > 3 and bool(table[3].any())  # some row asks for every position's (prompt logprobs)
+        decode = rows.lengths == 1
+        waste = int(decode.sum()) * (rows.width - 1)  # positions the decode rows are padded by
+        if self.device.type != "cpu" or every or waste < rows.width or bool(decode.all()):
+            return self._run(x, rows, every)
+        return self._split(x, table, decode)
+
+    def _split(self, x: torch.Tensor, table: torch.Tensor, decode: torch.Tensor) -> torch.Tensor:
+        """The decode rows (one token each) as one forward, the prompt chunks as another, their outputs put back in
+        the step's row order and padding.  Right-padded to a chunk's width, each decode row would cost the stage
+        that many positions of every product: with many sequences at once (the KV budget shared by tokens) a step
+        of 32 decodes and a 64-token chunk computes 2 112 positions for 96 real ones, while a second pass over the
+        weights costs what a few rows do on a CPU.  Only when the padding saved is at least a chunk's width."""
+        ones, chunks = decode.nonzero()[:, 0], (~decode).nonzero()[:, 0]
+        short = self._run(x[ones, :1], Rows.from_table(table[:, ones], 1), False)
+        wide = self._run(x[chunks], Rows.from_table(table[:, chunks], x.shape[1]), False)
+        out = wide.new_zeros((x.shape[0], *wide.shape[1:]))
+        out[chunks] = wide
+        if self.stage.head is None:
+            out[ones, :1] = short
+        else:
+            out[ones] = short
+        return out
+
+    def _run(self, x: torch.Tensor, rows: Rows, every: bool) -> torch.Tensor:
         stage = self.stage
         x = stage.run_blocks(stage.enter(x, rows), self.caches, rows, self.block_mm)
         if stage.head is None:
             return x
-        if table.shape[0] > 3 and bool(table[3].any()):  # some row asks for every position's (a prompt's logprobs)
-            every: torch.Tensor = stage.head(x, stage.mm)
-            return every
+        if every:
+            logits_every: torch.Tensor = stage.head(x, stage.mm)
+            return logits_every
         last = x[torch.arange(x.shape[0], device=x.device), rows.lengths - 1]
         logits: torch.Tensor = stage.head(last, self.head_mm)
         return logits

@@ -19,7 +19,7 @@ from __future__ import annotations
 import hashlib
 import importlib
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, Literal, Protocol, cast
@@ -30,7 +30,7 @@ from torch import nn
 from raycluster_cli.models import registry
 from raycluster_cli.models.config import ACTIVATIONS, ModelConfig, resolve_dtype
 from raycluster_cli.models.matmuls import Matmuls
-from raycluster_cli.models.rows import Rows, SlotCache, UniformRows
+from raycluster_cli.models.rows import KVCache, Rows, SlotCache, UniformRows
 from raycluster_cli.models.tensorfile import checkpoint_dtype
 
 __all__ = [
@@ -207,7 +207,7 @@ class Stage(nn.Module):
             raise ValueError(f"stage expects hidden states [B, T, {self.cfg.d_model}], got {tuple(x.shape)}")
         return x.to(self.dtype)
 
-    def run_blocks(self, x: torch.Tensor, caches: list[SlotCache], rows: Rows, mm: Matmuls) -> torch.Tensor:
+    def run_blocks(self, x: torch.Tensor, caches: Sequence[KVCache], rows: Rows, mm: Matmuls) -> torch.Tensor:
         """Every block of the stage on ``x``, each with its own cache."""
         for block, cache in zip(self.blocks, caches, strict=True):
             x = block(x, cache, rows, mm)

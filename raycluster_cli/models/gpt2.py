@@ -25,7 +25,7 @@ from torch import nn
 from raycluster_cli.models import registry
 from raycluster_cli.models.config import ModelConfig
 from raycluster_cli.models.matmuls import Matmuls
-from raycluster_cli.models.rows import Rows, SlotCache
+from raycluster_cli.models.rows import KVCache, Rows
 from raycluster_cli.models.tensorfile import TensorFileError, load_tensors, read_header
 
 WEIGHTS_FILE = "model.safetensors"
@@ -116,7 +116,7 @@ class Block(nn.Module):
         self.fc1 = nn.Linear(d, 4 * d)
         self.fc2 = nn.Linear(4 * d, d)
 
-    def forward(self, x: torch.Tensor, cache: SlotCache, rows: Rows, mm: Matmuls) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache: KVCache, rows: Rows, mm: Matmuls) -> torch.Tensor:
         """``x`` [B, T, d] of rows at their own positions (``rows``); products in ``mm``'s measured forms."""
         batch, steps, d = x.shape
         qkv = mm.apply(self.qkv, self.ln1(x))

@@ -37,7 +37,7 @@ from raycluster_cli.models import registry
 from raycluster_cli.models.config import ModelConfig
 from raycluster_cli.models.matmuls import Matmuls
 from raycluster_cli.models.registry import CONFIG_FILE, read_config
-from raycluster_cli.models.rows import Rows, SlotCache
+from raycluster_cli.models.rows import KVCache, Rows
 from raycluster_cli.models.tensorfile import TensorFileError, checkpoint_tensors, load_checkpoint_tensors
 
 # block parameter -> Llama tensor suffix (biases only exist with attention_bias / mlp_bias)
@@ -258,7 +258,7 @@ class Block(nn.Module):
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
 
-    def forward(self, x: torch.Tensor, cache: SlotCache, rows: Rows, mm: Matmuls) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache: KVCache, rows: Rows, mm: Matmuls) -> torch.Tensor:
         """``x`` [B, T, d] of rows at their own positions (``rows``); products in ``mm``'s measured forms."""
         batch, steps, _ = x.shape
         heads, kv_heads, width = self.heads, self.kv_heads, self.head_dim

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from raycluster_cli.models.config import ModelConfig
+from raycluster_cli.models.kvcache import GrowingCache
 
 
 def causal_mask(queries: torch.Tensor, end: int, window: int, device: torch.device) -> torch.Tensor:
@@ -55,6 +56,15 @@ class SlotCache:
         shape = (slots, cfg.num_kv_heads, cfg.max_seq, cfg.dim_per_head)
         self.k = torch.zeros(shape, device=device, dtype=getattr(torch, cfg.dtype))
         self.v = torch.zeros(shape, device=device, dtype=getattr(torch, cfg.dtype))
+
+    def view(self, slot: int, first: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Positions [first, end) of one slot, [1, kv_heads, end - first, head_dim], as views (no copy)."""
+        return self.k[slot : slot + 1, :, first:end], self.v[slot : slot + 1, :, first:end]
+
+
+KVCache = (
+    SlotCache | GrowingCache
+)  # reserved at max_seq for every slot (the bench's), or grown by blocks (the service's)
 
 
 @dataclass(frozen=True)
@@ -105,29 +115,34 @@ class Rows:
         with a sliding ``window`` only the last ``window`` of them."""
         return causal_mask(self.positions, self.keys_len, window, self.slots.device)[:, None]
 
-    def write(self, cache: SlotCache, k: torch.Tensor, v: torch.Tensor) -> None:
+    def write(self, cache: KVCache, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store the real (unpadded) steps' k, v [B, kv_heads, T, head_dim] at their slots and positions."""
+        if isinstance(cache, GrowingCache):
+            cache.write(self.listed, k, v)
+            return
         valid, slots, positions = self._written
         cache.k[slots, :, positions] = k.transpose(1, 2)[valid]
         cache.v[slots, :, positions] = v.transpose(1, 2)[valid]
 
-    def read(self, cache: SlotCache) -> tuple[torch.Tensor, torch.Tensor]:
+    def read(self, cache: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
         end = self.keys_len
+        if isinstance(cache, GrowingCache):
+            return cache.gather(self.listed, end)
         return cache.k[self.slots, :, :end], cache.v[self.slots, :, :end]
 
-    def attend(self, q: torch.Tensor, cache: SlotCache, window: int = 0, gqa: bool = False) -> torch.Tensor:
+    def attend(self, q: torch.Tensor, cache: KVCache, window: int = 0, gqa: bool = False) -> torch.Tensor:
         """Every row's queries [B, heads, T, head_dim] against its own slot's keys up to its own position:
         ``gathered`` on a GPU, ``by_row`` on a CPU (the same values)."""
         if q.device.type != "cpu":
             return self.gathered(q, cache, window, gqa)
         return self.by_row(q, cache, window, gqa)
 
-    def gathered(self, q: torch.Tensor, cache: SlotCache, window: int = 0, gqa: bool = False) -> torch.Tensor:
+    def gathered(self, q: torch.Tensor, cache: KVCache, window: int = 0, gqa: bool = False) -> torch.Tensor:
         """The rows' keys and values gathered into one tensor, one masked attention."""
         keys, values = self.read(cache)
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=self.mask(window), enable_gqa=gqa)
 
-    def by_row(self, q: torch.Tensor, cache: SlotCache, window: int = 0, gqa: bool = False) -> torch.Tensor:
+    def by_row(self, q: torch.Tensor, cache: KVCache, window: int = 0, gqa: bool = False) -> torch.Tensor:
         """Row by row on views of the row's slot.  Gathering copies every row's keys and values in every block,
         which on a CPU costs more than the attention itself (a float32 block's 4 rows at ~130 positions: 0.33 ms
         of copy in 0.42 ms; 0.09 ms on views).  A decode row (one query, at the row's last position) sees every
@@ -139,7 +154,7 @@ class Rows:
             mask = None
             if length > 1:  # a prompt's chunk: each query sees the keys up to its own position
                 mask = causal_mask(self.positions[b : b + 1, :length], end, window, q.device)[:, None]
-            keys, values = cache.k[slot : slot + 1, :, first:end], cache.v[slot : slot + 1, :, first:end]
+            keys, values = cache.view(slot, first, end)
             if length == 1:
                 one = decode_attention(q[b : b + 1, :, :1], keys, values)
             else:
@@ -171,13 +186,15 @@ class UniformRows(Rows):
     def keys_len(self) -> int:
         return self.start + self.width
 
-    def write(self, cache: SlotCache, k: torch.Tensor, v: torch.Tensor) -> None:
+    def write(self, cache: KVCache, k: torch.Tensor, v: torch.Tensor) -> None:
+        assert isinstance(cache, SlotCache), "a uniform micro-batch's cache holds exactly its rows"
         cache.k[:, :, self.start : self.keys_len] = k
         cache.v[:, :, self.start : self.keys_len] = v
 
-    def attend(self, q: torch.Tensor, cache: SlotCache, window: int = 0, gqa: bool = False) -> torch.Tensor:
+    def attend(self, q: torch.Tensor, cache: KVCache, window: int = 0, gqa: bool = False) -> torch.Tensor:
         """One attention over views of the cache: a prompt's queries each see the keys up to their own position;
         a decode step (one query, at the last position) sees every key, or with a ``window`` a narrower view."""
+        assert isinstance(cache, SlotCache), "a uniform micro-batch's cache holds exactly its rows"
         end, steps = self.keys_len, self.width
         first = max(0, end - window) if window and steps == 1 else 0
         mask = None

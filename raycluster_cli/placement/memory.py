@@ -74,11 +74,13 @@ def kv_bytes_per_block(cfg: ModelConfig, rows: int) -> int:
     return 2 * rows * cfg.num_kv_heads * cfg.max_seq * cfg.dim_per_head * cfg.dtype_bytes
 
 
-def step_bytes(cfg: ModelConfig, rows: int, tokens: int) -> int:
+def step_bytes(cfg: ModelConfig, rows: int, tokens: int, step_tokens: int = 0) -> int:
     """A generous bound on one step's transient tensors in a stage: hidden states, q/k/v, the MLP's
-    intermediates, attention scores (float32) and the head's logits of the last position."""
-    values = rows * tokens * (8 * cfg.d_model + 3 * cfg.mlp_width) * cfg.dtype_bytes
-    scores = rows * cfg.heads * tokens * cfg.max_seq * 4
+    intermediates, attention scores (float32) and the head's logits of the last position.  ``step_tokens``: the
+    most tokens the steps carry in all (the service's scheduler caps a step's), when fewer than rows x tokens."""
+    carried = min(rows * tokens, step_tokens) if step_tokens else rows * tokens
+    values = carried * (8 * cfg.d_model + 3 * cfg.mlp_width) * cfg.dtype_bytes
+    scores = cfg.heads * carried * cfg.max_seq * 4
     return values + scores + rows * cfg.vocab * 4
 
 
@@ -105,16 +107,29 @@ class Demand:
         return f"{gb(self.total)} ({self.dtype} weights {gb(weights)} + KV cache {gb(kv)} for {self.rows} rows + step {gb(self.fixed)})"
 
 
-def demand(cfg: ModelConfig, rows: int, tokens: int, stored_bytes: int | None = None) -> Demand:
+def demand(
+    cfg: ModelConfig,
+    rows: int,
+    tokens: int,
+    stored_bytes: int | None = None,
+    kv_tokens: int = 0,
+    step_tokens: int = 0,
+) -> Demand:
     """The model's memory demand for ``rows`` sequences in flight and steps of up to ``tokens`` tokens.
 
-    ``stored_bytes`` is the checkpoint's bytes per value (the raw tensor being read); by default the dtype's own."""
+    ``stored_bytes`` is the checkpoint's bytes per value (the raw tensor being read); by default the dtype's own.
+    ``kv_tokens``: the KV positions the rows share (the service's budget; 0: every row at ``max_seq``);
+    ``step_tokens``: the most tokens the steps in flight carry in all (``step_bytes``)."""
     weights = unit_bytes(cfg)
-    kv = kv_bytes_per_block(cfg, rows)
+    kv = (
+        kv_bytes_per_block(cfg, rows)
+        if not kv_tokens
+        else 2 * kv_tokens * cfg.num_kv_heads * cfg.dim_per_head * cfg.dtype_bytes
+    )
     units = [w + (kv if 0 < u < cfg.head_unit else 0) for u, w in enumerate(weights)]
     largest = max(cfg.vocab * cfg.d_model, cfg.d_model * cfg.mlp_width, 3 * cfg.d_model * cfg.d_model)
     raw = largest * (stored_bytes or cfg.dtype_bytes) if cfg.model_path else 0  # one tensor read at a time
-    fixed = step_bytes(cfg, max(1, rows), tokens) + raw
+    fixed = step_bytes(cfg, max(1, rows), tokens, step_tokens) + raw
     return Demand(tuple(units), tuple(weights), fixed, rows, cfg.dtype)
 
 

@@ -45,7 +45,15 @@ from raycluster_cli.placement.pipelines import NodeSpeed, plan_replicas
 from raycluster_cli.serve import image_launch
 from raycluster_cli.serve.app import build_app
 from raycluster_cli.serve.fleet import Calibration, alive_nodes, measure
-from raycluster_cli.serve.options import MAX_SEQ_DEFAULT, LaunchOptions, ValidationError, problem
+from raycluster_cli.serve.options import (
+    KV_BLOCK,
+    KV_SLOTS_DEFAULT,
+    MAX_SEQ_DEFAULT,
+    LaunchOptions,
+    ValidationError,
+    default_slots,
+    problem,
+)
 from raycluster_cli.serve.scheduler import Limits
 from raycluster_cli.serve.settings import ServeSettings
 from raycluster_cli.serve.stages import split_units
@@ -60,12 +68,27 @@ INGRESS_ACTOR_OPTIONS = {"num_cpus": 0, "resources": {"node:__internal_head__": 
 
 def default_max_seq(model_path: str) -> int:
     """The checkpoint's own positions (``max_position_embeddings``, GPT-2's ``n_positions``), at most
-    ``MAX_SEQ_DEFAULT``: every KV slot is reserved at ``max_seq`` tokens, and checkpoints declare 32k-128k
-    positions (Llama-3.2: 131 072), which would reserve tens of GiB for 16 slots; 4096 holds the prompts of a
+    ``MAX_SEQ_DEFAULT``: the default KV budget is ``KV_SLOTS_DEFAULT`` sequences at ``max_seq`` tokens, and
+    checkpoints declare 32k-128k positions (Llama-3.2: 131 072), which would budget tens of GiB; 4096 holds the prompts of a
     chat or a benchmark (up to 2048 tokens and their answer).  A longer context is ``--max-seq``'s to ask."""
     raw = _read_config(Path(model_path) / "config.json")
     found = raw.get("max_position_embeddings", raw.get("n_positions", raw.get("n_ctx")))
     return min(int(found), MAX_SEQ_DEFAULT) if isinstance(found, int) and found > 1 else MAX_SEQ_DEFAULT
+
+
+def resolved(options: LaunchOptions) -> LaunchOptions:
+    """The options with their defaults that depend on the checkpoint or on each other made numbers: ``max_seq``
+    (the checkpoint's), ``kv_tokens`` (``KV_SLOTS_DEFAULT`` sequences at ``max_seq``: what 16 slots reserved),
+    ``slots`` (``options.default_slots``); a budget smaller than one sequence at ``max_seq`` is refused."""
+    max_seq = options.max_seq or default_max_seq(options.model_path)
+    kv_tokens = options.kv_tokens or KV_SLOTS_DEFAULT * max_seq
+    if kv_tokens < max_seq:  # a request the context allows would never fit
+        raise SystemExit(
+            f"serve: --kv-tokens {kv_tokens} holds less than one sequence of --max-seq {max_seq}:"
+            f" give at least {max_seq}, or a shorter --max-seq"
+        )
+    slots = options.slots or default_slots(kv_tokens)
+    return options.model_copy(update={"max_seq": max_seq, "kv_tokens": kv_tokens, "slots": slots})
 
 
 def _read_config(path: Path) -> dict[str, Any]:
@@ -109,9 +132,15 @@ def _rooms(cfg: ModelConfig, options: LaunchOptions, node_ids: list[str]) -> tup
     """Each node's bytes for a stage's units (after a step's room), and the model's demand; refuses, with the
     numbers, a model no split over ``--stages`` nodes can hold."""
     capacities = measure_rooms(node_ids, timeout_s=120)
-    # each stage holds --slots KV slots for each step in flight (Limits.for_steps): --steps-in-flight, else --stages
+    # each stage holds --kv-tokens positions and --slots rows for each step in flight (Limits.for_steps):
+    # --steps-in-flight, else --stages
+    steps = options.steps_in_flight or options.stages
     need = memory.demand(
-        cfg, rows=options.slots * (options.steps_in_flight or options.stages), tokens=options.prefill_chunk
+        cfg,
+        rows=options.slots * steps,
+        tokens=options.prefill_chunk,
+        kv_tokens=options.kv_tokens * steps,
+        step_tokens=Limits().step_tokens * steps,
     )
     memory.check_fits(need, capacities, options.stages)
     return {c.node_id: max(0, c.usable - need.fixed) for c in capacities}, need
@@ -177,7 +206,13 @@ def _settings(options: LaunchOptions, keys_file: str | None) -> ServeSettings:
         key_max_tokens=options.key_max_tokens or None,
         stages=options.stages,
         split=split,
-        limits=Limits(slots=options.slots, max_seq=options.max_seq, prefill_chunk=options.prefill_chunk),
+        limits=Limits(
+            slots=options.slots,
+            max_seq=options.max_seq,
+            prefill_chunk=options.prefill_chunk,
+            kv_tokens=options.kv_tokens,
+            kv_block=KV_BLOCK,
+        ),
         replace_period_s=options.replace_period,
         rebalance_period_s=0.0 if split else options.rebalance_period,  # a split the operator gave is kept
         max_in_flight=options.steps_in_flight or None,
@@ -205,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
     options = read_options(sys.argv[1:] if argv is None else argv)
     if is_diffusers_folder(options.model_path):  # the images API (serve/image_launch.py)
         return image_launch.launch(options, _keys_file(options), APP_NAME, INGRESS_ACTOR_OPTIONS, http_options(options))
-    options = options.model_copy(update={"max_seq": options.max_seq or default_max_seq(options.model_path)})
+    options = resolved(options)
     settings = _settings(options, _keys_file(options))
     layers = config_from_checkpoint(options.model_path, max_seq=options.max_seq).layers
     split_units(layers, options.stages, settings.split)  # a bad split fails here, before anything starts

@@ -98,8 +98,9 @@ class _Live:
 
     def wants_every_position(self, chunk: Chunk) -> bool:
         """Does this chunk need the logits of its every position: a chunk of the prompt (not a resumed
-        request's generated tokens) whose log-probabilities were asked for."""
-        return self.sampling.prompt_logprobs and chunk.start < len(self.prompt) - 1
+        request's generated tokens) whose log-probabilities were asked for, before they were sent (a preempted
+        sequence prefills its prompt again, and its prompt's log-probabilities went with its first token)."""
+        return self.sampling.prompt_logprobs and chunk.start < len(self.prompt) - 1 and not self.answered
 
 
 def step_inputs(chunks: Sequence[Chunk], every: Sequence[bool] = ()) -> tuple[torch.Tensor, torch.Tensor]:
@@ -298,7 +299,17 @@ class Engine:
                 task = asyncio.get_running_loop().create_task(self._step(chunks, number))
                 self._tasks.add(task)
                 task.add_done_callback(self._tasks.discard)
+            self._send_releases()
             await self._wake.wait()
+
+    def _send_releases(self) -> None:
+        """The slots of sequences that ended or were preempted: every stage frees their K/V now
+        (``BatchedStage.release``: one a newer sequence has begun in since keeps it).  Not awaited: a stage that
+        died fails the engine through its steps or its watch."""
+        released = self.scheduler.take_released()
+        if released and self.failure is None:
+            for stage in self.stages:
+                stage.release.remote(released)
 
     def _step_budget(self, rows: int) -> int:
         """Tokens the next step may carry: as many as the heaviest step in flight, and room for its decodes and a

@@ -162,6 +162,7 @@ class RayFleet:
                 names=names,
                 timeout_s=BUILD_TIMEOUT_S,
                 gpus=gpus,
+                kv_tokens=limits.kv_budget,
                 metric_tags=[
                     {"model": self.model, "pipeline": str(index), "stage": str(s)} for s in range(len(plan.ranges))
                 ]

@@ -66,6 +66,9 @@ METRICS: dict[str, Metric] = {
     "raycluster_serve_kv_slots_used_ratio": Metric(
         GAUGE, "Share of a pipeline's KV cache slots in use", ("model", "pipeline")
     ),
+    "raycluster_serve_kv_tokens_used_ratio": Metric(
+        GAUGE, "Share of a pipeline's KV cache budget in tokens held by running sequences", ("model", "pipeline")
+    ),
     "raycluster_serve_outstanding_tokens": Metric(
         GAUGE, "Prompt tokens still to prefill and tokens still to generate on a pipeline", ("model", "pipeline")
     ),
@@ -246,6 +249,8 @@ def pipeline_gauges(recorder: Recorder, model: str, pipelines: list[Any], gone: 
         recorder.record("raycluster_serve_requests_running", len(scheduler.running), tags)
         recorder.record("raycluster_serve_requests_waiting", len(scheduler.waiting), tags)
         recorder.record("raycluster_serve_kv_slots_used_ratio", (slots - len(scheduler.free_slots)) / slots, tags)
+        budget = scheduler.limits.kv_budget
+        recorder.record("raycluster_serve_kv_tokens_used_ratio", scheduler.kv_used_tokens / budget, tags)
         recorder.record("raycluster_serve_outstanding_tokens", scheduler.outstanding, tags)
     for index in gone:
         tags = {"model": model, "pipeline": str(index)}
@@ -253,6 +258,7 @@ def pipeline_gauges(recorder: Recorder, model: str, pipelines: list[Any], gone: 
             "raycluster_serve_requests_running",
             "raycluster_serve_requests_waiting",
             "raycluster_serve_kv_slots_used_ratio",
+            "raycluster_serve_kv_tokens_used_ratio",
             "raycluster_serve_outstanding_tokens",
         ):
             recorder.record(name, 0, tags)

@@ -13,13 +13,17 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
-__all__ = ["LaunchOptions", "ServeOptions", "ValidationError", "flag_of", "problem"]
+__all__ = ["LaunchOptions", "ServeOptions", "ValidationError", "default_slots", "flag_of", "problem"]
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 LINKS = ("direct", "ray")
 PROXY_LOCATIONS = ("HeadOnly", "EveryNode")
 CHOICES = {"dtype": DTYPES, "links": LINKS, "proxy_location": PROXY_LOCATIONS}  # fields that take one of a few words
 MAX_SEQ_DEFAULT = 4096  # --max-seq 0: the checkpoint's own positions, at most this many
+KV_BLOCK = 64  # positions a sequence's KV grows by (models.kvcache.KV_BLOCK; this module imports no torch)
+KV_SLOTS_DEFAULT = 16  # --kv-tokens 0: as many positions as 16 sequences at full context
+SLOT_TOKENS = 256  # --slots 0: a running sequence per this many positions of --kv-tokens ...
+MAX_SLOTS = 256  # ... at most this many (a step carries at most 256 tokens: a decode row each)
 
 
 class ServeOptions(BaseModel):
@@ -37,11 +41,23 @@ class ServeOptions(BaseModel):
     )
     port: int = Field(8000, ge=1, le=65535, description="the service's port on the head's address")
     stages: int | None = Field(None, ge=1, description="stages per pipeline (default: one per node)")
-    slots: int = Field(16, ge=1, description="sequences per step (a pipeline keeps one step per stage)")
+    slots: int = Field(
+        0,
+        ge=0,
+        description="sequences running at once per step in flight (a pipeline keeps one step per stage); an idle one"
+        f" holds no memory (0: --kv-tokens / {SLOT_TOKENS}, at most {MAX_SLOTS})",
+    )
     max_seq: int = Field(
         0,
         ge=0,
         description=f"prompt + generated tokens per sequence (0: the checkpoint's own, at most {MAX_SEQ_DEFAULT})",
+    )
+    kv_tokens: int = Field(
+        0,
+        ge=0,
+        description="KV cache positions per step in flight, shared by the running sequences and allocated in blocks"
+        f" of {KV_BLOCK} as they grow; a request that needs more when none is free waits, a running one that does"
+        f" is preempted and later prefilled again (0: {KV_SLOTS_DEFAULT} x --max-seq)",
     )
     model_id: str = Field("", description="the model name clients pass (default: the folder's name)")
     dtype: str = Field(
@@ -169,3 +185,11 @@ def problem(exc: ValidationError) -> tuple[str, str | None]:
     if first["type"] == "missing":
         return f"{flag} is missing", flag
     return (f"{flag} {message}" if message.startswith("'") else f"{flag} {first['input']!r}: {message}"), flag
+
+
+def default_slots(kv_tokens: int) -> int:
+    """Rows at once when ``--slots`` is 0: one per ``SLOT_TOKENS`` positions of the KV budget, at most
+    ``MAX_SLOTS``.  A row costs no memory while idle (the budget is what is shared), so the cap is what a step
+    can carry: short requests (a chat turn of a few hundred tokens) fill the budget instead of a slot count
+    reserved at full context.  The budget, not this, bounds the memory."""
+    return max(1, min(MAX_SLOTS, kv_tokens // SLOT_TOKENS))

@@ -426,7 +426,8 @@ class Pool:
                     "served": p.served,
                     "outstanding_tokens": p.engine.outstanding,
                     "requests": len(p.engine.live),
-                    "slots": p.engine.scheduler.limits.slots,  # KV slots: --slots for each step in flight
+                    "slots": p.engine.scheduler.limits.slots,  # rows at once: --slots for each step in flight
+                    **p.engine.scheduler.kv_status(),  # the KV budget in tokens, those held, preemptions
                     "links": p.engine.transport,  # direct links between the stages, or Ray's calls
                     **({"links_note": p.engine.links_note} if p.engine.links_note else {}),
                     **_with_infos(p.plan.to_json(num_blocks), p.engine.stage_infos),

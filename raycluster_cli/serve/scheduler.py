@@ -11,6 +11,13 @@ before); a prompt's chunks go in consecutive steps without waiting for each othe
 runs ahead of ``computed``): the stages run a pipeline's steps in the order they were sent, so each stage writes
 a chunk's KV cache before the next chunk reads it, and a prompt of k chunks costs one round trip and k - 1 steps
 instead of k round trips.
+
+KV memory is counted in tokens, not slots (vLLM's blocks): a slot is only a row's place, with no memory behind it
+while idle, and ``kv_tokens`` positions, in blocks of ``kv_block``, are shared by the running sequences.  A request
+is admitted (first come, first served) when its prompt's blocks are free; a decoding sequence takes a block as it
+passes the end of its last; when none is free the most recently admitted sequence is preempted by recompute: its
+blocks go back and it waits at the head of the queue with its prompt and the tokens it generated as what must be
+prefilled again (a failover's resume, ``serve.engine.Resume``: its stream to the client goes on untouched).
 """
 
 from __future__ import annotations
@@ -37,6 +44,8 @@ class SeqState:
     in_flight: int = 0  # steps travelling with a chunk of this sequence
     finish_reason: str | None = None
     ignore_eos: bool = False
+    blocks: int = 0  # KV blocks held (``Limits.kv_block`` positions each)
+    began: bool = False  # a chunk at position 0 went out: the stages hold a sequence of this one in its slot
 
     @property
     def in_prefill(self) -> bool:
@@ -75,11 +84,21 @@ class TokenEvent:
 
 @dataclass(frozen=True)
 class Limits:
-    slots: int = 16  # KV cache slots: sequences running at once (a pipeline's: ``for_steps``)
+    slots: int = 16  # rows at once: sequences running (a pipeline's: ``for_steps``); no memory behind an idle one
     step_tokens: int = 256  # tokens per step (decodes + prompt chunks)
     prefill_chunk: int = 64  # prompt tokens of one sequence per step
     max_waiting: int = 256  # requests queued for a slot before new ones are refused
     max_seq: int = 512  # prompt + generated tokens of one sequence (the KV cache length)
+    kv_tokens: int = 0  # KV positions shared by the running sequences (0: slots x max_seq, every slot full)
+    kv_block: int = 64  # positions a sequence's KV grows by (models.kvcache.KV_BLOCK)
+
+    @property
+    def kv_budget(self) -> int:
+        """The KV positions the running sequences share: whole blocks of ``kv_block`` (without ``kv_tokens``,
+        enough for every slot at ``max_seq``)."""
+        if self.kv_tokens:
+            return self.kv_tokens // self.kv_block * self.kv_block
+        return self.slots * -(-self.max_seq // self.kv_block) * self.kv_block
 
     def for_steps(self, steps: int) -> Limits:
         """The limits of a pipeline that keeps ``steps`` steps in flight: ``slots`` sequences for each of them.
@@ -91,23 +110,29 @@ class Limits:
         token.  vLLM's pipeline parallelism does the same: one scheduler of ``max_num_seqs`` per step in
         flight (its "virtual engines").  Each stage keeps the KV cache of its own blocks only (S x slots slots
         over an even 1/S of the blocks weigh what ``slots`` of the whole model do); the launcher's memory
-        check counts S x slots rows."""
+        check counts S x slots rows (and S x ``kv_tokens``)."""
         if steps < 1:
             raise ValueError(f"steps in flight must be >= 1, got {steps}")
-        return replace(self, slots=self.slots * steps)
+        return replace(self, slots=self.slots * steps, kv_tokens=self.kv_tokens * steps)
 
 
 class Scheduler:
     """Sequences waiting, running (holding a slot), and the steps that move them."""
 
     def __init__(self, limits: Limits, eos_ids: frozenset[int] = frozenset()) -> None:
-        if min(limits.slots, limits.step_tokens, limits.prefill_chunk, limits.max_seq) < 1:
+        if min(limits.slots, limits.step_tokens, limits.prefill_chunk, limits.max_seq, limits.kv_block) < 1:
             raise ValueError(f"every limit must be >= 1: {limits}")
+        if limits.kv_budget < 1:
+            raise ValueError(f"the KV budget ({limits.kv_tokens} tokens) holds no block of {limits.kv_block}")
         self.limits = limits
         self.eos_ids = eos_ids
         self.waiting: deque[SeqState] = deque()
         self.running: dict[str, SeqState] = {}  # in admission order
         self.free_slots: list[int] = list(range(limits.slots - 1, -1, -1))
+        self.free_blocks = limits.kv_budget // limits.kv_block
+        self.preemptions = 0
+        self.begun = [0] * limits.slots  # sequences begun in each slot (chunks at position 0 sent), as a stage counts
+        self.released: list[tuple[int, int]] = []  # (slot, begun) of sequences ended since the engine last looked
 
     def add(
         self,
@@ -129,6 +154,11 @@ class Scheduler:
             raise ValueError(
                 f"prompt ({len(prompt)} tokens) + max_tokens ({max_new_tokens}) exceed the context of"
                 f" {self.limits.max_seq} tokens"
+            )
+        if len(prompt) + max_new_tokens > self.limits.kv_budget:
+            raise ValueError(
+                f"prompt ({len(prompt)} tokens) + max_tokens ({max_new_tokens}) exceed the KV cache budget of"
+                f" {self.limits.kv_budget} tokens: ask for fewer max_tokens"
             )
         if queue_limit and len(self.waiting) >= self.limits.max_waiting + len(self.free_slots):
             raise QueueFull(f"{len(self.waiting)} requests are already waiting")
@@ -164,12 +194,13 @@ class Scheduler:
         budget = min(self.limits.step_tokens, max_tokens or self.limits.step_tokens)
         rows = max_rows or self.limits.slots
         chunks: list[Chunk] = []
-        running = list(self.running.values())
-        for seq in running:
-            if not seq.busy and not seq.in_prefill and budget > 0 and len(chunks) < rows:
+        for seq in list(self.running.values()):
+            if seq.busy or seq.in_prefill or budget <= 0 or len(chunks) >= rows:
+                continue
+            if seq.request_id in self.running and self._grow(seq, seq.computed + 1, chunks):
                 chunks.append(Chunk(seq.request_id, seq.slot, seq.computed, (seq.generated[-1],), True))
                 budget -= 1
-        for seq in running:
+        for seq in list(self.running.values()):
             if seq.prompt_left > 0 and seq.finish_reason is None and budget > 0 and len(chunks) < rows:
                 start = seq.scheduled
                 size = min(self.limits.prefill_chunk, seq.prompt_left, budget)
@@ -180,14 +211,74 @@ class Scheduler:
                 seq.scheduled = end
                 budget -= size
         for chunk in chunks:
-            self.running[chunk.request_id].in_flight += 1
+            seq = self.running[chunk.request_id]
+            seq.in_flight += 1
+            if chunk.start == 0:
+                self.begun[chunk.slot] += 1
+                seq.began = True
         return chunks
 
+    def _blocks_for(self, tokens: int) -> int:
+        return -(-tokens // self.limits.kv_block)
+
+    def _grow(self, seq: SeqState, tokens: int, chunks: list[Chunk]) -> bool:
+        """Blocks for ``tokens`` positions of ``seq``, preempting the most recently admitted sequences that no
+        step holds (``seq`` itself when it is the most recent) while none is free.  False: ``seq`` does not run
+        in this step (preempted, or waiting for a step in flight to give blocks back)."""
+        need = self._blocks_for(tokens) - seq.blocks
+        while need > self.free_blocks:
+            stepping = {c.request_id for c in chunks}
+            victims = [v for v in self.running.values() if not v.busy and v.request_id not in stepping]
+            if not victims:
+                return False
+            victim = victims[-1]
+            self.preempt(victim)
+            if victim is seq:
+                return False
+        self.free_blocks -= max(0, need)
+        seq.blocks += max(0, need)
+        return True
+
+    def preempt(self, seq: SeqState) -> None:
+        """Free a running sequence's slot and blocks (no step may hold it) and put it at the head of the queue
+        with everything it has as its prompt: it is prefilled again when blocks are free, and its next token
+        follows the ones it generated."""
+        if seq.busy:
+            raise ValueError(f"{seq.request_id} has a step in flight: it cannot be preempted now")
+        self._release(seq)
+        seq.prompt = seq.prompt + seq.generated
+        seq.max_new_tokens -= len(seq.generated)
+        seq.generated = []
+        seq.computed = seq.scheduled = 0
+        seq.slot, seq.began = -1, False
+        self.waiting.appendleft(seq)
+        self.preemptions += 1
+
+    def kv_status(self) -> dict[str, int]:
+        """What the service's status shows of the KV cache: its budget and the positions held, in tokens, and
+        the sequences preempted so far."""
+        return {
+            "kv_tokens": self.limits.kv_budget,
+            "kv_used_tokens": self.kv_used_tokens,
+            "preemptions": self.preemptions,
+        }
+
     def _admit(self) -> None:
+        """First come, first served: the queue's head joins when a slot and its prompt's blocks are free."""
         while self.waiting and self.free_slots:
+            need = self._blocks_for(len(self.waiting[0].prompt))
+            if need > self.free_blocks:
+                return
             seq = self.waiting.popleft()
             seq.slot = self.free_slots.pop()
+            seq.blocks = need
+            self.free_blocks -= need
             self.running[seq.request_id] = seq
+
+    @property
+    def kv_used_tokens(self) -> int:
+        """KV positions held by the running sequences (whole blocks)."""
+        return self.limits.kv_budget - self.free_blocks * self.limits.kv_block
 
     def complete(self, chunks: list[Chunk], tokens: dict[str, int]) -> list[TokenEvent]:
         """Apply a finished step: ``tokens`` holds the next token of every chunk that samples."""
@@ -236,3 +327,13 @@ class Scheduler:
     def _release(self, seq: SeqState) -> None:
         del self.running[seq.request_id]
         self.free_slots.append(seq.slot)
+        self.free_blocks += seq.blocks
+        seq.blocks = 0
+        if seq.began:
+            self.released.append((seq.slot, self.begun[seq.slot]))
+
+    def take_released(self) -> list[tuple[int, int]]:
+        """(slot, sequences begun in it) of the sequences ended since the last call, for the stages to free
+        their memory (``models.batched.BatchedStage.release``)."""
+        released, self.released = self.released, []
+        return released

@@ -42,7 +42,8 @@ def split_units(layers: int, stages: int, split: Sequence[int] | str | None = No
 
 
 class _StageActor:
-    """Holds units [start, end) and ``slots`` KV cache slots on one node; counts the steps it ran."""
+    """Holds units [start, end) and ``slots`` KV cache slots (grown by blocks within ``kv_tokens`` positions in
+    all) on one node; counts the steps it ran."""
 
     def __init__(
         self,
@@ -52,13 +53,14 @@ class _StageActor:
         slots: int,
         num_threads: int | None,
         metric_tags: dict[str, str] | None = None,
+        kv_tokens: int = 0,
     ) -> None:
         self.node_id: str = ray.get_runtime_context().get_node_id()
         torch.set_num_threads(num_threads or node_cpu_count(self.node_id))
         began = time.perf_counter()
         self.stage = BatchedStage(
             ModelConfig.from_dict(cfg), start, end, slots, device=pick_device(),
-            room_bytes=lambda: node_capacity("", "").usable,
+            room_bytes=lambda: node_capacity("", "").usable, kv_tokens=kv_tokens,
         )  # fmt: skip
         self.load_s = time.perf_counter() - began
         self.units = (start, end)
@@ -87,6 +89,10 @@ class _StageActor:
             self.steps += 1
             self.busy_s += spent
         return out
+
+    def release(self, ended: list[tuple[int, int]]) -> None:
+        """Sequences that ended or were preempted give their slots' K/V back (``BatchedStage.release``)."""
+        self.stage.release(ended)
 
     def _totals(self) -> tuple[int, float]:
         """Steps and busy seconds read together (the metrics thread's, while the links thread steps)."""
@@ -201,12 +207,14 @@ def start_stages(
     timeout_s: float | None = None,
     gpus: Mapping[str, float] | None = None,
     metric_tags: Sequence[dict[str, str]] | None = None,
+    kv_tokens: int = 0,
 ) -> tuple[list[Any], list[dict[str, Any]]]:
     """One StageActor per range (hard-pinned to ``node_ids[i]`` when given and not ""); returns their
     handles once their units are loaded, and what each reported then (``info``: its device, its products' plan).  On a node with GPUs (``gpus``: each node's count) a stage asks Ray
     for its share of them (``node.stage_worker.gpu_shares``), so Ray makes its GPU visible and the stage runs
     on ``cuda`` there, each stage of a node on its own GPU while there are enough.  ``metric_tags``: each stage's
-    tags for the service's stage metrics (``serve.metrics``), none recorded without them.  ``names`` names the actors (in ``STAGE_NAMESPACE``), so an
+    tags for the service's stage metrics (``serve.metrics``), none recorded without them.  ``kv_tokens``: each
+    stage's KV budget in positions (0: ``slots`` at full context).  ``names`` names the actors (in ``STAGE_NAMESPACE``), so an
     operator or a test can find a pipeline's stages.  ``timeout_s``: the stages not up by then (a node
     that died while they loaded) fail the start (``GetTimeoutError``) instead of holding the caller."""
     if node_ids is not None and len(node_ids) != len(ranges):
@@ -222,7 +230,9 @@ def start_stages(
         if names is not None:
             options |= {"name": names[index], "namespace": STAGE_NAMESPACE}
         tags = metric_tags[index] if metric_tags is not None else None
-        actors.append(StageActor.options(**options).remote(cfg.to_dict(), start, end, slots, num_threads, tags))
+        actors.append(
+            StageActor.options(**options).remote(cfg.to_dict(), start, end, slots, num_threads, tags, kv_tokens)
+        )
     try:
         infos: list[dict[str, Any]] = ray.get([a.info.remote() for a in actors], timeout=timeout_s)
     except Exception:

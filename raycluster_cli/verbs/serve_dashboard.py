@@ -76,8 +76,14 @@ def panels() -> list[tuple[str, list[tuple[str, str]], str]]:
             "short",
         ),
         (
-            "KV cache slots in use, per pipeline",
-            [(f"max by (pipeline) ({exported('raycluster_serve_kv_slots_used_ratio')}{model})", "{{pipeline}}")],
+            "KV cache in use (rows, and the token budget), per pipeline",
+            [
+                (f"max by (pipeline) ({exported('raycluster_serve_kv_slots_used_ratio')}{model})", "rows {{pipeline}}"),
+                (
+                    f"max by (pipeline) ({exported('raycluster_serve_kv_tokens_used_ratio')}{model})",
+                    "tokens {{pipeline}}",
+                ),
+            ],
             "percentunit",
         ),
         (

@@ -35,8 +35,8 @@ def test_placement_measures_memory_and_refuses_what_cannot_fit(local_ray: None, 
     [plan] = placed.plans
     assert plan.ranges[0][0] == 0 and plan.ranges[-1][1] == 5
     assert "within each node's memory" in plan.why
-    # a KV cache of a billion slots fits no node: refused before any stage is built, with the numbers
-    args = LaunchOptions.model_validate({**common, "slots": 10**9, "no_measure": True})
+    # a KV budget of a billion tokens fits no node: refused before any stage is built, with the numbers
+    args = LaunchOptions.model_validate({**common, "slots": 2, "kv_tokens": 10**9, "no_measure": True})
     with pytest.raises(SystemExit, match=r"serve: the model does not fit the nodes' memory: it needs .* GB"):
         _placement(args, ServeSettings(model_path=str(path), dtype="float32"), layers=3)
 

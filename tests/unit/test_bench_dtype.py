@@ -65,7 +65,7 @@ def test_bytes_follow_the_dtype(checkpoint: tuple[str, Path]) -> None:
     per_block = 2 * 2 * full.num_kv_heads * full.max_seq * full.dim_per_head  # K and V of 2 rows
     assert wide.cache_bytes() == 2 * per_block * 4 and narrow.cache_bytes() == 2 * per_block * 2
     batched = BatchedStage(half, 1, 3, slots=4)
-    assert batched.caches[0].k.dtype == torch.bfloat16
+    assert batched.caches[0].k[0].dtype == torch.bfloat16
 
 
 def test_auto_keeps_the_checkpoints_dtype_on_gpus_and_on_cpus_with_bfloat16_instructions(

@@ -45,10 +45,12 @@ class _Method:
 
 
 class _InProcessStage:
-    """Has what the engine uses of a stage actor handle: ``forward.remote``."""
+    """Has what the engine uses of a stage actor handle: ``forward.remote``, ``release.remote``."""
 
     def __init__(self, stage: BatchedStage) -> None:
+        self.stage = stage
         self.forward = _Method(stage.forward)
+        self.release = _Method(stage.release)
 
 
 @pytest.fixture(scope="module")
@@ -133,6 +135,7 @@ class _TimedStage:
     def __init__(self, seconds: float, rows: list[int] | None = None, vocab: int = 0) -> None:
         self.seconds, self.rows, self.vocab = seconds, rows, vocab
         self.forward = self
+        self.release = _Method(lambda ended: None)  # it holds no K/V
 
     def remote(self, x: Any, table: Any) -> Any:
         async def run() -> Any:

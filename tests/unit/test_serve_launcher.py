@@ -68,7 +68,7 @@ def test_a_bad_launcher_option_is_one_line_naming_its_flag(tmp_path: Path) -> No
         " what --dtype takes)"
     )
     assert refused('{"model_path": "/m", "split": "2,x"}').startswith("serve: --split '2,x': blocks per stage")
-    assert refused('{"model_path": "/m", "slots": 0}').startswith("serve: --slots 0: Input should be greater")
+    assert refused('{"model_path": "/m", "slots": -1}').startswith("serve: --slots -1: Input should be greater")
     assert refused('{"model_path": "/m", "new_knob": 1}').startswith("serve: --new-knob is not an option of this")
     assert refused("{}").startswith("serve: --model-path is missing")
     assert (
@@ -122,3 +122,20 @@ def test_max_seq_defaults_to_the_checkpoints_positions_capped_and_a_longer_one_n
         (tmp_path / name).mkdir()
         (tmp_path / name / "config.json").write_text(json.dumps(raw))
     assert default_max_seq(str(tmp_path / "llama3")) == 4096 and default_max_seq(str(tmp_path / "gpt2")) == 1024
+
+
+def test_the_kv_budget_defaults_to_16_full_sequences_and_slots_to_one_per_256_of_its_tokens(tmp_path: Path) -> None:
+    """The defaults reserve what 16 full-context slots did, as tokens shared by up to 256 rows; a budget below one
+    sequence at --max-seq is refused naming --kv-tokens; the settings carry both to the scheduler."""
+    from raycluster_cli.serve.__main__ import resolved
+
+    path = str(tmp_path)
+    options = resolved(LaunchOptions(model_path=path, max_seq=4096))
+    assert (options.kv_tokens, options.slots) == (16 * 4096, 256)
+    small = resolved(LaunchOptions(model_path=path, max_seq=512))
+    assert (small.kv_tokens, small.slots) == (8192, 32)
+    given = resolved(LaunchOptions(model_path=path, max_seq=512, kv_tokens=1000, slots=3))
+    limits = _settings(given, None).limits
+    assert (limits.kv_tokens, limits.slots, limits.kv_budget) == (1000, 3, 960)  # whole blocks of 64
+    with pytest.raises(SystemExit, match="serve: --kv-tokens 100 holds less than one sequence of --max-seq 512"):
+        resolved(LaunchOptions(model_path=path, max_seq=512, kv_tokens=100))

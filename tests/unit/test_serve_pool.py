@@ -65,6 +65,7 @@ class _Stage:
     def __init__(self, stage: BatchedStage, step_s: float = 0.0) -> None:
         self.stage, self.calls, self.die_after, self.freeze_after, self.slow_s = stage, 0, -1, -1, 0.0
         self.forward = SimpleNamespace(remote=lambda *a: _Call(self, a, step_s))
+        self.release = SimpleNamespace(remote=stage.release)
 
     def frozen(self) -> bool:
         return 0 <= self.freeze_after < self.calls

@@ -123,7 +123,7 @@ def test_a_bad_flag_is_one_line_naming_it_and_the_fix() -> None:
 
     for argv, said in [
         (["--port", "0"], "--port 0: Input should be greater than or equal to 1"),
-        (["--slots", "0"], "--slots 0: Input should be greater than or equal to 1"),
+        (["--slots", "-1"], "--slots -1: Input should be greater than or equal to 0"),
         (["--dtype", "fp8"], "--dtype 'fp8' is not one of auto, float32, bfloat16, float16"),
         (["--links", "udp"], "--links 'udp' is not one of direct, ray"),
         (["--image-steps", "501"], "--image-steps 501: Input should be less than or equal to 500"),
