@@ -2,15 +2,20 @@
 
 One asyncio loop owns the scheduler.  Whenever fewer than ``max_in_flight`` steps are travelling
 through the pipeline and some sequence is idle, it sends the next step; several steps in flight keep
-every stage busy (a step is on stage 1 while the next is on stage 0).  When a step comes back, each
-sampling row gets its token from its own generator, its text is released through its ``TextStream``
-and a sequence that ended leaves the batch before the next step is planned.
+every stage busy (a step is on stage 1 while the next is on stage 0).  Each step carries its rows' sampling settings
+and the last stage samples them all at once (``models.sampling``), so a step comes back as one token id a row;
+only a step with a row whose request needs the logits themselves (log-probabilities, penalties, a bias, a minimum
+length: the token history is here) comes back as logits, and its rows are sampled here by the same function, to
+the same tokens.  Each token's text is released through its ``TextStream`` and a sequence that ended leaves the
+batch before the next step is planned.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import itertools
+import secrets
 import time
 from collections import deque
 from collections.abc import AsyncGenerator, Sequence
@@ -19,6 +24,15 @@ from typing import Any
 
 import torch
 
+from raycluster_cli.models.sampling import (
+    MODE_GREEDY,
+    MODE_LOGITS,
+    MODE_SAMPLE,
+    NAN,
+    Params,
+    RowSampling,
+    sample_rows,
+)
 from raycluster_cli.node.links import DirectLinks, first_stage_ended
 from raycluster_cli.serve.anatomy import TIMELINE_STEPS
 from raycluster_cli.serve.scheduler import Chunk, Limits, QueueFull, Scheduler
@@ -29,7 +43,6 @@ from raycluster_cli.serve.text import (
     adjust,
     bad_logits,
     out_of_vocab,
-    sample,
     token_logprob,
 )
 
@@ -44,7 +57,7 @@ class EngineDown(RuntimeError):
 
 
 class BadInput(ValueError):
-    """A request the engine cannot run as given (a token outside the vocabulary, a seed the generator refuses):
+    """A request the engine cannot run as given (a token outside the vocabulary, a seed outside 64 bits):
     refused before it is admitted (400 naming ``param``), so it never enters a step."""
 
     def __init__(self, message: str, param: str) -> None:
@@ -86,7 +99,7 @@ class _Live:
     prompt: list[int]
     sampling: Sampling
     stream: TextStream
-    generator: torch.Generator | None
+    seed: int  # the request's, or one drawn at admission: its tokens' draws are functions of it and their positions
     queue: asyncio.Queue[Output | BaseException] = field(default_factory=asyncio.Queue)
     prompt_scored: list[TokenLogprob] = field(default_factory=list)  # the prompt's logprobs, as its chunks return
     answered: bool = False  # its first output went out (the prompt's logprobs with it)
@@ -101,18 +114,37 @@ class _Live:
         request's generated tokens) whose log-probabilities were asked for."""
         return self.sampling.prompt_logprobs and chunk.start < len(self.prompt) - 1
 
+    def row_sampling(self, chunk: Chunk) -> RowSampling:
+        """How this chunk's row picks its token: on the last stage (greedy or drawn), or here from its logits
+        when its request needs them (their log-probabilities, or processors that read the token history)."""
+        s = self.sampling
+        greedy = s.temperature == 0
+        here = chunk.samples and (s.logprobs is not None or s.adjusts_logits)
+        mode = MODE_LOGITS if here or self.wants_every_position(chunk) else MODE_GREEDY if greedy else MODE_SAMPLE
+        if not chunk.samples and mode != MODE_LOGITS:
+            return RowSampling()  # a prompt's chunk before its last: its token is never used
+        temperature = 0.0 if greedy else s.temperature
+        position = chunk.start + len(chunk.tokens)
+        return RowSampling(temperature, s.top_p, s.min_p, s.top_k, self.seed, position, mode)
 
-def step_inputs(chunks: Sequence[Chunk], every: Sequence[bool] = ()) -> tuple[torch.Tensor, torch.Tensor]:
+
+def step_inputs(
+    chunks: Sequence[Chunk], every: Sequence[bool] = (), params: Params | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Token ids right-padded to the longest chunk [B, T] and the (slot, start, length) table [3, B]; a fourth
-    row when some row needs the logits of ``every`` position (the last stage then returns [B, T, vocab])."""
+    row when some row needs the logits of ``every`` position (the last stage then returns [B, T, vocab]); with
+    ``params``, the fourth row always and the rows' sampling settings after it (``models.sampling.TABLE_ROWS``)."""
     width = max(len(c.tokens) for c in chunks)
     ids = torch.zeros(len(chunks), width, dtype=torch.long)
     for row, chunk in enumerate(chunks):
         ids[row, : len(chunk.tokens)] = torch.tensor(chunk.tokens, dtype=torch.long)
     columns = [[c.slot, c.start, len(c.tokens)] for c in chunks]
-    if any(every):
-        columns = [[*column, int(flag)] for column, flag in zip(columns, every, strict=True)]
+    if any(every) or params is not None:
+        flags = every or [False] * len(chunks)
+        columns = [[*column, int(flag)] for column, flag in zip(columns, flags, strict=True)]
     table = torch.tensor(columns, dtype=torch.long).T.contiguous()
+    if params is not None:
+        table = torch.cat([table, params.table()])
     return ids, table
 
 
@@ -155,6 +187,7 @@ class Engine:
         # how late this loop ran a timer, the last LAG_SAMPLES times (sampled every LAG_PERIOD_S)
         self.loop_lag: deque[float] = deque(maxlen=LAG_SAMPLES)
         self._ids = itertools.count()
+        self.shipped: collections.Counter[str] = collections.Counter()  # steps back as "ids" or as "logits"
         self._wake = asyncio.Event()
         # each step sent and not yet back (its number: its tokens), removed by the step itself: no lost wake-up
         self._flight_tokens: dict[int, int] = {}
@@ -252,10 +285,9 @@ class Engine:
         are the only input of its own a stage reads: checked here, none can fail a step (and so the pipeline)."""
         if self.vocab is not None and (bad := out_of_vocab(prompt + done, self.vocab)) is not None:
             raise BadInput(f"token {bad} is not in the vocabulary (0-{self.vocab - 1})", "prompt")
-        try:
-            generator = sampling.generator()
-        except (ValueError, RuntimeError) as exc:
-            raise BadInput(f"seed {sampling.seed} is refused by the generator: {exc}", "seed") from None
+        if sampling.seed is not None and not -(2**63) <= sampling.seed < 2**63:
+            raise BadInput(f"seed {sampling.seed} is not a 64-bit integer: give one from -2**63 to 2**63 - 1", "seed")
+        seed = secrets.randbits(63) if sampling.seed is None else sampling.seed
         stream = TextStream(
             self.tokenizer,
             stop,
@@ -264,7 +296,7 @@ class Engine:
             spaces_between_special=sampling.spaces_between_special_tokens,
             include_stop_str=sampling.include_stop_str_in_output,
         )
-        return _Live(list(prompt), sampling, stream, generator)
+        return _Live(list(prompt), sampling, stream, seed)
 
     def stalled_s(self) -> float:
         """Seconds steps have been in flight without one coming back (0 when none is in flight): a wedged
@@ -333,20 +365,22 @@ class Engine:
         try:
             sent = time.time()
             every = [(live := self.live.get(c.request_id)) is not None and live.wants_every_position(c) for c in chunks]
-            ids, table = step_inputs(chunks, every)
-            logits: torch.Tensor
+            params = Params.of([(live.row_sampling(c) if (live := self.live.get(c.request_id)) else RowSampling())
+                                for c in chunks])  # fmt: skip
+            ids, table = step_inputs(chunks, every, params)
+            out: torch.Tensor
             if self.links is not None:
-                logits, arrived = await self.links.run(ids, table)
+                out, arrived = await self.links.run(ids, table)
                 back = time.time()
             else:
                 ref: Any = ids
                 for stage in self.stages:
                     ref = stage.forward.remote(ref, table)
-                logits = await ref
+                out = await ref
                 back = arrived = time.time()
             self.steps_done += 1
             self.last_step_at = time.monotonic()
-            self._finish_step(chunks, logits)
+            self._finish_step(chunks, out, params)
             self.recent.append((number, sent, arrived, back, time.time()))
         except Exception as exc:  # a stage died or failed: every request in flight gets the error
             self.fail(exc)  # (unless the engine failed already: its steps' links closing is not the cause)
@@ -354,22 +388,36 @@ class Engine:
             del self._flight_tokens[number]
             self._wake.set()
 
-    def _finish_step(self, chunks: list[Chunk], logits: torch.Tensor) -> None:
+    def _finish_step(self, chunks: list[Chunk], out: torch.Tensor, params: Params) -> None:
+        """Hand each row's token to its request: ``out`` is the step's tokens (int64 [B], sampled on the last
+        stage) or its logits (sampled here, ``_pick``)."""
         tokens: dict[str, int] = {}
         scored: dict[str, TokenLogprob] = {}
+        if out.dtype == torch.int64:
+            self.shipped["ids"] += 1
+            picked: list[int | Exception] = list(out.tolist())
+        else:
+            self.shipped["logits"] += 1
+            picked = self._pick(chunks, out, params, scored)
         for row, chunk in enumerate(chunks):
             live = self.live.get(chunk.request_id)
             if live is None or live.failed:
                 if chunk.samples:
                     tokens[chunk.request_id] = 0  # gone while in flight; the scheduler drops it
                 continue
-            try:
-                self._read_row(chunk, live, logits[row], tokens, scored)
-            except Exception as exc:  # this row's logits or its own settings: only its request fails
+            outcome = picked[row]
+            if isinstance(outcome, int) and outcome < 0:
+                outcome = _unsampleable(chunk, "NaN" if outcome == NAN else "+inf")
+            if isinstance(outcome, Exception):  # this row's logits or its own settings: only its request fails
                 live.failed = True
                 tokens[chunk.request_id] = 0
                 self.scheduler.finish(chunk.request_id, "error")
-                live.queue.put_nowait(exc if isinstance(exc, RequestFailed) else RequestFailed(f"{exc}"))
+                live.queue.put_nowait(outcome if isinstance(outcome, RequestFailed) else RequestFailed(f"{outcome}"))
+            elif chunk.samples:
+                tokens[chunk.request_id] = outcome
+        self._hand_out(chunks, tokens, scored)
+
+    def _hand_out(self, chunks: list[Chunk], tokens: dict[str, int], scored: dict[str, TokenLogprob]) -> None:
         for event in self.scheduler.complete(chunks, tokens):
             live = self.live.get(event.request_id)
             if live is None or event.token is None:
@@ -388,35 +436,52 @@ class Engine:
             out = Output(text, tuple(live.stream.ids), reason, live.prompt_tokens, logprob, prompt_scored)
             live.queue.put_nowait(out)
 
-    def _read_row(
-        self,
-        chunk: Chunk,
-        live: _Live,
-        logits: torch.Tensor,
-        tokens: dict[str, int],
-        scored: dict[str, TokenLogprob],
-    ) -> None:
-        """One row of a step that came back: ``logits`` [vocab] (its last position's) or [T, vocab] (every
-        position's); its prompt's log-probabilities when asked, and its next token when it samples."""
+    def _pick(
+        self, chunks: list[Chunk], logits: torch.Tensor, params: Params, scored: dict[str, TokenLogprob]
+    ) -> list[int | Exception]:
+        """Each row's token from a step that came back as logits: the rows that sample, drawn together by the
+        last stage's own ``sample_rows`` (a row's token is the same whichever side drew it), each from its logits
+        as its request's processors leave them; its log-probabilities from the model's own."""
+        picked: list[int | Exception] = [0] * len(chunks)
+        rows: list[int] = []
+        lasts: list[torch.Tensor] = []
+        for row, chunk in enumerate(chunks):
+            live = self.live.get(chunk.request_id)
+            if live is None or live.failed:
+                continue
+            try:
+                last = self._read_row(chunk, live, logits[row])
+                if chunk.samples:
+                    adjusted = adjust(last, live.sampling, live.prompt, live.stream.ids, self.scheduler.eos_ids)
+                    rows.append(row)
+                    lasts.append(adjusted.float())
+            except Exception as exc:  # this row's logits or its own settings: only its request fails
+                picked[row] = exc
+        if not rows:
+            return picked
+        drawn = sample_rows(torch.stack(lasts), params.select(torch.tensor(rows))).tolist()
+        for row, token in zip(rows, drawn, strict=True):
+            picked[row] = token
+            live = self.live[chunks[row].request_id]
+            if token >= 0 and live.sampling.logprobs is not None:
+                last = logits[row] if logits.dim() == 2 else logits[row, len(chunks[row].tokens) - 1]
+                scored[chunks[row].request_id] = token_logprob(last, token, live.sampling.logprobs)
+        return picked
+
+    def _read_row(self, chunk: Chunk, live: _Live, logits: torch.Tensor) -> torch.Tensor:
+        """One row of a step that came back as logits: ``logits`` [vocab] (its last position's) or [T, vocab]
+        (every position's); its prompt's log-probabilities when asked.  Its last position's logits."""
         used = logits if logits.dim() == 1 else logits[: len(chunk.tokens)]
         why = bad_logits(used)
         if why is not None:
-            raise RequestFailed(
-                f"the model's logits for this request hold {why} at position {chunk.start + len(chunk.tokens) - 1}:"
-                " its weights or its input overflow; no token can be sampled"
-            )
-        last = logits if logits.dim() == 1 else logits[len(chunk.tokens) - 1]
+            raise _unsampleable(chunk, why)
         if logits.dim() == 2 and live.wants_every_position(chunk):
             top = live.sampling.logprobs or 0
             for offset in range(len(chunk.tokens)):  # position p's logits score the prompt's token p + 1
                 following = chunk.start + offset + 1
                 if following < len(live.prompt):
                     live.prompt_scored.append(token_logprob(logits[offset], live.prompt[following], top))
-        if chunk.samples:
-            picked = adjust(last, live.sampling, live.prompt, live.stream.ids, self.scheduler.eos_ids)
-            token = tokens[chunk.request_id] = sample(picked, live.sampling, live.generator)
-            if live.sampling.logprobs is not None:
-                scored[chunk.request_id] = token_logprob(last, token, live.sampling.logprobs)
+        return logits if logits.dim() == 1 else logits[len(chunk.tokens) - 1]
 
     def fail(self, exc: BaseException) -> None:
         """Stop taking work and hand every request here ``EngineDown`` (a stage died or is wedged).  The first
@@ -444,3 +509,10 @@ class Engine:
         if len(tokens) < 1:
             raise EngineDown("the probe generation produced no token")
         return {"tokens": tokens, "seconds": time.perf_counter() - began, "stages": len(self.stages)}
+
+
+def _unsampleable(chunk: Chunk, why: str) -> RequestFailed:
+    return RequestFailed(
+        f"the model's logits for this request hold {why} at position {chunk.start + len(chunk.tokens) - 1}:"
+        " its weights or its input overflow; no token can be sampled"
+    )
