@@ -428,6 +428,8 @@ class Pool:
                     "requests": len(p.engine.live),
                     "slots": p.engine.scheduler.limits.slots,  # KV slots: --slots for each step in flight
                     "links": p.engine.transport,  # direct links between the stages, or Ray's calls
+                    # steps back as token ids (sampled on the last stage) or as logits (a row needed them here)
+                    "steps_back": dict(p.engine.shipped),
                     **({"links_note": p.engine.links_note} if p.engine.links_note else {}),
                     **_with_infos(p.plan.to_json(num_blocks), p.engine.stage_infos),
                 }
