@@ -3,9 +3,9 @@
 A step's rows each carry their own settings (``RowSampling``: greedy or temperature, min-p, top-k, top-p, seed and
 the position of the token drawn).  Greedy rows are one argmax; the sampled rows are filtered together in vLLM's
 order (temperature, min-p, top-k, top-p) and drawn together.  Top-p is exact without a full sort of the
-vocabulary per row: the most likely candidates are taken with ``topk`` (64, then 1024) and a row whose kept
-mass covers ``top_p`` among them is done; only the rest are sorted whole (a 151 936-token sort costs ~10 ms a
-row on a CPU, a top-64 well under one).
+vocabulary per row: the most likely candidates are taken with ``topk`` (256, then 4096) and a row whose kept
+mass covers ``top_p`` among them is done; only the rest are sorted whole (a 151 936-token sort costs ~14 ms a
+row on a CPU core, a top-256 ~0.4 ms).
 
 The draw is inverse-CDF over the kept tokens in token-id order with one uniform per row, which is a hash of the
 row's seed and its token's position (splitmix64 in int64 arithmetic): a seeded request gets the same token
@@ -37,7 +37,7 @@ MODE_GREEDY, MODE_SAMPLE, MODE_LOGITS = 0, 1, 2  # argmax; draw here; ship the l
 PARAMS_AT = 4
 PARAM_ROWS = 7  # mode, seed, position, temperature, top_p, min_p, top_k
 TABLE_ROWS = PARAMS_AT + PARAM_ROWS
-CANDIDATES = (64, 1024)  # the widths tried before a row's full sort
+CANDIDATES = (256, 4096)  # the widths tried before a row's full sort (benchmarks/sampling_rows.py)
 _MASK64 = (1 << 64) - 1
 
 
@@ -116,16 +116,21 @@ def sample_rows(logits: torch.Tensor, params: Params) -> torch.Tensor:
     greedy = (params.temperature <= 0) & (code == 0)
     sampled = (params.temperature > 0) & (code == 0)
     if bool(greedy.any()):
-        out[greedy] = logits[greedy.to(logits.device)].argmax(-1).cpu()
+        out[greedy] = _rows(logits, greedy).argmax(-1).cpu()
     if bool(sampled.any()):
-        out[sampled] = _sample(logits[sampled.to(logits.device)], params.select(sampled), vocab)
+        out[sampled] = _sample(_rows(logits, sampled), params.select(sampled), vocab)
     return torch.where(code != 0, code, out)
+
+
+def _rows(values: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+    """``values``' rows where ``chosen`` [R] (a CPU mask): no copy of a vocabulary a row when every row is."""
+    return values if bool(chosen.all()) else values[chosen.to(values.device)]
 
 
 def _bad_rows(logits: torch.Tensor) -> torch.Tensor:
     """int64 [R]: 0 for a row that can be sampled from, ``NAN`` or ``POSINF`` (-inf alone is a token made
     impossible).  One reduction first: a sum is finite iff every value is."""
-    sums = logits.float().sum(-1)
+    sums = logits.sum(-1, dtype=torch.float32)
     code = torch.zeros(logits.shape[0], dtype=torch.int64)
     broken = ~torch.isfinite(sums).cpu()
     if bool(broken.any()):
@@ -147,10 +152,9 @@ def _sample(logits: torch.Tensor, params: Params, vocab: int) -> torch.Tensor:
     out = torch.empty(probs.shape[0], dtype=torch.int64)
     head = ((params.top_k > 0) & (params.top_k < vocab)) | (params.top_p < 1.0)
     if bool((~head).any()):
-        whole = (~head).to(device)
-        out[~head] = _draw(probs[whole], None, uniform[~head])
+        out[~head] = _draw(_rows(probs, ~head), None, uniform[~head])
     if bool(head.any()):
-        out[head] = _head(probs[head.to(device)], params.select(head), uniform[head], vocab)
+        out[head] = _head(_rows(probs, head), params.select(head), uniform[head], vocab)
     return out
 
 
@@ -162,25 +166,32 @@ def _head(probs: torch.Tensor, params: Params, uniform: torch.Tensor, vocab: int
     todo = torch.arange(probs.shape[0])
     top_k = torch.where(params.top_k > 0, params.top_k.clamp(max=vocab), vocab + 1)  # vocab + 1: no top-k
     total = probs.sum(-1).cpu()  # the kept mass after min-p (top-k's is counted among the candidates)
-    for width in (*CANDIDATES, vocab):
+    widths = [*CANDIDATES, vocab]
+    while todo.numel():
         real = params.top_k[todo] > 0
-        width = min(vocab, max(width, int(top_k[todo][real].max()) if bool(real.any()) else 0))
-        values, ids = probs[todo.to(device)].topk(width, dim=-1)  # most likely first
-        kept, done = _keep(values, top_k[todo], params.top_p[todo], total[todo], width == vocab)
+        width = min(vocab, max(widths.pop(0), int(top_k[todo][real].max()) if bool(real.any()) else 0))
+        among = probs if todo.numel() == probs.shape[0] else probs[todo.to(device)]
+        whole = width == vocab
+        # most likely first (the whole row: a sort, which beats a top-k of every token)
+        values, ids = among.sort(-1, descending=True) if whole else among.topk(width, dim=-1)
+        kept, done, covered = _keep(values, top_k[todo], params.top_p[todo], total[todo], whole)
         if bool(done.any()):
-            rows = done.to(device)
-            out[todo[done]] = _draw(torch.where(kept, values, 0.0)[rows], ids[rows], uniform[todo[done]])
+            chosen = _rows(torch.where(kept, values, 0.0), done)
+            if whole:  # back in token-id order by a scatter, not a second sort
+                chosen = torch.zeros_like(chosen).scatter_(1, _rows(ids, done), chosen)
+            out[todo[done]] = _draw(chosen, None if whole else _rows(ids, done), uniform[todo[done]])
+        if bool((covered[~done] < params.top_p[todo][~done] / 4).all()):
+            widths = [vocab]  # far from covered (a flat row): more candidates would not do, sort at once
         todo = todo[~done]
-        if todo.numel() == 0:
-            break
     return out
 
 
 def _keep(
     values: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, total: torch.Tensor, whole: bool
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Which of the candidates ``values`` [N, W] (most likely first) top-k and top-p keep, and which rows are
-    resolved (their kept set lies among the candidates).  Top-p's mass is among the tokens min-p and top-k left."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Which of the candidates ``values`` [N, W] (most likely first) top-k and top-p keep, which rows are
+    resolved (their kept set lies among the candidates), and the share of top-p's mass the candidates hold.
+    Top-p's mass is among the tokens min-p and top-k left."""
     device, width = values.device, values.shape[1]
     kth = values.gather(1, (top_k.clamp(max=width) - 1).to(device)[:, None])
     kept = values >= kth  # a tie with the k-th stays, as ``probs < kth`` drops only the smaller
@@ -190,14 +201,16 @@ def _keep(
     mass = torch.where(within_k.to(device), in_k, total.to(device, torch.float32))
     nucleus = top_p < 1.0
     done = within_k | torch.tensor(whole).expand_as(within_k)
+    covered = torch.ones(values.shape[0], dtype=torch.float32)
     if bool(nucleus.any()):
         share = torch.where(kept, values, 0.0) / mass[:, None]
         running = share.cumsum(-1)
         before = running - share  # the mass of the tokens ranked above each one
         limit = top_p.to(device, torch.float32)[:, None]
         kept &= (before < limit) | ~nucleus.to(device)[:, None]  # the top token always stays
-        done |= nucleus & (running[:, -1].cpu() >= top_p.float())  # the next token's mass before it covers top_p
-    return kept, done
+        covered = running[:, -1].cpu()
+        done |= nucleus & (covered >= top_p.float())  # the next token's mass before it covers top_p
+    return kept, done, covered
 
 
 def _draw(probs: torch.Tensor, ids: torch.Tensor | None, uniform: torch.Tensor) -> torch.Tensor:

@@ -84,14 +84,14 @@ def test_top_k_and_min_p_keep_the_tokens_transformers_keeps() -> None:
 
 
 def test_top_p_beyond_the_candidates_is_the_full_sorts_answer() -> None:
-    """A flat tail: top-p 0.9 of 3000 near-equal tokens keeps ~2700, more than any candidate width, so the row is
-    sorted whole; the kept set is still the definition's (the draws never leave it, and reach far into it)."""
-    logits = torch.linspace(0.0, 0.5, 3000)
+    """A flat tail: top-p 0.9 of 20 000 near-equal tokens keeps ~18 000, more than any candidate width, so the row
+    is sorted whole; the kept set is still the definition's (the draws never leave it, and reach far into it)."""
+    logits = torch.linspace(0.0, 0.5, 20_000)
     row = RowSampling(1.0, top_p=0.9)
     want = set(torch.nonzero(_filtered(logits, row)).flatten().tolist())
     assert len(want) > max(sampling_module.CANDIDATES)
     drawn = _kept(logits, row, 4000)
-    assert drawn <= want and len(drawn) > 0.7 * len(want)
+    assert drawn <= want and len(drawn) > 3000 and min(drawn) < min(want) + 200
 
 
 def test_a_seeded_row_gets_its_token_alone_or_in_any_batch_in_any_order() -> None:
