@@ -19,133 +19,33 @@ import secrets
 import time
 from collections import deque
 from collections.abc import AsyncGenerator, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from raycluster_cli.models.sampling import (
-    MODE_GREEDY,
-    MODE_LOGITS,
-    MODE_SAMPLE,
-    NAN,
-    Params,
-    RowSampling,
-    sample_rows,
-)
+from raycluster_cli.models.sampling import NAN, Params, RowSampling
 from raycluster_cli.node.links import DirectLinks, first_stage_ended
 from raycluster_cli.serve.anatomy import TIMELINE_STEPS
-from raycluster_cli.serve.scheduler import Chunk, Limits, QueueFull, Scheduler
-from raycluster_cli.serve.text import (
-    Sampling,
-    TextStream,
-    TokenLogprob,
-    adjust,
-    bad_logits,
-    out_of_vocab,
-    token_logprob,
+from raycluster_cli.serve.live import (
+    BadInput,
+    EngineDown,
+    Live,
+    Output,
+    RequestFailed,
+    Resume,
+    pick_from_logits,
+    step_inputs,
+    unsampleable,
 )
+from raycluster_cli.serve.scheduler import Chunk, Limits, QueueFull, Scheduler
+from raycluster_cli.serve.text import Sampling, TextStream, TokenLogprob, out_of_vocab
 
-__all__ = ["BadInput", "Engine", "EngineDown", "Output", "QueueFull", "RequestFailed", "Resume"]
+__all__ = [
+    "BadInput", "Engine", "EngineDown", "Output", "QueueFull", "RequestFailed", "Resume", "step_inputs",
+]  # fmt: skip
 
 LAG_PERIOD_S = 0.05  # the loop-lag sampler's period: 20 wake-ups a second
 LAG_SAMPLES = 200  # the last 10 s of them
-
-
-class EngineDown(RuntimeError):
-    """A stage failed: the engine answers no more requests (the service says 503)."""
-
-
-class BadInput(ValueError):
-    """A request the engine cannot run as given (a token outside the vocabulary, a seed outside 64 bits):
-    refused before it is admitted (400 naming ``param``), so it never enters a step."""
-
-    def __init__(self, message: str, param: str) -> None:
-        super().__init__(message)
-        self.param = param
-
-
-class RequestFailed(RuntimeError):
-    """One request failed on its own (its row's logits are not numbers): only it ends, with this error (500);
-    the pipeline and the other rows go on, and it is not moved to another pipeline (it would fail there too)."""
-
-
-@dataclass(frozen=True)
-class Output:
-    """A piece of one request's result: new text, its tokens so far, and why it ended (None: not yet);
-    ``logprobs``: the new token's log-probabilities when the request asked for them (one per output: an output
-    follows each generated token, its text possibly held back for a while)."""
-
-    text: str
-    token_ids: tuple[int, ...]
-    finish_reason: str | None
-    prompt_tokens: int
-    logprobs: tuple[TokenLogprob, ...] = ()
-    # on a request's first output, when its sampling asked: each prompt token's log-probability from the second on
-    # (the first has none: nothing comes before it)
-    prompt_logprobs: tuple[TokenLogprob, ...] = ()
-
-
-@dataclass(frozen=True)
-class Resume:
-    """Where a request stood when its pipeline died: the tokens it generated, the characters sent."""
-
-    tokens: tuple[int, ...]
-    released: int
-
-
-@dataclass
-class _Live:
-    prompt: list[int]
-    sampling: Sampling
-    stream: TextStream
-    seed: int  # the request's, or one drawn at admission: its tokens' draws are functions of it and their positions
-    queue: asyncio.Queue[Output | BaseException] = field(default_factory=asyncio.Queue)
-    prompt_scored: list[TokenLogprob] = field(default_factory=list)  # the prompt's logprobs, as its chunks return
-    answered: bool = False  # its first output went out (the prompt's logprobs with it)
-    failed: bool = False  # its own row failed (``RequestFailed`` handed over): later steps skip it
-
-    @property
-    def prompt_tokens(self) -> int:
-        return len(self.prompt)
-
-    def wants_every_position(self, chunk: Chunk) -> bool:
-        """Does this chunk need the logits of its every position: a chunk of the prompt (not a resumed
-        request's generated tokens) whose log-probabilities were asked for."""
-        return self.sampling.prompt_logprobs and chunk.start < len(self.prompt) - 1
-
-    def row_sampling(self, chunk: Chunk) -> RowSampling:
-        """How this chunk's row picks its token: on the last stage (greedy or drawn), or here from its logits
-        when its request needs them (their log-probabilities, or processors that read the token history)."""
-        s = self.sampling
-        greedy = s.temperature == 0
-        here = chunk.samples and (s.logprobs is not None or s.adjusts_logits)
-        mode = MODE_LOGITS if here or self.wants_every_position(chunk) else MODE_GREEDY if greedy else MODE_SAMPLE
-        if not chunk.samples and mode != MODE_LOGITS:
-            return RowSampling()  # a prompt's chunk before its last: its token is never used
-        temperature = 0.0 if greedy else s.temperature
-        position = chunk.start + len(chunk.tokens)
-        return RowSampling(temperature, s.top_p, s.min_p, s.top_k, self.seed, position, mode)
-
-
-def step_inputs(
-    chunks: Sequence[Chunk], every: Sequence[bool] = (), params: Params | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Token ids right-padded to the longest chunk [B, T] and the (slot, start, length) table [3, B]; a fourth
-    row when some row needs the logits of ``every`` position (the last stage then returns [B, T, vocab]); with
-    ``params``, the fourth row always and the rows' sampling settings after it (``models.sampling.TABLE_ROWS``)."""
-    width = max(len(c.tokens) for c in chunks)
-    ids = torch.zeros(len(chunks), width, dtype=torch.long)
-    for row, chunk in enumerate(chunks):
-        ids[row, : len(chunk.tokens)] = torch.tensor(chunk.tokens, dtype=torch.long)
-    columns = [[c.slot, c.start, len(c.tokens)] for c in chunks]
-    if any(every) or params is not None:
-        flags = every or [False] * len(chunks)
-        columns = [[*column, int(flag)] for column, flag in zip(columns, flags, strict=True)]
-    table = torch.tensor(columns, dtype=torch.long).T.contiguous()
-    if params is not None:
-        table = torch.cat([table, params.table()])
-    return ids, table
 
 
 class Engine:
@@ -176,7 +76,7 @@ class Engine:
         self.tokenizer = tokenizer
         self.scheduler = Scheduler(limits, eos_ids)
         self.max_in_flight = max_in_flight or len(self.stages)
-        self.live: dict[str, _Live] = {}
+        self.live: dict[str, Live] = {}
         self.failure: BaseException | None = None
         self.steps_done = 0
         self.last_step_at = 0.0
@@ -280,7 +180,7 @@ class Engine:
             self.scheduler.finish(request_id, "abort")
             self._wake.set()
 
-    def _set_up(self, prompt: list[int], done: list[int], sampling: Sampling, stop: list[str] | None) -> _Live:
+    def _set_up(self, prompt: list[int], done: list[int], sampling: Sampling, stop: list[str] | None) -> Live:
         """Everything a request needs before it is admitted; what cannot be set up is a ``BadInput``.  Its tokens
         are the only input of its own a stage reads: checked here, none can fail a step (and so the pipeline)."""
         if self.vocab is not None and (bad := out_of_vocab(prompt + done, self.vocab)) is not None:
@@ -296,7 +196,7 @@ class Engine:
             spaces_between_special=sampling.spaces_between_special_tokens,
             include_stop_str=sampling.include_stop_str_in_output,
         )
-        return _Live(list(prompt), sampling, stream, seed)
+        return Live(list(prompt), sampling, stream, seed)
 
     def stalled_s(self) -> float:
         """Seconds steps have been in flight without one coming back (0 when none is in flight): a wedged
@@ -398,7 +298,7 @@ class Engine:
             picked: list[int | Exception] = list(out.tolist())
         else:
             self.shipped["logits"] += 1
-            picked = self._pick(chunks, out, params, scored)
+            picked = pick_from_logits(chunks, out, params, self.live, self.scheduler.eos_ids, scored)
         for row, chunk in enumerate(chunks):
             live = self.live.get(chunk.request_id)
             if live is None or live.failed:
@@ -407,7 +307,7 @@ class Engine:
                 continue
             outcome = picked[row]
             if isinstance(outcome, int) and outcome < 0:
-                outcome = _unsampleable(chunk, "NaN" if outcome == NAN else "+inf")
+                outcome = unsampleable(chunk, "NaN" if outcome == NAN else "+inf")
             if isinstance(outcome, Exception):  # this row's logits or its own settings: only its request fails
                 live.failed = True
                 tokens[chunk.request_id] = 0
@@ -436,53 +336,6 @@ class Engine:
             out = Output(text, tuple(live.stream.ids), reason, live.prompt_tokens, logprob, prompt_scored)
             live.queue.put_nowait(out)
 
-    def _pick(
-        self, chunks: list[Chunk], logits: torch.Tensor, params: Params, scored: dict[str, TokenLogprob]
-    ) -> list[int | Exception]:
-        """Each row's token from a step that came back as logits: the rows that sample, drawn together by the
-        last stage's own ``sample_rows`` (a row's token is the same whichever side drew it), each from its logits
-        as its request's processors leave them; its log-probabilities from the model's own."""
-        picked: list[int | Exception] = [0] * len(chunks)
-        rows: list[int] = []
-        lasts: list[torch.Tensor] = []
-        for row, chunk in enumerate(chunks):
-            live = self.live.get(chunk.request_id)
-            if live is None or live.failed:
-                continue
-            try:
-                last = self._read_row(chunk, live, logits[row])
-                if chunk.samples:
-                    adjusted = adjust(last, live.sampling, live.prompt, live.stream.ids, self.scheduler.eos_ids)
-                    rows.append(row)
-                    lasts.append(adjusted.float())
-            except Exception as exc:  # this row's logits or its own settings: only its request fails
-                picked[row] = exc
-        if not rows:
-            return picked
-        drawn = sample_rows(torch.stack(lasts), params.select(torch.tensor(rows))).tolist()
-        for row, token in zip(rows, drawn, strict=True):
-            picked[row] = token
-            live = self.live[chunks[row].request_id]
-            if token >= 0 and live.sampling.logprobs is not None:
-                last = logits[row] if logits.dim() == 2 else logits[row, len(chunks[row].tokens) - 1]
-                scored[chunks[row].request_id] = token_logprob(last, token, live.sampling.logprobs)
-        return picked
-
-    def _read_row(self, chunk: Chunk, live: _Live, logits: torch.Tensor) -> torch.Tensor:
-        """One row of a step that came back as logits: ``logits`` [vocab] (its last position's) or [T, vocab]
-        (every position's); its prompt's log-probabilities when asked.  Its last position's logits."""
-        used = logits if logits.dim() == 1 else logits[: len(chunk.tokens)]
-        why = bad_logits(used)
-        if why is not None:
-            raise _unsampleable(chunk, why)
-        if logits.dim() == 2 and live.wants_every_position(chunk):
-            top = live.sampling.logprobs or 0
-            for offset in range(len(chunk.tokens)):  # position p's logits score the prompt's token p + 1
-                following = chunk.start + offset + 1
-                if following < len(live.prompt):
-                    live.prompt_scored.append(token_logprob(logits[offset], live.prompt[following], top))
-        return logits if logits.dim() == 1 else logits[len(chunk.tokens) - 1]
-
     def fail(self, exc: BaseException) -> None:
         """Stop taking work and hand every request here ``EngineDown`` (a stage died or is wedged).  The first
         cause is kept: the steps that then fail as their links close do not replace it."""
@@ -509,10 +362,3 @@ class Engine:
         if len(tokens) < 1:
             raise EngineDown("the probe generation produced no token")
         return {"tokens": tokens, "seconds": time.perf_counter() - began, "stages": len(self.stages)}
-
-
-def _unsampleable(chunk: Chunk, why: str) -> RequestFailed:
-    return RequestFailed(
-        f"the model's logits for this request hold {why} at position {chunk.start + len(chunk.tokens) - 1}:"
-        " its weights or its input overflow; no token can be sampled"
-    )

@@ -15,7 +15,7 @@ transformers = pytest.importorskip("transformers")
 
 from raycluster_cli.models.batched import BatchedStage  # noqa: E402
 from raycluster_cli.models.decoder import config_from_checkpoint  # noqa: E402
-from raycluster_cli.serve.engine import Engine  # noqa: E402
+from raycluster_cli.serve.engine import Engine, Resume  # noqa: E402
 from raycluster_cli.serve.scheduler import Limits  # noqa: E402
 from raycluster_cli.serve.text import Sampling  # noqa: E402
 
@@ -98,3 +98,20 @@ def test_a_logprobs_request_makes_its_steps_ship_logits_and_the_others_tokens_do
     both, (shipped, _) = asyncio.run(_together(checkpoint, [greedy, with_penalty]))
     alone_greedy, _ = asyncio.run(_together(checkpoint, [greedy]))
     assert shipped["logits"] > 0 and both[0] == alone_greedy[0]  # a penalty's request ships logits too
+
+
+def test_a_seeded_request_resumed_on_another_engine_goes_on_with_the_same_tokens(checkpoint: Path) -> None:
+    """Failover: another pipeline prefills the prompt and the tokens sent so far, and draws what follows at the
+    same seed and positions, so the client's stream goes on as it would have."""
+    prompt, sampling = list(PROMPTS[0]), SEEDED[0]
+    (whole,), _ = asyncio.run(_together(checkpoint, [(prompt, 8, sampling)]))
+
+    async def resumed() -> list[int]:
+        engine, _ = _engine(checkpoint)
+        engine.start()
+        outputs = engine.generate(prompt, 8, sampling, resume=Resume(tuple(whole[:3]), 0))
+        tokens = await _tokens(outputs)
+        await engine.close()
+        return tokens
+
+    assert asyncio.run(resumed()) == whole
