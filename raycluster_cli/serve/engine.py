@@ -185,9 +185,10 @@ class Engine:
         are the only input of its own a stage reads: checked here, none can fail a step (and so the pipeline)."""
         if self.vocab is not None and (bad := out_of_vocab(prompt + done, self.vocab)) is not None:
             raise BadInput(f"token {bad} is not in the vocabulary (0-{self.vocab - 1})", "prompt")
-        if sampling.seed is not None and not -(2**63) <= sampling.seed < 2**63:
-            raise BadInput(f"seed {sampling.seed} is not a 64-bit integer: give one from -2**63 to 2**63 - 1", "seed")
-        seed = secrets.randbits(63) if sampling.seed is None else sampling.seed
+        # any 64-bit pattern, signed or not (choice i of n draws at seed + i, past 2**63 - 1 too), kept as int64
+        if sampling.seed is not None and not -(2**63) <= sampling.seed < 2**64:
+            raise BadInput(f"seed {sampling.seed} is outside 64 bits: give one from -2**63 to 2**63 - 1", "seed")
+        seed = secrets.randbits(63) if sampling.seed is None else (sampling.seed + 2**63) % 2**64 - 2**63
         stream = TextStream(
             self.tokenizer,
             stop,

@@ -115,3 +115,13 @@ def test_a_seeded_request_resumed_on_another_engine_goes_on_with_the_same_tokens
         return tokens
 
     assert asyncio.run(resumed()) == whole
+
+
+def test_a_seed_past_2_63_draws_as_its_64_bit_pattern(checkpoint: Path) -> None:
+    """Choice i of a seeded request draws at seed + i, which may pass 2**63 - 1: it runs, as the int64 with its
+    bits (the step table's), and a seed outside 64 bits stays refused (test_serve_engine_input)."""
+    unsigned = Sampling(temperature=1.0, seed=2**63 + 5)
+    signed = Sampling(temperature=1.0, seed=2**63 + 5 - 2**64)
+    (a,), _ = asyncio.run(_together(checkpoint, [(list(PROMPTS[1]), 4, unsigned)]))
+    (b,), _ = asyncio.run(_together(checkpoint, [(list(PROMPTS[1]), 4, signed)]))
+    assert len(a) == 4 and a == b
