@@ -2,8 +2,8 @@
 
 Serving mixes rows at different positions in one forward (``rows.Rows``: each row's slot, start and length,
 rows right-padded to the longest).  The units, their loading and their one forward are the bench stage's
-own; this class holds the slots' caches and the products' measured forms (``models.matmuls``), and keeps
-only the logits that are sampled from.
+own; this class holds the slots' caches and the products' measured forms (``models.matmuls``), keeps
+only the logits that are sampled from, and samples them here when the step says how (``models.sampling``).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from raycluster_cli.models.decoder import Stage
 from raycluster_cli.models.kvcache import KV_BLOCK, GrowingCache
 from raycluster_cli.models.matmuls import Matmuls, measure
 from raycluster_cli.models.rows import Rows, SlotCache
+from raycluster_cli.models.sampling import sample_rows, step_params
 
 __all__ = ["BatchedStage", "Rows", "SlotCache"]
 
@@ -49,7 +50,10 @@ class BatchedStage:
     after it; ``table`` is int64 [3, B] (slot, start, length per row, rows right-padded to T).  The
     stage holding the head returns the logits of each row's last real token, [B, vocab]: only those
     are ever sampled from; a table of 4 rows whose fourth is set for some row (a prompt whose
-    log-probabilities were asked for) gets every position's, [B, T, vocab].
+    log-probabilities were asked for) gets every position's, [B, T, vocab].  A table that also carries every row's
+    sampling settings (``models.sampling.TABLE_ROWS`` rows) and whose rows need no logits back gets each row's
+    next token instead, int64 [B] (negative: its logits were not numbers): 8 bytes a row on the way back,
+    not a vocabulary of floats.
     """
 
     def __init__(
@@ -126,8 +130,13 @@ class BatchedStage:
         decode = rows.lengths == 1
         waste = int(decode.sum()) * (rows.width - 1)  # positions the decode rows are padded by
         if self.device.type != "cpu" or every or waste < rows.width or bool(decode.all()):
-            return self._run(x, rows, every)
-        return self._split(x, table, decode)
+            out = self._run(x, rows, every)
+        else:
+            out = self._split(x, table, decode)
+        if self.stage.head is None or every:
+            return out
+        params = step_params(table)  # the rows' sampling, when the step carries it and wants no logits back
+        return out if params is None else sample_rows(out, params)
 
     def _split(self, x: torch.Tensor, table: torch.Tensor, decode: torch.Tensor) -> torch.Tensor:
         """The decode rows (one token each) as one forward, the prompt chunks as another, their outputs put back in

@@ -7,15 +7,17 @@ too (docs/PERFORMANCE.md S9: 3–4 ms per hop, 2–9 ms of CPU per call under a 
 
 Direct links: the engine and the stages form a ring of ``torch.distributed`` point-to-point links (gloo over
 TCP, as vLLM's pipeline-parallel ranks send hidden states with ``torch.distributed``): the engine sends a step
-to stage 0, each stage sends its output to the next, and the last sends the logits back to the engine.  One
+to stage 0, each stage sends its output to the next, and the last sends the step's next tokens back to the engine
+(int64, one a row: the last stage samples, ``models.sampling``), or its logits when some row needs them.  One
 message per hop, no Ray call per step; Ray still places, watches and kills the stage actors.  Every link is
 bound to the node's Ray address (``create_device(hostname=ip)``), never to whatever the host name resolves
 to, so on hosts with several NICs the links take the network Ray uses.  The ring forms over Ray's calls, with no
 store on the network, and every link proves the ring's secret before a step is read from it (``node.rendezvous``).
 
 A step is one message of bytes: a header (int64 ``[kind, ndim, shape padded to 3, dtype, rows, big, height]``),
-the ``[height, rows]`` table (slot, start, length per row, and a fourth row when some row asks for the logits of
-every position), then the payload (token ids, hidden states or logits).  A
+the ``[height, rows]`` table (slot, start, length per row, a fourth row when some row asks for the logits of
+every position, then each row's sampling settings), then the payload (token ids, hidden states, the next tokens or
+logits).  A
 receiver always has its next receive posted, into a buffer of the ring's ``capacity`` (agreed when it forms:
 the largest decode step of the model, ``link_capacity``), so a sender finds it waiting and sends at once: one
 message, no exchange between the two processes before the bytes move (gloo sends only into a posted receive;
@@ -46,9 +48,11 @@ from typing import Any
 
 import torch
 
+from raycluster_cli.models.sampling import TABLE_ROWS
+
 HEADER = 9  # kind, the payload's ndim, its shape padded to 3, its dtype, the table's rows, big (its body follows),
 # the table's height
-TABLE_HEIGHT = 4  # the most rows of a step's table: slot, start, length, every position's logits
+TABLE_HEIGHT = TABLE_ROWS  # the most rows of a step's table: slot, start, length, every position's logits, sampling
 HEADER_BYTES = HEADER * 8
 KIND_IDS, KIND_HIDDEN, KIND_LOGITS = 0, 1, 2
 DTYPES = [torch.int64, torch.float32, torch.float16, torch.bfloat16]
@@ -120,7 +124,8 @@ class Receiver:
         self.asked = self.group.recv([self.buffer], self.peer, MESSAGE_TAG)
 
     def next(self) -> tuple[int, torch.Tensor, torch.Tensor]:
-        """(kind, table [height, rows], payload): ids [rows, width], hidden [rows, width, features] or logits
+        """(kind, table [height, rows], payload): ids [rows, width], hidden [rows, width, features], next tokens
+        [rows] or logits
         [rows, vocab] ([rows, width, vocab] when the table asks for every position's)."""
         self.asked.wait()
         message = self.buffer
@@ -168,11 +173,11 @@ class StageLoop:
     def _run(self) -> None:
         receiver = Receiver(self.group, self.previous, self.capacity)
         sending: Sending | None = None
-        kind = KIND_LOGITS if self.next == 0 else KIND_HIDDEN
         try:
             while True:
                 _, table, payload = receiver.next()
                 out = self.forward(payload, table)
+                kind = KIND_HIDDEN if self.next else KIND_IDS if out.dtype == torch.int64 else KIND_LOGITS
                 finish_send(sending)
                 sending = start_send(self.group, self.next, kind, table, out, self.capacity)
         except BaseException as exc:  # a neighbour gone, or this stage's forward failed: the ring is over
@@ -205,13 +210,15 @@ class LinksDown(RuntimeError):
 
 
 class DirectLinks:
-    """The engine's side of the ring: ``run(ids, table)`` sends a step to stage 0 and awaits its logits from the
-    last stage; steps in flight come back in order.  ``watch(stages)`` fails it when a stage's loop ends."""
+    """The engine's side of the ring: ``run(ids, table)`` sends a step to stage 0 and awaits its result from the
+    last stage (next tokens or logits: ``received`` counts each kind); steps in flight come back in order.
+    ``watch(stages)`` fails it when a stage's loop ends."""
 
     def __init__(self, group: Any, size: int, capacity: int = MIN_CAPACITY) -> None:
         self.group: Any = group
         self.size, self.capacity = size, capacity
         self.failure: BaseException | None = None
+        self.received: collections.Counter[int] = collections.Counter()  # steps back, by kind: ids or logits
         # called on the loop with the first failure that was not ``close()``: the engine fails at once, also while
         # no step is in flight (a stage that died idle is replaced then, not when the next request meets it)
         self.on_down: Callable[[BaseException], None] | None = None
@@ -233,8 +240,8 @@ class DirectLinks:
             self._watch = self._loop.create_task(self._watch_stages(stages))
 
     async def run(self, ids: torch.Tensor, table: torch.Tensor) -> tuple[torch.Tensor, float]:
-        """The step's logits, and the wall time its receive thread had them (the engine's loop takes them up
-        later: the difference is the loop's wait, in the step anatomy)."""
+        """The step's result (int64 next tokens [rows], or logits), and the wall time its receive thread had it
+        (the engine's loop takes it up later: the difference is the loop's wait, in the step anatomy)."""
         assert self._loop is not None, "start() first"
         if self.failure is not None:
             raise LinksDown(str(self.failure))
@@ -258,11 +265,12 @@ class DirectLinks:
         receiver = Receiver(self.group, self.size - 1, self.capacity)
         try:
             while True:
-                _, _, logits = receiver.next()
+                kind, _, result = receiver.next()
                 arrived = time.time()
+                self.received[kind] += 1
                 with self._lock:
                     future = self._waiting.popleft()
-                self._resolve(future, (logits, arrived))
+                self._resolve(future, (result, arrived))
         except BaseException as exc:
             receiver.close()
             self._fail(exc)

@@ -2,119 +2,50 @@
 
 One asyncio loop owns the scheduler.  Whenever fewer than ``max_in_flight`` steps are travelling
 through the pipeline and some sequence is idle, it sends the next step; several steps in flight keep
-every stage busy (a step is on stage 1 while the next is on stage 0).  When a step comes back, each
-sampling row gets its token from its own generator, its text is released through its ``TextStream``
-and a sequence that ended leaves the batch before the next step is planned.
+every stage busy (a step is on stage 1 while the next is on stage 0).  Each step carries its rows' sampling settings
+and the last stage samples them all at once (``models.sampling``), so a step comes back as one token id a row;
+only a step with a row whose request needs the logits themselves (log-probabilities, penalties, a bias, a minimum
+length: the token history is here) comes back as logits, and its rows are sampled here by the same function, to
+the same tokens.  Each token's text is released through its ``TextStream`` and a sequence that ended leaves the
+batch before the next step is planned.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import itertools
+import secrets
 import time
 from collections import deque
 from collections.abc import AsyncGenerator, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from raycluster_cli.models.sampling import NAN, Params, RowSampling
 from raycluster_cli.node.links import DirectLinks, first_stage_ended
 from raycluster_cli.serve.anatomy import TIMELINE_STEPS
-from raycluster_cli.serve.scheduler import Chunk, Limits, QueueFull, Scheduler
-from raycluster_cli.serve.text import (
-    Sampling,
-    TextStream,
-    TokenLogprob,
-    adjust,
-    bad_logits,
-    out_of_vocab,
-    sample,
-    token_logprob,
+from raycluster_cli.serve.live import (
+    BadInput,
+    EngineDown,
+    Live,
+    Output,
+    RequestFailed,
+    Resume,
+    pick_from_logits,
+    step_inputs,
+    unsampleable,
 )
+from raycluster_cli.serve.scheduler import Chunk, Limits, QueueFull, Scheduler
+from raycluster_cli.serve.text import Sampling, TextStream, TokenLogprob, out_of_vocab
 
-__all__ = ["BadInput", "Engine", "EngineDown", "Output", "QueueFull", "RequestFailed", "Resume"]
+__all__ = [
+    "BadInput", "Engine", "EngineDown", "Output", "QueueFull", "RequestFailed", "Resume", "step_inputs",
+]  # fmt: skip
 
 LAG_PERIOD_S = 0.05  # the loop-lag sampler's period: 20 wake-ups a second
 LAG_SAMPLES = 200  # the last 10 s of them
-
-
-class EngineDown(RuntimeError):
-    """A stage failed: the engine answers no more requests (the service says 503)."""
-
-
-class BadInput(ValueError):
-    """A request the engine cannot run as given (a token outside the vocabulary, a seed the generator refuses):
-    refused before it is admitted (400 naming ``param``), so it never enters a step."""
-
-    def __init__(self, message: str, param: str) -> None:
-        super().__init__(message)
-        self.param = param
-
-
-class RequestFailed(RuntimeError):
-    """One request failed on its own (its row's logits are not numbers): only it ends, with this error (500);
-    the pipeline and the other rows go on, and it is not moved to another pipeline (it would fail there too)."""
-
-
-@dataclass(frozen=True)
-class Output:
-    """A piece of one request's result: new text, its tokens so far, and why it ended (None: not yet);
-    ``logprobs``: the new token's log-probabilities when the request asked for them (one per output: an output
-    follows each generated token, its text possibly held back for a while)."""
-
-    text: str
-    token_ids: tuple[int, ...]
-    finish_reason: str | None
-    prompt_tokens: int
-    logprobs: tuple[TokenLogprob, ...] = ()
-    # on a request's first output, when its sampling asked: each prompt token's log-probability from the second on
-    # (the first has none: nothing comes before it)
-    prompt_logprobs: tuple[TokenLogprob, ...] = ()
-
-
-@dataclass(frozen=True)
-class Resume:
-    """Where a request stood when its pipeline died: the tokens it generated, the characters sent."""
-
-    tokens: tuple[int, ...]
-    released: int
-
-
-@dataclass
-class _Live:
-    prompt: list[int]
-    sampling: Sampling
-    stream: TextStream
-    generator: torch.Generator | None
-    queue: asyncio.Queue[Output | BaseException] = field(default_factory=asyncio.Queue)
-    prompt_scored: list[TokenLogprob] = field(default_factory=list)  # the prompt's logprobs, as its chunks return
-    answered: bool = False  # its first output went out (the prompt's logprobs with it)
-    failed: bool = False  # its own row failed (``RequestFailed`` handed over): later steps skip it
-
-    @property
-    def prompt_tokens(self) -> int:
-        return len(self.prompt)
-
-    def wants_every_position(self, chunk: Chunk) -> bool:
-        """Does this chunk need the logits of its every position: a chunk of the prompt (not a resumed
-        request's generated tokens) whose log-probabilities were asked for, before they were sent (a preempted
-        sequence prefills its prompt again, and its prompt's log-probabilities went with its first token)."""
-        return self.sampling.prompt_logprobs and chunk.start < len(self.prompt) - 1 and not self.answered
-
-
-def step_inputs(chunks: Sequence[Chunk], every: Sequence[bool] = ()) -> tuple[torch.Tensor, torch.Tensor]:
-    """Token ids right-padded to the longest chunk [B, T] and the (slot, start, length) table [3, B]; a fourth
-    row when some row needs the logits of ``every`` position (the last stage then returns [B, T, vocab])."""
-    width = max(len(c.tokens) for c in chunks)
-    ids = torch.zeros(len(chunks), width, dtype=torch.long)
-    for row, chunk in enumerate(chunks):
-        ids[row, : len(chunk.tokens)] = torch.tensor(chunk.tokens, dtype=torch.long)
-    columns = [[c.slot, c.start, len(c.tokens)] for c in chunks]
-    if any(every):
-        columns = [[*column, int(flag)] for column, flag in zip(columns, every, strict=True)]
-    table = torch.tensor(columns, dtype=torch.long).T.contiguous()
-    return ids, table
 
 
 class Engine:
@@ -145,7 +76,7 @@ class Engine:
         self.tokenizer = tokenizer
         self.scheduler = Scheduler(limits, eos_ids)
         self.max_in_flight = max_in_flight or len(self.stages)
-        self.live: dict[str, _Live] = {}
+        self.live: dict[str, Live] = {}
         self.failure: BaseException | None = None
         self.steps_done = 0
         self.last_step_at = 0.0
@@ -156,6 +87,7 @@ class Engine:
         # how late this loop ran a timer, the last LAG_SAMPLES times (sampled every LAG_PERIOD_S)
         self.loop_lag: deque[float] = deque(maxlen=LAG_SAMPLES)
         self._ids = itertools.count()
+        self.shipped: collections.Counter[str] = collections.Counter()  # steps back as "ids" or as "logits"
         self._wake = asyncio.Event()
         # each step sent and not yet back (its number: its tokens), removed by the step itself: no lost wake-up
         self._flight_tokens: dict[int, int] = {}
@@ -248,15 +180,15 @@ class Engine:
             self.scheduler.finish(request_id, "abort")
             self._wake.set()
 
-    def _set_up(self, prompt: list[int], done: list[int], sampling: Sampling, stop: list[str] | None) -> _Live:
+    def _set_up(self, prompt: list[int], done: list[int], sampling: Sampling, stop: list[str] | None) -> Live:
         """Everything a request needs before it is admitted; what cannot be set up is a ``BadInput``.  Its tokens
         are the only input of its own a stage reads: checked here, none can fail a step (and so the pipeline)."""
         if self.vocab is not None and (bad := out_of_vocab(prompt + done, self.vocab)) is not None:
             raise BadInput(f"token {bad} is not in the vocabulary (0-{self.vocab - 1})", "prompt")
-        try:
-            generator = sampling.generator()
-        except (ValueError, RuntimeError) as exc:
-            raise BadInput(f"seed {sampling.seed} is refused by the generator: {exc}", "seed") from None
+        # any 64-bit pattern, signed or not (choice i of n draws at seed + i, past 2**63 - 1 too), kept as int64
+        if sampling.seed is not None and not -(2**63) <= sampling.seed < 2**64:
+            raise BadInput(f"seed {sampling.seed} is outside 64 bits: give one from -2**63 to 2**63 - 1", "seed")
+        seed = secrets.randbits(63) if sampling.seed is None else (sampling.seed + 2**63) % 2**64 - 2**63
         stream = TextStream(
             self.tokenizer,
             stop,
@@ -265,7 +197,7 @@ class Engine:
             spaces_between_special=sampling.spaces_between_special_tokens,
             include_stop_str=sampling.include_stop_str_in_output,
         )
-        return _Live(list(prompt), sampling, stream, generator)
+        return Live(list(prompt), sampling, stream, seed)
 
     def stalled_s(self) -> float:
         """Seconds steps have been in flight without one coming back (0 when none is in flight): a wedged
@@ -344,20 +276,22 @@ class Engine:
         try:
             sent = time.time()
             every = [(live := self.live.get(c.request_id)) is not None and live.wants_every_position(c) for c in chunks]
-            ids, table = step_inputs(chunks, every)
-            logits: torch.Tensor
+            params = Params.of([(live.row_sampling(c) if (live := self.live.get(c.request_id)) else RowSampling())
+                                for c in chunks])  # fmt: skip
+            ids, table = step_inputs(chunks, every, params)
+            out: torch.Tensor
             if self.links is not None:
-                logits, arrived = await self.links.run(ids, table)
+                out, arrived = await self.links.run(ids, table)
                 back = time.time()
             else:
                 ref: Any = ids
                 for stage in self.stages:
                     ref = stage.forward.remote(ref, table)
-                logits = await ref
+                out = await ref
                 back = arrived = time.time()
             self.steps_done += 1
             self.last_step_at = time.monotonic()
-            self._finish_step(chunks, logits)
+            self._finish_step(chunks, out, params)
             self.recent.append((number, sent, arrived, back, time.time()))
         except Exception as exc:  # a stage died or failed: every request in flight gets the error
             self.fail(exc)  # (unless the engine failed already: its steps' links closing is not the cause)
@@ -365,22 +299,36 @@ class Engine:
             del self._flight_tokens[number]
             self._wake.set()
 
-    def _finish_step(self, chunks: list[Chunk], logits: torch.Tensor) -> None:
+    def _finish_step(self, chunks: list[Chunk], out: torch.Tensor, params: Params) -> None:
+        """Hand each row's token to its request: ``out`` is the step's tokens (int64 [B], sampled on the last
+        stage) or its logits (sampled here, ``_pick``)."""
         tokens: dict[str, int] = {}
         scored: dict[str, TokenLogprob] = {}
+        if out.dtype == torch.int64:
+            self.shipped["ids"] += 1
+            picked: list[int | Exception] = list(out.tolist())
+        else:
+            self.shipped["logits"] += 1
+            picked = pick_from_logits(chunks, out, params, self.live, self.scheduler.eos_ids, scored)
         for row, chunk in enumerate(chunks):
             live = self.live.get(chunk.request_id)
             if live is None or live.failed:
                 if chunk.samples:
                     tokens[chunk.request_id] = 0  # gone while in flight; the scheduler drops it
                 continue
-            try:
-                self._read_row(chunk, live, logits[row], tokens, scored)
-            except Exception as exc:  # this row's logits or its own settings: only its request fails
+            outcome = picked[row]
+            if isinstance(outcome, int) and outcome < 0:
+                outcome = unsampleable(chunk, "NaN" if outcome == NAN else "+inf")
+            if isinstance(outcome, Exception):  # this row's logits or its own settings: only its request fails
                 live.failed = True
                 tokens[chunk.request_id] = 0
                 self.scheduler.finish(chunk.request_id, "error")
-                live.queue.put_nowait(exc if isinstance(exc, RequestFailed) else RequestFailed(f"{exc}"))
+                live.queue.put_nowait(outcome if isinstance(outcome, RequestFailed) else RequestFailed(f"{outcome}"))
+            elif chunk.samples:
+                tokens[chunk.request_id] = outcome
+        self._hand_out(chunks, tokens, scored)
+
+    def _hand_out(self, chunks: list[Chunk], tokens: dict[str, int], scored: dict[str, TokenLogprob]) -> None:
         for event in self.scheduler.complete(chunks, tokens):
             live = self.live.get(event.request_id)
             if live is None or event.token is None:
@@ -398,36 +346,6 @@ class Engine:
             live.answered = True
             out = Output(text, tuple(live.stream.ids), reason, live.prompt_tokens, logprob, prompt_scored)
             live.queue.put_nowait(out)
-
-    def _read_row(
-        self,
-        chunk: Chunk,
-        live: _Live,
-        logits: torch.Tensor,
-        tokens: dict[str, int],
-        scored: dict[str, TokenLogprob],
-    ) -> None:
-        """One row of a step that came back: ``logits`` [vocab] (its last position's) or [T, vocab] (every
-        position's); its prompt's log-probabilities when asked, and its next token when it samples."""
-        used = logits if logits.dim() == 1 else logits[: len(chunk.tokens)]
-        why = bad_logits(used)
-        if why is not None:
-            raise RequestFailed(
-                f"the model's logits for this request hold {why} at position {chunk.start + len(chunk.tokens) - 1}:"
-                " its weights or its input overflow; no token can be sampled"
-            )
-        last = logits if logits.dim() == 1 else logits[len(chunk.tokens) - 1]
-        if logits.dim() == 2 and live.wants_every_position(chunk):
-            top = live.sampling.logprobs or 0
-            for offset in range(len(chunk.tokens)):  # position p's logits score the prompt's token p + 1
-                following = chunk.start + offset + 1
-                if following < len(live.prompt):
-                    live.prompt_scored.append(token_logprob(logits[offset], live.prompt[following], top))
-        if chunk.samples:
-            picked = adjust(last, live.sampling, live.prompt, live.stream.ids, self.scheduler.eos_ids)
-            token = tokens[chunk.request_id] = sample(picked, live.sampling, live.generator)
-            if live.sampling.logprobs is not None:
-                scored[chunk.request_id] = token_logprob(last, token, live.sampling.logprobs)
 
     def fail(self, exc: BaseException) -> None:
         """Stop taking work and hand every request here ``EngineDown`` (a stage died or is wedged).  The first

@@ -429,6 +429,8 @@ class Pool:
                     "slots": p.engine.scheduler.limits.slots,  # rows at once: --slots for each step in flight
                     **p.engine.scheduler.kv_status(),  # the KV budget in tokens, those held, preemptions
                     "links": p.engine.transport,  # direct links between the stages, or Ray's calls
+                    # steps back as token ids (sampled on the last stage) or as logits (a row needed them here)
+                    "steps_back": dict(p.engine.shipped),
                     **({"links_note": p.engine.links_note} if p.engine.links_note else {}),
                     **_with_infos(p.plan.to_json(num_blocks), p.engine.stage_infos),
                 }

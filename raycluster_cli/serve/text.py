@@ -1,4 +1,5 @@
-"""From sampled token ids to the text a client sees: sampling, incremental detokenization, stop strings.
+"""From sampled token ids to the text a client sees: a request's sampling settings and the processors that change
+its logits (the draw itself is ``models.sampling``'s), incremental detokenization, stop strings.
 
 Detokenizing one token at a time is wrong for byte-level tokenizers: a character of several bytes
 can be split across tokens, and decoding the first alone gives U+FFFD.  As vLLM and TGI do, the
@@ -65,17 +66,6 @@ class Sampling:
             or self.repetition_penalty != 1.0
         )
 
-    def generator(self) -> torch.Generator | None:
-        """A per-request generator: a seeded request gets the same tokens whatever else is in its batch."""
-        if self.temperature == 0:
-            return None
-        gen = torch.Generator()
-        if self.seed is None:
-            gen.seed()
-        else:
-            gen.manual_seed(self.seed)
-        return gen
-
 
 def adjust(
     logits: torch.Tensor, sampling: Sampling, prompt: Sequence[int], output: Sequence[int], eos: frozenset[int]
@@ -105,27 +95,6 @@ def adjust(
         counts = torch.bincount(torch.tensor(list(output)), minlength=logits.numel())[: logits.numel()].float()
         logits -= sampling.frequency_penalty * counts + sampling.presence_penalty * (counts > 0).float()
     return logits
-
-
-def sample(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator | None) -> int:
-    """The next token from one row's logits [vocab]: argmax, or sampling at the temperature among the tokens
-    ``min_p``, ``top_k`` and ``top_p`` keep (vLLM's order: temperature, min-p, top-k, top-p)."""
-    if sampling.temperature == 0 or generator is None:
-        return int(logits.argmax())
-    probs = torch.softmax(logits.float() / sampling.temperature, dim=-1)
-    if sampling.min_p > 0.0:
-        probs = torch.where(probs < sampling.min_p * probs.max(), 0.0, probs)  # the top token always stays
-    if 0 < sampling.top_k < probs.numel():
-        kth = probs.topk(sampling.top_k).values[-1]
-        probs = torch.where(probs < kth, 0.0, probs)
-    if sampling.top_p < 1.0:
-        if sampling.min_p > 0.0 or sampling.top_k > 0:
-            probs = probs / probs.sum()  # top-p's mass among the tokens left
-        sorted_probs, order = probs.sort(descending=True)
-        before = sorted_probs.cumsum(0) - sorted_probs  # mass of the tokens ranked above each one
-        sorted_probs[before >= sampling.top_p] = 0.0  # the top token always stays
-        probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
-    return int(torch.multinomial(probs, 1, generator=generator))
 
 
 def out_of_vocab(ids: Sequence[int], vocab: int) -> int | None:

@@ -74,8 +74,8 @@ def test_a_token_outside_the_vocabulary_is_refused_before_admission(checkpoints:
 
 
 def test_a_seed_the_generator_refuses_holds_no_slot(checkpoints: tuple[Path, Path]) -> None:
-    """A request refused while being set up (its generator cannot take the seed) is never admitted: the slots
-    are all free after 3 x slots such requests, and a request after them runs."""
+    """A request refused while being set up (its seed is outside 64 bits) is never admitted: the slots are all
+    free after 3 x slots such requests, and a request after them runs."""
 
     async def run() -> list[int]:
         engine = _engine(checkpoints[0], slots=2)

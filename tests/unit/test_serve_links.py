@@ -12,7 +12,16 @@ from typing import Any
 import pytest
 import torch
 
-from raycluster_cli.node.links import HEADER_BYTES, MIN_CAPACITY, DirectLinks, LinksDown, StageLoop, link_capacity
+from raycluster_cli.node.links import (
+    HEADER_BYTES,
+    KIND_IDS,
+    KIND_LOGITS,
+    MIN_CAPACITY,
+    DirectLinks,
+    LinksDown,
+    StageLoop,
+    link_capacity,
+)
 from raycluster_cli.node.rendezvous import Joining, merged
 
 pytest.importorskip("torch.distributed")
@@ -86,8 +95,9 @@ def test_steps_go_round_the_ring_in_order_and_come_back_as_logits(capacity: int)
 
 
 def test_a_ring_s_capacity_holds_a_decode_step_of_its_most_rows() -> None:
-    # 48 rows of Llama-3-8B's logits (128256 of them, float32) fit one message; a tiny model gets the floor
-    assert link_capacity(48, 4096, 128256) == HEADER_BYTES + 4 * 48 * 8 + 48 * 128256 * 4
+    # 48 rows of Llama-3-8B's logits (128256 of them, float32) and their table of 11 rows (the sampling settings
+    # after slot, start, length, every position's) fit one message; a tiny model gets the floor
+    assert link_capacity(48, 4096, 128256) == HEADER_BYTES + 11 * 48 * 8 + 48 * 128256 * 4
     assert link_capacity(1, 8, 16) == MIN_CAPACITY
 
 
@@ -220,3 +230,25 @@ def test_a_relayed_pipeline_s_stage_that_dies_idle_fails_the_engine_too() -> Non
     before, failure = asyncio.run(run())
     assert before is None
     assert failure is not None and "ActorDiedError" in str(failure), failure
+
+
+def test_a_last_stage_that_samples_sends_its_tokens_back_as_ids_and_logits_otherwise() -> None:
+    """The last hop's kind follows what the last stage returned: int64 tokens [rows] travel as ``KIND_IDS``, logits
+    as ``KIND_LOGITS``, in the order the steps went, and the engine's side counts each kind."""
+
+    def last(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+        logits = x[:, -1, :]
+        return logits.argmax(-1) if int(table[0, 0]) % 2 == 0 else logits
+
+    engine_side, _ = _ring([_embed, last])
+
+    async def run() -> tuple[list[torch.Tensor], DirectLinks]:
+        links = DirectLinks(engine_side.pop(), 3)
+        links.start()
+        ids = torch.arange(6, dtype=torch.long).view(2, 3)
+        steps = [links.run(ids, torch.tensor([[n, n], [0, 0], [3, 3]])) for n in range(4)]
+        return [out for out, _ in await asyncio.gather(*steps)], links
+
+    outs, links = asyncio.run(run())
+    assert [(o.dtype, tuple(o.shape)) for o in outs] == [(torch.int64, (2,)), (torch.float32, (2, 4))] * 2
+    assert links.received == {KIND_IDS: 2, KIND_LOGITS: 2}

@@ -10,7 +10,7 @@ torch = pytest.importorskip("torch")
 tokenizers = pytest.importorskip("tokenizers")
 transformers = pytest.importorskip("transformers")
 
-from raycluster_cli.serve.text import REPLACEMENT, Sampling, TextStream, adjust, sample  # noqa: E402
+from raycluster_cli.serve.text import REPLACEMENT, Sampling, TextStream, adjust  # noqa: E402
 
 TEXT = "naïve café — 日本語のテキスト, emoji 🙂🙂 and plain words"
 
@@ -62,17 +62,6 @@ def test_held_back_text_is_released_at_the_end(byte_level: Any) -> None:
     assert held + rest == "plain words" and not stopped and rest  # "words" could have begun "words!"
 
 
-def test_greedy_and_seeded_sampling() -> None:
-    logits = torch.tensor([0.1, 2.0, 1.9, -1.0])
-    assert sample(logits, Sampling(temperature=0), None) == 1
-    seeded = Sampling(temperature=1.0, seed=42)
-    draws = [[sample(logits, seeded, gen) for _ in range(20)] for gen in (seeded.generator(), seeded.generator())]
-    assert draws[0] == draws[1] and set(draws[0]) > {1}  # same seed, same tokens; really sampled
-    nucleus = Sampling(temperature=1.0, top_p=0.3, seed=1)
-    gen = nucleus.generator()
-    assert {sample(logits, nucleus, gen) for _ in range(20)} == {1}  # only the top token is within top_p
-
-
 def _hf(processor: Any, prompt: list[int], output: list[int], logits: Any) -> Any:
     """What a transformers logits processor makes of one row, given the sequence so far."""
     return processor(torch.tensor([prompt + output]), logits.clone().unsqueeze(0))[0]
@@ -108,20 +97,3 @@ def test_frequency_and_presence_penalties_follow_openais_formula() -> None:
     assert got.tolist() == [0.0, 0.0, -1.75, -2.75, 0.0, 0.0]  # the prompt's token 1 is not penalized
     negative = adjust(logits, Sampling(presence_penalty=-2.0), [], [5], frozenset())
     assert negative.tolist() == [0.0] * 5 + [2.0]  # a negative penalty favours what was said
-
-
-def test_top_k_and_min_p_keep_the_tokens_transformers_keeps() -> None:
-    """The tokens a draw can give: those transformers' ``TopKLogitsWarper`` / ``MinPLogitsWarper`` leave finite."""
-    logits = torch.tensor([0.1, 2.0, 1.9, -1.0, 1.0, 0.5])
-    hf = transformers.generation.logits_process
-    for sampling, warper in (
-        (Sampling(temperature=1.0, top_k=2, seed=1), hf.TopKLogitsWarper(2)),
-        (Sampling(temperature=1.0, min_p=0.3, seed=1), hf.MinPLogitsWarper(0.3)),
-    ):
-        gen = sampling.generator()
-        drawn = {sample(logits, sampling, gen) for _ in range(200)}
-        kept = _hf(warper, [0], [], logits)
-        assert drawn == {i for i in range(6) if torch.isfinite(kept[i])}, sampling
-    one = Sampling(temperature=1.0, top_k=1, seed=2)
-    gen = one.generator()
-    assert {sample(logits, one, gen) for _ in range(50)} == {1}
