@@ -39,6 +39,7 @@ class _RecordingStage:
             return out
 
         self.forward = _Method(forward)
+        self.release = _Method(stage.release)
 
 
 @pytest.fixture(scope="module")
