@@ -103,3 +103,21 @@ def test_a_plan_carried_over_to_other_matrices_of_the_same_shapes_packs_them_and
         for rows in (1, 3):
             x = torch.randn(rows, 64)
             torch.testing.assert_close(mm.apply(others[0], x), others[0](x), rtol=1e-5, atol=1e-5)
+
+
+def test_a_matrix_larger_than_the_probe_is_timed_on_its_first_rows_and_the_plan_packs_the_whole() -> None:
+    from raycluster_cli.models.matmuls import _probe_part
+
+    big = nn.Linear(64, 1000, bias=True)
+    part = _probe_part(big, 100 * 64 * 4)  # room for 100 of its rows in float32
+    assert part.weight.shape == (100, 64) and part.bias is not None and part.bias.shape == (100,)
+    assert part.weight.data_ptr() == big.weight.data_ptr()  # a view: no copy of a large head is made to time it
+    assert _probe_part(big, 1000 * 64 * 4) is big  # within the room: the matrix itself
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr("raycluster_cli.models.matmuls.PROBE_BYTES", 100 * 64 * 4)
+        mm = measure([big], most_rows=2, budget_s=2.0)
+    # whatever was timed, the plan's packed copies are of the stage's own matrices, never of a probe's part
+    assert set(mm.packed) <= {big} and all(p.shape[0] >= 1000 or p.numel() >= 1000 * 64 for p in mm.packed.values())
+    with torch.inference_mode():
+        x = torch.randn(3, 64)
+        torch.testing.assert_close(mm.apply(big, x), big(x), rtol=1e-5, atol=1e-5)
