@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from raycluster_cli.models.tiny_chat import CHAT_TEMPLATE, SPECIALS
+from raycluster_cli.models.tiny_chat import SPECIALS, fast_tokenizer
 from raycluster_cli.verbs.serve_load import WORDS
 
 COMMON = {"hidden_act": "silu", "initializer_range": 0.02, "use_cache": True, "attention_dropout": 0.0}
@@ -121,19 +121,7 @@ def byte_level_core(size: int) -> Any:
 
 def tokenizer(size: int) -> Any:
     """The byte-level tokenizer of exactly ``size`` tokens, as ``transformers.PreTrainedTokenizerFast``."""
-    import transformers
-
-    fast = transformers.PreTrainedTokenizerFast(
-        tokenizer_object=byte_level_core(size),
-        unk_token=None,
-        pad_token="[PAD]",
-        bos_token="<s>",
-        eos_token="</s>",
-        additional_special_tokens=SPECIALS[4:],
-        clean_up_tokenization_spaces=False,
-    )
-    fast.chat_template = CHAT_TEMPLATE
-    return fast
+    return fast_tokenizer(byte_level_core(size), unk_token=None)
 
 
 def config(shape: dict[str, Any]) -> Any:

@@ -58,16 +58,23 @@ def randomize(model: Any, seed: int) -> None:
 def chat_tokenizer() -> Any:
     """The word-level tokenizer with its specials (``SPECIALS`` then ``WORDS``) and chat template."""
     import tokenizers
-    import transformers
     from tokenizers import decoders, models, pre_tokenizers
 
     vocab = {token: index for index, token in enumerate(SPECIALS + WORDS)}
     core = tokenizers.Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
     core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     core.decoder = decoders.WordPiece(prefix="##", cleanup=False)  # joins words with single spaces
+    return fast_tokenizer(core, unk_token="[UNK]")
+
+
+def fast_tokenizer(core: Any, unk_token: str | None) -> Any:
+    """``core`` (a ``tokenizers.Tokenizer`` holding ``SPECIALS``) as a ``transformers`` tokenizer with the
+    specials' roles and the chat template, no clean-up of spaces."""
+    import transformers
+
     tokenizer = transformers.PreTrainedTokenizerFast(
         tokenizer_object=core,
-        unk_token="[UNK]",
+        unk_token=unk_token,
         pad_token="[PAD]",
         bos_token="<s>",
         eos_token="</s>",
