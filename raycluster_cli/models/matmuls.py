@@ -129,7 +129,10 @@ class Matmuls:
     def over(self, linears: Sequence[nn.Linear]) -> Matmuls:
         """The same plan for other matrices of the same shapes and dtype (another stage of the model it was
         measured on): what was measured is the node's and the shapes', not these weights'.  Packed copies of
-        ``linears`` are made where the plan packs."""
+        ``linears`` are made where the plan packs; none to multiply (a stage without a head): ``F.linear``'s empty
+        plan."""
+        if not linears:
+            return Matmuls()
         with torch.inference_mode():
             packed = {m: pack(m.weight) for m in linears} if self.uses_packed else {}
         return Matmuls(self.plan, packed, self.large, self.most_rows)

@@ -7,8 +7,9 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("ray")
 
+from raycluster_cli.models.batched import linears  # noqa: E402
 from raycluster_cli.models.decoder import ModelConfig, Stage  # noqa: E402
-from raycluster_cli.models.matmuls import FLIPPED, Matmuls  # noqa: E402
+from raycluster_cli.models.matmuls import FLIPPED, PACKED, Matmuls, pack, packable  # noqa: E402
 from raycluster_cli.node import stage_worker  # noqa: E402
 
 
@@ -22,12 +23,19 @@ def test_setup_takes_the_calibrated_plan_for_the_same_shapes_and_measures_for_ot
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     cfg = ModelConfig(vocab=97, d_model=32, heads=4, layers=4, max_seq=16, seed=3)
-    stage = Stage(cfg, 1, 3, emit="tokens")
+    stage = Stage(cfg, 3, cfg.num_units, emit="tokens")  # the last blocks and the head
     worker = _worker(cfg)
     calibrated = {1: (FLIPPED, 2), 2: (FLIPPED, 2)}
     worker.forms = (stage_worker._shapes(cfg), Matmuls(calibrated), Matmuls({1: (FLIPPED, 3)}))
     worker._set_forms(stage)
     assert stage.mm.plan == calibrated and stage.head_mm.plan == {1: (FLIPPED, 3)}
+
+    if packable(torch.float32):  # a stage without the head, after a calibration whose head plan packs
+        head_packed = Matmuls({}, {m: pack(m.weight) for m in linears(Stage(cfg, 0, cfg.num_units))[1]}, large=PACKED)
+        worker.forms = (stage_worker._shapes(cfg), Matmuls(calibrated), head_packed)
+        headless = Stage(cfg, 0, 2, emit="tokens")
+        worker._set_forms(headless)
+        assert headless.mm.plan == calibrated and headless.head_mm.plan == {} and headless.head_mm.packed == {}
 
     deeper = ModelConfig(**{**cfg.to_dict(), "layers": 8})  # `--layers` sized after calibration: same shapes
     worker.cfg = deeper

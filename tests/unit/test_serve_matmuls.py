@@ -99,6 +99,8 @@ def test_a_plan_carried_over_to_other_matrices_of_the_same_shapes_packs_them_and
     mm = Matmuls(plan, packed, most_rows=4).over(others)
     assert mm.plan == plan and set(mm.packed) == (set(others) if packed else set())
     assert Matmuls({1: (FLIPPED, 2)}).over(others).packed == {}  # no packed form planned: no copy made
+    if packed:  # a packed plan carried to a stage with no such matrices (no head there): nothing to plan
+        assert Matmuls({}, packed, large=PACKED).over([]).plan == {}
     with torch.inference_mode():
         for rows in (1, 3):
             x = torch.randn(rows, 64)
