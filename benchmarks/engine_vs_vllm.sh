@@ -8,6 +8,7 @@
 #   SHAPE=qwen2.5-0.5b (benchmarks/real_shapes.py)  ROUNDS=3  REQUESTS=16  CONCURRENCY=16  PROMPT=128  OUTPUT=32
 #   ONE_REQUESTS=4 (the one-at-a-time run)  QUOTAS=1.0,0.5,0.25  SERVICES="vllm one three" (vllm alone: no lab)
 #   VLLM_CPU=N (default: the last CPU)  VLLM_KV_GIB=4  VLLM_PORT=8011  PYTHON (raycluster's venv)
+#   SERVE_FLAGS (more `raycluster serve` flags for both lab services, e.g. --prefill-chunk=256)
 # Needs benchmarks/vllm_cpu_env.sh's venv (made here when missing) and, for "one"/"three", the whole machine for
 # the Docker lab (RAYCLUSTER_LAB_NAME etc. as the lab tests take them). Every run's document: OUT/runs/*.json;
 # the table: benchmarks/engine_vs_vllm_summary.py OUT (printed at the end, OUT/summary.json).
@@ -78,7 +79,7 @@ lab_round() {
   local s=$1 n=$2 inventory=$3
   rc down -i "$inventory" --json > /dev/null || true
   rc up -i "$inventory" --json > "$OUT/runs/up-$s-r$n.json"
-  rc serve --model-path="$MODEL" --max-seq="$MAX_SEQ" --slots="$CONCURRENCY" --dtype=bfloat16 \
+  rc serve --model-path="$MODEL" --max-seq="$MAX_SEQ" --slots="$CONCURRENCY" --dtype=bfloat16 ${SERVE_FLAGS:-} \
     -i "$inventory" --json > "$OUT/runs/serve-$s-r$n.json"
   measure "$s" "$n" -i "$inventory"
   rc status -i "$inventory" --json > "$OUT/runs/status-$s-r$n.json" || true # the split it ran on
