@@ -8,7 +8,7 @@
 #   SHAPE=qwen2.5-0.5b (benchmarks/real_shapes.py)  ROUNDS=3  REQUESTS=16  CONCURRENCY=16  PROMPT=128  OUTPUT=32
 #   ONE_REQUESTS=4 (the one-at-a-time run)  QUOTAS=1.0,0.5,0.25  SERVICES="vllm one three" (vllm alone: no lab)
 #   VLLM_CPU=N (default: the last CPU)  VLLM_KV_GIB=4  VLLM_PORT=8011  PYTHON (raycluster's venv)
-#   SERVE_FLAGS (more `raycluster serve` flags for both lab services, e.g. --prefill-chunk=256)
+#   SERVE_FLAGS (more `raycluster serve` flags for both lab services, e.g. --step-tokens=2048 --prefill-chunk=128)
 # Needs benchmarks/vllm_cpu_env.sh's venv (made here when missing) and, for "one"/"three", the whole machine for
 # the Docker lab (RAYCLUSTER_LAB_NAME etc. as the lab tests take them). Every run's document: OUT/runs/*.json;
 # the table: benchmarks/engine_vs_vllm_summary.py OUT (printed at the end, OUT/summary.json).

@@ -140,7 +140,7 @@ def _rooms(cfg: ModelConfig, options: LaunchOptions, node_ids: list[str]) -> tup
         rows=options.slots * steps,
         tokens=options.prefill_chunk,
         kv_tokens=options.kv_tokens * steps,
-        step_tokens=Limits().step_tokens * steps,
+        step_tokens=options.step_tokens * steps,
     )
     memory.check_fits(need, capacities, options.stages)
     return {c.node_id: max(0, c.usable - need.fixed) for c in capacities}, need
@@ -210,6 +210,7 @@ def _settings(options: LaunchOptions, keys_file: str | None) -> ServeSettings:
             slots=options.slots,
             max_seq=options.max_seq,
             prefill_chunk=options.prefill_chunk,
+            step_tokens=options.step_tokens,
             kv_tokens=options.kv_tokens,
             kv_block=KV_BLOCK,
         ),

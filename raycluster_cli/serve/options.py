@@ -59,6 +59,13 @@ class ServeOptions(BaseModel):
         f" of {KV_BLOCK} as they grow; a request that needs more when none is free waits, a running one that does"
         f" is preempted and later prefilled again (0: {KV_SLOTS_DEFAULT} x --max-seq)",
     )
+    step_tokens: int = Field(
+        256,
+        ge=1,
+        description="the most tokens one step carries, decodes and prompt chunks together: larger steps prefill more"
+        " prompts at once and hold more memory for the step",
+    )
+    prefill_chunk: int = Field(64, ge=1, description="prompt tokens of one sequence per step")
     model_id: str = Field("", description="the model name clients pass (default: the folder's name)")
     dtype: str = Field(
         "auto",
@@ -141,7 +148,6 @@ class LaunchOptions(ServeOptions):
     calibrate_repeats: int = Field(3, ge=1, description="timed rounds per node (median kept)")
     calibrate_sample_s: float = Field(0.1, gt=0.0, description="least seconds per timed sample")
     replace_period: float = Field(30.0, gt=0.0, description="seconds between looks for nodes to take in")
-    prefill_chunk: int = Field(64, ge=1, description="prompt tokens per prefill step")
     proxy_location: str = Field(
         "HeadOnly",
         description="Ray Serve's HTTP proxies: HeadOnly (one, on --host) or EveryNode (then --host must be 0.0.0.0)",
