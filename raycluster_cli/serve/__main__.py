@@ -78,11 +78,13 @@ def default_max_seq(model_path: str) -> int:
 
 def resolved(options: LaunchOptions) -> LaunchOptions:
     """The options with their defaults that depend on the checkpoint or on each other made numbers: ``max_seq``
-    (the checkpoint's), ``kv_tokens`` (``KV_SLOTS_DEFAULT`` sequences at ``max_seq``: what 16 slots reserved),
+    (the checkpoint's), ``kv_tokens`` (``KV_SLOTS_DEFAULT`` sequences at ``max_seq`` in whole KV blocks: as many
+    full-context sequences as 16 slots held),
     ``slots`` (``options.default_slots``); a budget smaller than one sequence at ``max_seq`` is refused."""
     max_seq = options.max_seq or default_max_seq(options.model_path)
-    kv_tokens = options.kv_tokens or KV_SLOTS_DEFAULT * max_seq
-    if kv_tokens < max_seq:  # a request the context allows would never fit
+    sequence = -(-max_seq // KV_BLOCK) * KV_BLOCK  # a full-context sequence's positions, in whole blocks
+    kv_tokens = options.kv_tokens or KV_SLOTS_DEFAULT * sequence
+    if kv_tokens // KV_BLOCK * KV_BLOCK < sequence:  # a request the context allows would never fit
         raise SystemExit(
             f"serve: --kv-tokens {kv_tokens} holds less than one sequence of --max-seq {max_seq}:"
             f" give at least {max_seq}, or a shorter --max-seq"
