@@ -91,8 +91,7 @@ class BatchedStage:
         container can still take (``room_bytes``: the node runtime passes its cgroup's room; else what the OS
         says is available) once the KV cache's budget (``kv_tokens``, allocated as sequences grow) is counted."""
         room = self._room()
-        cfg = self.cfg
-        kv = 2 * self.kv_tokens * cfg.num_kv_heads * cfg.dim_per_head * cfg.dtype_bytes * len(self.caches)
+        kv = self.cfg.kv_bytes(self.kv_tokens) * len(self.caches)
         return max(0, room - kv) // 2
 
     @property

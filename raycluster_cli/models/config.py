@@ -107,6 +107,10 @@ class ModelConfig:
     def dtype_bytes(self) -> int:
         return DTYPE_BYTES[self.dtype]
 
+    def kv_bytes(self, positions: int) -> int:
+        """K and V of ``positions`` positions in one block."""
+        return 2 * positions * self.num_kv_heads * self.dim_per_head * self.dtype_bytes
+
     def window_of(self, block: int) -> int:
         """The sliding window of block ``block`` (0-based), 0 when it attends to every earlier key."""
         return self.sliding_window if block >= self.window_from_layer else 0

@@ -71,7 +71,7 @@ def unit_bytes(cfg: ModelConfig) -> list[int]:
 
 def kv_bytes_per_block(cfg: ModelConfig, rows: int) -> int:
     """K and V of one block for ``rows`` sequences of ``max_seq`` positions."""
-    return 2 * rows * cfg.num_kv_heads * cfg.max_seq * cfg.dim_per_head * cfg.dtype_bytes
+    return cfg.kv_bytes(rows * cfg.max_seq)
 
 
 def step_bytes(cfg: ModelConfig, rows: int, tokens: int, step_tokens: int = 0) -> int:
@@ -121,11 +121,7 @@ def demand(
     ``kv_tokens``: the KV positions the rows share (the service's budget; 0: every row at ``max_seq``);
     ``step_tokens``: the most tokens the steps in flight carry in all (``step_bytes``)."""
     weights = unit_bytes(cfg)
-    kv = (
-        kv_bytes_per_block(cfg, rows)
-        if not kv_tokens
-        else 2 * kv_tokens * cfg.num_kv_heads * cfg.dim_per_head * cfg.dtype_bytes
-    )
+    kv = cfg.kv_bytes(kv_tokens or rows * cfg.max_seq)
     units = [w + (kv if 0 < u < cfg.head_unit else 0) for u, w in enumerate(weights)]
     largest = max(cfg.vocab * cfg.d_model, cfg.d_model * cfg.mlp_width, 3 * cfg.d_model * cfg.d_model)
     raw = largest * (stored_bytes or cfg.dtype_bytes) if cfg.model_path else 0  # one tensor read at a time
