@@ -5,7 +5,7 @@ from __future__ import annotations
 import ipaddress
 import math
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import ray
@@ -75,13 +75,21 @@ def _node_bf16() -> bool:
     return native_bf16()
 
 
-def all_native_bf16(node_ids: Sequence[str], timeout_s: float) -> bool:
-    """Whether the CPU of every node in ``node_ids`` multiplies bfloat16 natively (one task on each)."""
+def on_each(
+    task: Any, node_ids: Sequence[str], timeout_s: float, arguments: Callable[[str], tuple[Any, ...]] = lambda n: ()
+) -> list[Any]:
+    """``task``'s answer from every node of ``node_ids``, each call pinned to its node (``arguments(node_id)`` its
+    arguments), all at once, within ``timeout_s``."""
     calls = [
-        _node_bf16.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=n, soft=False)).remote()
+        task.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=n, soft=False)).remote(*arguments(n))
         for n in node_ids
     ]
-    return bool(calls) and all(ray.get(calls, timeout=timeout_s))
+    return list(ray.get(calls, timeout=timeout_s))
+
+
+def all_native_bf16(node_ids: Sequence[str], timeout_s: float) -> bool:
+    """Whether the CPU of every node in ``node_ids`` multiplies bfloat16 natively (one task on each)."""
+    return bool(node_ids) and all(on_each(_node_bf16, node_ids, timeout_s))
 
 
 @ray.remote(num_cpus=0)
@@ -94,11 +102,7 @@ def measure_rooms(node_ids: Sequence[str], timeout_s: float, device: str | None 
     """Each node's room (``cgroup.node_capacity`` on the node: its container's limit less what is in use, or its
     GPU's free memory where a stage would run on ``cuda``; ``device`` "cpu" for workers that stay on the CPU), all
     at once."""
-    calls = [
-        _node_room.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=n, soft=False)).remote(n, device)
-        for n in node_ids
-    ]
-    return [Capacity.from_dict(c) for c in ray.get(calls, timeout=timeout_s)]
+    return [Capacity.from_dict(c) for c in on_each(_node_room, node_ids, timeout_s, lambda n: (n, device))]
 
 
 def pick_device() -> str:

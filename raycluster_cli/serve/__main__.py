@@ -87,7 +87,7 @@ def resolved(options: LaunchOptions) -> LaunchOptions:
     if kv_tokens // KV_BLOCK * KV_BLOCK < sequence:  # a request the context allows would never fit
         raise SystemExit(
             f"serve: --kv-tokens {kv_tokens} holds less than one sequence of --max-seq {max_seq}:"
-            f" give at least {max_seq}, or a shorter --max-seq"
+            f" give at least {sequence} (whole blocks of {KV_BLOCK}), or a shorter --max-seq"
         )
     slots = options.slots or default_slots(kv_tokens)
     return options.model_copy(update={"max_seq": max_seq, "kv_tokens": kv_tokens, "slots": slots})
