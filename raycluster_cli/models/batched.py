@@ -17,7 +17,7 @@ from torch import nn
 
 from raycluster_cli.models.config import ModelConfig
 from raycluster_cli.models.decoder import Stage
-from raycluster_cli.models.kvcache import KV_BLOCK, GrowingCache
+from raycluster_cli.models.kvcache import KV_BLOCK, BlockTable, PagedCache
 from raycluster_cli.models.matmuls import Matmuls, measure
 from raycluster_cli.models.rows import Rows, SlotCache
 from raycluster_cli.models.sampling import sample_rows, step_params
@@ -43,7 +43,7 @@ def measure_forms(stage: Stage, spare_bytes: int) -> tuple[Matmuls, Matmuls]:
 
 class BatchedStage:
     """Units [start, end) of the model (built and loaded by the bench's ``Stage``) with ``slots`` KV slots, each
-    slot's K/V grown by blocks as its sequence grows (``models.kvcache``) within ``kv_tokens`` positions in all
+    slot's K/V taken in blocks of a shared pool as its sequence grows (``models.kvcache``) within ``kv_tokens`` positions in all
     (the scheduler admits by them; 0: ``slots`` x ``max_seq``, every slot full).
 
     ``forward(x, table)``: ``x`` is int64 token ids [B, T] on the first stage, hidden states [B, T, d]
@@ -75,7 +75,8 @@ class BatchedStage:
         self.slots = slots
         self.device = self.stage.device
         self.kv_tokens = kv_tokens or slots * cfg.max_seq
-        self.caches = [GrowingCache(slots, cfg, self.device, kv_block) for _ in self.stage.blocks]
+        self.table = BlockTable(slots, self.kv_tokens, self.device, kv_block)
+        self.caches = [PagedCache(self.table, cfg, self.device) for _ in self.stage.blocks]
         # each slot's sequences begun here (rows at position 0): a release names the count it was sent at, so one
         # that arrives after a newer sequence began in the slot leaves that one's K/V alone
         self.begun = [0] * slots
@@ -101,7 +102,7 @@ class BatchedStage:
     @property
     def held_tokens(self) -> int:
         """KV positions allocated now, over every slot (the same in every block)."""
-        return self.caches[0].held_tokens if self.caches else 0
+        return self.table.held_tokens if self.caches else 0
 
     def release(self, ended: Iterable[tuple[int, int]]) -> None:
         """Sequences that ended or were preempted: (slot, how many sequences had begun in it then).  Their memory
@@ -109,8 +110,7 @@ class BatchedStage:
         with self._lock:
             for slot, begun in ended:
                 if 0 <= slot < self.slots and self.begun[slot] == begun:
-                    for cache in self.caches:
-                        cache.release(slot)
+                    self.table.release(slot)
 
     def forward(self, x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
         with torch.inference_mode(), self._lock:
@@ -156,6 +156,8 @@ class BatchedStage:
 
     def _run(self, x: torch.Tensor, rows: Rows, every: bool) -> torch.Tensor:
         stage = self.stage
+        if self.caches:
+            self.table.prepare(rows)
         x = stage.run_blocks(stage.enter(x, rows), self.caches, rows, self.block_mm)
         if stage.head is None:
             return x

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from raycluster_cli.models.config import ModelConfig
-from raycluster_cli.models.kvcache import GrowingCache
+from raycluster_cli.models.kvcache import PagedCache
 
 
 def causal_mask(queries: torch.Tensor, end: int, window: int, device: torch.device) -> torch.Tensor:
@@ -61,10 +61,20 @@ class SlotCache:
         """Positions [first, end) of one slot, [1, kv_heads, end - first, head_dim], as views (no copy)."""
         return self.k[slot : slot + 1, :, first:end], self.v[slot : slot + 1, :, first:end]
 
+    def write(self, rows: Rows, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store the real (unpadded) steps' k, v [B, kv_heads, T, head_dim] at their slots and positions."""
+        valid, slots, positions = rows.written
+        self.k[slots, :, positions] = k.transpose(1, 2)[valid]
+        self.v[slots, :, positions] = v.transpose(1, 2)[valid]
 
-KVCache = (
-    SlotCache | GrowingCache
-)  # reserved at max_seq for every slot (the bench's), or grown by blocks (the service's)
+    def attend(self, rows: Rows, q: torch.Tensor, window: int = 0, gqa: bool = False) -> torch.Tensor:
+        """``rows.gathered`` on a GPU, ``rows.by_row`` on a CPU (the same values)."""
+        if q.device.type != "cpu":
+            return rows.gathered(q, self, window, gqa)
+        return rows.by_row(q, self, window, gqa)
+
+
+KVCache = SlotCache | PagedCache  # reserved at max_seq for every slot (the bench's), or in blocks (the service's)
 
 
 @dataclass(frozen=True)
@@ -106,7 +116,7 @@ class Rows:
         return list(zip(self.slots.tolist(), self.starts.tolist(), self.lengths.tolist(), strict=True))
 
     @cached_property
-    def _written(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def written(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         valid = self.valid
         return valid, self.slots[:, None].expand_as(valid)[valid], self.positions[valid]
 
@@ -117,32 +127,19 @@ class Rows:
 
     def write(self, cache: KVCache, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store the real (unpadded) steps' k, v [B, kv_heads, T, head_dim] at their slots and positions."""
-        if isinstance(cache, GrowingCache):
-            cache.write(self.listed, k, v)
-            return
-        valid, slots, positions = self._written
-        cache.k[slots, :, positions] = k.transpose(1, 2)[valid]
-        cache.v[slots, :, positions] = v.transpose(1, 2)[valid]
-
-    def read(self, cache: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
-        end = self.keys_len
-        if isinstance(cache, GrowingCache):
-            return cache.gather(self.listed, end)
-        return cache.k[self.slots, :, :end], cache.v[self.slots, :, :end]
+        cache.write(self, k, v)
 
     def attend(self, q: torch.Tensor, cache: KVCache, window: int = 0, gqa: bool = False) -> torch.Tensor:
-        """Every row's queries [B, heads, T, head_dim] against its own slot's keys up to its own position:
-        ``gathered`` on a GPU, ``by_row`` on a CPU (the same values)."""
-        if q.device.type != "cpu":
-            return self.gathered(q, cache, window, gqa)
-        return self.by_row(q, cache, window, gqa)
+        """Every row's queries [B, heads, T, head_dim] against its own slot's keys up to its own position, in the
+        form the cache holds its keys for."""
+        return cache.attend(self, q, window, gqa)
 
-    def gathered(self, q: torch.Tensor, cache: KVCache, window: int = 0, gqa: bool = False) -> torch.Tensor:
+    def gathered(self, q: torch.Tensor, cache: SlotCache, window: int = 0, gqa: bool = False) -> torch.Tensor:
         """The rows' keys and values gathered into one tensor, one masked attention."""
-        keys, values = self.read(cache)
+        keys, values = cache.k[self.slots, :, : self.keys_len], cache.v[self.slots, :, : self.keys_len]
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=self.mask(window), enable_gqa=gqa)
 
-    def by_row(self, q: torch.Tensor, cache: KVCache, window: int = 0, gqa: bool = False) -> torch.Tensor:
+    def by_row(self, q: torch.Tensor, cache: SlotCache, window: int = 0, gqa: bool = False) -> torch.Tensor:
         """Row by row on views of the row's slot.  Gathering copies every row's keys and values in every block,
         which on a CPU costs more than the attention itself (a float32 block's 4 rows at ~130 positions: 0.33 ms
         of copy in 0.42 ms; 0.09 ms on views).  A decode row (one query, at the row's last position) sees every

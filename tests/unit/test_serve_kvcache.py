@@ -1,9 +1,11 @@
-"""K/V grown by blocks as sequences grow: the stage's memory follows the tokens, and the engine's preemption by
-recompute leaves every greedy answer as it is alone (real torch, the engine over in-process stages)."""
+"""K/V taken by blocks of a pool as sequences grow: the stage's memory follows the tokens, the paged attention
+gives the reserved cache's values, and the engine's preemption by recompute leaves every greedy answer as it is
+alone (real torch, the engine over in-process stages)."""
 
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +16,7 @@ transformers = pytest.importorskip("transformers")
 
 from raycluster_cli.models.batched import BatchedStage  # noqa: E402
 from raycluster_cli.models.decoder import ModelConfig, Stage, config_from_checkpoint  # noqa: E402
-from raycluster_cli.models.kvcache import GrowingCache  # noqa: E402
+from raycluster_cli.models.kvcache import BlockTable, PagedCache  # noqa: E402
 from raycluster_cli.models.rows import Rows, SlotCache  # noqa: E402
 from raycluster_cli.serve.engine import Engine  # noqa: E402
 from raycluster_cli.serve.scheduler import Limits  # noqa: E402
@@ -40,7 +42,7 @@ def test_a_slots_storage_grows_by_blocks_and_is_released_when_its_sequence_ends(
     prompt = torch.randint(0, CFG.vocab, (1, 10), generator=torch.Generator().manual_seed(0))
     got = stage.forward(prompt, _table([(2, 0, 10)]))
     want = reference(prompt, "m", 0)[:, -1]
-    assert stage.held_tokens == 16 and stage.caches[0].capacity(2) == 16
+    assert stage.held_tokens == 16 and stage.table.capacity(2) == 16
     for position in range(10, 20):
         token = got.argmax(-1, keepdim=True)
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
@@ -64,25 +66,55 @@ def test_a_new_sequence_in_a_slot_drops_what_the_last_one_left() -> None:
 
 
 @pytest.mark.parametrize("window", [0, 3])
-def test_grown_storage_attends_as_the_reserved_cache_does_by_row_and_gathered(window: int) -> None:
-    """The same K/V written into a reserved cache and into one grown by blocks: both attention forms give the
-    same values on every real position (decode rows, a chunk past 0, a prompt's first chunk, padding)."""
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_paged_storage_attends_as_the_reserved_cache_does(window: int, dtype: str) -> None:
+    """The same K/V written into a reserved cache and into pools by blocks (a slot's blocks not in order, after
+    another slot's release): the paged attention gives the reserved cache's values on every real position, for
+    decode rows together, beside a chunk past 0 and a prompt's first chunk, and for decode rows alone."""
+    cfg = replace(CFG, dtype=dtype)
     gen = torch.Generator().manual_seed(1)
-    reserved, grown = SlotCache(5, CFG, torch.device("cpu")), GrowingCache(5, CFG, torch.device("cpu"), block=8)
-    history = Rows.from_table(_table([(3, 0, 18), (0, 0, 3), (4, 0, 6)]), width=18)
-    k, v = (torch.randn(3, CFG.num_kv_heads, 18, CFG.dim_per_head, generator=gen) for _ in range(2))
-    history.write(reserved, k, v)
-    history.write(grown, k, v)
-    assert [grown.capacity(s) for s in range(5)] == [8, 0, 0, 24, 8]
-    rows = Rows.from_table(_table([(3, 18, 1), (0, 3, 1), (4, 6, 5), (1, 0, 3)]), width=5)
-    k, v = (torch.randn(4, CFG.num_kv_heads, 5, CFG.dim_per_head, generator=gen) for _ in range(2))
-    rows.write(reserved, k, v)
-    rows.write(grown, k, v)
-    q = torch.randn(4, CFG.heads, 5, CFG.dim_per_head, generator=gen)
-    want = rows.gathered(q, reserved, window, True)
-    valid = rows.valid[:, None, :, None].expand_as(want)
-    for got in (rows.by_row(q, grown, window, True), rows.gathered(q, grown, window, True)):
-        torch.testing.assert_close(got[valid], want[valid], rtol=1e-5, atol=1e-5)
+    table = BlockTable(5, 64, torch.device("cpu"), block=8)
+    reserved, paged = SlotCache(5, cfg, torch.device("cpu")), PagedCache(table, cfg, torch.device("cpu"))
+
+    def write(listed: list[tuple[int, int, int]], width: int) -> Rows:
+        rows = Rows.from_table(_table(listed), width=width)
+        k, v = (torch.randn(len(listed), cfg.num_kv_heads, width, cfg.dim_per_head, generator=gen) for _ in range(2))
+        table.prepare(rows)
+        for cache in (reserved, paged):
+            rows.write(cache, k.to(getattr(torch, dtype)), v.to(getattr(torch, dtype)))
+        return rows
+
+    write([(2, 0, 16), (1, 0, 8)], 16)
+    table.release(2)  # its two blocks go back: slot 3's three are blocks 0, 1 and 3, around slot 1's
+    write([(3, 0, 18), (0, 0, 3), (4, 0, 6)], 18)
+    assert table.held[3] == [0, 1, 3] and table.held[1] == [2]
+    assert [table.capacity(s) for s in range(5)] == [8, 8, 0, 24, 8] and table.held_tokens == 48
+    tolerance = {"float32": 1e-5, "bfloat16": 2e-2}[dtype]
+    for listed, width in (([(3, 18, 1), (0, 3, 1), (4, 6, 5), (1, 0, 3)], 5), ([(3, 19, 1), (0, 4, 1)], 1)):
+        rows = write(listed, width)
+        q = torch.randn(len(listed), cfg.heads, width, cfg.dim_per_head, generator=gen).to(getattr(torch, dtype))
+        want = rows.gathered(q, reserved, window, True).float()
+        valid = rows.valid[:, None, :, None].expand_as(want)
+        got = rows.attend(q, paged, window, True).float()
+        torch.testing.assert_close(got[valid], want[valid], rtol=tolerance, atol=tolerance)
+        assert not got[~valid].any()  # the padding comes out as zeros
+
+
+def test_the_pools_grow_when_more_blocks_are_asked_for_than_the_budget() -> None:
+    """A release that arrives after the next sequence began: the pools take a quarter more blocks and keep
+    what they held."""
+    table = BlockTable(3, 16, torch.device("cpu"), block=8)
+    cache = PagedCache(table, CFG, torch.device("cpu"))
+    rows = Rows.from_table(_table([(0, 0, 16)]), width=16)
+    k = torch.randn(1, CFG.num_kv_heads, 16, CFG.dim_per_head)
+    table.prepare(rows)
+    cache.write(rows, k, k)
+    more = Rows.from_table(_table([(1, 0, 9)]), width=9)
+    table.prepare(more)
+    cache.write(more, k[:, :, :9], k[:, :, :9])
+    assert table.count == 4 and cache.k.shape[1] == 32 and table.held_tokens == 32
+    kept, _ = cache.keys(0, 0, 16)
+    torch.testing.assert_close(kept[0], k[0])
 
 
 @pytest.fixture(scope="module")
