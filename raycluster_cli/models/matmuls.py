@@ -174,6 +174,15 @@ def large_form(costs: Mapping[int, tuple[float, float]]) -> int:
     return PACKED if wins and all(wins) else LINEAR
 
 
+def widest_form(plan: Plan, small: Mapping[int, Sequence[float]]) -> int:
+    """The form for larger steps when none of ``LARGE_ROWS`` was timed within the probe's budget (a node busy
+    while it loads: several stages and the ingress starting at once): the widest timed step's, packed only if it
+    won there.  F.linear for every larger step instead cost a Qwen2.5-0.5B stage in bfloat16 2.3x its blocks'
+    time at 16 rows, for as long as the service ran, where the packed form wins at every row count."""
+    widest = max(small, default=0)
+    return PACKED if widest and plan.get(widest, (LINEAR, widest))[0] == PACKED else LINEAR
+
+
 def cache_bytes() -> int:
     """The last-level cache's size (Linux sysfs), 64 MiB when unknown."""
     for index in (3, 2):
@@ -267,7 +276,7 @@ def measure(
                 plain_s, packed_s = costs_of(rows, (LINEAR, PACKED))
                 large[rows] = (plain_s, packed_s)
         plan = plan_from_costs(small)
-        large_how = large_form(large) if len(large) == len(LARGE_ROWS) else LINEAR
+        large_how = large_form(large) if large else widest_form(plan, small)
         if PACKED in {form for form, _ in plan.values()} | {large_how}:
             packed = {m: packed[m] if m in packed else pack(m.weight) for m in linears}  # not a probe's part
         else:

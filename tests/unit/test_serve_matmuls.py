@@ -14,6 +14,7 @@ from raycluster_cli.models.matmuls import (  # noqa: E402
     PACKED,
     Matmuls,
     large_form,
+    widest_form,
     measure,
     pack,
     packable,
@@ -41,6 +42,10 @@ def test_with_the_packed_form_measured_it_takes_the_row_counts_where_it_is_cheap
     assert large_form({16: (2.2, 1.6), 64: (5.3, 4.4)}) == PACKED
     assert large_form({16: (2.2, 1.6), 64: (5.3, 5.0)}) == LINEAR
     assert large_form({}) == LINEAR
+    # none of the larger steps timed within the budget (a busy node): the widest timed step's form, if packed
+    assert widest_form(plan, costs) == PACKED
+    assert widest_form({1: (FLIPPED, 2)}, {1: (1.0, 0.5, 0.9), 2: (1.0, 0.5, 0.9)}) == LINEAR
+    assert widest_form({}, {}) == LINEAR
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
