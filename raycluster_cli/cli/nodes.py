@@ -34,13 +34,15 @@ def drain_command(
 
     def action(output: Output) -> int:
         from raycluster_cli.render.lifecycle import render_drain
-        from raycluster_cli.verbs.drain import drain
+        from raycluster_cli.verbs.drain import check_deadline, drain, find_host
 
+        check_deadline(deadline)
         with (
             open_cluster(inventory_path) as (inv, pool),
             output.live_progress() as progress,
             cluster_lock(inv, "drain", progress=progress),
         ):
+            find_host(inv, host)  # bad input before any progress line
             progress(f"draining {host} (its streams get {deadline:g} s to finish)")
             result = drain(inv, pool, host, deadline)
         return emit(output, True, {"cluster": inv.cluster, **result.to_dict()}, render_drain)
@@ -57,13 +59,14 @@ def undrain_command(
 
     def action(output: Output) -> int:
         from raycluster_cli.render.lifecycle import render_drain
-        from raycluster_cli.verbs.drain import undrain
+        from raycluster_cli.verbs.drain import find_host, undrain
 
         with (
             open_cluster(inventory_path) as (inv, pool),
             output.live_progress() as progress,
             cluster_lock(inv, "undrain", progress=progress),
         ):
+            find_host(inv, host)
             progress(f"letting {host} back into the service")
             result = undrain(inv, pool, host)
         return emit(output, True, {"cluster": inv.cluster, **result.to_dict()}, render_drain)

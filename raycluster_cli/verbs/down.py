@@ -102,8 +102,9 @@ def down_host(
     """One worker's node out, the others untouched: drained first when a service runs (its streams finish or move,
     its pipelines re-split over the others), then its container removed.  The head is refused: it holds the GCS
     and the service's ingress, so taking it out is taking the whole cluster down."""
-    from raycluster_cli.verbs.drain import NoService, drain, find_host
+    from raycluster_cli.verbs.drain import NoService, check_deadline, drain, find_host
 
+    check_deadline(deadline_s)
     host = find_host(inventory, address)
     if host.role == "head":
         raise UsageError(

@@ -78,6 +78,11 @@ def find_host(inventory: Inventory, address: str) -> HostConfig:
     return known[address]
 
 
+def check_deadline(deadline_s: float) -> None:
+    if deadline_s < 0:
+        raise UsageError(f"--deadline {deadline_s:g} is negative", "give the seconds streams get to finish, e.g. 120")
+
+
 def call_service(inventory: Inventory, connect: Connect, method: str, args: list[Any], timeout_s: float) -> Any:
     """The ingress's ``method(*args)`` through Ray Serve's handle from the head's container; ``NoService`` when
     none is deployed."""
@@ -104,8 +109,7 @@ def call_service(inventory: Inventory, connect: Connect, method: str, args: list
 
 def drain(inventory: Inventory, connect: Connect, address: str, deadline_s: float = DEADLINE_DEFAULT_S) -> DrainResult:
     """Take the host's node out of the service's pipelines; returns once its streams finished or moved."""
-    if deadline_s < 0:
-        raise UsageError(f"--deadline {deadline_s:g} is negative", "give the seconds streams get to finish, e.g. 120")
+    check_deadline(deadline_s)
     host = find_host(inventory, address)
     ip = inventory.node_ip(host)
     answer = call_service(inventory, connect, "drain", [ip, deadline_s], deadline_s + REPLACE_S)
