@@ -137,14 +137,15 @@ def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
             cluster.shutdown()
 
 
-async def _streams_while(service: Service, method: str, args: list[Any]) -> tuple[list[str], dict[str, Any]]:
-    """12 streamed greedy completions at once; once every stream has a piece, ``method`` is called as the CLI
-    calls it."""
+async def _load_while(service: Service, method: str, args: list[Any]) -> tuple[list[tuple[str, str]], dict[str, Any]]:
+    """12 clients streaming greedy completions one after another until ``method`` (called as the CLI calls it, once
+    every client has a piece) has returned and each has run one more; every (prompt, text) they got."""
     client = openai.AsyncOpenAI(base_url=service.base_url, api_key=TOKEN, max_retries=0, timeout=300)
     started: set[int] = set()
-    all_started = asyncio.Event()
+    all_started, done = asyncio.Event(), asyncio.Event()
+    got: list[tuple[str, str]] = []
 
-    async def one(index: int, prompt: str) -> str:
+    async def one(index: int, prompt: str) -> None:
         pieces = []
         args = {"model": MODEL, "prompt": prompt, "max_tokens": NEW_TOKENS, "temperature": 0, "stream": True}
         async for chunk in await client.completions.create(**args):
@@ -152,41 +153,75 @@ async def _streams_while(service: Service, method: str, args: list[Any]) -> tupl
             started.add(index)
             if len(started) == len(PROMPTS):
                 all_started.set()
-        return "".join(pieces)
+        got.append((prompt, "".join(pieces)))
+
+    async def client_loop(index: int) -> None:
+        turn = 0
+        while not done.is_set():
+            await one(index, PROMPTS[(index + turn) % len(PROMPTS)])
+            turn += 1
+        await one(index, PROMPTS[index])  # one more after the call: served without the node
 
     async def operator() -> dict[str, Any]:
         await all_started.wait()
-        return await asyncio.to_thread(service.call, method, args)
+        try:
+            return await asyncio.to_thread(service.call, method, args)
+        finally:
+            done.set()
 
-    texts, answer = await asyncio.gather(asyncio.gather(*(one(i, p) for i, p in enumerate(PROMPTS))), operator())
-    return list(texts), answer
+    _, answer = await asyncio.gather(asyncio.gather(*(client_loop(i) for i in range(len(PROMPTS)))), operator())
+    return got, answer
 
 
 def _nodes(status: dict[str, Any]) -> list[list[str]]:
     return [[st["node_id"] for st in p["stages"]] for p in status["pipelines"] if p["state"] == "live"]
 
 
-def test_a_node_drained_under_load_fails_no_request_and_comes_back_at_once(service: Service) -> None:
-    assert _nodes(service.status()) == [[service.head, service.worker]]
-    texts, answer = asyncio.run(_streams_while(service, "drain", [service.worker, 120]))
-    for prompt, text in zip(PROMPTS, texts, strict=True):
-        assert text == service.generate(prompt), prompt
-    drained = answer["answer"]
-    print(f"drain: {drained}")
-    assert drained["drained"] == [0] and len(drained["replaced_by"]) == 1 and drained["moved"] == 0
-    status = service.status()
-    assert status["failovers"] == 0  # nothing had to move: the streams finished where they were
-    assert [d["node"] for d in status["drained"]] == [service.worker]
+def _settled(service: Service) -> dict[str, Any]:
+    """The service's status once no pipeline is draining any more (the drained ones retired)."""
     began = time.monotonic()
+    status = service.status()
     while any(p["state"] != "live" for p in status["pipelines"]) and time.monotonic() - began < 30:
         time.sleep(0.5)
         status = service.status()
+    return status
+
+
+def _check(service: Service, got: list[tuple[str, str]]) -> None:
+    greedy = {prompt: service.generate(prompt) for prompt in {p for p, _ in got}}
+    for prompt, text in got:
+        assert text == greedy[prompt], prompt
+
+
+def test_a_node_drained_under_load_fails_no_request_and_comes_back_at_once(service: Service) -> None:
+    """Drained with a deadline the streams meet: the replacement is built while the clients go on, the drained
+    pipeline's streams finish where they are, none fails or moves; let back, the node serves again at once."""
+    assert _nodes(service.status()) == [[service.head, service.worker]]
+    got, answer = asyncio.run(_load_while(service, "drain", [service.worker, 120]))
+    _check(service, got)
+    drained = answer["answer"]
+    print(f"drain: {drained}; {len(got)} requests answered")
+    assert drained["drained"] == [0] and len(drained["replaced_by"]) == 1
+    assert drained["moved"] == 0 and drained["finished"] > 0  # it drained under load
+    status = _settled(service)
+    assert status["failovers"] == 0  # nothing had to move: the streams finished where they were
+    assert [d["node"] for d in status["drained"]] == [service.worker]
     assert _nodes(status) == [[service.head]]  # re-split without the node
 
     back = service.call("take_in", [[service.worker]])["answer"]
     assert back["undrained"] == [service.worker] and len(back["grown"]) == 1
-    status = service.status()
-    assert status["drained"] == [] and [service.head, service.worker] in _nodes(status)
-    client = openai.OpenAI(base_url=service.base_url, api_key=TOKEN, max_retries=0, timeout=120)
-    answer_back = client.completions.create(model=MODEL, prompt=PROMPTS[3], max_tokens=NEW_TOKENS, temperature=0)
-    assert answer_back.choices[0].text == service.generate(PROMPTS[3])
+    status = _settled(service)
+    assert status["drained"] == [] and _nodes(status) == [[service.head, service.worker]]
+
+
+def test_streams_left_at_the_deadline_move_on_and_no_request_fails(service: Service) -> None:
+    """Drained with no time to finish: the streams still on the node's pipeline at the deadline continue on its
+    replacement from the tokens they sent (failover's way), and every answer is still the greedy one."""
+    status = _settled(service)
+    before = status["failovers"]
+    got, answer = asyncio.run(_load_while(service, "drain", [service.worker, 0]))
+    _check(service, got)
+    drained = answer["answer"]
+    print(f"drain at once: {drained}; {len(got)} requests answered")
+    assert drained["moved"] > 0 and _settled(service)["failovers"] > before
+    assert _nodes(_settled(service)) == [[service.head]]
