@@ -6,6 +6,7 @@ import io
 
 from raycluster_cli.render.base import Output
 from raycluster_cli.render.lifecycle import render_drain, render_status
+from raycluster_cli.verbs.status import HostStatus, mark_drained
 
 
 def _printed(render: object, body: dict[str, object]) -> str:
@@ -33,10 +34,16 @@ def test_status_lists_the_drained_nodes_beside_the_pipelines() -> None:
         "pipelines": [{"index": 1, "state": "live", "served": 4, "stages": [{"node_ip": "192.0.2.11", "blocks": 2}]}],
         "drained": [{"node": "192.0.2.13", "since": 0.0}],
     }
+    hosts = [
+        HostStatus("192.0.2.11", "head", "192.0.2.11", "running"),
+        HostStatus("192.0.2.13", "worker", "192.0.2.13", "running"),
+    ]
+    mark_drained(hosts, {"live": live})
+    assert [h.drained for h in hosts] == [False, True] and hosts[1].to_dict()["drained"] is True
     body = {
         "cluster": "demo",
         "state": "healthy",
-        "hosts": [],
+        "hosts": [h.to_dict() for h in hosts],
         "totals": {"hosts": 0, "alive_nodes": 0, "resources": {}},
         "service": {"record": {"model": "m", "url": "http://x/v1"}, "serve": {"status": "RUNNING"}, "live": live},
         "service_error": "",
