@@ -6,9 +6,8 @@ excluded: its survivors re-split, free nodes added up to the stage count); only 
 taking requests (``draining``), and its streams finish where they are.  Those still running at the deadline move
 the way failover moves them: the old engine is failed, and each stream continues on another pipeline from the
 tokens it already sent (``Pool.generate``).  A drained node stays out of every later replacement and growth until
-``take_in`` lets it back (``raycluster undrain``, or ``up`` starting its host again); it and an ``up`` that added a
-node both grow the pool, which grows the pool at once rather
-than at the pool's next periodic look.
+``take_in`` lets it back (``raycluster undrain``, or ``up`` starting its host again); ``take_in`` then grows the pool
+over the unused nodes at once (a node let back, or one ``up`` added), not at the pool's next periodic look.
 
 Pure asyncio over the pool, as the pool is: the Ray side is the backend's, and the ingress's handle methods call
 these (serve/app.py).
