@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import typer
 
-from raycluster_cli.cli import bench, lab, lifecycle, operate, serve
+from raycluster_cli.cli import bench, lab, lifecycle, nodes, operate, serve
 from raycluster_cli.cli.interrupt import hard_exit
 from raycluster_cli.errors import ExitCode
 
@@ -22,6 +22,8 @@ app.command()(lifecycle.doctor)
 app.command("up")(lifecycle.up_command)
 app.command("down")(lifecycle.down_command)
 app.command("status")(lifecycle.status_command)
+app.command("drain")(nodes.drain_command)
+app.command("undrain")(nodes.undrain_command)
 app.command("metrics")(operate.metrics_command)
 app.command("logs")(operate.logs_command)
 app.command("exec", context_settings={"allow_interspersed_args": False})(operate.exec_command)

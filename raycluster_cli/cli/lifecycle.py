@@ -105,6 +105,7 @@ def up_command(
             "nodes": [n.to_dict() for n in result.nodes],
             "images": [t.to_dict() for t in result.images],
             "warnings": result.warnings,
+            "service_grown": result.service_grown,
             "checks": [r.to_dict() for r in result.checks if r.status != Status.OK],
             "next": _next_steps(result.head, inv.ray.port, result.dashboard_url, token_file, inventory_path),
         }
@@ -135,23 +136,43 @@ def down_command(
         bool,
         typer.Option("--purge", help="also remove the image from the hosts and the token and files `up` made"),
     ] = False,
+    host: Annotated[
+        str | None,
+        typer.Option("--host", help="only this worker: its node drained first when a service runs, the rest untouched"),
+    ] = None,
+    deadline: Annotated[
+        float, typer.Option("--deadline", help="with --host: seconds its streams get to finish before they move")
+    ] = 120.0,
     json_mode: JsonOpt = False,
     debug: DebugOpt = False,
 ) -> None:
     """Remove the containers that `up` started (found by this cluster's labels), and nothing else.
 
-    The image stays on the hosts unless --purge. Exit 0: done (also when nothing was there); 1: a host failed."""
+    The image stays on the hosts unless --purge. With --host, only that worker's (never the head's).
+    Exit 0: done (also when nothing was there); 1: a host failed."""
 
     def action(output: Output) -> int:
-        from raycluster_cli.verbs.down import down
+        from raycluster_cli.verbs.down import down, down_host
 
+        if host is not None and purge:
+            raise UsageError("--host and --purge exclude each other", "take the node out first, then purge the cluster")
         with (
             open_cluster(inventory_path) as (inv, pool),
             output.live_progress() as progress,
             cluster_lock(inv, "down", progress=progress),
         ):
-            result = down(inv, pool, purge=purge, progress=progress)
-        body = {"cluster": inv.cluster, "removed": result.removed, "purged": result.purged, "errors": result.errors}
+            if host is not None:
+                result = down_host(inv, pool, host, deadline_s=deadline, progress=progress)
+            else:
+                result = down(inv, pool, purge=purge, progress=progress)
+        body: dict[str, Any] = {
+            "cluster": inv.cluster,
+            "removed": result.removed,
+            "purged": result.purged,
+            "errors": result.errors,
+        }
+        if host is not None:
+            body["drained"] = result.drained
         return emit(output, result.ok, body, render_down)
 
     execute(json_mode, debug, action)

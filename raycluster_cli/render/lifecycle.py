@@ -43,6 +43,9 @@ def render_up(output: Output, body: dict[str, Any]) -> None:
         )
     if all(n.get("action") == "running" for n in body["nodes"]) and not body.get("images"):
         output.line("nothing to do: every node was already running as the inventory asks")
+    if body.get("service_grown") is not None:
+        grown = ", ".join(str(i) for i in body["service_grown"]) or "none (the new nodes fill no pipeline yet)"
+        output.line(f"the service took the started node(s) in; new pipeline(s): {grown}")
     for warning in body.get("warnings", []):
         output.line(f"[bold yellow]warning:[/bold yellow] {remote_text(warning)}")
     output.line(f"cluster up in {body['seconds']:.1f}s")
@@ -61,6 +64,8 @@ def _other_resources(resources: dict[str, Any]) -> str:
 
 
 def render_down(output: Output, body: dict[str, Any]) -> None:
+    if body.get("drained"):
+        render_drain(output, body["drained"])
     if not body["removed"]:
         output.line("nothing to remove: no container of this cluster on any host")
     for item in body["removed"]:
@@ -69,6 +74,25 @@ def render_down(output: Output, body: dict[str, Any]) -> None:
         output.line(f"purged {remote_text(item['item'])} on {remote_text(item['host'])}")
     for item in body["errors"]:
         output.line(f"[red]not removed on {remote_text(item['host'])}:[/red] {remote_text(item['error'])}")
+
+
+def render_drain(output: Output, body: dict[str, Any]) -> None:
+    """What `drain`/`undrain` did to the service: the pipelines taken off the node or grown over it, the streams."""
+    host = remote_text(str(body.get("host")))
+    if body.get("action") == "undrained":
+        grown = ", ".join(str(i) for i in body.get("grown") or []) or "none (no node was free for one)"
+        output.line(f"{host} let back into the service; new pipeline(s): {grown}")
+    elif not body.get("drained"):
+        output.line(f"{host} drained: {remote_text(body.get('note') or 'no pipeline ran on it')}")
+    else:
+        pipelines = ", ".join(str(i) for i in body["drained"])
+        by = ", ".join(str(i) for i in body.get("replaced_by") or []) or "none (the others serve)"
+        output.line(
+            f"{host} drained in {body.get('seconds', 0):g} s: pipeline(s) {pipelines} replaced by {by}; "
+            f"{body.get('finished', 0)} stream(s) finished there, {body.get('moved', 0)} moved at the deadline"
+        )
+    if body.get("note") and body.get("action") == "undrained":
+        output.line(remote_text(body["note"]))
 
 
 def render_status(output: Output, body: dict[str, Any]) -> None:
@@ -142,6 +166,9 @@ def _live_lines(live: dict[str, Any] | None) -> list[str]:
         lines.append(f"  pipeline {pipeline.get('index')} ({pipeline.get('state')}, served {served}{links}): {stages}")
         if pipeline.get("links_note"):
             lines.append(f"    {pipeline['links_note']}")
+    drained = [str(d.get("node")) for d in live.get("drained") or [] if isinstance(d, dict)]
+    if drained:
+        lines.append(f"  drained (no stage goes there until raycluster undrain): {', '.join(drained)}")
     events = live.get("events") or []
     if events:
         last = events[-1]

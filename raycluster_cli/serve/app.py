@@ -34,7 +34,7 @@ from raycluster_cli.apikeys import KeyEntry
 from raycluster_cli.models.decoder import config_from_checkpoint
 from raycluster_cli.node.gcpause import FullCollections, freeze_heap
 from raycluster_cli.placement.pipelines import PipelinePlan
-from raycluster_cli.serve import answers, protocol
+from raycluster_cli.serve import answers, draining, protocol
 from raycluster_cli.serve.answers import RETRY_AFTER_S, Choice
 from raycluster_cli.serve.auth import KeyLimits, ServiceKeys, cluster_token_path
 from raycluster_cli.serve.engine import EngineDown, Output, RequestFailed
@@ -137,6 +137,21 @@ class OpenAIServer:
                     await engine.probe()
                 except Exception as exc:
                     engine.fail(exc)
+
+    # The operator's calls: methods of the deployment, reached through Ray Serve's handle from the head's container
+    # (verbs/drain.py), never HTTP routes: they need the cluster's Ray token or the head itself, not a service key.
+
+    async def drain(self, node: str, deadline_s: float) -> dict[str, Any]:
+        """Take ``node`` (a Ray node id or IP) out of the pipelines (serve/draining.py); a refusal as ``refused``."""
+        try:
+            return (await draining.drain(self.pool, node, deadline_s)).to_dict()
+        except (draining.DrainRefused, ValueError) as exc:
+            return {"node": node, "refused": str(exc)}
+
+    async def take_in(self, nodes: list[str]) -> dict[str, Any]:
+        """Let ``nodes`` back (undrain, or ``up`` started them again) and grow over the nodes no pipeline uses now,
+        not at the pool's next periodic look."""
+        return await draining.take_in(self.pool, nodes)
 
     def _check_model(self, name: str) -> None:
         protocol.check_model(name, self.model_id)

@@ -146,6 +146,7 @@ class RayFleet:
         self.calibration = calibration or Calibration(prefill_chunk=limits.prefill_chunk)
         self.num_threads = num_threads
         self.max_in_flight = max_in_flight
+        self.drained: set[str] = set()  # node ids or IPs the operator drained: no stage goes there
 
     async def build(self, plan: PipelinePlan, index: int) -> tuple[Engine, list[Any]]:
         names = [f"raycluster-stage-{index}-{s}" for s in range(len(plan.ranges))]
@@ -205,6 +206,13 @@ class RayFleet:
     async def stop(self, pipeline: Pipeline) -> None:
         _kill(pipeline.stages)
 
+    def exclude(self, nodes: set[str]) -> None:
+        self.drained = set(nodes)
+
+    async def _usable(self) -> dict[str, str]:
+        """The alive nodes less the drained ones (by id or by IP)."""
+        return {n: ip for n, ip in (await _alive()).items() if n not in self.drained and ip not in self.drained}
+
     async def unanswered(self, pipeline: Pipeline, timeout_s: float) -> str | None:
         """Each stage pinged at once (``ping`` answers on a thread of its own, beside the steps): the first that
         did not answer within ``timeout_s`` or failed, with its node's address; None when all answered."""
@@ -237,7 +245,7 @@ class RayFleet:
         """The same plan when every node of it lives and answers (only an actor died); else its survivors
         re-split, with free nodes added up to the stage count, within each node's memory where it is known
         (``DoesNotFit`` when they cannot hold the model: no pipeline is built to be killed for memory)."""
-        alive = await _alive()
+        alive = await self._usable()
         mine = dead.plan.node_ids
         pinned = [n for n in mine if n and n in alive]
         if pinned:  # a node that died moments ago is still listed: only the ones that answer count
@@ -287,7 +295,7 @@ class RayFleet:
         replicas of full length.  Unpinned pipelines (tests, one node) never grow."""
         if any(not n for p in pipelines for n in p.plan.node_ids):
             return []
-        alive = await _alive()
+        alive = await self._usable()
         used = {n for p in pipelines for n in p.plan.node_ids}
         unused = {n: ip for n, ip in alive.items() if n not in used}
         # a node lost moments ago is still listed (its pipeline already gone): only the ones that answer count

@@ -86,6 +86,10 @@ class Backend(Protocol):
         None when every one answered."""
         ...
 
+    def exclude(self, nodes: set[str]) -> None:
+        """The nodes (ids or IPs) drained by the operator (serve/draining.py): no replacement or growth uses them."""
+        ...
+
 
 def suspect_after_s(engine: Engine, floor_s: float = SUSPECT_FLOOR_S) -> float:
     """How long an engine's steps may be overdue before its stages are asked whether they live."""
@@ -133,6 +137,7 @@ class Pool:
         self.events: list[dict[str, Any]] = []  # failures, replacements, growth: what status shows
         self.rebuilding = 0
         self.lost_at: float | None = None  # when the last live pipeline went (None: one is live)
+        self.drained: dict[str, float] = {}  # node id or IP -> when the operator drained it (serve/draining.py)
         self._numbers = itertools.count()
         self._changed = asyncio.Event()
         self._tasks: set[asyncio.Task[None]] = set()
@@ -419,6 +424,7 @@ class Pool:
             "replicas": len(self.live()),
             "failovers": self.failovers,
             "rebuilding": self.rebuilding,
+            "drained": [{"node": node, "since": since} for node, since in self.drained.items()],
             "pipelines": [
                 {
                     "index": p.index,

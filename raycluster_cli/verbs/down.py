@@ -1,4 +1,5 @@
-"""`down`: remove this cluster's containers (and with --purge the image and files `up` put on the hosts).
+"""`down`: remove this cluster's containers (and with --purge the image and files `up` put on the hosts); with
+`--host`, one worker's only, its node drained first.
 
 Never prints: progress goes through the callback the caller gives.
 """
@@ -7,11 +8,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from raycluster_cli.config.inventory import HostConfig, Inventory
 from raycluster_cli.config.state import purge_local
 from raycluster_cli.delivery.receive import purge_command
-from raycluster_cli.errors import OperationError, RayclusterError
+from raycluster_cli.errors import OperationError, RayclusterError, UsageError
 from raycluster_cli.host.containers import host_state_dir, list_cluster_containers
 from raycluster_cli.host.folders import archive_dir, fix_hint, refusal, remove_dir_command
 from raycluster_cli.progress import Progress, quiet
@@ -25,6 +27,7 @@ class DownResult:
     removed: list[dict[str, str]]
     errors: list[dict[str, str]]
     purged: list[dict[str, str]] = field(default_factory=list)
+    drained: dict[str, Any] | None = None  # `down --host`: what draining its node did (verbs/drain.py)
 
     @property
     def ok(self) -> bool:
@@ -42,17 +45,7 @@ def down(inventory: Inventory, connect: Connect, *, purge: bool = False, progres
     purged: list[dict[str, str]] = []
 
     def remove_on(host: HostConfig) -> list[str]:
-        transport = connect(host)
-        names = []
-        for container in list_cluster_containers(transport, inventory):
-            result = transport.run("docker rm -f " + quote(container.id), timeout=120)
-            if not result.ok:
-                raise OperationError(
-                    f"{host.address}: cannot remove {container.name}: {result.first_line()}",
-                    "check Docker there",
-                )
-            names.append(container.name)
-        return names
+        return _remove(inventory, connect, host)
 
     def record_error(host: HostConfig, error: BaseException) -> None:
         message = error.one_line() if isinstance(error, RayclusterError) else error_message(error)
@@ -86,6 +79,51 @@ def down(inventory: Inventory, connect: Connect, *, purge: bool = False, progres
         if local is not None:
             purged.append({"host": "localhost", "item": str(local)})
     return DownResult(removed, errors, purged)
+
+
+def _remove(inventory: Inventory, connect: Connect, host: HostConfig) -> list[str]:
+    """Remove this cluster's containers on one host; their names."""
+    transport = connect(host)
+    names = []
+    for container in list_cluster_containers(transport, inventory):
+        result = transport.run("docker rm -f " + quote(container.id), timeout=120)
+        if not result.ok:
+            raise OperationError(
+                f"{host.address}: cannot remove {container.name}: {result.first_line()}",
+                "check Docker there",
+            )
+        names.append(container.name)
+    return names
+
+
+def down_host(
+    inventory: Inventory, connect: Connect, address: str, *, deadline_s: float, progress: Progress = quiet
+) -> DownResult:
+    """One worker's node out, the others untouched: drained first when a service runs (its streams finish or move,
+    its pipelines re-split over the others), then its container removed.  The head is refused: it holds the GCS
+    and the service's ingress, so taking it out is taking the whole cluster down."""
+    from raycluster_cli.verbs.drain import NoService, check_deadline, drain, find_host
+
+    check_deadline(deadline_s)
+    host = find_host(inventory, address)
+    if host.role == "head":
+        raise UsageError(
+            f"{address} is the head: it holds the cluster (its GCS and the service's ingress)",
+            "raycluster down takes the whole cluster down",
+        )
+    drained: dict[str, Any] | None = None
+    progress(f"draining {address} (its streams get {deadline_s:g} s to finish)")
+    try:
+        drained = drain(inventory, connect, address, deadline_s).to_dict()
+    except NoService:
+        progress("no service is deployed: nothing to drain")
+    progress(f"removing this cluster's container on {address}")
+    result = DownResult([], [], drained=drained)
+    try:
+        result.removed = [{"host": address, "container": name} for name in _remove(inventory, connect, host)]
+    except RayclusterError as exc:
+        result.errors.append({"host": address, "error": exc.one_line()})
+    return result
 
 
 def _purge_host(inventory: Inventory, connect: Connect) -> Callable[[HostConfig], list[str]]:

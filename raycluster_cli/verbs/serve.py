@@ -217,7 +217,7 @@ if service_url and out.get("serve"):  # the service's own view: its pipelines no
             body = json.load(answer)
         keep = ("index", "state", "served", "images", "requests", "outstanding_tokens", "links", "links_note")
         out["live"] = {
-            "replicas": body.get("replicas"), "failovers": body.get("failovers"),
+            "replicas": body.get("replicas"), "failovers": body.get("failovers"), "drained": body.get("drained", []),
             "pipelines": [
                 {k: p[k] for k in keep if k in p}
                 | {"stages": [{k: st.get(k) for k in ("node_ip", "blocks", "parts", "device", "matmuls") if k in st}

@@ -32,6 +32,7 @@ class HostStatus:
     ray_version: str = ""
     models: list[dict[str, Any]] = field(default_factory=list)  # what its model cache holds: digest, size, name
     error: str = ""
+    drained: bool = False  # the running service keeps its node out (`raycluster drain`; `undrain` lets it back)
 
     @property
     def healthy(self) -> bool:
@@ -144,4 +145,13 @@ def status(inventory: Inventory, connect: Connect) -> StatusResult:
         result.service = asked.value
         result.service_error = error_message(asked.error) if asked.error else ""
     merge_nodes(hosts, nodes)
+    mark_drained(hosts, result.service)
     return result
+
+
+def mark_drained(hosts: list[HostStatus], service: dict[str, Any] | None) -> None:
+    """Mark the hosts whose node the service's own view lists as drained (pure)."""
+    listed = ((service or {}).get("live") or {}).get("drained") or []
+    drained = {str(d.get("node")) for d in listed if isinstance(d, dict)}
+    for host in hosts:
+        host.drained = host.node_ip in drained

@@ -14,6 +14,7 @@ from typing import Any
 from raycluster_cli.checks import CheckResult
 from raycluster_cli.config.inventory import Inventory
 from raycluster_cli.delivery.deliver import ImageTransfer
+from raycluster_cli.errors import RayclusterError
 from raycluster_cli.progress import Progress, quiet
 from raycluster_cli.transport.pool import Connect
 from raycluster_cli.verbs.up_hosts import NodesMissing, PreflightFailed
@@ -44,6 +45,7 @@ class UpResult:
     seconds: float
     images: list[ImageTransfer] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
+    service_grown: list[int] | None = None  # pipelines the running service built over the nodes started now
 
     @property
     def ok(self) -> bool:
@@ -99,4 +101,24 @@ def up(
     nodes = [
         NodeState(r.address, r.role, r.node_ip, r.alive, r.action, r.resources, r.reason) for r in run.runs.values()
     ]
-    return UpResult(inventory, nodes, run.checks, time.monotonic() - started, run.images, warnings)
+    result = UpResult(inventory, nodes, run.checks, time.monotonic() - started, run.images, warnings)
+    result.service_grown = tell_service(run, connect, progress, result.warnings)
+    result.seconds = time.monotonic() - started
+    return result
+
+
+def tell_service(run: UpRun, connect: Connect, progress: Progress, warnings: list[str]) -> list[int] | None:
+    """A running service takes in the workers started now (added to the inventory, or back after `down --host`)
+    at once, rather than at its next periodic look.  Only when the head was kept (a new head has no service) and
+    some worker started; a service that cannot be told is a warning: the cluster itself is up."""
+    from raycluster_cli.verbs.drain import take_in
+
+    started = [r.host for r in run.workers if r.alive and r.action != "running"]
+    if run.head.action != "running" or not started:
+        return None
+    progress(f"telling the service of {len(started)} node(s) started now")
+    try:
+        return take_in(run.inventory, connect, started)
+    except RayclusterError as exc:
+        warnings.append(f"the service was not told of the new node(s): {exc.one_line()}; it takes them in by itself")
+        return None

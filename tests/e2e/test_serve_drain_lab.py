@@ -1,0 +1,106 @@
+"""Operating a running fleet on the real 3-host lab (issue 52, item 3): a host added with `up`, drained under load,
+taken out with `down --host`, and brought back, while the service answers.
+
+The service starts on two hosts (an inventory without lab-h3), one one-stage replica each.  `up` with the full
+inventory starts lab-h3 and keeps the two others running, and the service takes lab-h3 in as a third replica before
+`up` returns (not at its 30 s periodic look).  Under a steady load of the real `openai` client, `raycluster drain
+IP3` builds nothing (the two others serve), stops routing to lab-h3's replica and lets its streams finish: no
+request fails, every answer is `transformers`' greedy one.  `down --host IP3` removes lab-h3's container only;
+`status` lists it as drained; `up` starts it again and the service lets it back at once.  `drain --undo` is checked
+on lab-h2 the same way.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import transformers
+
+from ..serve_checkpoint import write_chat_llama
+from .conftest import IP2, IP3, Lab
+from .faults import wait_until
+from .test_serve_failover_lab import CLIENTS, MODEL, PROMPTS, Load, Served, pipeline_ips
+
+pytestmark = [pytest.mark.lab, pytest.mark.slow]
+
+DRAIN_LIMIT_S = 60.0  # the issue's target: the node idle within its deadline
+
+
+def _without_h3(lab: Lab, path: Path) -> str:
+    def edit(data: dict[str, Any]) -> None:
+        data["hosts"] = [h for h in data["hosts"] if str(h["address"]) != IP3]
+
+    return lab.variant(path, edit)
+
+
+@pytest.fixture(scope="module")
+def served(lab_hosts: Lab, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    lab_hosts.cli("down", timeout=600)
+    two = _without_h3(lab_hosts, tmp_path_factory.mktemp("inv") / "two.yaml")
+    code, _, err = lab_hosts.cli("up", inventory=two, timeout=1500)
+    assert code == 0, err
+    path = write_chat_llama(tmp_path_factory.mktemp("drain") / MODEL)
+    args = ("serve", f"--model-path={path}", "--stages=1", "--max-seq=96", "--slots=8")
+    code, doc, err = lab_hosts.cli(*args, inventory=two, timeout=1200)
+    assert code == 0, err[-4000:]
+    assert doc["replicas"] == 2, doc
+    token = Path(doc["api_key_file"]).read_text().strip()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(path))
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(path)).eval()
+    found = Served(lab_hosts, token, doc["url"], tokenizer, model)
+    for prompt in PROMPTS:
+        found.want(prompt)
+    try:
+        yield found
+    finally:
+        lab_hosts.cli("serve", "--stop", timeout=300)
+
+
+def _up_adds_h3(served: Served) -> None:
+    code, doc, err = served.lab.cli("up", timeout=1500)
+    assert code == 0, err
+    actions = {n["host"]: n["action"] for n in doc["nodes"]}
+    assert actions[IP3] == "started" and [a for h, a in actions.items() if h != IP3] == ["running", "running"]
+    assert doc["service_grown"], doc  # the service built on it before `up` returned
+    assert [IP3] in pipeline_ips(served.status())
+
+
+def _drain_under_load(served: Served, host: str) -> dict[str, Any]:
+    with Load(served) as load:
+        assert wait_until(lambda: len(load.answers) >= 2 * CLIENTS, 300), load.errors
+        began = time.monotonic()
+        code, doc, err = served.lab.cli("drain", host, "--deadline", str(DRAIN_LIMIT_S), timeout=900)
+        took = time.monotonic() - began
+        before = len(load.answers)
+        assert wait_until(lambda: len(load.answers) >= before + 2 * CLIENTS, 300), load.errors
+    print(f"\n[drain] {host}: {doc} in {took:.1f} s; {len(load.answers)} answers, {len(load.errors)} errors")
+    assert code == 0, err
+    assert load.errors == [] and load.wrong() == []
+    assert doc["host"] == host and doc["drained"] and doc["moved"] == 0 and doc["seconds"] < DRAIN_LIMIT_S
+    assert all(host not in ips for ips in pipeline_ips(served.status()))
+    return doc
+
+
+def test_a_host_added_drained_taken_out_and_back_fails_no_request(served: Served) -> None:
+    _up_adds_h3(served)
+    _drain_under_load(served, IP3)
+    code, doc, err = served.lab.cli("down", "--host", IP3, timeout=600)
+    assert code == 0, err
+    assert [r["host"] for r in doc["removed"]] == [IP3] and doc["drained"]["host"] == IP3
+    code, status, _ = served.lab.cli("status", timeout=300)
+    assert IP3 in [d["node"] for d in status["service"]["live"]["drained"]]
+    assert {h["host"]: h["container"] for h in status["hosts"]}[IP2] == "running"  # the rest untouched
+    code, doc, err = served.lab.cli("up", timeout=1500)
+    assert code == 0 and doc["service_grown"], err
+    assert [IP3] in pipeline_ips(served.status()) and served.status()["drained"] == []
+
+
+def test_drain_undo_lets_a_host_back_at_once(served: Served) -> None:
+    _drain_under_load(served, IP2)
+    code, doc, err = served.lab.cli("drain", "--undo", IP2, timeout=900)
+    assert code == 0 and doc["action"] == "undrained" and doc["grown"], (doc, err)
+    assert [IP2] in pipeline_ips(served.status())
