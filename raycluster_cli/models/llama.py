@@ -217,7 +217,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
+        """transformers' LlamaRMSNorm: normalized in float32, scaled by the weight in the model's dtype (torch's
+        fused ``rms_norm`` for the float32 part: one call where the formula spelled out takes five)."""
+        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
         out: torch.Tensor = self.weight * normed.to(x.dtype)
         return out
 
@@ -266,8 +268,7 @@ class Block(nn.Module):
         q = mm.apply(self.q, h).view(batch, steps, heads, width).transpose(1, 2)
         k = mm.apply(self.k, h).view(batch, steps, kv_heads, width).transpose(1, 2)
         v = mm.apply(self.v, h).view(batch, steps, kv_heads, width).transpose(1, 2)
-        positions = rows.positions
-        cos, sin = self.cos[positions][:, None], self.sin[positions][:, None]
+        cos, sin = rows.rotary(self.cos, self.sin)
         rows.write(cache, _rotate(k, cos, sin), v)
         att = rows.attend(_rotate(q, cos, sin), cache, self.window, gqa=kv_heads != heads)
         x = x + mm.apply(self.o, att.transpose(1, 2).reshape(batch, steps, heads * width))

@@ -120,6 +120,14 @@ class Rows:
         valid = self.valid
         return valid, self.slots[:, None].expand_as(valid)[valid], self.positions[valid]
 
+    def rotary(self, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """RoPE's cos and sin at every (row, step), [B, 1, T, width], looked up once per step: every block of a
+        stage holds the same tables (the model's), so the first block's lookup serves the others."""
+        if "_rotary" not in self.__dict__:
+            self.__dict__["_rotary"] = (cos[self.positions][:, None], sin[self.positions][:, None])
+        cached: tuple[torch.Tensor, torch.Tensor] = self.__dict__["_rotary"]
+        return cached
+
     def mask(self, window: int = 0) -> torch.Tensor:
         """[B, 1, T, keys_len]: a query sees its own slot's keys up to its own position (never padding), and
         with a sliding ``window`` only the last ``window`` of them."""
