@@ -17,6 +17,7 @@ from torch import nn
 
 from raycluster_cli.models.config import ModelConfig
 from raycluster_cli.models.decoder import Stage
+from raycluster_cli.models.int8 import Int8Matmuls
 from raycluster_cli.models.kvcache import KV_BLOCK, BlockTable, PagedCache
 from raycluster_cli.models.matmuls import Matmuls, measure
 from raycluster_cli.models.rows import Rows, SlotCache
@@ -84,7 +85,10 @@ class BatchedStage:
         self._room = room_bytes or (lambda: int(psutil.virtual_memory().available))
         # the decode steps' products in the forms measured cheapest on this CPU (models.matmuls); F.linear on a GPU
         self.block_mm, self.head_mm = Matmuls(), Matmuls()
-        if self.device.type == "cpu" and measure_matmuls:
+        if self.device.type == "cpu" and cfg.quantize == "int8":
+            blocks, head = linears(self.stage)
+            self.block_mm, self.head_mm = Int8Matmuls(blocks), Int8Matmuls(head)
+        elif self.device.type == "cpu" and measure_matmuls:
             self.block_mm, self.head_mm = measure_forms(self.stage, self._spare_bytes())
 
     def _spare_bytes(self) -> int:
@@ -162,7 +166,7 @@ class BatchedStage:
         if stage.head is None:
             return x
         if every:
-            logits_every: torch.Tensor = stage.head(x, stage.mm)
+            logits_every: torch.Tensor = stage.head(x, self.head_mm)
             return logits_every
         last = x[torch.arange(x.shape[0], device=x.device), rows.lengths - 1]
         logits: torch.Tensor = stage.head(last, self.head_mm)

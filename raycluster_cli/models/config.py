@@ -9,6 +9,7 @@ from typing import Any
 from raycluster_cli.models.registry import ARCHITECTURES
 
 DTYPES = ("float32", "bfloat16", "float16")  # what weights, KV cache and activations are held and computed in
+QUANTIZE = ("", "int8")  # "": products in the dtype; "int8": a CPU stage's products with int8 weights (models.int8)
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 ACTIVATIONS = ("gelu", "gelu_new")
 _LLAMA_ROPE = ("default", "linear", "llama3")
@@ -49,6 +50,7 @@ class ModelConfig:
     family: str = ""  # the checkpoint's model_type (llama, qwen2, mistral, phi3) when it differs from arch
     rotary_dim: int = 0  # leading dims of each head that RoPE rotates (Phi-3's partial_rotary_factor); 0: all
     dtype: str = "float32"  # weights, KV cache and activations (one of DTYPES; "auto" is resolved before)
+    quantize: str = ""  # "int8": a CPU stage's products with int8 weights (models.int8); "": in ``dtype``
 
     def __post_init__(self) -> None:
         for name in ("vocab", "d_model", "heads", "layers", "max_seq"):
@@ -59,6 +61,8 @@ class ModelConfig:
                 raise ValueError(f"ModelConfig.{name} must be >= 0, got {getattr(self, name)}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.quantize not in QUANTIZE:
+            raise ValueError(f"quantize must be one of {QUANTIZE}, got {self.quantize!r}")
         if self.arch not in ARCHITECTURES:
             raise ValueError(f"arch must be one of {ARCHITECTURES}, got {self.arch!r}")
         if self.head_dim == 0 and self.d_model % self.heads:
