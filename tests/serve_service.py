@@ -117,3 +117,19 @@ def gauges(metrics_url: str) -> dict[str, float]:
         for value in re.findall(rf"^ray_{name}\{{[^}}]*\}} ([0-9.e+-]+)$", text, re.MULTILINE):
             found[name] = found.get(name, 0.0) + float(value)
     return found
+
+
+def actor_pid(name_prefix: str, namespace: str = SERVE_NAMESPACE) -> int:
+    """The process id of the one live actor of this Ray whose name starts with ``name_prefix`` (Ray Serve's
+    controller ``SERVE_CONTROLLER_ACTOR``, a proxy ``SERVE_PROXY_ACTOR-``, the ingress ``INGRESS_REPLICA``), as
+    Ray's actor table records it: what a test kills to crash that process for real."""
+    import ray
+
+    names = {e["name"] for e in ray.util.list_named_actors(all_namespaces=True) if e["namespace"] == namespace}
+    found = [
+        int(a["Pid"])
+        for a in ray._private.state.actors().values()  # the GCS's table: every actor this Ray ran, with its pid
+        if a["State"] == "ALIVE" and a["Name"].startswith(name_prefix) and a["Name"] in names
+    ]
+    assert len(found) == 1, f"{len(found)} live actors named {name_prefix}*"
+    return found[0]
