@@ -86,11 +86,12 @@ def ingress_ongoing() -> list[int]:
     asked of the replica actors themselves."""
     import ray
 
-    counts = []
+    counts: list[int] = []
     for entry in ray.util.list_named_actors(all_namespaces=True):
         if entry["namespace"] == SERVE_NAMESPACE and entry["name"].startswith(INGRESS_REPLICA):
             actor = ray.get_actor(entry["name"], namespace=SERVE_NAMESPACE)
-            counts.append(int(ray.get(actor.get_num_ongoing_requests.remote(), timeout=10)))
+            ongoing: Any = ray.get(actor.get_num_ongoing_requests.remote(), timeout=10)
+            counts.append(int(ongoing))
     return counts
 
 
@@ -133,3 +134,11 @@ def actor_pid(name_prefix: str, namespace: str = SERVE_NAMESPACE) -> int:
     ]
     assert len(found) == 1, f"{len(found)} live actors named {name_prefix}*"
     return found[0]
+
+
+def live_actors(class_name: str) -> int:
+    """How many actors of ``class_name`` are alive in this Ray (the stages of every pipeline: ``StageActor``)."""
+    import ray
+
+    table = ray._private.state.actors().values()
+    return sum(1 for a in table if a["State"] == "ALIVE" and a["ActorClassName"].endswith(class_name))

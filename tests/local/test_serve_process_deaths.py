@@ -37,7 +37,7 @@ from raycluster_cli.serve.settings import ServeSettings  # noqa: E402
 
 from ..local_ray import local_serve  # noqa: E402
 from ..serve_checkpoint import WORDS, write_chat_llama  # noqa: E402
-from ..serve_service import INGRESS_REPLICA, Greedy, actor_pid, raw, wait_until  # noqa: E402
+from ..serve_service import INGRESS_REPLICA, Greedy, actor_pid, live_actors, raw, wait_until  # noqa: E402
 
 MODEL = "tiny-deaths"
 NEW_TOKENS = 48
@@ -173,6 +173,8 @@ def test_the_ingress_killed_under_load_answers_again_within_30_s(service: Servic
     outcome = _killed(service, INGRESS_REPLICA, max(BACK_S, service.start_s))
     assert outcome.right + len(outcome.failed) == STREAMS
     wait_until(lambda: _one_alive(INGRESS_REPLICA), 10, "one live ingress replica")
+    # the dead ingress's stages died with it (it owned them): only the new pipeline's 2 hold memory
+    wait_until(lambda: live_actors("StageActor") == 2, 10, "the dead ingress's stage actors gone")
 
 
 def test_the_controller_killed_under_load_fails_no_request(service: Service) -> None:

@@ -73,7 +73,7 @@ def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
         sock.bind(("127.0.0.1", 0))
         metrics_port = int(sock.getsockname()[1])
     system = {"metrics_report_interval_ms": 500}  # the gauges reach the agent within a second, not Ray's 10 s
-    options = {"_metrics_export_port": metrics_port, "_system_config": system}
+    options: dict[str, Any] = {"_metrics_export_port": metrics_port, "_system_config": system}
     with local_serve(build_app(settings, health_check_period_s=2), SERVE_ENV, **options) as url:
         wait_until(lambda: raw(f"{url}/health")[0] == 200, 90, "the service healthy")
         yield Service(url, f"http://127.0.0.1:{metrics_port}/metrics", Greedy(path, NEW_TOKENS))
