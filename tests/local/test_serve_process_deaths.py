@@ -118,7 +118,9 @@ async def _kill_under_load(service: Service, pid: int) -> Outcome:
     back = threading.Thread(target=_time_back, args=(service, killed_at, outcome), daemon=True)
     back.start()
     for prompt, result in zip(PROMPTS, await asyncio.gather(*jobs, return_exceptions=True), strict=True):
-        if isinstance(result, BaseException):
+        if isinstance(result, openai.APIStatusError):  # refused before its answer began
+            outcome.failed.append(f"{result.status_code} retry-after={result.response.headers.get('retry-after')}")
+        elif isinstance(result, BaseException):
             outcome.failed.append(f"{type(result).__name__}: {str(result)[:80]}")
         elif result[1] is None:
             outcome.failed.append(f"ended without a finish_reason after {len(result[0])} characters")
@@ -176,11 +178,14 @@ def _one_alive(name_prefix: str) -> bool:
 
 
 def test_the_ingress_killed_under_load_answers_again_within_30_s(service: Service) -> None:
-    """Its streams fail (their engines died with it); Serve's new replica builds its pipelines and answers.  The
+    """Its streams fail (their engines died with it): those mid-answer cut, those not begun a 503 with Retry-After
+    (serve/proxy_guard.py; Ray Serve's own is a bare 500); Serve's new replica builds its pipelines and answers.  The
     new replica is a cold start (a process, the tokenizer, the stages' processes, the probe): on a machine slower
     than the target assumes (a loaded CI runner), the bound is the service's own first start here."""
     outcome = _killed(service, INGRESS_REPLICA, max(BACK_S, service.start_s))
     assert outcome.right + len(outcome.failed) == STREAMS
+    # cut mid-answer (the connection closes), or, before the answer began, told to retry (the proxy guard's 503)
+    assert set(outcome.failed) <= {"APIConnectionError: Connection error.", "503 retry-after=2"}, outcome.failed
     wait_until(lambda: _one_alive(INGRESS_REPLICA), 10, "one live ingress replica")
     # the dead ingress's stages died with it (it owned them): only the new pipeline's 2 hold memory
     wait_until(lambda: live_actors("StageActor") == 2, 10, "the dead ingress's stage actors gone")
