@@ -261,9 +261,13 @@ def _shell_word(word: str) -> str:
 # output tokens/s at 1, 4 and 32 requests at once (docs/PERFORMANCE.md S25).
 # And the proxy's own guard (serve/proxy_guard.py, through Ray Serve's proxy callback): request heads within a deadline,
 # connections capped, bodies capped before any key is checked, no client opting out of the disconnect watch.
+# And the proxy's health checked every 2 s, not Ray's 10: the controller replaces a dead proxy after 3 failed checks,
+# so a killed proxy left the port dark for ~30 s (tests/local/test_serve_process_deaths.py); each check still has
+# its 10 s timeout, so only a proxy that answers none of 3 in a row is replaced.
 SERVE_ENV = {
     "RAY_SERVE_PROXY_USE_GRPC": "1",
     "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH": "raycluster_cli.serve.proxy_guard.guard",
+    "RAY_SERVE_PROXY_HEALTH_CHECK_PERIOD_S": "2",
 }
 
 

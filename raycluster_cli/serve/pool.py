@@ -432,6 +432,8 @@ class Pool:
                     "served": p.served,
                     "outstanding_tokens": p.engine.outstanding,
                     "requests": len(p.engine.live),
+                    "waiting": p.engine.waiting,  # queued for a slot
+                    "running": len(p.engine.scheduler.running),  # holding a slot
                     "slots": p.engine.scheduler.limits.slots,  # rows at once: --slots for each step in flight
                     **p.engine.scheduler.kv_status(),  # the KV budget in tokens, those held, preemptions
                     "links": p.engine.transport,  # direct links between the stages, or Ray's calls

@@ -15,6 +15,9 @@ honours ``x-request-disconnect-disabled``, which lets a client's generation outl
   the ingress, which checks keys, ever sees it;
 - drops ``x-request-disconnect-disabled`` from every request;
 - puts ``Retry-After`` on a 503 that has none (Serve's own, when the queue for the ingress is full);
+- answers 503 with ``Retry-After`` when the proxy sent nothing for a request: its ingress replica died before the
+  answer began (Ray Serve then leaves uvicorn's bare 500, which says neither what happened nor that a retry will do;
+  Serve starts a new replica, tests/local/test_serve_process_deaths.py);
 - answers 404 to ``/-/routes`` (Ray Serve's list of the applications it routes to, open to anyone otherwise).
 
 Each bound is an environment variable of the node's container (the inventory's ``env`` may change it).
@@ -77,7 +80,7 @@ class BodyCap:
         if length is not None and length.isdigit() and int(length) > self.limit:
             await self._refuse(send)
             return
-        received, refused = 0, False
+        received, refused, started = 0, False, False
 
         async def capped() -> Message:
             nonlocal received, refused
@@ -93,28 +96,40 @@ class BodyCap:
             return message
 
         async def unless_refused(message: Message) -> None:
+            nonlocal started
             if refused:
                 return
+            started = started or message.get("type") == "http.response.start"
             if message.get("type") == "http.response.start" and message.get("status") == 503:
                 headers = list(message.get("headers", []))
                 if not any(k.lower() == b"retry-after" for k, _ in headers):  # Serve's full queue says none
                     message = {**message, "headers": [*headers, (b"retry-after", RETRY_AFTER_S)]}
             await send(message)
 
-        await self.app(scope, capped, unless_refused)
+        try:
+            await self.app(scope, capped, unless_refused)
+        except Exception:
+            if started or refused:
+                raise
+            log.warning("the proxy failed a request before its answer began", exc_info=True)
+        if not (started or refused):  # the ingress died under it (or its client left: then nobody reads this)
+            why = "the service's ingress stopped before answering; it is restarting: retry"
+            await _answer(send, 503, "service_unavailable", why, retry_after=True)
 
     async def _refuse(self, send: Send) -> None:
         await _answer(send, 413, "request_too_large", f"the request's body is over {self.limit} bytes")
 
 
-async def _answer(send: Send, status: int, code: str, message: str) -> None:
-    """An error in OpenAI's shape, the connection closed after it."""
-    error = {"message": message, "type": "invalid_request_error", "param": None, "code": code}
+async def _answer(send: Send, status: int, code: str, message: str, *, retry_after: bool = False) -> None:
+    """An error in OpenAI's shape, the connection closed after it; ``retry_after``: a 503 that says when to retry."""
+    kind = "service_unavailable" if status == 503 else "invalid_request_error"
+    error = {"message": message, "type": kind, "param": None, "code": code}
     body = json.dumps({"error": error}).encode()
     headers = [
         (b"content-type", b"application/json"),
         (b"content-length", str(len(body)).encode()),
         (b"connection", b"close"),
+        *([(b"retry-after", RETRY_AFTER_S)] if retry_after else []),
     ]
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body})

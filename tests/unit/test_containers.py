@@ -64,6 +64,8 @@ def test_serves_proxy_calls_the_ingress_over_grpc_unless_the_run_options_say_oth
         assert argv.count("--env=RAY_SERVE_PROXY_USE_GRPC=1") == 1
         # Ray Serve's proxy runs with raycluster's guard (serve/proxy_guard.py) on every node
         assert argv.count("--env=RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH=raycluster_cli.serve.proxy_guard.guard") == 1
+        # a dead proxy is replaced after 3 failed checks 2 s apart, not 10 (tests/local/test_serve_process_deaths.py)
+        assert argv.count("--env=RAY_SERVE_PROXY_HEALTH_CHECK_PERIOD_S=2") == 1
     worker = run_argv(inv, inv.hosts[2])
     assert worker.index("--env=RAY_SERVE_PROXY_USE_GRPC=1") < worker.index("--cpus=0.5")  # its run option
 
