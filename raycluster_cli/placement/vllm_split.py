@@ -33,7 +33,7 @@ from raycluster_cli.placement.partition import (
     DoesNotFit,
     balanced_partition,
     blocks_held,
-    even_partition,
+    ranges_from_block_counts,
     stage_costs,
 )
 from raycluster_cli.placement.pipelines import NodeSpeed
@@ -69,7 +69,7 @@ class VllmSplit:
     block_size: int
     bound_by: int  # the stage whose room sets kv_blocks
     stage_s: tuple[float, ...]  # modelled seconds per step of each stage, this split
-    even_stage_s: tuple[float, ...]  # the same for vLLM's even split, for the pilots to beat
+    even_stage_s: tuple[float, ...]  # the same for vLLM's own split (``vllm_even_layers``), for the pilots to beat
     stage_kv_bytes: tuple[int, ...]  # KV bytes each stage holds at kv_blocks (CPU: VLLM_CPU_KVCACHE_SPACE)
     why: str
 
@@ -129,6 +129,15 @@ def group_by_gpus(nodes: Sequence[VllmNode]) -> list[list[VllmNode]]:
     return [groups[count] for count in sorted(groups, reverse=True)]
 
 
+def vllm_even_layers(layers: int, stages: int) -> list[int]:
+    """vLLM's own split without ``VLLM_PP_LAYER_PARTITION`` (``vllm.distributed.utils.get_pp_indices``): the
+    remainder goes one layer each to the stages before the last, from the last but one backwards."""
+    counts = [layers // stages] * stages
+    for i in range(2, layers % stages + 2):
+        counts[-i] += 1
+    return counts
+
+
 def utilization(nodes: Sequence[VllmNode]) -> float:
     """The one fraction every rank may take: the smallest free ÷ total, rounded down to a hundredth."""
     if any(n.total <= 0 for n in nodes):
@@ -186,7 +195,7 @@ def vllm_split(
         ) from None
     blocks, bound = kv_room(cfg, ranges, rooms, block_size)
     layers = tuple(blocks_held(a, b, cfg.layers) for a, b in ranges)
-    even = even_partition(cfg.layers, len(nodes))
+    even = ranges_from_block_counts(vllm_even_layers(cfg.layers, len(nodes)))
     ips = [n.speed.ip or n.speed.node_id for n in nodes]
     why = (
         f"layers {','.join(map(str, layers))} over {', '.join(ips)} by each node's measured unit costs (min-max),"

@@ -18,6 +18,7 @@ from raycluster_cli.placement.vllm_split import (
     group_by_gpus,
     kv_room,
     utilization,
+    vllm_even_layers,
     vllm_split,
 )
 
@@ -107,3 +108,9 @@ def test_bad_input_names_the_field() -> None:
         vllm_split(CFG, [node("a", 1.0)], kv_tokens=0)
     with pytest.raises(ValueError, match="at least one node"):
         vllm_split(CFG, [], kv_tokens=16)
+
+
+def test_vllm_s_own_split_puts_the_remainder_before_the_last_stage() -> None:
+    assert vllm_even_layers(24, 3) == [8, 8, 8]
+    assert vllm_even_layers(4, 3) == [1, 2, 1]
+    assert vllm_even_layers(26, 4) == [6, 7, 7, 6]
