@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from raycluster_cli.node.vllm_server import VllmLaunch
 from raycluster_cli.placement.pipelines import NodeSpeed, PipelinePlan
 from raycluster_cli.serve.fleet import Calibration
 from raycluster_cli.serve.frontdoor import RequestLimits
@@ -41,6 +42,8 @@ class ServeSettings:
     failover_wait_s: float = 90.0  # how long a moved request waits for a pipeline to come back
     dtype: str = "float32"  # weights, KV cache and activations (resolved: never "auto")
     request_limits: RequestLimits = field(default_factory=RequestLimits)  # one request's bounds (serve.frontdoor)
+    vllm: VllmLaunch | None = None  # vLLM's servers generate instead of our pipelines (serve/vllm_engine.py)
+    vllm_nodes: tuple[str, ...] = ()  # one vLLM replica on each of these nodes ("" = anywhere); () = one anywhere
 
     @property
     def served_model(self) -> str:

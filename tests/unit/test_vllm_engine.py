@@ -1,0 +1,53 @@
+"""What our ingress sends vLLM (the prompt's ids, the sampling under vLLM's names) and how a vLLM server is
+launched (its own Python, loopback, the key in its environment, a refusal that names the fix)."""
+
+from __future__ import annotations
+
+import pytest
+
+from raycluster_cli.node.vllm_server import LAUNCH, VllmLaunch
+from raycluster_cli.serve.live import BadInput
+from raycluster_cli.serve.text import Sampling
+from raycluster_cli.serve.vllm_engine import completion_body
+
+
+def test_greedy_body_sends_the_ids_and_asks_for_token_ids() -> None:
+    body = completion_body("m", [5, 6, 7], 12, Sampling(temperature=0.0), None)
+    assert body["prompt"] == [5, 6, 7] and body["max_tokens"] == 12 and body["temperature"] == 0.0
+    assert body["return_token_ids"] is True
+    assert "top_k" not in body and "seed" not in body and "stop" not in body and "logit_bias" not in body
+
+
+def test_every_sampling_setting_goes_under_vllm_s_name() -> None:
+    sampling = Sampling(
+        temperature=0.8, top_p=0.9, seed=7, ignore_eos=True, top_k=20, min_p=0.05, presence_penalty=0.5,
+        frequency_penalty=0.25, repetition_penalty=1.1, logit_bias=((3, -100.0),), min_tokens=2,
+        include_stop_str_in_output=True,
+    )  # fmt: skip
+    body = completion_body("m", [1], 4, sampling, ["\n"])
+    expected = {
+        "top_p": 0.9, "seed": 7, "ignore_eos": True, "top_k": 20, "min_p": 0.05, "presence_penalty": 0.5,
+        "frequency_penalty": 0.25, "repetition_penalty": 1.1, "logit_bias": {"3": -100.0}, "min_tokens": 2,
+        "include_stop_str_in_output": True, "stop": ["\n"],
+    }  # fmt: skip
+    assert {k: body[k] for k in expected} == expected
+
+
+def test_logprobs_are_refused_naming_the_field() -> None:
+    with pytest.raises(BadInput, match="logprobs") as refused:
+        completion_body("m", [1], 4, Sampling(logprobs=2), None)
+    assert refused.value.param == "logprobs"
+
+
+def test_a_missing_vllm_python_names_the_flag_and_how_to_install() -> None:
+    with pytest.raises(ValueError, match=r"--vllm-python '/nowhere/python'.*benchmarks/vllm_cpu_env.sh"):
+        VllmLaunch(python="/nowhere/python", model_path="/m", served_model="m").check()
+
+
+def test_the_server_listens_on_loopback_and_its_key_is_not_on_its_command_line() -> None:
+    command = VllmLaunch(
+        python="/v/bin/python", model_path="/m", served_model="tiny", args=("--enforce-eager",)
+    ).command(8123)
+    assert command[:4] == ["/v/bin/python", "-c", LAUNCH, "vllm.entrypoints.openai.api_server"]
+    assert "--host=127.0.0.1" in command and "--port=8123" in command and command[-1] == "--enforce-eager"
+    assert not any("api-key" in part for part in command)
