@@ -160,7 +160,7 @@ class VllmServer:
     def _check_running(self) -> None:
         if self.process is None or self.process.poll() is not None:
             code = None if self.process is None else self.process.returncode
-            raise VllmGone(f"the vLLM server is not running (exit status {code}): {_tail(self.log)[-300:]}")
+            raise VllmGone(f"the vLLM server is not running (exit status {code}; its log: {self.log})")
 
     async def complete(self, body: dict[str, Any], timeout_s: float | None = None) -> dict[str, Any]:
         """``body`` posted to the server's /v1/completions, its JSON answer (an error's status and text raised;

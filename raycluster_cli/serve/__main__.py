@@ -39,6 +39,7 @@ from raycluster_cli.models.config import ModelConfig
 from raycluster_cli.models.decoder import config_from_checkpoint
 from raycluster_cli.node import nodes
 from raycluster_cli.node.nodes import measure_rooms
+from raycluster_cli.node.vllm_server import VllmLaunch
 from raycluster_cli.placement import memory
 from raycluster_cli.placement.partition import DoesNotFit
 from raycluster_cli.placement.pipelines import NodeSpeed, plan_replicas
@@ -183,6 +184,36 @@ def _placement(options: LaunchOptions, settings: ServeSettings, layers: int) -> 
     )
 
 
+def _vllm(options: LaunchOptions, settings: ServeSettings, cfg: ModelConfig, on_gpu: bool) -> ServeSettings:
+    """``--engine vllm``: a vLLM server on every alive node (one replica each, requests to the least busy), its
+    KV room on a CPU node (``VLLM_CPU_KVCACHE_SPACE``, whole GiB) from ``--kv-tokens`` at the model's layers."""
+    kv_gib = max(1, -(-cfg.layers * cfg.kv_bytes(options.kv_tokens) // (1 << 30)))
+    launch = VllmLaunch(
+        python=options.vllm_python,
+        model_path=options.model_path,
+        served_model=settings.served_model,
+        dtype=cfg.dtype,
+        max_model_len=options.max_seq,
+        env=() if on_gpu else (("VLLM_CPU_KVCACHE_SPACE", str(kv_gib)),),
+        start_timeout_s=max(60.0, options.timeout - 60.0),
+    )
+    return replace(settings, vllm=launch, vllm_nodes=tuple(alive_nodes()))
+
+
+def _vllm_report(url: str, settings: ServeSettings) -> dict[str, Any]:
+    return {
+        "url": url,
+        "model": settings.served_model,
+        "engine": "vllm",
+        "replicas": len(settings.vllm_nodes),
+        "split": None,
+        "pipelines": [],
+        "nodes": [{"node_id": node_id} for node_id in settings.vllm_nodes],
+        "why": "a vLLM server on every node (--engine vllm), requests to the least busy, behind this service's keys",
+        "dtype": settings.dtype,
+    }
+
+
 def _report(url: str, settings: ServeSettings, layers: int) -> dict[str, Any]:
     plans = settings.plans
     return {
@@ -253,12 +284,16 @@ def main(argv: list[str] | None = None) -> int:
     cfg = config_from_checkpoint(
         options.model_path, max_seq=options.max_seq, dtype=options.dtype, on_gpu=on_gpu, cpu_bf16=cpu_bf16
     )
-    settings = _placement(options, replace(settings, dtype=cfg.dtype), layers)
+    settings = replace(settings, dtype=cfg.dtype)
+    if options.engine == "vllm":
+        settings = _vllm(options, settings, cfg, on_gpu)
+    else:
+        settings = _placement(options, settings, layers)
     serve.start(proxy_location=options.proxy_location, http_options=http_options(options))
     serve.run(build_app(settings, ray_actor_options=INGRESS_ACTOR_OPTIONS), name=APP_NAME, route_prefix="/")
     scheme = "https" if options.tls_cert else "http"
     url = f"{scheme}://{ray.util.get_node_ip_address()}:{options.port}/v1"
-    document = json.dumps(_report(url, settings, layers))
+    document = json.dumps(_vllm_report(url, settings) if settings.vllm else _report(url, settings, layers))
     if options.record:
         Path(options.record).write_text(document + "\n")
     print(document)

