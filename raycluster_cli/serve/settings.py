@@ -43,7 +43,8 @@ class ServeSettings:
     dtype: str = "float32"  # weights, KV cache and activations (resolved: never "auto")
     request_limits: RequestLimits = field(default_factory=RequestLimits)  # one request's bounds (serve.frontdoor)
     vllm: VllmLaunch | None = None  # vLLM's servers generate instead of our pipelines (serve/vllm_engine.py)
-    vllm_nodes: tuple[str, ...] = ()  # one vLLM replica on each of these nodes ("" = anywhere); () = one anywhere
+    vllm_nodes: tuple[str, ...] = ()  # one vLLM replica on each of these nodes ("" = anywhere)
+    vllm_pipelines: tuple[tuple[str, ...], ...] = ()  # one vLLM pipeline over each group, stage i on node i
 
     @property
     def served_model(self) -> str:

@@ -16,13 +16,13 @@ import asyncio
 import contextlib
 import time
 from collections.abc import AsyncGenerator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from raycluster_cli.node.vllm_server import VllmGone, VllmLaunch, VllmRefused, VllmServer
+from raycluster_cli.node.vllm_server import VllmGone, VllmLaunch, VllmRank, VllmRefused, VllmServer
 from raycluster_cli.serve.live import BadInput, EngineDown, Output, RequestFailed
 from raycluster_cli.serve.text import Sampling
 
@@ -65,10 +65,11 @@ def completion_body(
 
 @dataclass
 class Replica:
-    """One vLLM server and what the ingress knows of it."""
+    """One vLLM server (with a pipeline's headless ranks on the nodes after its own) and what the ingress knows."""
 
     node_id: str
     actor: Any
+    ranks: list[Any] = field(default_factory=list)  # the headless ranks' actors, stage 1 on
     outstanding: int = 0
     failure: str | None = None
     started: dict[str, Any] | None = None
@@ -76,11 +77,14 @@ class Replica:
 
 
 class VllmReplicas:
-    """The vLLM servers of one service, one per node of ``node_ids`` ("" = anywhere), behind one ``generate``."""
+    """The vLLM servers of one service behind one ``generate``: one per node of ``node_ids`` ("" = anywhere), and
+    one pipeline over each group of ``pipelines`` (stage i on its node i; ``launch.env`` carries the split)."""
 
-    def __init__(self, launch: VllmLaunch, node_ids: Sequence[str]) -> None:
+    def __init__(self, launch: VllmLaunch, node_ids: Sequence[str], pipelines: Sequence[Sequence[str]] = ()) -> None:
         self.launch = launch
         self.replicas = [Replica(node, self._actor(node)) for node in node_ids]
+        for group in pipelines:
+            self.replicas.append(Replica(group[0], self._actor(group[0]), [self._actor(n) for n in group[1:]]))
         self.served = 0
 
     def _actor(self, node_id: str) -> Any:
@@ -89,12 +93,31 @@ class VllmReplicas:
             options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node_id=node_id, soft=False)
         return ray.remote(VllmServer).options(**options).remote(self.launch)
 
+    async def _start(self, replica: Replica) -> dict[str, Any]:
+        """One replica: its server, or a pipeline's headless ranks and then its rank 0 (whose first generation
+        went through every stage), all stopped when it fails."""
+        if not replica.ranks:
+            started: dict[str, Any] = await replica.actor.start.remote()
+            return started
+        try:
+            address, port = await replica.actor.master.remote()
+            count = len(replica.ranks) + 1
+            ranks = await asyncio.gather(
+                *(a.start.remote(VllmRank(i, count, address, port)) for i, a in enumerate(replica.ranks, 1))
+            )
+            head = await replica.actor.start.remote(VllmRank(0, count, address, port))
+            return head | {"ranks": ranks}
+        except BaseException:
+            await asyncio.gather(*(a.stop.remote() for a in [replica.actor, *replica.ranks]), return_exceptions=True)
+            raise
+
     async def start(self) -> None:
-        """Every server started at once, within the launch's deadline; those that fail are taken out, and with
+        """Every replica started at once, within the launch's deadline; those that fail are taken out, and with
         none started the ingress does not start (the first failure raised)."""
-        calls = [r.actor.start.remote() for r in self.replicas]
         timeout = self.launch.start_timeout_s + CALL_SLACK_S
-        answers = await asyncio.gather(*(asyncio.wait_for(c, timeout) for c in calls), return_exceptions=True)
+        answers = await asyncio.gather(
+            *(asyncio.wait_for(self._start(r), timeout) for r in self.replicas), return_exceptions=True
+        )
         for replica, answer in zip(self.replicas, answers, strict=True):
             if isinstance(answer, BaseException):
                 replica.failure = f"start: {answer!r}"
@@ -213,4 +236,5 @@ class VllmReplicas:
         }
 
     async def stop(self) -> None:
-        await asyncio.gather(*(r.actor.stop.remote() for r in self.replicas), return_exceptions=True)
+        actors = [a for r in self.replicas for a in (r.actor, *r.ranks)]
+        await asyncio.gather(*(a.stop.remote() for a in actors), return_exceptions=True)

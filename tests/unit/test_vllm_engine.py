@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from raycluster_cli.node.vllm_server import LAUNCH, VllmLaunch
+from raycluster_cli.node.vllm_server import LAUNCH, LAUNCH_HEADLESS, VllmLaunch, VllmRank
 from raycluster_cli.serve.live import BadInput
 from raycluster_cli.serve.options import ServeOptions, ValidationError, problem
 from raycluster_cli.serve.text import Sampling
@@ -50,7 +50,7 @@ def test_the_server_listens_on_loopback_and_its_key_is_not_on_its_command_line()
         python="/v/bin/python", model_path="/m", served_model="tiny", args=("--enforce-eager",)
     ).command(8123)
     assert command[:4] == ["/v/bin/python", "-c", LAUNCH, "vllm.entrypoints.openai.api_server"]
-    assert "--host=127.0.0.1" in command and "--port=8123" in command and command[-1] == "--enforce-eager"
+    assert "--host=127.0.0.1" in command and "--port=8123" in command and "--enforce-eager" in command
     assert not any("api-key" in part for part in command)
 
 
@@ -64,3 +64,15 @@ def test_engine_vllm_without_its_python_is_one_line_naming_the_flag() -> None:
         ServeOptions(engine="sglang")
     assert problem(unknown.value) == ("--engine 'sglang' is not one of ours, vllm", "--engine")
     assert ServeOptions(engine="vllm", vllm_python="/v/bin/python").vllm_python == "/v/bin/python"
+
+
+def test_a_pipeline_rank_s_command_pins_its_stage_by_node_rank() -> None:
+    launch = VllmLaunch(python="/v/bin/python", model_path="/m", served_model="tiny")
+    head = launch.command(8123, VllmRank(0, 3, "10.0.0.10", 29500))
+    third = launch.command(0, VllmRank(2, 3, "10.0.0.10", 29500))
+    assert head[3] == "vllm.entrypoints.openai.api_server" and "--headless" not in head
+    assert "--node-rank=0" in head and "--nnodes=3" in head and "--pipeline-parallel-size=3" in head
+    assert third[:5] == ["/v/bin/python", "-c", LAUNCH_HEADLESS, "serve", "/m"]
+    assert "--node-rank=2" in third and "--master-addr=10.0.0.10" in third and "--master-port=29500" in third
+    assert "--headless" in third and not any(part.startswith("--port") for part in third)
+    assert "--distributed-executor-backend=mp" in third  # vLLM's Ray backend refuses CPUs
