@@ -22,6 +22,7 @@ starves the others of concurrency.  Pure Python; what each node holds comes from
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -39,6 +40,7 @@ from raycluster_cli.placement.partition import (
 from raycluster_cli.placement.pipelines import NodeSpeed
 
 BLOCK_SIZE = 16  # vLLM's default KV block size (positions per block)
+MOST_ORDERED = 5  # up to this many stages every node order is tried; beyond, fastest first
 MOST_UTILIZATION = 0.95  # never hand vLLM more of a device than this: its own default is 0.9 of the total
 
 
@@ -216,3 +218,28 @@ def vllm_split(
         stage_kv_bytes=tuple(n * cfg.kv_bytes(blocks * block_size) for n in layers),
         why=why,
     )
+
+
+def best_pipeline(
+    cfg: ModelConfig, nodes: Sequence[VllmNode], stages: int, kv_tokens: int, block_size: int = BLOCK_SIZE
+) -> VllmSplit:
+    """One vLLM pipeline over the ``stages`` fastest of ``nodes`` (by measured cost), in the node order whose split
+    has the fastest slowest stage (every order up to ``MOST_ORDERED`` stages: the first stage also holds the
+    embedding and the last the LM head, so which node ends the pipeline matters; fastest first beyond)."""
+    if not 1 <= stages <= len(nodes):
+        raise ValueError(f"--stages {stages}: a vLLM pipeline needs 1 to {len(nodes)} stage(s) over these nodes")
+    chosen = sorted(nodes, key=lambda n: (sum(n.speed.unit_costs), n.speed.ip, n.speed.node_id))[:stages]
+    orders = itertools.permutations(chosen) if stages <= MOST_ORDERED else [tuple(chosen)]
+    best: VllmSplit | None = None
+    failure: DoesNotFit | None = None
+    for order in orders:
+        try:
+            split = vllm_split(cfg, order, kv_tokens, block_size)
+        except DoesNotFit as exc:
+            failure = failure or exc
+            continue
+        if best is None or (max(split.stage_s), -split.kv_blocks) < (max(best.stage_s), -best.kv_blocks):
+            best = split
+    if best is None:
+        raise failure or DoesNotFit("no vLLM pipeline fits these nodes")
+    return best

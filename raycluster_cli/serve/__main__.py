@@ -43,6 +43,7 @@ from raycluster_cli.node.vllm_server import VllmLaunch
 from raycluster_cli.placement import memory
 from raycluster_cli.placement.partition import DoesNotFit
 from raycluster_cli.placement.pipelines import NodeSpeed, plan_replicas
+from raycluster_cli.placement.vllm_split import VllmNode, VllmSplit, best_pipeline
 from raycluster_cli.serve import image_launch
 from raycluster_cli.serve.app import build_app
 from raycluster_cli.serve.fleet import Calibration, alive_nodes, measure
@@ -185,19 +186,43 @@ def _placement(options: LaunchOptions, settings: ServeSettings, layers: int) -> 
 
 
 def _vllm(options: LaunchOptions, settings: ServeSettings, cfg: ModelConfig, on_gpu: bool) -> ServeSettings:
-    """``--engine vllm``: a vLLM server on every alive node (one replica each, requests to the least busy), its
-    KV room on a CPU node (``VLLM_CPU_KVCACHE_SPACE``, whole GiB) from ``--kv-tokens`` at the model's layers."""
-    kv_gib = max(1, -(-cfg.layers * cfg.kv_bytes(options.kv_tokens) // (1 << 30)))
+    """``--engine vllm``: a vLLM server on every alive node (one replica each, requests to the least busy), or with
+    ``--stages`` S > 1 one vLLM pipeline over the S fastest measured nodes, its layers split by ``best_pipeline``;
+    a CPU rank's KV room (``VLLM_CPU_KVCACHE_SPACE``, whole GiB) holds ``--kv-tokens`` on its layers."""
+    env: tuple[tuple[str, str], ...] = ()
+    layers, alone = cfg.layers, tuple(alive_nodes())
+    pipelines: tuple[tuple[str, ...], ...] = ()
+    split = None
+    if options.stages > 1:
+        split = _vllm_split(options, cfg, on_gpu)
+        env, layers, pipelines, alone = tuple(split.env().items()), max(split.layers), (split.node_ids,), ()
+    kv_gib = max(1, -(-layers * cfg.kv_bytes(options.kv_tokens) // (1 << 30)))
     launch = VllmLaunch(
         python=options.vllm_python,
         model_path=options.model_path,
         served_model=settings.served_model,
         dtype=cfg.dtype,
         max_model_len=options.max_seq,
-        env=() if on_gpu else (("VLLM_CPU_KVCACHE_SPACE", str(kv_gib)),),
+        env=env + (() if on_gpu else (("VLLM_CPU_KVCACHE_SPACE", str(kv_gib)),)),
         start_timeout_s=max(60.0, options.timeout - 60.0),
     )
-    return replace(settings, vllm=launch, vllm_nodes=tuple(alive_nodes()))
+    return replace(settings, vllm=launch, vllm_nodes=alone, vllm_pipelines=pipelines, vllm_split=split)
+
+
+def _vllm_split(options: LaunchOptions, cfg: ModelConfig, on_gpu: bool) -> VllmSplit:
+    """The pipeline's nodes, order and layers from every alive node's measured costs and memory room."""
+    nodes = alive_nodes()
+    try:
+        rooms, _ = _rooms(cfg, options, list(nodes))
+        calibration = Calibration(batch=min(options.slots, 8), repeats=options.calibrate_repeats,
+                                  min_sample_s=options.calibrate_sample_s, prefill_chunk=options.prefill_chunk)  # fmt: skip
+        candidates = [
+            VllmNode(s, rooms[s.node_id], rooms[s.node_id], 1 if on_gpu else 0)
+            for s in measure(cfg, nodes, calibration)
+        ]
+        return best_pipeline(cfg, candidates, options.stages, options.kv_tokens)
+    except (DoesNotFit, ValueError) as exc:
+        raise SystemExit(f"serve: {exc}") from None
 
 
 def _vllm_report(url: str, settings: ServeSettings) -> dict[str, Any]:
@@ -205,11 +230,14 @@ def _vllm_report(url: str, settings: ServeSettings) -> dict[str, Any]:
         "url": url,
         "model": settings.served_model,
         "engine": "vllm",
-        "replicas": len(settings.vllm_nodes),
+        "replicas": len(settings.vllm_nodes) + len(settings.vllm_pipelines),
         "split": None,
         "pipelines": [],
         "nodes": [{"node_id": node_id} for node_id in settings.vllm_nodes],
-        "why": "a vLLM server on every node (--engine vllm), requests to the least busy, behind this service's keys",
+        "why": settings.vllm_split.why
+        if settings.vllm_split
+        else "a vLLM server on every node (--engine vllm), requests to the least busy, behind this service's keys",
+        "vllm": settings.vllm_split.to_json() if settings.vllm_split else None,
         "dtype": settings.dtype,
     }
 

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from raycluster_cli.node.vllm_server import VllmLaunch
 from raycluster_cli.placement.pipelines import NodeSpeed, PipelinePlan
+from raycluster_cli.placement.vllm_split import VllmSplit
 from raycluster_cli.serve.fleet import Calibration
 from raycluster_cli.serve.frontdoor import RequestLimits
 from raycluster_cli.serve.scheduler import Limits
@@ -45,6 +46,7 @@ class ServeSettings:
     vllm: VllmLaunch | None = None  # vLLM's servers generate instead of our pipelines (serve/vllm_engine.py)
     vllm_nodes: tuple[str, ...] = ()  # one vLLM replica on each of these nodes ("" = anywhere)
     vllm_pipelines: tuple[tuple[str, ...], ...] = ()  # one vLLM pipeline over each group, stage i on node i
+    vllm_split: VllmSplit | None = None  # how the launcher chose that pipeline (its report)
 
     @property
     def served_model(self) -> str:

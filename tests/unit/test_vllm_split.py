@@ -15,6 +15,7 @@ from raycluster_cli.placement.vllm_split import (
     MOST_UTILIZATION,
     MixedGpuCounts,
     VllmNode,
+    best_pipeline,
     group_by_gpus,
     kv_room,
     utilization,
@@ -114,3 +115,13 @@ def test_vllm_s_own_split_puts_the_remainder_before_the_last_stage() -> None:
     assert vllm_even_layers(24, 3) == [8, 8, 8]
     assert vllm_even_layers(4, 3) == [1, 2, 1]
     assert vllm_even_layers(26, 4) == [6, 7, 7, 6]
+
+
+def test_best_pipeline_takes_the_fastest_nodes_in_the_order_whose_slowest_stage_is_fastest() -> None:
+    nodes = [node("slow", 4.0), node("fast", 1.0), node("mid", 2.0)]
+    best = best_pipeline(CFG, nodes, 2, kv_tokens=1024)
+    assert set(best.ips) == {"fast", "mid"}
+    others = [vllm_split(CFG, [nodes[1], nodes[2]], 1024), vllm_split(CFG, [nodes[2], nodes[1]], 1024)]
+    assert max(best.stage_s) == min(max(s.stage_s) for s in others)
+    with pytest.raises(ValueError, match="--stages 4"):
+        best_pipeline(CFG, nodes, 4, kv_tokens=1024)
