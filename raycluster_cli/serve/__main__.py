@@ -225,19 +225,23 @@ def _vllm_split(options: LaunchOptions, cfg: ModelConfig, on_gpu: bool) -> VllmS
         raise SystemExit(f"serve: {exc}") from None
 
 
-def _vllm_report(url: str, settings: ServeSettings) -> dict[str, Any]:
+def _vllm_report(url: str, settings: ServeSettings, layers: int) -> dict[str, Any]:
+    """The launcher's document for ``--engine vllm``, shaped as ours: a replica's stages with their layers."""
+    split = settings.vllm_split
+    alone = "a vLLM server on this node (--engine vllm), requests to the least busy replica"
+    pipelines = [{"stages": [{"node_id": n, "blocks": layers}], "why": alone} for n in settings.vllm_nodes]
+    if split is not None:
+        stages = [{"node_id": n, "node_ip": ip, "blocks": count} for n, ip, count in zip(split.node_ids, split.ips, split.layers, strict=True)]  # fmt: skip
+        pipelines.append({"stages": stages, "why": split.why})
     return {
         "url": url,
         "model": settings.served_model,
         "engine": "vllm",
-        "replicas": len(settings.vllm_nodes) + len(settings.vllm_pipelines),
-        "split": None,
-        "pipelines": [],
-        "nodes": [{"node_id": node_id} for node_id in settings.vllm_nodes],
-        "why": settings.vllm_split.why
-        if settings.vllm_split
-        else "a vLLM server on every node (--engine vllm), requests to the least busy, behind this service's keys",
-        "vllm": settings.vllm_split.to_json() if settings.vllm_split else None,
+        "replicas": len(pipelines),
+        "split": list(split.layers) if split else None,
+        "pipelines": pipelines,
+        "vllm": split.to_json() if split else None,
+        "why": pipelines[0]["why"] if pipelines else "",
         "dtype": settings.dtype,
     }
 
@@ -321,7 +325,7 @@ def main(argv: list[str] | None = None) -> int:
     serve.run(build_app(settings, ray_actor_options=INGRESS_ACTOR_OPTIONS), name=APP_NAME, route_prefix="/")
     scheme = "https" if options.tls_cert else "http"
     url = f"{scheme}://{ray.util.get_node_ip_address()}:{options.port}/v1"
-    document = json.dumps(_vllm_report(url, settings) if settings.vllm else _report(url, settings, layers))
+    document = json.dumps(_vllm_report(url, settings, layers) if settings.vllm else _report(url, settings, layers))
     if options.record:
         Path(options.record).write_text(document + "\n")
     print(document)

@@ -76,3 +76,22 @@ def test_a_pipeline_rank_s_command_pins_its_stage_by_node_rank() -> None:
     assert "--node-rank=2" in third and "--master-addr=10.0.0.10" in third and "--master-port=29500" in third
     assert "--headless" in third and not any(part.startswith("--port") for part in third)
     assert "--distributed-executor-backend=mp" in third  # vLLM's Ray backend refuses CPUs
+
+
+def test_the_launcher_reports_a_vllm_pipeline_as_stages_with_their_layers() -> None:
+    from raycluster_cli.models.config import ModelConfig
+    from raycluster_cli.placement.pipelines import NodeSpeed
+    from raycluster_cli.placement.vllm_split import VllmNode, vllm_split
+    from raycluster_cli.serve.__main__ import _vllm_report
+    from raycluster_cli.serve.settings import ServeSettings
+
+    cfg = ModelConfig(arch="llama", activation="silu", vocab=100, d_model=64, heads=2, layers=4, max_seq=64)
+    nodes = [VllmNode(NodeSpeed(f"n{i}", f"10.0.0.{i}", (0.1, *[s] * 4, 0.1)), 10**10, 10**10) for i, s in ((1, 1.0), (2, 3.0))]  # fmt: skip
+    split = vllm_split(cfg, nodes, 256)
+    settings = ServeSettings(model_path="/m/tiny", vllm_pipelines=(split.node_ids,), vllm_split=split)
+    report = _vllm_report("http://h:8000/v1", settings, cfg.layers)
+    stages = report["pipelines"][0]["stages"]
+    assert [(s["node_ip"], s["blocks"]) for s in stages] == [("10.0.0.1", 3), ("10.0.0.2", 1)]
+    assert report["split"] == [3, 1] and report["engine"] == "vllm" and report["replicas"] == 1
+    alone = _vllm_report("u", ServeSettings(model_path="/m/tiny", vllm_nodes=("a", "b")), 4)
+    assert [p["stages"][0]["node_id"] for p in alone["pipelines"]] == ["a", "b"] and alone["split"] is None
