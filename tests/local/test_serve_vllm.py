@@ -1,5 +1,6 @@
-"""``--engine vllm``'s first increment on a throwaway local Ray: vLLM's OpenAI server behind our ingress, called by
-the real ``openai`` client with our keys, its greedy text checked against ``transformers``; then its server killed.
+"""``--engine vllm``'s first increment on a throwaway local Ray: two vLLM OpenAI servers (one replica each) behind our
+ingress, called by the real ``openai`` client with our keys, their greedy text checked against ``transformers``;
+then their servers killed, one after the other.
 
 vLLM is not in the node image nor in raycluster's venv: the test runs it from a venv of its own
 (``RAYCLUSTER_VLLM_PYTHON``, default /work/vllm-venv/bin/python) and is skipped without one.  A start imports vLLM
@@ -82,7 +83,9 @@ def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
         request_timeout_s=120,
         log_dir=str(tmp_path_factory.mktemp("vllm-log")),
     )
-    settings = ServeSettings(model_path=str(path), keys_file=str(keys), limits=Limits(max_seq=128), vllm=launch)
+    settings = ServeSettings(
+        model_path=str(path), keys_file=str(keys), limits=Limits(max_seq=128), vllm=launch, vllm_nodes=("", "")
+    )
     with local_serve(build_app(settings, health_check_period_s=2), SERVE_ENV) as root:
         tokenizer = transformers.AutoTokenizer.from_pretrained(str(path))
         model = transformers.AutoModelForCausalLM.from_pretrained(str(path)).eval()
@@ -119,20 +122,35 @@ def test_our_keys_stand_in_front_of_vllm(service: Service) -> None:
         asyncio.run(run())
 
 
-def test_a_killed_vllm_server_answers_503_not_500(service: Service) -> None:
-    """The server's process killed (the real failure): the next request is refused as unavailable (503, the
-    replica taken out), not failed as its own (500), and /health says the service is down.  Runs last."""
+def test_a_killed_server_s_requests_go_to_the_other_replica_and_503_once_none_is_left(service: Service) -> None:
+    """A replica's server process killed (the real failure): the requests after it are answered by the other
+    replica (none fails, none is a 500), the dead one is out; with both killed the service answers 503 (not 500)
+    and /health says so.  Runs last."""
     import httpx2 as httpx
 
     headers = {"Authorization": f"Bearer {TOKEN}"}
     status = httpx.get(f"{service.root}/raycluster/status", headers=headers, timeout=30).json()
-    os.kill(status["vllm"][0]["started"]["pid"], signal.SIGKILL)
+    first, second = (r["started"]["pid"] for r in status["vllm"])
+    os.kill(first, signal.SIGKILL)
     time.sleep(1.0)
 
-    async def run() -> None:
+    async def several() -> list[str]:
+        client = service.client()
+        return list(await asyncio.gather(*(_complete(client, p, s) for p in PROMPTS for s in (False, True))))
+
+    answers = asyncio.run(several())
+    assert answers == [service.generate(service.tokenizer.encode(p)) for p in PROMPTS for _ in (0, 1)]
+    status = httpx.get(f"{service.root}/raycluster/status", headers=headers, timeout=30).json()
+    assert status["replicas"] == 1 and status["vllm"][0]["failure"] and not status["vllm"][1]["failure"]
+    assert httpx.get(f"{service.root}/health", timeout=30).status_code == 200
+
+    os.kill(second, signal.SIGKILL)
+    time.sleep(1.0)
+
+    async def one() -> None:
         await _complete(service.client(), PROMPTS[1], False)
 
     with pytest.raises(openai.APIStatusError) as refused:
-        asyncio.run(run())
+        asyncio.run(one())
     assert refused.value.status_code == 503, refused.value
     assert httpx.get(f"{service.root}/health", timeout=30).status_code == 503
