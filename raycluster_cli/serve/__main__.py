@@ -39,9 +39,11 @@ from raycluster_cli.models.config import ModelConfig
 from raycluster_cli.models.decoder import config_from_checkpoint
 from raycluster_cli.node import nodes
 from raycluster_cli.node.nodes import measure_rooms
+from raycluster_cli.node.vllm_server import VllmLaunch
 from raycluster_cli.placement import memory
 from raycluster_cli.placement.partition import DoesNotFit
 from raycluster_cli.placement.pipelines import NodeSpeed, plan_replicas
+from raycluster_cli.placement.vllm_split import VllmNode, VllmSplit, best_pipeline
 from raycluster_cli.serve import image_launch
 from raycluster_cli.serve.app import build_app
 from raycluster_cli.serve.fleet import Calibration, alive_nodes, measure
@@ -183,6 +185,67 @@ def _placement(options: LaunchOptions, settings: ServeSettings, layers: int) -> 
     )
 
 
+def _vllm(options: LaunchOptions, settings: ServeSettings, cfg: ModelConfig, on_gpu: bool) -> ServeSettings:
+    """``--engine vllm``: a vLLM server on every alive node (one replica each, requests to the least busy), or with
+    ``--stages`` S > 1 one vLLM pipeline over the S fastest measured nodes, its layers split by ``best_pipeline``;
+    a CPU rank's KV room (``VLLM_CPU_KVCACHE_SPACE``, whole GiB) holds ``--kv-tokens`` on its layers."""
+    env: tuple[tuple[str, str], ...] = ()
+    layers, alone = cfg.layers, tuple(alive_nodes())
+    pipelines: tuple[tuple[str, ...], ...] = ()
+    split = None
+    if options.stages > 1:
+        split = _vllm_split(options, cfg, on_gpu)
+        env, layers, pipelines, alone = tuple(split.env().items()), max(split.layers), (split.node_ids,), ()
+    kv_gib = max(1, -(-layers * cfg.kv_bytes(options.kv_tokens) // (1 << 30)))
+    launch = VllmLaunch(
+        python=options.vllm_python,
+        model_path=options.model_path,
+        served_model=settings.served_model,
+        dtype=cfg.dtype,
+        max_model_len=options.max_seq,
+        env=env + (() if on_gpu else (("VLLM_CPU_KVCACHE_SPACE", str(kv_gib)),)),
+        start_timeout_s=max(60.0, options.timeout - 60.0),
+    )
+    return replace(settings, vllm=launch, vllm_nodes=alone, vllm_pipelines=pipelines, vllm_split=split)
+
+
+def _vllm_split(options: LaunchOptions, cfg: ModelConfig, on_gpu: bool) -> VllmSplit:
+    """The pipeline's nodes, order and layers from every alive node's measured costs and memory room."""
+    nodes = alive_nodes()
+    try:
+        rooms, _ = _rooms(cfg, options, list(nodes))
+        calibration = Calibration(batch=min(options.slots, 8), repeats=options.calibrate_repeats,
+                                  min_sample_s=options.calibrate_sample_s, prefill_chunk=options.prefill_chunk)  # fmt: skip
+        candidates = [
+            VllmNode(s, rooms[s.node_id], rooms[s.node_id], 1 if on_gpu else 0)
+            for s in measure(cfg, nodes, calibration)
+        ]
+        return best_pipeline(cfg, candidates, options.stages, options.kv_tokens)
+    except (DoesNotFit, ValueError) as exc:
+        raise SystemExit(f"serve: {exc}") from None
+
+
+def _vllm_report(url: str, settings: ServeSettings, layers: int) -> dict[str, Any]:
+    """The launcher's document for ``--engine vllm``, shaped as ours: a replica's stages with their layers."""
+    split = settings.vllm_split
+    alone = "a vLLM server on this node (--engine vllm), requests to the least busy replica"
+    pipelines = [{"stages": [{"node_id": n, "blocks": layers}], "why": alone} for n in settings.vllm_nodes]
+    if split is not None:
+        stages = [{"node_id": n, "node_ip": ip, "blocks": count} for n, ip, count in zip(split.node_ids, split.ips, split.layers, strict=True)]  # fmt: skip
+        pipelines.append({"stages": stages, "why": split.why})
+    return {
+        "url": url,
+        "model": settings.served_model,
+        "engine": "vllm",
+        "replicas": len(pipelines),
+        "split": list(split.layers) if split else None,
+        "pipelines": pipelines,
+        "vllm": split.to_json() if split else None,
+        "why": pipelines[0]["why"] if pipelines else "",
+        "dtype": settings.dtype,
+    }
+
+
 def _report(url: str, settings: ServeSettings, layers: int) -> dict[str, Any]:
     plans = settings.plans
     return {
@@ -253,12 +316,16 @@ def main(argv: list[str] | None = None) -> int:
     cfg = config_from_checkpoint(
         options.model_path, max_seq=options.max_seq, dtype=options.dtype, on_gpu=on_gpu, cpu_bf16=cpu_bf16
     )
-    settings = _placement(options, replace(settings, dtype=cfg.dtype), layers)
+    settings = replace(settings, dtype=cfg.dtype)
+    if options.engine == "vllm":
+        settings = _vllm(options, settings, cfg, on_gpu)
+    else:
+        settings = _placement(options, settings, layers)
     serve.start(proxy_location=options.proxy_location, http_options=http_options(options))
     serve.run(build_app(settings, ray_actor_options=INGRESS_ACTOR_OPTIONS), name=APP_NAME, route_prefix="/")
     scheme = "https" if options.tls_cert else "http"
     url = f"{scheme}://{ray.util.get_node_ip_address()}:{options.port}/v1"
-    document = json.dumps(_report(url, settings, layers))
+    document = json.dumps(_vllm_report(url, settings, layers) if settings.vllm else _report(url, settings, layers))
     if options.record:
         Path(options.record).write_text(document + "\n")
     print(document)

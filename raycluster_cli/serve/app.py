@@ -50,6 +50,7 @@ from raycluster_cli.serve.settings import ServeSettings
 from raycluster_cli.serve.status import add_counters, since_of
 from raycluster_cli.serve.text import eos_ids, out_of_vocab
 from raycluster_cli.serve.tokenbytes import token_bytes
+from raycluster_cli.serve.vllm_engine import VllmReplicas
 
 IDLE_PROBE_S = 30.0  # check_health probes with a generation when no step ran for this long
 STALL_S = 30.0  # a step in flight this long without any step coming back: a stage is wedged
@@ -83,37 +84,48 @@ class OpenAIServer:
         self._token_bytes = token_bytes(self.tokenizer)  # a token's own bytes, for log-probability entries
         self.tokenizing = Tokenizing(self.tokenizer, settings.request_limits)
         self.cfg = config_from_checkpoint(path, max_seq=settings.limits.max_seq, dtype=settings.dtype)
-        eos = eos_ids(self.tokenizer, _read_json(path / "generation_config.json"))
-        fleet = RayFleet(
-            self.cfg,
-            self.tokenizer,
-            settings.limits,
-            eos,
-            stages=settings.stages,
-            speeds=settings.speeds,
-            calibration=settings.calibration,
-            num_threads=settings.num_threads,
-            max_in_flight=settings.max_in_flight,
-            links=settings.links,
-            unit_bytes=settings.unit_bytes or None,
-            stage_fixed_bytes=settings.stage_fixed_bytes,
-            model=self.model_id,
-        )
-        self.pool = Pool(
-            fleet,
-            failover_wait_s=settings.failover_wait_s,
-            replace_period_s=settings.replace_period_s,
-            stall_s=STALL_S,
-            rebalance_period_s=settings.rebalance_period_s,
-            recorder=RayRecorder(),
-            model=self.model_id,
-        )
-        self.engine: TextEngine = self.pool  # what the routes generate with (serve/seam.py: how a backend plugs in)
-        await self._start(settings.pipeline_plans(self.cfg.layers))
+        self.vllm: VllmReplicas | None = None
+        if settings.vllm is not None:  # vLLM's servers generate (serve/vllm_engine.py); routes and keys stay ours
+            alone = settings.vllm_nodes or (() if settings.vllm_pipelines else ("",))  # none given: one anywhere
+            self.vllm = VllmReplicas(settings.vllm, alone, settings.vllm_pipelines)
+            await self.vllm.start()
+            self.engine: TextEngine = self.vllm
+        else:
+            self.pool = self._pool(path)
+            self.engine = self.pool  # what the routes generate with (serve/seam.py: how a backend plugs in)
+            await self._start(settings.pipeline_plans(self.cfg.layers))
         self.created = int(time.time())
         # what the process holds once set up is never collected again: a full collection walks only what came since
         self.collections = FullCollections(freeze_heap())
         self.front_end = FrontEndCpu()
+
+    def _pool(self, path: Path) -> Pool:
+        """Our engine: the pool of pipelines over the stage actors (serve/pool.py)."""
+        eos = eos_ids(self.tokenizer, _read_json(path / "generation_config.json"))
+        fleet = RayFleet(
+            self.cfg,
+            self.tokenizer,
+            self.settings.limits,
+            eos,
+            stages=self.settings.stages,
+            speeds=self.settings.speeds,
+            calibration=self.settings.calibration,
+            num_threads=self.settings.num_threads,
+            max_in_flight=self.settings.max_in_flight,
+            links=self.settings.links,
+            unit_bytes=self.settings.unit_bytes or None,
+            stage_fixed_bytes=self.settings.stage_fixed_bytes,
+            model=self.model_id,
+        )
+        return Pool(
+            fleet,
+            failover_wait_s=self.settings.failover_wait_s,
+            replace_period_s=self.settings.replace_period_s,
+            stall_s=STALL_S,
+            rebalance_period_s=self.settings.rebalance_period_s,
+            recorder=RayRecorder(),
+            model=self.model_id,
+        )
 
     async def _start(self, plans: list[PipelinePlan]) -> None:
         """Every planned pipeline, built at once; the ones that fail are left to the pool's re-placement
@@ -126,7 +138,12 @@ class OpenAIServer:
 
     async def check_health(self) -> None:
         """Raise when no pipeline generates and none is coming back; probe idle pipelines (a failed probe
-        fails that pipeline, which the pool then replaces)."""
+        fails that pipeline, which the pool then replaces); with vLLM, its idle replicas generate one token each."""
+        if self.vllm is not None:
+            await self.vllm.probe(IDLE_PROBE_S)
+            if (down := self.vllm.health()) is not None:
+                raise RuntimeError(down)
+            return
         problem = self.pool.health(REBUILD_GRACE_S)
         if problem is not None:
             raise RuntimeError(problem)
@@ -167,7 +184,8 @@ class OpenAIServer:
 
     @app.get("/health")
     async def health(self) -> dict[str, Any]:
-        return protocol.health(len(self.pool.live()), RETRY_AFTER_S)
+        live = self.vllm.live() if self.vllm is not None else self.pool.live()
+        return protocol.health(len(live), RETRY_AFTER_S)
 
     @app.get("/raycluster/status", dependencies=KEYED)
     async def status(self, request: Request) -> dict[str, Any]:
@@ -175,6 +193,8 @@ class OpenAIServer:
         limits, failovers and recent events; ``now``, this service's wall clock, which a later ``?since=`` gives
         back to have each pipeline's step anatomy over the steps sent from then on (a benchmark's run)."""
         since = since_of(request.query_params.get("since"))
+        if self.vllm is not None:
+            return {"model": self.model_id, "now": time.time(), **self.vllm.status()}
         pipelines = list(self.pool.pipelines)  # the rows' order, taken at the same moment
         body = {
             "model": self.model_id,

