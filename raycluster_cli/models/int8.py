@@ -15,6 +15,7 @@ inputs use 7 bits (fbgemm's ``reduce_range``: its 8-bit products could saturate 
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterable, Sequence
 from functools import cache
 from pathlib import Path
@@ -46,7 +47,9 @@ def _prepack(linear: nn.Linear) -> torch.Tensor:
     weight = linear.weight.detach().float()
     scales = (weight.abs().amax(dim=1) / 127).clamp_min(_TINY).double()
     zeros = torch.zeros(weight.shape[0], dtype=torch.long)
-    quantized = torch.quantize_per_channel(weight, scales, zeros, 0, torch.qint8)
+    with warnings.catch_warnings():  # torch marks its quantized tensors deprecated (torchao's replacement is not
+        warnings.simplefilter("ignore", UserWarning)  # in the node image); fbgemm's kernels behind them are current
+        quantized = torch.quantize_per_channel(weight, scales, zeros, 0, torch.qint8)
     packed: torch.Tensor = torch.ops.quantized.linear_prepack(quantized, None)
     return packed
 

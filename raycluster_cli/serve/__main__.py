@@ -257,6 +257,7 @@ def _report(url: str, settings: ServeSettings, layers: int) -> dict[str, Any]:
         "nodes": [{"node_id": s.node_id, "node_ip": s.ip, "block_s": s.block_s} for s in settings.speeds],
         "why": plans[0].why,
         "dtype": settings.dtype,
+        "quantize": settings.quantize or "none",
     }
 
 
@@ -283,6 +284,7 @@ def _settings(options: LaunchOptions, keys_file: str | None) -> ServeSettings:
         rebalance_period_s=0.0 if split else options.rebalance_period,  # a split the operator gave is kept
         max_in_flight=options.steps_in_flight or None,
         links=options.links,
+        quantize="" if options.quantize == "none" else options.quantize,
     )
 
 
@@ -312,6 +314,8 @@ def main(argv: list[str] | None = None) -> int:
     split_units(layers, options.stages, settings.split)  # a bad split fails here, before anything starts
     ray.init(address="auto")
     on_gpu = _on_gpus()
+    if on_gpu and settings.quantize:
+        raise SystemExit("serve: --quantize int8 runs on CPU stages; on GPUs serve without --quantize")
     cpu_bf16 = options.dtype == "auto" and not on_gpu and nodes.all_native_bf16(list(alive_nodes()), timeout_s=60)
     cfg = config_from_checkpoint(
         options.model_path, max_seq=options.max_seq, dtype=options.dtype, on_gpu=on_gpu, cpu_bf16=cpu_bf16

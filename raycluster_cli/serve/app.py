@@ -21,7 +21,7 @@ import time
 import uuid
 import weakref
 from collections.abc import AsyncIterator
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -83,7 +83,10 @@ class OpenAIServer:
         self.tokenizer = transformers.AutoTokenizer.from_pretrained(str(path))
         self._token_bytes = token_bytes(self.tokenizer)  # a token's own bytes, for log-probability entries
         self.tokenizing = Tokenizing(self.tokenizer, settings.request_limits)
-        self.cfg = config_from_checkpoint(path, max_seq=settings.limits.max_seq, dtype=settings.dtype)
+        self.cfg = replace(
+            config_from_checkpoint(path, max_seq=settings.limits.max_seq, dtype=settings.dtype),
+            quantize=settings.quantize,
+        )
         self.vllm: VllmReplicas | None = None
         if settings.vllm is not None:  # vLLM's servers generate (serve/vllm_engine.py); routes and keys stay ours
             alone = settings.vllm_nodes or (() if settings.vllm_pipelines else ("",))  # none given: one anywhere

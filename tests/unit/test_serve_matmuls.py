@@ -14,11 +14,11 @@ from raycluster_cli.models.matmuls import (  # noqa: E402
     PACKED,
     Matmuls,
     large_form,
-    widest_form,
     measure,
     pack,
     packable,
     plan_from_costs,
+    widest_form,
 )
 
 
