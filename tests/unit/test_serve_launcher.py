@@ -85,8 +85,9 @@ def test_the_json_line_names_url_model_replicas_and_each_replica_s_split() -> No
         model_path="/models/tiny", plans=tuple(plans), speeds=tuple(speeds), stages=2, dtype="bfloat16"
     )
     line = json.loads(json.dumps(_report("http://10.0.0.1:8000/v1", settings, 4)))
-    assert set(line) == {"url", "model", "replicas", "split", "pipelines", "nodes", "why", "dtype"}
+    assert set(line) == {"url", "model", "replicas", "split", "pipelines", "nodes", "why", "dtype", "quantize"}
     assert line["model"] == "tiny" and line["replicas"] == 2 and line["dtype"] == "bfloat16"
+    assert line["quantize"] == "none"
     assert line["split"] == [list(r) for r in plans[0].ranges]
     stage = line["pipelines"][0]["stages"][0]
     assert set(stage) == {"units", "blocks", "node_ip", "node_id", "stage_s"}
