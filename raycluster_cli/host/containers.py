@@ -28,7 +28,6 @@ MODELS_IN_CONTAINER = "/run/raycluster/models"  # the host's model cache, read-o
 # `env` while the values stay out of `docker inspect` and every command line (`verbs/serve.py` sources it
 # the same way).
 SOURCE_ENV = f"set -a && . {ENV_IN_CONTAINER} && set +a"
-_SOURCE_ENV_THEN_RUN = f'{SOURCE_ENV} && exec "$@"'
 # A worker's container waits until the head's GCS answers before `ray start`, so that `up` starts every worker
 # while the head is still starting instead of after: `ray start --address` itself gives a GCS that is not there
 # yet about 20 s, and looks for the head's node, and the session's name, only every 2 s. One Python process first
@@ -143,11 +142,30 @@ def _env_options(inventory: Inventory, host: HostConfig) -> list[str]:
     return picked
 
 
+# Every node's container restarts by itself when it exits or its engine starts again (a reboot, a restarted
+# dockerd), unless an operator stopped it (`docker stop`/`kill`), which Docker remembers; `down` removes it for good
+# (`docker rm -f`). A worker's raylet exits once its head's GCS has not answered for Ray's
+# gcs_rpc_server_reconnect_timeout_s (60 s), and so does its container: restarted, it waits for the head again
+# (GCS_WAIT_S, then exits and is restarted once more) and joins the head that came back. `on-failure` would not
+# do: Docker's engine starts again only the containers of `always` and `unless-stopped`. Podman's
+# podman-restart.service starts again at boot only those of `always` (engine.adapt_run_argv uses it there).
+RESTART_POLICY = "unless-stopped"
+# The service's record in the head's container (serve/revive.py): what `serve` deployed, written by its launcher
+# once the service generates, removed by `serve --stop`. It lives in the container's own filesystem, which a
+# restart keeps and `down` (or `up` replacing the head, a new cluster) removes with the container, as it removes
+# the keys document and the TLS pair the service needs beside it (verbs/serve_keys.py).
+REVIVE_RECORD = "/tmp/raycluster-serve-revive.json"
+
+
 def start_script(inventory: Inventory, host: HostConfig) -> str:
     """The container's shell command (its arguments: `ray start …`): the env file, then, on a worker, the
-    wait for the head's GCS, then `ray start`, in the container's main process."""
+    wait for the head's GCS, then `ray start`, in the container's main process. On the head, when the
+    container holds the service's record (it started again after `serve`), the service's redeploy in the
+    background first (serve/revive.py), then `ray start`."""
     if host.role == "head":
-        return _SOURCE_ENV_THEN_RUN
+        gcs = f"{inventory.head_address}:{inventory.ray.port}"
+        revive = shlex.join(["python3", "-m", "raycluster_cli.serve.revive", REVIVE_RECORD, f"--gcs={gcs}"])
+        return f'{SOURCE_ENV} && {{ if [ -f {REVIVE_RECORD} ]; then {revive} & fi; }} && exec "$@"'
     mode = "early" if early_start(inventory, host) else "head"
     wait = shlex.join(
         ["python3", "-c", _WAIT_FOR_GCS, inventory.head_address, str(inventory.ray.port), str(GCS_WAIT_S), mode]
@@ -274,7 +292,8 @@ SERVE_ENV = {
 def run_argv(inventory: Inventory, host: HostConfig) -> list[str]:
     docker = inventory.docker_for(host)
     argv = [
-        "docker", "run", "--detach", "--init", f"--name={container_name(inventory, host)}", "--network=host",
+        "docker", "run", "--detach", "--init", f"--restart={RESTART_POLICY}", f"--name={container_name(inventory, host)}",
+        "--network=host",
         f"--label={LABEL_CLUSTER}={inventory.cluster}", f"--label={LABEL_ROLE}={host.role}",
         f"--label={LABEL_MANAGED}=raycluster",
         f"--volume={env_path_on_host(inventory, host)}:{ENV_IN_CONTAINER}:ro",

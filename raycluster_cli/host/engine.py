@@ -125,13 +125,18 @@ def _text(value: Any) -> str:
 
 
 def adapt_run_argv(dialect: Dialect, argv: list[str]) -> list[str]:
-    """`docker run` arguments for the host's engine: for Podman, `--gpus X` becomes CDI devices."""
+    """`docker run` arguments for the host's engine: for Podman, `--gpus X` becomes CDI devices, and the restart
+    policy `unless-stopped` becomes `always`: Podman has no engine that starts containers at boot, and its
+    podman-restart.service starts only those of `always` (an operator's `podman stop` still keeps one stopped
+    until then)."""
     if dialect.name != "podman":
         return argv
     out: list[str] = []
     words = iter(argv)
     for word in words:
-        if word == "--gpus":
+        if word == "--restart=unless-stopped":
+            out.append("--restart=always")
+        elif word == "--gpus":
             out += _cdi_devices(next(words, "all"))
         elif word.startswith("--gpus="):
             out += _cdi_devices(word.split("=", 1)[1])

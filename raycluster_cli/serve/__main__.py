@@ -44,7 +44,7 @@ from raycluster_cli.placement import memory
 from raycluster_cli.placement.partition import DoesNotFit
 from raycluster_cli.placement.pipelines import NodeSpeed, plan_replicas
 from raycluster_cli.placement.vllm_split import VllmNode, VllmSplit, best_pipeline
-from raycluster_cli.serve import image_launch
+from raycluster_cli.serve import image_launch, revive
 from raycluster_cli.serve.app import build_app
 from raycluster_cli.serve.fleet import Calibration, alive_nodes, measure
 from raycluster_cli.serve.options import (
@@ -305,10 +305,10 @@ def read_options(argv: list[str]) -> LaunchOptions:
 
 
 def main(argv: list[str] | None = None) -> int:
-    options = read_options(sys.argv[1:] if argv is None else argv)
-    if is_diffusers_folder(options.model_path):  # the images API (serve/image_launch.py)
-        return image_launch.launch(options, _keys_file(options), APP_NAME, INGRESS_ACTOR_OPTIONS, http_options(options))
-    options = resolved(options)
+    given = read_options(sys.argv[1:] if argv is None else argv)
+    if is_diffusers_folder(given.model_path):  # the images API (serve/image_launch.py)
+        return image_launch.launch(given, _keys_file(given), APP_NAME, INGRESS_ACTOR_OPTIONS, http_options(given))
+    options = resolved(given)
     settings = _settings(options, _keys_file(options))
     layers = config_from_checkpoint(options.model_path, max_seq=options.max_seq).layers
     split_units(layers, options.stages, settings.split)  # a bad split fails here, before anything starts
@@ -329,9 +329,12 @@ def main(argv: list[str] | None = None) -> int:
     serve.run(build_app(settings, ray_actor_options=INGRESS_ACTOR_OPTIONS), name=APP_NAME, route_prefix="/")
     scheme = "https" if options.tls_cert else "http"
     url = f"{scheme}://{ray.util.get_node_ip_address()}:{options.port}/v1"
-    document = json.dumps(_vllm_report(url, settings, layers) if settings.vllm else _report(url, settings, layers))
+    report = _vllm_report(url, settings, layers) if settings.vllm else _report(url, settings, layers)
+    document = json.dumps(report)
     if options.record:
         Path(options.record).write_text(document + "\n")
+    if options.revive:  # the options as given: a redeploy resolves their defaults on the nodes it then finds
+        revive.write(options.revive, given.model_dump(mode="json"), report)
     print(document)
     return 0
 

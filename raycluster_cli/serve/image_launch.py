@@ -19,6 +19,7 @@ from typing import Any
 import ray
 from ray import serve
 
+from raycluster_cli.serve import revive
 from raycluster_cli.serve.options import LaunchOptions
 
 IMAGE_DTYPES = ("float32", "bfloat16")  # on CPU; float16 convolutions are not kernels every torch build has
@@ -64,9 +65,12 @@ def launch(
     placement = handle.describe.remote().result(timeout_s=120)
     scheme = "https" if http_options.get("ssl_certfile") else "http"
     url = f"{scheme}://{ray.util.get_node_ip_address()}:{options.port}/v1"
-    document = json.dumps(report(url, settings.served_model, placement))
+    reported = report(url, settings.served_model, placement)
+    document = json.dumps(reported)
     if options.record:
         Path(options.record).write_text(document + "\n")
+    if options.revive:
+        revive.write(options.revive, options.model_dump(mode="json"), reported)
     print(document)
     return 0
 

@@ -171,6 +171,11 @@ class LaunchOptions(ServeOptions):
     )
     no_auth: bool = Field(False, description="accept requests without a key (loopback tests only)")
     record: str = Field("", description="also write the JSON document to this file (for `raycluster status`)")
+    revive: str = Field(
+        "",
+        description="once deployed, also keep these options and the nodes used in this file: the head's container"
+        " deploys the service again from it when it starts again (serve/revive.py)",
+    )
     split: str = Field("", description="blocks per stage, e.g. 4,3,3 (default: balanced by measured speed)")
     replicas: int = Field(0, ge=0, description="pipelines (0: as many as the nodes allow, N // stages)")
     no_measure: bool = Field(False, description="skip the calibration: an even split (or --split)")

@@ -25,7 +25,7 @@ from raycluster_cli.config.inventory import Inventory
 from raycluster_cli.delivery.model_relay import ModelCopy, place_model
 from raycluster_cli.delivery.models import ModelFolder
 from raycluster_cli.errors import OperationError, UsageError
-from raycluster_cli.host.containers import SOURCE_ENV, TOKEN_IN_CONTAINER, container_name
+from raycluster_cli.host.containers import REVIVE_RECORD, SOURCE_ENV, TOKEN_IN_CONTAINER, container_name
 from raycluster_cli.progress import Progress, quiet
 from raycluster_cli.serve.options import LaunchOptions, ServeOptions
 from raycluster_cli.transport import Transport, quote
@@ -76,6 +76,7 @@ def launch_options(
             "host": inventory.node_ip(inventory.head_host),
             "keys_file": KEYS_IN_CONTAINER,
             "record": RECORD,
+            "revive": REVIVE_RECORD,
             "tls_cert": tls[0] if tls else None,
             "tls_key": tls[1] if tls else None,
         }
@@ -258,14 +259,17 @@ def service_status(inventory: Inventory, connect: Connect) -> dict[str, Any] | N
 
 
 def stop(inventory: Inventory, connect: Connect) -> bool:
-    """Remove the service (Ray Serve's application and its stage actors); whether there was one."""
+    """Remove the service (Ray Serve's application and its stage actors) and its records in the head's container
+    (the one `status` reads, the one the head deploys it again from when it starts again); whether there was one."""
     transport, head = _head(inventory, connect)
     script = (
         "import json, ray\nfrom ray import serve\nray.init(address='auto', logging_level='ERROR')\n"
         f"had = {APP!r} in serve.status().applications\n"
         f"serve.delete({APP!r}) if had else None\nprint(json.dumps({{'removed': had}}))\n"
     )
-    command = f"docker exec {head} sh -c {quote(f'{SOURCE_ENV} && python -c {shlex.quote(script)} && rm -f {RECORD}')}"
+    # the records first: a head that starts again meanwhile must not deploy what is being removed
+    removal = f"rm -f {RECORD} {REVIVE_RECORD} && {SOURCE_ENV} && python -c {shlex.quote(script)}"
+    command = f"docker exec {head} sh -c {quote(removal)}"
     result = transport.run(command, timeout=180)
     document = _last_json(result.stdout)
     if not result.ok or document is None:

@@ -5,8 +5,9 @@ Ray processes, its network namespace and its address vanish at once, with no FIN
 power) while streamed greedy completions run through the real `openai` client.  Every answer must equal
 `transformers`' own `generate()` (a stream that moved continues where it was: no token lost or repeated), no request
 fails, and within 60 s of the kill `/raycluster/status` shows the service at full capacity without the dead node
-(its pipeline gone, the two others live) and a fresh request is answered.  Then the host boots again, `raycluster
-up` restarts its Ray container, and the service takes the returned node in as a new replica by itself.
+(its pipeline gone, the two others live) and a fresh request is answered.  Then the host boots again, its engine
+restarts its Ray container (its restart policy; `raycluster up` finds it running, or starts it), and the service
+takes the returned node in as a new replica by itself.
 """
 
 from __future__ import annotations
@@ -211,7 +212,9 @@ def _return(served: Served) -> dict[str, float]:
     with Load(served) as load:
         code, doc, err = lab.cli("up", timeout=900)
         assert code == 0, err[-3000:]
-        assert {n["host"]: n["action"] for n in doc["nodes"]}[IP3] == "restarted", doc["nodes"]
+        # its engine restarted the Ray container by its restart policy, and `up` keeps it ("running"), unless `up`
+        # looked before the engine had started it again
+        assert {n["host"]: n["action"] for n in doc["nodes"]}[IP3] in ("running", "restarted"), doc["nodes"]
         up_done = time.monotonic()
 
         def taken_in() -> bool:

@@ -81,6 +81,17 @@ def test_podman_takes_gpus_as_cdi_devices() -> None:
     assert "--device=nvidia.com/gpu=all" in argv and "--gpus" not in argv
 
 
+def test_podman_restarts_node_containers_with_always_which_its_boot_service_starts() -> None:
+    """Podman has no engine that starts containers at boot; podman-restart.service starts those of `always`."""
+    inv = inventory.parse(PODMAN_YAML)
+    for host in inv.hosts:
+        argv = run_argv(inv, host)
+        assert "--restart=always" in argv and "--restart=unless-stopped" not in argv
+    docker = inventory.parse(EXAMPLE)
+    assert "--restart=unless-stopped" in run_argv(docker, docker.head_host)
+    assert adapt_run_argv(PODMAN, ["docker", "run", "--restart=on-failure", "img"])[2] == "--restart=on-failure"
+
+
 def test_doctor_asks_podman_for_its_version_and_storage_root() -> None:
     """One `docker info` per host carries the version and the storage root (and Docker's runtimes)."""
     assert DOCKER_VERSION.needs[0].command is not None

@@ -154,6 +154,8 @@ def test_decide_keeps_an_unchanged_running_container() -> None:
     ("state", "force", "config", "ids", "seen", "reason"),
     [
         ("exited", "", None, (A, A), "d1", "container exited"),
+        # the restart policy's back-off between two starts (a worker whose head is gone): `up` starts it afresh
+        ("restarting", "", None, (A, A), "d1", "container restarting"),
         ("running", "the head was replaced", None, (A, A), "d1", "the head was replaced"),
         ("running", "", "0000", (A, A), "d1", "configuration changed"),
         ("running", "", None, (A, B), "d1", "image changed (aaaaaaaaaaaa → bbbbbbbbbbbb)"),

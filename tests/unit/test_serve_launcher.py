@@ -12,6 +12,7 @@ pytest.importorskip("ray")
 pytest.importorskip("torch")
 
 from raycluster_cli.config import inventory
+from raycluster_cli.host.containers import REVIVE_RECORD
 from raycluster_cli.placement.pipelines import NodeSpeed, plan_replicas
 from raycluster_cli.serve.__main__ import _report, _settings, http_options, read_options
 from raycluster_cli.serve.options import LaunchOptions
@@ -53,7 +54,9 @@ def test_cli_flags_reach_the_launchers_settings_through_one_json_document(tmp_pa
     plain = read_options(
         ["--options", serve.launch_options(inv, "/m", serve_options(_flags("--model-path", "x"))).model_dump_json()]
     )
-    defaults = LaunchOptions(model_path="/m", host="192.0.2.10", keys_file=KEYS_IN_CONTAINER, record=serve.RECORD)
+    defaults = LaunchOptions(
+        model_path="/m", host="192.0.2.10", keys_file=KEYS_IN_CONTAINER, record=serve.RECORD, revive=REVIVE_RECORD
+    )
     assert plain == defaults
 
 
