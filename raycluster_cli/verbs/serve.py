@@ -30,7 +30,7 @@ from raycluster_cli.progress import Progress, quiet
 from raycluster_cli.serve.options import LaunchOptions, ServeOptions
 from raycluster_cli.transport import Transport, quote
 from raycluster_cli.transport.pool import Connect
-from raycluster_cli.verbs import serve_keys
+from raycluster_cli.verbs import serve_keys, served_model
 from raycluster_cli.verbs.serve_keys import KEYS_IN_CONTAINER
 
 APP = "raycluster"  # the Ray Serve application's name (the launcher's APP_NAME)
@@ -118,6 +118,8 @@ def serve(inventory: Inventory, connect: Connect, options: ServeOptions, progres
             if flag
             else f"its full output: raycluster exec -- {shlex.join(['sh', '-c', launcher_command()])}",
         )
+    if model is not None:  # `up` gives a host added later its copy (verbs/served_model.py)
+        served_model.remember(inventory, model)
     return ServeResult(
         url=str(document.get("url", "")),
         model=str(document.get("model", "")),
@@ -262,6 +264,7 @@ def stop(inventory: Inventory, connect: Connect) -> bool:
     """Remove the service (Ray Serve's application and its stage actors) and its records in the head's container
     (the one `status` reads, the one the head deploys it again from when it starts again); whether there was one."""
     transport, head = _head(inventory, connect)
+    served_model.forget(inventory)
     script = (
         "import json, ray\nfrom ray import serve\nray.init(address='auto', logging_level='ERROR')\n"
         f"had = {APP!r} in serve.status().applications\n"

@@ -17,6 +17,7 @@ from raycluster_cli.delivery.deliver import ImageTransfer
 from raycluster_cli.errors import RayclusterError
 from raycluster_cli.progress import Progress, quiet
 from raycluster_cli.transport.pool import Connect
+from raycluster_cli.verbs import served_model
 from raycluster_cli.verbs.up_hosts import NodesMissing, PreflightFailed
 from raycluster_cli.verbs.up_phases import UpRun
 
@@ -118,6 +119,9 @@ def tell_service(run: UpRun, connect: Connect, progress: Progress, warnings: lis
         return None
     progress(f"telling the service of {len(started)} node(s) started now")
     try:
+        problem = served_model.relay_to_new_hosts(run.inventory, connect, progress)  # a new host lacks the model
+        if problem is not None:
+            warnings.append(problem)
         return take_in(run.inventory, connect, started)
     except RayclusterError as exc:
         warnings.append(f"the service was not told of the new node(s): {exc.one_line()}; it takes them in by itself")
