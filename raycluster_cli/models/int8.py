@@ -18,24 +18,23 @@ from __future__ import annotations
 import warnings
 from collections.abc import Iterable, Sequence
 from functools import cache
-from pathlib import Path
 
 import torch
 from torch import nn
 
+from raycluster_cli.models.cpu import cpu_flags
 from raycluster_cli.models.matmuls import Matmuls
 
 _TINY = 1e-12  # a row of zeros keeps scale 1e-12 and comes out as zeros
 
 
+VNNI_FLAGS = ("avx512_vnni", "avx_vnni", "amx_int8")  # 8-bit dot products that cannot saturate
+
+
 @cache
 def has_vnni() -> bool:
     """Whether this CPU has 8-bit dot products that cannot saturate (AVX-512 VNNI, AVX-VNNI or AMX)."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return any(flag in text for flag in (" avx512_vnni", " avx_vnni", " amx_int8"))
+    return not cpu_flags().isdisjoint(VNNI_FLAGS)
 
 
 def available() -> bool:

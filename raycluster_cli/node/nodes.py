@@ -12,6 +12,7 @@ import ray
 import torch
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from raycluster_cli.models.cpu import cpu_flags
 from raycluster_cli.node.cgroup import container_cpu_quota, node_capacity, torch_threads
 from raycluster_cli.placement.memory import Capacity
 
@@ -60,14 +61,7 @@ BF16_FLAGS = ("avx512_bf16", "amx_bf16")  # x86 instructions that multiply bfloa
 def native_bf16(cpuinfo: str | None = None) -> bool:
     """Whether this CPU multiplies bfloat16 natively (``/proc/cpuinfo``'s flags, or ``cpuinfo``'s text): where it
     does not, torch emulates bfloat16 products in float32 and a bfloat16 model runs slower than a float32 one."""
-    if cpuinfo is None:
-        try:
-            with open("/proc/cpuinfo", encoding="utf-8") as handle:
-                cpuinfo = handle.read()
-        except OSError:
-            return False
-    flags = next((line.split(":", 1)[1].split() for line in cpuinfo.splitlines() if line.startswith("flags")), [])
-    return any(flag in flags for flag in BF16_FLAGS)
+    return not cpu_flags(cpuinfo).isdisjoint(BF16_FLAGS)
 
 
 @ray.remote(num_cpus=0)
