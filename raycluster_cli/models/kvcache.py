@@ -40,7 +40,9 @@ class StepIndex:
     reads: torch.Tensor  # int64 [d * L]: each decode row's pool positions 0..L-1 (padded with position 0)
     ends: torch.Tensor  # int64 [d]: each decode row's key count
     width: int  # L, the longest decode row's keys
+    chunks: dict[int, torch.Tensor] = field(default_factory=dict)  # row of several tokens -> its pool positions 0..
     masks: dict[int, torch.Tensor] = field(default_factory=dict)  # window -> float32 [d, L] (0 or -inf)
+    gathered: torch.Tensor | None = None  # a GPU's: every row's pool positions, padded to the step's longest
 
     def mask(self, window: int) -> torch.Tensor:
         """A decode row sees its own keys (not the padding up to the longest), within ``window`` when set."""
@@ -114,6 +116,11 @@ class BlockTable:
             reads=(torch.cat(reads) if reads else torch.zeros(0, dtype=torch.long)).to(self.device),
             ends=torch.tensor(ends, dtype=torch.long, device=self.device),
             width=width,
+            chunks={
+                b: self.positions(slot, 0, start + length).to(self.device)
+                for b, (slot, start, length) in enumerate(listed)
+                if length > 1
+            },
         )
         return self.step
 
@@ -163,21 +170,25 @@ class PagedCache:
 
     def keys(self, slot: int, first: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Positions [first, end) of one slot, [1, kv_heads, end - first, head_dim] (gathered: a copy)."""
-        where = self.table.positions(slot, first, end).to(self.k.device)
+        return self._select(self.table.positions(slot, first, end).to(self.k.device))
+
+    def _select(self, where: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.k.index_select(1, where)[None], self.v.index_select(1, where)[None]
 
     def gather(self, rows: Rows, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Every row's positions [0, end) in one tensor [B, kv_heads, end, head_dim]; a row's positions past its
-        own end are another position's values (its mask hides them)."""
-        where = []
-        for slot, start, length in rows.listed:
-            mine = self.table.positions(slot, 0, start + length)
-            where.append(F.pad(mine, (0, end - mine.numel())))
-        index = torch.cat(where).to(self.k.device)
+        own end are another position's values (its mask hides them).  The index is the step's, worked out by the
+        first layer that asks."""
+        step = self.table.step
+        assert step is not None, "BlockTable.prepare runs before a step's layers"
+        if step.gathered is None:
+            where = [self.table.positions(slot, 0, start + length) for slot, start, length in rows.listed]
+            step.gathered = torch.cat([F.pad(w, (0, end - w.numel())) for w in where]).to(self.k.device)
         heads, dim = self._shape
-        batch = len(where)
+        batch = len(rows.listed)
         return tuple(  # type: ignore[return-value]
-            pool.index_select(1, index).view(heads, batch, end, dim).transpose(0, 1) for pool in (self.k, self.v)
+            pool.index_select(1, step.gathered).view(heads, batch, end, dim).transpose(0, 1)
+            for pool in (self.k, self.v)
         )
 
     def attend(self, rows: Rows, q: torch.Tensor, window: int = 0, gqa: bool = False) -> torch.Tensor:
@@ -194,12 +205,11 @@ class PagedCache:
         out = q.new_zeros(q.shape)
         if step.decode.numel():
             out[step.decode, :, :1] = self.decode(q[step.decode, :, :1], step, window)
-        for b, (slot, start, length) in enumerate(rows.listed):
-            if length == 1:
-                continue
-            end = start + length
-            keys, values = self.keys(slot, 0, end)
-            mask = rows.mask(window)[b : b + 1, :, :length, :end]
+        masks = rows.mask(window)
+        for b, where in step.chunks.items():
+            length, end = rows.listed[b][2], where.numel()
+            keys, values = self._select(where)
+            mask = masks[b : b + 1, :, :length, :end]
             out[b : b + 1, :, :length] = F.scaled_dot_product_attention(
                 q[b : b + 1, :, :length], keys, values, attn_mask=mask, enable_gqa=gqa
             )
