@@ -39,6 +39,7 @@ from raycluster_cli.serve.stages import STAGE_NAMESPACE  # noqa: E402
 from ..local_ray import local_serve, write_keys  # noqa: E402
 from ..openai_penalties import OpenAIPenalties  # noqa: E402
 from ..serve_checkpoint import WORDS, write_chat_llama  # noqa: E402
+from ..serve_service import wait_until  # noqa: E402
 from ..text_tokenizers import in_context  # noqa: E402
 
 TOKEN = "failover-token"
@@ -71,20 +72,6 @@ class Service:
         return data
 
 
-def _wait(check: Any, deadline_s: float, what: str) -> float:
-    """Poll ``check`` until it is true; the seconds it took."""
-    began = time.monotonic()
-    while True:
-        try:
-            if check():
-                return time.monotonic() - began
-        except OSError:
-            pass
-        if time.monotonic() - began > deadline_s:
-            raise TimeoutError(f"{what}: not after {deadline_s} s")
-        time.sleep(0.2)
-
-
 @pytest.fixture(scope="module")
 def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
     path = write_chat_llama(tmp_path_factory.mktemp("failover") / MODEL)
@@ -101,7 +88,7 @@ def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
         tokenizer = transformers.AutoTokenizer.from_pretrained(str(path))
         model = transformers.AutoModelForCausalLM.from_pretrained(str(path)).eval()
         found = Service(f"{root}/v1", path, tokenizer, model)
-        _wait(lambda: found.status()["replicas"] == 2, 60, "two pipelines")
+        wait_until(lambda: found.status()["replicas"] == 2, 60, "two pipelines")
         yield found
 
 
@@ -139,7 +126,7 @@ def test_a_stage_killed_under_load_fails_no_request_and_capacity_returns(service
         assert text == service.generate(prompt), prompt
     status = service.status()
     assert status["failovers"] >= 1  # some streams really moved
-    _wait(lambda: service.status()["replicas"] == 2, 60, "capacity back")
+    wait_until(lambda: service.status()["replicas"] == 2, 60, "capacity back")
     back_s = time.monotonic() - killed[0]
     print(f"failovers {status['failovers']}; two pipelines again {back_s:.1f} s after the kill")
     assert back_s < 60
@@ -188,7 +175,7 @@ def test_a_stage_killed_mid_answer_of_several_choices_fails_no_choice(service: S
     """Requests of n = 2 streamed when a stage dies: every choice of every request is moved, none fails, and
     each choice's text, put back together from the stream's pieces by their index, is the greedy answer — with a
     frequency penalty, the answer penalized for every token it generated, those sent before the move included."""
-    _wait(lambda: service.status()["replicas"] == 2, 60, "two pipelines")
+    wait_until(lambda: service.status()["replicas"] == 2, 60, "two pipelines")
     before = service.status()["failovers"]
     prompts = PROMPTS[:6]
     answers = asyncio.run(_choice_streams(service, prompts))
