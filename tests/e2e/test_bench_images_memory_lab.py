@@ -29,7 +29,7 @@ from ..diffusion_checkpoint import write_tiny_sd
 from .conftest import DOCKER, Lab, keep_report
 from .test_bench_lab import Cluster
 
-pytestmark = [pytest.mark.lab, pytest.mark.slow]
+pytestmark = [pytest.mark.lab, pytest.mark.slow, pytest.mark.extended]
 
 MODEL_DIR = "/srv/raycluster-bench/big-sd"
 MIB = 1 << 20

@@ -109,6 +109,7 @@ def test_bench_three_stages_on_three_hosts_with_every_metric(cluster: Cluster, t
     assert doc["output_check"]["identical"] is True
 
 
+@pytest.mark.extended
 def test_bench_gpt2_weights_from_each_host(cluster: Cluster, tmp_path: Path) -> None:
     local = write_random_gpt2(tmp_path / "tiny-gpt2", layers=6, d_model=64, heads=4, vocab=256, positions=64)
     for host in cluster.lab.info.hosts:
@@ -260,6 +261,7 @@ def test_worker_killed_during_bench_names_host_stage_and_counts(cluster: Cluster
         _restore(cluster)  # a failure here must not leave the next test a dead worker
 
 
+@pytest.mark.extended  # tests/local/test_bench_pipeline_local.py's replica-lost tests are its twins
 def test_replica_lost_mid_run_is_retried_and_named(cluster: Cluster) -> None:
     """Three replicas of one stage: a worker killed mid-run; its requests finish on the other two."""
     cluster.use(cluster.lab.inventory)

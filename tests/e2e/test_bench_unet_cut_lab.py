@@ -27,7 +27,7 @@ from ..diffusion_checkpoint import write_tiny_sd
 from .conftest import DOCKER, Lab, keep_report
 from .test_bench_lab import Cluster
 
-pytestmark = [pytest.mark.lab, pytest.mark.slow]
+pytestmark = [pytest.mark.lab, pytest.mark.slow, pytest.mark.extended]
 
 MODEL_DIR = "/srv/raycluster-bench/tiny-sd-cut"
 QUOTAS = {"lab-h1": "1.0", "lab-h2": "0.5", "lab-h3": "0.25"}

@@ -199,6 +199,7 @@ def _streaming_up(quick: str) -> Verb:
     return verb
 
 
+@pytest.mark.extended
 def test_image_stream_frozen_cut_and_interrupted_then_the_rerun_completes(lab_hosts: Lab, quick: str) -> None:
     lab_hosts.cli("down", inventory=quick)
     lab_hosts.sh("lab-h3", f"docker rmi {lab.NODE_IMAGE}")

@@ -196,6 +196,7 @@ def test_a_foreign_staging_folder_is_refused_and_never_used(cluster: Lab, tmp_pa
     assert model.digest in _held(cluster, "lab-h1") and model.digest in _held(cluster, "lab-h3")
 
 
+@pytest.mark.extended
 def test_z_down_purge_removes_the_model_cache_and_staging_then_up_relays_the_image_verified(cluster: Lab) -> None:
     for hostname in ("lab-h1", "lab-h2", "lab-h3"):
         assert cluster.sh(hostname, f"ls {CACHE}").split(), hostname  # the models of the tests before

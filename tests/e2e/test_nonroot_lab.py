@@ -165,6 +165,7 @@ def test_a_user_without_docker_access_fails_doctor_with_the_fix(nonroot_lab: Lab
     assert _statuses(doc, "state-dir")[IP3] == "ok"  # root on the other hosts writes it
 
 
+@pytest.mark.extended
 def test_a_non_root_login_is_streamed_the_image_where_root_left_its_archive_folder(
     nonroot_lab: Lab, tmp_path: Path
 ) -> None:

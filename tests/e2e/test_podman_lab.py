@@ -24,7 +24,7 @@ from raycluster_cli.lab import hosts as lab
 
 from .conftest import REQUIRE, Lab, _need_engine, lab_subnet
 
-pytestmark = pytest.mark.lab
+pytestmark = [pytest.mark.lab, pytest.mark.extended]
 
 NAME = os.environ.get("RAYCLUSTER_PODMAN_LAB_NAME", f"{lab.LAB_NAME}-podman")
 SUBNET = "10.76.0.0/24"  # RAYCLUSTER_PODMAN_LAB_SUBNET, or a free one; 10.77 lab, 10.78 network, 10.79 fleet

@@ -96,6 +96,7 @@ def _seconds_until(check: object, began: float, what: str, served: Served) -> fl
     return time.monotonic() - began
 
 
+@pytest.mark.extended
 def test_a_restarted_worker_host_rejoins_and_serves_again_by_itself(served: Served) -> None:
     engine = _restart(served, "lab-h3")
     node_s = _seconds_until(served.healthy, engine, "lab-h3's node alive again", served)

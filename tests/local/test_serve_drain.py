@@ -24,7 +24,7 @@ from typing import Any
 
 import pytest
 
-pytestmark = [pytest.mark.slow]
+pytestmark = [pytest.mark.slow, pytest.mark.extended]
 
 ray = pytest.importorskip("ray")
 serve = pytest.importorskip("ray.serve")

@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-pytestmark = [pytest.mark.slow]
+pytestmark = [pytest.mark.slow, pytest.mark.extended]  # twins: the unit test on loopback, the lab test
 
 ray = pytest.importorskip("ray")
 torch = pytest.importorskip("torch")

