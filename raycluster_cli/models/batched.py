@@ -1,7 +1,8 @@
 """The bench's ``Stage`` run over a batch of independent sequences, each in its own KV cache slot: the service's.
 
 Serving mixes rows at different positions in one forward (``rows.Rows``: each row's slot, start and length,
-rows right-padded to the longest).  The units, their loading and their one forward are the bench stage's
+rows right-padded to the longest, as they travel between stages; on a CPU a stage packs their real tokens,
+``rows.PackedRows``).  The units, their loading and their one forward are the bench stage's
 own; this class holds the slots' caches and the products' measured forms (``models.matmuls``), keeps
 only the logits that are sampled from, and samples them here when the step says how (``models.sampling``).
 """
@@ -20,7 +21,7 @@ from raycluster_cli.models.decoder import Stage
 from raycluster_cli.models.int8 import Int8Matmuls
 from raycluster_cli.models.kvcache import KV_BLOCK, BlockTable, PagedCache
 from raycluster_cli.models.matmuls import Matmuls, measure
-from raycluster_cli.models.rows import Rows, SlotCache
+from raycluster_cli.models.rows import PackedRows, Rows, SlotCache
 from raycluster_cli.models.sampling import sample_rows, step_params
 
 __all__ = ["BatchedStage", "Rows", "SlotCache"]
@@ -130,33 +131,28 @@ class BatchedStage:
         for slot, start, _ in rows.listed:
             self.begun[slot] += start == 0
         every = table.shape[0] > 3 and bool(table[3].any())  # some row asks for every position's (prompt logprobs)
-        decode = rows.lengths == 1
-        waste = int(decode.sum()) * (rows.width - 1)  # positions the decode rows are padded by
-        if self.device.type != "cpu" or every or waste < rows.width or bool(decode.all()):
-            out = self._run(x, rows, every)
+        if self.device.type == "cpu" and not every:
+            out = self._run_packed(x, PackedRows.from_table(table, x.shape[1]))
         else:
-            out = self._split(x, table, decode)
+            out = self._run(x, rows, every)
         if self.stage.head is None or every:
             return out
         params = step_params(table)  # the rows' sampling, when the step carries it and wants no logits back
         return out if params is None else sample_rows(out, params)
 
-    def _split(self, x: torch.Tensor, table: torch.Tensor, decode: torch.Tensor) -> torch.Tensor:
-        """The decode rows (one token each) as one forward, the prompt chunks as another, their outputs put back in
-        the step's row order and padding.  Right-padded to a chunk's width, each decode row would cost the stage
-        that many positions of every product: with many sequences at once (the KV budget shared by tokens) a step
-        of 32 decodes and a 64-token chunk computes 2 112 positions for 96 real ones, while a second pass over the
-        weights costs what a few rows do on a CPU.  Only when the padding saved is at least a chunk's width."""
-        ones, chunks = decode.nonzero()[:, 0], (~decode).nonzero()[:, 0]
-        short = self._run(x[ones, :1], Rows.from_table(table[:, ones], 1), False)
-        wide = self._run(x[chunks], Rows.from_table(table[:, chunks], x.shape[1]), False)
-        out = wide.new_zeros((x.shape[0], *wide.shape[1:]))
-        out[chunks] = wide
-        if self.stage.head is None:
-            out[ones, :1] = short
-        else:
-            out[ones] = short
-        return out
+    def _run_packed(self, x: torch.Tensor, rows: PackedRows) -> torch.Tensor:
+        """The step's real tokens packed (``PackedRows``) from the stage's entry to its exit: every product runs
+        once over them, a mixed step's decode rows and prompt chunks together.  Padded, a step of 32 decodes and a
+        64-token chunk computed 2 112 positions for 96 real ones; run apart, the decodes read every weight a second
+        time.  Out as the padded path's: [B, T, d] to the next stage, or the rows' last logits [B, vocab]."""
+        stage = self.stage
+        if self.caches:
+            self.table.prepare(rows)
+        h = stage.run_blocks(rows.pack(stage.enter(x, rows)), self.caches, rows, self.block_mm)
+        if stage.head is None:
+            return rows.unpack(h)
+        logits: torch.Tensor = stage.head(h.index_select(0, rows.lasts), self.head_mm)
+        return logits
 
     def _run(self, x: torch.Tensor, rows: Rows, every: bool) -> torch.Tensor:
         stage = self.stage

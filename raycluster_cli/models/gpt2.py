@@ -117,13 +117,13 @@ class Block(nn.Module):
         self.fc2 = nn.Linear(4 * d, d)
 
     def forward(self, x: torch.Tensor, cache: KVCache, rows: Rows, mm: Matmuls) -> torch.Tensor:
-        """``x`` [B, T, d] of rows at their own positions (``rows``); products in ``mm``'s measured forms."""
-        batch, steps, d = x.shape
+        """``x`` the rows' tokens at their own positions (``rows``: [B, T, d] padded, or [N, d] packed); products
+        in ``mm``'s measured forms."""
         qkv = mm.apply(self.qkv, self.ln1(x))
-        q, k, v = (t.view(batch, steps, self.heads, d // self.heads).transpose(1, 2) for t in qkv.split(d, -1))
+        q, k, v = (rows.heads(t, self.heads) for t in qkv.split(x.shape[-1], -1))
         rows.write(cache, k, v)
         att = rows.attend(q, cache)
-        x = x + mm.apply(self.proj, att.transpose(1, 2).reshape(batch, steps, d))
+        x = x + mm.apply(self.proj, rows.merge(att))
         hidden = F.gelu(mm.apply(self.fc1, self.ln2(x)), approximate=self.gelu_approximate)
         out: torch.Tensor = x + mm.apply(self.fc2, hidden)
         return out

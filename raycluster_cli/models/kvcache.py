@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from raycluster_cli.models.config import ModelConfig
 
 if TYPE_CHECKING:
-    from raycluster_cli.models.rows import Rows
+    from raycluster_cli.models.rows import PackedRows, Rows
 
 KV_BLOCK = 64  # positions a sequence's K/V grows by: the scheduler's block (serve.scheduler.Limits.kv_block)
 
@@ -167,6 +167,37 @@ class PagedCache:
             if step.real is not None:
                 flat = flat.index_select(1, step.real)
             pool.index_copy_(1, step.write, flat.to(pool.dtype))
+
+    def write_packed(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store a packed step's k, v [N, kv_heads, head_dim] (``rows.PackedRows``: its real tokens, row after row,
+        the order of ``StepIndex.write``)."""
+        step = self.table.step
+        assert step is not None, "BlockTable.prepare runs before a step's layers"
+        self._fit()
+        for pool, new in ((self.k, k), (self.v, v)):
+            pool.index_copy_(1, step.write, new.transpose(0, 1).to(pool.dtype))
+
+    def attend_packed(self, rows: PackedRows, q: torch.Tensor, window: int = 0, gqa: bool = False) -> torch.Tensor:
+        """A packed step's queries [N, heads, head_dim] against each one's own keys up to its own position: the
+        decode rows' together (``decode``), each prompt chunk on its own keys; out [N, heads, head_dim]."""
+        step = self.table.step
+        assert step is not None, "BlockTable.prepare runs before a step's layers"
+        if step.decode.numel() == q.shape[0]:  # every row one token: the N tokens are the rows, in order
+            return self.decode(q[:, :, None], step, window)[:, :, 0]
+        out = torch.empty_like(q)
+        if step.decode.numel():
+            tokens = rows.firsts[step.decode]
+            out[tokens] = self.decode(q[tokens][:, :, None], step, window)[:, :, 0]
+        masks = rows.mask(window)
+        for b, where in step.chunks.items():
+            first, length, end = rows.first_list[b], rows.listed[b][2], where.numel()
+            keys, values = self._select(where)
+            mask = masks[b : b + 1, :, :length, :end]
+            one = F.scaled_dot_product_attention(
+                q[first : first + length].transpose(0, 1)[None], keys, values, attn_mask=mask, enable_gqa=gqa
+            )
+            out[first : first + length] = one[0].transpose(0, 1)
+        return out
 
     def keys(self, slot: int, first: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Positions [first, end) of one slot, [1, kv_heads, end - first, head_dim] (gathered: a copy)."""

@@ -261,17 +261,17 @@ class Block(nn.Module):
         self.register_buffer("sin", sin, persistent=False)
 
     def forward(self, x: torch.Tensor, cache: KVCache, rows: Rows, mm: Matmuls) -> torch.Tensor:
-        """``x`` [B, T, d] of rows at their own positions (``rows``); products in ``mm``'s measured forms."""
-        batch, steps, _ = x.shape
-        heads, kv_heads, width = self.heads, self.kv_heads, self.head_dim
+        """``x`` the rows' tokens at their own positions (``rows``: [B, T, d] padded, or [N, d] packed); products
+        in ``mm``'s measured forms."""
+        heads, kv_heads = self.heads, self.kv_heads
         h = self.attn_norm(x)
-        q = mm.apply(self.q, h).view(batch, steps, heads, width).transpose(1, 2)
-        k = mm.apply(self.k, h).view(batch, steps, kv_heads, width).transpose(1, 2)
-        v = mm.apply(self.v, h).view(batch, steps, kv_heads, width).transpose(1, 2)
+        q = rows.heads(mm.apply(self.q, h), heads)
+        k = rows.heads(mm.apply(self.k, h), kv_heads)
+        v = rows.heads(mm.apply(self.v, h), kv_heads)
         cos, sin = rows.rotary(self.cos, self.sin)
         rows.write(cache, _rotate(k, cos, sin), v)
         att = rows.attend(_rotate(q, cos, sin), cache, self.window, gqa=kv_heads != heads)
-        x = x + mm.apply(self.o, att.transpose(1, 2).reshape(batch, steps, heads * width))
+        x = x + mm.apply(self.o, rows.merge(att))
         h = self.mlp_norm(x)
         out: torch.Tensor = x + mm.apply(self.down, F.silu(mm.apply(self.gate, h)) * mm.apply(self.up, h))
         return out

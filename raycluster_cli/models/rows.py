@@ -7,14 +7,17 @@ a new prompt.  So each row carries its own slot, start and length (``Rows``); ro
 longest, each query sees only keys up to its own position in its own slot, and the padding is neither written
 to the cache nor read.  The bench's micro-batch is the uniform case (``UniformRows``): every row at the same
 position, row b in slot b of a cache of exactly its rows, so the cache is written and read as slices and one
-attention serves all rows, as a plain KV-cached decoder does.  A family's block calls ``rows.write`` and
-``rows.attend`` and never knows which it got.
+attention serves all rows, as a plain KV-cached decoder does.  The service's steps on a CPU go packed
+(``PackedRows``): the real tokens one after another, [N, d], no padding, so every product of a step runs once over
+its N tokens.  A family's block calls ``rows.heads``, ``rows.rotary``, ``rows.write``, ``rows.attend`` and
+``rows.merge`` and never knows which it got.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
+from typing import Self
 
 import torch
 import torch.nn.functional as F
@@ -88,7 +91,7 @@ class Rows:
     width: int  # T, the padded length
 
     @classmethod
-    def from_table(cls, table: torch.Tensor, width: int) -> Rows:
+    def from_table(cls, table: torch.Tensor, width: int) -> Self:
         """From the [3, B] int64 table (slots, starts, lengths) the engine sends along with the tokens."""
         return cls(table[0], table[1], table[2], width)
 
@@ -119,6 +122,14 @@ class Rows:
     def written(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         valid = self.valid
         return valid, self.slots[:, None].expand_as(valid)[valid], self.positions[valid]
+
+    def heads(self, t: torch.Tensor, count: int) -> torch.Tensor:
+        """A projection's output [B, T, count * head_dim] as attention's heads, [B, count, T, head_dim]."""
+        return t.view(*t.shape[:-1], count, -1).transpose(1, 2)
+
+    def merge(self, att: torch.Tensor) -> torch.Tensor:
+        """Attention's output [B, heads, T, head_dim] as the next product's input, [B, T, heads * head_dim]."""
+        return att.transpose(1, 2).reshape(att.shape[0], att.shape[2], -1)
 
     def rotary(self, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """RoPE's cos and sin at every (row, step), [B, 1, T, width], looked up once per step: every block of a
@@ -168,6 +179,73 @@ class Rows:
                 )
             out.append(F.pad(one, (0, 0, 0, self.width - length)) if length < self.width else one)
         return torch.cat(out) if len(out) > 1 else out[0]
+
+
+@dataclass(frozen=True)
+class PackedRows(Rows):
+    """The same rows with their real tokens packed, row after row, [N, ...] with no padding, from the stage's
+    entry (``pack``) to its exit (``unpack``, or the head at ``lasts``): every product of a step runs once over
+    its N real tokens.  Padded, a mixed step costs more: a decode row beside a 64-token prompt chunk computes 64
+    positions of every product for its one, and run apart (two passes) the decode rows read every weight a second
+    time.  Heads are [N, heads, head_dim]; the KV cache is paged (``PagedCache``), its attention per row
+    (``PagedCache.attend_packed``)."""
+
+    @cached_property
+    def real(self) -> torch.Tensor | None:
+        """The real tokens' places in the row-major [B * T]; None when no row is padded."""
+        if bool((self.lengths == self.width).all()):
+            return None
+        return self.valid.reshape(-1).nonzero()[:, 0]
+
+    @cached_property
+    def firsts(self) -> torch.Tensor:
+        """int64 [B]: each row's first token's place among the N."""
+        return torch.cumsum(self.lengths, 0) - self.lengths
+
+    @cached_property
+    def lasts(self) -> torch.Tensor:
+        """int64 [B]: each row's last token's place among the N (what a head reads)."""
+        return torch.cumsum(self.lengths, 0) - 1
+
+    @cached_property
+    def first_list(self) -> list[int]:
+        return [int(f) for f in self.firsts.tolist()]
+
+    def pack(self, x: torch.Tensor) -> torch.Tensor:
+        """[B, T, ...] -> [N, ...]: the real tokens, row after row."""
+        flat = x.reshape(-1, *x.shape[2:])
+        return flat if self.real is None else flat.index_select(0, self.real)
+
+    def unpack(self, x: torch.Tensor) -> torch.Tensor:
+        """[N, ...] -> [B, T, ...], the padding zeros (what the next stage of the pipeline is sent)."""
+        batch = self.slots.shape[0]
+        if self.real is None:
+            return x.reshape(batch, self.width, *x.shape[1:])
+        out = x.new_zeros((batch * self.width, *x.shape[1:]))
+        out.index_copy_(0, self.real, x)
+        return out.view(batch, self.width, *x.shape[1:])
+
+    def heads(self, t: torch.Tensor, count: int) -> torch.Tensor:
+        return t.view(t.shape[0], count, -1)
+
+    def merge(self, att: torch.Tensor) -> torch.Tensor:
+        return att.reshape(att.shape[0], -1)
+
+    def rotary(self, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """RoPE's cos and sin at every real token, [N, 1, width], once per step."""
+        if "_rotary" not in self.__dict__:
+            at = self.pack(self.positions)
+            self.__dict__["_rotary"] = (cos[at][:, None], sin[at][:, None])
+        cached: tuple[torch.Tensor, torch.Tensor] = self.__dict__["_rotary"]
+        return cached
+
+    def write(self, cache: KVCache, k: torch.Tensor, v: torch.Tensor) -> None:
+        assert isinstance(cache, PagedCache), "packed rows need a paged cache"
+        cache.write_packed(k, v)
+
+    def attend(self, q: torch.Tensor, cache: KVCache, window: int = 0, gqa: bool = False) -> torch.Tensor:
+        assert isinstance(cache, PagedCache), "packed rows need a paged cache"
+        return cache.attend_packed(self, q, window, gqa)
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ transformers = pytest.importorskip("transformers")
 from raycluster_cli.models.batched import BatchedStage  # noqa: E402
 from raycluster_cli.models.decoder import ModelConfig, Stage, config_from_checkpoint  # noqa: E402
 from raycluster_cli.models.kvcache import BlockTable, PagedCache  # noqa: E402
-from raycluster_cli.models.rows import Rows, SlotCache  # noqa: E402
+from raycluster_cli.models.rows import PackedRows, Rows, SlotCache  # noqa: E402
 from raycluster_cli.serve.engine import Engine  # noqa: E402
 from raycluster_cli.serve.scheduler import Limits  # noqa: E402
 from raycluster_cli.serve.text import Sampling  # noqa: E402
@@ -160,9 +160,9 @@ def test_preemption_by_recompute_leaves_greedy_answers_as_alone_and_sends_each_t
     assert all(s.held_tokens == 0 for s in stages_held)  # every slot's K/V given back
 
 
-def test_a_step_of_decodes_and_a_chunk_runs_them_apart_with_each_rows_own_logits() -> None:
-    """Three decode rows beside an 8-token chunk (21 positions of padding saved): the step's logits, through a
-    pipeline of two stages (hidden states between them, padding and all), are each row's logits run alone."""
+def test_a_step_of_decodes_and_a_chunk_packs_them_with_each_rows_own_logits() -> None:
+    """Three decode rows beside an 8-token chunk (packed: 11 tokens, not 32 positions): the step's logits, through
+    a pipeline of two stages (padded hidden states between them), are each row's logits run alone."""
     gen = torch.Generator().manual_seed(4)
     prompts = [torch.randint(0, CFG.vocab, (1, n), generator=gen) for n in (5, 9, 3)]
     chunk = torch.randint(0, CFG.vocab, (1, 8), generator=gen)
@@ -186,3 +186,17 @@ def test_a_step_of_decodes_and_a_chunk_runs_them_apart_with_each_rows_own_logits
     want = [run(alone, nexts[i : i + 1], _table([(i, p.shape[1], 1)])) for i, p in enumerate(prompts)]
     want.append(run(alone, chunk, _table([(3, 0, 8)])))
     torch.testing.assert_close(got, torch.cat(want), rtol=1e-4, atol=1e-4)
+
+
+def test_packed_rows_pack_and_unpack_the_real_tokens_row_after_row() -> None:
+    rows = PackedRows.from_table(_table([(0, 5, 1), (1, 0, 3), (2, 7, 2)]), 3)
+    x = torch.arange(9 * 2, dtype=torch.float32).view(3, 3, 2)
+    packed = rows.pack(x)
+    assert packed.shape == (6, 2)
+    torch.testing.assert_close(packed, torch.cat([x[0, :1], x[1, :3], x[2, :2]]))
+    assert rows.firsts.tolist() == [0, 1, 4] and rows.lasts.tolist() == [0, 3, 5]
+    back = rows.unpack(packed)
+    assert back.shape == x.shape and bool((back[0, 1:] == 0).all()) and bool((back[2, 2:] == 0).all())
+    torch.testing.assert_close(rows.pack(back), packed)
+    whole = PackedRows.from_table(_table([(0, 0, 3), (1, 4, 3)]), 3)
+    assert whole.real is None and whole.pack(x[:2]).shape == (6, 2)
