@@ -5,8 +5,8 @@ VENV := .venv
 BIN := $(VENV)/bin
 LAB_HOSTS ?= 3
 # The prerequisites of a target are made side by side (the venv, the images and vLLM's venv are mostly waiting on
-# disk); each one's output is printed whole when it ends.
-MAKEFLAGS += --jobs=3 --output-sync=target
+# disk); their output is kept whole line by line, and the tests' shows as it comes.
+MAKEFLAGS += --jobs=3 --output-sync=line
 
 .PHONY: demo test test-extended test-fleet venv vllm docker images lab lab-down lint unit clean
 
