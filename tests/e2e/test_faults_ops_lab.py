@@ -335,6 +335,7 @@ def _down_then_up(lab_hosts: Lab, quick: str) -> None:
     assert code == 0 and all(n["alive"] for n in doc["nodes"]), err
 
 
+@pytest.mark.extended  # its twin in CI: the head paused before its node registers
 def test_the_heads_container_paused_while_up_asks_its_gcs_ends_by_the_deadline_naming_it(
     lab_hosts: Lab, quick: str
 ) -> None:

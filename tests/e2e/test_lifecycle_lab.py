@@ -247,6 +247,7 @@ def test_up_with_another_token_is_refused_and_leaves_the_running_cluster_alone(l
     assert code == 0 and doc["state"] == "healthy" and doc["totals"]["alive_nodes"] == 3, err
 
 
+@pytest.mark.extended  # the peers' streaming: test_fleet_images (make test-fleet); the purge: tests/unit
 def test_z_down_purge_removes_image_and_token_files_then_up_streams_to_every_host(lab_hosts: Lab) -> None:
     _up(lab_hosts)
     token = Path(os.environ["RAYCLUSTER_STATE_DIR"]) / "lab" / "auth-token"
