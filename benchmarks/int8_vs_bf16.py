@@ -15,7 +15,6 @@ step's process CPU time (the median), the two alternated ``--rounds`` times.  Pr
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from dataclasses import replace
@@ -23,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from _report import emit  # benchmarks/_report.py, beside this script
 
 from raycluster_cli.models.batched import BatchedStage
 from raycluster_cli.models.decoder import config_from_checkpoint
@@ -100,10 +100,7 @@ def main() -> None:
     report["int8_over_bf16_step_p50"] = round(
         statistics.median(costs["int8"]) / statistics.median(costs["bfloat16"]), 3
     )
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.out:
-        args.out.write_text(text + "\n")
+    emit(report, args.out)
 
 
 if __name__ == "__main__":

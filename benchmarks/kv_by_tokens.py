@@ -21,13 +21,13 @@ sequences at once when the budget, not the request count, is the limit. Prints o
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
+from _report import emit  # benchmarks/_report.py, beside this script
 
 from raycluster_cli.models.batched import BatchedStage
 from raycluster_cli.models.config import ModelConfig
@@ -141,10 +141,7 @@ def main() -> None:
     report["scheduler_alone"] = {"requests": len(many)} | {
         name: _admitted(limits, many, args.answer) for name, limits in runs.items()
     }
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.out:
-        args.out.write_text(text + "\n")
+    emit(report, args.out)
 
 
 if __name__ == "__main__":

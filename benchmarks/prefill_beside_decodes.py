@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import itertools
-import json
 import random
 import statistics
 import time
@@ -28,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import openai
+from _report import emit  # benchmarks/_report.py, beside this script
 
 from raycluster_cli.verbs.serve_load import WORDS
 
@@ -137,10 +137,7 @@ def main() -> None:
     p.add_argument("--out", type=Path)
     args = p.parse_args()
     report = asyncio.run(run(args))
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.out:
-        args.out.write_text(text + "\n")
+    emit(report, args.out)
 
 
 if __name__ == "__main__":

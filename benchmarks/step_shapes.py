@@ -16,13 +16,13 @@ real tokens, and the CPU ms per real token.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
+from _report import emit  # benchmarks/_report.py, beside this script
 
 from raycluster_cli.models.batched import BatchedStage
 from raycluster_cli.models.decoder import config_from_checkpoint
@@ -90,10 +90,7 @@ def main() -> None:
             "cpu_ms_min_max": [round(spent[0] * 1000, 1), round(spent[-1] * 1000, 1)],
             "cpu_ms_per_token": round(median * 1000 / tokens, 3),
         }
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.out:
-        args.out.write_text(text + "\n")
+    emit(report, args.out)
 
 
 if __name__ == "__main__":
