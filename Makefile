@@ -5,8 +5,9 @@ VENV := .venv
 BIN := $(VENV)/bin
 LAB_HOSTS ?= 3
 # The prerequisites of a target are made side by side (the venv, the images and vLLM's venv are mostly waiting on
-# disk); their output is kept whole line by line, and the tests' shows as it comes.
-MAKEFLAGS += --jobs=3 --output-sync=line
+# disk); their lines may interleave.  No --output-sync: make would hold a recipe line's output until it ends, and
+# the tests' progress would show only when they are all done.
+MAKEFLAGS += --jobs=3
 
 .PHONY: demo test test-extended test-fleet venv vllm docker images lab lab-down lint unit clean
 
