@@ -56,13 +56,16 @@ unit: venv
 # by an interrupted run, say), then the first free /24 of 10.64.0.0/10.
 LAB_SUBNET = $${RAYCLUSTER_LAB_SUBNET:-$$($(BIN)/python -c 'from raycluster_cli.lab.hosts import DEFAULT_SUBNET, free_subnet; print(free_subnet(DEFAULT_SUBNET))' 2>/dev/null || echo 10.77.0.0/24)}
 
+# pytest with the lab required, on a free subnet, and vLLM's venv for `serve --engine vllm`'s tests
+LAB_PYTEST = RAYCLUSTER_REQUIRE_LAB=1 RAYCLUSTER_LAB_SUBNET=$(LAB_SUBNET) RAYCLUSTER_VLLM_PYTHON=$(abspath $(VLLM_VENV))/bin/python $(BIN)/pytest -ra
+
 test: lint images vllm
-	RAYCLUSTER_REQUIRE_LAB=1 RAYCLUSTER_LAB_SUBNET=$(LAB_SUBNET) RAYCLUSTER_VLLM_PYTHON=$(abspath $(VLLM_VENV))/bin/python $(BIN)/pytest -ra --durations=30 -m "not fleet and not extended" --junitxml=test-results/junit.xml tests
+	$(LAB_PYTEST) --durations=30 -m "not fleet and not extended" --junitxml=test-results/junit.xml tests
 
 # The tests marked `extended` (pyproject.toml says what they are): a second path to what `make test` covers, kept
 # out of it so CI stays under its time; run before a release and after changing what they cover.
 test-extended: venv images vllm
-	RAYCLUSTER_REQUIRE_LAB=1 RAYCLUSTER_LAB_SUBNET=$(LAB_SUBNET) RAYCLUSTER_VLLM_PYTHON=$(abspath $(VLLM_VENV))/bin/python $(BIN)/pytest -ra --durations=30 -m "extended and not fleet" --junitxml=test-results/junit-extended.xml tests
+	$(LAB_PYTEST) --durations=30 -m "extended and not fleet" --junitxml=test-results/junit-extended.xml tests
 
 # The fleet tests: a second lab of $(FLEET_HOSTS) hosts without the node image, beside the 3-host one.
 FLEET_HOSTS ?= 30

@@ -123,18 +123,15 @@ class BatchedStage:
         return out if self.device.type == "cpu" else out.cpu()
 
     def _compute(self, x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
-        rows = Rows.from_table(table, x.shape[1])
+        every = table.shape[0] > 3 and bool(table[3].any())  # some row asks for every position's (prompt logprobs)
+        rows = (PackedRows if self.device.type == "cpu" and not every else Rows).from_table(table, x.shape[1])
         if int(rows.slots.min()) < 0 or int(rows.slots.max()) >= self.slots:
             raise ValueError(f"slot out of range 0..{self.slots - 1}: {rows.slots.tolist()}")
         if rows.keys_len > self.cfg.max_seq:
             raise ValueError(f"sequence of {rows.keys_len} tokens exceeds max_seq={self.cfg.max_seq}")
         for slot, start, _ in rows.listed:
             self.begun[slot] += start == 0
-        every = table.shape[0] > 3 and bool(table[3].any())  # some row asks for every position's (prompt logprobs)
-        if self.device.type == "cpu" and not every:
-            out = self._run_packed(x, PackedRows.from_table(table, x.shape[1]))
-        else:
-            out = self._run(x, rows, every)
+        out = self._run_packed(x, rows) if isinstance(rows, PackedRows) else self._run(x, rows, every)
         if self.stage.head is None or every:
             return out
         params = step_params(table)  # the rows' sampling, when the step carries it and wants no logits back

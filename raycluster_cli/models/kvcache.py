@@ -103,7 +103,7 @@ class BlockTable:
                 self.release(slot)
             self._reserve(slot, start + length)
         write = torch.cat([self.positions(slot, start, start + length) for slot, start, length in listed])
-        real = None if all(length == rows.width for _, _, length in listed) else rows.valid.reshape(-1).nonzero()[:, 0]
+        real = rows.real
         decode = [b for b, (_, _, length) in enumerate(listed) if length == 1]
         ends = [listed[b][1] + 1 for b in decode]
         width = max(ends, default=0)

@@ -119,6 +119,13 @@ class Rows:
         return list(zip(self.slots.tolist(), self.starts.tolist(), self.lengths.tolist(), strict=True))
 
     @cached_property
+    def real(self) -> torch.Tensor | None:
+        """The real (row, step)s' places in the row-major [B * T]; None when no row is padded."""
+        if all(length == self.width for _, _, length in self.listed):
+            return None
+        return self.valid.reshape(-1).nonzero()[:, 0]
+
+    @cached_property
     def written(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         valid = self.valid
         return valid, self.slots[:, None].expand_as(valid)[valid], self.positions[valid]
@@ -189,13 +196,6 @@ class PackedRows(Rows):
     positions of every product for its one, and run apart (two passes) the decode rows read every weight a second
     time.  Heads are [N, heads, head_dim]; the KV cache is paged (``PagedCache``), its attention per row
     (``PagedCache.attend_packed``)."""
-
-    @cached_property
-    def real(self) -> torch.Tensor | None:
-        """The real tokens' places in the row-major [B * T]; None when no row is padded."""
-        if bool((self.lengths == self.width).all()):
-            return None
-        return self.valid.reshape(-1).nonzero()[:, 0]
 
     @cached_property
     def firsts(self) -> torch.Tensor:
