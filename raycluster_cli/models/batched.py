@@ -22,7 +22,7 @@ from raycluster_cli.models.int8 import Int8Matmuls
 from raycluster_cli.models.kvcache import KV_BLOCK, BlockTable, PagedCache
 from raycluster_cli.models.matmuls import Matmuls, measure
 from raycluster_cli.models.rows import PackedRows, Rows, SlotCache
-from raycluster_cli.models.sampling import sample_rows, step_params
+from raycluster_cli.models.sampling import sample_rows, sampled_rows, step_params
 
 __all__ = ["BatchedStage", "Rows", "SlotCache"]
 
@@ -131,27 +131,39 @@ class BatchedStage:
             raise ValueError(f"sequence of {rows.keys_len} tokens exceeds max_seq={self.cfg.max_seq}")
         for slot, start, _ in rows.listed:
             self.begun[slot] += start == 0
-        out = self._run_packed(x, rows) if isinstance(rows, PackedRows) else self._run(x, rows, every)
-        if self.stage.head is None or every:
+        # the rows' sampling, when the step carries it and wants no logits back: only the rows it samples get logits
+        params = step_params(table) if self.stage.head is not None and not every else None
+        kept = sampled_rows(params)
+        out = self._run_packed(x, rows, kept) if isinstance(rows, PackedRows) else self._run(x, rows, every, kept)
+        if params is None:
             return out
-        params = step_params(table)  # the rows' sampling, when the step carries it and wants no logits back
-        return out if params is None else sample_rows(out, params)
+        if kept is None:
+            return sample_rows(out, params)
+        tokens = torch.zeros(rows.slots.shape[0], dtype=torch.int64)  # a skipped row's token: 0, never read
+        if kept.numel():
+            tokens[kept] = sample_rows(out, params.select(kept))
+        return tokens
 
-    def _run_packed(self, x: torch.Tensor, rows: PackedRows) -> torch.Tensor:
+    def _run_packed(self, x: torch.Tensor, rows: PackedRows, kept: torch.Tensor | None = None) -> torch.Tensor:
         """The step's real tokens packed (``PackedRows``) from the stage's entry to its exit: every product runs
         once over them, a mixed step's decode rows and prompt chunks together.  Padded, a step of 32 decodes and a
         64-token chunk computed 2 112 positions for 96 real ones; run apart, the decodes read every weight a second
-        time.  Out as the padded path's: [B, T, d] to the next stage, or the rows' last logits [B, vocab]."""
+        time.  Out as the padded path's: [B, T, d] to the next stage, or the rows' last logits [B, vocab] (only the
+        ``kept`` rows', [K, vocab], when given: a prompt's chunk before its last needs none, and the head is the
+        largest product of a real vocabulary's model: 151 936 x 896 read for every step that has any)."""
         stage = self.stage
         if self.caches:
             self.table.prepare(rows)
         h = stage.run_blocks(rows.pack(stage.enter(x, rows)), self.caches, rows, self.block_mm)
         if stage.head is None:
             return rows.unpack(h)
-        logits: torch.Tensor = stage.head(h.index_select(0, rows.lasts), self.head_mm)
+        lasts = rows.lasts if kept is None else rows.lasts.index_select(0, kept)
+        if not lasts.numel():
+            return h.new_zeros((0, 0))
+        logits: torch.Tensor = stage.head(h.index_select(0, lasts), self.head_mm)
         return logits
 
-    def _run(self, x: torch.Tensor, rows: Rows, every: bool) -> torch.Tensor:
+    def _run(self, x: torch.Tensor, rows: Rows, every: bool, kept: torch.Tensor | None = None) -> torch.Tensor:
         stage = self.stage
         if self.caches:
             self.table.prepare(rows)
@@ -162,5 +174,9 @@ class BatchedStage:
             logits_every: torch.Tensor = stage.head(x, self.head_mm)
             return logits_every
         last = x[torch.arange(x.shape[0], device=x.device), rows.lengths - 1]
+        if kept is not None:
+            if not kept.numel():
+                return x.new_zeros((0, 0))
+            last = last.index_select(0, kept.to(x.device))
         logits: torch.Tensor = stage.head(last, self.head_mm)
         return logits

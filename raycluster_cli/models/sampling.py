@@ -27,12 +27,14 @@ from dataclasses import dataclass
 import torch
 
 __all__ = [
-    "MODE_GREEDY", "MODE_LOGITS", "MODE_SAMPLE", "NAN", "PARAMS_AT", "POSINF", "TABLE_ROWS", "Params", "RowSampling",
+    "MODE_GREEDY", "MODE_LOGITS", "MODE_SAMPLE", "MODE_SKIP", "NAN", "PARAMS_AT", "POSINF", "TABLE_ROWS", "Params", "RowSampling",
     "sample_rows", "step_params",
 ]  # fmt: skip
 
 NAN, POSINF = -1, -2  # a row's code when its logits cannot be sampled from
 MODE_GREEDY, MODE_SAMPLE, MODE_LOGITS = 0, 1, 2  # argmax; draw here; ship the logits (the engine's processors)
+# a row whose token is never used (a prompt's chunk before its last, a request gone): the head skips it, its token 0
+MODE_SKIP = 3
 # a step's table (the engine's int64 [height, rows]): slot, start, length, every position's logits, then these
 PARAMS_AT = 4
 PARAM_ROWS = 7  # mode, seed, position, temperature, top_p, min_p, top_k
@@ -53,7 +55,8 @@ _GOLDEN, _MIX1, _MIX2 = _signed(0x9E3779B97F4A7C15), _signed(0xBF58476D1CE4E5B9)
 @dataclass(frozen=True)
 class RowSampling:
     """One row's settings: ``temperature`` 0 is greedy; ``seed`` and ``position`` (of the token drawn) fix its
-    draw; ``mode`` ``MODE_LOGITS``: the row's logits must go back (its request's processors need them)."""
+    draw; ``mode`` ``MODE_LOGITS``: the row's logits must go back (its request's processors need them);
+    ``MODE_SKIP``: its token is never used (no logits are computed for it)."""
 
     temperature: float = 0.0
     top_p: float = 1.0
@@ -249,3 +252,12 @@ def step_params(table: torch.Tensor) -> Params | None:
         return None
     params = Params.from_table(table[PARAMS_AT:TABLE_ROWS])
     return None if bool((params.mode == MODE_LOGITS).any()) else params
+
+
+def sampled_rows(params: Params | None) -> torch.Tensor | None:
+    """int64 [K]: the rows whose token is used (``MODE_SKIP``'s are not), the only ones the head computes; None
+    for every row (a step that ships its logits, or one whose rows all sample)."""
+    if params is None:
+        return None
+    kept = params.mode != MODE_SKIP
+    return None if bool(kept.all()) else kept.nonzero().flatten()

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from raycluster_cli.models.sampling import NAN, Params, RowSampling
+from raycluster_cli.models.sampling import MODE_SKIP, NAN, Params, RowSampling
 from raycluster_cli.node.links import DirectLinks, first_stage_ended
 from raycluster_cli.serve.anatomy import TIMELINE_STEPS
 from raycluster_cli.serve.live import (
@@ -276,8 +276,8 @@ class Engine:
         try:
             sent = time.time()
             every = [(live := self.live.get(c.request_id)) is not None and live.wants_every_position(c) for c in chunks]
-            params = Params.of([(live.row_sampling(c) if (live := self.live.get(c.request_id)) else RowSampling())
-                                for c in chunks])  # fmt: skip
+            params = Params.of([(live.row_sampling(c) if (live := self.live.get(c.request_id))
+                                 else RowSampling(mode=MODE_SKIP)) for c in chunks])  # fmt: skip
             ids, table = step_inputs(chunks, every, params)
             out: torch.Tensor
             if self.links is not None:

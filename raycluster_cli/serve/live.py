@@ -17,7 +17,15 @@ from dataclasses import dataclass, field
 
 import torch
 
-from raycluster_cli.models.sampling import MODE_GREEDY, MODE_LOGITS, MODE_SAMPLE, Params, RowSampling, sample_rows
+from raycluster_cli.models.sampling import (
+    MODE_GREEDY,
+    MODE_LOGITS,
+    MODE_SAMPLE,
+    MODE_SKIP,
+    Params,
+    RowSampling,
+    sample_rows,
+)
 from raycluster_cli.serve.scheduler import Chunk
 from raycluster_cli.serve.text import Sampling, TextStream, TokenLogprob, adjust, bad_logits, token_logprob
 
@@ -98,7 +106,7 @@ class Live:
         here = chunk.samples and (s.logprobs is not None or s.adjusts_logits)
         mode = MODE_LOGITS if here or self.wants_every_position(chunk) else MODE_GREEDY if greedy else MODE_SAMPLE
         if not chunk.samples and mode != MODE_LOGITS:
-            return RowSampling()  # a prompt's chunk before its last: its token is never used
+            return RowSampling(mode=MODE_SKIP)  # a prompt's chunk before its last: its token is never used
         temperature = 0.0 if greedy else s.temperature
         position = chunk.start + len(chunk.tokens)
         return RowSampling(temperature, s.top_p, s.min_p, s.top_k, self.seed, position, mode)

@@ -74,6 +74,52 @@ def test_mixed_rows_equal_one_sequence_at_a_time(arch: str, llama_cfg: ModelConf
             assert int(g.argmax()) == int(w.argmax())
 
 
+def _sampled_table(rows: list[tuple[int, int, int]], sampling: list[Any]) -> Any:
+    from raycluster_cli.models.sampling import Params
+
+    flags = torch.zeros(1, len(rows), dtype=torch.long)  # no row wants every position's logits
+    return torch.cat([_table(rows), flags, Params.of(sampling).table()])
+
+
+@pytest.mark.parametrize("packed", [True, False])
+def test_a_prompt_chunk_that_samples_nothing_gets_no_logits(
+    packed: bool, llama_cfg: ModelConfig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A row in ``MODE_SKIP`` (a prompt's chunk before its last) costs no head product: a step of them only runs no
+    head at all, and beside sampled rows theirs are left out; the sampled rows' tokens are the same either way."""
+    from raycluster_cli.models import rows as rows_module
+    from raycluster_cli.models.sampling import MODE_SKIP, RowSampling
+
+    if not packed:  # the padded path (a GPU's), taken on this CPU
+        monkeypatch.setattr(rows_module.PackedRows, "from_table", rows_module.Rows.from_table)
+    gen = torch.Generator().manual_seed(1)
+    a, b = (torch.randint(0, llama_cfg.vocab, (n,), generator=gen) for n in (12, 6))
+    skip, greedy = RowSampling(mode=MODE_SKIP), RowSampling(position=6)
+    drawn = RowSampling(temperature=0.8, top_p=0.9, seed=7, position=8)
+
+    def run(skipping: bool) -> tuple[Any, list[int]]:
+        stage = BatchedStage(llama_cfg, 0, llama_cfg.num_units, slots=4)
+        heads: list[int] = []
+        head = stage.stage.head
+        assert head is not None
+        head.register_forward_hook(lambda _m, args, _o: heads.append(int(args[0].shape[0])))
+        first = skip if skipping else RowSampling(position=4)
+        # a's first chunk alone, then its second beside b's whole prompt and a second look at a
+        alone = stage.forward(a[None, :4], _sampled_table([(0, 0, 4)], [first]))
+        both = stage.forward(
+            _pad([a[4:8], b]), _sampled_table([(0, 4, 4), (1, 0, 6)], [skip if skipping else drawn, greedy])
+        )
+        last = stage.forward(a[None, 8:], _sampled_table([(0, 8, 4)], [drawn]))
+        return torch.cat([alone, both, last]), heads
+
+    skipped, heads = run(True)
+    every, heads_every = run(False)
+    assert heads_every == [1, 2, 1]
+    assert heads == [1, 1]  # no head for the step of a skipped row alone; one row of logits beside b
+    assert skipped.tolist()[:2] == [0, 0]  # a skipped row's token: 0, never read
+    assert skipped[2:].tolist() == [every[2].item(), every[3].item()]  # b's and a's last tokens unchanged
+
+
 def test_rejects_a_slot_out_of_range() -> None:
     stage = BatchedStage(GPT2, 0, GPT2.num_units, slots=2)
     with pytest.raises(ValueError, match="slot out of range"):
