@@ -9,6 +9,7 @@
 #   ONE_REQUESTS=4 (the one-at-a-time run)  QUOTAS=1.0,0.5,0.25  SERVICES="vllm one three" (vllm alone: no lab)
 #   VLLM_CPU=N (default: the last CPU)  VLLM_KV_GIB=4  VLLM_PORT=8011  PYTHON (raycluster's venv)
 #   SERVE_FLAGS (more `raycluster serve` flags for both lab services, e.g. --step-tokens=2048 --prefill-chunk=128)
+#   CPU_BY_PROCESS=1: each run's CPU by process on the whole machine (benchmarks/cpu_by_process.py), OUT/runs/*.cpu.json
 # Needs benchmarks/vllm_cpu_env.sh's venv (made here when missing) and, for "one"/"three", the whole machine for
 # the Docker lab (RAYCLUSTER_LAB_NAME etc. as the lab tests take them). Every run's document: OUT/runs/*.json;
 # the table: benchmarks/engine_vs_vllm_summary.py OUT (printed at the end, OUT/summary.json).
@@ -51,7 +52,9 @@ trap stop_vllm EXIT
 bench() {
   local name=$1 f="$OUT/runs/$1.json"
   shift
-  timeout 1800 "$py" -m raycluster_cli.cli bench --serve --rates= --prompt-tokens="$PROMPT" \
+  local wrap=()
+  [ -z "${CPU_BY_PROCESS:-}" ] || wrap=("$py" benchmarks/cpu_by_process.py --out "$OUT/runs/$name.cpu.json" --)
+  timeout 1800 "${wrap[@]}" "$py" -m raycluster_cli.cli bench --serve --rates= --prompt-tokens="$PROMPT" \
     --output-tokens="$OUTPUT" "$@" --json --save-result "$f" > "$OUT/runs/$name.out" 2> "$OUT/runs/$name.err" || echo "$name: rc $?" >&2
   "$py" - "$f" "$name" << 'PY'
 import json, sys

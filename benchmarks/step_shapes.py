@@ -9,8 +9,8 @@ The checkpoint (``benchmarks/real_shapes.py`` writes random ones at real shapes)
 of the tree on PYTHONPATH (to compare two trees, run it with each, alternated).  ``--decodes`` sequences are
 prefilled with ``--prompt`` tokens; then each kind of step runs ``--repeats`` times (the decodes move one position a
 step; the chunks start fresh sequences in their own slots), each step's process CPU time taken (CPU time, not wall:
-the figure holds on a machine doing other work).  Prints one JSON document: each kind's median and spread in ms, its
-real tokens, and the CPU ms per real token.
+the figure holds on a machine doing other work; the wall time beside it).  Prints one JSON document: each kind's
+median and spread in ms, its real tokens, and the CPU ms per real token.
 """
 
 from __future__ import annotations
@@ -54,6 +54,7 @@ def main() -> None:
     stage = BatchedStage(cfg, 0, cfg.num_units, args.decodes + len(chunks))
     gen = torch.Generator().manual_seed(0)
     times: dict[str, list[float]] = {kind: [] for kind in kinds}
+    walls: dict[str, list[float]] = {kind: [] for kind in kinds}
     with torch.inference_mode():
         for row in range(args.decodes):
             ids = torch.randint(0, cfg.vocab, (1, args.prompt), generator=gen)
@@ -64,12 +65,13 @@ def main() -> None:
                 lengths, rows = _step(decodes, pieces, position)
                 ids = torch.randint(0, cfg.vocab, (len(rows), max(lengths)), generator=gen)
                 table = torch.tensor(rows, dtype=torch.long).T.contiguous()
-                began = time.process_time()
+                began, wall = time.process_time(), time.perf_counter()
                 stage.forward(ids, table)
-                spent = time.process_time() - began
+                spent, wall = time.process_time() - began, time.perf_counter() - wall
                 position += decodes > 0
                 if repeat:  # the first round warms up
                     times[kind].append(spent)
+                    walls[kind].append(wall)
     report: dict[str, Any] = {
         "checkpoint": str(args.checkpoint),
         "layers": cfg.layers,
@@ -77,6 +79,8 @@ def main() -> None:
         "vocab": cfg.vocab,
         "dtype": args.dtype,
         "threads": args.threads,
+        # the products' forms the stage measured as it loaded (models.matmuls), which a step's cost depends on
+        "matmuls": {"blocks": stage.block_mm.describe(), "head": stage.head_mm.describe()},
         "steps": {},
     }
     for kind, (decodes, pieces) in kinds.items():
@@ -89,6 +93,8 @@ def main() -> None:
             "cpu_ms_p50": round(median * 1000, 1),
             "cpu_ms_min_max": [round(spent[0] * 1000, 1), round(spent[-1] * 1000, 1)],
             "cpu_ms_per_token": round(median * 1000 / tokens, 3),
+            # wall: what a CPU quota (a container's --cpus) adds while the process waits for its share
+            "wall_ms_p50": round(statistics.median(walls[kind]) * 1000, 1),
         }
     emit(report, args.out)
 

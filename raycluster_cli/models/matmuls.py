@@ -21,7 +21,7 @@ packed form is the cheapest at every row count (0.66–0.71 ms for 1–6 rows: a
 its rows).  Which form wins depends on the CPU, its libraries and the dtype, so each stage measures them on
 its own matrices when it loads (the cache flushed before each timing: between two steps a stage's
 neighbours evict its weights) and keeps, for each row count up to ``MOST_ROWS``, the cheapest form and
-padding, and for larger steps the packed form where it wins at ``LARGE_ROWS``; every step on a GPU uses
+padding, and for larger steps the form that won at the nearest of ``LARGE_ROWS``; every step on a GPU uses
 ``F.linear``.  The packed copy costs the matrices' bytes again, so a stage makes it only where its node has
 that room to spare (``spare_bytes``), and drops it when no step would use it.  A row's numbers are those of
 a different summation order (the rounding of the dtype), never another row's: padding rows are zeros and
@@ -30,6 +30,7 @@ each output row is its own row's dot products.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
@@ -49,6 +50,8 @@ REPEATS = 3
 PACK_HINT = MOST_ROWS  # the batch size oneDNN lays the packed weights out for (its kernels take any)
 
 Plan = Mapping[int, tuple[int, int]]  # rows -> (form, rows computed: the step's, or more with zero rows)
+# a larger step's form by the larger row count measured nearest it (in ratio: 16 takes steps of 9-32, 64 the rest)
+LargePlan = Mapping[int, int]
 
 
 def weight_bytes(linears: Iterable[nn.Linear]) -> int:
@@ -100,22 +103,36 @@ class Matmuls:
         self,
         plan: Plan | None = None,
         packed: Mapping[nn.Linear, torch.Tensor] | None = None,
-        large: int = LINEAR,
+        large: int | LargePlan = LINEAR,
         most_rows: int = MOST_ROWS,
     ) -> None:
         self.plan = {rows: how for rows, how in (plan or {}).items() if how != (LINEAR, rows)}
         self.packed = dict(packed or {})
-        self.large = large
+        # one form for every larger step, or a form per larger row count measured (``large_forms``)
+        self.large: dict[int, int] = dict(large) if isinstance(large, Mapping) else {most_rows + 1: large}
         self.most_rows = most_rows
-        wanted = {form for form, _ in self.plan.values()} | {large}
-        if PACKED in wanted and not self.packed:
+        if PACKED in self.forms and not self.packed:
             raise ValueError("a plan with the packed form needs the packed weights")
+
+    @property
+    def forms(self) -> set[int]:
+        """Every form some step is computed in."""
+        return {form for form, _ in self.plan.values()} | set(self.large.values())
+
+    def large_form(self, rows: int) -> int:
+        """The form of a step of ``rows`` > ``most_rows``: that of the larger row count measured nearest it, in
+        ratio (the boundary between two measured counts is their geometric mean)."""
+        counts = sorted(self.large)
+        for at, measured in enumerate(counts):
+            if at + 1 == len(counts) or rows * rows <= measured * counts[at + 1]:
+                return self.large[measured]
+        return LINEAR
 
     def apply(self, linear: nn.Linear, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]
         how = self.plan.get(rows)
-        if how is None and rows > self.most_rows and self.large != LINEAR:
-            how = (self.large, rows)
+        if how is None and rows > self.most_rows and (form := self.large_form(rows)) != LINEAR:
+            how = (form, rows)
         if how is None:
             out: torch.Tensor = linear(x)
             return out
@@ -124,7 +141,7 @@ class Matmuls:
 
     @property
     def uses_packed(self) -> bool:
-        return PACKED in {form for form, _ in self.plan.values()} | {self.large}
+        return PACKED in self.forms
 
     def over(self, linears: Sequence[nn.Linear]) -> Matmuls:
         """The same plan for other matrices of the same shapes and dtype (another stage of the model it was
@@ -144,8 +161,19 @@ class Matmuls:
     def describe(self) -> dict[str, str]:
         """Each planned row count and how it is computed (none: ``F.linear`` for every step)."""
         out = {str(rows): f"{FORMS[form]} over {padded} rows" for rows, (form, padded) in sorted(self.plan.items())}
-        if self.large != LINEAR:
-            out[f">{self.most_rows}"] = FORMS[self.large]
+        counts = sorted(self.large)
+        if len(set(self.large.values())) == 1:
+            if counts and self.large[counts[0]] != LINEAR:
+                out[f">{self.most_rows}"] = FORMS[self.large[counts[0]]]
+            return out
+        low = self.most_rows + 1
+        for at, measured in enumerate(counts):  # each measured count's range: "9-32", "33+"
+            if at + 1 == len(counts):
+                out[f"{low}+"] = FORMS[self.large[measured]]
+            else:
+                high = math.isqrt(measured * counts[at + 1])
+                out[f"{low}-{high}"] = FORMS[self.large[measured]]
+                low = high + 1
         return out
 
 
@@ -167,11 +195,12 @@ def plan_from_costs(costs: Mapping[int, Sequence[float]]) -> dict[int, tuple[int
     return plan
 
 
-def large_form(costs: Mapping[int, tuple[float, float]]) -> int:
-    """From each large row count's (``F.linear``, packed) seconds: ``PACKED`` where it beat ``F.linear`` by over
-    ``MIN_GAIN`` at every one measured."""
-    wins = [packed < (1 - MIN_GAIN) * plain for plain, packed in costs.values()]
-    return PACKED if wins and all(wins) else LINEAR
+def large_forms(costs: Mapping[int, tuple[float, float]]) -> dict[int, int]:
+    """From each large row count's (``F.linear``, packed) seconds, its form: ``PACKED`` where it beat ``F.linear``
+    by over ``MIN_GAIN`` there.  Each count decides for the steps nearest it: one form for all larger steps, packed
+    only where it won at every count, gave a Qwen2.5-0.5B stage in bfloat16 F.linear at 16 rows (2.3x its blocks'
+    time, a decode step 1.9x) whenever 64 rows came out even, on a node busy while it loaded."""
+    return {rows: PACKED if packed < (1 - MIN_GAIN) * plain else LINEAR for rows, (plain, packed) in costs.items()}
 
 
 def widest_form(plan: Plan, small: Mapping[int, Sequence[float]]) -> int:
@@ -197,9 +226,15 @@ def cache_bytes() -> int:
 
 
 def _timed(step: Callable[[], object]) -> float:
-    began = time.perf_counter()
+    """``step``'s seconds: with one torch thread, the CPU time of this thread, which computes it all; with more, the
+    wall.  A stage loads while its node's other processes start (the ingress, Serve's proxy, the model's other
+    stages), and a container at its CPU quota is stopped for the rest of each scheduler period: wall timings there
+    caught those pauses (and on a 1.0-CPU lab host, 16-row steps planned as F.linear, at 2.3x the packed form's
+    cost, for as long as the service ran), where the thread's CPU time does not count them."""
+    clock = time.thread_time if torch.get_num_threads() == 1 else time.perf_counter
+    began = clock()
     step()
-    return time.perf_counter() - began
+    return clock() - began
 
 
 def _probe_part(linear: nn.Linear, most_bytes: int) -> nn.Linear:
@@ -276,8 +311,9 @@ def measure(
                 plain_s, packed_s = costs_of(rows, (LINEAR, PACKED))
                 large[rows] = (plain_s, packed_s)
         plan = plan_from_costs(small)
-        large_how = large_form(large) if large else widest_form(plan, small)
-        if PACKED in {form for form, _ in plan.values()} | {large_how}:
+        large_how: int | dict[int, int] = large_forms(large) if large else widest_form(plan, small)
+        larger = set(large_how.values()) if isinstance(large_how, dict) else {large_how}
+        if PACKED in {form for form, _ in plan.values()} | larger:
             packed = {m: packed[m] if m in packed else pack(m.weight) for m in linears}  # not a probe's part
         else:
             packed = {}
