@@ -56,6 +56,24 @@ def _what(process: psutil.Process) -> str:
     return name
 
 
+def threads_of(pattern: str) -> dict[tuple[int, int], tuple[float, str]]:
+    """Each thread of the processes whose title contains ``pattern``: (CPU seconds, its name), by (pid, tid)."""
+    found: dict[tuple[int, int], tuple[float, str]] = {}
+    for process in psutil.process_iter():
+        try:
+            if pattern not in _what(process):
+                continue
+            for thread in process.threads():
+                try:
+                    name = Path(f"/proc/{process.pid}/task/{thread.id}/comm").read_text().strip()
+                except OSError:
+                    name = "?"
+                found[(process.pid, thread.id)] = (thread.user_time + thread.system_time, name)
+        except (psutil.Error, OSError):
+            continue
+    return found
+
+
 def snapshot() -> dict[Key, tuple[float, str, str]]:
     """Every process: (CPU seconds, what it is, its container)."""
     found: dict[Key, tuple[float, str, str]] = {}
@@ -73,17 +91,20 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path)
     parser.add_argument("--top", type=int, default=25)
+    parser.add_argument("--threads-of", default="", help="also each thread's CPU of the processes titled so")
     parser.add_argument("command", nargs=argparse.REMAINDER)
     args = parser.parse_args()
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not command:
         parser.error("give the command to measure after --")
     before = snapshot()
+    threads_before = threads_of(args.threads_of) if args.threads_of else {}
     began = time.monotonic()
     rc = subprocess.call(command)
     wall = time.monotonic() - began
     own = resource.getrusage(resource.RUSAGE_CHILDREN)  # the command itself (it ended: not in the snapshots)
     after = snapshot()
+    threads_after = threads_of(args.threads_of) if args.threads_of else {}
     rows: dict[tuple[str, str], dict[str, Any]] = {}
     for key, (cpu, what, container) in after.items():
         spent = cpu - before[key][0] if key in before else cpu
@@ -105,6 +126,14 @@ def main() -> int:
         "ended": ended,
         "by_process": table[: args.top],
     }
+    if args.threads_of:
+        by_name: dict[str, float] = {}
+        for key, (cpu, name) in threads_after.items():
+            by_name[name] = by_name.get(name, 0.0) + max(0.0, cpu - threads_before.get(key, (0.0, ""))[0])
+        report["threads"] = {
+            "of": args.threads_of,
+            "by_name": {name: round(cpu, 2) for name, cpu in sorted(by_name.items(), key=lambda kv: -kv[1])},
+        }
     if args.out:  # the command's own output stays alone on stdout
         args.out.write_text(json.dumps(report, indent=2) + "\n")
     else:

@@ -53,7 +53,7 @@ bench() {
   local name=$1 f="$OUT/runs/$1.json"
   shift
   local wrap=()
-  [ -z "${CPU_BY_PROCESS:-}" ] || wrap=("$py" benchmarks/cpu_by_process.py --out "$OUT/runs/$name.cpu.json" --)
+  [ -z "${CPU_BY_PROCESS:-}" ] || wrap=("$py" benchmarks/cpu_by_process.py --threads-of _StageActor --out "$OUT/runs/$name.cpu.json" --)
   timeout 1800 "${wrap[@]}" "$py" -m raycluster_cli.cli bench --serve --rates= --prompt-tokens="$PROMPT" \
     --output-tokens="$OUTPUT" "$@" --json --save-result "$f" > "$OUT/runs/$name.out" 2> "$OUT/runs/$name.err" || echo "$name: rc $?" >&2
   "$py" - "$f" "$name" << 'PY'
