@@ -9,6 +9,8 @@
 #   ONE_REQUESTS=4 (the one-at-a-time run)  QUOTAS=1.0,0.5,0.25  SERVICES="vllm one three" (vllm alone: no lab)
 #   VLLM_CPU=N (default: the last CPU)  VLLM_KV_GIB=4  VLLM_PORT=8011  PYTHON (raycluster's venv)
 #   SERVE_FLAGS (more `raycluster serve` flags for both lab services, e.g. --step-tokens=2048 --prefill-chunk=128)
+#   WORKLOAD=e4: issue 49's E4 instead (benchmarks/prefill_beside_decodes.py: an E4_PROMPT-token prompt (1024) alone
+#   and beside CONCURRENCY decoding streams, E4_ROUNDS times (3)); OUT/runs/SERVICE-e4-rN.json
 #   CPU_BY_PROCESS=1: each run's CPU by process on the whole machine (benchmarks/cpu_by_process.py), OUT/runs/*.cpu.json
 # Needs benchmarks/vllm_cpu_env.sh's venv (made here when missing) and, for "one"/"three", the whole machine for
 # the Docker lab (RAYCLUSTER_LAB_NAME etc. as the lab tests take them). Every run's document: OUT/runs/*.json;
@@ -19,7 +21,11 @@ OUT=${1:-/tmp/engine-vs-vllm}
 SHAPE=${SHAPE:-qwen2.5-0.5b} ROUNDS=${ROUNDS:-3} REQUESTS=${REQUESTS:-16} CONCURRENCY=${CONCURRENCY:-16}
 PROMPT=${PROMPT:-128} OUTPUT=${OUTPUT:-32} ONE_REQUESTS=${ONE_REQUESTS:-4} QUOTAS=${QUOTAS:-1.0,0.5,0.25}
 SERVICES=${SERVICES:-vllm one three} VLLM_CPU=${VLLM_CPU:-$(($(nproc) - 1))} VLLM_PORT=${VLLM_PORT:-8011}
-MAX_SEQ=$((PROMPT + OUTPUT))
+WORKLOAD=${WORKLOAD:-saturation} E4_PROMPT=${E4_PROMPT:-1024} E4_ROUNDS=${E4_ROUNDS:-3}
+MAX_SEQ=$((PROMPT + OUTPUT)) SLOTS=$CONCURRENCY
+if [ "$WORKLOAD" = e4 ]; then # the long prompt and the streams' 8 + 200 tokens fit; the prompt beside the streams
+  MAX_SEQ=$((E4_PROMPT + 256)) SLOTS=$((CONCURRENCY + 1))
+fi
 mkdir -p "$OUT/runs"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} # this tree's CLI and benchmarks, whichever venv runs them
 source benchmarks/lab_with_quotas.sh # py, rc, lab_with_quotas
@@ -67,6 +73,16 @@ print(sys.argv[2], round(r["output_tokens_per_s"], 1), "tok/s; TPOT p50", round(
 PY
 }
 
+# e4 SERVICE ROUND URL KEY_FILE: issue 49's E4 on one service
+e4() {
+  local f="$OUT/runs/$1-e4-r$2.json"
+  "$py" benchmarks/prefill_beside_decodes.py --url "$3" --api-key-file "$4" --prompt-tokens "$E4_PROMPT" \
+    --streams "$CONCURRENCY" --rounds "$E4_ROUNDS" --out "$f" > /dev/null 2> "$OUT/runs/$1-e4-r$2.err" || echo "$1-e4-r$2: rc $?" >&2
+  "$py" -c "import json, sys; d = json.load(open(sys.argv[1])); print(sys.argv[2], 'TTFT alone', d['ttft_alone_s'],
+  'beside', d['ttft_beside_s'], 'ratio', d['ttft_beside_over_alone_p50'], '; TPOT', d['tpot_without_ms_p50'], '->',
+  d['tpot_while_prefilling_ms_p50'], 'ms, ratio', d.get('tpot_while_over_without_p50'), flush=True)" "$f" "$1-e4-r$2" || true
+}
+
 # measure SERVICE ROUND TARGET_FLAGS...: a warm-up (not counted), greedy, sampled, one at a time
 measure() {
   local s=$1 n=$2
@@ -82,9 +98,15 @@ lab_round() {
   local s=$1 n=$2 inventory=$3
   rc down -i "$inventory" --json > /dev/null || true
   rc up -i "$inventory" --json > "$OUT/runs/up-$s-r$n.json"
-  rc serve --model-path="$MODEL" --max-seq="$MAX_SEQ" --slots="$CONCURRENCY" --dtype=bfloat16 ${SERVE_FLAGS:-} \
+  rc serve --model-path="$MODEL" --max-seq="$MAX_SEQ" --slots="$SLOTS" --dtype=bfloat16 ${SERVE_FLAGS:-} \
     -i "$inventory" --json > "$OUT/runs/serve-$s-r$n.json"
-  measure "$s" "$n" -i "$inventory"
+  if [ "$WORKLOAD" = e4 ]; then
+    local served="$OUT/runs/serve-$s-r$n.json"
+    e4 "$s" "$n" "$("$py" -c "import json, sys; print(json.load(open(sys.argv[1]))['url'])" "$served")" \
+      "$("$py" -c "import json, sys; print(json.load(open(sys.argv[1]))['api_key_file'])" "$served")"
+  else
+    measure "$s" "$n" -i "$inventory"
+  fi
   rc status -i "$inventory" --json > "$OUT/runs/status-$s-r$n.json" || true # the split it ran on
   rc serve --stop -i "$inventory" --json > /dev/null
   rc down -i "$inventory" --json > /dev/null
@@ -98,14 +120,19 @@ if [[ " $SERVICES " == *" one "* || " $SERVICES " == *" three "* ]]; then
 yaml.safe_dump(d, open(sys.argv[2], 'w'), sort_keys=False)" "$THREE" "$ONE" # lab-h1: the 1.0-CPU host
   rc down -i "$THREE" --json > /dev/null
 fi
-echo "shape $SHAPE; $REQUESTS requests, $CONCURRENCY at once, $PROMPT prompt + $OUTPUT output tokens; vLLM on CPU $VLLM_CPU;" \
+echo "shape $SHAPE; $WORKLOAD: $REQUESTS requests, $CONCURRENCY at once, $PROMPT prompt + $OUTPUT output tokens (e4: a" \
+  "$E4_PROMPT-token prompt beside $CONCURRENCY streams); vLLM on CPU $VLLM_CPU;" \
   "LD_PRELOAD=${VLLM_LD_PRELOAD:-none}; services: $SERVICES; $ROUNDS rounds" | tee "$OUT/setup.txt"
 for n in $(seq 0 $((ROUNDS - 1))); do
   for s in $SERVICES; do
     case $s in
       vllm)
         start_vllm # a fresh process each round, as the lab's services are
-        measure vllm "$n" --url "http://127.0.0.1:$VLLM_PORT/v1" --api-key-file "$KEY" -i "${THREE:-inventory.example.yaml}"
+        if [ "$WORKLOAD" = e4 ]; then
+          e4 vllm "$n" "http://127.0.0.1:$VLLM_PORT/v1" "$KEY"
+        else
+          measure vllm "$n" --url "http://127.0.0.1:$VLLM_PORT/v1" --api-key-file "$KEY" -i "${THREE:-inventory.example.yaml}"
+        fi
         stop_vllm
         ;;
       one) lab_round one "$n" "$ONE" ;;
@@ -114,4 +141,4 @@ for n in $(seq 0 $((ROUNDS - 1))); do
     esac
   done
 done
-"$py" benchmarks/engine_vs_vllm_summary.py "$OUT"
+[ "$WORKLOAD" = e4 ] || "$py" benchmarks/engine_vs_vllm_summary.py "$OUT"

@@ -73,7 +73,9 @@ class ServeOptions(BaseModel):
         description="the most tokens one step carries, decodes and prompt chunks together: larger steps prefill more"
         " prompts at once and hold more memory for the step",
     )
-    prefill_chunk: int = Field(64, ge=1, description="prompt tokens of one sequence per step")
+    prefill_chunk: int = Field(
+        64, ge=1, description="prompt tokens of one sequence per step beside decoding ones (alone: --step-tokens)"
+    )
     model_id: str = Field("", description="the model name clients pass (default: the folder's name)")
     dtype: str = Field(
         "auto",

@@ -3,7 +3,8 @@
 Pure Python (no torch, no Ray), so its decisions are tested on their own.  The shape follows vLLM's
 scheduler with chunked prefill: every step first gives each decoding sequence its one token, then
 fills the rest of a token budget with prompt chunks of at most ``prefill_chunk`` tokens, so a long
-prompt is fed over several steps while the decodes keep moving.  A request waiting for a KV slot is
+prompt is fed over several steps while the decodes keep moving; a step with no decode row gives its prompts the
+whole budget.  A request waiting for a KV slot is
 admitted at the next step that finds one free; a sequence that ends (EOS, its token limit, the
 context limit, or a stop string the engine saw) gives its slot back at once.  Several steps may be in
 flight through the pipeline.  A decoding sequence is in at most one of them (its next token needs the step
@@ -86,7 +87,7 @@ class TokenEvent:
 class Limits:
     slots: int = 16  # rows at once: sequences running (a pipeline's: ``for_steps``); no memory behind an idle one
     step_tokens: int = 256  # tokens per step (decodes + prompt chunks)
-    prefill_chunk: int = 64  # prompt tokens of one sequence per step
+    prefill_chunk: int = 64  # prompt tokens of one sequence in a step with decode rows (without: the step's budget)
     max_waiting: int = 256  # requests queued for a slot before new ones are refused
     max_seq: int = 512  # prompt + generated tokens of one sequence (the KV cache length)
     kv_tokens: int = 0  # KV positions shared by the running sequences (0: slots x max_seq, every slot full)
@@ -200,10 +201,14 @@ class Scheduler:
             if seq.request_id in self.running and self._grow(seq, seq.computed + 1, chunks):
                 chunks.append(Chunk(seq.request_id, seq.slot, seq.computed, (seq.generated[-1],), True))
                 budget -= 1
+        # a prompt's chunk is capped beside decode rows (each costs the decoding streams a token's delay); a step of
+        # prompts alone gives them its whole budget, first come first: a 1 024-token prompt alone is 4 steps of 256
+        # tokens, not 16 of 64 (each product then streams the weights for 256 rows at once, not 64)
+        cap = self.limits.prefill_chunk if chunks else budget
         for seq in list(self.running.values()):
             if seq.prompt_left > 0 and seq.finish_reason is None and budget > 0 and len(chunks) < rows:
                 start = seq.scheduled
-                size = min(self.limits.prefill_chunk, seq.prompt_left, budget)
+                size = min(cap, seq.prompt_left, budget)
                 end = start + size
                 chunks.append(
                     Chunk(seq.request_id, seq.slot, start, tuple(seq.prompt[start:end]), end == len(seq.prompt))

@@ -176,7 +176,7 @@ def test_the_router_picks_the_least_outstanding_tokens_not_the_next_in_turn() ->
 
 
 def test_outstanding_counts_prompt_left_to_prefill_and_tokens_left_to_generate() -> None:
-    s = Scheduler(Limits(slots=1, prefill_chunk=4))
+    s = Scheduler(Limits(slots=1, prefill_chunk=4, step_tokens=4))
     s.add("a", list(range(10)), 5)
     s.add("b", [1, 2], 3)  # waits for the slot
     assert s.outstanding == 10 + 5 + 2 + 3

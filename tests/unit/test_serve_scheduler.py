@@ -146,8 +146,8 @@ def test_a_prompt_s_chunks_travel_in_consecutive_steps_without_waiting_for_each_
     """Steps go through the stages in the order they were sent, so chunk k + 1 may follow chunk k before it is
     back: a prompt of three chunks is three steps in flight, not three round trips.  Its first token comes from the
     last chunk; it decodes only once that is back, and its slot outlives every step that still carries it."""
-    s = Scheduler(Limits(slots=2, prefill_chunk=4, step_tokens=64, max_seq=64), frozenset({EOS}))
-    s.add("p", list(range(10, 20)), 3)  # 10 prompt tokens: chunks of 4, 4, 2
+    s = Scheduler(Limits(slots=2, prefill_chunk=4, step_tokens=4, max_seq=64), frozenset({EOS}))
+    s.add("p", list(range(10, 20)), 3)  # 10 prompt tokens: chunks of 4, 4, 2 (the step's budget)
     steps = [s.schedule(), s.schedule(), s.schedule(), s.schedule()]
     assert [[(c.start, len(c.tokens), c.samples) for c in step] for step in steps] == [
         [(0, 4, False)],
@@ -181,3 +181,22 @@ def test_a_step_s_token_cap_cuts_the_prompt_chunk_not_the_decodes() -> None:
     step = s.schedule(max_tokens=10)
     assert [(c.request_id, c.start, len(c.tokens)) for c in step] == [("a", 2, 1), ("b", 0, 9)]
     assert [(c.request_id, c.start, len(c.tokens)) for c in s.schedule()] == [("b", 9, 21)]  # the rest, uncapped
+
+
+def test_a_prompt_alone_takes_the_whole_step_and_beside_decodes_only_its_chunk() -> None:
+    """``prefill_chunk`` protects decoding streams; a step of prompts alone has none to protect, and a product of
+    256 rows costs a CPU less a row than four of 64."""
+    s = Scheduler(Limits(slots=4, step_tokens=16, prefill_chunk=4, max_seq=64), frozenset({EOS}))
+    s.add("long", list(range(40)), 2)
+    s.add("next", list(range(9)), 2)
+    first = s.schedule()
+    assert [(c.request_id, c.start, len(c.tokens)) for c in first] == [("long", 0, 16)]  # first come, whole budget
+    s.complete(first, {})
+    assert [(c.request_id, c.start, len(c.tokens)) for c in _run(s)] == [("long", 16, 16)]
+    assert [(c.request_id, c.start, len(c.tokens), c.samples) for c in _run(s)] == [
+        ("long", 32, 8, True), ("next", 0, 8, False),  # the rest of long, then next fills the budget
+    ]  # fmt: skip
+    # long decodes now: next's last token is capped at prefill_chunk beside it, and so would a longer rest be
+    s.add("third", list(range(20)), 2)
+    step = s.schedule()
+    assert [(c.request_id, len(c.tokens)) for c in step] == [("long", 1), ("next", 1), ("third", 4)]
