@@ -85,7 +85,9 @@ def render_serve_bench(output: Output, body: dict[str, Any]) -> None:
         label = (f"#{s['pipeline']} " if several else "") + f"{s['node_ip']} ({s.get('blocks')} blocks)"
         share = s.get("node_cpu_share")
         node = f", its node {share:.0%} of its CPU quota" if share is not None else ""
-        return label, s["busy_s"], f"{s['busy_s']:.3f}s, {s['steps']} steps{node}"
+        got = s.get("forward_cpu_per_busy_s")
+        cpu = f", {got:.2f} CPU-s per busy s" if got is not None else ""
+        return label, s["busy_s"], f"{s['busy_s']:.3f}s, {s['steps']} steps{node}{cpu}"
 
     _errors_and_busy_time(
         output, runs, row, lambda shown: f", the slowest stage busy {shown['of_ceiling']:.0%} of the run"

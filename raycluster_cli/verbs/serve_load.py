@@ -204,6 +204,11 @@ def stage_times(before: dict[str, Any], after: dict[str, Any], wall_s: float) ->
                 "gc_s": max(0.0, now["gc_s"] - (was.get("gc_s", 0.0) if same else 0.0)) if "gc_s" in now else None,
             }
         )
+    for stage in stages:  # CPU per busy second in its forward: its threads when nothing held it back; less when its
+        # node's other processes took its quota's share (on a 1.0-CPU head, Ray's own and the front end: ~0.8)
+        stage["forward_cpu_per_busy_s"] = (
+            round(stage["forward_cpu_s"] / stage["busy_s"], 3) if stage["busy_s"] > 0 else None
+        )
     busy = [s["busy_s"] for s in stages]
     peaks = [max(s["busy_s"] for s in stages if s["pipeline"] == p) for p in sorted({s["pipeline"] for s in stages})]
     earlier, later = {p for p, _ in old}, {p for p, _ in stage_rows(after)}

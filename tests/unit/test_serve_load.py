@@ -116,6 +116,13 @@ def test_stage_times_diff_the_counters_and_judge_the_balance() -> None:
     assert got["anatomy"] == {"0": {"steps": 3, "round_trip_ms": 30.0}}
     # node 1's container used 20 CPU-s over 4 s at a 0.5-CPU quota: 10 times its share (the figures are made up)
     assert [s["node_cpu_share"] for s in got["stages"]] == [10.0, 5.0]
+    # the CPU each forward got per busy second: stage 1 computed 1.6 of its 2.0 busy seconds; none if never busy
+    assert [s["forward_cpu_per_busy_s"] for s in got["stages"]] == [1.0, 1.0]
+    held = _status((11, 3.0, 150, 2), (12, 5.0, 150, 1))
+    held["pipelines"][0]["stages"][0]["forward_cpu_s"] = 1.0 + 1.6  # type: ignore[index]
+    assert stage_times(before, held, wall_s=4.0)["stages"][0]["forward_cpu_per_busy_s"] == pytest.approx(0.8)
+    idle = stage_times(before, before, wall_s=4.0)["stages"]
+    assert [s["forward_cpu_per_busy_s"] for s in idle] == [None, None]
     assert (
         stage_times(before, after, wall_s=0)["stages"][0]["node_cpu_share"] is None
     )  # the step anatomy at the run's end
