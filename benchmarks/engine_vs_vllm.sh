@@ -101,9 +101,10 @@ lab_round() {
   rc serve --model-path="$MODEL" --max-seq="$MAX_SEQ" --slots="$SLOTS" --dtype=bfloat16 ${SERVE_FLAGS:-} \
     -i "$inventory" --json > "$OUT/runs/serve-$s-r$n.json"
   if [ "$WORKLOAD" = e4 ]; then
-    local served="$OUT/runs/serve-$s-r$n.json"
-    e4 "$s" "$n" "$("$py" -c "import json, sys; print(json.load(open(sys.argv[1]))['url'])" "$served")" \
-      "$("$py" -c "import json, sys; print(json.load(open(sys.argv[1]))['api_key_file'])" "$served")"
+    local url key # the service's address and key, as `serve` wrote them
+    read -r url key < <("$py" -c "import json, sys; d = json.load(open(sys.argv[1])); print(d['url'], d['api_key_file'])" \
+      "$OUT/runs/serve-$s-r$n.json")
+    e4 "$s" "$n" "$url" "$key"
   else
     measure "$s" "$n" -i "$inventory"
   fi

@@ -157,11 +157,7 @@ class BatchedStage:
         h = stage.run_blocks(rows.pack(stage.enter(x, rows)), self.caches, rows, self.block_mm)
         if stage.head is None:
             return rows.unpack(h)
-        lasts = rows.lasts if kept is None else rows.lasts.index_select(0, kept)
-        if not lasts.numel():
-            return h.new_zeros((0, 0))
-        logits: torch.Tensor = stage.head(h.index_select(0, lasts), self.head_mm)
-        return logits
+        return self._logits(h.index_select(0, rows.lasts), kept)
 
     def _run(self, x: torch.Tensor, rows: Rows, every: bool, kept: torch.Tensor | None = None) -> torch.Tensor:
         stage = self.stage
@@ -173,10 +169,15 @@ class BatchedStage:
         if every:
             logits_every: torch.Tensor = stage.head(x, self.head_mm)
             return logits_every
-        last = x[torch.arange(x.shape[0], device=x.device), rows.lengths - 1]
+        return self._logits(x[torch.arange(x.shape[0], device=x.device), rows.lengths - 1], kept)
+
+    def _logits(self, last: torch.Tensor, kept: torch.Tensor | None) -> torch.Tensor:
+        """The head over each row's last hidden state [B, d]: every row's logits, or only the ``kept`` rows' [K, vocab]
+        (none computed when no row is kept)."""
+        assert self.stage.head is not None
         if kept is not None:
             if not kept.numel():
-                return x.new_zeros((0, 0))
-            last = last.index_select(0, kept.to(x.device))
-        logits: torch.Tensor = stage.head(last, self.head_mm)
+                return last.new_zeros((0, 0))
+            last = last.index_select(0, kept.to(last.device))
+        logits: torch.Tensor = self.stage.head(last, self.head_mm)
         return logits

@@ -311,9 +311,8 @@ def measure(
                 plain_s, packed_s = costs_of(rows, (LINEAR, PACKED))
                 large[rows] = (plain_s, packed_s)
         plan = plan_from_costs(small)
-        large_how: int | dict[int, int] = large_forms(large) if large else widest_form(plan, small)
-        larger = set(large_how.values()) if isinstance(large_how, dict) else {large_how}
-        if PACKED in {form for form, _ in plan.values()} | larger:
+        large_how = large_forms(large) if large else {most_rows + 1: widest_form(plan, small)}
+        if PACKED in {form for form, _ in plan.values()} | set(large_how.values()):
             packed = {m: packed[m] if m in packed else pack(m.weight) for m in linears}  # not a probe's part
         else:
             packed = {}
