@@ -38,7 +38,7 @@ from raycluster_cli.serve import answers, draining, protocol
 from raycluster_cli.serve.answers import RETRY_AFTER_S, Choice
 from raycluster_cli.serve.auth import KeyLimits, ServiceKeys, cluster_token_path
 from raycluster_cli.serve.engine import EngineDown, Output, RequestFailed
-from raycluster_cli.serve.fleet import RayFleet
+from raycluster_cli.serve.fleet import GcsMarks, RayFleet
 from raycluster_cli.serve.frontdoor import Tokenizing, check_counts, check_scored, check_text, read_body
 from raycluster_cli.serve.frontend import FrontEndCpu
 from raycluster_cli.serve.ingress import KEYED, openai_api, service_key
@@ -96,7 +96,8 @@ class OpenAIServer:
         else:
             self.pool = self._pool(path)
             self.engine = self.pool  # what the routes generate with (serve/seam.py: how a backend plugs in)
-            await self._start(settings.pipeline_plans(self.cfg.layers))
+            # an ingress started again (its process died) keeps out the nodes drained before it: no plan goes there
+            await self._start(await draining.restore(self.pool, settings.pipeline_plans(self.cfg.layers)))
         self.created = int(time.time())
         # what the process holds once set up is never collected again: a full collection walks only what came since
         self.collections = FullCollections(freeze_heap())
@@ -128,6 +129,7 @@ class OpenAIServer:
             rebalance_period_s=self.settings.rebalance_period_s,
             recorder=RayRecorder(),
             model=self.model_id,
+            marks=GcsMarks(),
         )
 
     async def _start(self, plans: list[PipelinePlan]) -> None:

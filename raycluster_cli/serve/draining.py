@@ -9,8 +9,12 @@ tokens it already sent (``Pool.generate``).  A drained node stays out of every l
 ``take_in`` lets it back (``raycluster undrain``, or ``up`` starting its host again); ``take_in`` then grows the pool
 over the unused nodes at once (a node let back, or one ``up`` added), not at the pool's next periodic look.
 
-Pure asyncio over the pool, as the pool is: the Ray side is the backend's, and the ingress's handle methods call
-these (serve/app.py).
+The drained marks outlive the ingress: each change is kept in a ``Marks`` store (the cluster's GCS key-value store,
+``serve.fleet.GcsMarks``), and an ingress that starts again (Serve replaces one whose process died) reads them
+before it builds anything (``restore``), so its launcher's plans never put a stage back on a drained node.
+
+Pure asyncio over the pool, as the pool is: the Ray side is the backend's and the store's, and the ingress's handle
+methods call these (serve/app.py).
 """
 
 from __future__ import annotations
@@ -19,15 +23,24 @@ import asyncio
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from raycluster_cli.serve.engine import EngineDown
 
 if TYPE_CHECKING:
+    from raycluster_cli.placement.pipelines import PipelinePlan
     from raycluster_cli.serve.pool import Pipeline, Pool
 
 RETIRE_S = 10.0  # after the deadline: how long the moved pipelines get to leave the pool
 POLL_S = 0.1
+
+
+class Marks(Protocol):
+    """Where the drained marks (node id or IP -> when it was drained) are kept beyond the ingress's life."""
+
+    async def save(self, drained: dict[str, float]) -> None: ...
+
+    async def load(self) -> dict[str, float]: ...
 
 
 class DrainRefused(RuntimeError):
@@ -70,7 +83,7 @@ async def drain(pool: Pool, node: str, deadline_s: float) -> DrainResult:
     pool.rebuilding += 1  # no growth or re-split starts meanwhile: they could build on the node again
     try:
         pool.drained[node] = time.time()
-        pool.backend.exclude(set(pool.drained))
+        await _exclude(pool)
         olds = over(pool, node)
         if not olds:
             result.note = "no pipeline ran on it"
@@ -87,7 +100,7 @@ async def drain(pool: Pool, node: str, deadline_s: float) -> DrainResult:
     except BaseException:
         if not result.drained:  # refused or failed before any pipeline left the node: the node is not drained
             pool.drained.pop(node, None)
-            pool.backend.exclude(set(pool.drained))
+            await _exclude(pool)
         raise
     finally:
         pool.rebuilding -= 1
@@ -135,7 +148,7 @@ async def take_in(pool: Pool, nodes: Sequence[str] = (), wait_s: float = 600.0) 
     the alive nodes no pipeline uses (``Pool.grow``), not at its next periodic look; waits for a re-plan under way
     to end first, up to ``wait_s``.  Which nodes were drained, and the pipelines it added."""
     was = [n for n in nodes if pool.drained.pop(n, None) is not None]
-    pool.backend.exclude(set(pool.drained))
+    await _exclude(pool)
     until = time.monotonic() + wait_s
     while pool.rebuilding and time.monotonic() < until:
         await asyncio.sleep(POLL_S)
@@ -148,3 +161,37 @@ async def take_in(pool: Pool, nodes: Sequence[str] = (), wait_s: float = 600.0) 
     finally:
         pool.rebuilding -= 1
     return {"undrained": was, "grown": sorted(p.index for p in pool.pipelines if p.index not in known)}
+
+
+async def _exclude(pool: Pool) -> None:
+    """The pool's drained marks handed to its backend (no stage goes there) and kept in its store, if it has one."""
+    pool.backend.exclude(set(pool.drained))
+    if pool.marks is not None:
+        try:
+            await pool.marks.save(dict(pool.drained))
+        except Exception as exc:  # the drain itself stands; an ingress started again would not know of it
+            pool._note("marks not kept", None, f"the drained marks were not saved ({type(exc).__name__}: {exc})")
+
+
+async def restore(pool: Pool, plans: Sequence[PipelinePlan]) -> list[PipelinePlan]:
+    """The marks an earlier ingress kept, taken back before anything is built; ``plans`` (the launcher's) less those
+    that would put a stage on a drained node.  When that leaves none, the plan the backend makes over the nodes that
+    are not drained (its growth over an empty pool); the pool's periodic look takes in the other free nodes."""
+    if pool.marks is None:
+        return list(plans)
+    try:
+        pool.drained = dict(await pool.marks.load())
+    except Exception as exc:  # the store did not answer: start with the launcher's plans rather than not at all
+        pool._note("marks not read", None, f"the drained marks could not be read ({type(exc).__name__}: {exc})")
+        return list(plans)
+    if not pool.drained:
+        return list(plans)
+    pool.backend.exclude(set(pool.drained))
+    kept = [p for p in plans if not uses_any(p, set(pool.drained))]
+    for plan in plans:
+        if plan not in kept:
+            where = ", ".join(uses_any(plan, set(pool.drained)))
+            pool._note("kept out", None, f"a planned pipeline over drained node(s) {where} not built")
+    if not kept:
+        kept = [plan for _, plan in await pool.backend.growth([])]
+    return kept

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -44,6 +45,30 @@ COUNTERS_TIMEOUT_S = 10.0  # the stages' counters (they answer between steps)
 # this share of it: an idle or nearly idle pipeline's timings are noise, and its balance does not matter.
 REBALANCE_MIN_STEPS = 40
 REBALANCE_MIN_BUSY = 0.3
+KV_NAMESPACE = b"raycluster"  # our keys in the GCS's key-value store
+KV_TIMEOUT_S = 10.0  # a read or write of that store
+
+
+class GcsMarks:
+    """The text service's drained marks kept in the cluster's GCS key-value store (serve/draining.py): they outlive
+    the ingress's process (Serve starts another when it dies) and a redeploy (a node stays out until `undrain`), but
+    not the GCS (a head started again without Redis-backed fault tolerance comes back empty: every node serves)."""
+
+    key = b"serve-drained"
+
+    @staticmethod
+    def _gcs() -> Any:
+        worker: Any = ray._private.worker.global_worker  # its GCS client's calls take a deadline (internal_kv's do not)
+        return worker.gcs_client
+
+    async def save(self, drained: dict[str, float]) -> None:
+        value = json.dumps(drained, sort_keys=True).encode()
+        await self._gcs().async_internal_kv_put(self.key, value, True, KV_NAMESPACE, timeout=KV_TIMEOUT_S)
+
+    async def load(self) -> dict[str, float]:
+        value = await self._gcs().async_internal_kv_get(self.key, KV_NAMESPACE, timeout=KV_TIMEOUT_S)
+        data = json.loads(value) if value else {}
+        return {str(n): float(t) for n, t in data.items()} if isinstance(data, dict) else {}
 
 
 @dataclass(frozen=True)

@@ -24,12 +24,15 @@ import logging
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from raycluster_cli.placement.pipelines import PipelinePlan
 from raycluster_cli.serve.engine import Engine, EngineDown, Output, QueueFull, RequestFailed, Resume
 from raycluster_cli.serve.metrics import Recorder, RequestTimer, pipeline_gauges
 from raycluster_cli.serve.text import Sampling
+
+if TYPE_CHECKING:
+    from raycluster_cli.serve.draining import Marks
 
 log = logging.getLogger("raycluster.serve")
 T = TypeVar("T")
@@ -122,8 +125,10 @@ class Pool:
         answer_timeout_s: float = ANSWER_TIMEOUT_S,
         recorder: Recorder | None = None,
         model: str = "",
+        marks: Marks | None = None,
     ) -> None:
         self.backend = backend
+        self.marks = marks  # where the drained marks are kept beyond this process (serve/draining.py); None: nowhere
         self.recorder, self.model = recorder, model  # the service's metrics (serve.metrics); None: none
         self.suspect_floor_s = suspect_floor_s  # steps overdue this long (or SUSPECT_FACTOR x the slowest): ask
         self.answer_timeout_s = answer_timeout_s  # a stage that does not answer within this is taken as lost

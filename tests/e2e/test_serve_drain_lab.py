@@ -12,6 +12,7 @@ on lab-h2 the same way.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -28,6 +29,9 @@ from .test_serve_failover_lab import CLIENTS, MODEL, PROMPTS, Load, Served, pipe
 pytestmark = [pytest.mark.lab, pytest.mark.slow]
 
 DRAIN_LIMIT_S = 60.0  # the issue's target: the node idle within its deadline
+INGRESS_BACK_S = 180.0  # Serve's health check finds the replica dead, starts another, which builds its pipelines
+INGRESS_TITLE = "ServeReplica:raycluster:OpenAIServer"  # the ingress's process title (Ray's ray::<actor>)
+RAY_CONTAINER = "$(docker ps -q --filter label=io.raycluster.cluster=lab)"  # on a lab host, its Ray node
 
 
 def _without_h3(lab: Lab, path: Path) -> str:
@@ -99,8 +103,36 @@ def test_a_host_added_drained_taken_out_and_back_fails_no_request(served: Served
     assert [IP3] in pipeline_ips(served.status()) and served.status()["drained"] == []
 
 
+def _ingress_killed(served: Served) -> dict[str, Any]:
+    """The ingress's process on the head killed (SIGKILL, in the head's Ray container): the status of the ingress
+    Serve starts in its place, once it answers."""
+    old = served.status()["front_end"]["ingress_pid"]
+    served.lab.sh("lab-h1", f"docker exec {RAY_CONTAINER} pkill -9 -f {INGRESS_TITLE}")
+    began = time.monotonic()
+
+    def restarted() -> dict[str, Any] | None:
+        try:
+            status = served.status()
+        except OSError:  # the proxy answers 503 (or nothing) while no ingress runs
+            return None
+        return status if status["front_end"]["ingress_pid"] != old and pipeline_ips(status) else None
+
+    assert wait_until(lambda: restarted() is not None, INGRESS_BACK_S), "no new ingress answered"
+    status = restarted()
+    assert status is not None
+    print(f"\n[ingress killed] a new one served {pipeline_ips(status)} after {time.monotonic() - began:.1f} s")
+    return status
+
+
 def test_drain_undo_lets_a_host_back_at_once(served: Served) -> None:
     _drain_under_load(served, IP2)
+    # the ingress dies while IP2 is drained: the one Serve starts again reads the mark, and the launcher's plan of a
+    # replica on IP2 is not built (the mark was only in the dead process's memory before)
+    status = _ingress_killed(served)
+    assert [d["node"] for d in status["drained"]] == [IP2], status["drained"]
+    assert all(IP2 not in ips for ips in pipeline_ips(status)), pipeline_ips(status)
+    answer = asyncio.run(served.complete(PROMPTS[0], stream=True))
+    assert answer == served.want(PROMPTS[0])
     code, doc, err = served.lab.cli("drain", "--undo", IP2, timeout=900)
     assert code == 0 and doc["action"] == "undrained" and doc["grown"], (doc, err)
     assert [IP2] in pipeline_ips(served.status())

@@ -52,6 +52,8 @@ class _Nodes(_Backend):
 
     async def growth(self, pipelines: Sequence[Pipeline]) -> list[tuple[Pipeline | None, PipelinePlan]]:
         free = self.usable(pipelines)
+        if not pipelines:  # none at all: one over the free nodes, as RayFleet's
+            return [(None, self.plan(free[:STAGES]))] if free else []
         return [
             (p, self.plan([*p.plan.node_ids, *free[: STAGES - p.plan.stages]]))
             for p in pipelines
@@ -193,3 +195,101 @@ def test_a_node_drained_with_no_pipeline_on_it_stays_out_of_growth(checkpoint: P
     result, grown, nodes = asyncio.run(run())
     assert result.drained == [] and result.note == "no pipeline ran on it"
     assert grown == [1] and nodes == [("a", "c")]
+
+
+class _Kept:
+    """A drained-marks store in memory (``draining.Marks``: the GCS's on Ray), shared by the pools of one test as the
+    GCS is by the ingresses Serve starts one after another."""
+
+    def __init__(self) -> None:
+        self.kept: dict[str, float] = {}
+        self.saves = 0
+
+    async def save(self, drained: dict[str, float]) -> None:
+        self.kept, self.saves = dict(drained), self.saves + 1
+
+    async def load(self) -> dict[str, float]:
+        return dict(self.kept)
+
+
+def test_an_ingress_started_again_keeps_a_drained_node_out_of_its_launchers_plans(
+    checkpoint: Path,  # noqa: F811
+    reference: dict[str, tuple[str, list[int]]],  # noqa: F811
+) -> None:
+    """Two replicas planned by the launcher, (a) and (b); b is drained and the ingress's process dies.  The next
+    ingress (a new pool over the same store) reads the mark before it builds: it builds (a) only, lists b as drained,
+    answers as generate() does, and `undrain` through it lets b back (the mark is gone from the store too)."""
+    backend = _Nodes(checkpoint, "ab")
+    kept = _Kept()
+    launcher = [backend.plan("a"), backend.plan("b")]
+
+    async def first() -> None:
+        pool = Pool(backend, watch_s=0.05, replace_period_s=3600, marks=kept)
+        for plan in await draining.restore(pool, launcher):
+            await pool.add(plan)
+        await draining.drain(pool, "b", deadline_s=5)
+        await pool.close()
+
+    async def second() -> tuple[list[tuple[str, ...]], dict[str, Any], Any, dict[str, Any], list[str]]:
+        backend.excluded = set()  # a new process: nothing excluded until the store is read
+        pool = Pool(backend, watch_s=0.05, replace_period_s=3600, marks=kept)
+        for plan in await draining.restore(pool, launcher):
+            await pool.add(plan)
+        built = [p.plan.node_ids for p in pool.pipelines]
+        status = pool.status(backend.cfg.layers)
+        answer = await _stream(pool, PROMPTS[0], backend.tokenizer, stream=True)
+        back = await draining.take_in(pool, ["b"])
+        events = [e["event"] for e in pool.events]
+        await pool.close()
+        return built, status, answer, back, events
+
+    asyncio.run(first())
+    assert kept.kept.keys() == {"b"}
+    built, status, answer, back, events = asyncio.run(second())
+    assert built == [("a",)] and "kept out" in events
+    assert [d["node"] for d in status["drained"]] == ["b"]
+    assert answer == reference[PROMPTS[0]]
+    assert back["undrained"] == ["b"] and kept.kept == {}
+
+
+def test_an_ingress_whose_every_planned_pipeline_is_drained_builds_over_the_other_nodes(
+    checkpoint: Path,  # noqa: F811
+) -> None:
+    """The launcher planned one pipeline over (a, b) and b is marked drained: the ingress starts on a plan over the
+    nodes not drained (a, then c, free), not on none and not on b."""
+    backend = _Nodes(checkpoint, "abc")
+    kept = _Kept()
+    kept.kept = {"b": 1.0}
+
+    async def run() -> list[PipelinePlan]:
+        pool = Pool(backend, watch_s=0.05, replace_period_s=3600, marks=kept)
+        return await draining.restore(pool, [backend.plan("ab")])
+
+    plans = asyncio.run(run())
+    assert [p.node_ids for p in plans] == [("a", "c")]
+
+
+class _Broken(_Kept):
+    async def save(self, drained: dict[str, float]) -> None:
+        raise TimeoutError("the GCS did not answer")
+
+    async def load(self) -> dict[str, float]:
+        raise TimeoutError("the GCS did not answer")
+
+
+def test_a_store_that_does_not_answer_neither_stops_a_drain_nor_the_ingress(checkpoint: Path) -> None:  # noqa: F811
+    """The drain stands (status says the marks were not kept); an ingress that cannot read them starts on the
+    launcher's plans."""
+    backend = _Nodes(checkpoint, "abc")
+
+    async def run() -> tuple[list[str], list[tuple[str, ...]]]:
+        pool = Pool(backend, watch_s=0.05, replace_period_s=3600, marks=_Broken())
+        await pool.add(backend.plan("a"))
+        await draining.drain(pool, "b", deadline_s=5)
+        plans = await draining.restore(pool, [backend.plan("ab")])
+        events = [e["event"] for e in pool.events]
+        await pool.close()
+        return events, [p.node_ids for p in plans]
+
+    events, plans = asyncio.run(run())
+    assert "marks not kept" in events and "marks not read" in events and plans == [("a", "b")]
