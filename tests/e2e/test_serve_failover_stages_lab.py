@@ -1,0 +1,111 @@
+"""`serve --stages 3` on the real 3-host lab: one pipeline whose ring crosses every host loses a worker under load,
+then gets it back (issue 52, items 4: "a 3-stage pipeline over 3 hosts losing a worker under load").
+
+The one-stage failover test (test_serve_failover_lab.py) never cuts a ring across hosts: its survivors are whole
+replicas.  Here the only pipeline runs a stage on each host, so losing lab-h3 (`docker kill` of the host container,
+as a power cut) stops every request at once; the pool must re-split the model over the two survivors
+(``RayFleet.replacement`` → ``placement.replan``), build that pipeline on real hosts, and continue each stream from
+the tokens it sent.  No request fails, every answer equals `transformers`' `generate()`, and within 60 s of the
+kill the service serves from a two-stage pipeline over lab-h1 and lab-h2.  The host boots again, `up` tells the
+service, and the degraded pipeline is rebuilt over all three hosts (``RayFleet.growth``), still under load.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import transformers
+
+from ..serve_checkpoint import write_chat_llama
+from .conftest import IP1, IP2, IP3, Lab
+from .faults import power_off, power_on, wait_until
+from .test_serve_failover_lab import (
+    CLIENTS,
+    DEAD,
+    MODEL,
+    PROMPTS,
+    RECOVERY_LIMIT_S,
+    RETURN_LIMIT_S,
+    Load,
+    Served,
+    pipeline_ips,
+)
+
+pytestmark = [pytest.mark.lab, pytest.mark.slow]
+
+
+@pytest.fixture(scope="module")
+def served(lab_hosts: Lab, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    code, _, err = lab_hosts.cli("up", timeout=1500)
+    assert code == 0, err
+    path = write_chat_llama(tmp_path_factory.mktemp("stages") / MODEL)
+    args = ("serve", f"--model-path={path}", "--stages=3", "--max-seq=96", "--slots=8")
+    code, doc, err = lab_hosts.cli(*args, timeout=1200)
+    assert code == 0, err[-4000:]
+    assert doc["replicas"] == 1, doc
+    token = Path(doc["api_key_file"]).read_text().strip()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(path))
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(path)).eval()
+    found = Served(lab_hosts, token, doc["url"], tokenizer, model)
+    for prompt in PROMPTS:
+        found.want(prompt)
+    try:
+        yield found
+    finally:
+        lab_hosts.cli("serve", "--stop", timeout=300)
+
+
+def _over(served: Served, hosts: set[str]) -> bool:
+    """One live pipeline, its stages on exactly ``hosts`` (one each), and nothing else live."""
+    try:
+        live = pipeline_ips(served.status())
+    except OSError:
+        return False
+    return len(live) == 1 and len(live[0]) == len(hosts) and set(live[0]) == hosts
+
+
+def test_a_worker_lost_from_a_three_stage_ring_fails_no_request_and_the_ring_is_whole_again(served: Served) -> None:
+    lab = served.lab
+    assert _over(served, {IP1, IP2, IP3}), served.status()["pipelines"]
+    with Load(served) as load:
+        assert wait_until(lambda: len(load.answers) >= 2 * CLIENTS, 300), load.errors
+        killed, killed_wall = time.monotonic(), time.time()
+        power_off(lab, DEAD)
+        assert wait_until(lambda: _over(served, {IP1, IP2}), RECOVERY_LIMIT_S, step=0.5), served.status()["events"]
+        resplit_s = time.monotonic() - killed
+        fresh = PROMPTS[5]
+        assert asyncio.run(served.complete(fresh, stream=False)) == served.want(fresh)
+        before = len(load.answers)
+        assert wait_until(lambda: len(load.answers) >= before + 3 * CLIENTS, 300), load.errors
+        lost = served.status()
+        answered_lost = len(load.answers)
+
+        power_on(lab, DEAD)
+        code, _, err = lab.cli("up", timeout=900)
+        assert code == 0, err[-3000:]
+        up_done = time.monotonic()
+        assert wait_until(lambda: _over(served, {IP1, IP2, IP3}), RETURN_LIMIT_S, step=0.5), served.status()["events"]
+        back_s = time.monotonic() - up_done
+        before = len(load.answers)
+        assert wait_until(lambda: len(load.answers) >= before + 3 * CLIENTS, 300), load.errors
+
+    events: list[dict[str, Any]] = [e for e in served.status()["events"] if e["at"] >= killed_wall]
+    print(
+        f"\n[3 stages] kill -> two-stage pipeline serving {resplit_s:.1f} s; `up` -> three stages again"
+        f" {back_s:.1f} s; {answered_lost} answers by then, {len(load.answers)} in all, {len(load.errors)} errors;"
+        f" events {[(e['event'], e.get('detail', '')) for e in events]}"
+    )
+    assert load.errors == [] and load.wrong() == []
+    names = [e["event"] for e in events]
+    assert "failed" in names and "failover" in names, events  # the ring was cut with requests on it, and they moved
+    assert resplit_s < RECOVERY_LIMIT_S
+    # the survivors hold the whole model between them: units cut at one point, from the embedding to the head
+    units = [s["units"] for p in lost["pipelines"] if p["state"] == "live" for s in p["stages"]]
+    whole = [s["units"] for s in served.status()["pipelines"][-1]["stages"]]
+    assert len(units) == 2 and units[0][0] == 0 and units[0][1] == units[1][0] and units[1][1] == whole[-1][1], units
+    assert "grown" in names, events  # the degraded pipeline taken back to three stages by the returned host
