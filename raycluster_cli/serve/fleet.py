@@ -25,6 +25,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from raycluster_cli.models.config import ModelConfig
 from raycluster_cli.node.links import DirectLinks, link_capacity
 from raycluster_cli.node.nodes import measure_rooms, node_gpus
+from raycluster_cli.node.reach import REACH_TIMEOUT_S, connected, cut_pairs, describe, unreachable
 from raycluster_cli.node.rendezvous import form_ring
 from raycluster_cli.node.stage_worker import calibrate_workers, start_workers, stop_workers, unit_cost_row
 from raycluster_cli.placement.balance import capacity_costs, capacity_time
@@ -95,6 +96,68 @@ def alive_nodes() -> dict[str, str]:
 @ray.remote(num_cpus=0)
 def _node_id() -> str:
     return str(ray.get_runtime_context().get_node_id())
+
+
+def object_ports() -> dict[str, tuple[str, int]]:
+    """Node id -> (IP, Ray object manager port) of every alive node: what ``node.reach`` tries between nodes."""
+    return {
+        str(n["NodeID"]): (str(n.get("NodeManagerAddress", "")), int(n.get("ObjectManagerPort") or 0))
+        for n in ray.nodes()
+        if n.get("Alive") and n.get("ObjectManagerPort")
+    }
+
+
+def _targets(node_ids: Sequence[str], ports: dict[str, tuple[str, int]]) -> list[tuple[str, str, int]]:
+    return [(n, *ports[n]) for n in dict.fromkeys(node_ids) if n in ports]
+
+
+@ray.remote(num_cpus=0)
+def _unreachable(targets: list[tuple[str, str, int]]) -> list[str]:
+    return unreachable(targets)
+
+
+def cuts_among(node_ids: Sequence[str], timeout_s: float = NODE_ANSWER_TIMEOUT_S) -> set[frozenset[str]]:
+    """The pairs of ``node_ids`` that cannot reach each other (``node.reach``): a task pinned to each node tries the
+    others' object manager ports.  A node whose task did not answer within ``timeout_s`` reports nothing (whether it
+    lives is ``answering``'s question)."""
+    nodes = list(dict.fromkeys(n for n in node_ids if n))
+    if len(nodes) < 2:
+        return set()
+    targets = _targets(nodes, object_ports())
+    refs = {
+        node: _unreachable.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node, soft=False)).remote(
+            [t for t in targets if t[0] != node]
+        )
+        for node in nodes
+    }
+    ready, late = ray.wait(list(refs.values()), num_returns=len(refs), timeout=timeout_s)
+    for ref in late:
+        with contextlib.suppress(Exception):
+            ray.cancel(ref, force=True)
+    reports: dict[str, list[str]] = {}
+    for node, ref in refs.items():
+        with contextlib.suppress(Exception):
+            if ref in ready:
+                reports[node] = list(ray.get(ref, timeout=1))
+    return cut_pairs(reports)
+
+
+async def cut_between(pipeline: Pipeline) -> str | None:
+    """Every stage answered its ping, yet the pipeline's steps are overdue: can the stages' nodes reach each other
+    (each stage tries the others' nodes, on its ping's thread)?  Which ones cannot, for a person; None when all can
+    (or the stages are not pinned to nodes)."""
+    nodes = [n for n in pipeline.plan.node_ids if n]
+    if len(set(nodes)) < 2 or len(nodes) != len(pipeline.stages):
+        return None
+    ports = await asyncio.wait_for(asyncio.to_thread(object_ports), NODES_TIMEOUT_S)
+    targets = _targets(nodes, ports)
+    asked = [a.reach.remote([t for t in targets if t[0] != n]) for a, n in zip(pipeline.stages, nodes, strict=True)]
+    answers = await asyncio.wait_for(asyncio.gather(*asked), REACH_TIMEOUT_S + 5)
+    cuts = cut_pairs(dict(zip(nodes, answers, strict=True)))
+    if not cuts:
+        return None
+    names = dict(zip(pipeline.plan.node_ids, pipeline.plan.ips, strict=True))
+    return f"its stages' nodes cannot reach each other: {describe(cuts, names)}"
 
 
 def answering(node_ids: Sequence[str], timeout_s: float = NODE_ANSWER_TIMEOUT_S) -> set[str]:
@@ -251,7 +314,10 @@ class RayFleet:
                 return f"{where} did not answer within {timeout_s:.0f} s"
             if (exc := ping.exception()) is not None:
                 return f"{where} failed to answer: {type(exc).__name__}: {exc}"
-        return None
+        return await cut_between(pipeline)
+
+    async def _cuts(self, node_ids: Sequence[str]) -> set[frozenset[str]]:
+        return await asyncio.wait_for(asyncio.to_thread(cuts_among, node_ids), NODE_ANSWER_TIMEOUT_S + 10)
 
     async def _speeds(self, nodes: dict[str, str]) -> dict[str, NodeSpeed]:
         unknown = {n: ip for n, ip in nodes.items() if n not in self.speeds}
@@ -276,11 +342,20 @@ class RayFleet:
         if pinned:  # a node that died moments ago is still listed: only the ones that answer count
             heard = await asyncio.wait_for(asyncio.to_thread(answering, pinned), NODE_ANSWER_TIMEOUT_S + 10)
             alive = {n: ip for n, ip in alive.items() if n in heard or n not in mine}
-        if all(not n or n in alive for n in mine):
+        cuts = await self._cuts([n for n in mine if n in alive])
+        if all(not n or n in alive for n in mine) and not cuts:
             return dead.plan
         used = {n for p in others for n in p.plan.node_ids}
         survivors = await self._speeds({n: alive[n] for n in mine if n in alive})
         free = await self._speeds({n: ip for n, ip in alive.items() if n not in used and n not in mine})
+        if free:  # a free node must reach the survivors it would join
+            cuts |= await self._cuts([*survivors, *free])
+        if cuts:  # two of the nodes cannot reach each other: only a set of nodes that all can is planned over
+            order = [s.node_id for s in sorted(survivors.values(), key=lambda s: sum(s.unit_costs))]
+            order += [s.node_id for s in sorted(free.values(), key=lambda s: sum(s.unit_costs))]
+            keep = set(connected(order, cuts))
+            survivors = {n: s for n, s in survivors.items() if n in keep}
+            free = {n: s for n, s in free.items() if n in keep}
         return replan(list(survivors.values()), list(free.values()), self.stages, self.cfg.layers, self.unit_bytes)
 
     async def rebalance(self, pipeline: Pipeline) -> PipelinePlan | None:
@@ -327,16 +402,25 @@ class RayFleet:
         heard = await asyncio.wait_for(asyncio.to_thread(answering, list(unused)), NODE_ANSWER_TIMEOUT_S + 10)
         found = await self._speeds({n: ip for n, ip in unused.items() if n in heard})
         free = sorted(found.values(), key=lambda s: sum(s.unit_costs))  # fastest first
+        # a node that cannot reach another (a cut between two workers) joins no pipeline with it
+        cuts = await self._cuts([*used, *(s.node_id for s in free)]) if free else set()
         changes: list[tuple[Pipeline | None, PipelinePlan]] = []
         for pipeline in pipelines:
             want = self.stages - len(pipeline.plan.node_ids)
             if pipeline.state != "live" or want <= 0 or not free:
                 continue
-            taken, free = free[:want], free[want:]
+            fits = set(connected([*pipeline.plan.node_ids, *(s.node_id for s in free)], cuts))
+            taken = [s for s in free if s.node_id in fits][:want]
+            if not taken:
+                continue
+            free = [s for s in free if s not in taken]
             own = [self.speeds[n] for n in pipeline.plan.node_ids if n in self.speeds]
             plan = replan(own, taken, self.stages, self.cfg.layers, self.unit_bytes)
             if plan is not None:
                 changes.append((pipeline, plan))
+        if cuts:  # new replicas only over free nodes that all reach each other
+            keep = set(connected([s.node_id for s in free], cuts))
+            free = [s for s in free if s.node_id in keep]
         if len(free) >= self.stages:
             for group in snake_groups(free, len(free) // self.stages, self.stages):
                 changes.append((None, split_over(group, None, "a new replica over nodes that joined", self.unit_bytes)))

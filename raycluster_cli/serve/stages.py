@@ -24,6 +24,7 @@ from raycluster_cli.node.cgroup import container_cpu_quota, container_cpu_usage,
 from raycluster_cli.node.gcpause import FullCollections, freeze_heap
 from raycluster_cli.node.links import MIN_CAPACITY, StageLoop
 from raycluster_cli.node.nodes import WORKER_ENV, gpu_shares, node_cpu_count, node_ip, pick_device
+from raycluster_cli.node.reach import REACH_TIMEOUT_S, unreachable
 from raycluster_cli.node.rendezvous import Joining
 from raycluster_cli.placement.partition import Ranges, even_partition, manual_partition
 from raycluster_cli.serve.anatomy import TIMELINE_STEPS
@@ -143,6 +144,13 @@ class _StageActor:
             threading.Event().wait()  # never set: held until this process ends
             return "this stage has no links"
         return self.links.wait()
+
+    @ray.method(concurrency_group="health")
+    def reach(self, targets: list[tuple[str, str, int]], timeout_s: float = REACH_TIMEOUT_S) -> list[str]:
+        """The names of ``targets`` (name, ip, port: the other stages' nodes' Ray object manager) this node cannot
+        open a connection to (``node.reach``): asked, on the ping's thread, when a pipeline's steps are overdue
+        while every stage answers its ping."""
+        return unreachable(targets, timeout_s)
 
     @ray.method(concurrency_group="health")
     def ping(self) -> int:

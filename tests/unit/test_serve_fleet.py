@@ -36,12 +36,14 @@ def _pipeline(*nodes: str, state: str = "live") -> Any:
 
 class _Cluster(dict[str, str]):
     silent: set[str]
+    cuts: set[frozenset[str]]  # pairs of nodes that cannot reach each other (a firewall between two workers)
 
 
 @pytest.fixture
 def cluster(monkeypatch: pytest.MonkeyPatch) -> _Cluster:
     alive = _Cluster()
     alive.silent = set()
+    alive.cuts = set()
 
     def fake_measure(cfg: ModelConfig, nodes: dict[str, str], calibration: Any) -> Sequence[NodeSpeed]:
         return [_speed(n, 0.5) for n in nodes]
@@ -51,6 +53,7 @@ def cluster(monkeypatch: pytest.MonkeyPatch) -> _Cluster:
     monkeypatch.setattr(
         fleet, "answering", lambda nodes, *_: {n for n in nodes if n in alive and n not in alive.silent}
     )
+    monkeypatch.setattr(fleet, "cuts_among", lambda nodes, *_: {c for c in alive.cuts if c <= set(nodes)})
     return alive
 
 
@@ -261,10 +264,16 @@ def test_a_re_split_never_goes_back_to_the_split_it_left(cluster: dict[str, str]
 
 
 class _Pinged:
-    """A stage handle whose ``ping`` answers, hangs (its host frozen) or fails (its actor died)."""
+    """A stage handle whose ``ping`` answers, hangs (its host frozen) or fails (its actor died); ``reach`` says it
+    cannot open a connection to the nodes named in ``cut_from``."""
 
-    def __init__(self, how: str) -> None:
+    def __init__(self, how: str, cut_from: Sequence[str] = ()) -> None:
         self.ping = SimpleNamespace(remote=lambda: self._answer(how))
+        self.reach = SimpleNamespace(remote=lambda targets: self._reach(targets, cut_from))
+
+    @staticmethod
+    async def _reach(targets: list[tuple[str, str, int]], cut_from: Sequence[str]) -> list[str]:
+        return [name for name, _, _ in targets if name in cut_from]
 
     @staticmethod
     async def _answer(how: str) -> int:
@@ -284,8 +293,9 @@ class _Pinged:
     ],
 )
 def test_a_pipeline_whose_stage_does_not_answer_a_ping_is_named_with_its_node(
-    stages: tuple[str, str], said: str | None
+    stages: tuple[str, str], said: str | None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    monkeypatch.setattr(fleet, "object_ports", lambda: {n: (f"ip-{n}", 8076) for n in "ab"})
     pipeline = _pipeline("a", "b")
     pipeline.stages = [_Pinged(how) for how in stages]
 
@@ -297,3 +307,43 @@ def test_a_pipeline_whose_stage_does_not_answer_a_ping_is_named_with_its_node(
 
     found, left = asyncio.run(ask())
     assert found == said and left == 0  # a ping that did not answer is not left waiting
+
+
+def test_stages_that_answer_but_whose_nodes_cannot_reach_each_other_are_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Both stages answer their pings, but b cannot open a connection to a's node (a firewall between two workers):
+    the pipeline is reported with the cut, by address; each stage was asked about the other's node only."""
+    asked: list[list[str]] = []
+    monkeypatch.setattr(fleet, "object_ports", lambda: {n: (f"ip-{n}", 8076) for n in "abc"})
+    pipeline = _pipeline("a", "b")
+    pipeline.stages = [_Pinged("answers"), _Pinged("answers", cut_from=("a",))]
+    for stage in pipeline.stages:
+        reach = stage.reach.remote
+        stage.reach = SimpleNamespace(
+            remote=lambda targets, reach=reach: asked.append([t[0] for t in targets]) or reach(targets)
+        )
+    found = asyncio.run(_fleet().unanswered(pipeline, 0.2))
+    assert found == "its stages' nodes cannot reach each other: ip-a <-> ip-b"
+    assert asked == [["b"], ["a"]]
+
+
+def test_a_cut_between_a_pipeline_s_living_nodes_re_splits_it_over_nodes_that_reach_each_other(
+    cluster: _Cluster,
+) -> None:
+    """a and b both live but cannot reach each other: the replacement is not the same plan (its ring would stall
+    again) but the faster of them with the free node c, which reaches it."""
+    cluster.update({n: f"ip-{n}" for n in "abc"})
+    cluster.cuts = {frozenset("ab")}
+    plan = asyncio.run(_fleet().replacement(_pipeline("a", "b"), []))
+    assert plan is not None and plan.node_ids == ("a", "c")
+    cluster.cuts = set()  # healed: the same plan again
+    plan = asyncio.run(_fleet().replacement(_pipeline("a", "b"), []))
+    assert plan is not None and plan.node_ids == ("a", "b")
+
+
+def test_growth_takes_in_no_node_cut_off_from_the_pipeline_it_would_join(cluster: _Cluster) -> None:
+    """A degraded pipeline over a; b and c free, b cut off from a: c joins it, b stays out (no replica of its
+    own: it is one node of two stages)."""
+    cluster.update({n: f"ip-{n}" for n in "abc"})
+    cluster.cuts = {frozenset("ab")}
+    changes = asyncio.run(_fleet().growth([_pipeline("a")]))
+    assert [(old.plan.node_ids if old else None, new.node_ids) for old, new in changes] == [(("a",), ("a", "c"))]
