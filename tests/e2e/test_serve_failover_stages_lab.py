@@ -170,3 +170,43 @@ def test_a_cut_between_two_workers_moves_the_service_onto_nodes_that_reach_each_
     if neighbours:
         assert "cannot reach each other" in failed[0] and IP2 in failed[0] and IP3 in failed[0], failed
     assert moved_s < RECOVERY_LIMIT_S
+
+
+def test_a_second_worker_lost_while_the_first_is_repaired_leaves_the_head_serving_alone(served: Served) -> None:
+    """lab-h3 is switched off under load; once the pool has failed its pipeline and while it repairs it (its
+    requests waiting for the replacement), lab-h2 is switched off too.  The repair must not build on the second
+    lost host: the head alone holds the model and serves.  No request fails, every answer is greedy; both hosts
+    back and `up`, the ring is three stages again."""
+    lab = served.lab
+    assert wait_until(lambda: _over(served, {IP1, IP2, IP3}), 120), served.status()["pipelines"]
+    with Load(served) as load:
+        assert wait_until(lambda: len(load.answers) >= 2 * CLIENTS, 300), load.errors
+        killed, killed_wall = time.monotonic(), time.time()
+        power_off(lab, DEAD)
+
+        def repairing() -> bool:
+            return any(e["event"] == "failed" and e["at"] >= killed_wall for e in served.status()["events"])
+
+        assert wait_until(repairing, RECOVERY_LIMIT_S, step=0.2), served.status()["events"]
+        power_off(lab, "lab-h2")
+        second = time.monotonic()
+        assert wait_until(lambda: _over(served, {IP1}), 2 * RECOVERY_LIMIT_S, step=0.5), served.status()["events"]
+        alone_s = time.monotonic() - second
+        fresh = PROMPTS[6]
+        assert asyncio.run(served.complete(fresh, stream=False)) == served.want(fresh)
+        before = len(load.answers)
+        assert wait_until(lambda: len(load.answers) >= before + 2 * CLIENTS, 300), load.errors
+
+        power_on(lab, DEAD)
+        power_on(lab, "lab-h2")
+        code, _, err = lab.cli("up", timeout=900)
+        assert code == 0, err[-3000:]
+        assert wait_until(lambda: _over(served, {IP1, IP2, IP3}), RETURN_LIMIT_S, step=1), served.status()["events"]
+        before = len(load.answers)
+        assert wait_until(lambda: len(load.answers) >= before + 2 * CLIENTS, 300), load.errors
+    events = [(e["event"], e.get("detail", "")[:120]) for e in served.status()["events"] if e["at"] >= killed_wall]
+    print(
+        f"\n[second failure] h2 lost {second - killed:.1f} s after h3, during the repair; the head alone serving"
+        f" {alone_s:.1f} s after; {len(load.answers)} answers, {len(load.errors)} errors; {events}"
+    )
+    assert load.errors == [] and load.wrong() == []
