@@ -19,12 +19,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import transformers
 
-from ..serve_checkpoint import write_chat_llama
 from .conftest import IP2, IP3, Lab
 from .faults import wait_until
-from .test_serve_failover_lab import CLIENTS, MODEL, PROMPTS, Load, Served, pipeline_ips
+from .test_serve_failover_lab import CLIENTS, PROMPTS, Load, Served, pipeline_ips, serve_tiny
 
 pytestmark = [pytest.mark.lab, pytest.mark.slow]
 
@@ -47,19 +45,8 @@ def served(lab_hosts: Lab, tmp_path_factory: pytest.TempPathFactory) -> Iterator
     two = _without_h3(lab_hosts, tmp_path_factory.mktemp("inv") / "two.yaml")
     code, _, err = lab_hosts.cli("up", inventory=two, timeout=1500)
     assert code == 0, err
-    path = write_chat_llama(tmp_path_factory.mktemp("drain") / MODEL)
-    args = ("serve", f"--model-path={path}", "--stages=1", "--max-seq=96", "--slots=8")
-    code, doc, err = lab_hosts.cli(*args, inventory=two, timeout=1200)
-    assert code == 0, err[-4000:]
-    assert doc["replicas"] == 2, doc
-    token = Path(doc["api_key_file"]).read_text().strip()
-    tokenizer = transformers.AutoTokenizer.from_pretrained(str(path))
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(path)).eval()
-    found = Served(lab_hosts, token, doc["url"], tokenizer, model)
-    for prompt in PROMPTS:
-        found.want(prompt)
     try:
-        yield found
+        yield serve_tiny(lab_hosts, tmp_path_factory.mktemp("drain"), stages=1, replicas=2, inventory=two)
     finally:
         lab_hosts.cli("serve", "--stop", timeout=300)
 

@@ -131,23 +131,29 @@ class Load:
         return [(p, got, self.served.want(p)) for p, got in self.answers if got != self.served.want(p)]
 
 
-@pytest.fixture(scope="module")
-def served(lab_hosts: Lab, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
-    code, doc, err = lab_hosts.cli("up", timeout=1500)
-    assert code == 0, err
-    path = write_chat_llama(tmp_path_factory.mktemp("failover") / MODEL)
-    args = ("serve", f"--model-path={path}", "--stages=1", "--max-seq=96", "--slots=8")
-    code, doc, err = lab_hosts.cli(*args, timeout=1200)
+def serve_tiny(lab: Lab, folder: Path, stages: int, replicas: int, inventory: str | None = None) -> Served:
+    """`serve` of the tiny chat checkpoint (written to ``folder``) with ``--stages``, checked to give ``replicas``:
+    the service as the lab tests' clients use it, each prompt's greedy answer worked out beforehand."""
+    path = write_chat_llama(folder / MODEL)
+    args = ("serve", f"--model-path={path}", f"--stages={stages}", "--max-seq=96", "--slots=8")
+    code, doc, err = lab.cli(*args, inventory=inventory, timeout=1200)
     assert code == 0, err[-4000:]
-    assert doc["replicas"] == 3, doc
+    assert doc["replicas"] == replicas, doc
     token = Path(doc["api_key_file"]).read_text().strip()  # the service's own key (never the cluster's token)
     tokenizer = transformers.AutoTokenizer.from_pretrained(str(path))
     model = transformers.AutoModelForCausalLM.from_pretrained(str(path)).eval()
-    found = Served(lab_hosts, token, doc["url"], tokenizer, model)
+    found = Served(lab, token, doc["url"], tokenizer, model)
     for prompt in PROMPTS:
         found.want(prompt)
+    return found
+
+
+@pytest.fixture(scope="module")
+def served(lab_hosts: Lab, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    code, _, err = lab_hosts.cli("up", timeout=1500)
+    assert code == 0, err
     try:
-        yield found
+        yield serve_tiny(lab_hosts, tmp_path_factory.mktemp("failover"), stages=1, replicas=3)
     finally:
         lab_hosts.cli("serve", "--stop", timeout=300)
 

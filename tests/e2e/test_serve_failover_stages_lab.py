@@ -15,19 +15,15 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
-import transformers
 
-from ..serve_checkpoint import write_chat_llama
 from .conftest import IP1, IP2, IP3, Lab
 from .faults import power_off, power_on, wait_until
 from .test_serve_failover_lab import (
     CLIENTS,
     DEAD,
-    MODEL,
     PROMPTS,
     RAY_CONTAINER,
     RECOVERY_LIMIT_S,
@@ -35,6 +31,7 @@ from .test_serve_failover_lab import (
     Load,
     Served,
     pipeline_ips,
+    serve_tiny,
 )
 
 pytestmark = [pytest.mark.lab, pytest.mark.slow]
@@ -44,19 +41,8 @@ pytestmark = [pytest.mark.lab, pytest.mark.slow]
 def served(lab_hosts: Lab, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     code, _, err = lab_hosts.cli("up", timeout=1500)
     assert code == 0, err
-    path = write_chat_llama(tmp_path_factory.mktemp("stages") / MODEL)
-    args = ("serve", f"--model-path={path}", "--stages=3", "--max-seq=96", "--slots=8")
-    code, doc, err = lab_hosts.cli(*args, timeout=1200)
-    assert code == 0, err[-4000:]
-    assert doc["replicas"] == 1, doc
-    token = Path(doc["api_key_file"]).read_text().strip()
-    tokenizer = transformers.AutoTokenizer.from_pretrained(str(path))
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(path)).eval()
-    found = Served(lab_hosts, token, doc["url"], tokenizer, model)
-    for prompt in PROMPTS:
-        found.want(prompt)
     try:
-        yield found
+        yield serve_tiny(lab_hosts, tmp_path_factory.mktemp("stages"), stages=3, replicas=1)
     finally:
         lab_hosts.cli("serve", "--stop", timeout=300)
 
