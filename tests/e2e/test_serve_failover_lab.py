@@ -4,8 +4,9 @@ Three one-stage replicas (one per host).  A worker's lab host is killed (`docker
 Ray processes, its network namespace and its address vanish at once, with no FIN or RST, as when a machine loses
 power) while streamed greedy completions run through the real `openai` client.  Every answer must equal
 `transformers`' own `generate()` (a stream that moved continues where it was: no token lost or repeated), no request
-fails, and within 60 s of the kill `/raycluster/status` shows the service at full capacity without the dead node
-(its pipeline gone, the two others live) and a fresh request is answered.  Then the host boots again, its engine
+fails, and within 20 s of the kill `/raycluster/status` shows the service at full capacity without the dead node
+(its pipeline gone, the two others live; the issue's 60 s would pass a service that waited for the 30 s stall
+deadline) and a fresh request is answered.  Then the host boots again, its engine
 restarts its Ray container (its restart policy; `raycluster up` finds it running, or starts it), and the service
 takes the returned node in as a new replica by itself.
 """
@@ -45,6 +46,10 @@ RECOVERY_LIMIT_S = 60.0  # the issue's target: capacity without the dead node ba
 # A frozen machine's pipeline is failed once its stages do not answer a ping (serve.pool's liveness look: steps
 # overdue 2 s, a ping unanswered 5 s), well before the 30 s stall deadline that alone caught it before
 FROZEN_LIMIT_S = 20.0
+# A machine switched off is found the same way (its replica's steps overdue, its stage's ping unanswered): the other
+# replicas serve alone well within this (8.3 s on the lab), where 60 s would pass a service that waited for the
+# 30 s stall deadline
+SWITCHED_OFF_LIMIT_S = 20.0
 RAY_CONTAINER = "$(docker ps -q --filter label=io.raycluster.cluster=lab)"  # on a lab host, its Ray node
 RETURN_LIMIT_S = 150.0  # the pool looks for free nodes every 30 s, then measures the node and builds on it
 ROUNDS = int(os.environ.get("RAYCLUSTER_FAILOVER_ROUNDS", "1"))  # machine lost and back, again and again
@@ -182,7 +187,7 @@ def _lose(served: Served) -> dict[str, float]:
             ips = [s["node_ip"] for p in status["pipelines"] for s in p["stages"]]
             return status["replicas"] == 2 and IP3 not in ips
 
-        out_s = _seconds_until(without_the_dead_node, RECOVERY_LIMIT_S, "the dead pipeline out", killed)
+        out_s = _seconds_until(without_the_dead_node, SWITCHED_OFF_LIMIT_S, "the dead pipeline out", killed)
         fresh = PROMPTS[5]
         assert asyncio.run(served.complete(fresh, stream=False)) == served.want(fresh)
         recovered_s = time.monotonic() - killed
@@ -204,7 +209,7 @@ def _lose(served: Served) -> dict[str, float]:
     assert load.errors == []
     assert load.wrong() == []
     assert any(e["event"] == "failover" for e in events)  # requests really were on the lost node and moved
-    assert failed and recovered_s < RECOVERY_LIMIT_S
+    assert failed and recovered_s < SWITCHED_OFF_LIMIT_S + 5  # and a fresh request answered by the others
     # nothing is rebuilt on the dead node (the GCS lists it for a while yet): it has no survivor to re-split
     assert [e["event"] for e in events if "replace" in e["event"]] == ["not replaced"], events
     assert sorted(pipeline_ips(status)) == sorted([[IP1], [served.lab.host("lab-h2").address]])
