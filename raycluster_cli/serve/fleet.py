@@ -402,8 +402,12 @@ class RayFleet:
         heard = await asyncio.wait_for(asyncio.to_thread(answering, list(unused)), NODE_ANSWER_TIMEOUT_S + 10)
         found = await self._speeds({n: ip for n, ip in unused.items() if n in heard})
         free = sorted(found.values(), key=lambda s: sum(s.unit_costs))  # fastest first
-        # a node that cannot reach another (a cut between two workers) joins no pipeline with it
-        cuts = await self._cuts([*used, *(s.node_id for s in free)]) if free else set()
+        # a node that cannot reach another (a cut between two workers) joins no pipeline with it; asked only when a
+        # free node could join one (a degraded pipeline, enough for a new replica): not at every look of a fleet
+        # that keeps a spare node
+        degraded = any(p.state == "live" and len(p.plan.node_ids) < self.stages for p in pipelines)
+        could = free and (degraded or len(free) >= self.stages or not pipelines)
+        cuts = await self._cuts([*used, *(s.node_id for s in free)]) if could else set()
         changes: list[tuple[Pipeline | None, PipelinePlan]] = []
         for pipeline in pipelines:
             want = self.stages - len(pipeline.plan.node_ids)
