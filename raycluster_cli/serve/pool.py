@@ -219,7 +219,7 @@ class Pool:
         released = 0
         for attempt in range(MAX_FAILOVERS + 1):
             pipeline = self.choose() if attempt == 0 else await self._wait_live()
-            if pipeline is None and self.rebuilding:  # none live, one on its way back: wait for it, not 503
+            if pipeline is None and self._coming_back():  # none live, one on its way back: wait for it, not 503
                 pipeline = await self._wait_live()
             if pipeline is None:
                 raise EngineDown("no pipeline is serving" + (" (failover waited)" if attempt else ""))
@@ -250,6 +250,11 @@ class Pool:
             finally:
                 await outputs.aclose()
         raise EngineDown(f"the request failed on {MAX_FAILOVERS + 1} pipelines")
+
+    def _coming_back(self) -> bool:
+        """A pipeline is on its way back: a re-plan is under way, or a live one failed that the watch has not taken
+        out yet (its next look, within ``watch_s``, starts its replacement)."""
+        return bool(self.rebuilding) or any(p.state == "live" and p.engine.failure is not None for p in self.pipelines)
 
     async def _wait_live(self) -> Pipeline | None:
         deadline = time.monotonic() + self.failover_wait_s
