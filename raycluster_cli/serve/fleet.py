@@ -15,7 +15,7 @@ import asyncio
 import contextlib
 import json
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -124,21 +124,7 @@ def cuts_among(node_ids: Sequence[str], timeout_s: float = NODE_ANSWER_TIMEOUT_S
     if len(nodes) < 2:
         return set()
     targets = _targets(nodes, object_ports())
-    refs = {
-        node: _unreachable.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node, soft=False)).remote(
-            [t for t in targets if t[0] != node]
-        )
-        for node in nodes
-    }
-    ready, late = ray.wait(list(refs.values()), num_returns=len(refs), timeout=timeout_s)
-    for ref in late:
-        with contextlib.suppress(Exception):
-            ray.cancel(ref, force=True)
-    reports: dict[str, list[str]] = {}
-    for node, ref in refs.items():
-        with contextlib.suppress(Exception):
-            if ref in ready:
-                reports[node] = list(ray.get(ref, timeout=1))
+    reports = on_each(nodes, _unreachable, lambda node: ([t for t in targets if t[0] != node],), timeout_s)
     return cut_pairs(reports)
 
 
@@ -160,24 +146,35 @@ async def cut_between(pipeline: Pipeline) -> str | None:
     return f"its stages' nodes cannot reach each other: {describe(cuts, names)}"
 
 
-def answering(node_ids: Sequence[str], timeout_s: float = NODE_ANSWER_TIMEOUT_S) -> set[str]:
-    """The nodes among ``node_ids`` that ran a trivial task pinned to them within ``timeout_s``."""
-    if not node_ids:
-        return set()
+def on_each(
+    nodes: Sequence[str], task: Any, args: Callable[[str], tuple[Any, ...]], timeout_s: float
+) -> dict[str, Any]:
+    """``task`` run pinned to each of ``nodes`` (``args(node)`` its arguments), all at once: node -> its result, for
+    the nodes whose task answered within ``timeout_s`` (the late ones cancelled, a failed one left out)."""
     refs = {
-        node: _node_id.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node, soft=False)).remote()
-        for node in node_ids
+        node: task.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node, soft=False)).remote(
+            *args(node)
+        )
+        for node in nodes
     }
+    if not refs:
+        return {}
     ready, late = ray.wait(list(refs.values()), num_returns=len(refs), timeout=timeout_s)
     for ref in late:
         with contextlib.suppress(Exception):
             ray.cancel(ref, force=True)
-    found = set()
+    results: dict[str, Any] = {}
     for node, ref in refs.items():
         with contextlib.suppress(Exception):
-            if ref in ready and ray.get(ref, timeout=1) == node:
-                found.add(node)
-    return found
+            if ref in ready:
+                results[node] = ray.get(ref, timeout=1)
+    return results
+
+
+def answering(node_ids: Sequence[str], timeout_s: float = NODE_ANSWER_TIMEOUT_S) -> set[str]:
+    """The nodes among ``node_ids`` that ran a trivial task pinned to them within ``timeout_s``."""
+    ran = on_each(node_ids, _node_id, lambda node: (), timeout_s)
+    return {node for node, answer in ran.items() if answer == node}
 
 
 def measure(cfg: ModelConfig, nodes: dict[str, str], calibration: Calibration) -> list[NodeSpeed]:
@@ -342,14 +339,14 @@ class RayFleet:
         if pinned:  # a node that died moments ago is still listed: only the ones that answer count
             heard = await asyncio.wait_for(asyncio.to_thread(answering, pinned), NODE_ANSWER_TIMEOUT_S + 10)
             alive = {n: ip for n, ip in alive.items() if n in heard or n not in mine}
-        cuts = await self._cuts([n for n in mine if n in alive])
-        if all(not n or n in alive for n in mine) and not cuts:
-            return dead.plan
         used = {n for p in others for n in p.plan.node_ids}
+        unused = {n: ip for n, ip in alive.items() if n not in used and n not in mine}
+        # one look at who reaches whom, over the survivors and the free nodes they could take
+        cuts = await self._cuts([*(n for n in mine if n in alive), *unused])
+        if all(not n or n in alive for n in mine) and not any(pair <= set(mine) for pair in cuts):
+            return dead.plan
         survivors = await self._speeds({n: alive[n] for n in mine if n in alive})
-        free = await self._speeds({n: ip for n, ip in alive.items() if n not in used and n not in mine})
-        if free:  # a free node must reach the survivors it would join
-            cuts |= await self._cuts([*survivors, *free])
+        free = await self._speeds(unused)
         if cuts:  # two of the nodes cannot reach each other: only a set of nodes that all can is planned over
             order = [s.node_id for s in sorted(survivors.values(), key=lambda s: sum(s.unit_costs))]
             order += [s.node_id for s in sorted(free.values(), key=lambda s: sum(s.unit_costs))]
