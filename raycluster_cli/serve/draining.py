@@ -187,11 +187,12 @@ async def restore(pool: Pool, plans: Sequence[PipelinePlan]) -> list[PipelinePla
     if not pool.drained:
         return list(plans)
     pool.backend.exclude(set(pool.drained))
-    kept = [p for p in plans if not uses_any(p, set(pool.drained))]
+    kept = []
     for plan in plans:
-        if plan not in kept:
-            where = ", ".join(uses_any(plan, set(pool.drained)))
-            pool._note("kept out", None, f"a planned pipeline over drained node(s) {where} not built")
+        if on := uses_any(plan, set(pool.drained)):
+            pool._note("kept out", None, f"a planned pipeline over drained node(s) {', '.join(on)} not built")
+        else:
+            kept.append(plan)
     if not kept:
         kept = [plan for _, plan in await pool.backend.growth([])]
     return kept
